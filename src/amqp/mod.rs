@@ -1,0 +1,6 @@
+//! AMQP 0-9-1 wire helpers shared by the embedded server and the proxy: the frame codec,
+//! content (header + body) assembly and generation, and the reply codes.
+
+pub mod codec;
+pub mod content;
+pub mod reply;
