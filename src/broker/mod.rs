@@ -1,8 +1,232 @@
 //! The embedded broker core: vhosts, exchanges and routing, queues, consumers, users and
 //! permissions. Plain data structures driven by the connection tasks in [`crate::server`].
+//!
+//! All broker state sits behind one mutex ([`Broker::state`]); a connection task parses a
+//! method, takes the lock, runs the operation and releases it. Deliveries are written into the
+//! consumer connection's [`outbox::Outbox`] under the lock, so publish → route → enqueue →
+//! deliver happens in one step with no hand-off. Messages that die (rejected, expired, over a
+//! length or delivery limit) are collected as [`queue::Death`]s and handed to
+//! [`dead_letters`], which rewrites and re-routes them.
 
 pub mod args;
 pub mod auth;
+pub mod dead_letters;
+pub mod delivery;
 pub mod message;
+pub mod ops;
+pub mod outbox;
 pub mod queue;
 pub mod routing;
+pub mod vhost;
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::Notify;
+
+use crate::deadletter::DeadLetterOptions;
+use crate::metrics::Metrics;
+use crate::policy::PolicySet;
+use message::QueuedMessage;
+use outbox::Outbox;
+use vhost::VHost;
+
+/// Settings the broker takes from the configuration.
+#[derive(Clone, Debug)]
+pub struct BrokerOptions {
+    pub dead_letter: DeadLetterOptions,
+    pub default_delivery_limit: Option<u64>,
+    pub max_queues: usize,
+}
+
+/// A delivery waiting for ack/reject on a channel.
+#[derive(Debug)]
+pub struct Unacked {
+    pub queue: String,
+    pub queue_id: u64,
+    pub entry: QueuedMessage,
+    pub consumer_tag: Option<String>,
+}
+
+/// Delivery state of one open channel.
+#[derive(Debug)]
+pub struct ChannelState {
+    pub vhost: String,
+    pub next_tag: u64,
+    pub unacked: BTreeMap<u64, Unacked>,
+    /// basic.qos(global=false): prefetch of consumers created from now on.
+    pub consumer_prefetch: u16,
+    /// basic.qos(global=true): limit shared by the channel's consumers.
+    pub channel_prefetch: u16,
+    /// Consumer tag → queue name.
+    pub consumers: HashMap<String, String>,
+    /// channel.flow from the client.
+    pub active: bool,
+}
+
+/// A connection as the broker sees it.
+#[derive(Debug)]
+pub struct ConnectionState {
+    pub outbox: Arc<Outbox>,
+    pub frame_max: usize,
+    pub user: String,
+    pub vhost: String,
+}
+
+/// Timer entry: a queue whose head expires (or that may expire itself) at a deadline.
+type TimerEntry = Reverse<(u64, String, String, u64)>;
+
+/// Everything under the broker lock.
+pub struct State {
+    pub vhosts: HashMap<String, VHost>,
+    pub connections: HashMap<u64, ConnectionState>,
+    pub channels: HashMap<(u64, u16), ChannelState>,
+    pub policies: PolicySet,
+    pub options: BrokerOptions,
+    timers: BinaryHeap<TimerEntry>,
+    next_id: u64,
+    /// (vhost, queue, cause) → last time a drop was logged (rate limit: once a minute).
+    drop_log: HashMap<(String, String, &'static str), u64>,
+}
+
+/// The embedded broker.
+pub struct Broker {
+    state: Mutex<State>,
+    epoch: Instant,
+    epoch_wall_ms: u64,
+    timer_wake: Notify,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Broker {
+    pub fn new(
+        vhosts: &[String],
+        policies: PolicySet,
+        options: BrokerOptions,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Broker> {
+        let vhosts = vhosts
+            .iter()
+            .map(|v| (v.clone(), VHost::new(v)))
+            .collect();
+        let epoch_wall_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        Arc::new(Broker {
+            state: Mutex::new(State {
+                vhosts,
+                connections: HashMap::new(),
+                channels: HashMap::new(),
+                policies,
+                options,
+                timers: BinaryHeap::new(),
+                next_id: 1,
+                drop_log: HashMap::new(),
+            }),
+            epoch: Instant::now(),
+            epoch_wall_ms,
+            timer_wake: Notify::new(),
+            metrics,
+        })
+    }
+
+    /// Takes the broker lock. A panic while holding it cannot leave a half-updated queue
+    /// (operations are written to finish or not start), so a poisoned lock is recovered.
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        match self.state.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
+    /// Broker milliseconds (monotonic).
+    pub fn now(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Wall-clock seconds for x-death `time`.
+    pub fn wall_secs(&self, now: u64) -> u64 {
+        (self.epoch_wall_ms + now) / 1000
+    }
+
+    /// Runs queue timers (message expiry, queue expiry) due at `now`; returns the next
+    /// deadline.
+    pub fn run_timers(&self) -> Option<u64> {
+        let now = self.now();
+        let mut st = self.lock();
+        let mut due = Vec::new();
+        while let Some(Reverse((at, _, _, _))) = st.timers.peek() {
+            if *at > now {
+                break;
+            }
+            if let Some(Reverse((_, vhost, queue, id))) = st.timers.pop() {
+                due.push((vhost, queue, id));
+            }
+        }
+        for (vhost, queue, id) in due {
+            ops::on_timer(self, &mut st, &vhost, &queue, id, now);
+        }
+        st.timers.peek().map(|Reverse((at, _, _, _))| *at)
+    }
+
+    /// Background task: wakes for the earliest queue deadline (one timer for the whole
+    /// broker, never one per message).
+    pub async fn timer_loop(self: Arc<Self>, mut shutdown: crate::shutdown::Shutdown) {
+        loop {
+            let next = self.run_timers();
+            let sleep = match next {
+                Some(at) => {
+                    let now = self.now();
+                    std::time::Duration::from_millis(at.saturating_sub(now).max(1))
+                }
+                None => std::time::Duration::from_secs(3600),
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(sleep) => {}
+                _ = self.timer_wake.notified() => {}
+                _ = shutdown.recv() => return,
+            }
+        }
+    }
+
+    fn wake_timers(&self) {
+        self.timer_wake.notify_one();
+    }
+}
+
+impl State {
+    pub fn next_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    /// Registers a deadline for a queue; returns true if it is the new earliest one.
+    pub fn schedule(&mut self, at: u64, vhost: &str, queue: &str, id: u64) -> bool {
+        let earliest = self
+            .timers
+            .peek()
+            .is_none_or(|Reverse((first, _, _, _))| at < *first);
+        self.timers
+            .push(Reverse((at, vhost.to_string(), queue.to_string(), id)));
+        earliest
+    }
+
+    /// True when a drop for (vhost, queue, cause) should be logged (once a minute).
+    pub fn should_log_drop(&mut self, vhost: &str, queue: &str, cause: &'static str, now: u64) -> bool {
+        let key = (vhost.to_string(), queue.to_string(), cause);
+        match self.drop_log.get(&key) {
+            Some(last) if now.saturating_sub(*last) < 60_000 => false,
+            _ => {
+                if self.drop_log.len() > 10_000 {
+                    self.drop_log.clear();
+                }
+                self.drop_log.insert(key, now);
+                true
+            }
+        }
+    }
+}

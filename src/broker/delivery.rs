@@ -1,0 +1,101 @@
+//! Frames the broker writes for deliveries: basic.deliver / basic.get-ok with their content,
+//! and the `x-delivery-count` header added to redeliveries from queues with a delivery limit.
+
+use amq_protocol::protocol::{AMQPClass, basic};
+use amq_protocol::types::{AMQPValue, FieldTable, ShortString};
+use bytes::{Bytes, BytesMut};
+
+use super::message::QueuedMessage;
+use crate::amqp::codec::put_method;
+use crate::amqp::content::{decode_properties, encode_properties, put_content};
+
+/// A short string from a name the broker already validated (cut at 255 bytes, never panics).
+pub fn short(s: &str) -> ShortString {
+    let cut = crate::amqp::reply::truncate_str(s, 255);
+    ShortString::try_new(cut).unwrap_or_default()
+}
+
+/// Properties to deliver: the stored bytes, or with `x-delivery-count` set when the queue
+/// counts deliveries.
+pub fn delivery_properties(entry: &QueuedMessage, with_count: bool) -> Bytes {
+    let raw = &entry.message.raw_properties;
+    if !with_count {
+        return raw.clone();
+    }
+    match decode_properties(raw) {
+        Ok(props) => {
+            let mut headers = props.headers().clone().unwrap_or_default();
+            headers.insert(
+                short("x-delivery-count"),
+                AMQPValue::LongLongInt(entry.delivery_count as i64),
+            );
+            encode_properties(&props.with_headers(headers))
+        }
+        Err(_) => raw.clone(),
+    }
+}
+
+/// Writes basic.deliver and the content.
+pub fn write_deliver(
+    out: &mut BytesMut,
+    channel: u16,
+    consumer_tag: &str,
+    delivery_tag: u64,
+    entry: &QueuedMessage,
+    properties: &[u8],
+    frame_max: usize,
+) {
+    put_method(
+        out,
+        channel,
+        AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+            consumer_tag: short(consumer_tag),
+            delivery_tag,
+            redelivered: entry.redelivered,
+            exchange: short(&entry.message.exchange),
+            routing_key: short(entry.message.routing_key()),
+        })),
+    );
+    put_content(out, channel, properties, &entry.message.body, frame_max);
+}
+
+/// Writes basic.get-ok and the content.
+pub fn write_get_ok(
+    out: &mut BytesMut,
+    channel: u16,
+    delivery_tag: u64,
+    entry: &QueuedMessage,
+    properties: &[u8],
+    message_count: u32,
+    frame_max: usize,
+) {
+    put_method(
+        out,
+        channel,
+        AMQPClass::Basic(basic::AMQPMethod::GetOk(basic::GetOk {
+            delivery_tag,
+            redelivered: entry.redelivered,
+            exchange: short(&entry.message.exchange),
+            routing_key: short(entry.message.routing_key()),
+            message_count,
+        })),
+    );
+    put_content(out, channel, properties, &entry.message.body, frame_max);
+}
+
+/// Reads the CC or BCC header as a list of routing keys (longstr array entries only, as
+/// RabbitMQ does).
+pub fn header_keys(headers: &FieldTable, name: &str) -> Vec<String> {
+    match headers.inner().get(name) {
+        Some(AMQPValue::FieldArray(arr)) => arr
+            .as_slice()
+            .iter()
+            .filter_map(|v| match v {
+                AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+                AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
