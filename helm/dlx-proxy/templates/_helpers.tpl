@@ -322,7 +322,8 @@ startupProbe:
 {{- define "dlx-proxy.containerCommon" -}}
 image: {{ include "dlx-proxy.image" . | quote }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
-args:
+command:
+  - dlx-proxy
   - run
   - --config
   - {{ printf "%s/config.toml" .Values.configMountPath | quote }}
