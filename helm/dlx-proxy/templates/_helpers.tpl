@@ -142,12 +142,12 @@ so the binary's default applies. Argument: (list "name" $map).
 {{/* The whole config.toml rendered from .Values.config plus the tls/upstreamTls switches. */}}
 {{- define "dlx-proxy.configToml" -}}
 {{- $config := .Values.config }}
-{{- $listen := deepCopy ($config.listen | default dict) }}
+{{- $listen := deepCopy (get $config "listen" | default dict) }}
 {{- $amqps := include "dlx-proxy.amqpsListen" . }}
 {{- if $amqps }}
 {{- $_ := set $listen "amqps" $amqps }}
 {{- end }}
-{{- $tls := deepCopy ($config.tls | default dict) }}
+{{- $tls := deepCopy (get $config "tls" | default dict) }}
 {{- if .Values.tls.enabled }}
 {{- $_ := set $tls "cert_file" (printf "%s/tls.crt" .Values.tls.mountPath) }}
 {{- $_ := set $tls "key_file" (printf "%s/tls.key" .Values.tls.mountPath) }}
@@ -156,17 +156,17 @@ so the binary's default applies. Argument: (list "name" $map).
 {{- $_ := set $tls "require_client_cert" .Values.tls.requireClientCert }}
 {{- end }}
 {{- end }}
-{{- $upstream := deepCopy ($config.upstream | default dict) }}
+{{- $upstream := deepCopy (get $config "upstream" | default dict) }}
 {{- if .Values.upstreamTls.caSecretName }}
 {{- $_ := set $upstream "tls_ca_file" (printf "%s/%s" .Values.upstreamTls.mountPath .Values.upstreamTls.caKey) }}
 {{- end -}}
 # config.toml for dlx-proxy, rendered by the dlx-proxy Helm chart.
 # Edit the chart values (config.*) rather than this file.
-mode = {{ include "dlx-proxy.tomlValue" ($config.mode | default "embedded") }}
-{{- if kindIs "slice" $config.vhosts }}
-vhosts = {{ include "dlx-proxy.tomlValue" $config.vhosts }}
+mode = {{ include "dlx-proxy.tomlValue" (get $config "mode" | default "embedded") }}
+{{- if kindIs "slice" (get $config "vhosts") }}
+vhosts = {{ include "dlx-proxy.tomlValue" (get $config "vhosts") }}
 {{- end }}
-{{- if and (kindIs "slice" $config.users) (not $config.users) }}
+{{- if and (kindIs "slice" (get $config "users")) (not (get $config "users")) }}
 users = []
 {{- end }}
 
@@ -187,7 +187,7 @@ users = []
 {{ include "dlx-proxy.tomlTable" (list $section (get $config $section)) }}
 {{- end }}
 {{- end }}
-{{- range $user := $config.users | default list }}
+{{- range $user := get $config "users" | default list }}
 
 [[users]]
 {{- range $key := keys $user | sortAlpha }}
@@ -196,7 +196,7 @@ users = []
 {{ $key }} = {{ include "dlx-proxy.tomlValue" $value }}
 {{- end }}
 {{- end }}
-{{- range $permission := $user.permissions | default list }}
+{{- range $permission := get $user "permissions" | default list }}
 
 [[users.permissions]]
 {{- range $key := keys $permission | sortAlpha }}
@@ -207,7 +207,7 @@ users = []
 {{- end }}
 {{- end }}
 {{- end }}
-{{- range $policy := $config.policies | default list }}
+{{- range $policy := get $config "policies" | default list }}
 
 [[policies]]
 {{- range $key := keys $policy | sortAlpha }}
@@ -216,7 +216,7 @@ users = []
 {{ $key }} = {{ include "dlx-proxy.tomlValue" $value }}
 {{- end }}
 {{- end }}
-{{- $definition := $policy.definition | default dict }}
+{{- $definition := get $policy "definition" | default dict }}
 {{- $entries := list }}
 {{- range $key := keys $definition | sortAlpha }}
 {{- $value := get $definition $key }}
