@@ -28,8 +28,14 @@ trap 'rm -rf "$WORK"' EXIT
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 PY=python3
 
-step() { printf '\n== %s\n' "$*"; }
-fail() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
+# Check groups started and finished; a failing group stops the script.
+STARTED=0
+step() { STARTED=$((STARTED + 1)); printf '\n== %s\n' "$*"; }
+fail() {
+    printf 'FAIL: %s\n' "$*" >&2
+    printf 'lint-deploy: %d passed, 1 failed\n' "$((STARTED > 0 ? STARTED - 1 : 0))"
+    exit 1
+}
 
 step "python tools"
 "$PY" - <<'EOF' || fail "python3 >= 3.11 is needed (tomllib)"
@@ -176,8 +182,9 @@ yamllint -c .yamllint --strict "$CHART/Chart.yaml" "$CHART/values.yaml" "$EXAMPL
     || fail "yamllint"
 
 step "kubernetes-validate: $EXAMPLES"
-validate_manifests "$EXAMPLES"/*.yaml
-echo "ok: $(ls "$EXAMPLES"/*.yaml | wc -l) example files"
+example_files=("$EXAMPLES"/*.yaml)
+validate_manifests "${example_files[@]}"
+echo "ok: ${#example_files[@]} example files"
 
 step "image default config"
 check_files deploy/docker/config.toml
@@ -372,4 +379,4 @@ if [ -n "$renderer" ]; then
     echo "ok: rendered with $renderer: ${value_files[*]}"
 fi
 
-printf '\nlint-deploy: all checks passed\n'
+printf '\nlint-deploy: %d passed, 0 failed\n' "$STARTED"
