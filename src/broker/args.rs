@@ -8,7 +8,11 @@ pub enum Overflow {
 }
 use amq_protocol::types::FieldTable;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum QueueType { #[default] Classic, Quorum }
+pub enum QueueType {
+    #[default]
+    Classic,
+    Quorum,
+}
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct QueueArguments {
     pub queue_type: QueueType,
@@ -22,8 +26,24 @@ pub struct QueueArguments {
     pub delivery_limit: Option<u64>,
 }
 #[derive(Debug)]
-pub struct ArgumentError { pub argument: String, pub detail: String }
-impl ArgumentError { pub fn reply_text(&self, q: &str, v: &str) -> String { format!("PRECONDITION_FAILED - invalid arg '{}' for queue '{q}' in vhost '{v}': {}", self.argument, self.detail) } }
-pub fn parse_queue_arguments(_args: &FieldTable) -> Result<QueueArguments, ArgumentError> { Ok(QueueArguments::default()) }
-pub fn parse_expiration(e: &str) -> Result<u64, String> { e.parse().map_err(|_| e.to_string()) }
-pub fn check_equivalent(_a: &FieldTable, _b: &FieldTable) -> Result<(), String> { Ok(()) }
+pub struct ArgumentError {
+    pub argument: String,
+    pub detail: String,
+}
+impl ArgumentError {
+    pub fn reply_text(&self, q: &str, v: &str) -> String {
+        format!(
+            "PRECONDITION_FAILED - invalid arg '{}' for queue '{q}' in vhost '{v}': {}",
+            self.argument, self.detail
+        )
+    }
+}
+pub fn parse_queue_arguments(_args: &FieldTable) -> Result<QueueArguments, ArgumentError> {
+    Ok(QueueArguments::default())
+}
+pub fn parse_expiration(e: &str) -> Result<u64, String> {
+    e.parse().map_err(|_| e.to_string())
+}
+pub fn check_equivalent(_a: &FieldTable, _b: &FieldTable) -> Result<(), String> {
+    Ok(())
+}

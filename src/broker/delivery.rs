@@ -91,7 +91,9 @@ pub fn header_keys(headers: &FieldTable, name: &str) -> Vec<String> {
             .as_slice()
             .iter()
             .filter_map(|v| match v {
-                AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+                AMQPValue::LongString(s) => {
+                    Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+                }
                 AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
                 _ => None,
             })

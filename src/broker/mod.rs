@@ -107,10 +107,7 @@ impl Broker {
         options: BrokerOptions,
         metrics: Arc<Metrics>,
     ) -> Arc<Broker> {
-        let vhosts = vhosts
-            .iter()
-            .map(|v| (v.clone(), VHost::new(v)))
-            .collect();
+        let vhosts = vhosts.iter().map(|v| (v.clone(), VHost::new(v))).collect();
         let epoch_wall_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
@@ -216,7 +213,13 @@ impl State {
     }
 
     /// True when a drop for (vhost, queue, cause) should be logged (once a minute).
-    pub fn should_log_drop(&mut self, vhost: &str, queue: &str, cause: &'static str, now: u64) -> bool {
+    pub fn should_log_drop(
+        &mut self,
+        vhost: &str,
+        queue: &str,
+        cause: &'static str,
+        now: u64,
+    ) -> bool {
         let key = (vhost.to_string(), queue.to_string(), cause);
         match self.drop_log.get(&key) {
             Some(last) if now.saturating_sub(*last) < 60_000 => false,

@@ -341,7 +341,11 @@ impl Broker {
 
     // ---------------------------------------------------------------- exchanges
 
-    pub fn exchange_declare(&self, vhost: &str, req: &ExchangeDeclare<'_>) -> Result<(), AmqpError> {
+    pub fn exchange_declare(
+        &self,
+        vhost: &str,
+        req: &ExchangeDeclare<'_>,
+    ) -> Result<(), AmqpError> {
         let mut st = self.lock();
         let v = st.vhosts.get_mut(vhost).ok_or_else(|| no_vhost(vhost))?;
         if req.name.is_empty() {
@@ -356,10 +360,7 @@ impl Broker {
             };
         }
         let kind: ExchangeKind = req.kind.parse().map_err(|_| {
-            AmqpError::command_invalid(format!(
-                "invalid exchange type '{}'",
-                req.kind
-            ))
+            AmqpError::command_invalid(format!("invalid exchange type '{}'", req.kind))
         })?;
         if req.name.starts_with("amq.") {
             return Err(AmqpError::access_refused(format!(
@@ -369,7 +370,11 @@ impl Broker {
         }
         if let Some(x) = v.exchanges.get(req.name) {
             let mismatch = if x.kind != kind {
-                Some(("type", kind.as_str().to_string(), x.kind.as_str().to_string()))
+                Some((
+                    "type",
+                    kind.as_str().to_string(),
+                    x.kind.as_str().to_string(),
+                ))
             } else if x.durable != req.durable {
                 Some(("durable", req.durable.to_string(), x.durable.to_string()))
             } else if x.auto_delete != req.auto_delete {
@@ -405,7 +410,12 @@ impl Broker {
         Ok(())
     }
 
-    pub fn exchange_delete(&self, vhost: &str, name: &str, if_unused: bool) -> Result<(), AmqpError> {
+    pub fn exchange_delete(
+        &self,
+        vhost: &str,
+        name: &str,
+        if_unused: bool,
+    ) -> Result<(), AmqpError> {
         let mut st = self.lock();
         let v = st.vhosts.get_mut(vhost).ok_or_else(|| no_vhost(vhost))?;
         if name.is_empty() {
@@ -478,8 +488,7 @@ impl Broker {
             .get_mut(source)
             .ok_or_else(|| no_exchange(source, vhost))?;
         if x.kind == ExchangeKind::Headers {
-            super::routing::validate_headers_binding(arguments)
-                .map_err(AmqpError::precondition)?;
+            super::routing::validate_headers_binding(arguments).map_err(AmqpError::precondition)?;
         }
         x.bindings.add(Binding {
             destination,
@@ -584,8 +593,12 @@ impl Broker {
                 "queue name '{name}' contains reserved prefix 'amq.*'"
             )));
         }
-        let parsed = args::parse_queue_arguments(req.arguments)
-            .map_err(|e| AmqpError::precondition(e.reply_text(&name, vhost).trim_start_matches("PRECONDITION_FAILED - ")))?;
+        let parsed = args::parse_queue_arguments(req.arguments).map_err(|e| {
+            AmqpError::precondition(
+                e.reply_text(&name, vhost)
+                    .trim_start_matches("PRECONDITION_FAILED - "),
+            )
+        })?;
         if parsed.queue_type == QueueType::Quorum {
             let bad = if !req.durable {
                 Some("non-durable")
@@ -655,7 +668,10 @@ impl Broker {
     pub fn queue_purge(&self, conn: u64, vhost: &str, name: &str) -> Result<u32, AmqpError> {
         let mut st = self.lock();
         let v = st.vhosts.get_mut(vhost).ok_or_else(|| no_vhost(vhost))?;
-        let q = v.queues.get_mut(name).ok_or_else(|| no_queue(name, vhost))?;
+        let q = v
+            .queues
+            .get_mut(name)
+            .ok_or_else(|| no_queue(name, vhost))?;
         check_exclusive(q, conn, vhost)?;
         let n = q.state.purge() as u32;
         self.update_depth(&st, vhost, name);
@@ -851,7 +867,10 @@ impl Broker {
             )));
         }
         let v = st.vhosts.get_mut(vhost).ok_or_else(|| no_vhost(vhost))?;
-        let q = v.queues.get_mut(queue).ok_or_else(|| no_queue(queue, vhost))?;
+        let q = v
+            .queues
+            .get_mut(queue)
+            .ok_or_else(|| no_queue(queue, vhost))?;
         check_exclusive(q, conn, vhost)?;
         if q.consumers.iter().any(|c| c.exclusive) || (exclusive && !q.consumers.is_empty()) {
             return Err(AmqpError::access_refused(format!(
@@ -914,7 +933,11 @@ impl Broker {
         tag: &str,
         now: u64,
     ) {
-        let Some(q) = st.vhosts.get_mut(vhost).and_then(|v| v.queues.get_mut(queue)) else {
+        let Some(q) = st
+            .vhosts
+            .get_mut(vhost)
+            .and_then(|v| v.queues.get_mut(queue))
+        else {
             return;
         };
         q.consumers
@@ -966,7 +989,10 @@ impl Broker {
                 ..
             } = &mut *st;
             let v = vhosts.get_mut(vhost).ok_or_else(|| no_vhost(vhost))?;
-            let q = v.queues.get_mut(queue).ok_or_else(|| no_queue(queue, vhost))?;
+            let q = v
+                .queues
+                .get_mut(queue)
+                .ok_or_else(|| no_queue(queue, vhost))?;
             check_exclusive(q, conn, vhost)?;
             q.last_used = now;
             let conn_state = connections
@@ -1227,7 +1253,11 @@ impl Broker {
 
     /// Makes sure the timer heap holds this queue's next deadline.
     pub(crate) fn reschedule(&self, st: &mut State, vhost: &str, queue: &str) {
-        let Some(q) = st.vhosts.get_mut(vhost).and_then(|v| v.queues.get_mut(queue)) else {
+        let Some(q) = st
+            .vhosts
+            .get_mut(vhost)
+            .and_then(|v| v.queues.get_mut(queue))
+        else {
             return;
         };
         let Some(at) = q.next_deadline() else {
@@ -1245,8 +1275,12 @@ impl Broker {
 
     fn update_depth(&self, st: &State, vhost: &str, queue: &str) {
         if let Some(q) = st.vhosts.get(vhost).and_then(|v| v.queues.get(queue)) {
-            self.metrics
-                .set_queue_depth(vhost, queue, q.state.len() as i64, q.state.bytes() as i64);
+            self.metrics.set_queue_depth(
+                vhost,
+                queue,
+                q.state.len() as i64,
+                q.state.bytes() as i64,
+            );
         }
     }
 
@@ -1262,15 +1296,13 @@ impl Broker {
             .collect();
         for (v, qn) in names {
             let default_limit = st.options.default_delivery_limit;
-            let policy_def = st
-                .policies
-                .for_queue(&v, &qn)
-                .map(|p| p.definition.clone());
+            let policy_def = st.policies.for_queue(&v, &qn).map(|p| p.definition.clone());
             let mut deaths = Vec::new();
             if let Some(q) = st.vhosts.get_mut(&v).and_then(|vh| vh.queues.get_mut(&qn)) {
                 let settings = effective_settings(&q.args, policy_def.as_ref(), default_limit);
                 if settings != q.settings {
-                    q.state.set_limits(queue_limits(&settings), now, &mut deaths);
+                    q.state
+                        .set_limits(queue_limits(&settings), now, &mut deaths);
                     q.settings = settings;
                     q.timer_at = None;
                 }
@@ -1288,7 +1320,11 @@ impl Broker {
 pub(super) fn on_timer(b: &Broker, st: &mut State, vhost: &str, queue: &str, id: u64, now: u64) {
     let mut deaths = Vec::new();
     let expire_queue = {
-        let Some(q) = st.vhosts.get_mut(vhost).and_then(|v| v.queues.get_mut(queue)) else {
+        let Some(q) = st
+            .vhosts
+            .get_mut(vhost)
+            .and_then(|v| v.queues.get_mut(queue))
+        else {
             return;
         };
         if q.id != id {

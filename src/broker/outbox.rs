@@ -103,7 +103,8 @@ impl Outbox {
 
     /// Records that `n` bytes reached the socket.
     pub fn written(&self, n: usize) {
-        self.pending.fetch_sub(n.min(self.pending()), Ordering::Relaxed);
+        self.pending
+            .fetch_sub(n.min(self.pending()), Ordering::Relaxed);
     }
 
     /// Stops accepting frames and wakes the writer so it can finish.

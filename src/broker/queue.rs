@@ -263,7 +263,12 @@ mod tests {
         })
     }
 
-    fn publish(q: &mut QueueState, body: &str, now: u64, deaths: &mut Vec<Death>) -> PublishOutcome {
+    fn publish(
+        q: &mut QueueState,
+        body: &str,
+        now: u64,
+        deaths: &mut Vec<Death>,
+    ) -> PublishOutcome {
         let e = q.admit(msg(body, None), now);
         q.publish(e, now, deaths)
     }
@@ -417,7 +422,11 @@ mod tests {
         let two = q.pop(0, &mut d).unwrap();
         q.requeue([two, one], 0, &mut d);
         assert_eq!(bodies(&q), vec!["1", "2", "3"]);
-        assert!(q.iter().take(2).all(|e| e.redelivered && e.delivery_count == 1));
+        assert!(
+            q.iter()
+                .take(2)
+                .all(|e| e.redelivered && e.delivery_count == 1)
+        );
     }
 
     #[test]
@@ -434,7 +443,10 @@ mod tests {
         let e = q.pop(0, &mut d).unwrap();
         q.requeue([e], 0, &mut d);
         assert!(q.is_empty());
-        assert_eq!(dead(&d), vec![("a".into(), DeadLetterReason::DeliveryLimit)]);
+        assert_eq!(
+            dead(&d),
+            vec![("a".into(), DeadLetterReason::DeliveryLimit)]
+        );
     }
 
     #[test]

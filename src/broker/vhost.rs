@@ -14,7 +14,6 @@ use super::routing::{BindingTable, Destination, ExchangeKind};
 use crate::policy::EffectiveQueueSettings;
 
 /// An exchange and the bindings that have it as their source.
-#[derive(Debug)]
 pub struct Exchange {
     pub name: String,
     pub kind: ExchangeKind,
@@ -126,7 +125,6 @@ impl Queue {
 }
 
 /// Exchanges and queues of one vhost.
-#[derive(Debug)]
 pub struct VHost {
     pub name: String,
     pub exchanges: HashMap<String, Exchange>,
@@ -148,7 +146,14 @@ impl VHost {
         let mut exchanges = HashMap::new();
         exchanges.insert(
             String::new(),
-            Exchange::new("", ExchangeKind::Direct, true, false, false, FieldTable::default()),
+            Exchange::new(
+                "",
+                ExchangeKind::Direct,
+                true,
+                false,
+                false,
+                FieldTable::default(),
+            ),
         );
         for (n, kind) in PREDECLARED {
             let internal = n == "amq.rabbitmq.trace";

@@ -1,0 +1,176 @@
+//! Dead-lettering inside the embedded broker: takes the [`Death`]s a queue produced, rewrites
+//! each message with the pure rules of [`crate::deadletter`], routes it through the queue's
+//! dead-letter exchange and enqueues it in every target that is not a cycle.
+//!
+//! Targets can overflow or expire in turn, so deaths are processed from a work list rather
+//! than by recursion. Every message that is not delivered anywhere is counted by cause
+//! (`no_dlx`, `unroutable`, `cycle`, `hop_limit`, `target_full`) and logged once per queue per
+//! minute.
+
+use std::sync::Arc;
+
+use super::message::Message;
+use super::queue::{Death, PublishOutcome};
+use super::{Broker, State};
+use crate::amqp::content::encode_properties;
+use crate::deadletter::{DeadLetterDrop, DeadLetterTarget, DeathEvent, dead_letter, is_cycle};
+
+impl Broker {
+    /// Dead-letters `deaths` that left `queue` (and whatever that causes downstream).
+    pub(crate) fn process_deaths(
+        &self,
+        st: &mut State,
+        vhost: &str,
+        queue: &str,
+        deaths: Vec<Death>,
+        now: u64,
+    ) {
+        let mut work: Vec<(String, Vec<Death>)> = vec![(queue.to_string(), deaths)];
+        let mut touched: Vec<String> = Vec::new();
+        while let Some((source, list)) = work.pop() {
+            for death in list {
+                self.dead_letter_one(st, vhost, &source, death, now, &mut work, &mut touched);
+            }
+        }
+        touched.sort();
+        touched.dedup();
+        for q in touched {
+            self.dispatch(st, vhost, &q, now);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn dead_letter_one(
+        &self,
+        st: &mut State,
+        vhost: &str,
+        source: &str,
+        death: Death,
+        now: u64,
+        work: &mut Vec<(String, Vec<Death>)>,
+        touched: &mut Vec<String>,
+    ) {
+        let reason = death.reason;
+        self.metrics.dead_lettered(vhost, source, reason.as_str());
+        let age_secs = now.saturating_sub(death.entry.enqueued_at) as f64 / 1000.0;
+        self.metrics.observe_age(age_secs);
+        let Some(settings) = st
+            .vhosts
+            .get(vhost)
+            .and_then(|v| v.queues.get(source))
+            .map(|q| q.settings.clone())
+        else {
+            return;
+        };
+        let Some(dlx) = settings.dead_letter_exchange.as_deref() else {
+            // No dead-letter exchange configured: the message is discarded, as RabbitMQ does.
+            return;
+        };
+        let exists = st
+            .vhosts
+            .get(vhost)
+            .is_some_and(|v| v.exchanges.contains_key(dlx));
+        if !exists {
+            self.drop_message(st, vhost, source, "no_dlx", now, dlx);
+            return;
+        }
+        let message = &death.entry.message;
+        let Ok(props) = message.properties() else {
+            self.drop_message(st, vhost, source, "unroutable", now, dlx);
+            return;
+        };
+        let routing_keys = message.routing_keys_vec();
+        let event = DeathEvent {
+            queue: source,
+            reason,
+            exchange: &message.exchange,
+            routing_keys: &routing_keys,
+            now_secs: self.wall_secs(now),
+            trust_existing_history: message.dead_lettered,
+        };
+        let target = DeadLetterTarget {
+            exchange: dlx,
+            routing_key: settings.dead_letter_routing_key.as_deref(),
+        };
+        let rewritten = match dead_letter(&props, &event, &target, &st.options.dead_letter) {
+            Ok(m) => m,
+            Err(DeadLetterDrop::HopLimit) => {
+                self.drop_message(st, vhost, source, "hop_limit", now, dlx);
+                return;
+            }
+        };
+        let keys: Vec<&str> = rewritten.routing_keys.iter().map(|k| k.as_str()).collect();
+        let targets = match st.vhosts.get(vhost) {
+            Some(v) => v.route(dlx, &keys, rewritten.properties.headers().as_ref()),
+            None => Vec::new(),
+        };
+        if targets.is_empty() {
+            self.drop_message(st, vhost, source, "unroutable", now, dlx);
+            return;
+        }
+        let new_message = Arc::new(Message {
+            exchange: rewritten.exchange.clone().into_boxed_str(),
+            routing_keys: rewritten
+                .routing_keys
+                .iter()
+                .map(|k| k.clone().into_boxed_str())
+                .collect(),
+            raw_properties: encode_properties(&rewritten.properties),
+            body: message.body.clone(),
+            expiration_ms: None,
+            dead_lettered: true,
+        });
+        let mut delivered = false;
+        for t in &targets {
+            if is_cycle(reason, &rewritten.properties, t) {
+                self.drop_message(st, vhost, source, "cycle", now, t);
+                continue;
+            }
+            match self.enqueue(st, vhost, t, new_message.clone(), now, work) {
+                Some(PublishOutcome::Accepted) => {
+                    delivered = true;
+                    touched.push(t.clone());
+                }
+                Some(PublishOutcome::Rejected) => {
+                    self.drop_message(st, vhost, source, "target_full", now, t);
+                }
+                None => {}
+            }
+        }
+        if delivered {
+            let latency = now.saturating_sub(death_time(&death, now)) as f64 / 1000.0;
+            self.metrics.observe_dead_letter_latency(latency);
+        }
+    }
+
+    fn drop_message(
+        &self,
+        st: &mut State,
+        vhost: &str,
+        queue: &str,
+        cause: &'static str,
+        now: u64,
+        detail: &str,
+    ) {
+        self.metrics.dropped(vhost, queue, cause);
+        if st.should_log_drop(vhost, queue, cause, now) {
+            tracing::warn!(
+                vhost,
+                queue,
+                cause,
+                detail,
+                "dead-lettered message dropped (logged once a minute per queue and cause)"
+            );
+        }
+    }
+}
+
+/// When the death happened: the expiry deadline for expired messages, else now.
+fn death_time(death: &Death, now: u64) -> u64 {
+    match death.reason {
+        crate::deadletter::DeadLetterReason::Expired => {
+            death.entry.expires_at.unwrap_or(now).min(now)
+        }
+        _ => now,
+    }
+}

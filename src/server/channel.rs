@@ -1,0 +1,754 @@
+//! Channel handling for one connection: the channel state machine, content assembly and the
+//! mapping of every AMQP method to a permission check and a broker operation.
+//!
+//! Channel errors close the channel (`channel.close`, the broker requeues its unacked
+//! deliveries); connection errors are returned as [`Flow::CloseConnection`].
+
+use std::collections::HashMap;
+
+use amq_protocol::protocol::{
+    AMQPClass, basic, channel as chan, confirm, connection, exchange, queue, tx,
+};
+use bytes::BytesMut;
+
+use super::ServerContext;
+use super::connection::Session;
+use super::publish::{PendingPublish, prepare};
+use crate::amqp::codec::{
+    FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, RawFrame, decode_method, method_ids,
+    put_method,
+};
+use crate::amqp::content::{BodyCollector, parse_content_header};
+use crate::amqp::reply::AmqpError;
+use crate::broker::auth::Access;
+use crate::broker::delivery::short;
+use crate::broker::ops::{ExchangeDeclare, QueueDeclare};
+use crate::broker::routing::Destination;
+
+/// What the connection loop does next.
+pub enum Flow {
+    Continue,
+    CloseConnection(AmqpError),
+    /// The client closed the connection (close-ok sent).
+    Closed,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Phase {
+    Open,
+    /// We sent channel.close and wait for close-ok; everything else is dropped.
+    Closing,
+}
+
+#[derive(Debug)]
+struct ChannelLocal {
+    phase: Phase,
+    pending: Option<PendingPublish>,
+    confirm: bool,
+    publish_seq: u64,
+}
+
+/// The channels of one connection.
+pub struct ChannelTable {
+    channels: HashMap<u16, ChannelLocal>,
+    max_message_size: u64,
+}
+
+fn method_frame(out: &mut BytesMut, channel: u16, m: AMQPClass) {
+    put_method(out, channel, m);
+}
+
+/// The resource name RabbitMQ checks permissions against for an exchange.
+fn exchange_resource(name: &str) -> &str {
+    if name.is_empty() { "amq.default" } else { name }
+}
+
+impl ChannelTable {
+    pub fn new(max_message_size: u64) -> Self {
+        ChannelTable {
+            channels: HashMap::new(),
+            max_message_size,
+        }
+    }
+
+    /// Handles one frame.
+    pub fn handle(&mut self, frame: RawFrame, s: &Session, ctx: &ServerContext) -> Flow {
+        ctx.broker.metrics.frame_in(frame.wire_len() as u64);
+        match frame.kind {
+            FRAME_HEARTBEAT => {
+                if frame.channel != 0 {
+                    return Flow::CloseConnection(AmqpError::frame_error(
+                        "heartbeat frame on a non-zero channel",
+                    ));
+                }
+                Flow::Continue
+            }
+            FRAME_METHOD => self.handle_method(frame, s, ctx),
+            FRAME_HEADER | FRAME_BODY => self.handle_content(frame, s, ctx),
+            _ => Flow::CloseConnection(AmqpError::frame_error("unknown frame type")),
+        }
+    }
+
+    fn handle_method(&mut self, frame: RawFrame, s: &Session, ctx: &ServerContext) -> Flow {
+        let (class_id, method_id) = method_ids(&frame.payload);
+        let Some(method) = decode_method(&frame.payload) else {
+            let err = if matches!(class_id, 10 | 20 | 30 | 40 | 50 | 60 | 85 | 90) {
+                AmqpError::syntax_error("malformed method frame")
+            } else {
+                AmqpError::not_implemented(format!(
+                    "unknown method class {class_id} method {method_id}"
+                ))
+            };
+            return Flow::CloseConnection(err.on_method(class_id, method_id));
+        };
+        let ch = frame.channel;
+        if ch == 0 {
+            return self.connection_method(method, s, class_id, method_id);
+        }
+        if ch > s.channel_max {
+            return Flow::CloseConnection(
+                AmqpError::channel_error(format!("channel {ch} above channel_max"))
+                    .on_method(class_id, method_id),
+            );
+        }
+        // Channel lifecycle.
+        match (&method, self.channels.get(&ch)) {
+            (AMQPClass::Channel(chan::AMQPMethod::Open(_)), None) => {
+                self.channels.insert(
+                    ch,
+                    ChannelLocal {
+                        phase: Phase::Open,
+                        pending: None,
+                        confirm: false,
+                        publish_seq: 0,
+                    },
+                );
+                ctx.broker.open_channel(s.conn_id, ch);
+                ctx.broker.metrics.channel_opened();
+                s.outbox.push(|o| {
+                    method_frame(
+                        o,
+                        ch,
+                        AMQPClass::Channel(chan::AMQPMethod::OpenOk(chan::OpenOk {})),
+                    )
+                });
+                return Flow::Continue;
+            }
+            (AMQPClass::Channel(chan::AMQPMethod::Open(_)), Some(_)) => {
+                return Flow::CloseConnection(
+                    AmqpError::channel_error(format!("second 'channel.open' seen on channel {ch}"))
+                        .on_method(class_id, method_id),
+                );
+            }
+            (_, None) => {
+                return Flow::CloseConnection(
+                    AmqpError::channel_error(format!("expected 'channel.open' on channel {ch}"))
+                        .on_method(class_id, method_id),
+                );
+            }
+            (AMQPClass::Channel(chan::AMQPMethod::CloseOk(_)), Some(local))
+                if local.phase == Phase::Closing =>
+            {
+                self.channels.remove(&ch);
+                return Flow::Continue;
+            }
+            (AMQPClass::Channel(chan::AMQPMethod::Close(_)), Some(_)) => {
+                self.channels.remove(&ch);
+                ctx.broker.close_channel(s.conn_id, ch);
+                ctx.broker.metrics.channel_closed();
+                s.outbox.push(|o| {
+                    method_frame(
+                        o,
+                        ch,
+                        AMQPClass::Channel(chan::AMQPMethod::CloseOk(chan::CloseOk {})),
+                    )
+                });
+                return Flow::Continue;
+            }
+            (_, Some(local)) if local.phase == Phase::Closing => return Flow::Continue,
+            (_, Some(local)) if local.pending.is_some() => {
+                return Flow::CloseConnection(
+                    AmqpError::unexpected_frame(format!(
+                        "expected content header for class 60, got non content header frame instead on channel {ch}"
+                    ))
+                    .on_method(class_id, method_id),
+                );
+            }
+            _ => {}
+        }
+        match self.channel_method(method, ch, s, ctx) {
+            Ok(()) => Flow::Continue,
+            Err(err) => self.fail(ch, err.on_method(class_id, method_id), s, ctx),
+        }
+    }
+
+    /// Applies an error: a channel error closes the channel, others the connection.
+    fn fail(&mut self, ch: u16, err: AmqpError, s: &Session, ctx: &ServerContext) -> Flow {
+        if err.is_connection_error() {
+            return Flow::CloseConnection(err);
+        }
+        if let Some(local) = self.channels.get_mut(&ch) {
+            local.phase = Phase::Closing;
+            local.pending = None;
+        }
+        ctx.broker.close_channel(s.conn_id, ch);
+        ctx.broker.metrics.channel_closed();
+        s.outbox.push(|o| {
+            method_frame(
+                o,
+                ch,
+                AMQPClass::Channel(chan::AMQPMethod::Close(chan::Close {
+                    reply_code: err.code,
+                    reply_text: short(err.short_text()),
+                    class_id: err.class_id,
+                    method_id: err.method_id,
+                })),
+            )
+        });
+        Flow::Continue
+    }
+
+    fn connection_method(&mut self, m: AMQPClass, s: &Session, c: u16, mid: u16) -> Flow {
+        match m {
+            AMQPClass::Connection(connection::AMQPMethod::Close(_)) => {
+                s.outbox.push(|o| {
+                    method_frame(
+                        o,
+                        0,
+                        AMQPClass::Connection(connection::AMQPMethod::CloseOk(
+                            connection::CloseOk {},
+                        )),
+                    )
+                });
+                Flow::Closed
+            }
+            AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => Flow::Closed,
+            AMQPClass::Connection(connection::AMQPMethod::UpdateSecret(_)) => {
+                s.outbox.push(|o| {
+                    method_frame(
+                        o,
+                        0,
+                        AMQPClass::Connection(connection::AMQPMethod::UpdateSecretOk(
+                            connection::UpdateSecretOk {},
+                        )),
+                    )
+                });
+                Flow::Continue
+            }
+            AMQPClass::Connection(connection::AMQPMethod::Blocked(_))
+            | AMQPClass::Connection(connection::AMQPMethod::Unblocked(_)) => Flow::Continue,
+            _ => Flow::CloseConnection(
+                AmqpError::command_invalid("unexpected method on channel 0").on_method(c, mid),
+            ),
+        }
+    }
+
+    fn check(
+        &self,
+        ctx: &ServerContext,
+        s: &Session,
+        access: Access,
+        kind: &str,
+        name: &str,
+    ) -> Result<(), AmqpError> {
+        if ctx.users().check(&s.user, &s.vhost, access, name) {
+            return Ok(());
+        }
+        let _ = access;
+        Err(AmqpError::access_refused(format!(
+            "access to {kind} '{name}' in vhost '{}' refused for user '{}'",
+            s.vhost, s.user
+        )))
+    }
+
+    fn reply(s: &Session, ch: u16, m: AMQPClass) {
+        s.outbox.push(|o| method_frame(o, ch, m));
+    }
+
+    fn channel_method(
+        &mut self,
+        method: AMQPClass,
+        ch: u16,
+        s: &Session,
+        ctx: &ServerContext,
+    ) -> Result<(), AmqpError> {
+        let broker = &ctx.broker;
+        let vhost = s.vhost.as_str();
+        match method {
+            AMQPClass::Channel(chan::AMQPMethod::Flow(f)) => {
+                broker.channel_flow(s.conn_id, ch, f.active);
+                Self::reply(
+                    s,
+                    ch,
+                    AMQPClass::Channel(chan::AMQPMethod::FlowOk(chan::FlowOk { active: f.active })),
+                );
+            }
+            AMQPClass::Channel(chan::AMQPMethod::FlowOk(_)) => {}
+            AMQPClass::Channel(chan::AMQPMethod::CloseOk(_)) => {}
+            AMQPClass::Access(_) => {
+                return Err(AmqpError::not_implemented(
+                    "access.request is not supported",
+                ));
+            }
+            AMQPClass::Exchange(exchange::AMQPMethod::Declare(d)) => {
+                let name = d.exchange.as_str();
+                if !d.passive {
+                    self.check(ctx, s, Access::Configure, "exchange", name)?;
+                }
+                broker.exchange_declare(
+                    vhost,
+                    &ExchangeDeclare {
+                        name,
+                        kind: d.kind.as_str(),
+                        passive: d.passive,
+                        durable: d.durable,
+                        auto_delete: d.auto_delete,
+                        internal: d.internal,
+                        arguments: &d.arguments,
+                    },
+                )?;
+                if !d.nowait {
+                    Self::reply(
+                        s,
+                        ch,
+                        AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(
+                            exchange::DeclareOk {},
+                        )),
+                    );
+                }
+            }
+            AMQPClass::Exchange(exchange::AMQPMethod::Delete(d)) => {
+                self.check(ctx, s, Access::Configure, "exchange", d.exchange.as_str())?;
+                broker.exchange_delete(vhost, d.exchange.as_str(), d.if_unused)?;
+                if !d.nowait {
+                    Self::reply(
+                        s,
+                        ch,
+                        AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {})),
+                    );
+                }
+            }
+            AMQPClass::Exchange(exchange::AMQPMethod::Bind(b)) => {
+                self.check(ctx, s, Access::Write, "exchange", b.destination.as_str())?;
+                self.check(
+                    ctx,
+                    s,
+                    Access::Read,
+                    "exchange",
+                    exchange_resource(b.source.as_str()),
+                )?;
+                broker.bind(
+                    s.conn_id,
+                    vhost,
+                    b.source.as_str(),
+                    Destination::Exchange(b.destination.as_str().to_string()),
+                    b.routing_key.as_str(),
+                    &b.arguments,
+                )?;
+                if !b.nowait {
+                    Self::reply(
+                        s,
+                        ch,
+                        AMQPClass::Exchange(exchange::AMQPMethod::BindOk(exchange::BindOk {})),
+                    );
+                }
+            }
+            AMQPClass::Exchange(exchange::AMQPMethod::Unbind(b)) => {
+                self.check(ctx, s, Access::Write, "exchange", b.destination.as_str())?;
+                self.check(
+                    ctx,
+                    s,
+                    Access::Read,
+                    "exchange",
+                    exchange_resource(b.source.as_str()),
+                )?;
+                broker.unbind(
+                    s.conn_id,
+                    vhost,
+                    b.source.as_str(),
+                    Destination::Exchange(b.destination.as_str().to_string()),
+                    b.routing_key.as_str(),
+                    &b.arguments,
+                )?;
+                if !b.nowait {
+                    Self::reply(
+                        s,
+                        ch,
+                        AMQPClass::Exchange(exchange::AMQPMethod::UnbindOk(exchange::UnbindOk {})),
+                    );
+                }
+            }
+            AMQPClass::Queue(queue::AMQPMethod::Declare(d)) => {
+                let name = d.queue.as_str();
+                if !d.passive {
+                    if !name.is_empty() {
+                        self.check(ctx, s, Access::Configure, "queue", name)?;
+                    }
+                    if let Some(dlx) = dead_letter_exchange_argument(&d.arguments) {
+                        if !name.is_empty() {
+                            self.check(ctx, s, Access::Read, "queue", name)?;
+                        }
+                        self.check(ctx, s, Access::Write, "exchange", exchange_resource(&dlx))?;
+                    }
+                }
+                let out = broker.queue_declare(
+                    s.conn_id,
+                    vhost,
+                    &QueueDeclare {
+                        name,
+                        passive: d.passive,
+                        durable: d.durable,
+                        exclusive: d.exclusive,
+                        auto_delete: d.auto_delete,
+                        arguments: &d.arguments,
+                    },
+                )?;
+                if !d.nowait {
+                    Self::reply(
+                        s,
+                        ch,
+                        AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
+                            queue: short(&out.name),
+                            message_count: out.message_count,
+                            consumer_count: out.consumer_count,
+                        })),
+                    );
+                }
+            }
+            AMQPClass::Queue(queue::AMQPMethod::Bind(b)) => {
+                self.check(ctx, s, Access::Write, "queue", b.queue.as_str())?;
+                self.check(
+                    ctx,
+                    s,
+                    Access::Read,
+                    "exchange",
+                    exchange_resource(b.exchange.as_str()),
+                )?;
+                broker.bind(
+                    s.conn_id,
+                    vhost,
+                    b.exchange.as_str(),
+                    Destination::Queue(b.queue.as_str().to_string()),
+                    b.routing_key.as_str(),
+                    &b.arguments,
+                )?;
+                if !b.nowait {
+                    Self::reply(
+                        s,
+                        ch,
+                        AMQPClass::Queue(queue::AMQPMethod::BindOk(queue::BindOk {})),
+                    );
+                }
+            }
+            AMQPClass::Queue(queue::AMQPMethod::Unbind(b)) => {
+                self.check(ctx, s, Access::Write, "queue", b.queue.as_str())?;
+                self.check(
+                    ctx,
+                    s,
+                    Access::Read,
+                    "exchange",
+                    exchange_resource(b.exchange.as_str()),
+                )?;
+                broker.unbind(
+                    s.conn_id,
+                    vhost,
+                    b.exchange.as_str(),
+                    Destination::Queue(b.queue.as_str().to_string()),
+                    b.routing_key.as_str(),
+                    &b.arguments,
+                )?;
+                Self::reply(
+                    s,
+                    ch,
+                    AMQPClass::Queue(queue::AMQPMethod::UnbindOk(queue::UnbindOk {})),
+                );
+            }
+            AMQPClass::Queue(queue::AMQPMethod::Purge(p)) => {
+                self.check(ctx, s, Access::Read, "queue", p.queue.as_str())?;
+                let n = broker.queue_purge(s.conn_id, vhost, p.queue.as_str())?;
+                if !p.nowait {
+                    Self::reply(
+                        s,
+                        ch,
+                        AMQPClass::Queue(queue::AMQPMethod::PurgeOk(queue::PurgeOk {
+                            message_count: n,
+                        })),
+                    );
+                }
+            }
+            AMQPClass::Queue(queue::AMQPMethod::Delete(d)) => {
+                self.check(ctx, s, Access::Configure, "queue", d.queue.as_str())?;
+                let n = broker.queue_delete(
+                    s.conn_id,
+                    vhost,
+                    d.queue.as_str(),
+                    d.if_unused,
+                    d.if_empty,
+                )?;
+                if !d.nowait {
+                    Self::reply(
+                        s,
+                        ch,
+                        AMQPClass::Queue(queue::AMQPMethod::DeleteOk(queue::DeleteOk {
+                            message_count: n,
+                        })),
+                    );
+                }
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Qos(q)) => {
+                broker.qos(s.conn_id, ch, q.prefetch_count, q.global);
+                Self::reply(
+                    s,
+                    ch,
+                    AMQPClass::Basic(basic::AMQPMethod::QosOk(basic::QosOk {})),
+                );
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Consume(c)) => {
+                self.check(ctx, s, Access::Read, "queue", c.queue.as_str())?;
+                let priority = consumer_priority(&c.arguments);
+                broker.consume(
+                    s.conn_id,
+                    ch,
+                    vhost,
+                    c.queue.as_str(),
+                    c.consumer_tag.as_str(),
+                    c.no_ack,
+                    c.exclusive,
+                    priority,
+                    c.nowait,
+                )?;
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) => {
+                broker.cancel(s.conn_id, ch, c.consumer_tag.as_str());
+                if !c.nowait {
+                    Self::reply(
+                        s,
+                        ch,
+                        AMQPClass::Basic(basic::AMQPMethod::CancelOk(basic::CancelOk {
+                            consumer_tag: c.consumer_tag,
+                        })),
+                    );
+                }
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Get(g)) => {
+                self.check(ctx, s, Access::Read, "queue", g.queue.as_str())?;
+                broker.get(s.conn_id, ch, vhost, g.queue.as_str(), g.no_ack)?;
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Publish(p)) => {
+                if p.immediate {
+                    return Err(AmqpError::not_implemented("immediate=true"));
+                }
+                self.check(
+                    ctx,
+                    s,
+                    Access::Write,
+                    "exchange",
+                    exchange_resource(p.exchange.as_str()),
+                )?;
+                if let Some(local) = self.channels.get_mut(&ch) {
+                    local.pending = Some(PendingPublish {
+                        exchange: p.exchange.as_str().to_string(),
+                        routing_key: p.routing_key.as_str().to_string(),
+                        mandatory: p.mandatory,
+                        header: None,
+                        body: None,
+                    });
+                }
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => {
+                broker.ack(s.conn_id, ch, a.delivery_tag, a.multiple)?;
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Reject(r)) => {
+                broker.reject(s.conn_id, ch, r.delivery_tag, false, r.requeue)?;
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Nack(n)) => {
+                broker.reject(s.conn_id, ch, n.delivery_tag, n.multiple, n.requeue)?;
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Recover(_)) => {
+                broker.recover(s.conn_id, ch)?;
+                Self::reply(
+                    s,
+                    ch,
+                    AMQPClass::Basic(basic::AMQPMethod::RecoverOk(basic::RecoverOk {})),
+                );
+            }
+            AMQPClass::Basic(basic::AMQPMethod::RecoverAsync(_)) => {
+                broker.recover(s.conn_id, ch)?;
+            }
+            AMQPClass::Confirm(confirm::AMQPMethod::Select(sel)) => {
+                if let Some(local) = self.channels.get_mut(&ch) {
+                    local.confirm = true;
+                }
+                if !sel.nowait {
+                    Self::reply(
+                        s,
+                        ch,
+                        AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})),
+                    );
+                }
+            }
+            AMQPClass::Tx(tx::AMQPMethod::Select(_))
+            | AMQPClass::Tx(tx::AMQPMethod::Commit(_))
+            | AMQPClass::Tx(tx::AMQPMethod::Rollback(_)) => {
+                return Err(AmqpError::not_implemented("transactions are not supported"));
+            }
+            _ => {
+                return Err(AmqpError::command_invalid(
+                    "method not allowed from a client",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn handle_content(&mut self, frame: RawFrame, s: &Session, ctx: &ServerContext) -> Flow {
+        let ch = frame.channel;
+        let Some(local) = self.channels.get_mut(&ch) else {
+            return Flow::CloseConnection(AmqpError::channel_error(format!(
+                "expected 'channel.open' on channel {ch}"
+            )));
+        };
+        if local.phase == Phase::Closing {
+            return Flow::Continue;
+        }
+        let Some(pending) = local.pending.as_mut() else {
+            return Flow::CloseConnection(AmqpError::unexpected_frame(format!(
+                "unexpected content frame on channel {ch}"
+            )));
+        };
+        if frame.kind == FRAME_HEADER {
+            if pending.header.is_some() {
+                return Flow::CloseConnection(AmqpError::unexpected_frame("second content header"));
+            }
+            let header = match parse_content_header(&frame.payload) {
+                Ok(h) => h,
+                Err(e) => {
+                    return Flow::CloseConnection(AmqpError::syntax_error(e.to_string()));
+                }
+            };
+            if header.class_id != crate::amqp::content::BASIC_CLASS_ID {
+                return Flow::CloseConnection(AmqpError::unexpected_frame(
+                    "content header for a class other than basic",
+                ));
+            }
+            if header.body_size > self.max_message_size {
+                let err = AmqpError::precondition(format!(
+                    "message size {} is larger than configured max size {}",
+                    header.body_size, self.max_message_size
+                ))
+                .on_method(60, 40);
+                return self.fail(ch, err, s, ctx);
+            }
+            pending.body = Some(BodyCollector::new(header.body_size));
+            pending.header = Some(header);
+        } else {
+            let Some(body) = pending.body.as_mut() else {
+                return Flow::CloseConnection(AmqpError::unexpected_frame(
+                    "content body before content header",
+                ));
+            };
+            if body.push(frame.payload).is_err() {
+                return Flow::CloseConnection(AmqpError::frame_error(
+                    "content body larger than the size in the content header",
+                ));
+            }
+        }
+        let complete = pending.body.as_ref().is_some_and(|b| b.is_complete());
+        if complete && let Some(p) = local.pending.take() {
+            return self.finish_publish(ch, p, s, ctx);
+        }
+        Flow::Continue
+    }
+
+    fn finish_publish(
+        &mut self,
+        ch: u16,
+        p: PendingPublish,
+        s: &Session,
+        ctx: &ServerContext,
+    ) -> Flow {
+        let (Some(header), Some(body)) = (p.header, p.body) else {
+            return Flow::Continue;
+        };
+        let confirm_seq = match self.channels.get_mut(&ch) {
+            Some(local) if local.confirm => {
+                local.publish_seq += 1;
+                Some(local.publish_seq)
+            }
+            _ => None,
+        };
+        let prepared = match prepare(&p.exchange, &p.routing_key, header, body.finish(), &s.user) {
+            Ok(m) => m,
+            Err(e) => return self.fail(ch, e.on_method(60, 40), s, ctx),
+        };
+        let returnable = p.mandatory.then(|| {
+            (
+                prepared.message.raw_properties.clone(),
+                prepared.message.body.clone(),
+            )
+        });
+        let result = match ctx.broker.publish(
+            &s.vhost,
+            &p.exchange,
+            prepared.message,
+            prepared.headers.as_ref(),
+        ) {
+            Ok(r) => r,
+            Err(e) => return self.fail(ch, e.on_method(60, 40), s, ctx),
+        };
+        if !result.routed
+            && let Some((props, body)) = returnable
+        {
+            let frame_max = s.frame_max;
+            s.outbox.push(|o| {
+                method_frame(
+                    o,
+                    ch,
+                    AMQPClass::Basic(basic::AMQPMethod::Return(basic::Return {
+                        reply_code: crate::amqp::reply::NO_ROUTE,
+                        reply_text: short("NO_ROUTE"),
+                        exchange: short(&p.exchange),
+                        routing_key: short(&p.routing_key),
+                    })),
+                );
+                crate::amqp::content::put_content(o, ch, &props, &body, frame_max);
+            });
+        }
+        if let Some(seq) = confirm_seq {
+            let m = if result.rejected {
+                AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                    delivery_tag: seq,
+                    multiple: false,
+                    requeue: false,
+                }))
+            } else {
+                AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                    delivery_tag: seq,
+                    multiple: false,
+                }))
+            };
+            Self::reply(s, ch, m);
+        }
+        Flow::Continue
+    }
+}
+
+/// The `x-dead-letter-exchange` argument when it is a string (validation reports other types).
+fn dead_letter_exchange_argument(args: &amq_protocol::types::FieldTable) -> Option<String> {
+    use amq_protocol::types::AMQPValue;
+    match args.inner().get("x-dead-letter-exchange") {
+        Some(AMQPValue::LongString(s)) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        Some(AMQPValue::ShortString(s)) => Some(s.as_str().to_string()),
+        _ => None,
+    }
+}
+
+fn consumer_priority(args: &amq_protocol::types::FieldTable) -> i32 {
+    use amq_protocol::types::AMQPValue;
+    match args.inner().get("x-priority") {
+        Some(AMQPValue::LongInt(v)) => *v,
+        Some(AMQPValue::ShortInt(v)) => *v as i32,
+        Some(AMQPValue::LongLongInt(v)) => (*v).clamp(i32::MIN as i64, i32::MAX as i64) as i32,
+        _ => 0,
+    }
+}

@@ -1,0 +1,444 @@
+//! One client connection in embedded mode: protocol header, connection.start/tune/open,
+//! then the frame loop, heartbeats and an orderly close.
+//!
+//! Reading happens here; writing happens in a separate writer task that drains the
+//! connection's outbox, so a delivery written by another connection's publish never waits on
+//! this task.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use amq_protocol::protocol::{AMQPClass, connection};
+use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
+use bytes::BytesMut;
+use futures_util::StreamExt;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio_util::codec::FramedRead;
+
+use super::ServerContext;
+use super::channel::{ChannelTable, Flow};
+use crate::amqp::codec::{
+    FRAME_HEARTBEAT, FRAME_METHOD, FrameCodec, FrameError, PROTOCOL_HEADER, RawFrame,
+    decode_method, method_ids, put_heartbeat, put_method,
+};
+use crate::amqp::reply::{self, AmqpError};
+use crate::broker::auth::{parse_amqplain, parse_sasl_plain};
+use crate::broker::outbox::Outbox;
+use crate::shutdown::Shutdown;
+
+/// Connection-level facts the channel handlers need.
+pub struct Session {
+    pub conn_id: u64,
+    pub user: String,
+    pub vhost: String,
+    pub frame_max: usize,
+    pub channel_max: u16,
+    /// Negotiated heartbeat interval in seconds (0 = off).
+    pub heartbeat: u64,
+    pub outbox: Arc<Outbox>,
+}
+
+fn short(s: &str) -> ShortString {
+    crate::broker::delivery::short(s)
+}
+
+fn server_properties() -> FieldTable {
+    let mut caps = FieldTable::default();
+    for cap in [
+        "publisher_confirms",
+        "basic.nack",
+        "consumer_cancel_notify",
+        "exchange_exchange_bindings",
+        "per_consumer_qos",
+        "connection.blocked",
+        "authentication_failure_close",
+    ] {
+        caps.insert(short(cap), AMQPValue::Boolean(true));
+    }
+    let mut props = FieldTable::default();
+    props.insert(short("capabilities"), AMQPValue::FieldTable(caps));
+    props.insert(
+        short("product"),
+        AMQPValue::LongString(LongString::from("dlx-proxy")),
+    );
+    props.insert(
+        short("version"),
+        AMQPValue::LongString(LongString::from(env!("CARGO_PKG_VERSION"))),
+    );
+    props.insert(
+        short("platform"),
+        AMQPValue::LongString(LongString::from("Rust")),
+    );
+    props.insert(
+        short("cluster_name"),
+        AMQPValue::LongString(LongString::from("dlx-proxy")),
+    );
+    props
+}
+
+/// Runs a connection to completion.
+pub async fn run<S>(stream: S, peer: SocketAddr, ctx: Arc<ServerContext>, shutdown: Shutdown)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let limits = ctx.limits();
+    let (mut reader, mut writer) = tokio::io::split(stream);
+
+    // Protocol header.
+    let mut header = [0u8; 8];
+    let handshake_timeout = Duration::from_secs(limits.handshake_timeout_secs.max(1));
+    match tokio::time::timeout(handshake_timeout, reader.read_exact(&mut header)).await {
+        Ok(Ok(_)) => {}
+        _ => return,
+    }
+    if header != PROTOCOL_HEADER {
+        let _ = writer.write_all(&PROTOCOL_HEADER).await;
+        let _ = writer.shutdown().await;
+        tracing::debug!(%peer, "bad protocol header; answered with AMQP 0-9-1");
+        return;
+    }
+
+    let outbox = Arc::new(Outbox::new(limits.connection_outbox_bytes));
+    let conn_id = Arc::new(AtomicU64::new(0));
+    let heartbeat_secs = Arc::new(AtomicU64::new(0));
+    let writer_task = tokio::spawn(write_loop(
+        writer,
+        outbox.clone(),
+        ctx.clone(),
+        conn_id.clone(),
+        heartbeat_secs.clone(),
+    ));
+
+    let mut frames = FramedRead::new(reader, FrameCodec::new(limits.frame_max));
+    let session = match handshake(&mut frames, &outbox, &ctx, peer, &limits).await {
+        Some(s) => s,
+        None => {
+            outbox.close();
+            let _ = writer_task.await;
+            return;
+        }
+    };
+    conn_id.store(session.conn_id, Ordering::SeqCst);
+    frames.decoder_mut().set_frame_max(session.frame_max as u32);
+    let heartbeat = session.heartbeat;
+    heartbeat_secs.store(heartbeat, Ordering::SeqCst);
+    tracing::debug!(%peer, user = %session.user, vhost = %session.vhost, "connection open");
+
+    frame_loop(&mut frames, &session, &ctx, shutdown, heartbeat).await;
+
+    ctx.broker.close_connection(session.conn_id);
+    outbox.close();
+    let _ = tokio::time::timeout(Duration::from_secs(5), writer_task).await;
+}
+
+/// Reads the next frame, failing on a silent peer.
+async fn next_frame<R: AsyncRead + Unpin>(
+    frames: &mut FramedRead<R, FrameCodec>,
+    timeout: Option<Duration>,
+) -> Result<Option<RawFrame>, FrameError> {
+    let next = match timeout {
+        Some(t) => match tokio::time::timeout(t, frames.next()).await {
+            Ok(n) => n,
+            Err(_) => {
+                return Err(FrameError::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "missed heartbeats from client",
+                )));
+            }
+        },
+        None => frames.next().await,
+    };
+    next.transpose()
+}
+
+fn send_close(outbox: &Outbox, err: &AmqpError) {
+    outbox.push(|out| {
+        put_method(
+            out,
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+                reply_code: err.code,
+                reply_text: short(err.short_text()),
+                class_id: err.class_id,
+                method_id: err.method_id,
+            })),
+        )
+    });
+}
+
+/// Waits briefly for connection.close-ok after we sent connection.close.
+async fn await_close_ok<R: AsyncRead + Unpin>(frames: &mut FramedRead<R, FrameCodec>) {
+    let deadline = Duration::from_secs(3);
+    let _ = tokio::time::timeout(deadline, async {
+        while let Some(Ok(frame)) = frames.next().await {
+            if frame.kind == FRAME_METHOD
+                && frame.channel == 0
+                && matches!(
+                    decode_method(&frame.payload),
+                    Some(AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)))
+                )
+            {
+                return;
+            }
+        }
+    })
+    .await;
+}
+
+async fn handshake<R: AsyncRead + Unpin>(
+    frames: &mut FramedRead<R, FrameCodec>,
+    outbox: &Arc<Outbox>,
+    ctx: &Arc<ServerContext>,
+    peer: SocketAddr,
+    limits: &crate::config::LimitsConfig,
+) -> Option<Session> {
+    let timeout = Some(Duration::from_secs(limits.handshake_timeout_secs.max(1)));
+    outbox.push(|out| {
+        put_method(
+            out,
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
+                version_major: 0,
+                version_minor: 9,
+                server_properties: server_properties(),
+                mechanisms: LongString::from("PLAIN AMQPLAIN"),
+                locales: LongString::from("en_US"),
+            })),
+        )
+    });
+    let fail = |err: AmqpError| {
+        send_close(outbox, &err);
+        None::<Session>
+    };
+    // start-ok
+    let start_ok = match expect_method(frames, timeout).await {
+        Ok(AMQPClass::Connection(connection::AMQPMethod::StartOk(s))) => s,
+        Ok(_) => return fail(AmqpError::command_invalid("expected connection.start-ok")),
+        Err(None) => return None,
+        Err(Some(e)) => return fail(e),
+    };
+    let credentials = match start_ok.mechanism.as_str() {
+        "PLAIN" => parse_sasl_plain(start_ok.response.as_bytes()),
+        "AMQPLAIN" => parse_amqplain(start_ok.response.as_bytes()),
+        other => {
+            return fail(AmqpError::access_refused(format!(
+                "unsupported authentication mechanism '{other}'"
+            )));
+        }
+    };
+    let mechanism = start_ok.mechanism.as_str().to_string();
+    let Some((user, password)) = credentials else {
+        return fail(AmqpError::access_refused(format!(
+            "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
+        )));
+    };
+    if let Err(err) = ctx
+        .users()
+        .authenticate(&user, &password, peer.ip().is_loopback())
+    {
+        tracing::warn!(%peer, %user, %err, "authentication failed");
+        let e = AmqpError::access_refused(format!(
+            "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
+        ));
+        send_close(outbox, &e);
+        return None;
+    }
+    // tune
+    outbox.push(|out| {
+        put_method(
+            out,
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Tune(connection::Tune {
+                channel_max: limits.channel_max,
+                frame_max: limits.frame_max,
+                heartbeat: limits.heartbeat_secs,
+            })),
+        )
+    });
+    let tune_ok = match expect_method(frames, timeout).await {
+        Ok(AMQPClass::Connection(connection::AMQPMethod::TuneOk(t))) => t,
+        Ok(_) => return fail(AmqpError::command_invalid("expected connection.tune-ok")),
+        Err(None) => return None,
+        Err(Some(e)) => return fail(e),
+    };
+    let frame_max = match tune_ok.frame_max {
+        0 => limits.frame_max,
+        f => f.min(limits.frame_max),
+    };
+    if frame_max < crate::amqp::codec::FRAME_MIN_SIZE {
+        return fail(AmqpError::syntax_error(format!(
+            "frame_max={frame_max} < {} min size",
+            crate::amqp::codec::FRAME_MIN_SIZE
+        )));
+    }
+    let channel_max = match tune_ok.channel_max {
+        0 => limits.channel_max,
+        c => c.min(limits.channel_max),
+    };
+    // open
+    let open = match expect_method(frames, timeout).await {
+        Ok(AMQPClass::Connection(connection::AMQPMethod::Open(o))) => o,
+        Ok(_) => return fail(AmqpError::command_invalid("expected connection.open")),
+        Err(None) => return None,
+        Err(Some(e)) => return fail(e),
+    };
+    let vhost = open.virtual_host.as_str().to_string();
+    if !ctx.users().has_vhost_access(&user, &vhost) {
+        return fail(AmqpError::not_allowed(format!(
+            "access to vhost '{vhost}' refused for user '{user}'"
+        )));
+    }
+    let conn_id =
+        match ctx
+            .broker
+            .open_connection(outbox.clone(), frame_max as usize, &user, &vhost)
+        {
+            Ok(id) => id,
+            Err(e) => return fail(e),
+        };
+    outbox.push(|out| {
+        put_method(
+            out,
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::OpenOk(connection::OpenOk {})),
+        )
+    });
+    Some(Session {
+        conn_id,
+        user,
+        vhost,
+        frame_max: frame_max as usize,
+        channel_max,
+        heartbeat: tune_ok.heartbeat as u64,
+        outbox: outbox.clone(),
+    })
+}
+
+/// Reads one method frame on channel 0 during the handshake. `Err(None)` = peer gone.
+async fn expect_method<R: AsyncRead + Unpin>(
+    frames: &mut FramedRead<R, FrameCodec>,
+    timeout: Option<Duration>,
+) -> Result<AMQPClass, Option<AmqpError>> {
+    loop {
+        let frame = match next_frame(frames, timeout).await {
+            Ok(Some(f)) => f,
+            Ok(None) => return Err(None),
+            Err(FrameError::Io(_)) => return Err(None),
+            Err(e) => return Err(Some(AmqpError::frame_error(e.to_string()))),
+        };
+        if frame.kind == FRAME_HEARTBEAT {
+            continue;
+        }
+        if frame.kind != FRAME_METHOD || frame.channel != 0 {
+            return Err(Some(AmqpError::unexpected_frame(
+                "expected a method frame on channel 0 during the handshake",
+            )));
+        }
+        return decode_method(&frame.payload).ok_or_else(|| {
+            let (c, m) = method_ids(&frame.payload);
+            Some(AmqpError::syntax_error("malformed method frame").on_method(c, m))
+        });
+    }
+}
+
+async fn frame_loop<R: AsyncRead + Unpin>(
+    frames: &mut FramedRead<R, FrameCodec>,
+    session: &Session,
+    ctx: &Arc<ServerContext>,
+    mut shutdown: Shutdown,
+    heartbeat: u64,
+) {
+    let timeout = (heartbeat > 0).then(|| Duration::from_secs(heartbeat * 2));
+    let mut channels = ChannelTable::new(ctx.limits().max_message_size);
+    loop {
+        let frame = tokio::select! {
+            f = next_frame(frames, timeout) => f,
+            _ = shutdown.recv() => {
+                let e = AmqpError::new(
+                    reply::CONNECTION_FORCED,
+                    "broker forced connection closure with reason 'shutdown'",
+                );
+                send_close(&session.outbox, &e);
+                await_close_ok(frames).await;
+                return;
+            }
+        };
+        let frame = match frame {
+            Ok(Some(f)) => f,
+            Ok(None) => return,
+            Err(FrameError::Io(err)) => {
+                tracing::debug!(conn = session.conn_id, %err, "connection read ended");
+                return;
+            }
+            Err(err) => {
+                let e = AmqpError::frame_error(err.to_string());
+                send_close(&session.outbox, &e);
+                await_close_ok(frames).await;
+                return;
+            }
+        };
+        match channels.handle(frame, session, ctx) {
+            Flow::Continue => {}
+            Flow::CloseConnection(err) => {
+                tracing::debug!(conn = session.conn_id, %err, "closing connection");
+                send_close(&session.outbox, &err);
+                await_close_ok(frames).await;
+                return;
+            }
+            Flow::Closed => return,
+        }
+    }
+}
+
+/// Drains the outbox to the socket, sends heartbeats, and resumes dispatch after the outbox
+/// was too full to take deliveries.
+async fn write_loop<W: AsyncWrite + Unpin>(
+    mut writer: W,
+    outbox: Arc<Outbox>,
+    ctx: Arc<ServerContext>,
+    conn_id: Arc<AtomicU64>,
+    heartbeat_secs: Arc<AtomicU64>,
+) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut idle_secs = 0u64;
+    loop {
+        let batch: BytesMut = tokio::select! {
+            b = outbox.next_batch() => b,
+            _ = tick.tick() => {
+                let hb = heartbeat_secs.load(Ordering::Relaxed);
+                idle_secs += 1;
+                if hb > 0 && idle_secs >= hb.div_ceil(2).max(1) {
+                    let mut b = BytesMut::new();
+                    put_heartbeat(&mut b);
+                    b
+                } else {
+                    continue;
+                }
+            }
+        };
+        if batch.is_empty() {
+            // Closed: flush whatever is left and stop.
+            let rest = outbox.try_batch();
+            let _ = writer.write_all(&rest).await;
+            let _ = writer.flush().await;
+            let _ = writer.shutdown().await;
+            return;
+        }
+        idle_secs = 0;
+        let n = batch.len();
+        if writer.write_all(&batch).await.is_err() {
+            outbox.close();
+            return;
+        }
+        outbox.written(n);
+        ctx.broker.metrics.bytes("out", n as u64);
+        if !outbox.is_full() && outbox.take_starved() {
+            let id = conn_id.load(Ordering::SeqCst);
+            if id != 0 {
+                ctx.broker.resume_connection(id);
+            }
+        }
+    }
+}
