@@ -25,3 +25,4 @@ impl Metrics {
     pub fn bytes(&self, _d: &str, _n: u64) {}
     pub fn frame_in(&self, _n: u64) {}
 }
+impl Metrics { pub fn encode(&self) -> String { String::new() } }
