@@ -57,7 +57,8 @@ pub fn dead_letter_options(config: &Config) -> anyhow::Result<DeadLetterOptions>
 
 /// Binds the listeners and starts every task.
 pub async fn start(config: Config) -> anyhow::Result<RunningService> {
-    let (trigger, shutdown) = ShutdownTrigger::new();
+    let trigger = ShutdownTrigger::new();
+    let shutdown = trigger.subscribe();
     let metrics = Metrics::new(config.metrics.max_queue_labels);
     let policies = PolicySet::from_configs(&config.policies).map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut tasks = Vec::new();

@@ -52,8 +52,10 @@ impl Broker {
     ) {
         let reason = death.reason;
         self.metrics.dead_lettered(vhost, source, reason.as_str());
-        let age_secs = now.saturating_sub(death.entry.enqueued_at) as f64 / 1000.0;
-        self.metrics.observe_age(age_secs);
+        self.metrics
+            .observe_message_age_at_dead_letter(std::time::Duration::from_millis(
+                now.saturating_sub(death.entry.enqueued_at),
+            ));
         let Some(settings) = st
             .vhosts
             .get(vhost)
@@ -138,8 +140,9 @@ impl Broker {
             }
         }
         if delivered {
-            let latency = now.saturating_sub(death_time(&death, now)) as f64 / 1000.0;
-            self.metrics.observe_dead_letter_latency(latency);
+            let latency = now.saturating_sub(death_time(&death, now));
+            self.metrics
+                .observe_dead_letter_latency(std::time::Duration::from_millis(latency));
         }
     }
 

@@ -784,7 +784,7 @@ impl Broker {
                 result.rejected = true;
             }
         }
-        self.metrics.published();
+        self.metrics.published(1);
         for (q, d) in deaths {
             self.process_deaths(&mut st, vhost, &q, d, now);
         }
@@ -820,7 +820,7 @@ impl Broker {
             && let Some(idx) = pick_consumer(q, channels, connections)
         {
             deliver_to(q, idx, entry, channels, connections);
-            self.metrics.delivered();
+            self.metrics.delivered(1);
             return Some(PublishOutcome::Accepted);
         }
         let mut died = Vec::new();
@@ -1038,7 +1038,7 @@ impl Broker {
             }
         };
         if result {
-            self.metrics.delivered();
+            self.metrics.delivered(1);
         }
         if !deaths.is_empty() {
             self.process_deaths(st, vhost, queue, deaths, now);
@@ -1242,7 +1242,7 @@ impl Broker {
             }
         }
         if delivered > 0 {
-            self.metrics.delivered_n(delivered);
+            self.metrics.delivered(delivered);
         }
         if !deaths.is_empty() {
             self.process_deaths(st, vhost, queue, deaths, now);
@@ -1278,8 +1278,8 @@ impl Broker {
             self.metrics.set_queue_depth(
                 vhost,
                 queue,
-                q.state.len() as i64,
-                q.state.bytes() as i64,
+                q.state.len() as u64,
+                q.state.bytes(),
             );
         }
     }

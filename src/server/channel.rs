@@ -73,7 +73,6 @@ impl ChannelTable {
 
     /// Handles one frame.
     pub fn handle(&mut self, frame: RawFrame, s: &Session, ctx: &ServerContext) -> Flow {
-        ctx.broker.metrics.frame_in(frame.wire_len() as u64);
         match frame.kind {
             FRAME_HEARTBEAT => {
                 if frame.channel != 0 {
@@ -155,7 +154,7 @@ impl ChannelTable {
             (AMQPClass::Channel(chan::AMQPMethod::Close(_)), Some(_)) => {
                 self.channels.remove(&ch);
                 ctx.broker.close_channel(s.conn_id, ch);
-                ctx.broker.metrics.channel_closed();
+                ctx.broker.metrics.channels_closed(1);
                 s.outbox.push(|o| {
                     method_frame(
                         o,
@@ -192,7 +191,7 @@ impl ChannelTable {
             local.pending = None;
         }
         ctx.broker.close_channel(s.conn_id, ch);
-        ctx.broker.metrics.channel_closed();
+        ctx.broker.metrics.channels_closed(1);
         s.outbox.push(|o| {
             method_frame(
                 o,

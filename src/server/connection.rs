@@ -433,7 +433,9 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             return;
         }
         outbox.written(n);
-        ctx.broker.metrics.bytes("out", n as u64);
+        ctx.broker
+            .metrics
+            .traffic(crate::metrics::Direction::ClientOut, 0, n as u64);
         if !outbox.is_full() && outbox.take_starved() {
             let id = conn_id.load(Ordering::SeqCst);
             if id != 0 {
