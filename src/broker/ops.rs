@@ -567,7 +567,7 @@ impl Broker {
                         req.name
                     )));
                 }
-                args::check_equivalent(&q.arguments, req.arguments)
+                args::check_equivalent(&q.arguments, req.arguments, req.name, vhost)
                     .map_err(AmqpError::precondition)?;
             }
             q.last_used = now;
