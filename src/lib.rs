@@ -16,6 +16,7 @@ pub mod deadletter;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;
+pub mod reload;
 pub mod server;
 pub mod service;
 pub mod shutdown;

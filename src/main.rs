@@ -150,7 +150,7 @@ fn run(given: Option<&Path>) -> ExitCode {
             return ExitCode::from(EXIT_FAILURE);
         }
     };
-    match runtime.block_on(dlx_proxy::service::run(config)) {
+    match runtime.block_on(dlx_proxy::service::run(config, path)) {
         Ok(()) => {
             tracing::info!("dlx-proxy stopped");
             ExitCode::SUCCESS

@@ -443,6 +443,11 @@ impl Metrics {
 
     /// Changes the unsettled-deliveries gauges by `deliveries` and `bytes` (negative to
     /// release).
+    /// Deliveries the proxy keeps until they are settled (the drain waits for zero).
+    pub fn inflight_deliveries(&self) -> i64 {
+        self.inflight_deliveries.get()
+    }
+
     pub fn add_inflight(&self, deliveries: i64, bytes: i64) {
         self.inflight_deliveries.add(deliveries);
         self.inflight_bytes.add(bytes);

@@ -1,75 +1,233 @@
-//! Wires a validated [`Config`] into running listeners: the embedded broker or the proxy, the
-//! admin HTTP server, the broker's timer task, and the shutdown signal threaded through all
-//! of them.
+//! Wires a validated [`Config`] into running tasks: the embedded broker or the proxy, the
+//! admin HTTP server, the broker's timer task, configuration reload, and the shutdown signal
+//! threaded through all of them.
 //!
 //! [`start`] binds everything and returns a [`RunningService`] handle (used by `main` and by
-//! the integration tests); [`run`] is `start` plus waiting for SIGTERM/SIGINT.
+//! the integration tests); [`run`] is `start` plus signal handling: SIGHUP or a change of the
+//! config file reloads, SIGTERM/SIGINT shut down gracefully.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 
 use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
+use crate::admin::{AdminState, PolicyControl, Readiness};
 use crate::broker::auth::UserDb;
 use crate::broker::{Broker, BrokerOptions};
-use crate::config::{Config, Mode};
+use crate::config::{Config, Mode, PolicyConfig};
 use crate::deadletter::DeadLetterOptions;
 use crate::metrics::Metrics;
 use crate::policy::PolicySet;
 use crate::server::{self, ServerContext};
-use crate::shutdown::{Shutdown, ShutdownTrigger};
+use crate::shutdown::ShutdownTrigger;
+
+/// Where a new policy set goes.
+#[derive(Clone)]
+#[allow(dead_code)] // `Shared` serves proxy mode
+enum PolicySink {
+    Broker(Arc<Broker>),
+    Shared(Arc<RwLock<PolicySet>>),
+}
+
+/// TOML policies plus runtime policies from the admin API; rebuilds and applies the
+/// [`PolicySet`] on every change.
+pub struct PolicyHub {
+    inner: Mutex<PolicyHubState>,
+    sink: PolicySink,
+}
+
+struct PolicyHubState {
+    from_config: Vec<PolicyConfig>,
+    runtime: BTreeMap<(String, String), PolicyConfig>,
+}
+
+impl PolicyHub {
+    fn lock(&self) -> std::sync::MutexGuard<'_, PolicyHubState> {
+        match self.inner.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// All policies in force: the config's, with runtime ones replacing same-named ones.
+    fn merged(state: &PolicyHubState) -> Vec<PolicyConfig> {
+        let mut out: Vec<PolicyConfig> = state
+            .from_config
+            .iter()
+            .filter(|p| {
+                !state
+                    .runtime
+                    .contains_key(&(p.vhost.clone(), p.name.clone()))
+            })
+            .cloned()
+            .collect();
+        out.extend(state.runtime.values().cloned());
+        out
+    }
+
+    fn apply(&self, state: &PolicyHubState) -> Result<(), String> {
+        let set = PolicySet::from_configs(&Self::merged(state)).map_err(|e| e.to_string())?;
+        match &self.sink {
+            PolicySink::Broker(b) => b.apply_policies(set),
+            PolicySink::Shared(shared) => match shared.write() {
+                Ok(mut g) => *g = set,
+                Err(p) => *p.into_inner() = set,
+            },
+        }
+        Ok(())
+    }
+
+    /// Replaces the policies that come from the configuration file.
+    pub fn set_config_policies(&self, policies: Vec<PolicyConfig>) -> Result<(), String> {
+        let mut state = self.lock();
+        let previous = std::mem::replace(&mut state.from_config, policies);
+        if let Err(e) = self.apply(&state) {
+            state.from_config = previous;
+            return Err(e);
+        }
+        Ok(())
+    }
+}
+
+impl PolicyControl for PolicyHub {
+    fn set_policy(&self, cfg: PolicyConfig) -> Result<(), String> {
+        let mut state = self.lock();
+        let key = (cfg.vhost.clone(), cfg.name.clone());
+        let previous = state.runtime.insert(key.clone(), cfg);
+        if let Err(e) = self.apply(&state) {
+            match previous {
+                Some(p) => state.runtime.insert(key, p),
+                None => state.runtime.remove(&key),
+            };
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn clear_policy(&self, vhost: &str, name: &str) -> bool {
+        let mut state = self.lock();
+        let removed = state
+            .runtime
+            .remove(&(vhost.to_string(), name.to_string()))
+            .is_some();
+        if removed && let Err(e) = self.apply(&state) {
+            tracing::error!(error = %e, "policy set invalid after clearing a policy");
+        }
+        removed
+    }
+
+    fn list_policies(&self) -> Vec<PolicyConfig> {
+        Self::merged(&self.lock())
+    }
+}
 
 /// A started service.
 pub struct RunningService {
     pub amqp_addr: Option<SocketAddr>,
+    pub amqps_addr: Option<SocketAddr>,
+    pub admin_addr: Option<SocketAddr>,
     pub metrics: Arc<Metrics>,
     pub broker: Option<Arc<Broker>>,
-    trigger: ShutdownTrigger,
+    pub policies: Arc<PolicyHub>,
+    pub readiness: Readiness,
+    server: Option<Arc<ServerContext>>,
+    drain: Duration,
+    accept_trigger: ShutdownTrigger,
+    connections_trigger: ShutdownTrigger,
     tasks: Vec<JoinHandle<()>>,
 }
 
 impl RunningService {
-    /// Stops accepting, closes client connections with 320 and waits for the tasks.
+    /// Graceful shutdown: stop accepting, give in-flight work the drain time, close client
+    /// connections with 320 CONNECTION_FORCED, and wait for the tasks.
     pub async fn shutdown(self) {
-        self.trigger.trigger();
-        for t in self.tasks {
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(10), t).await;
+        self.readiness.set_ready(false);
+        self.accept_trigger.trigger();
+        let deadline = tokio::time::Instant::now() + self.drain;
+        while tokio::time::Instant::now() < deadline && self.metrics.inflight_deliveries() > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        self.connections_trigger.trigger();
+        for t in self.tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+        if let Some(ctx) = &self.server {
+            let until = tokio::time::Instant::now() + Duration::from_secs(5);
+            while ctx.connections.load(std::sync::atomic::Ordering::SeqCst) > 0
+                && tokio::time::Instant::now() < until
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+
+    /// Applies a new configuration without dropping connections: policies, users, limits.
+    /// Listener addresses and the mode need a restart; a change to them is logged.
+    pub fn reload(&self, config: &Config) -> anyhow::Result<()> {
+        config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+        self.policies
+            .set_config_policies(config.policies.clone())
+            .map_err(|e| anyhow::anyhow!(e))?;
+        if let Some(ctx) = &self.server {
+            let users = UserDb::from_config(&config.users).map_err(|e| anyhow::anyhow!(e))?;
+            match ctx.users.write() {
+                Ok(mut u) => *u = Arc::new(users),
+                Err(p) => *p.into_inner() = Arc::new(users),
+            }
+            match ctx.limits.write() {
+                Ok(mut l) => *l = config.limits.clone(),
+                Err(p) => *p.into_inner() = config.limits.clone(),
+            }
+        }
+        Ok(())
     }
 }
 
 /// Dead-letter options from the configuration.
 pub fn dead_letter_options(config: &Config) -> anyhow::Result<DeadLetterOptions> {
-    let mut o = DeadLetterOptions {
-        x_death_total: config.dead_letter.x_death_total,
-        max_hops: (config.dead_letter.max_hops > 0).then_some(config.dead_letter.max_hops),
-        ..Default::default()
-    };
-    o.compat = config
-        .dead_letter
-        .compat
-        .parse()
-        .map_err(|_| anyhow::anyhow!("dead_letter.compat: expected \"3\" or \"4\""))?;
-    Ok(o)
+    DeadLetterOptions::from_config(&config.dead_letter).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+async fn bind(addr: &str, key: &str) -> anyhow::Result<Option<TcpListener>> {
+    if addr.is_empty() {
+        return Ok(None);
+    }
+    let l = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("{key}: cannot bind {addr}"))?;
+    Ok(Some(l))
 }
 
 /// Binds the listeners and starts every task.
 pub async fn start(config: Config) -> anyhow::Result<RunningService> {
-    let trigger = ShutdownTrigger::new();
-    let shutdown = trigger.subscribe();
+    let accept_trigger = ShutdownTrigger::new();
+    let connections_trigger = ShutdownTrigger::new();
     let metrics = Metrics::new(config.metrics.max_queue_labels);
-    let policies = PolicySet::from_configs(&config.policies).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let initial = PolicySet::from_configs(&config.policies).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let readiness = Readiness::new();
     let mut tasks = Vec::new();
-    let mut amqp_addr = None;
-    let mut broker_handle = None;
-    match config.mode {
+    let amqp = bind(&config.listen.amqp, "listen.amqp").await?;
+    let amqps = bind(&config.listen.amqps, "listen.amqps").await?;
+    let admin = bind(&config.listen.admin, "listen.admin").await?;
+    let amqp_addr = amqp.as_ref().and_then(|l| l.local_addr().ok());
+    let amqps_addr = amqps.as_ref().and_then(|l| l.local_addr().ok());
+    let admin_addr = admin.as_ref().and_then(|l| l.local_addr().ok());
+    let tls_acceptor = match &amqps {
+        Some(_) => Some(crate::tls::acceptor(&config.tls)?),
+        None => None,
+    };
+
+    let (sink, broker_handle, server_ctx) = match config.mode {
         Mode::Embedded => {
             let users = UserDb::from_config(&config.users).map_err(|e| anyhow::anyhow!(e))?;
             let broker = Broker::new(
                 &config.vhosts,
-                policies,
+                initial,
                 BrokerOptions {
                     dead_letter: dead_letter_options(&config)?,
                     default_delivery_limit: (config.dead_letter.default_delivery_limit > 0)
@@ -78,65 +236,124 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 },
                 metrics.clone(),
             );
-            tasks.push(tokio::spawn(broker.clone().timer_loop(shutdown.clone())));
+            tasks.push(tokio::spawn(
+                broker.clone().timer_loop(connections_trigger.subscribe()),
+            ));
             let ctx = ServerContext::new(broker.clone(), users, config.limits.clone());
-            if !config.listen.amqp.is_empty() {
-                let listener = TcpListener::bind(&config.listen.amqp)
-                    .await
-                    .with_context(|| format!("listen.amqp: cannot bind {}", config.listen.amqp))?;
-                amqp_addr = Some(listener.local_addr()?);
-                tracing::info!(addr = %listener.local_addr()?, "AMQP listener (embedded broker)");
+            if let Some(listener) = amqp {
+                tracing::info!(addr = ?amqp_addr, "AMQP listener (embedded broker)");
                 tasks.push(tokio::spawn(server::serve(
                     listener,
                     ctx.clone(),
-                    shutdown.clone(),
+                    accept_trigger.subscribe(),
+                    connections_trigger.subscribe(),
                 )));
             }
-            broker_handle = Some(broker);
+            if let (Some(listener), Some(acceptor)) = (amqps, tls_acceptor) {
+                tracing::info!(addr = ?amqps_addr, "AMQPS listener (embedded broker)");
+                let tls_ctx = ctx.clone();
+                let conn_stop = connections_trigger.subscribe();
+                tasks.push(tokio::spawn(crate::tls::serve(
+                    listener,
+                    acceptor,
+                    accept_trigger.subscribe(),
+                    move |stream, peer| {
+                        server::spawn_connection(stream, peer, tls_ctx.clone(), conn_stop.clone())
+                    },
+                )));
+            }
+            readiness.set_ready(true);
+            (PolicySink::Broker(broker.clone()), Some(broker), Some(ctx))
         }
         Mode::Proxy => {
-            anyhow::bail!("proxy mode is not available in this build yet");
+            anyhow::bail!("mode = \"proxy\" is not available in this build yet");
         }
+    };
+    let policies = Arc::new(PolicyHub {
+        inner: Mutex::new(PolicyHubState {
+            from_config: config.policies.clone(),
+            runtime: BTreeMap::new(),
+        }),
+        sink,
+    });
+    if let Some(listener) = admin {
+        tracing::info!(addr = ?admin_addr, "admin HTTP listener");
+        let state = AdminState {
+            metrics: metrics.clone(),
+            readiness: readiness.clone(),
+            policies: policies.clone(),
+        };
+        let stop = connections_trigger.subscribe();
+        tasks.push(tokio::spawn(async move {
+            if let Err(err) = crate::admin::serve(listener, state, stop).await {
+                tracing::error!(%err, "admin server failed");
+            }
+        }));
     }
     Ok(RunningService {
         amqp_addr,
+        amqps_addr,
+        admin_addr,
         metrics,
         broker: broker_handle,
-        trigger,
+        policies,
+        readiness,
+        server: server_ctx,
+        drain: Duration::from_secs(config.shutdown.drain_secs),
+        accept_trigger,
+        connections_trigger,
         tasks,
     })
 }
 
-/// Runs until SIGTERM or SIGINT, then shuts down gracefully.
-pub async fn run(config: Config) -> anyhow::Result<()> {
+/// Reloads from `path` (and the environment); a broken configuration is logged and the old
+/// one stays in force.
+fn reload_from(service: &RunningService, path: Option<&std::path::Path>) {
+    match crate::config::load(path).map_err(|e| anyhow::anyhow!("{e}")) {
+        Ok(cfg) => match service.reload(&cfg) {
+            Ok(()) => {
+                service.metrics.config_reloaded(true);
+                tracing::info!("configuration reloaded");
+            }
+            Err(err) => {
+                service.metrics.config_reloaded(false);
+                tracing::error!(error = %err, "configuration reload rejected; keeping the old one");
+            }
+        },
+        Err(err) => {
+            service.metrics.config_reloaded(false);
+            tracing::error!(error = %err, "configuration reload rejected; keeping the old one");
+        }
+    }
+}
+
+/// Runs until SIGTERM or SIGINT; SIGHUP or a change of the config file reloads.
+pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<()> {
     let service = start(config).await?;
-    wait_for_signal().await;
-    tracing::info!("shutting down");
+    let mut hup = crate::shutdown::reload_signals().context("installing the SIGHUP handler")?;
+    let (watch_tx, mut watch_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let _watcher = match &config_path {
+        Some(p) => match crate::reload::watch_config(p, watch_tx) {
+            Ok(w) => Some(w),
+            Err(err) => {
+                tracing::warn!(%err, path = %p.display(), "config file watching unavailable; SIGHUP still reloads");
+                None
+            }
+        },
+        None => None,
+    };
+    let stop = crate::shutdown::wait_for_signal();
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            sig = &mut stop => {
+                tracing::info!(signal = ?sig.ok(), "shutting down");
+                break;
+            }
+            _ = hup.recv() => reload_from(&service, config_path.as_deref()),
+            Some(()) = watch_rx.recv() => reload_from(&service, config_path.as_deref()),
+        }
+    }
     service.shutdown().await;
     Ok(())
 }
-
-async fn wait_for_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
-}
-
-#[allow(dead_code)]
-fn _shutdown_type_check(_: Shutdown) {}

@@ -54,20 +54,26 @@ impl ServerContext {
 }
 
 /// Accepts connections until shutdown; each one runs in its own task.
-pub async fn serve(listener: TcpListener, ctx: Arc<ServerContext>, mut shutdown: Shutdown) {
+/// `stop` ends accepting; `connections` is handed to each connection (it closes them).
+pub async fn serve(
+    listener: TcpListener,
+    ctx: Arc<ServerContext>,
+    mut stop: Shutdown,
+    connections: Shutdown,
+) {
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     let _ = stream.set_nodelay(true);
-                    spawn_connection(stream, peer, ctx.clone(), shutdown.clone());
+                    spawn_connection(stream, peer, ctx.clone(), connections.clone());
                 }
                 Err(err) => {
                     tracing::warn!(%err, "accept failed");
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 }
             },
-            _ = shutdown.recv() => return,
+            _ = stop.recv() => return,
         }
     }
 }
