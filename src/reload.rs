@@ -14,7 +14,10 @@ use tokio::sync::mpsc;
 
 /// Starts watching the directory of `path`; a (debounced) `()` is sent on every change.
 /// Keep the returned watcher alive for as long as watching should continue.
-pub fn watch_config(path: &Path, notify_tx: mpsc::Sender<()>) -> notify::Result<RecommendedWatcher> {
+pub fn watch_config(
+    path: &Path,
+    notify_tx: mpsc::Sender<()>,
+) -> notify::Result<RecommendedWatcher> {
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())

@@ -175,8 +175,10 @@ impl tokio_rustls::rustls::client::danger::ServerCertVerifier for NoVerification
         message: &[u8],
         cert: &CertificateDer<'_>,
         dss: &tokio_rustls::rustls::DigitallySignedStruct,
-    ) -> Result<tokio_rustls::rustls::client::danger::HandshakeSignatureValid, tokio_rustls::rustls::Error>
-    {
+    ) -> Result<
+        tokio_rustls::rustls::client::danger::HandshakeSignatureValid,
+        tokio_rustls::rustls::Error,
+    > {
         tokio_rustls::rustls::crypto::verify_tls12_signature(
             message,
             cert,
@@ -190,8 +192,10 @@ impl tokio_rustls::rustls::client::danger::ServerCertVerifier for NoVerification
         message: &[u8],
         cert: &CertificateDer<'_>,
         dss: &tokio_rustls::rustls::DigitallySignedStruct,
-    ) -> Result<tokio_rustls::rustls::client::danger::HandshakeSignatureValid, tokio_rustls::rustls::Error>
-    {
+    ) -> Result<
+        tokio_rustls::rustls::client::danger::HandshakeSignatureValid,
+        tokio_rustls::rustls::Error,
+    > {
         tokio_rustls::rustls::crypto::verify_tls13_signature(
             message,
             cert,

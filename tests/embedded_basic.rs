@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use common::*;
 use futures_util::StreamExt;
+use lapin::Confirmation;
 use lapin::message::Delivery;
 use lapin::options::*;
-use lapin::Confirmation;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, ExchangeKind};
 
@@ -31,13 +31,23 @@ async fn get_body(ch: &lapin::Channel, q: &str) -> Option<(Vec<u8>, u64, bool)> 
     ch.basic_get(q.into(), BasicGetOptions { no_ack: false })
         .await
         .expect("get")
-        .map(|m| (m.delivery.data.clone(), m.delivery.delivery_tag, m.delivery.redelivered))
+        .map(|m| {
+            (
+                m.delivery.data.clone(),
+                m.delivery.delivery_tag,
+                m.delivery.redelivered,
+            )
+        })
 }
 
 async fn declare(ch: &lapin::Channel, q: &str) {
-    ch.queue_declare(q.into(), QueueDeclareOptions::default(), FieldTable::default())
-        .await
-        .expect("declare");
+    ch.queue_declare(
+        q.into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("declare");
 }
 
 async fn next(consumer: &mut lapin::Consumer) -> Delivery {
@@ -58,7 +68,12 @@ async fn publish_consume_ack_round_trip() {
         publish(&ch, "", &q, format!("m{i}").as_bytes()).await;
     }
     let mut consumer = ch
-        .basic_consume(q.as_str().into(), "c1".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            q.as_str().into(),
+            "c1".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     for i in 0..10 {
@@ -70,7 +85,14 @@ async fn publish_consume_ack_round_trip() {
         d.ack(BasicAckOptions::default()).await.unwrap();
     }
     let info = ch
-        .queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     assert_eq!(info.message_count(), 0);
@@ -86,12 +108,25 @@ async fn basic_get_reports_remaining_and_empty() {
     declare(&ch, &q).await;
     publish(&ch, "", &q, b"a").await;
     publish(&ch, "", &q, b"b").await;
-    let m = ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().unwrap();
+    let m = ch
+        .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(m.delivery.data, b"a");
     assert_eq!(m.message_count, 1);
-    let m = ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().unwrap();
+    let m = ch
+        .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(m.message_count, 0);
-    assert!(ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().is_none());
+    assert!(
+        ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+            .is_none()
+    );
 }
 
 #[tokio::test]
@@ -105,12 +140,27 @@ async fn nack_requeue_preserves_order_and_marks_redelivered() {
     }
     let (_, _t1, _) = get_body(&ch, &q).await.unwrap();
     let (_, t2, _) = get_body(&ch, &q).await.unwrap();
-    ch.basic_nack(t2, BasicNackOptions { multiple: true, requeue: true }).await.unwrap();
-    let got: Vec<_> = [get_body(&ch, &q).await.unwrap(), get_body(&ch, &q).await.unwrap(), get_body(&ch, &q).await.unwrap()]
-        .into_iter()
-        .map(|(b, _, r)| (String::from_utf8(b).unwrap(), r))
-        .collect();
-    assert_eq!(got, vec![("1".into(), true), ("2".into(), true), ("3".into(), false)]);
+    ch.basic_nack(
+        t2,
+        BasicNackOptions {
+            multiple: true,
+            requeue: true,
+        },
+    )
+    .await
+    .unwrap();
+    let got: Vec<_> = [
+        get_body(&ch, &q).await.unwrap(),
+        get_body(&ch, &q).await.unwrap(),
+        get_body(&ch, &q).await.unwrap(),
+    ]
+    .into_iter()
+    .map(|(b, _, r)| (String::from_utf8(b).unwrap(), r))
+    .collect();
+    assert_eq!(
+        got,
+        vec![("1".into(), true), ("2".into(), true), ("3".into(), false)]
+    );
 }
 
 #[tokio::test]
@@ -121,7 +171,9 @@ async fn reject_without_requeue_discards_on_queue_without_dlx() {
     declare(&ch, &q).await;
     publish(&ch, "", &q, b"x").await;
     let (_, t, _) = get_body(&ch, &q).await.unwrap();
-    ch.basic_reject(t, BasicRejectOptions { requeue: false }).await.unwrap();
+    ch.basic_reject(t, BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
     assert!(get_body(&ch, &q).await.is_none());
 }
 
@@ -134,15 +186,26 @@ async fn prefetch_limits_unacked_deliveries() {
     for i in 0..5 {
         publish(&ch, "", &q, format!("{i}").as_bytes()).await;
     }
-    ch.basic_qos(2, BasicQosOptions { global: false }).await.unwrap();
+    ch.basic_qos(2, BasicQosOptions { global: false })
+        .await
+        .unwrap();
     let mut consumer = ch
-        .basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let d1 = next(&mut consumer).await;
     let _d2 = next(&mut consumer).await;
     // A third delivery must not arrive while two are unacked.
-    assert!(tokio::time::timeout(Duration::from_millis(300), consumer.next()).await.is_err());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), consumer.next())
+            .await
+            .is_err()
+    );
     d1.ack(BasicAckOptions::default()).await.unwrap();
     let d3 = next(&mut consumer).await;
     assert_eq!(d3.data, b"2");
@@ -161,23 +224,53 @@ async fn global_prefetch_is_shared_by_the_channel() {
             publish(&ch, "", q, b"m").await;
         }
     }
-    ch.basic_qos(2, BasicQosOptions { global: true }).await.unwrap();
-    let mut c1 = ch.basic_consume(q1.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
-    let mut c2 = ch.basic_consume(q2.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    ch.basic_qos(2, BasicQosOptions { global: true })
+        .await
+        .unwrap();
+    let mut c1 = ch
+        .basic_consume(
+            q1.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut c2 = ch
+        .basic_consume(
+            q2.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
     let _a = next(&mut c1).await;
     let _b = next(&mut c1).await;
-    assert!(tokio::time::timeout(Duration::from_millis(300), c2.next()).await.is_err());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), c2.next())
+            .await
+            .is_err()
+    );
 }
 
 #[tokio::test]
 async fn publisher_confirms_ack_and_mandatory_return() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     let q = unique("confirm");
     declare(&ch, &q).await;
     let c = ch
-        .basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), b"x", BasicProperties::default())
+        .basic_publish(
+            "".into(),
+            q.as_str().into(),
+            BasicPublishOptions::default(),
+            b"x",
+            BasicProperties::default(),
+        )
         .await
         .unwrap()
         .await
@@ -187,7 +280,10 @@ async fn publisher_confirms_ack_and_mandatory_return() {
         .basic_publish(
             "".into(),
             "no-such-queue-anywhere".into(),
-            BasicPublishOptions { mandatory: true, ..Default::default() },
+            BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
             b"lost",
             BasicProperties::default().with_message_id("m-1".into()),
         )
@@ -200,7 +296,14 @@ async fn publisher_confirms_ack_and_mandatory_return() {
             assert_eq!(ret.reply_code, 312);
             assert_eq!(ret.reply_text.as_str(), "NO_ROUTE");
             assert_eq!(ret.delivery.data, b"lost");
-            assert_eq!(ret.delivery.properties.message_id().as_ref().map(|s| s.as_str()), Some("m-1"));
+            assert_eq!(
+                ret.delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|s| s.as_str()),
+                Some("m-1")
+            );
         }
         other => panic!("expected an ack with a returned message, got {other:?}"),
     }
@@ -219,11 +322,18 @@ async fn unacked_messages_requeue_on_channel_close_in_order() {
     get_body(&ch2, &q).await.unwrap();
     get_body(&ch2, &q).await.unwrap();
     ch2.close(200, "bye".into()).await.unwrap();
-    let got: Vec<_> = [get_body(&ch, &q).await.unwrap(), get_body(&ch, &q).await.unwrap(), get_body(&ch, &q).await.unwrap()]
-        .into_iter()
-        .map(|(b, _, r)| (String::from_utf8(b).unwrap(), r))
-        .collect();
-    assert_eq!(got, vec![("1".into(), true), ("2".into(), true), ("3".into(), false)]);
+    let got: Vec<_> = [
+        get_body(&ch, &q).await.unwrap(),
+        get_body(&ch, &q).await.unwrap(),
+        get_body(&ch, &q).await.unwrap(),
+    ]
+    .into_iter()
+    .map(|(b, _, r)| (String::from_utf8(b).unwrap(), r))
+    .collect();
+    assert_eq!(
+        got,
+        vec![("1".into(), true), ("2".into(), true), ("3".into(), false)]
+    );
 }
 
 #[tokio::test]
@@ -252,7 +362,9 @@ async fn recover_requeues_unacked() {
     declare(&ch, &q).await;
     publish(&ch, "", &q, b"1").await;
     get_body(&ch, &q).await.unwrap();
-    ch.basic_recover(BasicRecoverOptions { requeue: true }).await.unwrap();
+    ch.basic_recover(BasicRecoverOptions { requeue: true })
+        .await
+        .unwrap();
     let (body, _, redelivered) = get_body(&ch, &q).await.unwrap();
     assert_eq!((body.as_slice(), redelivered), (&b"1"[..], true));
 }
@@ -270,8 +382,12 @@ async fn multiple_ack_settles_everything_up_to_the_tag() {
     for _ in 0..3 {
         last = get_body(&ch, &q).await.unwrap().1;
     }
-    ch.basic_ack(last, BasicAckOptions { multiple: true }).await.unwrap();
-    ch.basic_recover(BasicRecoverOptions { requeue: true }).await.unwrap();
+    ch.basic_ack(last, BasicAckOptions { multiple: true })
+        .await
+        .unwrap();
+    ch.basic_recover(BasicRecoverOptions { requeue: true })
+        .await
+        .unwrap();
     assert!(get_body(&ch, &q).await.is_none(), "all three were settled");
 }
 
@@ -281,10 +397,22 @@ async fn deleting_a_queue_cancels_its_consumers() {
     let (_c, ch) = b.channel().await;
     let q = unique("cancelnotify");
     declare(&ch, &q).await;
-    let mut consumer = ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
     let (_c2, ch2) = b.channel().await;
-    ch2.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
-    let end = tokio::time::timeout(Duration::from_secs(5), consumer.next()).await.expect("stream ends");
+    ch2.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(5), consumer.next())
+        .await
+        .expect("stream ends");
     assert!(end.is_none(), "consumer stream closed by basic.cancel");
 }
 
@@ -293,14 +421,38 @@ async fn cancel_stops_deliveries_and_auto_delete_removes_queue() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
     let q = unique("autodel");
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions { auto_delete: true, ..Default::default() }, FieldTable::default())
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            auto_delete: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let consumer = ch
+        .basic_consume(
+            q.as_str().into(),
+            "t1".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
-    let consumer = ch.basic_consume(q.as_str().into(), "t1".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
     assert_eq!(consumer.tag().as_str(), "t1");
-    ch.basic_cancel("t1".into(), BasicCancelOptions::default()).await.unwrap();
+    ch.basic_cancel("t1".into(), BasicCancelOptions::default())
+        .await
+        .unwrap();
     let err = ch
-        .queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(404));
@@ -311,14 +463,26 @@ async fn server_named_and_exclusive_queues() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
     let q = ch
-        .queue_declare("".into(), QueueDeclareOptions { exclusive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let name = q.name().as_str().to_string();
     assert!(name.starts_with("amq.gen-"), "{name}");
     let (_c2, ch2) = b.channel().await;
     let err = ch2
-        .basic_consume(name.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            name.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(405));
@@ -332,7 +496,14 @@ async fn exclusive_queue_is_deleted_with_its_connection() {
     {
         let (c, ch) = b.channel().await;
         let q = ch
-            .queue_declare("".into(), QueueDeclareOptions { exclusive: true, ..Default::default() }, FieldTable::default())
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
             .await
             .unwrap();
         name = q.name().as_str().to_string();
@@ -342,7 +513,14 @@ async fn exclusive_queue_is_deleted_with_its_connection() {
     let mut gone = false;
     for _ in 0..50 {
         match ch
-            .queue_declare(name.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
             .await
         {
             Err(e) => {
@@ -363,11 +541,20 @@ async fn queue_with_x_expires_is_deleted_when_unused() {
     let q = unique("expires");
     let mut args = FieldTable::default();
     args.insert("x-expires".into(), AMQPValue::LongInt(100));
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), args).await.unwrap();
+    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), args)
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(400)).await;
     let ch = c.create_channel().await.unwrap();
     let err = ch
-        .queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(404));
@@ -382,9 +569,19 @@ async fn purge_and_delete_report_counts() {
     for _ in 0..3 {
         publish(&ch, "", &q, b"m").await;
     }
-    assert_eq!(ch.queue_purge(q.as_str().into(), QueuePurgeOptions::default()).await.unwrap(), 3);
+    assert_eq!(
+        ch.queue_purge(q.as_str().into(), QueuePurgeOptions::default())
+            .await
+            .unwrap(),
+        3
+    );
     publish(&ch, "", &q, b"m").await;
-    assert_eq!(ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.unwrap(), 1);
+    assert_eq!(
+        ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .unwrap(),
+        1
+    );
 }
 
 #[tokio::test]
@@ -395,15 +592,35 @@ async fn delete_if_empty_and_if_unused_refuse_with_406() {
     declare(&ch, &q).await;
     publish(&ch, "", &q, b"m").await;
     let err = ch
-        .queue_delete(q.as_str().into(), QueueDeleteOptions { if_empty: true, ..Default::default() })
+        .queue_delete(
+            q.as_str().into(),
+            QueueDeleteOptions {
+                if_empty: true,
+                ..Default::default()
+            },
+        )
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(406));
     let ch = c.create_channel().await.unwrap();
-    let _consumer = ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let _consumer = ch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
     let ch2 = c.create_channel().await.unwrap();
     let err = ch2
-        .queue_delete(q.as_str().into(), QueueDeleteOptions { if_unused: true, ..Default::default() })
+        .queue_delete(
+            q.as_str().into(),
+            QueueDeleteOptions {
+                if_unused: true,
+                ..Default::default()
+            },
+        )
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(406));
@@ -415,12 +632,35 @@ async fn channel_flow_pauses_deliveries() {
     let (_c, ch) = b.channel().await;
     let q = unique("flow");
     declare(&ch, &q).await;
-    let mut consumer = ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()).await.unwrap();
-    assert!(!ch.channel_flow(ChannelFlowOptions { active: false }).await.unwrap());
+    let mut consumer = ch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    assert!(
+        !ch.channel_flow(ChannelFlowOptions { active: false })
+            .await
+            .unwrap()
+    );
     let (_c2, ch2) = b.channel().await;
     publish(&ch2, "", &q, b"held").await;
-    assert!(tokio::time::timeout(Duration::from_millis(300), consumer.next()).await.is_err());
-    assert!(ch.channel_flow(ChannelFlowOptions { active: true }).await.unwrap());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), consumer.next())
+            .await
+            .is_err()
+    );
+    assert!(
+        ch.channel_flow(ChannelFlowOptions { active: true })
+            .await
+            .unwrap()
+    );
     assert_eq!(next(&mut consumer).await.data, b"held");
 }
 
@@ -443,11 +683,19 @@ async fn message_over_max_size_is_refused_with_406() {
     cfg.limits.max_message_size = 1000;
     let b = start_with(cfg).await;
     let (_c, ch) = b.channel().await;
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     let q = unique("toolarge");
     declare(&ch, &q).await;
     let res = ch
-        .basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), &[0u8; 2000], BasicProperties::default())
+        .basic_publish(
+            "".into(),
+            q.as_str().into(),
+            BasicPublishOptions::default(),
+            &[0u8; 2000],
+            BasicProperties::default(),
+        )
         .await;
     let err = match res {
         Ok(confirm) => confirm.await.unwrap_err(),
@@ -461,18 +709,47 @@ async fn exchange_declare_and_delete() {
     let b = start().await;
     let (c, ch) = b.channel().await;
     let x = unique("x");
-    ch.exchange_declare(x.as_str().into(), ExchangeKind::Topic, ExchangeDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    ch.exchange_declare(
+        x.as_str().into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     // Same declaration again is fine; a different type is 406.
-    ch.exchange_declare(x.as_str().into(), ExchangeKind::Topic, ExchangeDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    ch.exchange_declare(
+        x.as_str().into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     let err = ch
-        .exchange_declare(x.as_str().into(), ExchangeKind::Fanout, ExchangeDeclareOptions::default(), FieldTable::default())
+        .exchange_declare(
+            x.as_str().into(),
+            ExchangeKind::Fanout,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(406));
     let ch = c.create_channel().await.unwrap();
-    ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default()).await.unwrap();
+    ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
     let err = ch
-        .exchange_declare(x.as_str().into(), ExchangeKind::Topic, ExchangeDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .exchange_declare(
+            x.as_str().into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(404));

@@ -29,7 +29,12 @@ async fn expect_connection_close(c: &mut RawClient, code: u16) -> String {
     loop {
         let m = c.read_method().await;
         if let AMQPClass::Connection(connection::AMQPMethod::Close(close)) = m {
-            assert_eq!(close.reply_code, code, "reply text: {}", close.reply_text.as_str());
+            assert_eq!(
+                close.reply_code,
+                code,
+                "reply text: {}",
+                close.reply_text.as_str()
+            );
             c.send_method(
                 0,
                 AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
@@ -41,9 +46,16 @@ async fn expect_connection_close(c: &mut RawClient, code: u16) -> String {
 }
 
 async fn open_channel(c: &mut RawClient, ch: u16) {
-    c.send_method(ch, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}))).await;
+    c.send_method(
+        ch,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    )
+    .await;
     let ok = c.read_method().await;
-    assert!(matches!(ok, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))));
+    assert!(matches!(
+        ok,
+        AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))
+    ));
 }
 
 #[tokio::test]
@@ -60,14 +72,27 @@ async fn reserved_names_are_403() {
     let b = start().await;
     let (c, ch) = b.channel().await;
     let err = ch
-        .queue_declare("amq.mine".into(), QueueDeclareOptions::default(), FieldTable::default())
+        .queue_declare(
+            "amq.mine".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(403));
-    assert!(amqp_text(&err).contains("reserved prefix"), "{}", amqp_text(&err));
+    assert!(
+        amqp_text(&err).contains("reserved prefix"),
+        "{}",
+        amqp_text(&err)
+    );
     let ch = c.create_channel().await.unwrap();
     let err = ch
-        .exchange_declare("amq.mine".into(), ExchangeKind::Direct, ExchangeDeclareOptions::default(), FieldTable::default())
+        .exchange_declare(
+            "amq.mine".into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(403));
@@ -78,22 +103,38 @@ async fn missing_queue_and_exchange_are_404() {
     let b = start().await;
     let (c, ch) = b.channel().await;
     let err = ch
-        .basic_consume("nope".into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            "nope".into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(404));
     assert_eq!(amqp_text(&err), "NOT_FOUND - no queue 'nope' in vhost '/'");
     let ch = c.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     let res = ch
-        .basic_publish("no-exchange".into(), "k".into(), BasicPublishOptions::default(), b"x", BasicProperties::default())
+        .basic_publish(
+            "no-exchange".into(),
+            "k".into(),
+            BasicPublishOptions::default(),
+            b"x",
+            BasicProperties::default(),
+        )
         .await;
     let err = match res {
         Ok(c) => c.await.unwrap_err(),
         Err(e) => e,
     };
     assert_eq!(amqp_code(&err), Some(404));
-    assert_eq!(amqp_text(&err), "NOT_FOUND - no exchange 'no-exchange' in vhost '/'");
+    assert_eq!(
+        amqp_text(&err),
+        "NOT_FOUND - no exchange 'no-exchange' in vhost '/'"
+    );
 }
 
 #[tokio::test]
@@ -101,12 +142,26 @@ async fn exclusive_queue_of_another_connection_is_405() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
     let q = unique("excl");
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions { exclusive: true, ..Default::default() }, FieldTable::default())
-        .await
-        .unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     let (_c2, ch2) = b.channel().await;
     let err = ch2
-        .queue_declare(q.as_str().into(), QueueDeclareOptions { exclusive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(405));
@@ -117,15 +172,30 @@ async fn inequivalent_redeclare_is_406() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
     let q = unique("ineq");
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())
-        .await
-        .unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     let err = ch
-        .queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
+        .queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(406));
-    assert!(amqp_text(&err).contains("inequivalent arg 'durable'"), "{}", amqp_text(&err));
+    assert!(
+        amqp_text(&err).contains("inequivalent arg 'durable'"),
+        "{}",
+        amqp_text(&err)
+    );
 }
 
 #[tokio::test]
@@ -133,11 +203,21 @@ async fn unknown_delivery_tag_is_406() {
     let b = start().await;
     let mut c = RawClient::connect(b.addr).await;
     open_channel(&mut c, 1).await;
-    c.send_method(1, AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack { delivery_tag: 42, multiple: false }))).await;
+    c.send_method(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag: 42,
+            multiple: false,
+        })),
+    )
+    .await;
     match c.read_method().await {
         AMQPClass::Channel(channel::AMQPMethod::Close(close)) => {
             assert_eq!(close.reply_code, 406);
-            assert_eq!(close.reply_text.as_str(), "PRECONDITION_FAILED - unknown delivery tag 42");
+            assert_eq!(
+                close.reply_text.as_str(),
+                "PRECONDITION_FAILED - unknown delivery tag 42"
+            );
             assert_eq!((close.class_id, close.method_id), (60, 80));
         }
         other => panic!("expected channel.close, got {other:?}"),
@@ -148,7 +228,10 @@ async fn unknown_delivery_tag_is_406() {
 async fn bad_frame_end_is_501() {
     let b = start().await;
     let mut c = RawClient::connect(b.addr).await;
-    let mut frame = encode_method(0, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})));
+    let mut frame = encode_method(
+        0,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    );
     let last = frame.len() - 1;
     frame[last] = 0x00;
     c.send_raw(&frame).await;
@@ -251,16 +334,23 @@ async fn method_between_header_and_body_is_505() {
     header.extend_from_slice(&[0, 0]);
     put_raw_frame(&mut buf, FRAME_HEADER, 1, &header);
     c.send_raw(&buf).await;
-    c.send_method(1, AMQPClass::Channel(channel::AMQPMethod::Flow(channel::Flow { active: true }))).await;
+    c.send_method(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::Flow(channel::Flow { active: true })),
+    )
+    .await;
     expect_connection_close(&mut c, 505).await;
 }
 
 #[tokio::test]
 async fn unknown_vhost_is_530() {
     let b = start().await;
-    let err = Connection::connect(&b.uri_as("guest", "guest", "nope"), ConnectionProperties::default())
-        .await
-        .unwrap_err();
+    let err = Connection::connect(
+        &b.uri_as("guest", "guest", "nope"),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(amqp_code(&err), Some(530), "{err:?}");
 }
 
@@ -269,16 +359,20 @@ async fn tx_select_is_540() {
     let b = start().await;
     let mut c = RawClient::connect(b.addr).await;
     open_channel(&mut c, 1).await;
-    c.send_method(1, AMQPClass::Tx(tx::AMQPMethod::Select(tx::Select {}))).await;
+    c.send_method(1, AMQPClass::Tx(tx::AMQPMethod::Select(tx::Select {})))
+        .await;
     expect_connection_close(&mut c, 540).await;
 }
 
 #[tokio::test]
 async fn bad_password_is_403_access_refused() {
     let b = start().await;
-    let err = Connection::connect(&b.uri_as("guest", "wrong", "/"), ConnectionProperties::default())
-        .await
-        .unwrap_err();
+    let err = Connection::connect(
+        &b.uri_as("guest", "wrong", "/"),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(amqp_code(&err), Some(403), "{err:?}");
 }
 
@@ -298,15 +392,26 @@ async fn permissions_are_enforced_per_operation() {
         }],
     });
     let b = start_with(cfg).await;
-    let conn = Connection::connect(&b.uri_as("limited", "pw", "/"), ConnectionProperties::default())
-        .await
-        .unwrap();
+    let conn = Connection::connect(
+        &b.uri_as("limited", "pw", "/"),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
     let ch = conn.create_channel().await.unwrap();
-    ch.queue_declare("mine.q".into(), QueueDeclareOptions::default(), FieldTable::default())
-        .await
-        .unwrap();
+    ch.queue_declare(
+        "mine.q".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     let err = ch
-        .queue_declare("theirs.q".into(), QueueDeclareOptions::default(), FieldTable::default())
+        .queue_declare(
+            "theirs.q".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(403));
@@ -316,9 +421,17 @@ async fn permissions_are_enforced_per_operation() {
     );
     // Publishing to the default exchange needs write on amq.default.
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     let res = ch
-        .basic_publish("".into(), "mine.q".into(), BasicPublishOptions::default(), b"x", BasicProperties::default())
+        .basic_publish(
+            "".into(),
+            "mine.q".into(),
+            BasicPublishOptions::default(),
+            b"x",
+            BasicProperties::default(),
+        )
         .await;
     let err = match res {
         Ok(c) => c.await.unwrap_err(),
@@ -331,9 +444,17 @@ async fn permissions_are_enforced_per_operation() {
 async fn invalid_expiration_closes_the_channel_with_406() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     let q = unique("badexp");
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     let res = ch
         .basic_publish(
             "".into(),
@@ -355,11 +476,19 @@ async fn garbage_after_the_handshake_never_panics_the_server() {
     let b = start().await;
     for seed in 0u8..20 {
         let mut c = RawClient::connect(b.addr).await;
-        let junk: Vec<u8> = (0..200u32).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+        let junk: Vec<u8> = (0..200u32)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect();
         c.send_raw(&junk).await;
         let _ = c.read_to_end().await;
     }
     // Still serving.
     let (_c, ch) = b.channel().await;
-    ch.queue_declare("still-alive".into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    ch.queue_declare(
+        "still-alive".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
 }

@@ -165,7 +165,7 @@ mod nom_free {
 
     pub fn parse_class_all(payload: &[u8]) -> Option<AMQPClass> {
         match parse_class(payload) {
-            Ok((rest, class)) if rest.is_empty() => Some(class),
+            Ok(([], class)) => Some(class),
             _ => None,
         }
     }

@@ -65,7 +65,7 @@ pub fn parse_content_header(payload: &Bytes) -> Result<ContentHeader, ContentErr
 /// Decodes a raw property section (flags + list).
 pub fn decode_properties(raw: &[u8]) -> Result<BasicProperties, ContentError> {
     match parse_properties(raw) {
-        Ok((rest, props)) if rest.is_empty() => Ok(props),
+        Ok(([], props)) => Ok(props),
         _ => Err(ContentError::BadProperties),
     }
 }

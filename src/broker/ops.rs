@@ -1275,12 +1275,8 @@ impl Broker {
 
     fn update_depth(&self, st: &State, vhost: &str, queue: &str) {
         if let Some(q) = st.vhosts.get(vhost).and_then(|v| v.queues.get(queue)) {
-            self.metrics.set_queue_depth(
-                vhost,
-                queue,
-                q.state.len() as u64,
-                q.state.bytes(),
-            );
+            self.metrics
+                .set_queue_depth(vhost, queue, q.state.len() as u64, q.state.bytes());
         }
     }
 

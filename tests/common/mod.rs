@@ -72,7 +72,11 @@ pub async fn start_with(config: Config) -> TestBroker {
 pub fn unique(prefix: &str) -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
-    format!("{prefix}.{}.{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst))
+    format!(
+        "{prefix}.{}.{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
 }
 
 /// Waits for a condition with a bounded poll.
@@ -103,7 +107,9 @@ pub struct RawClient {
 
 pub fn encode_method(channel: u16, m: AMQPClass) -> Vec<u8> {
     let f = AMQPFrame::Method(channel, m);
-    gen_frame(&f)(WriteContext::from(Vec::new())).expect("encode").write
+    gen_frame(&f)(WriteContext::from(Vec::new()))
+        .expect("encode")
+        .write
 }
 
 impl RawClient {
@@ -112,7 +118,10 @@ impl RawClient {
         let mut c = Self::connect_no_handshake(addr).await;
         c.stream.write_all(&PROTOCOL_HEADER).await.expect("header");
         let start = c.read_method().await;
-        assert!(matches!(start, AMQPClass::Connection(connection::AMQPMethod::Start(_))));
+        assert!(matches!(
+            start,
+            AMQPClass::Connection(connection::AMQPMethod::Start(_))
+        ));
         c.send_method(
             0,
             AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
@@ -144,7 +153,10 @@ impl RawClient {
         )
         .await;
         let ok = c.read_method().await;
-        assert!(matches!(ok, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_))));
+        assert!(matches!(
+            ok,
+            AMQPClass::Connection(connection::AMQPMethod::OpenOk(_))
+        ));
         c
     }
 
