@@ -352,7 +352,20 @@ async fn frame_loop<R: AsyncRead + Unpin>(
 ) {
     let timeout = (heartbeat > 0).then(|| Duration::from_secs(heartbeat * 2));
     let mut channels = ChannelTable::new(ctx.limits().max_message_size);
+    // Traffic is counted locally and flushed in batches: one metric update per 64 frames.
+    let mut counted = (0u64, 0u64);
+    let flush = |counted: &mut (u64, u64)| {
+        if counted.0 > 0 {
+            ctx.broker
+                .metrics
+                .traffic(crate::metrics::Direction::ClientIn, counted.0, counted.1);
+            *counted = (0, 0);
+        }
+    };
     loop {
+        if counted.0 >= 64 {
+            flush(&mut counted);
+        }
         let frame = tokio::select! {
             f = next_frame(frames, timeout) => f,
             _ = shutdown.recv() => {
@@ -366,8 +379,15 @@ async fn frame_loop<R: AsyncRead + Unpin>(
             }
         };
         let frame = match frame {
-            Ok(Some(f)) => f,
-            Ok(None) => return,
+            Ok(Some(f)) => {
+                counted.0 += 1;
+                counted.1 += f.wire_len() as u64;
+                f
+            }
+            Ok(None) => {
+                flush(&mut counted);
+                return;
+            }
             Err(FrameError::Io(err)) => {
                 tracing::debug!(conn = session.conn_id, %err, "connection read ended");
                 return;
