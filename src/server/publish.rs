@@ -51,7 +51,8 @@ pub fn prepare(
         None => None,
     };
     let mut keys: Vec<Box<str>> = vec![routing_key.into()];
-    let mut raw = header.raw_properties;
+    // Copied out of the read buffer so a queued message never pins a socket buffer.
+    let mut raw = Bytes::copy_from_slice(&header.raw_properties);
     let mut headers = props.headers().clone();
     if let Some(h) = &headers {
         keys.extend(header_keys(h, "CC").into_iter().map(String::into_boxed_str));
