@@ -329,8 +329,12 @@ fn reload_from(service: &RunningService, path: Option<&std::path::Path>) {
 
 /// Runs until SIGTERM or SIGINT; SIGHUP or a change of the config file reloads.
 pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<()> {
-    let service = start(config).await?;
+    // Handlers first: `start` reports ready, and a SIGTERM or SIGHUP sent from then on must
+    // not hit the default action (terminate) before the loop below waits for it.
+    let mut stop = crate::shutdown::TerminationSignals::install()
+        .context("installing the SIGTERM/SIGINT handlers")?;
     let mut hup = crate::shutdown::reload_signals().context("installing the SIGHUP handler")?;
+    let service = start(config).await?;
     let (watch_tx, mut watch_rx) = tokio::sync::mpsc::channel::<()>(1);
     let _watcher = match &config_path {
         Some(p) => match crate::reload::watch_config(p, watch_tx) {
@@ -342,12 +346,10 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result
         },
         None => None,
     };
-    let stop = crate::shutdown::wait_for_signal();
-    tokio::pin!(stop);
     loop {
         tokio::select! {
-            sig = &mut stop => {
-                tracing::info!(signal = ?sig.ok(), "shutting down");
+            signal = stop.recv() => {
+                tracing::info!(signal, "shutting down");
                 break;
             }
             _ = hup.recv() => reload_from(&service, config_path.as_deref()),
