@@ -143,14 +143,42 @@ pub struct RunningService {
 }
 
 impl RunningService {
-    /// Graceful shutdown: stop accepting, give in-flight work the drain time, close client
-    /// connections with 320 CONNECTION_FORCED, and wait for the tasks.
+    /// Deliveries sent to clients and not settled yet: the proxy's (the inflight gauge) plus
+    /// the embedded broker's unacknowledged deliveries.
+    fn unsettled_deliveries(&self) -> usize {
+        let proxied = usize::try_from(self.metrics.inflight_deliveries()).unwrap_or(0);
+        let embedded = self.broker.as_ref().map_or(0, |broker| {
+            broker
+                .lock()
+                .channels
+                .values()
+                .map(|channel| channel.unacked.len())
+                .sum()
+        });
+        proxied + embedded
+    }
+
+    /// Graceful shutdown: stop accepting, give in-flight work the drain time (clients can
+    /// still settle their unacknowledged deliveries), close client connections with 320
+    /// CONNECTION_FORCED, and wait for the tasks.
     pub async fn shutdown(self) {
         self.readiness.set_ready(false);
         self.accept_trigger.trigger();
         let deadline = tokio::time::Instant::now() + self.drain;
-        while tokio::time::Instant::now() < deadline && self.metrics.inflight_deliveries() > 0 {
+        let unsettled = self.unsettled_deliveries();
+        if unsettled > 0 {
+            tracing::info!(
+                unsettled,
+                drain_secs = self.drain.as_secs(),
+                "draining: waiting for unsettled deliveries"
+            );
+        }
+        while tokio::time::Instant::now() < deadline && self.unsettled_deliveries() > 0 {
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let unsettled = self.unsettled_deliveries();
+        if unsettled > 0 {
+            tracing::warn!(unsettled, "drain time over; closing connections");
         }
         self.connections_trigger.trigger();
         for t in self.tasks {
