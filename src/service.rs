@@ -137,6 +137,8 @@ pub struct RunningService {
     pub readiness: Readiness,
     server: Option<Arc<ServerContext>>,
     drain: Duration,
+    /// The settings a reload cannot change, as the service started with them.
+    fixed_settings: BTreeMap<&'static str, serde_json::Value>,
     accept_trigger: ShutdownTrigger,
     connections_trigger: ShutdownTrigger,
     tasks: Vec<JoinHandle<()>>,
@@ -195,9 +197,17 @@ impl RunningService {
     }
 
     /// Applies a new configuration without dropping connections: policies, users, limits.
-    /// Listener addresses and the mode need a restart; a change to them is logged.
+    /// Every other setting (listeners, mode, TLS, vhosts, ...) needs a restart; a change to
+    /// one is logged as a warning and the running value stays.
     pub fn reload(&self, config: &Config) -> anyhow::Result<()> {
         config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let changed = changed_fixed_settings(&self.fixed_settings, config);
+        if !changed.is_empty() {
+            tracing::warn!(
+                settings = changed.join(", "),
+                "changed settings need a restart; their running values stay in force"
+            );
+        }
         self.policies
             .set_config_policies(config.policies.clone())
             .map_err(|e| anyhow::anyhow!(e))?;
@@ -214,6 +224,38 @@ impl RunningService {
         }
         Ok(())
     }
+}
+
+/// The top-level settings that only take effect at start, by name, as JSON values (so that
+/// they can be compared without every section implementing `PartialEq`).
+fn fixed_settings(config: &Config) -> BTreeMap<&'static str, serde_json::Value> {
+    fn json<T: serde::Serialize>(value: &T) -> serde_json::Value {
+        serde_json::to_value(value).unwrap_or(serde_json::Value::Null)
+    }
+    BTreeMap::from([
+        ("mode", json(&config.mode)),
+        ("listen", json(&config.listen)),
+        ("upstream", json(&config.upstream)),
+        ("dead_letter", json(&config.dead_letter)),
+        ("proxy", json(&config.proxy)),
+        ("tls", json(&config.tls)),
+        ("log", json(&config.log)),
+        ("metrics", json(&config.metrics)),
+        ("shutdown", json(&config.shutdown)),
+        ("vhosts", json(&config.vhosts)),
+    ])
+}
+
+/// Names of the start-only settings that differ between `running` and `config`.
+fn changed_fixed_settings(
+    running: &BTreeMap<&'static str, serde_json::Value>,
+    config: &Config,
+) -> Vec<&'static str> {
+    fixed_settings(config)
+        .into_iter()
+        .filter(|(name, value)| running.get(name) != Some(value))
+        .map(|(name, _)| name)
+        .collect()
 }
 
 /// Dead-letter options from the configuration.
@@ -328,6 +370,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         readiness,
         server: server_ctx,
         drain: Duration::from_secs(config.shutdown.drain_secs),
+        fixed_settings: fixed_settings(&config),
         accept_trigger,
         connections_trigger,
         tasks,
@@ -386,4 +429,36 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result
     }
     service.shutdown().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_start_time_settings_are_reported_as_needing_a_restart() {
+        let running = Config::default();
+        let fixed = fixed_settings(&running);
+        let mut reloadable = running.clone();
+        reloadable.limits.max_connections += 1;
+        reloadable.users.clear();
+        reloadable.policies.push(PolicyConfig {
+            name: "p".into(),
+            vhost: "/".into(),
+            pattern: ".*".into(),
+            apply_to: "queues".into(),
+            priority: 0,
+            definition: BTreeMap::new(),
+        });
+        assert!(changed_fixed_settings(&fixed, &reloadable).is_empty());
+
+        let mut moved = running.clone();
+        moved.listen.amqp = "127.0.0.1:5999".into();
+        moved.vhosts.push("other".into());
+        moved.shutdown.drain_secs += 1;
+        assert_eq!(
+            changed_fixed_settings(&fixed, &moved),
+            vec!["listen", "shutdown", "vhosts"]
+        );
+    }
 }
