@@ -398,7 +398,8 @@ fn reload_from(service: &RunningService, path: Option<&std::path::Path>) {
     }
 }
 
-/// Runs until SIGTERM or SIGINT; SIGHUP or a change of the config file reloads.
+/// Runs until SIGTERM or SIGINT, then shuts down gracefully (a second signal cuts the drain
+/// short); SIGHUP or a change of the config file reloads.
 pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<()> {
     // Handlers first: `start` reports ready, and a SIGTERM or SIGHUP sent from then on must
     // not hit the default action (terminate) before the loop below waits for it.
@@ -427,7 +428,13 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result
             Some(()) = watch_rx.recv() => reload_from(&service, config_path.as_deref()),
         }
     }
-    service.shutdown().await;
+    // A second SIGTERM/SIGINT (an impatient operator) skips the rest of the drain.
+    tokio::select! {
+        () = service.shutdown() => {}
+        signal = stop.recv() => {
+            tracing::warn!(signal, "second signal during shutdown; exiting without finishing the drain");
+        }
+    }
     Ok(())
 }
 

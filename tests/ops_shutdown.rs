@@ -325,3 +325,45 @@ async fn in_process_shutdown_closes_clients_and_stops_the_admin_server() {
     assert!(refuses_connections(amqp).await);
     assert!(refuses_connections(admin).await);
 }
+
+#[tokio::test]
+async fn a_second_signal_cuts_the_drain_short() {
+    let dir = TempDir::new("dlx-proxy-second-signal");
+    let mut process = spawn_ready(&dir, 30).await;
+    let queue = unique("impatient");
+    publish(
+        &format!("amqp://guest:guest@{}/%2f", process.amqp),
+        &queue,
+        1,
+    )
+    .await;
+    let mut consumer = RawClient::connect(process.amqp).await;
+    raw_get(&mut consumer, &queue).await;
+    process.signal("TERM");
+    // Wait until the drain is under way (readiness off), then ask again.
+    for _ in 0..100 {
+        if http(process.admin, "GET", "/readyz").await.0 == 503 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(process.child.try_wait().unwrap(), None);
+    let started = Instant::now();
+    process.signal("INT");
+    let status = process
+        .wait_exit(Duration::from_secs(10))
+        .await
+        .unwrap_or_else(|| panic!("no exit after the second signal:\n{}", process.logs()));
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(status.code(), Some(0), "{}", process.logs());
+    assert!(
+        process.logs().contains("second signal during shutdown"),
+        "{}",
+        process.logs()
+    );
+    ports_are_released(&process);
+}
