@@ -2,27 +2,63 @@
 //!
 //! Kubernetes mounts a ConfigMap as a directory whose files are symlinks into a `..data`
 //! directory that is swapped atomically on update; the file itself never changes in place.
-//! So the watcher watches the file's *directory* and treats any event there as "maybe
-//! changed"; the reload compares nothing and simply re-reads (a no-op reload is harmless).
-//! A subPath mount never sees updates at all (documented in docs/deploy.md).
+//! So the watcher watches the file's *directory*, and after any event there (debounced) it
+//! re-reads the file through its symlinks and asks for a reload only if the content changed.
+//! Events about other files in the directory (a log file, an editor's swap file) therefore
+//! cause no reload, and in particular no reload loop when the service logs into that
+//! directory. SIGHUP reloads unconditionally. A subPath mount never sees updates at all
+//! (documented in docs/deploy.md).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use notify::{RecommendedWatcher, RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
-/// Starts watching the directory of `path`; a (debounced) `()` is sent on every change.
-/// Keep the returned watcher alive for as long as watching should continue.
+/// How long a burst of events may last before the file is re-read.
+const DEBOUNCE: Duration = Duration::from_millis(200);
+
+/// The last content seen of the watched file; decides whether a re-read is a change.
+#[derive(Debug, Default)]
+struct ContentTracker {
+    last: Option<Vec<u8>>,
+}
+
+impl ContentTracker {
+    fn new(initial: Option<Vec<u8>>) -> ContentTracker {
+        ContentTracker { last: initial }
+    }
+
+    /// Records `current` (None: the file could not be read, e.g. in the middle of a swap) and
+    /// tells whether it differs from the last readable content.
+    fn changed(&mut self, current: Option<Vec<u8>>) -> bool {
+        match current {
+            None => false,
+            Some(content) if self.last.as_ref() == Some(&content) => false,
+            Some(content) => {
+                self.last = Some(content);
+                true
+            }
+        }
+    }
+}
+
+fn watched_directory(path: &Path) -> PathBuf {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or_else(|| Path::new("."))
+        .to_path_buf()
+}
+
+/// Starts watching the directory of `path`; a `()` is sent each time the file's content has
+/// changed. Keep the returned watcher alive for as long as watching should continue.
 pub fn watch_config(
     path: &Path,
     notify_tx: mpsc::Sender<()>,
 ) -> notify::Result<RecommendedWatcher> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or_else(|| Path::new("."))
-        .to_path_buf();
+    let dir = watched_directory(path);
+    let file = path.to_path_buf();
+    let mut tracker = ContentTracker::new(std::fs::read(&file).ok());
     let (raw_tx, mut raw_rx) = mpsc::unbounded_channel::<()>();
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         if res.is_ok() {
@@ -30,15 +66,105 @@ pub fn watch_config(
         }
     })?;
     watcher.watch(&dir, RecursiveMode::NonRecursive)?;
-    // Debounce: editors and the ConfigMap swap produce bursts of events.
     tokio::spawn(async move {
         while raw_rx.recv().await.is_some() {
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            // Debounce: editors and the ConfigMap swap produce bursts of events.
+            tokio::time::sleep(DEBOUNCE).await;
             while raw_rx.try_recv().is_ok() {}
+            let current = tokio::fs::read(&file).await.ok();
+            if !tracker.changed(current) {
+                continue;
+            }
             if notify_tx.send(()).await.is_err() {
                 return;
             }
         }
     });
     Ok(watcher)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_different_readable_content_is_a_change() {
+        let mut tracker = ContentTracker::new(Some(b"a".to_vec()));
+        assert!(!tracker.changed(Some(b"a".to_vec())));
+        assert!(!tracker.changed(None));
+        assert!(tracker.changed(Some(b"b".to_vec())));
+        assert!(!tracker.changed(Some(b"b".to_vec())));
+        // Back to an earlier content is a change too.
+        assert!(tracker.changed(Some(b"a".to_vec())));
+        let mut unreadable_at_start = ContentTracker::new(None);
+        assert!(unreadable_at_start.changed(Some(Vec::new())));
+    }
+
+    #[test]
+    fn a_bare_file_name_watches_the_current_directory() {
+        assert_eq!(watched_directory(Path::new("config.toml")), Path::new("."));
+        assert_eq!(
+            watched_directory(Path::new("/etc/dlx/config.toml")),
+            Path::new("/etc/dlx")
+        );
+    }
+
+    struct Dir(PathBuf);
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn temp_dir(name: &str) -> Dir {
+        let dir =
+            std::env::temp_dir().join(format!("dlx-proxy-reload-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Dir(dir)
+    }
+
+    async fn notified(rx: &mut mpsc::Receiver<()>, within: Duration) -> bool {
+        tokio::time::timeout(within, rx.recv()).await.is_ok()
+    }
+
+    #[tokio::test]
+    async fn other_files_in_the_directory_do_not_trigger_a_reload() {
+        let dir = temp_dir("others");
+        let config = dir.0.join("config.toml");
+        std::fs::write(&config, "a = 1\n").unwrap();
+        let (tx, mut rx) = mpsc::channel(4);
+        let _watcher = watch_config(&config, tx).unwrap();
+        for i in 0..5 {
+            std::fs::write(dir.0.join("service.log"), format!("line {i}\n")).unwrap();
+        }
+        assert!(!notified(&mut rx, Duration::from_millis(800)).await);
+        // Rewriting the same content is no change either.
+        std::fs::write(&config, "a = 1\n").unwrap();
+        assert!(!notified(&mut rx, Duration::from_millis(800)).await);
+        std::fs::write(&config, "a = 2\n").unwrap();
+        assert!(notified(&mut rx, Duration::from_secs(5)).await);
+    }
+
+    #[tokio::test]
+    async fn a_configmap_data_swap_triggers_a_reload() {
+        let dir = temp_dir("configmap");
+        let first = dir.0.join("..2026_01_01_00_00_00.1");
+        std::fs::create_dir(&first).unwrap();
+        std::fs::write(first.join("config.toml"), "a = 1\n").unwrap();
+        std::os::unix::fs::symlink("..2026_01_01_00_00_00.1", dir.0.join("..data")).unwrap();
+        std::os::unix::fs::symlink("..data/config.toml", dir.0.join("config.toml")).unwrap();
+        let (tx, mut rx) = mpsc::channel(4);
+        let _watcher = watch_config(&dir.0.join("config.toml"), tx).unwrap();
+
+        let second = dir.0.join("..2026_01_01_00_00_01.2");
+        std::fs::create_dir(&second).unwrap();
+        std::fs::write(second.join("config.toml"), "a = 2\n").unwrap();
+        std::os::unix::fs::symlink("..2026_01_01_00_00_01.2", dir.0.join("..data_tmp")).unwrap();
+        std::fs::rename(dir.0.join("..data_tmp"), dir.0.join("..data")).unwrap();
+        std::fs::remove_dir_all(&first).unwrap();
+        assert!(notified(&mut rx, Duration::from_secs(5)).await);
+        assert!(!notified(&mut rx, Duration::from_millis(800)).await);
+    }
 }

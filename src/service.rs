@@ -137,20 +137,50 @@ pub struct RunningService {
     pub readiness: Readiness,
     server: Option<Arc<ServerContext>>,
     drain: Duration,
+    /// The settings a reload cannot change, as the service started with them.
+    fixed_settings: BTreeMap<&'static str, serde_json::Value>,
     accept_trigger: ShutdownTrigger,
     connections_trigger: ShutdownTrigger,
     tasks: Vec<JoinHandle<()>>,
 }
 
 impl RunningService {
-    /// Graceful shutdown: stop accepting, give in-flight work the drain time, close client
-    /// connections with 320 CONNECTION_FORCED, and wait for the tasks.
+    /// Deliveries sent to clients and not settled yet: the proxy's (the inflight gauge) plus
+    /// the embedded broker's unacknowledged deliveries.
+    fn unsettled_deliveries(&self) -> usize {
+        let proxied = usize::try_from(self.metrics.inflight_deliveries()).unwrap_or(0);
+        let embedded = self.broker.as_ref().map_or(0, |broker| {
+            broker
+                .lock()
+                .channels
+                .values()
+                .map(|channel| channel.unacked.len())
+                .sum()
+        });
+        proxied + embedded
+    }
+
+    /// Graceful shutdown: stop accepting, give in-flight work the drain time (clients can
+    /// still settle their unacknowledged deliveries), close client connections with 320
+    /// CONNECTION_FORCED, and wait for the tasks.
     pub async fn shutdown(self) {
         self.readiness.set_ready(false);
         self.accept_trigger.trigger();
         let deadline = tokio::time::Instant::now() + self.drain;
-        while tokio::time::Instant::now() < deadline && self.metrics.inflight_deliveries() > 0 {
+        let unsettled = self.unsettled_deliveries();
+        if unsettled > 0 {
+            tracing::info!(
+                unsettled,
+                drain_secs = self.drain.as_secs(),
+                "draining: waiting for unsettled deliveries"
+            );
+        }
+        while tokio::time::Instant::now() < deadline && self.unsettled_deliveries() > 0 {
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let unsettled = self.unsettled_deliveries();
+        if unsettled > 0 {
+            tracing::warn!(unsettled, "drain time over; closing connections");
         }
         self.connections_trigger.trigger();
         for t in self.tasks {
@@ -167,9 +197,17 @@ impl RunningService {
     }
 
     /// Applies a new configuration without dropping connections: policies, users, limits.
-    /// Listener addresses and the mode need a restart; a change to them is logged.
+    /// Every other setting (listeners, mode, TLS, vhosts, ...) needs a restart; a change to
+    /// one is logged as a warning and the running value stays.
     pub fn reload(&self, config: &Config) -> anyhow::Result<()> {
         config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let changed = changed_fixed_settings(&self.fixed_settings, config);
+        if !changed.is_empty() {
+            tracing::warn!(
+                settings = changed.join(", "),
+                "changed settings need a restart; their running values stay in force"
+            );
+        }
         self.policies
             .set_config_policies(config.policies.clone())
             .map_err(|e| anyhow::anyhow!(e))?;
@@ -186,6 +224,38 @@ impl RunningService {
         }
         Ok(())
     }
+}
+
+/// The top-level settings that only take effect at start, by name, as JSON values (so that
+/// they can be compared without every section implementing `PartialEq`).
+fn fixed_settings(config: &Config) -> BTreeMap<&'static str, serde_json::Value> {
+    fn json<T: serde::Serialize>(value: &T) -> serde_json::Value {
+        serde_json::to_value(value).unwrap_or(serde_json::Value::Null)
+    }
+    BTreeMap::from([
+        ("mode", json(&config.mode)),
+        ("listen", json(&config.listen)),
+        ("upstream", json(&config.upstream)),
+        ("dead_letter", json(&config.dead_letter)),
+        ("proxy", json(&config.proxy)),
+        ("tls", json(&config.tls)),
+        ("log", json(&config.log)),
+        ("metrics", json(&config.metrics)),
+        ("shutdown", json(&config.shutdown)),
+        ("vhosts", json(&config.vhosts)),
+    ])
+}
+
+/// Names of the start-only settings that differ between `running` and `config`.
+fn changed_fixed_settings(
+    running: &BTreeMap<&'static str, serde_json::Value>,
+    config: &Config,
+) -> Vec<&'static str> {
+    fixed_settings(config)
+        .into_iter()
+        .filter(|(name, value)| running.get(name) != Some(value))
+        .map(|(name, _)| name)
+        .collect()
 }
 
 /// Dead-letter options from the configuration.
@@ -300,6 +370,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         readiness,
         server: server_ctx,
         drain: Duration::from_secs(config.shutdown.drain_secs),
+        fixed_settings: fixed_settings(&config),
         accept_trigger,
         connections_trigger,
         tasks,
@@ -327,10 +398,15 @@ fn reload_from(service: &RunningService, path: Option<&std::path::Path>) {
     }
 }
 
-/// Runs until SIGTERM or SIGINT; SIGHUP or a change of the config file reloads.
+/// Runs until SIGTERM or SIGINT, then shuts down gracefully (a second signal cuts the drain
+/// short); SIGHUP or a change of the config file reloads.
 pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<()> {
-    let service = start(config).await?;
+    // Handlers first: `start` reports ready, and a SIGTERM or SIGHUP sent from then on must
+    // not hit the default action (terminate) before the loop below waits for it.
+    let mut stop = crate::shutdown::TerminationSignals::install()
+        .context("installing the SIGTERM/SIGINT handlers")?;
     let mut hup = crate::shutdown::reload_signals().context("installing the SIGHUP handler")?;
+    let service = start(config).await?;
     let (watch_tx, mut watch_rx) = tokio::sync::mpsc::channel::<()>(1);
     let _watcher = match &config_path {
         Some(p) => match crate::reload::watch_config(p, watch_tx) {
@@ -342,18 +418,54 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result
         },
         None => None,
     };
-    let stop = crate::shutdown::wait_for_signal();
-    tokio::pin!(stop);
     loop {
         tokio::select! {
-            sig = &mut stop => {
-                tracing::info!(signal = ?sig.ok(), "shutting down");
+            signal = stop.recv() => {
+                tracing::info!(signal, "shutting down");
                 break;
             }
             _ = hup.recv() => reload_from(&service, config_path.as_deref()),
             Some(()) = watch_rx.recv() => reload_from(&service, config_path.as_deref()),
         }
     }
-    service.shutdown().await;
+    // A second SIGTERM/SIGINT (an impatient operator) skips the rest of the drain.
+    tokio::select! {
+        () = service.shutdown() => {}
+        signal = stop.recv() => {
+            tracing::warn!(signal, "second signal during shutdown; exiting without finishing the drain");
+        }
+    }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_start_time_settings_are_reported_as_needing_a_restart() {
+        let running = Config::default();
+        let fixed = fixed_settings(&running);
+        let mut reloadable = running.clone();
+        reloadable.limits.max_connections += 1;
+        reloadable.users.clear();
+        reloadable.policies.push(PolicyConfig {
+            name: "p".into(),
+            vhost: "/".into(),
+            pattern: ".*".into(),
+            apply_to: "queues".into(),
+            priority: 0,
+            definition: BTreeMap::new(),
+        });
+        assert!(changed_fixed_settings(&fixed, &reloadable).is_empty());
+
+        let mut moved = running.clone();
+        moved.listen.amqp = "127.0.0.1:5999".into();
+        moved.vhosts.push("other".into());
+        moved.shutdown.drain_secs += 1;
+        assert_eq!(
+            changed_fixed_settings(&fixed, &moved),
+            vec!["listen", "shutdown", "vhosts"]
+        );
+    }
 }

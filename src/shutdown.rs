@@ -4,8 +4,8 @@
 //! admin server holds a [`Shutdown`] (cheap to clone) and selects on [`Shutdown::recv`]. The
 //! trigger is a `tokio::sync::watch` flag, so a listener created after the trigger fired still
 //! sees it. Dropping the trigger counts as shutting down: nothing could trigger it any more.
-//! [`wait_for_signal`] resolves on SIGTERM or SIGINT; [`reload_signals`] yields SIGHUPs for
-//! configuration reloads.
+//! [`TerminationSignals`] yields SIGTERM and SIGINT (installed up front, so none is missed);
+//! [`reload_signals`] yields SIGHUPs for configuration reloads.
 
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::watch;
@@ -66,14 +66,40 @@ impl Shutdown {
     }
 }
 
-/// Resolves on the first SIGTERM or SIGINT and returns its name ("SIGTERM" or "SIGINT").
-pub async fn wait_for_signal() -> std::io::Result<&'static str> {
-    let mut terminate = signal(SignalKind::terminate())?;
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = terminate.recv() => Ok("SIGTERM"),
-        _ = interrupt.recv() => Ok("SIGINT"),
+/// SIGTERM and SIGINT handlers, installed when this is created: from then on these signals
+/// are queued for [`recv`](Self::recv) instead of killing the process. Create it before the
+/// service reports ready, so that a prompt SIGTERM still shuts down gracefully.
+#[derive(Debug)]
+pub struct TerminationSignals {
+    terminate: Signal,
+    interrupt: Signal,
+}
+
+impl TerminationSignals {
+    /// Installs both handlers.
+    pub fn install() -> std::io::Result<TerminationSignals> {
+        Ok(TerminationSignals {
+            terminate: signal(SignalKind::terminate())?,
+            interrupt: signal(SignalKind::interrupt())?,
+        })
     }
+
+    /// Resolves on the next SIGTERM or SIGINT and returns its name ("SIGTERM" or "SIGINT").
+    /// Cancel-safe.
+    pub async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.terminate.recv() => "SIGTERM",
+            _ = self.interrupt.recv() => "SIGINT",
+        }
+    }
+}
+
+/// Resolves on the first SIGTERM or SIGINT and returns its name ("SIGTERM" or "SIGINT").
+/// The handlers are only installed when this is first polled: prefer
+/// [`TerminationSignals::install`] where a signal may arrive before that.
+pub async fn wait_for_signal() -> std::io::Result<&'static str> {
+    let mut signals = TerminationSignals::install()?;
+    Ok(signals.recv().await)
 }
 
 /// A stream of SIGHUPs (`recv().await` once per signal), used to reload the configuration.
@@ -129,6 +155,22 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(1), shutdown.recv())
             .await
             .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_termination_signal_sent_before_waiting_is_not_lost() {
+        let mut signals = TerminationSignals::install().unwrap();
+        let pid = std::process::id().to_string();
+        let status = std::process::Command::new("kill")
+            .args(["-INT", &pid])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        // Only now start waiting: the signal was queued by the installed handler.
+        let name = tokio::time::timeout(Duration::from_secs(5), signals.recv())
+            .await
+            .unwrap();
+        assert_eq!(name, "SIGINT");
     }
 
     #[tokio::test]

@@ -216,3 +216,206 @@ impl RawClient {
         }
     }
 }
+
+// ------------------------------------------------------------------------------------------
+// Operations tests: free ports, admin HTTP, and the real binary as a child process
+// ------------------------------------------------------------------------------------------
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (bound, then released), for
+/// configuration files of a child process where `:0` could not be discovered.
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    listener.local_addr().expect("local addr").port()
+}
+
+/// One HTTP/1.1 request to the admin server: (status, body).
+pub async fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
+    let (method, path) = (method.to_string(), path.to_string());
+    tokio::task::spawn_blocking(move || {
+        dlx_proxy::admin::request(
+            &addr.to_string(),
+            &method,
+            &path,
+            None,
+            Duration::from_secs(5),
+        )
+    })
+    .await
+    .expect("request task")
+    .expect("admin HTTP request")
+}
+
+/// GET `/metrics` from the admin server over HTTP.
+pub async fn scrape(admin: SocketAddr) -> String {
+    let (status, body) = http(admin, "GET", "/metrics").await;
+    assert_eq!(status, 200, "GET /metrics: {body}");
+    body
+}
+
+/// Polls `/metrics` until `name_and_labels` has `value` (or 5 s pass); returns the last text.
+pub async fn wait_metric(admin: SocketAddr, name_and_labels: &str, value: f64) -> String {
+    let mut text = String::new();
+    for _ in 0..100 {
+        text = scrape(admin).await;
+        if metric_value(&text, name_and_labels) == Some(value) {
+            return text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "{name_and_labels} never reached {value} (last: {:?}):\n{text}",
+        metric_value(&text, name_and_labels)
+    );
+}
+
+/// A scratch directory removed on drop.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> TempDir {
+        let path = std::env::temp_dir().join(unique(prefix));
+        std::fs::create_dir_all(&path).expect("create temp dir");
+        TempDir(path)
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+
+    pub fn join(&self, name: &str) -> std::path::PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Writes `text` to `path` atomically: a sibling temporary file renamed over it.
+pub fn write_atomically(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("tmp-write");
+    std::fs::write(&tmp, text).expect("write temp file");
+    std::fs::rename(&tmp, path).expect("rename over the target");
+}
+
+/// The start of a configuration file for a child process: embedded mode on the given ports,
+/// a short drain. Append sections (policies, `[log]`, ...) to it.
+pub fn process_config(amqp: SocketAddr, admin: SocketAddr, drain_secs: u64) -> String {
+    format!(
+        "mode = \"embedded\"\n\n[listen]\namqp = \"{amqp}\"\nadmin = \"{admin}\"\n\n\
+         [shutdown]\ndrain_secs = {drain_secs}\n"
+    )
+}
+
+/// The `dlx-proxy` binary running `run --config FILE` as a child process. Its stdout and
+/// stderr go to files in `dir`; it is killed on drop if still running.
+pub struct ServiceProcess {
+    pub child: std::process::Child,
+    pub amqp: SocketAddr,
+    pub admin: SocketAddr,
+    pub stdout_path: std::path::PathBuf,
+    pub stderr_path: std::path::PathBuf,
+}
+
+impl ServiceProcess {
+    /// Starts the binary on `config` (no inherited `DLX_PROXY_*` or `RUST_LOG`); `amqp` and
+    /// `admin` are the addresses written in that file.
+    pub fn spawn(
+        binary: &str,
+        dir: &std::path::Path,
+        config: &std::path::Path,
+        amqp: SocketAddr,
+        admin: SocketAddr,
+    ) -> ServiceProcess {
+        let stdout_path = dir.join("stdout.log");
+        let stderr_path = dir.join("stderr.log");
+        let mut command = std::process::Command::new(binary);
+        command
+            .arg("run")
+            .arg("--config")
+            .arg(config)
+            .current_dir(dir)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::fs::File::create(&stdout_path).expect("stdout file"))
+            .stderr(std::fs::File::create(&stderr_path).expect("stderr file"));
+        for (name, _) in std::env::vars() {
+            if name.starts_with("DLX_PROXY_") || name == "RUST_LOG" {
+                command.env_remove(name);
+            }
+        }
+        let child = command.spawn().expect("spawn dlx-proxy");
+        ServiceProcess {
+            child,
+            amqp,
+            admin,
+            stdout_path,
+            stderr_path,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal by name (TERM, INT, HUP) with the `kill` command.
+    pub fn signal(&self, name: &str) {
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{name} failed");
+    }
+
+    /// Both log files.
+    pub fn logs(&self) -> String {
+        let out = std::fs::read_to_string(&self.stdout_path).unwrap_or_default();
+        let err = std::fs::read_to_string(&self.stderr_path).unwrap_or_default();
+        format!("--- stdout ---\n{out}--- stderr ---\n{err}")
+    }
+
+    /// Waits until `/readyz` answers 200 (panics with the logs after 15 s or on exit).
+    pub async fn wait_ready(&mut self) {
+        for _ in 0..300 {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("dlx-proxy exited early with {status}:\n{}", self.logs());
+            }
+            let admin = self.admin.to_string();
+            let ready = tokio::task::spawn_blocking(move || {
+                dlx_proxy::admin::request(&admin, "GET", "/readyz", None, Duration::from_secs(1))
+            })
+            .await
+            .expect("request task");
+            if matches!(ready, Ok((200, _))) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("dlx-proxy never became ready:\n{}", self.logs());
+    }
+
+    /// Waits up to `limit` for the process to exit.
+    pub async fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let until = tokio::time::Instant::now() + limit;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if tokio::time::Instant::now() >= until {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for ServiceProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
