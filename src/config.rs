@@ -1060,7 +1060,11 @@ pub fn init_logging(cfg: &LogConfig) -> Result<(), ConfigError> {
     };
     let filter = EnvFilter::try_new(&directives)
         .map_err(|error| ConfigError::invalid(key, error.to_string()))?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    // Colours only on a terminal: in Kubernetes logs go to a pipe and must stay plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi);
     let installed = if cfg.format == "json" {
         builder.json().try_init()
     } else {

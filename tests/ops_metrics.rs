@@ -423,7 +423,6 @@ async fn open_raw_channel(addr: SocketAddr) -> RawClient {
 /// Channels still open when their connection ends (connection.close without channel.close,
 /// as lapin does, or a vanished client) must leave the channel gauge too.
 #[tokio::test]
-#[ignore = "src/server does not subtract the channels still open when a connection ends"]
 async fn channels_of_ended_connections_leave_the_channel_gauge() {
     let (broker, admin) = broker_with_admin(500).await;
     let (conn, _ch) = broker.channel().await;
@@ -442,7 +441,6 @@ async fn channels_of_ended_connections_leave_the_channel_gauge() {
 
 /// frames_total and bytes_total count both directions of client traffic.
 #[tokio::test]
-#[ignore = "src/server counts neither client_in traffic nor client_out frames"]
 async fn client_traffic_is_counted_in_both_directions() {
     let (broker, admin) = broker_with_admin(500).await;
     let (conn, ch) = broker.channel().await;

@@ -71,6 +71,14 @@ impl ChannelTable {
         }
     }
 
+    /// Channels open and not closing (the ones still counted in the channel gauge).
+    pub fn open_channels(&self) -> usize {
+        self.channels
+            .values()
+            .filter(|c| c.phase == Phase::Open)
+            .count()
+    }
+
     /// Handles one frame.
     pub fn handle(&mut self, frame: RawFrame, s: &Session, ctx: &ServerContext) -> Flow {
         match frame.kind {

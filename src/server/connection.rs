@@ -26,6 +26,7 @@ use crate::amqp::codec::{
 use crate::amqp::reply::{self, AmqpError};
 use crate::broker::auth::{parse_amqplain, parse_sasl_plain};
 use crate::broker::outbox::Outbox;
+use crate::metrics::Direction;
 use crate::shutdown::Shutdown;
 
 /// Connection-level facts the channel handlers need.
@@ -352,64 +353,98 @@ async fn frame_loop<R: AsyncRead + Unpin>(
 ) {
     let timeout = (heartbeat > 0).then(|| Duration::from_secs(heartbeat * 2));
     let mut channels = ChannelTable::new(ctx.limits().max_message_size);
-    // Traffic is counted locally and flushed in batches: one metric update per 64 frames.
-    let mut counted = (0u64, 0u64);
-    let flush = |counted: &mut (u64, u64)| {
-        if counted.0 > 0 {
-            ctx.broker
-                .metrics
-                .traffic(crate::metrics::Direction::ClientIn, counted.0, counted.1);
-            *counted = (0, 0);
-        }
-    };
-    loop {
-        if counted.0 >= 64 {
-            flush(&mut counted);
-        }
+    let mut traffic = TrafficCounter::new(ctx.clone(), Direction::ClientIn);
+    // The loop ends with the error to close the connection with, or None when the peer is
+    // gone or closed it.
+    let close_with = loop {
         let frame = tokio::select! {
             f = next_frame(frames, timeout) => f,
-            _ = shutdown.recv() => {
-                let e = AmqpError::new(
-                    reply::CONNECTION_FORCED,
-                    "broker forced connection closure with reason 'shutdown'",
-                );
-                send_close(&session.outbox, &e);
-                await_close_ok(frames).await;
-                return;
-            }
+            _ = shutdown.recv() => break Some(AmqpError::new(
+                reply::CONNECTION_FORCED,
+                "broker forced connection closure with reason 'shutdown'",
+            )),
         };
         let frame = match frame {
-            Ok(Some(f)) => {
-                counted.0 += 1;
-                counted.1 += f.wire_len() as u64;
-                f
-            }
-            Ok(None) => {
-                flush(&mut counted);
-                return;
-            }
+            Ok(Some(f)) => f,
+            Ok(None) => break None,
             Err(FrameError::Io(err)) => {
                 tracing::debug!(conn = session.conn_id, %err, "connection read ended");
-                return;
+                break None;
             }
-            Err(err) => {
-                let e = AmqpError::frame_error(err.to_string());
-                send_close(&session.outbox, &e);
-                await_close_ok(frames).await;
-                return;
-            }
+            Err(err) => break Some(AmqpError::frame_error(err.to_string())),
         };
+        traffic.add(1, frame.wire_len() as u64);
         match channels.handle(frame, session, ctx) {
             Flow::Continue => {}
-            Flow::CloseConnection(err) => {
-                tracing::debug!(conn = session.conn_id, %err, "closing connection");
-                send_close(&session.outbox, &err);
-                await_close_ok(frames).await;
-                return;
-            }
-            Flow::Closed => return,
+            Flow::CloseConnection(err) => break Some(err),
+            Flow::Closed => break None,
+        }
+    };
+    ctx.broker
+        .metrics
+        .channels_closed(channels.open_channels() as u64);
+    if let Some(err) = close_with {
+        tracing::debug!(conn = session.conn_id, %err, "closing connection");
+        send_close(&session.outbox, &err);
+        await_close_ok(frames).await;
+    }
+}
+
+/// Frame and byte counts kept locally and added to the metrics every 64 frames and when the
+/// connection ends (one metric update per batch, not per frame).
+struct TrafficCounter {
+    ctx: Arc<ServerContext>,
+    direction: Direction,
+    frames: u64,
+    bytes: u64,
+}
+
+impl TrafficCounter {
+    fn new(ctx: Arc<ServerContext>, direction: Direction) -> Self {
+        TrafficCounter {
+            ctx,
+            direction,
+            frames: 0,
+            bytes: 0,
         }
     }
+
+    fn add(&mut self, frames: u64, bytes: u64) {
+        self.frames += frames;
+        self.bytes += bytes;
+        if self.frames >= 64 {
+            self.flush();
+        }
+    }
+
+    fn flush(&mut self) {
+        if self.frames > 0 || self.bytes > 0 {
+            self.ctx
+                .broker
+                .metrics
+                .traffic(self.direction, self.frames, self.bytes);
+            self.frames = 0;
+            self.bytes = 0;
+        }
+    }
+}
+
+impl Drop for TrafficCounter {
+    fn drop(&mut self) {
+        self.flush();
+    }
+}
+
+/// Number of complete frames in an encoded batch (walks the 7-byte headers).
+fn count_frames(batch: &[u8]) -> u64 {
+    let mut at = 0usize;
+    let mut n = 0u64;
+    while at + 7 <= batch.len() {
+        let size = u32::from_be_bytes([batch[at + 3], batch[at + 4], batch[at + 5], batch[at + 6]]);
+        at += size as usize + 8;
+        n += 1;
+    }
+    n
 }
 
 /// Drains the outbox to the socket, sends heartbeats, and resumes dispatch after the outbox
@@ -423,6 +458,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
 ) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut idle_secs = 0u64;
+    let mut traffic = TrafficCounter::new(ctx.clone(), Direction::ClientOut);
     loop {
         let batch: BytesMut = tokio::select! {
             b = outbox.next_batch() => b,
@@ -453,9 +489,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             return;
         }
         outbox.written(n);
-        ctx.broker
-            .metrics
-            .traffic(crate::metrics::Direction::ClientOut, 0, n as u64);
+        traffic.add(count_frames(&batch), n as u64);
         if !outbox.is_full() && outbox.take_starved() {
             let id = conn_id.load(Ordering::SeqCst);
             if id != 0 {
