@@ -402,7 +402,24 @@ pub mod dl {
         .unwrap_or_else(|e| panic!("queue.bind {queue} {exchange} {key}: {e}"));
     }
 
-    /// Publishes through `exchange`; returns the confirmation (`NotRequested` without confirms).
+    /// A round trip on the channel: the server has handled every method sent before it (a
+    /// passive declare of amq.direct, which always exists and needs no permission).
+    pub async fn sync(ch: &Channel) {
+        ch.exchange_declare(
+            "amq.direct".into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("sync round trip");
+    }
+
+    /// Publishes through `exchange`; returns the confirmation (`NotRequested` without
+    /// confirms). Returns only once the broker has handled the publish.
     pub async fn publish_to(
         ch: &Channel,
         exchange: &str,
@@ -410,17 +427,22 @@ pub mod dl {
         body: &[u8],
         props: BasicProperties,
     ) -> Confirmation {
-        ch.basic_publish(
-            exchange.into(),
-            key.into(),
-            BasicPublishOptions::default(),
-            body,
-            props,
-        )
-        .await
-        .expect("publish")
-        .await
-        .expect("confirmation")
+        let confirmation = ch
+            .basic_publish(
+                exchange.into(),
+                key.into(),
+                BasicPublishOptions::default(),
+                body,
+                props,
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("confirmation");
+        if matches!(confirmation, Confirmation::NotRequested) {
+            sync(ch).await;
+        }
+        confirmation
     }
 
     /// The upstream `publish(Ch, Q, Payloads)`: default exchange, routing key Q, no properties.
@@ -480,22 +502,26 @@ pub mod dl {
         }
     }
 
+    /// basic.nack; returns once the broker handled it (as do `reject` and `ack`).
     pub async fn nack(ch: &Channel, tag: u64, multiple: bool, requeue: bool) {
         ch.basic_nack(tag, BasicNackOptions { multiple, requeue })
             .await
             .expect("nack");
+        sync(ch).await;
     }
 
     pub async fn reject(ch: &Channel, tag: u64, requeue: bool) {
         ch.basic_reject(tag, BasicRejectOptions { requeue })
             .await
             .expect("reject");
+        sync(ch).await;
     }
 
     pub async fn ack(ch: &Channel, tag: u64, multiple: bool) {
         ch.basic_ack(tag, BasicAckOptions { multiple })
             .await
             .expect("ack");
+        sync(ch).await;
     }
 
     /// The upstream `declare_dead_letter_queues(Q, DLQ, Extra)`: a direct DLX named after the
