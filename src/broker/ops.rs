@@ -815,9 +815,11 @@ impl Broker {
         } = st;
         let q = vhosts.get_mut(vhost)?.queues.get_mut(queue)?;
         let entry = q.state.admit(message, now);
+        // As RabbitMQ: reject-publish(-dlx) refuses first; otherwise a waiting consumer gets
+        // the message before drop-head or TTL look at it (even with x-max-length = 0).
         if q.state.is_empty()
             && !q.consumers.is_empty()
-            && q.state.limits().max_length != Some(0)
+            && !q.state.refuses(&entry)
             && let Some(idx) = pick_consumer(q, channels, connections)
         {
             deliver_to(q, idx, entry, channels, connections);

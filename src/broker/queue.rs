@@ -91,6 +91,16 @@ impl QueueState {
         }
     }
 
+    /// Whether reject-publish / reject-publish-dlx refuses this message: the ready messages
+    /// plus it would pass max-length or max-length-bytes. RabbitMQ checks this before trying
+    /// consumers, so even a waiting consumer does not get a refused message.
+    pub fn refuses(&self, entry: &QueuedMessage) -> bool {
+        matches!(
+            self.limits.overflow,
+            Overflow::RejectPublish | Overflow::RejectPublishDlx
+        ) && self.would_overflow(entry)
+    }
+
     /// Appends a published message, applying the overflow behaviour.
     pub fn publish(
         &mut self,
@@ -99,7 +109,7 @@ impl QueueState {
         deaths: &mut Vec<Death>,
     ) -> PublishOutcome {
         match self.limits.overflow {
-            Overflow::RejectPublish | Overflow::RejectPublishDlx if self.would_overflow(&entry) => {
+            Overflow::RejectPublish | Overflow::RejectPublishDlx if self.refuses(&entry) => {
                 if self.limits.overflow == Overflow::RejectPublishDlx {
                     Self::kill(entry, DeadLetterReason::MaxLen, deaths);
                 }
@@ -371,6 +381,26 @@ mod tests {
                 ("3".into(), DeadLetterReason::MaxLen)
             ]
         );
+    }
+
+    #[test]
+    fn refuses_only_under_reject_publish_modes() {
+        let body = "x".repeat(20);
+        for (overflow, refused) in [
+            (Overflow::DropHead, false),
+            (Overflow::RejectPublish, true),
+            (Overflow::RejectPublishDlx, true),
+        ] {
+            let mut q = QueueState::new(QueueLimits {
+                max_length_bytes: Some(10),
+                overflow,
+                ..Default::default()
+            });
+            let big = q.admit(msg(&body, None), 0);
+            assert_eq!(q.refuses(&big), refused, "{overflow:?}");
+            let small = q.admit(msg("s", None), 0);
+            assert!(!q.refuses(&small));
+        }
     }
 
     #[test]
