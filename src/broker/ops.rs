@@ -779,8 +779,9 @@ impl Broker {
         };
         let mut deaths = Vec::new();
         for q in &targets {
-            if let Some(PublishOutcome::Rejected) =
-                self.enqueue(&mut st, vhost, q, message.clone(), now, &mut deaths)
+            if self
+                .enqueue(&mut st, vhost, q, message.clone(), now, &mut deaths)
+                .is_some_and(PublishOutcome::is_rejected)
             {
                 result.rejected = true;
             }

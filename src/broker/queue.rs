@@ -34,8 +34,18 @@ pub struct Death {
 pub enum PublishOutcome {
     /// The message is in the queue (it may already have been dead-lettered by drop-head).
     Accepted,
-    /// reject-publish / reject-publish-dlx: the publisher gets a basic.nack.
+    /// reject-publish: refused and discarded; the publisher gets a basic.nack.
     Rejected,
+    /// reject-publish-dlx: refused and dead-lettered (`maxlen`, in the caller's deaths); the
+    /// publisher gets a basic.nack.
+    RejectedDeadLettered,
+}
+
+impl PublishOutcome {
+    /// The publisher gets a basic.nack.
+    pub fn is_rejected(self) -> bool {
+        self != PublishOutcome::Accepted
+    }
 }
 
 /// The ready messages of one queue.
@@ -112,6 +122,7 @@ impl QueueState {
             Overflow::RejectPublish | Overflow::RejectPublishDlx if self.refuses(&entry) => {
                 if self.limits.overflow == Overflow::RejectPublishDlx {
                     Self::kill(entry, DeadLetterReason::MaxLen, deaths);
+                    return PublishOutcome::RejectedDeadLettered;
                 }
                 PublishOutcome::Rejected
             }
@@ -371,8 +382,14 @@ mod tests {
         });
         let mut d = Vec::new();
         publish(&mut q, "1", 0, &mut d);
-        assert_eq!(publish(&mut q, "2", 0, &mut d), PublishOutcome::Rejected);
-        assert_eq!(publish(&mut q, "3", 0, &mut d), PublishOutcome::Rejected);
+        assert_eq!(
+            publish(&mut q, "2", 0, &mut d),
+            PublishOutcome::RejectedDeadLettered
+        );
+        assert_eq!(
+            publish(&mut q, "3", 0, &mut d),
+            PublishOutcome::RejectedDeadLettered
+        );
         assert_eq!(bodies(&q), vec!["1"]);
         assert_eq!(
             dead(&d),
