@@ -328,3 +328,143 @@ async fn at_most_once_dead_letter_order_maxlen() {
     b.wait_counts("qq", 0, 0).await;
     consume(&ch, "dlq", &["m1", "m2", &large]).await;
 }
+
+/// Probe 3.10.8: with drop-head, a message for an empty queue goes to a waiting consumer
+/// before any length check, even with x-max-length = 0.
+#[tokio::test]
+async fn max_length_zero_drop_head_delivers_to_waiting_consumer() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    declare_dead_letter_queues(&ch, "q", "dlq", &[("x-max-length", int(0))]).await;
+    let mut c = consumer(&ch, "q", "c").await;
+    let (_c2, ch2) = b.channel().await;
+    publish(&ch2, "q", &["m"]).await;
+    assert_eq!(payload(&next(&mut c).await), "m");
+    b.stays_counts("dlq", 0, 0, 50).await;
+    assert_eq!(b.dead_lettered("q", "maxlen"), 0);
+}
+
+/// Probe 3.10.8: reject-publish checks the limit before trying consumers: a message larger
+/// than x-max-length-bytes is refused (nack) although a consumer is waiting; with
+/// reject-publish-dlx it is dead-lettered as `maxlen`.
+#[tokio::test]
+async fn reject_publish_checks_the_limit_before_a_waiting_consumer() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    exchange(&ch, "dlx", ExchangeKind::Direct).await;
+    declare(&ch, "dlq", FieldTable::default()).await;
+    bind(&ch, "dlq", "dlx", "dlq").await;
+    for (q, overflow) in [("rp", "reject-publish"), ("rpdlx", "reject-publish-dlx")] {
+        declare(
+            &ch,
+            q,
+            table(&[
+                ("x-max-length-bytes", int(10)),
+                ("x-overflow", ls(overflow)),
+                ("x-dead-letter-exchange", ls("dlx")),
+                ("x-dead-letter-routing-key", ls("dlq")),
+            ]),
+        )
+        .await;
+    }
+    let (_c2, cons) = b.channel().await;
+    let mut crp = consumer(&cons, "rp", "c1").await;
+    let mut crpdlx = consumer(&cons, "rpdlx", "c2").await;
+    let (_c3, publisher) = b.channel().await;
+    publisher
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for q in ["rp", "rpdlx"] {
+        let c = publish_to(&publisher, "", q, &[b'x'; 20], BasicProperties::default()).await;
+        assert!(matches!(c, Confirmation::Nack(_)), "{q}: {c:?}");
+        let c = publish_to(&publisher, "", q, b"small", BasicProperties::default()).await;
+        assert!(matches!(c, Confirmation::Ack(None)), "{q}: {c:?}");
+    }
+    assert_eq!(payload(&next(&mut crp).await), "small");
+    assert_eq!(payload(&next(&mut crpdlx).await), "small");
+    let d = get_one(&ch, "dlq").await;
+    assert_eq!(d.data.len(), 20);
+    assert_eq!(x_death(&d)[0].qrc(), ("rpdlx", "maxlen", 1));
+    consume_empty(&ch, "dlq").await;
+}
+
+/// Probe 3.10.8: a dead-letter target whose overflow is reject-publish-dlx dead-letters the
+/// arriving message onward (maxlen); nothing is counted as dropped.
+#[tokio::test]
+async fn reject_publish_dlx_target_dead_letters_onward() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    exchange(&ch, "dlx2", ExchangeKind::Direct).await;
+    declare(&ch, "final", FieldTable::default()).await;
+    bind(&ch, "final", "dlx2", "f").await;
+    declare(
+        &ch,
+        "target",
+        table(&[
+            ("x-max-length", int(1)),
+            ("x-overflow", ls("reject-publish-dlx")),
+            ("x-dead-letter-exchange", ls("dlx2")),
+            ("x-dead-letter-routing-key", ls("f")),
+        ]),
+    )
+    .await;
+    declare(
+        &ch,
+        "src",
+        table(&[
+            ("x-dead-letter-exchange", ls("")),
+            ("x-dead-letter-routing-key", ls("target")),
+        ]),
+    )
+    .await;
+    publish(&ch, "target", &["filler"]).await;
+    publish(&ch, "src", &["m"]).await;
+    let t = consume(&ch, "src", &["m"]).await[0];
+    reject(&ch, t, false).await;
+    b.wait_counts("final", 1, 0).await;
+    let d = get_one(&ch, "final").await;
+    assert_eq!(
+        x_death(&d).iter().map(Death::qrc).collect::<Vec<_>>(),
+        [("target", "maxlen", 1), ("src", "rejected", 1)]
+    );
+    assert_eq!(b.dead_lettered("src", "rejected"), 1);
+    assert_eq!(b.dead_lettered("target", "maxlen"), 1);
+    for cause in ["target_full", "unroutable", "no_dlx", "cycle"] {
+        assert_eq!(b.dropped("src", cause), 0, "{cause}");
+    }
+}
+
+/// A dead-letter target with reject-publish (no -dlx) that is full loses the message, as
+/// RabbitMQ's at-most-once dead-lettering does; it is counted (cause `target_full`).
+#[tokio::test]
+async fn reject_publish_target_full_drops_and_counts() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    declare(
+        &ch,
+        "target",
+        table(&[
+            ("x-max-length", int(1)),
+            ("x-overflow", ls("reject-publish")),
+        ]),
+    )
+    .await;
+    declare(
+        &ch,
+        "src",
+        table(&[
+            ("x-dead-letter-exchange", ls("")),
+            ("x-dead-letter-routing-key", ls("target")),
+        ]),
+    )
+    .await;
+    publish(&ch, "target", &["filler"]).await;
+    publish(&ch, "src", &["m"]).await;
+    let t = consume(&ch, "src", &["m"]).await[0];
+    reject(&ch, t, false).await;
+    b.wait_counts("src", 0, 0).await;
+    consume(&ch, "target", &["filler"]).await;
+    consume_empty(&ch, "target").await;
+    assert_eq!(b.dropped("src", "target_full"), 1);
+}
