@@ -45,8 +45,8 @@ async fn dead_letter_max_length_reject_publish_dlx() {
     assert_eq!(b.dead_lettered("q", "maxlen"), 2);
 }
 
-/// M2 with confirms (probe 3.10.8): ack, nack, nack; the DLQ gets the refused two with
-/// reason `maxlen`, routed by the DLRK.
+/// M2 with confirms (probe 3.10.8): ack, nack, nack (no basic.return, even when mandatory);
+/// the DLQ gets the refused two with reason `maxlen`, routed by the DLRK.
 #[tokio::test]
 async fn reject_publish_dlx_confirms_ack_nack_nack() {
     let b = start().await;
@@ -64,13 +64,29 @@ async fn reject_publish_dlx_confirms_ack_nack_nack() {
         ],
     )
     .await;
+    // Mandatory publishes: a refused message was routed, so it is nacked, never returned.
     let mut seen = Vec::new();
     for p in ["r0", "r1", "r2"] {
-        seen.push(publish_to(&ch, "", "q", p.as_bytes(), BasicProperties::default()).await);
+        let c = ch
+            .basic_publish(
+                "".into(),
+                "q".into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                p.as_bytes(),
+                BasicProperties::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        seen.push(c);
     }
     assert!(matches!(seen[0], Confirmation::Ack(None)), "{:?}", seen[0]);
-    assert!(matches!(seen[1], Confirmation::Nack(_)), "{:?}", seen[1]);
-    assert!(matches!(seen[2], Confirmation::Nack(_)), "{:?}", seen[2]);
+    assert!(matches!(seen[1], Confirmation::Nack(None)), "{:?}", seen[1]);
+    assert!(matches!(seen[2], Confirmation::Nack(None)), "{:?}", seen[2]);
     for p in ["r1", "r2"] {
         let d = get_one(&ch, "dlq").await;
         assert_eq!(payload(&d), p);

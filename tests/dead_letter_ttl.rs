@@ -307,3 +307,71 @@ async fn expiry_order_is_head_order() {
     }
     assert_eq!(exps, [Some("20".into()), None, Some("25".into())]);
 }
+
+/// What the publisher sees for a message that expires at once: a mandatory publish was routed,
+/// so it is acked and never returned; the DLQ gets it.
+#[tokio::test]
+async fn mandatory_publish_to_expiring_queue_is_acked_without_return() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    declare_dead_letter_queues(&ch, "q", "dlq", &[("x-message-ttl", int(0))]).await;
+    let c = ch
+        .basic_publish(
+            "".into(),
+            "q".into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
+            b"m",
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(matches!(c, Confirmation::Ack(None)), "{c:?}");
+    consume(&ch, "dlq", &["m"]).await;
+}
+
+/// Each queue computes its own expiry: a fanout copy expires in the queue with a TTL and
+/// stays in the one without.
+#[tokio::test]
+async fn ttl_is_per_queue_for_a_routed_copy() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    exchange(&ch, "fan", ExchangeKind::Fanout).await;
+    declare_dead_letter_queues(&ch, "short", "dlq", &[("x-message-ttl", int(20))]).await;
+    declare(&ch, "keep", FieldTable::default()).await;
+    bind(&ch, "short", "fan", "").await;
+    bind(&ch, "keep", "fan", "").await;
+    publish_to(&ch, "fan", "", b"m", BasicProperties::default()).await;
+    b.wait_counts("dlq", 1, 0).await;
+    let d = get_one(&ch, "dlq").await;
+    let deaths = x_death(&d);
+    assert_eq!(deaths[0].qrc(), ("short", "expired", 1));
+    assert_eq!(deaths[0].exchange, "fan");
+    assert_eq!(deaths[0].routing_keys, [""]);
+    b.wait_counts("keep", 1, 0).await;
+}
+
+/// A consumer blocked by its prefetch does not stop the head from expiring on time.
+#[tokio::test]
+async fn expiry_with_a_blocked_consumer() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    declare_dead_letter_queues(&ch, "q", "dlq", &[("x-message-ttl", int(50))]).await;
+    ch.basic_qos(1, BasicQosOptions { global: false })
+        .await
+        .unwrap();
+    let mut c = consumer(&ch, "q", "c").await;
+    let (_c2, ch2) = b.channel().await;
+    publish(&ch2, "q", &["held", "expires"]).await;
+    assert_eq!(payload(&next(&mut c).await), "held");
+    b.wait_counts("dlq", 1, 0).await;
+    consume(&ch2, "dlq", &["expires"]).await;
+    no_delivery(&mut c, 50).await;
+}
