@@ -526,20 +526,18 @@ async fn x_death_total_counts_every_death() {
     declare(&ch, "q", table(&dl_to("r"))).await;
     declare(&ch, "r", table(&dl_to("q"))).await;
     publish(&ch, "q", &["m"]).await;
-    let mut expected = 0i64;
-    for q in ["q", "r", "q", "r"] {
+    for (deaths_so_far, q) in (0i64..).zip(["q", "r", "q", "r"]) {
         b.wait_counts(q, 1, 0).await;
         let d = get_one(&ch, q).await;
-        if expected == 0 {
+        if deaths_so_far == 0 {
             assert!(header(&d, "x-death-total").is_none());
         } else {
             assert_eq!(
                 header(&d, "x-death-total"),
-                Some(&AMQPValue::LongLongInt(expected))
+                Some(&AMQPValue::LongLongInt(deaths_so_far))
             );
         }
         reject(&ch, d.delivery_tag, false).await;
-        expected += 1;
     }
     let d = get_one(&ch, "q").await;
     assert_eq!(
