@@ -136,6 +136,9 @@ impl Broker {
                 Some(PublishOutcome::Rejected) => {
                     self.drop_message(st, vhost, source, "target_full", now, t);
                 }
+                // Not dropped: the target's reject-publish-dlx dead-letters it onward (the
+                // death is queued in `work` and counted there).
+                Some(PublishOutcome::RejectedDeadLettered) => {}
                 None => {}
             }
         }

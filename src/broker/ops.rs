@@ -260,10 +260,11 @@ impl Broker {
             return;
         };
         let vhost = ch.vhost.clone();
+        let requeue: Vec<Unacked> = ch.unacked.into_values().collect();
+        Self::release_counters(st, &vhost, conn, channel, &requeue);
         for (tag, queue) in &ch.consumers {
             self.remove_consumer(st, &vhost, queue, conn, channel, tag, now);
         }
-        let requeue: Vec<Unacked> = ch.unacked.into_values().collect();
         self.requeue_unacked(st, &vhost, requeue, now);
     }
 
@@ -778,8 +779,9 @@ impl Broker {
         };
         let mut deaths = Vec::new();
         for q in &targets {
-            if let Some(PublishOutcome::Rejected) =
-                self.enqueue(&mut st, vhost, q, message.clone(), now, &mut deaths)
+            if self
+                .enqueue(&mut st, vhost, q, message.clone(), now, &mut deaths)
+                .is_some_and(PublishOutcome::is_rejected)
             {
                 result.rejected = true;
             }
@@ -814,9 +816,11 @@ impl Broker {
         } = st;
         let q = vhosts.get_mut(vhost)?.queues.get_mut(queue)?;
         let entry = q.state.admit(message, now);
+        // As RabbitMQ: reject-publish(-dlx) refuses first; otherwise a waiting consumer gets
+        // the message before drop-head or TTL look at it (even with x-max-length = 0).
         if q.state.is_empty()
             && !q.consumers.is_empty()
-            && q.state.limits().max_length != Some(0)
+            && !q.state.refuses(&entry)
             && let Some(idx) = pick_consumer(q, channels, connections)
         {
             deliver_to(q, idx, entry, channels, connections);
@@ -1081,11 +1085,17 @@ impl Broker {
                 None => return Err(unknown_tag(tag)),
             }
         };
-        // Free consumer and queue counters.
-        for u in &taken {
+        Self::release_counters(st, &vhost, conn, channel, &taken);
+        Ok((vhost, taken))
+    }
+
+    /// Frees the queue's and the consumer's unacked counters of deliveries leaving a channel
+    /// (settled, requeued or returned on close). Called exactly once per delivery.
+    fn release_counters(st: &mut State, vhost: &str, conn: u64, channel: u16, taken: &[Unacked]) {
+        for u in taken {
             if let Some(q) = st
                 .vhosts
-                .get_mut(&vhost)
+                .get_mut(vhost)
                 .and_then(|v| v.queues.get_mut(&u.queue))
                 .filter(|q| q.id == u.queue_id)
             {
@@ -1100,7 +1110,6 @@ impl Broker {
                 }
             }
         }
-        Ok((vhost, taken))
     }
 
     fn queues_of(taken: &[Unacked]) -> Vec<String> {
@@ -1175,7 +1184,8 @@ impl Broker {
         Ok(())
     }
 
-    /// Returns deliveries to their queues (grouped per queue, original order kept).
+    /// Returns deliveries to their queues (grouped per queue, original order kept). Their
+    /// unacked counters must already be released ([`Self::release_counters`]).
     fn requeue_unacked(&self, st: &mut State, vhost: &str, taken: Vec<Unacked>, now: u64) {
         let mut by_queue: BTreeMap<String, Vec<Unacked>> = BTreeMap::new();
         for u in taken {
@@ -1195,12 +1205,6 @@ impl Broker {
                 for u in list {
                     if u.queue_id != q.id {
                         continue;
-                    }
-                    q.unacked = q.unacked.saturating_sub(1);
-                    if let Some(ct) = &u.consumer_tag
-                        && let Some(c) = q.consumers.iter_mut().find(|c| &c.tag == ct)
-                    {
-                        c.unacked = c.unacked.saturating_sub(1);
                     }
                     entries.push(u.entry);
                 }

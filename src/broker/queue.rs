@@ -34,8 +34,18 @@ pub struct Death {
 pub enum PublishOutcome {
     /// The message is in the queue (it may already have been dead-lettered by drop-head).
     Accepted,
-    /// reject-publish / reject-publish-dlx: the publisher gets a basic.nack.
+    /// reject-publish: refused and discarded; the publisher gets a basic.nack.
     Rejected,
+    /// reject-publish-dlx: refused and dead-lettered (`maxlen`, in the caller's deaths); the
+    /// publisher gets a basic.nack.
+    RejectedDeadLettered,
+}
+
+impl PublishOutcome {
+    /// The publisher gets a basic.nack.
+    pub fn is_rejected(self) -> bool {
+        self != PublishOutcome::Accepted
+    }
 }
 
 /// The ready messages of one queue.
@@ -91,6 +101,16 @@ impl QueueState {
         }
     }
 
+    /// Whether reject-publish / reject-publish-dlx refuses this message: the ready messages
+    /// plus it would pass max-length or max-length-bytes. RabbitMQ checks this before trying
+    /// consumers, so even a waiting consumer does not get a refused message.
+    pub fn refuses(&self, entry: &QueuedMessage) -> bool {
+        matches!(
+            self.limits.overflow,
+            Overflow::RejectPublish | Overflow::RejectPublishDlx
+        ) && self.would_overflow(entry)
+    }
+
     /// Appends a published message, applying the overflow behaviour.
     pub fn publish(
         &mut self,
@@ -99,9 +119,10 @@ impl QueueState {
         deaths: &mut Vec<Death>,
     ) -> PublishOutcome {
         match self.limits.overflow {
-            Overflow::RejectPublish | Overflow::RejectPublishDlx if self.would_overflow(&entry) => {
+            Overflow::RejectPublish | Overflow::RejectPublishDlx if self.refuses(&entry) => {
                 if self.limits.overflow == Overflow::RejectPublishDlx {
                     Self::kill(entry, DeadLetterReason::MaxLen, deaths);
+                    return PublishOutcome::RejectedDeadLettered;
                 }
                 PublishOutcome::Rejected
             }
@@ -361,8 +382,14 @@ mod tests {
         });
         let mut d = Vec::new();
         publish(&mut q, "1", 0, &mut d);
-        assert_eq!(publish(&mut q, "2", 0, &mut d), PublishOutcome::Rejected);
-        assert_eq!(publish(&mut q, "3", 0, &mut d), PublishOutcome::Rejected);
+        assert_eq!(
+            publish(&mut q, "2", 0, &mut d),
+            PublishOutcome::RejectedDeadLettered
+        );
+        assert_eq!(
+            publish(&mut q, "3", 0, &mut d),
+            PublishOutcome::RejectedDeadLettered
+        );
         assert_eq!(bodies(&q), vec!["1"]);
         assert_eq!(
             dead(&d),
@@ -371,6 +398,26 @@ mod tests {
                 ("3".into(), DeadLetterReason::MaxLen)
             ]
         );
+    }
+
+    #[test]
+    fn refuses_only_under_reject_publish_modes() {
+        let body = "x".repeat(20);
+        for (overflow, refused) in [
+            (Overflow::DropHead, false),
+            (Overflow::RejectPublish, true),
+            (Overflow::RejectPublishDlx, true),
+        ] {
+            let mut q = QueueState::new(QueueLimits {
+                max_length_bytes: Some(10),
+                overflow,
+                ..Default::default()
+            });
+            let big = q.admit(msg(&body, None), 0);
+            assert_eq!(q.refuses(&big), refused, "{overflow:?}");
+            let small = q.admit(msg("s", None), 0);
+            assert!(!q.refuses(&small));
+        }
     }
 
     #[test]

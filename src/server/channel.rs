@@ -572,12 +572,14 @@ impl ChannelTable {
                 broker.reject(s.conn_id, ch, n.delivery_tag, n.multiple, n.requeue)?;
             }
             AMQPClass::Basic(basic::AMQPMethod::Recover(_)) => {
-                broker.recover(s.conn_id, ch)?;
+                // recover-ok goes before the redeliveries, as RabbitMQ orders them: clients
+                // such as lapin discard deliveries received before it as stale prefetch.
                 Self::reply(
                     s,
                     ch,
                     AMQPClass::Basic(basic::AMQPMethod::RecoverOk(basic::RecoverOk {})),
                 );
+                broker.recover(s.conn_id, ch)?;
             }
             AMQPClass::Basic(basic::AMQPMethod::RecoverAsync(_)) => {
                 broker.recover(s.conn_id, ch)?;

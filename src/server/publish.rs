@@ -45,9 +45,10 @@ pub fn prepare(
         )));
     }
     let expiration_ms = match props.expiration() {
-        Some(e) => Some(parse_expiration(e.as_str()).map_err(|_| {
-            AmqpError::precondition(format!("invalid expiration '{}'", e.as_str()))
-        })?),
+        // RabbitMQ's text: invalid expiration '<value>': <reason>.
+        Some(e) => Some(
+            parse_expiration(e.as_str()).map_err(|err| AmqpError::precondition(err.to_string()))?,
+        ),
         None => None,
     };
     let mut keys: Vec<Box<str>> = vec![routing_key.into()];

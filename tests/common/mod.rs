@@ -416,6 +416,525 @@ impl Drop for ServiceProcess {
         if let Ok(None) = self.child.try_wait() {
             let _ = self.child.kill();
             let _ = self.child.wait();
+/// Helpers for the dead-letter suites (`tests/dead_letter_*.rs`): queue counts from the broker's
+/// state, declare/publish/get shortcuts named after the upstream RabbitMQ suite's helpers, and
+/// strict decoding of the headers a dead-lettered message carries.
+pub mod dl {
+    use super::TestBroker;
+    use std::time::Duration;
+
+    pub use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+    pub use lapin::message::Delivery;
+    pub use lapin::options::*;
+    pub use lapin::{BasicProperties, Channel, Confirmation, Consumer, ExchangeKind};
+
+    use futures_util::StreamExt;
+
+    /// A longstr value.
+    pub fn ls(text: &str) -> AMQPValue {
+        AMQPValue::LongString(LongString::from(text))
+    }
+
+    /// A signed 32-bit integer value (what most clients send for x-arguments).
+    pub fn int(n: i32) -> AMQPValue {
+        AMQPValue::LongInt(n)
+    }
+
+    /// An array of longstr values (CC / BCC headers).
+    pub fn ls_array(items: &[&str]) -> AMQPValue {
+        AMQPValue::FieldArray(FieldArray::from(
+            items.iter().map(|s| ls(s)).collect::<Vec<_>>(),
+        ))
+    }
+
+    /// A field table from pairs.
+    pub fn table(pairs: &[(&str, AMQPValue)]) -> FieldTable {
+        let mut t = FieldTable::default();
+        for (k, v) in pairs {
+            t.insert(ShortString::from(*k), v.clone());
+        }
+        t
+    }
+
+    /// Wall clock, seconds.
+    pub fn now_secs() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0)
+    }
+
+    /// The reply code of a lapin protocol error.
+    pub fn amqp_code(err: &lapin::Error) -> Option<u16> {
+        match err.kind() {
+            lapin::ErrorKind::ProtocolError(e) => Some(e.get_id()),
+            _ => None,
+        }
+    }
+
+    /// The reply text of a lapin protocol error.
+    pub fn amqp_text(err: &lapin::Error) -> String {
+        match err.kind() {
+            lapin::ErrorKind::ProtocolError(e) => e.get_message().as_str().to_string(),
+            other => format!("{other:?}"),
+        }
+    }
+
+    impl TestBroker {
+        /// (ready, unacked) of a queue in vhost "/", read from the broker's state.
+        pub fn queue_counts(&self, queue: &str) -> Option<(usize, usize)> {
+            self.queue_counts_in("/", queue)
+        }
+
+        pub fn queue_counts_in(&self, vhost: &str, queue: &str) -> Option<(usize, usize)> {
+            let broker = self.service.broker.as_ref()?;
+            let st = broker.lock();
+            let q = st.vhosts.get(vhost)?.queues.get(queue)?;
+            Some((q.state.len(), q.unacked))
+        }
+
+        /// The upstream suite's `wait_for_messages`: polls until the queue has `ready` ready
+        /// and `unacked` unacknowledged messages (total = ready + unacked), or panics.
+        pub async fn wait_counts(&self, queue: &str, ready: usize, unacked: usize) {
+            let ok = super::eventually(|| self.queue_counts(queue) == Some((ready, unacked))).await;
+            assert!(
+                ok,
+                "queue {queue}: expected (ready, unacked) = ({ready}, {unacked}), got {:?}",
+                self.queue_counts(queue)
+            );
+        }
+
+        /// Asserts the counts stay as given for `ms` milliseconds.
+        pub async fn stays_counts(&self, queue: &str, ready: usize, unacked: usize, ms: u64) {
+            let until = tokio::time::Instant::now() + Duration::from_millis(ms);
+            while tokio::time::Instant::now() < until {
+                assert_eq!(self.queue_counts(queue), Some((ready, unacked)), "{queue}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+
+        /// `dlx_proxy_dead_lettered_total{vhost="/",queue,reason}` (0 when absent).
+        pub fn dead_lettered(&self, queue: &str, reason: &str) -> u64 {
+            self.counter("dlx_proxy_dead_lettered_total", queue, "reason", reason)
+        }
+
+        /// `dlx_proxy_dead_letter_dropped_total{vhost="/",queue,cause}` (0 when absent).
+        pub fn dropped(&self, queue: &str, cause: &str) -> u64 {
+            self.counter("dlx_proxy_dead_letter_dropped_total", queue, "cause", cause)
+        }
+
+        fn counter(&self, name: &str, queue: &str, label: &str, value: &str) -> u64 {
+            // The text format lists labels sorted by name.
+            let series = format!("{name}{{{label}=\"{value}\",queue=\"{queue}\",vhost=\"/\"}}");
+            let series = if label < "queue" {
+                series
+            } else {
+                format!("{name}{{queue=\"{queue}\",{label}=\"{value}\",vhost=\"/\"}}")
+            };
+            super::metric_value(&self.metrics_text(), &series).unwrap_or(0.0) as u64
+        }
+
+        /// Polls until a counter reaches `value`, or panics.
+        pub async fn wait_dead_lettered(&self, queue: &str, reason: &str, value: u64) {
+            let ok = super::eventually(|| self.dead_lettered(queue, reason) == value).await;
+            assert!(
+                ok,
+                "dead_lettered_total{{queue={queue},reason={reason}}}: expected {value}, got {}",
+                self.dead_lettered(queue, reason)
+            );
+        }
+    }
+
+    pub async fn declare(ch: &Channel, queue: &str, args: FieldTable) {
+        ch.queue_declare(queue.into(), QueueDeclareOptions::default(), args)
+            .await
+            .unwrap_or_else(|e| panic!("declare {queue}: {e}"));
+    }
+
+    /// A durable queue (quorum queues must be durable).
+    pub async fn declare_durable(ch: &Channel, queue: &str, args: FieldTable) {
+        ch.queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("declare {queue}: {e}"));
+    }
+
+    pub async fn try_declare(
+        ch: &Channel,
+        queue: &str,
+        args: FieldTable,
+    ) -> Result<lapin::Queue, lapin::Error> {
+        ch.queue_declare(queue.into(), QueueDeclareOptions::default(), args)
+            .await
+    }
+
+    pub async fn exchange(ch: &Channel, name: &str, kind: ExchangeKind) {
+        ch.exchange_declare(
+            name.into(),
+            kind,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("exchange.declare {name}: {e}"));
+    }
+
+    pub async fn bind(ch: &Channel, queue: &str, exchange: &str, key: &str) {
+        bind_with(ch, queue, exchange, key, FieldTable::default()).await;
+    }
+
+    pub async fn bind_with(ch: &Channel, queue: &str, exchange: &str, key: &str, args: FieldTable) {
+        ch.queue_bind(
+            queue.into(),
+            exchange.into(),
+            key.into(),
+            QueueBindOptions::default(),
+            args,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("queue.bind {queue} {exchange} {key}: {e}"));
+    }
+
+    /// A round trip on the channel: the server has handled every method sent before it (a
+    /// passive declare of amq.direct, which always exists and needs no permission).
+    pub async fn sync(ch: &Channel) {
+        ch.exchange_declare(
+            "amq.direct".into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("sync round trip");
+    }
+
+    /// Publishes through `exchange`; returns the confirmation (`NotRequested` without
+    /// confirms). Returns only once the broker has handled the publish.
+    pub async fn publish_to(
+        ch: &Channel,
+        exchange: &str,
+        key: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> Confirmation {
+        let confirmation = ch
+            .basic_publish(
+                exchange.into(),
+                key.into(),
+                BasicPublishOptions::default(),
+                body,
+                props,
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("confirmation");
+        if matches!(confirmation, Confirmation::NotRequested) {
+            sync(ch).await;
+        }
+        confirmation
+    }
+
+    /// The upstream `publish(Ch, Q, Payloads)`: default exchange, routing key Q, no properties.
+    pub async fn publish(ch: &Channel, queue: &str, payloads: &[&str]) {
+        for p in payloads {
+            publish_to(ch, "", queue, p.as_bytes(), BasicProperties::default()).await;
+        }
+    }
+
+    /// The same with the `headers` property.
+    pub async fn publish_headers(ch: &Channel, queue: &str, payload: &str, headers: FieldTable) {
+        publish_to(
+            ch,
+            "",
+            queue,
+            payload.as_bytes(),
+            BasicProperties::default().with_headers(headers),
+        )
+        .await;
+    }
+
+    /// basic.get with no_ack = false.
+    pub async fn get(ch: &Channel, queue: &str) -> Option<Delivery> {
+        ch.basic_get(queue.into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap_or_else(|e| panic!("basic.get {queue}: {e}"))
+            .map(|m| m.delivery)
+    }
+
+    /// basic.get that must return a message.
+    pub async fn get_one(ch: &Channel, queue: &str) -> Delivery {
+        get(ch, queue)
+            .await
+            .unwrap_or_else(|| panic!("basic.get {queue}: get-empty"))
+    }
+
+    pub fn payload(d: &Delivery) -> String {
+        String::from_utf8_lossy(&d.data).into_owned()
+    }
+
+    /// The upstream `consume(Ch, Q, Payloads)`: one basic.get per payload, order asserted;
+    /// returns the delivery tags.
+    pub async fn consume(ch: &Channel, queue: &str, payloads: &[&str]) -> Vec<u64> {
+        let mut tags = Vec::new();
+        for p in payloads {
+            let d = get_one(ch, queue).await;
+            assert_eq!(payload(&d), *p, "payload order in {queue}");
+            tags.push(d.delivery_tag);
+        }
+        tags
+    }
+
+    /// The upstream `consume_empty(Ch, Q)`.
+    pub async fn consume_empty(ch: &Channel, queue: &str) {
+        if let Some(d) = get(ch, queue).await {
+            panic!("{queue}: expected get-empty, got {:?}", payload(&d));
+        }
+    }
+
+    /// basic.nack; returns once the broker handled it (as do `reject` and `ack`).
+    pub async fn nack(ch: &Channel, tag: u64, multiple: bool, requeue: bool) {
+        ch.basic_nack(tag, BasicNackOptions { multiple, requeue })
+            .await
+            .expect("nack");
+        sync(ch).await;
+    }
+
+    pub async fn reject(ch: &Channel, tag: u64, requeue: bool) {
+        ch.basic_reject(tag, BasicRejectOptions { requeue })
+            .await
+            .expect("reject");
+        sync(ch).await;
+    }
+
+    pub async fn ack(ch: &Channel, tag: u64, multiple: bool) {
+        ch.basic_ack(tag, BasicAckOptions { multiple })
+            .await
+            .expect("ack");
+        sync(ch).await;
+    }
+
+    /// The upstream `declare_dead_letter_queues(Q, DLQ, Extra)`: a direct DLX named after the
+    /// test, Q with `x-dead-letter-exchange = DLX`, `x-dead-letter-routing-key = DLQ` plus
+    /// `extra`, DLQ without arguments, bound to the DLX with key DLQ. Returns the DLX name.
+    pub async fn declare_dead_letter_queues(
+        ch: &Channel,
+        queue: &str,
+        dlq: &str,
+        extra: &[(&str, AMQPValue)],
+    ) -> String {
+        let dlx = format!("{queue}_dlx_exchange");
+        exchange(ch, &dlx, ExchangeKind::Direct).await;
+        let mut args = vec![
+            ("x-dead-letter-exchange", ls(&dlx)),
+            ("x-dead-letter-routing-key", ls(dlq)),
+        ];
+        args.extend(extra.iter().cloned());
+        declare(ch, queue, table(&args)).await;
+        declare(ch, dlq, FieldTable::default()).await;
+        bind(ch, dlq, &dlx, dlq).await;
+        dlx
+    }
+
+    pub async fn consumer(ch: &Channel, queue: &str, tag: &str) -> Consumer {
+        ch.basic_consume(
+            queue.into(),
+            tag.into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("basic.consume {queue}: {e}"))
+    }
+
+    /// The next delivery (5 s at most).
+    pub async fn next(consumer: &mut Consumer) -> Delivery {
+        tokio::time::timeout(Duration::from_secs(5), consumer.next())
+            .await
+            .expect("a delivery in time")
+            .expect("consumer open")
+            .expect("delivery ok")
+    }
+
+    /// Asserts that nothing is delivered for `ms` milliseconds.
+    pub async fn no_delivery(consumer: &mut Consumer, ms: u64) {
+        if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(ms), consumer.next()).await
+        {
+            panic!("unexpected delivery: {:?}", d.map(|d| payload(&d)));
+        }
+    }
+
+    /// A header of a delivery.
+    pub fn header<'a>(d: &'a Delivery, name: &str) -> Option<&'a AMQPValue> {
+        d.properties
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get(name))
+    }
+
+    /// Header names, in wire order.
+    pub fn header_names(d: &Delivery) -> Vec<String> {
+        d.properties
+            .headers()
+            .as_ref()
+            .map(|h| h.inner().keys().map(|k| k.as_str().to_string()).collect())
+            .unwrap_or_default()
+    }
+
+    /// A longstr value's text; panics on any other type.
+    pub fn longstr(v: &AMQPValue) -> String {
+        match v {
+            AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            other => panic!("expected a longstr, got {other:?}"),
+        }
+    }
+
+    /// A longstr header's text (panics when absent or of another type).
+    pub fn header_str(d: &Delivery, name: &str) -> String {
+        longstr(header(d, name).unwrap_or_else(|| panic!("header {name} missing")))
+    }
+
+    /// One x-death entry, decoded after its field types were checked.
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    pub struct Death {
+        pub queue: String,
+        pub reason: String,
+        pub exchange: String,
+        pub routing_keys: Vec<String>,
+        pub count: i64,
+        pub time: u64,
+        pub original_expiration: Option<String>,
+    }
+
+    impl Death {
+        /// (queue, reason, count): the usual comparison.
+        pub fn qrc(&self) -> (&str, &str, i64) {
+            (&self.queue, &self.reason, self.count)
+        }
+    }
+
+    /// The x-death header, strictly: a FieldArray of FieldTables, each with exactly `count`
+    /// (LongLongInt), `reason`/`queue`/`exchange` (LongString), `time` (Timestamp, seconds,
+    /// within 60 s of now), `routing-keys` (FieldArray of LongString) and, optionally,
+    /// `original-expiration` (LongString). Newest first. Panics when absent or mistyped.
+    pub fn x_death(d: &Delivery) -> Vec<Death> {
+        let value = header(d, "x-death").expect("x-death header");
+        let AMQPValue::FieldArray(entries) = value else {
+            panic!("x-death is not a field array: {value:?}");
+        };
+        let now = now_secs();
+        entries
+            .as_slice()
+            .iter()
+            .map(|e| {
+                let AMQPValue::FieldTable(t) = e else {
+                    panic!("x-death element is not a table: {e:?}");
+                };
+                let f = t.inner();
+                for k in f.keys() {
+                    assert!(
+                        [
+                            "count",
+                            "reason",
+                            "queue",
+                            "time",
+                            "exchange",
+                            "routing-keys",
+                            "original-expiration"
+                        ]
+                        .contains(&k.as_str()),
+                        "unexpected x-death field {k:?}"
+                    );
+                }
+                let count = match f.get("count") {
+                    Some(AMQPValue::LongLongInt(n)) => *n,
+                    other => panic!("count must be LongLongInt, got {other:?}"),
+                };
+                let time = match f.get("time") {
+                    Some(AMQPValue::Timestamp(t)) => *t,
+                    other => panic!("time must be Timestamp, got {other:?}"),
+                };
+                assert!(
+                    time.abs_diff(now) <= 60,
+                    "time {time} is not within 60 s of now ({now}): seconds expected"
+                );
+                let routing_keys = match f.get("routing-keys") {
+                    Some(AMQPValue::FieldArray(a)) => a.as_slice().iter().map(longstr).collect(),
+                    other => panic!("routing-keys must be a FieldArray, got {other:?}"),
+                };
+                let s = |k: &str| longstr(f.get(k).unwrap_or_else(|| panic!("x-death.{k}")));
+                Death {
+                    queue: s("queue"),
+                    reason: s("reason"),
+                    exchange: s("exchange"),
+                    routing_keys,
+                    count,
+                    time,
+                    original_expiration: f.get("original-expiration").map(longstr),
+                }
+            })
+            .collect()
+    }
+
+    /// Asserts the x-first-death-* headers (LongString).
+    pub fn assert_first_death(d: &Delivery, reason: &str, queue: &str, exchange: &str) {
+        assert_eq!(header_str(d, "x-first-death-reason"), reason);
+        assert_eq!(header_str(d, "x-first-death-queue"), queue);
+        assert_eq!(header_str(d, "x-first-death-exchange"), exchange);
+    }
+}
+
+/// Policy helpers for the dead-letter suites.
+pub mod dl_policy {
+    use super::TestBroker;
+    use dlx_proxy::admin::PolicyControl;
+    use dlx_proxy::config::PolicyConfig;
+
+    /// A policy on vhost "/" for queues whose name is exactly `queue`.
+    pub fn exact(name: &str, queue: &str, definition: serde_json::Value) -> PolicyConfig {
+        pattern(name, &format!("^{}$", regex::escape(queue)), 0, definition)
+    }
+
+    /// A policy on vhost "/" for queues matching `pattern`, with a priority.
+    pub fn pattern(
+        name: &str,
+        pattern: &str,
+        priority: i32,
+        definition: serde_json::Value,
+    ) -> PolicyConfig {
+        let serde_json::Value::Object(map) = definition else {
+            panic!("a policy definition is a JSON object");
+        };
+        PolicyConfig {
+            name: name.into(),
+            vhost: "/".into(),
+            pattern: pattern.into(),
+            apply_to: "queues".into(),
+            priority,
+            definition: map.into_iter().collect(),
+        }
+    }
+
+    impl TestBroker {
+        /// Sets a runtime policy (the admin API's path) and applies it to existing queues.
+        pub fn set_policy(&self, policy: PolicyConfig) {
+            self.service
+                .policies
+                .set_policy(policy)
+                .unwrap_or_else(|e| panic!("set_policy: {e}"));
+        }
+
+        pub fn clear_policy(&self, name: &str) -> bool {
+            self.service.policies.clear_policy("/", name)
         }
     }
 }
