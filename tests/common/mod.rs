@@ -416,6 +416,10 @@ impl Drop for ServiceProcess {
         if let Ok(None) = self.child.try_wait() {
             let _ = self.child.kill();
             let _ = self.child.wait();
+        }
+    }
+}
+
 /// Helpers for the dead-letter suites (`tests/dead_letter_*.rs`): queue counts from the broker's
 /// state, declare/publish/get shortcuts named after the upstream RabbitMQ suite's helpers, and
 /// strict decoding of the headers a dead-lettered message carries.
