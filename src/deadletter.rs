@@ -461,7 +461,16 @@ pub fn dead_letter(
     }
 
     let mut death_routing_keys: Vec<String> = event.routing_keys.iter().take(1).cloned().collect();
-    death_routing_keys.extend(cc_keys(&headers));
+    match opts.compat {
+        Compat::V3 => death_routing_keys.extend(cc_keys(&headers)),
+        // 3.13+ records the keys the message was routed with (minus BCC): a CC header kept
+        // from before a DLRK death is no longer among them.
+        Compat::V4 => death_routing_keys.extend(
+            cc_keys(&headers)
+                .into_iter()
+                .filter(|k| event.routing_keys.iter().skip(1).any(|r| r == k)),
+        ),
+    }
     let new_entry = XDeathEntry {
         queue: event.queue.to_string(),
         reason: event.reason.as_str().to_string(),
@@ -1420,6 +1429,45 @@ mod tests {
         assert_eq!(
             header(&out.properties, "h"),
             Some(&AMQPValue::Boolean(true))
+        );
+    }
+
+    #[test]
+    fn v4_second_death_after_dlrk_records_only_the_keys_routed_with() {
+        let opts = DeadLetterOptions {
+            compat: Compat::V4,
+            ..DeadLetterOptions::default()
+        };
+        let props = with_headers(vec![("CC", array(&["cc 1", "cc 2"]))]);
+        let first_death = Death {
+            queue: "q1",
+            reason: Expired,
+            exchange: "",
+            routing_keys: keys(&["q1", "cc 1", "cc 2"]),
+            now: T0,
+            dlx: "",
+            dlrk: Some("q2"),
+        };
+        let first = die_with(&props, &first_death, &opts, false).unwrap();
+        assert_eq!(
+            x_death_entries(&first.properties)[0].routing_keys,
+            keys(&["q1", "cc 1", "cc 2"])
+        );
+        assert_eq!(
+            header(&first.properties, "CC"),
+            Some(&array(&["cc 1", "cc 2"]))
+        );
+        let second = die_with(
+            &first.properties,
+            &hop(&first, "q2", Expired, "", Some("q3"), T0 + 1),
+            &opts,
+            true,
+        )
+        .unwrap();
+        assert_eq!(
+            x_death_entries(&second.properties)[0].routing_keys,
+            keys(&["q2"]),
+            "the kept CC header is not among the keys the message was routed with"
         );
     }
 

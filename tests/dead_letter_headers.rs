@@ -336,7 +336,6 @@ async fn stream() {
 /// H8's routing-keys of the second death under compat 4: RabbitMQ 4.x records the keys the
 /// message was routed with, `[q2]` (the DLRK); the kept CC header is not among them.
 #[tokio::test]
-#[ignore = "known bug in src/deadletter.rs (compat 4): a death after a DLRK records the kept CC keys too"]
 async fn stream_second_death_routing_keys_compat_4() {
     let b = start_with(config("4")).await;
     let (_c, ch) = b.channel().await;
