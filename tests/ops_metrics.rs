@@ -463,7 +463,6 @@ async fn client_traffic_is_counted_in_both_directions() {
 
 /// The embedded broker's unacknowledged deliveries show in the inflight gauges.
 #[tokio::test]
-#[ignore = "src/broker does not update dlx_proxy_inflight_deliveries / inflight_bytes"]
 async fn unacked_deliveries_show_in_the_inflight_gauges() {
     let (broker, admin) = broker_with_admin(500).await;
     let (_conn, ch) = broker.channel().await;

@@ -158,6 +158,7 @@ fn deliver_to(
     entry: super::message::QueuedMessage,
     channels: &mut std::collections::HashMap<(u64, u16), ChannelState>,
     connections: &std::collections::HashMap<u64, ConnectionState>,
+    metrics: &crate::metrics::Metrics,
 ) -> bool {
     let with_count = q.counts_deliveries() && entry.delivery_count > 0;
     let queue_name = q.name.clone();
@@ -180,6 +181,7 @@ fn deliver_to(
     });
     if !c.no_ack {
         c.unacked += 1;
+        metrics.add_inflight(1, entry.body_len() as i64);
         ch.unacked.insert(
             tag,
             Unacked {
@@ -261,7 +263,7 @@ impl Broker {
         };
         let vhost = ch.vhost.clone();
         let requeue: Vec<Unacked> = ch.unacked.into_values().collect();
-        Self::release_counters(st, &vhost, conn, channel, &requeue);
+        self.release_counters(st, &vhost, conn, channel, &requeue);
         for (tag, queue) in &ch.consumers {
             self.remove_consumer(st, &vhost, queue, conn, channel, tag, now);
         }
@@ -823,7 +825,7 @@ impl Broker {
             && !q.state.refuses(&entry)
             && let Some(idx) = pick_consumer(q, channels, connections)
         {
-            deliver_to(q, idx, entry, channels, connections);
+            deliver_to(q, idx, entry, channels, connections, &self.metrics);
             self.metrics.delivered(1);
             return Some(PublishOutcome::Accepted);
         }
@@ -1016,6 +1018,7 @@ impl Broker {
                         write_get_ok(out, channel, tag, &entry, &props, remaining, frame_max)
                     });
                     if !no_ack {
+                        self.metrics.add_inflight(1, entry.body_len() as i64);
                         ch.unacked.insert(
                             tag,
                             Unacked {
@@ -1056,6 +1059,7 @@ impl Broker {
 
     /// Removes the deliveries a settlement covers, in delivery-tag order.
     fn take_unacked(
+        &self,
         st: &mut State,
         conn: u64,
         channel: u16,
@@ -1085,13 +1089,23 @@ impl Broker {
                 None => return Err(unknown_tag(tag)),
             }
         };
-        Self::release_counters(st, &vhost, conn, channel, &taken);
+        self.release_counters(st, &vhost, conn, channel, &taken);
         Ok((vhost, taken))
     }
 
     /// Frees the queue's and the consumer's unacked counters of deliveries leaving a channel
     /// (settled, requeued or returned on close). Called exactly once per delivery.
-    fn release_counters(st: &mut State, vhost: &str, conn: u64, channel: u16, taken: &[Unacked]) {
+    fn release_counters(
+        &self,
+        st: &mut State,
+        vhost: &str,
+        conn: u64,
+        channel: u16,
+        taken: &[Unacked],
+    ) {
+        let bytes: u64 = taken.iter().map(|u| u.entry.body_len()).sum();
+        self.metrics
+            .add_inflight(-(taken.len() as i64), -(bytes as i64));
         for u in taken {
             if let Some(q) = st
                 .vhosts
@@ -1122,7 +1136,7 @@ impl Broker {
     pub fn ack(&self, conn: u64, channel: u16, tag: u64, multiple: bool) -> Result<(), AmqpError> {
         let now = self.now();
         let mut st = self.lock();
-        let (vhost, taken) = Self::take_unacked(&mut st, conn, channel, tag, multiple)?;
+        let (vhost, taken) = self.take_unacked(&mut st, conn, channel, tag, multiple)?;
         self.metrics.acked(taken.len() as u64);
         for q in Self::queues_of(&taken) {
             self.dispatch(&mut st, &vhost, &q, now);
@@ -1141,7 +1155,7 @@ impl Broker {
     ) -> Result<(), AmqpError> {
         let now = self.now();
         let mut st = self.lock();
-        let (vhost, taken) = Self::take_unacked(&mut st, conn, channel, tag, multiple)?;
+        let (vhost, taken) = self.take_unacked(&mut st, conn, channel, tag, multiple)?;
         let queues = Self::queues_of(&taken);
         if requeue {
             self.requeue_unacked(&mut st, &vhost, taken, now);
@@ -1179,7 +1193,7 @@ impl Broker {
     pub fn recover(&self, conn: u64, channel: u16) -> Result<(), AmqpError> {
         let now = self.now();
         let mut st = self.lock();
-        let (vhost, taken) = Self::take_unacked(&mut st, conn, channel, 0, true)?;
+        let (vhost, taken) = self.take_unacked(&mut st, conn, channel, 0, true)?;
         self.requeue_unacked(&mut st, &vhost, taken, now);
         Ok(())
     }
@@ -1240,7 +1254,7 @@ impl Broker {
                 let Some(entry) = q.state.pop(now, &mut deaths) else {
                     break;
                 };
-                if deliver_to(q, idx, entry, channels, connections) {
+                if deliver_to(q, idx, entry, channels, connections, &self.metrics) {
                     delivered += 1;
                 }
             }
