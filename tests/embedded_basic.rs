@@ -5,6 +5,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::dl::amqp_code;
 use common::*;
 use futures_util::StreamExt;
 use lapin::Confirmation;
@@ -753,12 +754,4 @@ async fn exchange_declare_and_delete() {
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(404));
-}
-
-/// The reply code of a lapin protocol error.
-pub fn amqp_code(err: &lapin::Error) -> Option<u16> {
-    match err.kind() {
-        lapin::ErrorKind::ProtocolError(e) => Some(e.get_id()),
-        _ => None,
-    }
 }

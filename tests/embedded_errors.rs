@@ -5,24 +5,11 @@ mod common;
 
 use amq_protocol::protocol::{AMQPClass, basic, channel, connection, exchange, queue, tx};
 use amq_protocol::types::FieldTable;
+use common::dl::{amqp_code, amqp_text};
 use common::*;
 use dlx_proxy::amqp::codec::{FRAME_BODY, FRAME_HEADER, PROTOCOL_HEADER, put_raw_frame};
 use lapin::options::*;
 use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
-
-fn amqp_code(err: &lapin::Error) -> Option<u16> {
-    match err.kind() {
-        lapin::ErrorKind::ProtocolError(e) => Some(e.get_id()),
-        _ => None,
-    }
-}
-
-fn amqp_text(err: &lapin::Error) -> String {
-    match err.kind() {
-        lapin::ErrorKind::ProtocolError(e) => e.get_message().as_str().to_string(),
-        other => format!("{other:?}"),
-    }
-}
 
 /// Expects connection.close with `code` on a raw client.
 async fn expect_connection_close(c: &mut RawClient, code: u16) -> String {

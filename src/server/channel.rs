@@ -268,6 +268,46 @@ impl ChannelTable {
         )))
     }
 
+    /// queue.bind/unbind and exchange.bind/unbind: write on the destination, read on the
+    /// source, then the broker operation.
+    #[allow(clippy::too_many_arguments)]
+    fn change_binding(
+        &self,
+        ctx: &ServerContext,
+        s: &Session,
+        bind: bool,
+        source: &str,
+        destination: Destination,
+        routing_key: &str,
+        arguments: &amq_protocol::types::FieldTable,
+    ) -> Result<(), AmqpError> {
+        let (kind, name) = match &destination {
+            Destination::Queue(q) => ("queue", q.as_str()),
+            Destination::Exchange(x) => ("exchange", x.as_str()),
+        };
+        self.check(ctx, s, Access::Write, kind, name)?;
+        self.check(ctx, s, Access::Read, "exchange", exchange_resource(source))?;
+        if bind {
+            ctx.broker.bind(
+                s.conn_id,
+                &s.vhost,
+                source,
+                destination,
+                routing_key,
+                arguments,
+            )
+        } else {
+            ctx.broker.unbind(
+                s.conn_id,
+                &s.vhost,
+                source,
+                destination,
+                routing_key,
+                arguments,
+            )
+        }
+    }
+
     fn reply(s: &Session, ch: u16, m: AMQPClass) {
         s.outbox.push(|o| method_frame(o, ch, m));
     }
@@ -336,17 +376,10 @@ impl ChannelTable {
                 }
             }
             AMQPClass::Exchange(exchange::AMQPMethod::Bind(b)) => {
-                self.check(ctx, s, Access::Write, "exchange", b.destination.as_str())?;
-                self.check(
+                self.change_binding(
                     ctx,
                     s,
-                    Access::Read,
-                    "exchange",
-                    exchange_resource(b.source.as_str()),
-                )?;
-                broker.bind(
-                    s.conn_id,
-                    vhost,
+                    true,
                     b.source.as_str(),
                     Destination::Exchange(b.destination.as_str().to_string()),
                     b.routing_key.as_str(),
@@ -361,17 +394,10 @@ impl ChannelTable {
                 }
             }
             AMQPClass::Exchange(exchange::AMQPMethod::Unbind(b)) => {
-                self.check(ctx, s, Access::Write, "exchange", b.destination.as_str())?;
-                self.check(
+                self.change_binding(
                     ctx,
                     s,
-                    Access::Read,
-                    "exchange",
-                    exchange_resource(b.source.as_str()),
-                )?;
-                broker.unbind(
-                    s.conn_id,
-                    vhost,
+                    false,
                     b.source.as_str(),
                     Destination::Exchange(b.destination.as_str().to_string()),
                     b.routing_key.as_str(),
@@ -423,17 +449,10 @@ impl ChannelTable {
                 }
             }
             AMQPClass::Queue(queue::AMQPMethod::Bind(b)) => {
-                self.check(ctx, s, Access::Write, "queue", b.queue.as_str())?;
-                self.check(
+                self.change_binding(
                     ctx,
                     s,
-                    Access::Read,
-                    "exchange",
-                    exchange_resource(b.exchange.as_str()),
-                )?;
-                broker.bind(
-                    s.conn_id,
-                    vhost,
+                    true,
                     b.exchange.as_str(),
                     Destination::Queue(b.queue.as_str().to_string()),
                     b.routing_key.as_str(),
@@ -448,17 +467,10 @@ impl ChannelTable {
                 }
             }
             AMQPClass::Queue(queue::AMQPMethod::Unbind(b)) => {
-                self.check(ctx, s, Access::Write, "queue", b.queue.as_str())?;
-                self.check(
+                self.change_binding(
                     ctx,
                     s,
-                    Access::Read,
-                    "exchange",
-                    exchange_resource(b.exchange.as_str()),
-                )?;
-                broker.unbind(
-                    s.conn_id,
-                    vhost,
+                    false,
                     b.exchange.as_str(),
                     Destination::Queue(b.queue.as_str().to_string()),
                     b.routing_key.as_str(),
