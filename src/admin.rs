@@ -1,1 +1,535 @@
-//! TODO: admin
+//! The admin HTTP server: `/metrics`, `/healthz`, `/readyz` and the runtime policy API.
+//!
+//! Routes (axum):
+//! - `GET /metrics`: every metric, Prometheus text format 0.0.4;
+//! - `GET /healthz`: `200 ok` while the process runs;
+//! - `GET /readyz`: `200 ready` once the service accepts clients, else `503 not ready`;
+//! - `GET /api/policies`: the runtime policies as JSON (RabbitMQ's HTTP API shape);
+//! - `PUT /api/policies/{vhost}/{name}` with `{"pattern", "definition", "priority",
+//!   "apply-to"}` sets a policy, `DELETE` clears it. The vhost is URL-encoded (`%2F` is `/`).
+//!
+//! The policy store is behind the [`PolicyControl`] trait, implemented by the service for the
+//! broker or the proxy. [`request`] is a tiny blocking HTTP client for the same API, used by
+//! `dlx-proxy policy` (the conformance harness's policy hook).
+
+use crate::config::PolicyConfig;
+use crate::metrics::Metrics;
+use crate::shutdown::Shutdown;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde::{Deserialize, Deserializer, Serialize};
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// The runtime policy store the admin API edits.
+pub trait PolicyControl: Send + Sync {
+    /// Adds or replaces the policy (`cfg.vhost`, `cfg.name`); `Err` explains why it is invalid.
+    fn set_policy(&self, cfg: PolicyConfig) -> Result<(), String>;
+    /// Removes a policy; `false` if there was none.
+    fn clear_policy(&self, vhost: &str, name: &str) -> bool;
+    /// Every policy in force.
+    fn list_policies(&self) -> Vec<PolicyConfig>;
+}
+
+/// Whether the service is ready for clients (shared between the service and `/readyz`).
+#[derive(Clone, Debug, Default)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    /// Not ready.
+    pub fn new() -> Readiness {
+        Readiness::default()
+    }
+
+    pub fn set_ready(&self, ready: bool) {
+        self.0.store(ready, Ordering::Release);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// What the admin handlers need.
+#[derive(Clone)]
+pub struct AdminState {
+    pub metrics: Arc<Metrics>,
+    pub readiness: Readiness,
+    pub policies: Arc<dyn PolicyControl>,
+}
+
+/// Serves the admin API on `listener` until `shutdown` fires.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AdminState,
+    mut shutdown: Shutdown,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(async move { shutdown.recv().await })
+        .await
+}
+
+/// The admin routes (exposed for tests and embedding).
+pub fn router(state: AdminState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/api/policies", get(list_policies))
+        .route(
+            "/api/policies/{vhost}/{name}",
+            get(get_policy).put(put_policy).delete(delete_policy),
+        )
+        .with_state(state)
+}
+
+/// The Prometheus text format's content type.
+const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+async fn metrics(State(state): State<AdminState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)],
+        state.metrics.encode(),
+    )
+        .into_response()
+}
+
+async fn readyz(State(state): State<AdminState>) -> Response {
+    if state.readiness.is_ready() {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready").into_response()
+    }
+}
+
+/// A policy as the API shows it (RabbitMQ's field names).
+#[derive(Debug, Serialize)]
+struct PolicyView {
+    vhost: String,
+    name: String,
+    pattern: String,
+    #[serde(rename = "apply-to")]
+    apply_to: String,
+    priority: i32,
+    definition: BTreeMap<String, serde_json::Value>,
+}
+
+impl From<PolicyConfig> for PolicyView {
+    fn from(policy: PolicyConfig) -> Self {
+        PolicyView {
+            vhost: policy.vhost,
+            name: policy.name,
+            pattern: policy.pattern,
+            apply_to: policy.apply_to,
+            priority: policy.priority,
+            definition: policy.definition,
+        }
+    }
+}
+
+async fn list_policies(State(state): State<AdminState>) -> Response {
+    let policies: Vec<PolicyView> = state
+        .policies
+        .list_policies()
+        .into_iter()
+        .map(PolicyView::from)
+        .collect();
+    axum::Json(policies).into_response()
+}
+
+async fn get_policy(
+    State(state): State<AdminState>,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Response {
+    match state
+        .policies
+        .list_policies()
+        .into_iter()
+        .find(|p| p.vhost == vhost && p.name == name)
+    {
+        Some(policy) => axum::Json(PolicyView::from(policy)).into_response(),
+        None => not_found(&vhost, &name),
+    }
+}
+
+fn not_found(vhost: &str, name: &str) -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        format!("no policy {name:?} in vhost {vhost:?}"),
+    )
+        .into_response()
+}
+
+/// The body of `PUT /api/policies/{vhost}/{name}`. `apply-to` defaults to "all" and
+/// `priority` to 0, as in RabbitMQ's API; `priority` may also be a numeric string.
+#[derive(Debug, Deserialize)]
+struct PolicyBody {
+    pattern: String,
+    definition: BTreeMap<String, serde_json::Value>,
+    #[serde(default, deserialize_with = "number_or_numeric_string")]
+    priority: i32,
+    #[serde(rename = "apply-to", alias = "apply_to", default = "apply_to_all")]
+    apply_to: String,
+}
+
+fn apply_to_all() -> String {
+    "all".to_string()
+}
+
+fn number_or_numeric_string<'de, D: Deserializer<'de>>(deserializer: D) -> Result<i32, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum NumberOrString {
+        Number(i32),
+        String(String),
+    }
+    match NumberOrString::deserialize(deserializer)? {
+        NumberOrString::Number(n) => Ok(n),
+        NumberOrString::String(s) => s
+            .trim()
+            .parse()
+            .map_err(|_| serde::de::Error::custom(format!("priority {s:?} is not an integer"))),
+    }
+}
+
+async fn put_policy(
+    State(state): State<AdminState>,
+    Path((vhost, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Response {
+    let body: PolicyBody = match serde_json::from_slice(&body) {
+        Ok(body) => body,
+        Err(error) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("invalid policy body: {error}"),
+            )
+                .into_response();
+        }
+    };
+    let policy = PolicyConfig {
+        name,
+        vhost,
+        pattern: body.pattern,
+        apply_to: body.apply_to,
+        priority: body.priority,
+        definition: body.definition,
+    };
+    match state.policies.set_policy(policy) {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(message) => (StatusCode::BAD_REQUEST, message).into_response(),
+    }
+}
+
+async fn delete_policy(
+    State(state): State<AdminState>,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Response {
+    if state.policies.clear_policy(&vhost, &name) {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        not_found(&vhost, &name)
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// A minimal blocking client for the admin API
+// ------------------------------------------------------------------------------------------
+
+/// Percent-encodes one URL path segment (everything but RFC 3986 unreserved characters).
+pub fn encode_path_segment(segment: &str) -> String {
+    let mut encoded = String::with_capacity(segment.len());
+    for byte in segment.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            encoded.push(char::from(byte));
+        } else {
+            encoded.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    encoded
+}
+
+/// Sends one HTTP/1.1 request to the admin server at `address` (`host:port`) and returns the
+/// status code and body. `body` is sent as JSON. Blocking; for the command line and tests.
+pub fn request(
+    address: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    timeout: Duration,
+) -> std::io::Result<(u16, String)> {
+    use std::io::{Error, ErrorKind};
+    use std::net::ToSocketAddrs;
+    let socket_address = address
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| Error::new(ErrorKind::InvalidInput, format!("cannot resolve {address}")))?;
+    let mut stream = std::net::TcpStream::connect_timeout(&socket_address, timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    let body = body.unwrap_or("");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes())?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response)?;
+    parse_response(&response)
+        .ok_or_else(|| Error::new(ErrorKind::InvalidData, "malformed HTTP response"))
+}
+
+/// Status and body of a `Connection: close` HTTP/1.1 response (plain or chunked body).
+fn parse_response(response: &[u8]) -> Option<(u16, String)> {
+    let header_end = response.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = std::str::from_utf8(&response[..header_end]).ok()?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    let raw_body = &response[header_end + 4..];
+    let chunked = head.lines().any(|line| {
+        let lower = line.to_ascii_lowercase();
+        lower.starts_with("transfer-encoding:") && lower.contains("chunked")
+    });
+    let body = if chunked {
+        dechunk(raw_body)?
+    } else {
+        raw_body.to_vec()
+    };
+    Some((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
+    let mut body = Vec::new();
+    loop {
+        let line_end = data.windows(2).position(|w| w == b"\r\n")?;
+        let size_text = std::str::from_utf8(&data[..line_end]).ok()?;
+        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
+        data = &data[line_end + 2..];
+        if size == 0 {
+            return Some(body);
+        }
+        body.extend_from_slice(data.get(..size)?);
+        data = data.get(size + 2..)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shutdown::ShutdownTrigger;
+    use std::sync::Mutex;
+
+    /// An in-memory policy store that refuses definitions containing "bad".
+    #[derive(Default)]
+    struct MemoryPolicies(Mutex<Vec<PolicyConfig>>);
+
+    impl PolicyControl for MemoryPolicies {
+        fn set_policy(&self, cfg: PolicyConfig) -> Result<(), String> {
+            if cfg.definition.contains_key("bad") {
+                return Err("unknown policy key \"bad\"".into());
+            }
+            let mut policies = self.0.lock().unwrap();
+            policies.retain(|p| !(p.vhost == cfg.vhost && p.name == cfg.name));
+            policies.push(cfg);
+            Ok(())
+        }
+
+        fn clear_policy(&self, vhost: &str, name: &str) -> bool {
+            let mut policies = self.0.lock().unwrap();
+            let before = policies.len();
+            policies.retain(|p| !(p.vhost == vhost && p.name == name));
+            policies.len() != before
+        }
+
+        fn list_policies(&self) -> Vec<PolicyConfig> {
+            self.0.lock().unwrap().clone()
+        }
+    }
+
+    struct Server {
+        address: String,
+        state: AdminState,
+        trigger: ShutdownTrigger,
+        task: tokio::task::JoinHandle<std::io::Result<()>>,
+    }
+
+    async fn start() -> Server {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let state = AdminState {
+            metrics: Metrics::new(10),
+            readiness: Readiness::new(),
+            policies: Arc::new(MemoryPolicies::default()),
+        };
+        let trigger = ShutdownTrigger::new();
+        let task = tokio::spawn(serve(listener, state.clone(), trigger.subscribe()));
+        Server {
+            address,
+            state,
+            trigger,
+            task,
+        }
+    }
+
+    /// Runs the blocking client off the runtime's worker.
+    async fn call(server: &Server, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+        let (address, method, path) =
+            (server.address.clone(), method.to_string(), path.to_string());
+        let body = body.map(str::to_string);
+        tokio::task::spawn_blocking(move || {
+            request(
+                &address,
+                &method,
+                &path,
+                body.as_deref(),
+                Duration::from_secs(5),
+            )
+        })
+        .await
+        .unwrap()
+        .unwrap()
+    }
+
+    /// The raw response head, to check headers.
+    async fn raw_get(server: &Server, path: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(&server.address)
+            .await
+            .unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        response
+    }
+
+    #[tokio::test]
+    async fn health_readiness_and_metrics() {
+        let server = start().await;
+        assert_eq!(
+            call(&server, "GET", "/healthz", None).await,
+            (200, "ok".into())
+        );
+        assert_eq!(
+            call(&server, "GET", "/readyz", None).await,
+            (503, "not ready".into())
+        );
+        server.state.readiness.set_ready(true);
+        assert_eq!(
+            call(&server, "GET", "/readyz", None).await,
+            (200, "ready".into())
+        );
+
+        server.state.metrics.dead_lettered("/", "q", "expired");
+        let response = raw_get(&server, "/metrics").await;
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        assert!(
+            response
+                .to_ascii_lowercase()
+                .contains("content-type: text/plain; version=0.0.4"),
+            "{response}"
+        );
+        assert!(
+            response.contains(
+                r#"dlx_proxy_dead_lettered_total{queue="q",reason="expired",vhost="/"} 1"#
+            ),
+            "{response}"
+        );
+        assert_eq!(call(&server, "GET", "/nope", None).await.0, 404);
+    }
+
+    #[tokio::test]
+    async fn policies_can_be_set_listed_and_cleared() {
+        let server = start().await;
+        let body = r#"{"pattern": "^src$", "definition": {"dead-letter-exchange": "dlx",
+                      "message-ttl": 100}, "priority": 100, "apply-to": "queues"}"#;
+        let path = format!("/api/policies/{}/dlx", encode_path_segment("/"));
+        assert_eq!(path, "/api/policies/%2F/dlx");
+        assert_eq!(call(&server, "PUT", &path, Some(body)).await.0, 204);
+
+        let stored = server.state.policies.list_policies();
+        assert_eq!(stored.len(), 1);
+        assert_eq!(stored[0].vhost, "/");
+        assert_eq!(stored[0].name, "dlx");
+        assert_eq!(stored[0].pattern, "^src$");
+        assert_eq!(stored[0].apply_to, "queues");
+        assert_eq!(stored[0].priority, 100);
+        assert_eq!(stored[0].definition["message-ttl"], 100);
+
+        let (status, listed) = call(&server, "GET", "/api/policies", None).await;
+        assert_eq!(status, 200);
+        let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+        assert_eq!(listed[0]["vhost"], "/");
+        assert_eq!(listed[0]["apply-to"], "queues");
+        assert_eq!(listed[0]["definition"]["dead-letter-exchange"], "dlx");
+        assert_eq!(call(&server, "GET", &path, None).await.0, 200);
+
+        assert_eq!(call(&server, "DELETE", &path, None).await.0, 204);
+        assert!(server.state.policies.list_policies().is_empty());
+        assert_eq!(call(&server, "DELETE", &path, None).await.0, 404);
+    }
+
+    #[tokio::test]
+    async fn defaults_and_lenient_priority() {
+        let server = start().await;
+        let body = r#"{"pattern": ".*", "definition": {"max-length": 1}, "priority": "7"}"#;
+        assert_eq!(
+            call(&server, "PUT", "/api/policies/v%201/p", Some(body))
+                .await
+                .0,
+            204
+        );
+        let stored = server.state.policies.list_policies();
+        assert_eq!(
+            (
+                stored[0].vhost.as_str(),
+                stored[0].apply_to.as_str(),
+                stored[0].priority
+            ),
+            ("v 1", "all", 7)
+        );
+    }
+
+    #[tokio::test]
+    async fn bad_requests_get_400_with_the_reason() {
+        let server = start().await;
+        let path = "/api/policies/%2F/p";
+        let (status, text) = call(&server, "PUT", path, Some("{not json")).await;
+        assert_eq!(status, 400);
+        assert!(text.contains("invalid policy body"), "{text}");
+        let (status, text) = call(&server, "PUT", path, Some(r#"{"definition": {}}"#)).await;
+        assert_eq!(status, 400);
+        assert!(text.contains("pattern"), "{text}");
+        let body = r#"{"pattern": ".*", "definition": {"bad": 1}}"#;
+        assert_eq!(
+            call(&server, "PUT", path, Some(body)).await,
+            (400, "unknown policy key \"bad\"".into())
+        );
+    }
+
+    #[tokio::test]
+    async fn serve_returns_after_shutdown() {
+        let server = start().await;
+        assert_eq!(call(&server, "GET", "/healthz", None).await.0, 200);
+        server.trigger.trigger();
+        tokio::time::timeout(Duration::from_secs(5), server.task)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+
+    #[test]
+    fn chunked_responses_are_decoded() {
+        let response = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
+        assert_eq!(parse_response(response), Some((200, "abcde".to_string())));
+        assert_eq!(parse_response(b"garbage"), None);
+    }
+}

@@ -3,9 +3,18 @@
 //! Values are layered with figment: built-in defaults < the TOML file < `DLX_PROXY_*`
 //! environment variables (`__` separates nested keys). Everything downstream (listeners, the
 //! broker, the proxy, the policy set) is built from one validated [`Config`].
+//!
+//! [`load`] merges the layers and runs [`Config::validate`]; every [`ConfigError`] names the
+//! key at fault and, when known, where the value came from (the file, with line and column for
+//! syntax errors, or the environment variable). Policy *definitions* are checked later by
+//! `policy::PolicySet::from_configs`; here only their name, vhost, pattern and apply-to are.
 
-use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Deserializer, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 
 /// Which engine serves client connections.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -150,6 +159,7 @@ impl Default for LimitsConfig {
 pub struct DeadLetterConfig {
     /// "3" (RabbitMQ 3.10-3.12 semantics, default) or "4" (3.13+/4.x: CC kept, x-last-death-*,
     /// client x-death ignored).
+    #[serde(deserialize_with = "string_or_number")]
     pub compat: String,
     /// Add an `x-death-total` header counting every death of the message.
     pub x_death_total: bool,
@@ -260,6 +270,7 @@ impl Default for ShutdownConfig {
 pub struct UserConfig {
     pub name: String,
     /// Plain-text password (use `password_hash` in production).
+    #[serde(deserialize_with = "string_or_number")]
     pub password: String,
     /// RabbitMQ `rabbit_password_hashing_sha256` hash: base64(salt[4] ++ sha256(salt ++ password)).
     pub password_hash: String,
@@ -327,5 +338,979 @@ impl Default for PolicyConfig {
             priority: 0,
             definition: BTreeMap::new(),
         }
+    }
+}
+
+/// Accepts a string or a bare number for a string setting (`compat = 4`, or an environment
+/// variable such as `DLX_PROXY_DEAD_LETTER__COMPAT=4`, which figment reads as a number).
+fn string_or_number<'de, D: Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum StringOrNumber {
+        String(String),
+        Unsigned(u64),
+        Signed(i64),
+        Float(f64),
+    }
+    Ok(match StringOrNumber::deserialize(deserializer)? {
+        StringOrNumber::String(s) => s,
+        StringOrNumber::Unsigned(n) => n.to_string(),
+        StringOrNumber::Signed(n) => n.to_string(),
+        StringOrNumber::Float(n) => n.to_string(),
+    })
+}
+
+// ------------------------------------------------------------------------------------------
+// Loading
+// ------------------------------------------------------------------------------------------
+
+/// Prefix of the environment variables that override settings; `__` separates nested keys
+/// (`DLX_PROXY_LISTEN__AMQP=0.0.0.0:5672`).
+pub const ENV_PREFIX: &str = "DLX_PROXY_";
+
+/// The file read when no config file is named and it exists in the working directory.
+pub const DEFAULT_CONFIG_FILE: &str = "config.toml";
+
+/// Why a configuration cannot be used. The text names the key at fault and, when known, where
+/// the value came from (`config.toml: key `listen.amqp`: invalid socket address ...`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The configuration file does not exist or cannot be read.
+    #[error("{}: cannot read the config file: {reason}", .path.display())]
+    Unreadable { path: PathBuf, reason: String },
+    /// The file is not valid TOML; `key` is the key on the offending line (best effort).
+    #[error("{}:{line}:{column}: key `{key}`: {message}", .path.display())]
+    Syntax {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        key: String,
+        message: String,
+    },
+    /// A key is unknown, a value has the wrong type, or a setting is invalid.
+    #[error("{}key `{key}`: {message}", origin_prefix(.origin))]
+    Invalid {
+        /// The file or environment variable the value came from, when known.
+        origin: Option<String>,
+        /// Dotted key, arrays indexed: `users[0].permissions[1].vhost`.
+        key: String,
+        message: String,
+    },
+}
+
+fn origin_prefix(origin: &Option<String>) -> String {
+    match origin {
+        Some(origin) => format!("{origin}: "),
+        None => String::new(),
+    }
+}
+
+impl ConfigError {
+    fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+        ConfigError::Invalid {
+            origin: None,
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+
+    /// The key at fault (empty for an unreadable file).
+    pub fn key(&self) -> &str {
+        match self {
+            ConfigError::Unreadable { .. } => "",
+            ConfigError::Syntax { key, .. } | ConfigError::Invalid { key, .. } => key,
+        }
+    }
+}
+
+/// Loads the configuration: built-in defaults < the TOML file at `path` (which must exist) <
+/// `DLX_PROXY_*` environment variables; then validates it.
+///
+/// Only environment variables whose first key is a top-level setting are read, so variables
+/// that merely share the prefix (Kubernetes service links such as `DLX_PROXY_SERVICE_HOST`)
+/// are ignored.
+pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+    if let Some(path) = path {
+        check_toml_syntax(path)?;
+    }
+    let figment = layers(path);
+    let config: Config = figment
+        .extract()
+        .map_err(|error| from_figment_error(error, &figment, path))?;
+    config
+        .validate()
+        .map_err(|error| with_origin(error, &figment, path))?;
+    Ok(config)
+}
+
+/// The file `run` and `check-config` use when none is named: `./config.toml` if it exists.
+pub fn default_config_path() -> Option<PathBuf> {
+    let path = PathBuf::from(DEFAULT_CONFIG_FILE);
+    path.is_file().then_some(path)
+}
+
+fn layers(path: Option<&Path>) -> Figment {
+    let mut figment = Figment::from(Serialized::defaults(Config::default()));
+    if let Some(path) = path {
+        figment = figment.merge(Toml::file_exact(path));
+    }
+    figment.merge(env_provider())
+}
+
+fn env_provider() -> Env {
+    let known = top_level_keys();
+    Env::prefixed(ENV_PREFIX).split("__").filter(move |key| {
+        let first = key.as_str().split('.').next().unwrap_or_default();
+        known.iter().any(|k| k.eq_ignore_ascii_case(first))
+    })
+}
+
+/// The names of the top-level settings, taken from the data shape itself.
+fn top_level_keys() -> Vec<String> {
+    match serde_json::to_value(Config::default()) {
+        Ok(serde_json::Value::Object(map)) => map.keys().cloned().collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Reads and parses the file once on its own to report syntax errors with line and column.
+fn check_toml_syntax(path: &Path) -> Result<(), ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Unreadable {
+        path: path.to_path_buf(),
+        reason: error.to_string(),
+    })?;
+    match toml::from_str::<toml::Table>(&text) {
+        Ok(_) => Ok(()),
+        Err(error) => {
+            let offset = error.span().map(|span| span.start).unwrap_or(0);
+            let (line, column) = line_and_column(&text, offset);
+            Err(ConfigError::Syntax {
+                path: path.to_path_buf(),
+                line,
+                column,
+                key: key_at_line(&text, line),
+                message: error.message().trim().replace('\n', "; "),
+            })
+        }
+    }
+}
+
+/// 1-based line and column (in characters) of a byte offset.
+fn line_and_column(text: &str, offset: usize) -> (usize, usize) {
+    let mut offset = offset.min(text.len());
+    while !text.is_char_boundary(offset) {
+        offset -= 1;
+    }
+    let before = &text[..offset];
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map(|i| i + 1).unwrap_or(0);
+    let column = before[line_start..].chars().count() + 1;
+    (line, column)
+}
+
+/// The dotted key written on `line` (1-based), prefixed by the table it sits in; or the table
+/// header itself. Best effort: used only to name the key in a syntax error.
+fn key_at_line(text: &str, line: usize) -> String {
+    let mut table = String::new();
+    for (index, raw) in text.lines().enumerate() {
+        let trimmed = raw.trim();
+        let header = trimmed
+            .strip_prefix("[[")
+            .and_then(|rest| rest.split("]]").next())
+            .or_else(|| {
+                trimmed
+                    .strip_prefix('[')
+                    .and_then(|rest| rest.split(']').next())
+            });
+        if index + 1 == line {
+            if let Some(header) = header {
+                return header.trim().to_string();
+            }
+            let key = trimmed
+                .split('=')
+                .next()
+                .map(str::trim)
+                .filter(|key| !key.is_empty() && trimmed.contains('='))
+                .map(|key| key.trim_matches(|c| c == '"' || c == '\'').to_string());
+            return match (key, table.is_empty()) {
+                (Some(key), true) => key,
+                (Some(key), false) => format!("{table}.{key}"),
+                (None, false) => table,
+                (None, true) => "(top level)".to_string(),
+            };
+        }
+        if let Some(header) = header {
+            table = header.trim().to_string();
+        }
+    }
+    if table.is_empty() {
+        "(top level)".to_string()
+    } else {
+        table
+    }
+}
+
+/// Dotted key from figment's path: numeric segments become `[i]`.
+fn key_from_path(path: &[String]) -> String {
+    let mut key = String::new();
+    for segment in path {
+        if !segment.is_empty() && segment.bytes().all(|b| b.is_ascii_digit()) {
+            key.push('[');
+            key.push_str(segment);
+            key.push(']');
+        } else {
+            if !key.is_empty() {
+                key.push('.');
+            }
+            key.push_str(segment);
+        }
+    }
+    key
+}
+
+/// The part of a key figment can look up (it does not index into arrays): `users[0].name` →
+/// `users`.
+fn lookup_prefix(key: &str) -> &str {
+    key.split('[').next().unwrap_or(key)
+}
+
+/// Where a key's value came from, in words: the file path, or the environment variable.
+fn describe_origin(metadata: &figment::Metadata, key: &str, file: Option<&Path>) -> Option<String> {
+    if matches!(metadata.source, Some(figment::Source::File(_))) {
+        return Some(match (file, &metadata.source) {
+            (Some(file), _) => file.display().to_string(),
+            (None, Some(source)) => source.to_string(),
+            (None, None) => metadata.name.to_string(),
+        });
+    }
+    if metadata.name.contains("environment") {
+        let variable = lookup_prefix(key).replace('.', "__").to_ascii_uppercase();
+        return Some(format!("environment variable {ENV_PREFIX}{variable}"));
+    }
+    None
+}
+
+fn origin_of(figment: &Figment, key: &str, file: Option<&Path>) -> Option<String> {
+    let metadata = figment.find_metadata(lookup_prefix(key))?;
+    describe_origin(metadata, key, file)
+}
+
+fn from_figment_error(
+    error: figment::Error,
+    figment: &Figment,
+    file: Option<&Path>,
+) -> ConfigError {
+    let mut key = key_from_path(&error.path);
+    let message = match &error.kind {
+        figment::error::Kind::UnknownField(field, expected) => {
+            // figment's path usually ends with the unknown key already.
+            if error.path.last() != Some(field) {
+                if !key.is_empty() {
+                    key.push('.');
+                }
+                key.push_str(field);
+            }
+            format!(
+                "unknown key `{field}` (known keys: {})",
+                expected.join(", ")
+            )
+        }
+        kind => kind.to_string(),
+    };
+    let origin = origin_of(figment, &key, file).or_else(|| {
+        error
+            .metadata
+            .as_ref()
+            .and_then(|metadata| describe_origin(metadata, &key, file))
+    });
+    if key.is_empty() {
+        key = "(top level)".to_string();
+    }
+    ConfigError::Invalid {
+        origin,
+        key,
+        message,
+    }
+}
+
+fn with_origin(error: ConfigError, figment: &Figment, file: Option<&Path>) -> ConfigError {
+    match error {
+        ConfigError::Invalid {
+            origin: None,
+            key,
+            message,
+        } => ConfigError::Invalid {
+            origin: origin_of(figment, &key, file),
+            key,
+            message,
+        },
+        other => other,
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Validation
+// ------------------------------------------------------------------------------------------
+
+/// The smallest frame_max AMQP 0-9-1 allows.
+pub const MIN_FRAME_MAX: u32 = 4096;
+
+/// Longest vhost, user and policy name (an AMQP short string).
+const MAX_NAME_LEN: usize = 255;
+
+impl Config {
+    /// Checks every setting that can be checked without starting anything; the first problem
+    /// found is returned. Policy definitions are left to `policy::PolicySet::from_configs`.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_listen()?;
+        if self.mode == Mode::Proxy {
+            self.validate_upstream()?;
+        }
+        self.validate_limits()?;
+        self.validate_dead_letter()?;
+        self.validate_proxy()?;
+        self.validate_tls()?;
+        self.log.validate()?;
+        let vhosts = self.validate_vhosts()?;
+        self.validate_users(&vhosts)?;
+        self.validate_policies(&vhosts)
+    }
+
+    fn validate_listen(&self) -> Result<(), ConfigError> {
+        for (key, address) in [
+            ("listen.amqp", &self.listen.amqp),
+            ("listen.amqps", &self.listen.amqps),
+            ("listen.admin", &self.listen.admin),
+        ] {
+            if !address.is_empty() {
+                parse_socket_addr(key, address)?;
+            }
+        }
+        if self.listen.amqp.is_empty() && self.listen.amqps.is_empty() {
+            return Err(ConfigError::invalid(
+                "listen.amqp",
+                "listen.amqp and listen.amqps are both empty: no client listener",
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_upstream(&self) -> Result<(), ConfigError> {
+        let upstream = &self.upstream;
+        let uri = parse_amqp_url("upstream.url", &upstream.url)?;
+        if upstream.connect_timeout_secs == 0 {
+            return Err(ConfigError::invalid(
+                "upstream.connect_timeout_secs",
+                "must be at least 1",
+            ));
+        }
+        if !upstream.tls_ca_file.is_empty() {
+            require_file("upstream.tls_ca_file", &upstream.tls_ca_file)?;
+        }
+        if uri.scheme == amq_protocol::uri::AMQPScheme::AMQPS
+            && upstream.tls_verify
+            && upstream.tls_ca_file.is_empty()
+        {
+            return Err(ConfigError::invalid(
+                "upstream.tls_ca_file",
+                "an amqps:// upstream with tls_verify = true needs a CA file",
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_limits(&self) -> Result<(), ConfigError> {
+        let limits = &self.limits;
+        if limits.frame_max < MIN_FRAME_MAX {
+            return Err(ConfigError::invalid(
+                "limits.frame_max",
+                format!(
+                    "{} is below the AMQP minimum of {MIN_FRAME_MAX}",
+                    limits.frame_max
+                ),
+            ));
+        }
+        for (key, value) in [
+            ("limits.max_message_size", limits.max_message_size),
+            ("limits.max_connections", limits.max_connections as u64),
+            ("limits.max_queues", limits.max_queues as u64),
+            (
+                "limits.connection_outbox_bytes",
+                limits.connection_outbox_bytes as u64,
+            ),
+            (
+                "limits.handshake_timeout_secs",
+                limits.handshake_timeout_secs,
+            ),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::invalid(key, "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_dead_letter(&self) -> Result<(), ConfigError> {
+        match self.dead_letter.compat.as_str() {
+            "3" | "4" => Ok(()),
+            other => Err(ConfigError::invalid(
+                "dead_letter.compat",
+                format!("{other:?} is not \"3\" or \"4\""),
+            )),
+        }
+    }
+
+    fn validate_proxy(&self) -> Result<(), ConfigError> {
+        if self.proxy.max_inflight_bytes == 0 {
+            return Err(ConfigError::invalid(
+                "proxy.max_inflight_bytes",
+                "must be at least 1",
+            ));
+        }
+        if self.proxy.confirm_timeout_secs == 0 {
+            return Err(ConfigError::invalid(
+                "proxy.confirm_timeout_secs",
+                "must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_tls(&self) -> Result<(), ConfigError> {
+        let tls = &self.tls;
+        if !self.listen.amqps.is_empty() {
+            for (key, file) in [
+                ("tls.cert_file", &tls.cert_file),
+                ("tls.key_file", &tls.key_file),
+            ] {
+                if file.is_empty() {
+                    return Err(ConfigError::invalid(
+                        key,
+                        "required when listen.amqps is set",
+                    ));
+                }
+                require_file(key, file)?;
+            }
+        }
+        if !tls.client_ca_file.is_empty() {
+            require_file("tls.client_ca_file", &tls.client_ca_file)?;
+        }
+        if tls.require_client_cert && tls.client_ca_file.is_empty() {
+            return Err(ConfigError::invalid(
+                "tls.client_ca_file",
+                "required when tls.require_client_cert = true",
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_vhosts(&self) -> Result<BTreeSet<&str>, ConfigError> {
+        if self.vhosts.is_empty() {
+            return Err(ConfigError::invalid(
+                "vhosts",
+                "at least one vhost is needed",
+            ));
+        }
+        let mut seen = BTreeSet::new();
+        for (index, vhost) in self.vhosts.iter().enumerate() {
+            let key = format!("vhosts[{index}]");
+            check_name(&key, vhost)?;
+            if !seen.insert(vhost.as_str()) {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("vhost {vhost:?} is listed twice"),
+                ));
+            }
+        }
+        Ok(seen)
+    }
+
+    fn validate_users(&self, vhosts: &BTreeSet<&str>) -> Result<(), ConfigError> {
+        let mut seen = BTreeSet::new();
+        for (index, user) in self.users.iter().enumerate() {
+            let key = |field: &str| format!("users[{index}].{field}");
+            check_name(&key("name"), &user.name)?;
+            if !seen.insert(user.name.as_str()) {
+                return Err(ConfigError::invalid(
+                    key("name"),
+                    format!("user {:?} is listed twice", user.name),
+                ));
+            }
+            if user.password.is_empty() && user.password_hash.is_empty() {
+                return Err(ConfigError::invalid(
+                    key("password"),
+                    format!("user {:?} needs a password or a password_hash", user.name),
+                ));
+            }
+            if !user.password_hash.is_empty() {
+                check_password_hash(&key("password_hash"), &user.password_hash)?;
+            }
+            let mut permitted = BTreeSet::new();
+            for (p, permission) in user.permissions.iter().enumerate() {
+                let key = |field: &str| format!("users[{index}].permissions[{p}].{field}");
+                if !vhosts.contains(permission.vhost.as_str()) {
+                    return Err(ConfigError::invalid(
+                        key("vhost"),
+                        format!("unknown vhost {:?} (not in `vhosts`)", permission.vhost),
+                    ));
+                }
+                if !permitted.insert(permission.vhost.as_str()) {
+                    return Err(ConfigError::invalid(
+                        key("vhost"),
+                        format!(
+                            "user {:?} has two permission entries for vhost {:?}",
+                            user.name, permission.vhost
+                        ),
+                    ));
+                }
+                check_regex(&key("configure"), &permission.configure)?;
+                check_regex(&key("write"), &permission.write)?;
+                check_regex(&key("read"), &permission.read)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_policies(&self, vhosts: &BTreeSet<&str>) -> Result<(), ConfigError> {
+        let mut seen = BTreeSet::new();
+        for (index, policy) in self.policies.iter().enumerate() {
+            let key = |field: &str| format!("policies[{index}].{field}");
+            check_name(&key("name"), &policy.name)?;
+            if !vhosts.contains(policy.vhost.as_str()) {
+                return Err(ConfigError::invalid(
+                    key("vhost"),
+                    format!(
+                        "policy {:?}: unknown vhost {:?} (not in `vhosts`)",
+                        policy.name, policy.vhost
+                    ),
+                ));
+            }
+            if !seen.insert((policy.vhost.as_str(), policy.name.as_str())) {
+                return Err(ConfigError::invalid(
+                    key("name"),
+                    format!(
+                        "policy {:?} is defined twice in vhost {:?}",
+                        policy.name, policy.vhost
+                    ),
+                ));
+            }
+            check_regex(&key("pattern"), &policy.pattern)?;
+            if !matches!(policy.apply_to.as_str(), "queues" | "exchanges" | "all") {
+                return Err(ConfigError::invalid(
+                    key("apply_to"),
+                    format!(
+                        "{:?} is not \"queues\", \"exchanges\" or \"all\"",
+                        policy.apply_to
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A copy with secrets replaced by `"<redacted>"`: user passwords and the upstream URL's
+    /// password. For printing the effective settings.
+    pub fn redacted(&self) -> Config {
+        let mut config = self.clone();
+        for user in &mut config.users {
+            if !user.password.is_empty() {
+                user.password = REDACTED.to_string();
+            }
+        }
+        config.upstream.url = redact_url_password(&config.upstream.url);
+        config
+    }
+
+    /// The settings as TOML text (secrets redacted), as `check-config` prints them.
+    pub fn to_toml(&self) -> Result<String, ConfigError> {
+        toml::to_string_pretty(&self.redacted())
+            .map_err(|error| ConfigError::invalid("(top level)", error.to_string()))
+    }
+}
+
+impl LogConfig {
+    /// The format is "text" or "json" and the filter parses.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !matches!(self.format.as_str(), "text" | "json") {
+            return Err(ConfigError::invalid(
+                "log.format",
+                format!("{:?} is not \"text\" or \"json\"", self.format),
+            ));
+        }
+        tracing_subscriber::EnvFilter::try_new(&self.filter)
+            .map(|_| ())
+            .map_err(|error| ConfigError::invalid("log.filter", error.to_string()))
+    }
+}
+
+const REDACTED: &str = "<redacted>";
+
+/// `amqp://user:secret@host/` → `amqp://user:<redacted>@host/`.
+fn redact_url_password(url: &str) -> String {
+    let Some(scheme_end) = url.find("://") else {
+        return url.to_string();
+    };
+    let authority_start = scheme_end + 3;
+    let rest = &url[authority_start..];
+    let authority_len = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..authority_len];
+    let Some(at) = authority.rfind('@') else {
+        return url.to_string();
+    };
+    let Some(colon) = authority[..at].find(':') else {
+        return url.to_string();
+    };
+    format!(
+        "{}{}{}{}",
+        &url[..authority_start + colon + 1],
+        REDACTED,
+        &authority[at..],
+        &rest[authority_len..]
+    )
+}
+
+fn parse_socket_addr(key: &str, address: &str) -> Result<SocketAddr, ConfigError> {
+    address.parse::<SocketAddr>().map_err(|error| {
+        ConfigError::invalid(
+            key,
+            format!("invalid socket address {address:?} ({error}); expected IP:PORT, e.g. \"127.0.0.1:5672\""),
+        )
+    })
+}
+
+fn parse_amqp_url(key: &str, url: &str) -> Result<amq_protocol::uri::AMQPUri, ConfigError> {
+    let shown = redact_url_password(url);
+    if !(url.starts_with("amqp://") || url.starts_with("amqps://")) {
+        return Err(ConfigError::invalid(
+            key,
+            format!("{shown:?} is not an amqp:// or amqps:// URL"),
+        ));
+    }
+    url.parse::<amq_protocol::uri::AMQPUri>().map_err(|error| {
+        // The parser's message may quote the whole URL: never show its password.
+        let error = error.replace(url, &shown);
+        ConfigError::invalid(key, format!("invalid URL {shown:?}: {error}"))
+    })
+}
+
+fn require_file(key: &str, path: &str) -> Result<(), ConfigError> {
+    match std::fs::metadata(path) {
+        Ok(metadata) if metadata.is_file() => Ok(()),
+        Ok(_) => Err(ConfigError::invalid(key, format!("{path:?} is not a file"))),
+        Err(error) => Err(ConfigError::invalid(key, format!("{path:?}: {error}"))),
+    }
+}
+
+fn check_name(key: &str, name: &str) -> Result<(), ConfigError> {
+    if name.is_empty() {
+        return Err(ConfigError::invalid(key, "must not be empty"));
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(ConfigError::invalid(
+            key,
+            format!("longer than {MAX_NAME_LEN} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_regex(key: &str, pattern: &str) -> Result<(), ConfigError> {
+    regex::Regex::new(pattern)
+        .map(|_| ())
+        .map_err(|error| ConfigError::invalid(key, format!("invalid regex {pattern:?}: {error}")))
+}
+
+/// base64(salt[4] ++ sha256(salt ++ password)): 36 bytes once decoded.
+fn check_password_hash(key: &str, hash: &str) -> Result<(), ConfigError> {
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(hash)
+        .map_err(|error| ConfigError::invalid(key, format!("not base64: {error}")))?;
+    if bytes.len() != 36 {
+        return Err(ConfigError::invalid(
+            key,
+            format!(
+                "decodes to {} bytes; a rabbit_password_hashing_sha256 hash has 36 (4 salt + 32 digest)",
+                bytes.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------
+// Logging
+// ------------------------------------------------------------------------------------------
+
+/// Installs the global tracing subscriber: the filter comes from `RUST_LOG` when set, else from
+/// `log.filter`; lines are text or JSON per `log.format`. Fails if the filter does not parse
+/// or a subscriber is already installed.
+pub fn init_logging(cfg: &LogConfig) -> Result<(), ConfigError> {
+    use tracing_subscriber::EnvFilter;
+    cfg.validate()?;
+    let (key, directives) = match std::env::var("RUST_LOG") {
+        Ok(value) if !value.trim().is_empty() => ("RUST_LOG", value),
+        _ => ("log.filter", cfg.filter.clone()),
+    };
+    let filter = EnvFilter::try_new(&directives)
+        .map_err(|error| ConfigError::invalid(key, error.to_string()))?;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let installed = if cfg.format == "json" {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+    installed.map_err(|error| ConfigError::invalid("log", error.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Writes `text` to a fresh temporary file and returns its path.
+    fn temp_file(text: &str) -> PathBuf {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("dlx-proxy-config-{}-{n}.toml", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    fn load_text(text: &str) -> Result<Config, ConfigError> {
+        let path = temp_file(text);
+        let result = load(Some(&path));
+        std::fs::remove_file(&path).unwrap();
+        result
+    }
+
+    fn error_text(text: &str) -> String {
+        load_text(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        Config::default().validate().unwrap();
+        let config = load(None).unwrap();
+        assert_eq!(config.listen.amqp, "127.0.0.1:5672");
+    }
+
+    #[test]
+    fn file_values_override_defaults() {
+        let config = load_text(
+            r#"
+            mode = "proxy"
+            vhosts = ["/", "orders"]
+            [listen]
+            amqp = "0.0.0.0:5673"
+            [upstream]
+            url = "amqp://user:pw@rabbit:5672/orders"
+            [dead_letter]
+            compat = 4
+            [[policies]]
+            name = "dlx-all"
+            vhost = "orders"
+            pattern = ".*"
+            definition = { dead-letter-exchange = "dlx", message-ttl = 60000 }
+            "#,
+        )
+        .unwrap();
+        assert_eq!(config.mode, Mode::Proxy);
+        assert_eq!(config.listen.amqp, "0.0.0.0:5673");
+        assert_eq!(config.listen.admin, "127.0.0.1:15692");
+        assert_eq!(config.dead_letter.compat, "4");
+        assert_eq!(config.policies[0].definition["message-ttl"], 60000);
+        assert_eq!(config.policies[0].apply_to, "queues");
+    }
+
+    #[test]
+    fn missing_file_is_an_error() {
+        let error = load(Some(Path::new("/nonexistent/dlx-proxy.toml"))).unwrap_err();
+        assert!(matches!(error, ConfigError::Unreadable { .. }), "{error}");
+        assert!(error.to_string().contains("/nonexistent/dlx-proxy.toml"));
+    }
+
+    #[test]
+    fn invalid_socket_address_names_file_and_key() {
+        let text = error_text("[listen]\namqp = \"nope\"\n");
+        assert!(
+            text.contains(".toml: key `listen.amqp`: invalid socket address \"nope\""),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn wrong_type_names_the_key() {
+        let text = error_text("[limits]\nframe_max = \"x\"\n");
+        assert!(text.contains("key `limits.frame_max`"), "{text}");
+        assert!(text.contains("invalid type"), "{text}");
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let text = error_text("[listen]\namqp_port = 5672\n");
+        assert!(
+            text.contains("key `listen.amqp_port`: unknown key"),
+            "{text}"
+        );
+        let text = error_text("colour = \"blue\"\n");
+        assert!(text.contains("key `colour`"), "{text}");
+    }
+
+    #[test]
+    fn syntax_error_has_line_column_and_key() {
+        let error = load_text("mode = \"embedded\"\n[listen]\namqp = nope\n").unwrap_err();
+        match &error {
+            ConfigError::Syntax {
+                line, column, key, ..
+            } => {
+                assert_eq!((*line, *column, key.as_str()), (3, 8, "listen.amqp"));
+            }
+            other => panic!("expected a syntax error, got {other:?}"),
+        }
+        assert!(
+            error.to_string().contains(":3:8: key `listen.amqp`:"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn array_element_errors_are_indexed() {
+        let text =
+            error_text("[[users]]\nname = \"a\"\npassword = \"b\"\nloopback_only = \"yes\"\n");
+        assert!(text.contains("key `users[0].loopback_only`"), "{text}");
+    }
+
+    #[test]
+    fn limits_and_switches_are_checked() {
+        let cases = [
+            ("[limits]\nframe_max = 1024\n", "limits.frame_max"),
+            ("[dead_letter]\ncompat = \"5\"\n", "dead_letter.compat"),
+            ("[log]\nformat = \"xml\"\n", "log.format"),
+            ("[log]\nfilter = \"info,[[\"\n", "log.filter"),
+            ("vhosts = []\n", "vhosts"),
+            ("vhosts = [\"/\", \"/\"]\n", "vhosts[1]"),
+            ("[listen]\namqp = \"\"\n", "listen.amqp"),
+            ("[listen]\nadmin = \"localhost\"\n", "listen.admin"),
+            ("[listen]\namqps = \"127.0.0.1:5671\"\n", "tls.cert_file"),
+            ("[tls]\nrequire_client_cert = true\n", "tls.client_ca_file"),
+            (
+                "[proxy]\nconfirm_timeout_secs = 0\n",
+                "proxy.confirm_timeout_secs",
+            ),
+        ];
+        for (text, key) in cases {
+            let error = load_text(text).unwrap_err();
+            assert_eq!(error.key(), key, "{text}: {error}");
+        }
+    }
+
+    #[test]
+    fn empty_listeners_disable_them() {
+        let config = load_text("[listen]\nadmin = \"\"\namqps = \"\"\n").unwrap();
+        assert_eq!(config.listen.admin, "");
+    }
+
+    #[test]
+    fn upstream_url_is_checked_only_in_proxy_mode() {
+        load_text("[upstream]\nurl = \"http://x\"\n").unwrap();
+        let error =
+            load_text("mode = \"proxy\"\n[upstream]\nurl = \"http://u:secret@x\"\n").unwrap_err();
+        assert_eq!(error.key(), "upstream.url");
+        assert!(!error.to_string().contains("secret"), "{error}");
+        let error =
+            load_text("mode = \"proxy\"\n[upstream]\nurl = \"amqps://rabbit\"\n").unwrap_err();
+        assert_eq!(error.key(), "upstream.tls_ca_file");
+        load_text("mode = \"proxy\"\n[upstream]\nurl = \"amqps://rabbit\"\ntls_verify = false\n")
+            .unwrap();
+        let error = load_text("mode = \"cluster\"\n").unwrap_err();
+        assert_eq!(error.key(), "mode");
+    }
+
+    #[test]
+    fn users_and_policies_must_name_known_vhosts() {
+        let error = load_text(
+            "[[users]]\nname = \"app\"\npassword = \"x\"\n[[users.permissions]]\nvhost = \"orders\"\n",
+        )
+        .unwrap_err();
+        assert_eq!(error.key(), "users[0].permissions[0].vhost");
+        let error = load_text("[[policies]]\nname = \"p\"\nvhost = \"orders\"\npattern = \".*\"\n")
+            .unwrap_err();
+        assert_eq!(error.key(), "policies[0].vhost");
+        let error = load_text("[[policies]]\nname = \"p\"\npattern = \"(\"\n").unwrap_err();
+        assert_eq!(error.key(), "policies[0].pattern");
+        let error = load_text(
+            "[[policies]]\nname = \"p\"\npattern = \"a\"\n[[policies]]\nname = \"p\"\npattern = \"b\"\n",
+        )
+        .unwrap_err();
+        assert_eq!(error.key(), "policies[1].name");
+        let error = load_text("[[users]]\nname = \"app\"\npassword = \"\"\n").unwrap_err();
+        assert_eq!(error.key(), "users[0].password");
+        let error = load_text("[[users]]\nname = \"app\"\npassword_hash = \"abc=\"\n").unwrap_err();
+        assert_eq!(error.key(), "users[0].password_hash");
+    }
+
+    #[test]
+    fn password_hash_of_the_right_length_is_accepted() {
+        // 36 bytes: 4 salt + 32 digest.
+        use base64::Engine as _;
+        let hash = base64::engine::general_purpose::STANDARD.encode([7u8; 36]);
+        load_text(&format!(
+            "[[users]]\nname = \"app\"\npassword = \"\"\npassword_hash = \"{hash}\"\n"
+        ))
+        .unwrap();
+    }
+
+    #[test]
+    fn printed_settings_redact_secrets_and_reload() {
+        let mut config = Config::default();
+        config.upstream.url = "amqp://user:secret@rabbit:5672/%2f?heartbeat=5".into();
+        config.policies.push(PolicyConfig {
+            name: "p".into(),
+            pattern: ".*".into(),
+            definition: [("message-ttl".to_string(), serde_json::json!(100))].into(),
+            ..PolicyConfig::default()
+        });
+        let text = config.to_toml().unwrap();
+        assert!(!text.contains("secret"), "{text}");
+        assert!(!text.contains("password = \"guest\""), "{text}");
+        assert!(
+            text.contains("amqp://user:<redacted>@rabbit:5672/%2f?heartbeat=5"),
+            "{text}"
+        );
+        let reloaded = load_text(&text).unwrap();
+        assert_eq!(reloaded.policies[0].definition["message-ttl"], 100);
+    }
+
+    #[test]
+    fn url_redaction_leaves_urls_without_password_alone() {
+        assert_eq!(
+            redact_url_password("amqp://rabbit:5672/"),
+            "amqp://rabbit:5672/"
+        );
+        assert_eq!(
+            redact_url_password("amqp://user@rabbit/"),
+            "amqp://user@rabbit/"
+        );
+        assert_eq!(redact_url_password("not a url"), "not a url");
+    }
+
+    #[test]
+    fn key_at_line_handles_tables_and_arrays() {
+        let text = "a = 1\n[x]\nb = 2\n[[y]]\n\"c\" = 3\n[z\n";
+        assert_eq!(key_at_line(text, 1), "a");
+        assert_eq!(key_at_line(text, 3), "x.b");
+        assert_eq!(key_at_line(text, 5), "y.c");
+        assert_eq!(key_at_line(text, 4), "y");
+        assert_eq!(line_and_column("ab\ncdé f", 9), (2, 6));
+    }
+
+    #[test]
+    fn only_known_top_level_keys_are_taken_from_the_environment() {
+        let keys = top_level_keys();
+        assert!(keys.contains(&"listen".to_string()));
+        assert!(keys.contains(&"dead_letter".to_string()));
+        assert!(!keys.contains(&"service_host".to_string()));
     }
 }

@@ -1,1 +1,627 @@
-//! TODO: metrics
+//! Every Prometheus metric of the service, named in one place (prefix `dlx_proxy_`).
+//!
+//! [`Metrics`] owns its own `prometheus::Registry` (never the global default one), so tests and
+//! several services in one process do not share counters. The rest of the crate calls the typed
+//! methods (`dead_lettered`, `dropped`, `set_queue_depth`, ...) and never names a metric; the
+//! admin server renders [`Metrics::encode`] at `/metrics`.
+//!
+//! Label cardinality is bounded: at most `max_queue_labels` distinct (vhost, queue) pairs get
+//! their own series. Further queues are counted under the queue label `_other` (and each such
+//! use bumps `dlx_proxy_metric_labels_folded_total`); their depth gauges are not exported, as a
+//! gauge shared by several queues would show whichever was set last. [`Metrics::remove_queue`]
+//! drops a deleted queue's series and frees its slot.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// Prefix of every metric name.
+pub const PREFIX: &str = "dlx_proxy_";
+
+/// The queue label used once `max_queue_labels` distinct queues have their own series.
+pub const OTHER_QUEUE: &str = "_other";
+
+/// Metric names without the prefix, for documentation and tests.
+pub const METRIC_NAMES: &[&str] = &[
+    "dead_lettered_total",
+    "dead_letter_dropped_total",
+    "dead_letter_publish_failures_total",
+    "messages_published_total",
+    "messages_delivered_total",
+    "messages_acked_total",
+    "connections_total",
+    "frames_total",
+    "bytes_total",
+    "config_reloads_total",
+    "metric_labels_folded_total",
+    "connections",
+    "channels",
+    "queue_messages",
+    "queue_bytes",
+    "inflight_deliveries",
+    "inflight_bytes",
+    "outbox_bytes",
+    "dead_letter_latency_seconds",
+    "message_age_at_dead_letter_seconds",
+];
+
+/// Buckets of `dead_letter_latency_seconds`: 100 µs to 60 s.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0, 60.0,
+];
+
+/// Buckets of `message_age_at_dead_letter_seconds`: 1 ms to 1 day.
+const AGE_BUCKETS: &[f64] = &[
+    0.001, 0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0,
+    21600.0, 43200.0, 86400.0,
+];
+
+/// Which way frames and bytes travelled. Embedded mode only uses the client directions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Read from a client socket.
+    ClientIn,
+    /// Written to a client socket.
+    ClientOut,
+    /// Read from an upstream socket (proxy mode).
+    UpstreamIn,
+    /// Written to an upstream socket (proxy mode).
+    UpstreamOut,
+}
+
+impl Direction {
+    /// The `direction` label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::ClientIn => "client_in",
+            Direction::ClientOut => "client_out",
+            Direction::UpstreamIn => "upstream_in",
+            Direction::UpstreamOut => "upstream_out",
+        }
+    }
+}
+
+/// The series kept for one admitted (vhost, queue) pair, so that they can be removed.
+#[derive(Default)]
+struct QueueSeries {
+    reasons: BTreeSet<String>,
+    causes: BTreeSet<String>,
+    has_depth: bool,
+}
+
+/// Admits at most `max` distinct (vhost, queue) pairs as label values.
+struct QueueLabels {
+    max: usize,
+    admitted: Mutex<HashMap<(String, String), QueueSeries>>,
+}
+
+impl QueueLabels {
+    fn lock(&self) -> MutexGuard<'_, HashMap<(String, String), QueueSeries>> {
+        // A panic while holding the lock leaves the map consistent: keep using it.
+        self.admitted.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// All metrics of one service instance.
+pub struct Metrics {
+    registry: Registry,
+    queue_labels: QueueLabels,
+    dead_lettered: IntCounterVec,
+    dead_letter_dropped: IntCounterVec,
+    dead_letter_publish_failures: IntCounterVec,
+    messages_published: IntCounter,
+    messages_delivered: IntCounter,
+    messages_acked: IntCounter,
+    connections_total: IntCounter,
+    frames: IntCounterVec,
+    bytes: IntCounterVec,
+    config_reloads: IntCounterVec,
+    labels_folded: IntCounter,
+    connections: IntGauge,
+    channels: IntGauge,
+    queue_messages: IntGaugeVec,
+    queue_bytes: IntGaugeVec,
+    inflight_deliveries: IntGauge,
+    inflight_bytes: IntGauge,
+    outbox_bytes: IntGauge,
+    dead_letter_latency: Histogram,
+    message_age_at_dead_letter: Histogram,
+}
+
+/// Creates and registers metrics on one registry.
+struct Builder<'a> {
+    registry: &'a Registry,
+}
+
+impl Builder<'_> {
+    fn opts(name: &str, help: &str) -> Opts {
+        Opts::new(format!("{PREFIX}{name}"), help)
+    }
+
+    fn register<C: prometheus::core::Collector + Clone + 'static>(
+        &self,
+        collector: C,
+    ) -> prometheus::Result<C> {
+        self.registry.register(Box::new(collector.clone()))?;
+        Ok(collector)
+    }
+
+    fn counter(&self, name: &str, help: &str) -> prometheus::Result<IntCounter> {
+        self.register(IntCounter::with_opts(Self::opts(name, help))?)
+    }
+
+    fn counter_vec(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+    ) -> prometheus::Result<IntCounterVec> {
+        self.register(IntCounterVec::new(Self::opts(name, help), labels)?)
+    }
+
+    fn gauge(&self, name: &str, help: &str) -> prometheus::Result<IntGauge> {
+        self.register(IntGauge::with_opts(Self::opts(name, help))?)
+    }
+
+    fn gauge_vec(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+    ) -> prometheus::Result<IntGaugeVec> {
+        self.register(IntGaugeVec::new(Self::opts(name, help), labels)?)
+    }
+
+    fn histogram(&self, name: &str, help: &str, buckets: &[f64]) -> prometheus::Result<Histogram> {
+        let opts = HistogramOpts::new(format!("{PREFIX}{name}"), help).buckets(buckets.to_vec());
+        self.register(Histogram::with_opts(opts)?)
+    }
+}
+
+const QUEUE_LABELS: &[&str] = &["vhost", "queue"];
+
+impl Metrics {
+    /// A fresh registry with every metric registered; at most `max_queue_labels` distinct
+    /// (vhost, queue) pairs get their own series.
+    pub fn new(max_queue_labels: usize) -> Arc<Metrics> {
+        // Names, help texts and label sets are constants tested below: registering cannot fail.
+        Arc::new(Self::build(max_queue_labels).expect("metric definitions are valid and unique"))
+    }
+
+    fn build(max_queue_labels: usize) -> prometheus::Result<Metrics> {
+        let registry = Registry::new();
+        let b = Builder {
+            registry: &registry,
+        };
+        let metrics = Metrics {
+            queue_labels: QueueLabels {
+                max: max_queue_labels,
+                admitted: Mutex::new(HashMap::new()),
+            },
+            dead_lettered: b.counter_vec(
+                "dead_lettered_total",
+                "Messages dead-lettered, by source queue and reason \
+                 (rejected, expired, maxlen, delivery_limit).",
+                &["vhost", "queue", "reason"],
+            )?,
+            dead_letter_dropped: b.counter_vec(
+                "dead_letter_dropped_total",
+                "Messages that died but were not dead-lettered, by source queue and cause \
+                 (cycle, no_dlx, unroutable, hop_limit).",
+                &["vhost", "queue", "cause"],
+            )?,
+            dead_letter_publish_failures: b.counter_vec(
+                "dead_letter_publish_failures_total",
+                "Dead-letter publishes to the upstream that failed, by cause (nack, timeout); \
+                 the message stays with the upstream and is retried.",
+                &["cause"],
+            )?,
+            messages_published: b
+                .counter("messages_published_total", "Messages published by clients.")?,
+            messages_delivered: b.counter(
+                "messages_delivered_total",
+                "Messages delivered to clients (basic.deliver and basic.get-ok).",
+            )?,
+            messages_acked: b.counter(
+                "messages_acked_total",
+                "Deliveries acknowledged by clients.",
+            )?,
+            connections_total: b.counter("connections_total", "Client connections accepted.")?,
+            frames: b.counter_vec("frames_total", "AMQP frames, by direction.", &["direction"])?,
+            bytes: b.counter_vec(
+                "bytes_total",
+                "Bytes of AMQP traffic, by direction.",
+                &["direction"],
+            )?,
+            config_reloads: b.counter_vec(
+                "config_reloads_total",
+                "Configuration reloads, by result (success, failure).",
+                &["result"],
+            )?,
+            labels_folded: b.counter(
+                "metric_labels_folded_total",
+                "Metric updates whose queue label was folded into \"_other\" because the \
+                 distinct-queue cap (metrics.max_queue_labels) was reached.",
+            )?,
+            connections: b.gauge("connections", "Open client connections.")?,
+            channels: b.gauge("channels", "Open client channels.")?,
+            queue_messages: b.gauge_vec(
+                "queue_messages",
+                "Messages in a queue (embedded mode).",
+                QUEUE_LABELS,
+            )?,
+            queue_bytes: b.gauge_vec(
+                "queue_bytes",
+                "Body bytes of the messages in a queue (embedded mode).",
+                QUEUE_LABELS,
+            )?,
+            inflight_deliveries: b.gauge(
+                "inflight_deliveries",
+                "Deliveries sent to clients and not yet settled.",
+            )?,
+            inflight_bytes: b.gauge(
+                "inflight_bytes",
+                "Body bytes of the deliveries sent to clients and not yet settled.",
+            )?,
+            outbox_bytes: b.gauge(
+                "outbox_bytes",
+                "Encoded bytes waiting to be written to client sockets.",
+            )?,
+            dead_letter_latency: b.histogram(
+                "dead_letter_latency_seconds",
+                "Time from the death of a message (reject, expiry, overflow) to its confirmed \
+                 republish to the dead-letter exchange.",
+                LATENCY_BUCKETS,
+            )?,
+            message_age_at_dead_letter: b.histogram(
+                "message_age_at_dead_letter_seconds",
+                "Time a message spent in its queue before it was dead-lettered.",
+                AGE_BUCKETS,
+            )?,
+            registry,
+        };
+        Ok(metrics)
+    }
+
+    /// The registry holding every metric (to add process collectors, for instance).
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Whether (vhost, queue) has its own label values, admitting the pair if there is room;
+    /// `false` means it is folded into `_other`. `record` notes the series about to be written.
+    fn queue_label(&self, vhost: &str, queue: &str, record: impl FnOnce(&mut QueueSeries)) -> bool {
+        let mut admitted = self.queue_labels.lock();
+        let key = (vhost.to_string(), queue.to_string());
+        if let Some(series) = admitted.get_mut(&key) {
+            record(series);
+            return true;
+        }
+        if admitted.len() < self.queue_labels.max {
+            let mut series = QueueSeries::default();
+            record(&mut series);
+            admitted.insert(key, series);
+            return true;
+        }
+        drop(admitted);
+        self.labels_folded.inc();
+        false
+    }
+
+    /// One message dead-lettered from `queue` for `reason` (rejected, expired, maxlen,
+    /// delivery_limit).
+    pub fn dead_lettered(&self, vhost: &str, queue: &str, reason: &str) {
+        let own = self.queue_label(vhost, queue, |s| {
+            if !s.reasons.contains(reason) {
+                s.reasons.insert(reason.to_string());
+            }
+        });
+        let queue = if own { queue } else { OTHER_QUEUE };
+        self.dead_lettered
+            .with_label_values(&[vhost, queue, reason])
+            .inc();
+    }
+
+    /// One message that died in `queue` but was dropped instead of dead-lettered, for `cause`
+    /// (cycle, no_dlx, unroutable, hop_limit).
+    pub fn dropped(&self, vhost: &str, queue: &str, cause: &str) {
+        let own = self.queue_label(vhost, queue, |s| {
+            if !s.causes.contains(cause) {
+                s.causes.insert(cause.to_string());
+            }
+        });
+        let queue = if own { queue } else { OTHER_QUEUE };
+        self.dead_letter_dropped
+            .with_label_values(&[vhost, queue, cause])
+            .inc();
+    }
+
+    /// One dead-letter publish to the upstream failed (`cause`: nack, timeout).
+    pub fn dead_letter_publish_failed(&self, cause: &str) {
+        self.dead_letter_publish_failures
+            .with_label_values(&[cause])
+            .inc();
+    }
+
+    /// Time from a message's death to its confirmed republish.
+    pub fn observe_dead_letter_latency(&self, latency: Duration) {
+        self.dead_letter_latency.observe(latency.as_secs_f64());
+    }
+
+    /// How long a message had been in its queue when it was dead-lettered.
+    pub fn observe_message_age_at_dead_letter(&self, age: Duration) {
+        self.message_age_at_dead_letter.observe(age.as_secs_f64());
+    }
+
+    /// `count` messages published by clients.
+    pub fn published(&self, count: u64) {
+        self.messages_published.inc_by(count);
+    }
+
+    /// `count` messages delivered to clients.
+    pub fn delivered(&self, count: u64) {
+        self.messages_delivered.inc_by(count);
+    }
+
+    /// `count` deliveries acknowledged by clients.
+    pub fn acked(&self, count: u64) {
+        self.messages_acked.inc_by(count);
+    }
+
+    /// A client connection was accepted (counts it and raises the open-connections gauge).
+    pub fn connection_opened(&self) {
+        self.connections_total.inc();
+        self.connections.inc();
+    }
+
+    /// A client connection ended.
+    pub fn connection_closed(&self) {
+        self.connections.dec();
+    }
+
+    /// A client channel was opened.
+    pub fn channel_opened(&self) {
+        self.channels.inc();
+    }
+
+    /// `count` client channels were closed.
+    pub fn channels_closed(&self, count: u64) {
+        self.channels.sub(saturating_i64(count));
+    }
+
+    /// `frames` frames totalling `bytes` bytes went `direction`.
+    pub fn traffic(&self, direction: Direction, frames: u64, bytes: u64) {
+        let label = [direction.as_str()];
+        if frames > 0 {
+            self.frames.with_label_values(&label).inc_by(frames);
+        }
+        if bytes > 0 {
+            self.bytes.with_label_values(&label).inc_by(bytes);
+        }
+    }
+
+    /// Sets a queue's depth (messages and body bytes), if the queue has its own labels.
+    pub fn set_queue_depth(&self, vhost: &str, queue: &str, messages: u64, bytes: u64) {
+        if self.queue_label(vhost, queue, |s| s.has_depth = true) {
+            let labels = [vhost, queue];
+            self.queue_messages
+                .with_label_values(&labels)
+                .set(saturating_i64(messages));
+            self.queue_bytes
+                .with_label_values(&labels)
+                .set(saturating_i64(bytes));
+        }
+    }
+
+    /// Removes every series of a deleted queue and frees its label slot.
+    pub fn remove_queue(&self, vhost: &str, queue: &str) {
+        let key = (vhost.to_string(), queue.to_string());
+        let Some(series) = self.queue_labels.lock().remove(&key) else {
+            return;
+        };
+        // Removing a series that was never written is not an error worth reporting.
+        for reason in &series.reasons {
+            let _ = self
+                .dead_lettered
+                .remove_label_values(&[vhost, queue, reason.as_str()]);
+        }
+        for cause in &series.causes {
+            let _ = self
+                .dead_letter_dropped
+                .remove_label_values(&[vhost, queue, cause.as_str()]);
+        }
+        if series.has_depth {
+            let _ = self.queue_messages.remove_label_values(&[vhost, queue]);
+            let _ = self.queue_bytes.remove_label_values(&[vhost, queue]);
+        }
+    }
+
+    /// Changes the unsettled-deliveries gauges by `deliveries` and `bytes` (negative to
+    /// release).
+    pub fn add_inflight(&self, deliveries: i64, bytes: i64) {
+        self.inflight_deliveries.add(deliveries);
+        self.inflight_bytes.add(bytes);
+    }
+
+    /// Changes the bytes-waiting-for-client-sockets gauge by `delta`.
+    pub fn add_outbox_bytes(&self, delta: i64) {
+        self.outbox_bytes.add(delta);
+    }
+
+    /// A configuration reload finished (`succeeded` or not).
+    pub fn config_reloaded(&self, succeeded: bool) {
+        let result = if succeeded { "success" } else { "failure" };
+        self.config_reloads.with_label_values(&[result]).inc();
+    }
+
+    /// Every metric in the Prometheus text exposition format (version 0.0.4).
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        if let Err(error) = TextEncoder::new().encode_utf8(&self.registry.gather(), &mut text) {
+            tracing::warn!(%error, "cannot encode metrics");
+        }
+        text
+    }
+
+    /// The content type of [`encode`](Self::encode)'s output.
+    pub fn content_type(&self) -> String {
+        TextEncoder::new().format_type().to_string()
+    }
+}
+
+fn saturating_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn has_line(text: &str, line: &str) -> bool {
+        text.lines().any(|l| l == line)
+    }
+
+    #[test]
+    fn every_metric_is_exported_with_its_prefix() {
+        let metrics = Metrics::new(10);
+        // Vectors only appear once they have a series.
+        metrics.dead_lettered("/", "q", "expired");
+        metrics.dropped("/", "q", "cycle");
+        metrics.dead_letter_publish_failed("nack");
+        metrics.traffic(Direction::ClientIn, 1, 8);
+        metrics.config_reloaded(true);
+        metrics.set_queue_depth("/", "q", 1, 1);
+        let text = metrics.encode();
+        for name in METRIC_NAMES {
+            assert!(
+                text.contains(&format!("# TYPE {PREFIX}{name} ")),
+                "{name} missing:\n{text}"
+            );
+        }
+        assert!(text.contains("# TYPE dlx_proxy_dead_lettered_total counter"));
+        assert!(text.contains("# TYPE dlx_proxy_queue_messages gauge"));
+        assert!(text.contains("# TYPE dlx_proxy_dead_letter_latency_seconds histogram"));
+        assert_eq!(metrics.content_type(), "text/plain; version=0.0.4");
+    }
+
+    #[test]
+    fn counters_and_gauges_have_exact_values() {
+        let metrics = Metrics::new(10);
+        metrics.dead_lettered("/", "orders", "expired");
+        metrics.dead_lettered("/", "orders", "expired");
+        metrics.dead_lettered("/", "orders", "rejected");
+        metrics.dropped("v", "orders", "no_dlx");
+        metrics.published(5);
+        metrics.delivered(3);
+        metrics.acked(2);
+        metrics.connection_opened();
+        metrics.connection_opened();
+        metrics.connection_closed();
+        metrics.channel_opened();
+        metrics.channel_opened();
+        metrics.channel_opened();
+        metrics.channels_closed(2);
+        metrics.traffic(Direction::ClientIn, 3, 120);
+        metrics.traffic(Direction::UpstreamOut, 1, 0);
+        metrics.set_queue_depth("/", "orders", 7, 700);
+        metrics.add_inflight(4, 400);
+        metrics.add_inflight(-1, -100);
+        metrics.add_outbox_bytes(64);
+        metrics.config_reloaded(false);
+        metrics.observe_dead_letter_latency(Duration::from_micros(50));
+        metrics.observe_message_age_at_dead_letter(Duration::from_secs(2));
+        let text = metrics.encode();
+        for line in [
+            r#"dlx_proxy_dead_lettered_total{queue="orders",reason="expired",vhost="/"} 2"#,
+            r#"dlx_proxy_dead_lettered_total{queue="orders",reason="rejected",vhost="/"} 1"#,
+            r#"dlx_proxy_dead_letter_dropped_total{cause="no_dlx",queue="orders",vhost="v"} 1"#,
+            "dlx_proxy_messages_published_total 5",
+            "dlx_proxy_messages_delivered_total 3",
+            "dlx_proxy_messages_acked_total 2",
+            "dlx_proxy_connections_total 2",
+            "dlx_proxy_connections 1",
+            "dlx_proxy_channels 1",
+            r#"dlx_proxy_frames_total{direction="client_in"} 3"#,
+            r#"dlx_proxy_bytes_total{direction="client_in"} 120"#,
+            r#"dlx_proxy_frames_total{direction="upstream_out"} 1"#,
+            r#"dlx_proxy_queue_messages{queue="orders",vhost="/"} 7"#,
+            r#"dlx_proxy_queue_bytes{queue="orders",vhost="/"} 700"#,
+            "dlx_proxy_inflight_deliveries 3",
+            "dlx_proxy_inflight_bytes 300",
+            "dlx_proxy_outbox_bytes 64",
+            r#"dlx_proxy_config_reloads_total{result="failure"} 1"#,
+            r#"dlx_proxy_dead_letter_latency_seconds_bucket{le="0.0001"} 1"#,
+            "dlx_proxy_dead_letter_latency_seconds_count 1",
+            r#"dlx_proxy_message_age_at_dead_letter_seconds_bucket{le="1"} 0"#,
+            r#"dlx_proxy_message_age_at_dead_letter_seconds_bucket{le="5"} 1"#,
+            r#"dlx_proxy_message_age_at_dead_letter_seconds_bucket{le="86400"} 1"#,
+            "dlx_proxy_metric_labels_folded_total 0",
+        ] {
+            assert!(has_line(&text, line), "missing {line:?} in:\n{text}");
+        }
+        assert!(!text.contains(r#"direction="upstream_out"} 0"#));
+    }
+
+    #[test]
+    fn queues_beyond_the_cap_fold_into_other() {
+        let metrics = Metrics::new(2);
+        metrics.dead_lettered("/", "a", "expired");
+        metrics.set_queue_depth("/", "b", 1, 10);
+        metrics.dead_lettered("/", "c", "expired");
+        metrics.dead_lettered("/", "d", "expired");
+        metrics.dropped("/", "d", "cycle");
+        metrics.set_queue_depth("/", "d", 5, 50);
+        // Admitted queues keep their own labels.
+        metrics.dead_lettered("/", "b", "maxlen");
+        let text = metrics.encode();
+        for line in [
+            r#"dlx_proxy_dead_lettered_total{queue="a",reason="expired",vhost="/"} 1"#,
+            r#"dlx_proxy_dead_lettered_total{queue="b",reason="maxlen",vhost="/"} 1"#,
+            r#"dlx_proxy_dead_lettered_total{queue="_other",reason="expired",vhost="/"} 2"#,
+            r#"dlx_proxy_dead_letter_dropped_total{cause="cycle",queue="_other",vhost="/"} 1"#,
+            r#"dlx_proxy_queue_messages{queue="b",vhost="/"} 1"#,
+            "dlx_proxy_metric_labels_folded_total 4",
+        ] {
+            assert!(has_line(&text, line), "missing {line:?} in:\n{text}");
+        }
+        assert!(!text.contains(r#"queue="c""#));
+        assert!(!text.contains(r#"queue="d""#));
+        assert!(!text.contains(r#"dlx_proxy_queue_messages{queue="_other""#));
+    }
+
+    #[test]
+    fn removing_a_queue_drops_its_series_and_frees_its_slot() {
+        let metrics = Metrics::new(1);
+        metrics.dead_lettered("/", "a", "expired");
+        metrics.dropped("/", "a", "no_dlx");
+        metrics.set_queue_depth("/", "a", 3, 30);
+        metrics.remove_queue("/", "a");
+        let text = metrics.encode();
+        assert!(!text.contains(r#"queue="a""#), "{text}");
+        metrics.dead_lettered("/", "b", "rejected");
+        let text = metrics.encode();
+        assert!(has_line(
+            &text,
+            r#"dlx_proxy_dead_lettered_total{queue="b",reason="rejected",vhost="/"} 1"#
+        ));
+        assert!(has_line(&text, "dlx_proxy_metric_labels_folded_total 0"));
+        // Removing an unknown or folded queue is harmless.
+        metrics.remove_queue("/", "never");
+    }
+
+    #[test]
+    fn registries_are_independent() {
+        let first = Metrics::new(10);
+        let second = Metrics::new(10);
+        first.published(1);
+        assert!(has_line(
+            &second.encode(),
+            "dlx_proxy_messages_published_total 0"
+        ));
+    }
+}
