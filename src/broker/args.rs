@@ -1,1 +1,1179 @@
-//! TODO
+//! Queue argument validation, shared by `queue.declare` in both modes.
+//!
+//! [`parse_queue_arguments`] turns a client's x-arguments into [`QueueArguments`] and refuses
+//! invalid ones with the same 406 reply texts as RabbitMQ 3.10; [`check_equivalent`] is
+//! RabbitMQ's redeclare check; [`parse_expiration`] validates the per-message `expiration`
+//! property of a publish. The policy merge that turns arguments into effective settings lives
+//! in [`crate::policy`].
+//!
+//! Validation order follows RabbitMQ: the dead-letter exchange's type (checked by the channel
+//! before anything else), then `x-queue-type`, then the values in RabbitMQ's `declare_args`
+//! order, then arguments the queue type does not accept. Unknown x-arguments are ignored.
+//! Deliberate differences: `x-delivery-limit` is accepted on every queue type (a non-negative
+//! integer), and `x-queue-type = "stream"` is refused because streams are not implemented.
+
+use amq_protocol::types::{AMQPValue, FieldTable};
+use std::fmt::Write as _;
+use std::str::FromStr;
+
+/// Largest TTL RabbitMQ accepts, in milliseconds (ten years): `x-message-ttl`, `x-expires`
+/// and the per-message `expiration`.
+pub const MAX_EXPIRY_MS: u64 = 315_360_000_000;
+
+pub const ARG_QUEUE_TYPE: &str = "x-queue-type";
+pub const ARG_DEAD_LETTER_EXCHANGE: &str = "x-dead-letter-exchange";
+pub const ARG_DEAD_LETTER_ROUTING_KEY: &str = "x-dead-letter-routing-key";
+pub const ARG_DEAD_LETTER_STRATEGY: &str = "x-dead-letter-strategy";
+pub const ARG_MESSAGE_TTL: &str = "x-message-ttl";
+pub const ARG_EXPIRES: &str = "x-expires";
+pub const ARG_MAX_LENGTH: &str = "x-max-length";
+pub const ARG_MAX_LENGTH_BYTES: &str = "x-max-length-bytes";
+pub const ARG_OVERFLOW: &str = "x-overflow";
+pub const ARG_DELIVERY_LIMIT: &str = "x-delivery-limit";
+pub const ARG_MAX_PRIORITY: &str = "x-max-priority";
+
+/// The x-arguments compared on redeclare, in the order RabbitMQ compares them.
+pub const EQUIVALENCE_ARGUMENTS: [&str; 11] = [
+    ARG_EXPIRES,
+    ARG_MESSAGE_TTL,
+    ARG_DEAD_LETTER_EXCHANGE,
+    ARG_DEAD_LETTER_ROUTING_KEY,
+    ARG_DEAD_LETTER_STRATEGY,
+    ARG_MAX_LENGTH,
+    ARG_MAX_LENGTH_BYTES,
+    ARG_MAX_PRIORITY,
+    ARG_OVERFLOW,
+    ARG_QUEUE_TYPE,
+    ARG_DELIVERY_LIMIT,
+];
+
+/// The queue types this service implements.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum QueueType {
+    #[default]
+    Classic,
+    Quorum,
+}
+
+impl QueueType {
+    /// The `x-queue-type` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Classic => "classic",
+            QueueType::Quorum => "quorum",
+        }
+    }
+
+    /// RabbitMQ's module name for the type, as it appears in its error texts.
+    pub fn rabbit_module(self) -> &'static str {
+        match self {
+            QueueType::Classic => "rabbit_classic_queue",
+            QueueType::Quorum => "rabbit_quorum_queue",
+        }
+    }
+}
+
+/// What a queue does when a publish would exceed its length limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Overflow {
+    /// Drop (dead-letter as `maxlen`) the oldest messages. RabbitMQ's default.
+    #[default]
+    DropHead,
+    /// Refuse the publish (nack with confirms, silent drop without).
+    RejectPublish,
+    /// Refuse the publish and dead-letter it as `maxlen`.
+    RejectPublishDlx,
+}
+
+impl Overflow {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Overflow::DropHead => "drop-head",
+            Overflow::RejectPublish => "reject-publish",
+            Overflow::RejectPublishDlx => "reject-publish-dlx",
+        }
+    }
+}
+
+/// A string that names no known variant.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown value '{0}'")]
+pub struct UnknownValue(pub String);
+
+impl FromStr for Overflow {
+    type Err = UnknownValue;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "drop-head" => Ok(Overflow::DropHead),
+            "reject-publish" => Ok(Overflow::RejectPublish),
+            "reject-publish-dlx" => Ok(Overflow::RejectPublishDlx),
+            other => Err(UnknownValue(other.to_string())),
+        }
+    }
+}
+
+/// `x-dead-letter-strategy` (quorum queues only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeadLetterStrategy {
+    AtMostOnce,
+    AtLeastOnce,
+}
+
+impl DeadLetterStrategy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterStrategy::AtMostOnce => "at-most-once",
+            DeadLetterStrategy::AtLeastOnce => "at-least-once",
+        }
+    }
+}
+
+impl FromStr for DeadLetterStrategy {
+    type Err = UnknownValue;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "at-most-once" => Ok(DeadLetterStrategy::AtMostOnce),
+            "at-least-once" => Ok(DeadLetterStrategy::AtLeastOnce),
+            other => Err(UnknownValue(other.to_string())),
+        }
+    }
+}
+
+/// What a client's x-arguments say (`None` = absent). Policies are merged later.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct QueueArguments {
+    pub queue_type: QueueType,
+    pub dead_letter_exchange: Option<String>,
+    pub dead_letter_routing_key: Option<String>,
+    pub dead_letter_strategy: Option<DeadLetterStrategy>,
+    /// Milliseconds.
+    pub message_ttl: Option<u64>,
+    /// Milliseconds, at least 1.
+    pub expires: Option<u64>,
+    pub max_length: Option<u64>,
+    pub max_length_bytes: Option<u64>,
+    pub overflow: Option<Overflow>,
+    /// Accepted on every queue type (RabbitMQ 3.10 refuses it on classic queues).
+    pub delivery_limit: Option<u64>,
+}
+
+/// How RabbitMQ words an argument error; selects the reply text layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ArgumentErrorKind {
+    /// `invalid arg 'A' for queue 'Q' in vhost 'V': DETAIL` (the detail is an Erlang term).
+    InvalidValue,
+    /// `invalid type 'T' for arg 'A' in queue 'Q' in vhost 'V'` (the dead-letter exchange;
+    /// `detail` holds the type name).
+    InvalidType,
+    /// `invalid arg 'A' for queue 'Q' in vhost 'V' of queue type M` (`detail` holds the
+    /// queue type's module name).
+    UnsupportedByQueueType,
+}
+
+/// An x-argument RabbitMQ would refuse with 406 PRECONDITION_FAILED.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}", self.describe())]
+pub struct ArgumentError {
+    /// The x-argument at fault.
+    pub argument: String,
+    /// RabbitMQ's detail (see [`ArgumentErrorKind`] for what it holds).
+    pub detail: String,
+    pub kind: ArgumentErrorKind,
+}
+
+impl ArgumentError {
+    fn invalid_value(argument: &str, detail: String) -> Self {
+        ArgumentError {
+            argument: argument.to_string(),
+            detail,
+            kind: ArgumentErrorKind::InvalidValue,
+        }
+    }
+
+    /// The AMQP reply code (406 PRECONDITION_FAILED).
+    pub fn reply_code(&self) -> u16 {
+        406
+    }
+
+    /// The text without the queue name: `invalid arg 'x-message-ttl': {value_negative,-1}`.
+    fn describe(&self) -> String {
+        match self.kind {
+            ArgumentErrorKind::InvalidValue => {
+                format!("invalid arg '{}': {}", self.argument, self.detail)
+            }
+            ArgumentErrorKind::InvalidType => {
+                format!("invalid type '{}' for arg '{}'", self.detail, self.argument)
+            }
+            ArgumentErrorKind::UnsupportedByQueueType => {
+                format!(
+                    "invalid arg '{}' of queue type {}",
+                    self.argument, self.detail
+                )
+            }
+        }
+    }
+
+    /// The full channel.close reply text, as RabbitMQ writes it, e.g.
+    /// `PRECONDITION_FAILED - invalid arg 'x-message-ttl' for queue 'q' in vhost '/': {value_negative,-1}`.
+    /// Not truncated: the caller fits it into a shortstr.
+    pub fn reply_text(&self, queue: &str, vhost: &str) -> String {
+        let resource = format!("queue '{queue}' in vhost '{vhost}'");
+        match self.kind {
+            ArgumentErrorKind::InvalidValue => format!(
+                "PRECONDITION_FAILED - invalid arg '{}' for {}: {}",
+                self.argument, resource, self.detail
+            ),
+            ArgumentErrorKind::InvalidType => format!(
+                "PRECONDITION_FAILED - invalid type '{}' for arg '{}' in {}",
+                self.detail, self.argument, resource
+            ),
+            ArgumentErrorKind::UnsupportedByQueueType => format!(
+                "PRECONDITION_FAILED - invalid arg '{}' for {} of queue type {}",
+                self.argument, resource, self.detail
+            ),
+        }
+    }
+}
+
+/// RabbitMQ's name for the AMQP field type of a value (`signedint`, `longstr`, ...).
+pub fn erlang_type_name(value: &AMQPValue) -> &'static str {
+    match value {
+        AMQPValue::Boolean(_) => "bool",
+        AMQPValue::ShortShortInt(_) => "byte",
+        AMQPValue::ShortShortUInt(_) => "unsignedbyte",
+        AMQPValue::ShortInt(_) => "short",
+        AMQPValue::ShortUInt(_) => "unsignedshort",
+        AMQPValue::LongInt(_) => "signedint",
+        AMQPValue::LongUInt(_) => "unsignedint",
+        AMQPValue::LongLongInt(_) => "long",
+        AMQPValue::Float(_) => "float",
+        AMQPValue::Double(_) => "double",
+        AMQPValue::DecimalValue(_) => "decimal",
+        AMQPValue::ShortString(_) => "shortstr",
+        AMQPValue::LongString(_) => "longstr",
+        AMQPValue::FieldArray(_) => "array",
+        AMQPValue::Timestamp(_) => "timestamp",
+        AMQPValue::FieldTable(_) => "table",
+        AMQPValue::ByteArray(_) => "binary",
+        AMQPValue::Void => "void",
+    }
+}
+
+/// The value of any AMQP integer type (`b B s u I i l`); `None` for every other type.
+pub fn amqp_integer(value: &AMQPValue) -> Option<i64> {
+    match value {
+        AMQPValue::ShortShortInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortShortUInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortUInt(v) => Some(i64::from(*v)),
+        AMQPValue::LongInt(v) => Some(i64::from(*v)),
+        AMQPValue::LongUInt(v) => Some(i64::from(*v)),
+        AMQPValue::LongLongInt(v) => Some(*v),
+        _ => None,
+    }
+}
+
+/// An Erlang string as `~p` prints it: double-quoted, `"` and `\` escaped.
+fn erlang_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for c in text.chars() {
+        if c == '"' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    out
+}
+
+fn unacceptable_type(argument: &str, value: &AMQPValue) -> ArgumentError {
+    ArgumentError::invalid_value(
+        argument,
+        format!("{{unacceptable_type,{}}}", erlang_type_name(value)),
+    )
+}
+
+/// RabbitMQ's `check_int_arg`.
+fn integer_argument(argument: &str, value: &AMQPValue) -> Result<i64, ArgumentError> {
+    amqp_integer(value).ok_or_else(|| {
+        ArgumentError::invalid_value(
+            argument,
+            erlang_string(&format!(
+                "expected integer, got {}",
+                erlang_type_name(value)
+            )),
+        )
+    })
+}
+
+/// RabbitMQ's `check_non_neg_int_arg`.
+fn non_negative_argument(argument: &str, value: &AMQPValue) -> Result<u64, ArgumentError> {
+    let n = integer_argument(argument, value)?;
+    u64::try_from(n)
+        .map_err(|_| ArgumentError::invalid_value(argument, format!("{{value_negative,{n}}}")))
+}
+
+/// RabbitMQ's `rabbit_misc:check_expiry`: 0..=[`MAX_EXPIRY_MS`].
+fn expiry_value(argument: &str, n: i64) -> Result<u64, ArgumentError> {
+    match u64::try_from(n) {
+        Ok(v) if v > MAX_EXPIRY_MS => Err(ArgumentError::invalid_value(
+            argument,
+            format!("{{value_too_big,{n}}}"),
+        )),
+        Ok(v) => Ok(v),
+        Err(_) => Err(ArgumentError::invalid_value(
+            argument,
+            format!("{{value_negative,{n}}}"),
+        )),
+    }
+}
+
+/// A longstr argument as UTF-8 text (names in this service are UTF-8 shortstrs).
+fn text_argument(argument: &str, bytes: &[u8]) -> Result<String, ArgumentError> {
+    String::from_utf8(bytes.to_vec()).map_err(|_| {
+        ArgumentError::invalid_value(argument, erlang_string("expected a UTF-8 string"))
+    })
+}
+
+/// Validate a `queue.declare`'s x-arguments the way RabbitMQ 3.10 does.
+pub fn parse_queue_arguments(args: &FieldTable) -> Result<QueueArguments, ArgumentError> {
+    let table = args.inner();
+    let mut parsed = QueueArguments::default();
+
+    // 1. rabbit_channel checks the dead-letter exchange's type before the queue code runs.
+    if let Some(value) = table.get(ARG_DEAD_LETTER_EXCHANGE) {
+        match value {
+            AMQPValue::LongString(name) => {
+                parsed.dead_letter_exchange =
+                    Some(text_argument(ARG_DEAD_LETTER_EXCHANGE, name.as_bytes())?);
+            }
+            other => {
+                return Err(ArgumentError {
+                    argument: ARG_DEAD_LETTER_EXCHANGE.to_string(),
+                    detail: erlang_type_name(other).to_string(),
+                    kind: ArgumentErrorKind::InvalidType,
+                });
+            }
+        }
+    }
+
+    // 2. The queue type decides which other arguments are accepted.
+    if let Some(value) = table.get(ARG_QUEUE_TYPE) {
+        parsed.queue_type = match value {
+            AMQPValue::LongString(name) => match name.as_bytes() {
+                b"classic" => QueueType::Classic,
+                b"quorum" => QueueType::Quorum,
+                b"stream" => {
+                    return Err(ArgumentError::invalid_value(
+                        ARG_QUEUE_TYPE,
+                        erlang_string("stream queues are not supported"),
+                    ));
+                }
+                other => {
+                    return Err(ArgumentError::invalid_value(
+                        ARG_QUEUE_TYPE,
+                        erlang_string(&format!(
+                            "unsupported queue type '{}'",
+                            String::from_utf8_lossy(other)
+                        )),
+                    ));
+                }
+            },
+            other => return Err(unacceptable_type(ARG_QUEUE_TYPE, other)),
+        };
+    }
+
+    // 3. Values, in RabbitMQ's declare_args order.
+    if let Some(value) = table.get(ARG_EXPIRES) {
+        let n = integer_argument(ARG_EXPIRES, value)?;
+        if n == 0 {
+            return Err(ArgumentError::invalid_value(
+                ARG_EXPIRES,
+                "{value_zero,0}".to_string(),
+            ));
+        }
+        parsed.expires = Some(expiry_value(ARG_EXPIRES, n)?);
+    }
+    if let Some(value) = table.get(ARG_MESSAGE_TTL) {
+        let n = integer_argument(ARG_MESSAGE_TTL, value)?;
+        parsed.message_ttl = Some(expiry_value(ARG_MESSAGE_TTL, n)?);
+    }
+    if let Some(value) = table.get(ARG_DEAD_LETTER_ROUTING_KEY) {
+        match value {
+            AMQPValue::LongString(key) => {
+                if parsed.dead_letter_exchange.is_none() {
+                    return Err(ArgumentError::invalid_value(
+                        ARG_DEAD_LETTER_ROUTING_KEY,
+                        "routing_key_but_no_dlx_defined".to_string(),
+                    ));
+                }
+                parsed.dead_letter_routing_key =
+                    Some(text_argument(ARG_DEAD_LETTER_ROUTING_KEY, key.as_bytes())?);
+            }
+            other => return Err(unacceptable_type(ARG_DEAD_LETTER_ROUTING_KEY, other)),
+        }
+    }
+    if parsed.queue_type == QueueType::Quorum
+        && let Some(value) = table.get(ARG_DEAD_LETTER_STRATEGY)
+    {
+        match value {
+            AMQPValue::LongString(strategy) => {
+                let strategy = std::str::from_utf8(strategy.as_bytes())
+                    .ok()
+                    .and_then(|s| s.parse::<DeadLetterStrategy>().ok())
+                    .ok_or_else(|| {
+                        ArgumentError::invalid_value(
+                            ARG_DEAD_LETTER_STRATEGY,
+                            "invalid_dlx_strategy".to_string(),
+                        )
+                    })?;
+                parsed.dead_letter_strategy = Some(strategy);
+            }
+            other => return Err(unacceptable_type(ARG_DEAD_LETTER_STRATEGY, other)),
+        }
+    }
+    if let Some(value) = table.get(ARG_MAX_LENGTH) {
+        parsed.max_length = Some(non_negative_argument(ARG_MAX_LENGTH, value)?);
+    }
+    if let Some(value) = table.get(ARG_MAX_LENGTH_BYTES) {
+        parsed.max_length_bytes = Some(non_negative_argument(ARG_MAX_LENGTH_BYTES, value)?);
+    }
+    if let Some(value) = table.get(ARG_OVERFLOW) {
+        match value {
+            AMQPValue::LongString(mode) => {
+                let mode = std::str::from_utf8(mode.as_bytes())
+                    .ok()
+                    .and_then(|s| s.parse::<Overflow>().ok())
+                    .ok_or_else(|| {
+                        ArgumentError::invalid_value(ARG_OVERFLOW, "invalid_overflow".to_string())
+                    })?;
+                parsed.overflow = Some(mode);
+            }
+            other => return Err(unacceptable_type(ARG_OVERFLOW, other)),
+        }
+    }
+    // Our extension: a delivery limit on every queue type.
+    if let Some(value) = table.get(ARG_DELIVERY_LIMIT) {
+        parsed.delivery_limit = Some(non_negative_argument(ARG_DELIVERY_LIMIT, value)?);
+    }
+
+    // 4. Arguments the queue type does not take.
+    if parsed.queue_type == QueueType::Classic && table.contains_key(ARG_DEAD_LETTER_STRATEGY) {
+        return Err(ArgumentError {
+            argument: ARG_DEAD_LETTER_STRATEGY.to_string(),
+            detail: QueueType::Classic.rabbit_module().to_string(),
+            kind: ArgumentErrorKind::UnsupportedByQueueType,
+        });
+    }
+
+    Ok(parsed)
+}
+
+/// A per-message `expiration` property RabbitMQ refuses (channel error 406).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid expiration '{expiration}': {detail}")]
+pub struct ExpirationError {
+    /// The property as sent.
+    pub expiration: String,
+    /// RabbitMQ's reason: `no_integer`, `{leftover_string," "}`, `{value_negative,-5}`,
+    /// `{value_too_big,N}`.
+    pub detail: String,
+}
+
+impl ExpirationError {
+    /// The full channel.close reply text: `PRECONDITION_FAILED - invalid expiration '...': ...`.
+    pub fn reply_text(&self) -> String {
+        format!("PRECONDITION_FAILED - {self}")
+    }
+}
+
+/// Parse a per-message `expiration` (milliseconds) as RabbitMQ does with Erlang's
+/// `string:to_integer`: an optional sign, ASCII digits and nothing else, then
+/// 0..=[`MAX_EXPIRY_MS`]. So `"+5"` and `"-0"` are accepted like RabbitMQ accepts them;
+/// `""`, `" 5"`, `"5 "`, `"-5"` and `"1.5"` are refused.
+pub fn parse_expiration(expiration: &str) -> Result<u64, ExpirationError> {
+    let error = |detail: String| ExpirationError {
+        expiration: expiration.to_string(),
+        detail,
+    };
+    let (negative, unsigned) = match expiration.as_bytes().first() {
+        Some(b'+') => (false, &expiration[1..]),
+        Some(b'-') => (true, &expiration[1..]),
+        _ => (false, expiration),
+    };
+    let digits_end = unsigned
+        .bytes()
+        .position(|b| !b.is_ascii_digit())
+        .unwrap_or(unsigned.len());
+    if digits_end == 0 {
+        return Err(error("no_integer".to_string()));
+    }
+    let (digits, rest) = unsigned.split_at(digits_end);
+    if !rest.is_empty() {
+        return Err(error(format!(
+            "{{leftover_string,{}}}",
+            erlang_string(rest)
+        )));
+    }
+    let magnitude = digits.trim_start_matches('0');
+    let shown = if magnitude.is_empty() { "0" } else { magnitude };
+    // A digit string too long for u64 is certainly above the limit.
+    let value = magnitude
+        .parse::<u64>()
+        .unwrap_or(if magnitude.is_empty() { 0 } else { u64::MAX });
+    if negative && value != 0 {
+        return Err(error(format!("{{value_negative,-{shown}}}")));
+    }
+    if value > MAX_EXPIRY_MS {
+        return Err(error(format!("{{value_too_big,{shown}}}")));
+    }
+    Ok(value)
+}
+
+/// An Erlang term as `~tp` prints a table value (used in equivalence errors).
+fn erlang_term(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::Boolean(b) => b.to_string(),
+        AMQPValue::Float(f) => erlang_float(f64::from(*f)),
+        AMQPValue::Double(f) => erlang_float(*f),
+        AMQPValue::DecimalValue(d) => format!("{{{},{}}}", d.scale, d.value),
+        AMQPValue::ShortString(s) => format!("<<\"{}\">>", s.as_str()),
+        AMQPValue::LongString(s) => format!("<<\"{}\">>", String::from_utf8_lossy(s.as_bytes())),
+        AMQPValue::ByteArray(b) => format!("<<\"{}\">>", String::from_utf8_lossy(b.as_slice())),
+        AMQPValue::Timestamp(t) => t.to_string(),
+        AMQPValue::Void => "undefined".to_string(),
+        AMQPValue::FieldArray(items) => {
+            let inner: Vec<String> = items
+                .as_slice()
+                .iter()
+                .map(|v| format!("{{{},{}}}", erlang_type_name(v), erlang_term(v)))
+                .collect();
+            format!("[{}]", inner.join(","))
+        }
+        AMQPValue::FieldTable(fields) => {
+            let inner: Vec<String> = fields
+                .inner()
+                .iter()
+                .map(|(k, v)| {
+                    format!(
+                        "{{<<\"{}\">>,{},{}}}",
+                        k.as_str(),
+                        erlang_type_name(v),
+                        erlang_term(v)
+                    )
+                })
+                .collect();
+            format!("[{}]", inner.join(","))
+        }
+        other => amqp_integer(other)
+            .map(|n| n.to_string())
+            .unwrap_or_default(),
+    }
+}
+
+fn erlang_float(f: f64) -> String {
+    let mut text = format!("{f}");
+    if f.is_finite() && !text.contains('.') && !text.contains('e') {
+        text.push_str(".0");
+    }
+    text
+}
+
+/// RabbitMQ's `val/1` for one side of a presence mismatch.
+fn describe_presence(value: Option<&AMQPValue>) -> String {
+    match value {
+        None => "none".to_string(),
+        Some(v) => {
+            let shown = match v {
+                AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+                other => erlang_term(other),
+            };
+            format!("the value '{}' of type '{}'", shown, erlang_type_name(v))
+        }
+    }
+}
+
+/// RabbitMQ's `val/1` for one side of a value mismatch.
+fn describe_value(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::LongString(s) => format!("'{}'", String::from_utf8_lossy(s.as_bytes())),
+        other => format!("'{}'", erlang_term(other)),
+    }
+}
+
+#[derive(PartialEq)]
+enum TypeClass {
+    Integer,
+    Float,
+    Other(&'static str),
+}
+
+fn type_class(value: &AMQPValue) -> TypeClass {
+    match value {
+        AMQPValue::Float(_) | AMQPValue::Double(_) => TypeClass::Float,
+        v if amqp_integer(v).is_some() => TypeClass::Integer,
+        v => TypeClass::Other(erlang_type_name(v)),
+    }
+}
+
+/// Equal values where integers of any width compare by value, and float equals double.
+fn equivalent_values(existing: &AMQPValue, requested: &AMQPValue) -> bool {
+    if existing == requested {
+        return true;
+    }
+    if type_class(existing) != type_class(requested) {
+        return false;
+    }
+    match (existing, requested) {
+        (a, b) if amqp_integer(a).is_some() => amqp_integer(a) == amqp_integer(b),
+        (a, b) => float_value(a).is_some() && float_value(a) == float_value(b),
+    }
+}
+
+fn float_value(value: &AMQPValue) -> Option<f64> {
+    match value {
+        AMQPValue::Float(f) => Some(f64::from(*f)),
+        AMQPValue::Double(f) => Some(*f),
+        _ => None,
+    }
+}
+
+/// RabbitMQ's redeclare check over [`EQUIVALENCE_ARGUMENTS`]: each must be present in both or
+/// in neither, with equal values (an int32 5 equals an int64 5). Other x-arguments are not
+/// compared. An absent `x-queue-type` counts as `"classic"` (as in RabbitMQ 3.11+; 3.10
+/// refused that redeclare).
+///
+/// `Err` holds the reply text after `PRECONDITION_FAILED - `, e.g. `inequivalent arg
+/// 'x-dead-letter-exchange' for queue 'q' in vhost '/': received none but current is the
+/// value 'dlx' of type 'longstr'`.
+pub fn check_equivalent(
+    existing: &FieldTable,
+    requested: &FieldTable,
+    queue: &str,
+    vhost: &str,
+) -> Result<(), String> {
+    let classic = AMQPValue::LongString(QueueType::Classic.as_str().into());
+    for key in EQUIVALENCE_ARGUMENTS {
+        let mut current = existing.inner().get(key);
+        let mut received = requested.inner().get(key);
+        if key == ARG_QUEUE_TYPE {
+            current = current.or(Some(&classic));
+            received = received.or(Some(&classic));
+        }
+        let mut text = String::new();
+        match (current, received) {
+            (None, None) => continue,
+            (Some(c), Some(r)) if equivalent_values(c, r) => continue,
+            (Some(c), Some(r)) => {
+                let _ = write!(
+                    text,
+                    "received {} but current is {}",
+                    describe_value(r),
+                    describe_value(c)
+                );
+            }
+            (c, r) => {
+                let _ = write!(
+                    text,
+                    "received {} but current is {}",
+                    describe_presence(r),
+                    describe_presence(c)
+                );
+            }
+        }
+        return Err(format!(
+            "inequivalent arg '{key}' for queue '{queue}' in vhost '{vhost}': {text}"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use amq_protocol::types::{DecimalValue, FieldArray, LongString, ShortString};
+
+    fn table(entries: &[(&str, AMQPValue)]) -> FieldTable {
+        let mut t = FieldTable::default();
+        for (k, v) in entries {
+            t.insert(ShortString::from(*k), v.clone());
+        }
+        t
+    }
+
+    fn s(text: &str) -> AMQPValue {
+        AMQPValue::LongString(LongString::from(text))
+    }
+
+    fn err_text(entries: &[(&str, AMQPValue)]) -> String {
+        parse_queue_arguments(&table(entries))
+            .unwrap_err()
+            .reply_text("q", "/")
+    }
+
+    #[test]
+    fn empty_arguments_are_classic_with_nothing_set() {
+        let parsed = parse_queue_arguments(&FieldTable::default()).unwrap();
+        assert_eq!(parsed, QueueArguments::default());
+        assert_eq!(parsed.queue_type, QueueType::Classic);
+    }
+
+    #[test]
+    fn full_set_of_arguments_is_parsed() {
+        let parsed = parse_queue_arguments(&table(&[
+            ("x-dead-letter-exchange", s("dlx")),
+            ("x-dead-letter-routing-key", s("dlk")),
+            ("x-message-ttl", AMQPValue::LongInt(1000)),
+            ("x-expires", AMQPValue::LongLongInt(60_000)),
+            ("x-max-length", AMQPValue::ShortInt(10)),
+            ("x-max-length-bytes", AMQPValue::LongUInt(4096)),
+            ("x-overflow", s("reject-publish-dlx")),
+            ("x-delivery-limit", AMQPValue::ShortShortUInt(3)),
+            ("x-queue-type", s("classic")),
+        ]))
+        .unwrap();
+        assert_eq!(
+            parsed,
+            QueueArguments {
+                queue_type: QueueType::Classic,
+                dead_letter_exchange: Some("dlx".into()),
+                dead_letter_routing_key: Some("dlk".into()),
+                dead_letter_strategy: None,
+                message_ttl: Some(1000),
+                expires: Some(60_000),
+                max_length: Some(10),
+                max_length_bytes: Some(4096),
+                overflow: Some(Overflow::RejectPublishDlx),
+                delivery_limit: Some(3),
+            }
+        );
+    }
+
+    #[test]
+    fn every_integer_width_is_accepted() {
+        let values = [
+            AMQPValue::ShortShortInt(7),
+            AMQPValue::ShortShortUInt(7),
+            AMQPValue::ShortInt(7),
+            AMQPValue::ShortUInt(7),
+            AMQPValue::LongInt(7),
+            AMQPValue::LongUInt(7),
+            AMQPValue::LongLongInt(7),
+        ];
+        for v in values {
+            let parsed = parse_queue_arguments(&table(&[("x-message-ttl", v.clone())])).unwrap();
+            assert_eq!(parsed.message_ttl, Some(7), "{v:?}");
+        }
+    }
+
+    #[test]
+    fn message_ttl_bounds() {
+        let ok = |n: i64| {
+            parse_queue_arguments(&table(&[("x-message-ttl", AMQPValue::LongLongInt(n))]))
+                .map(|a| a.message_ttl)
+        };
+        assert_eq!(ok(0), Ok(Some(0)));
+        assert_eq!(ok(1 << 32), Ok(Some(1 << 32)));
+        assert_eq!(ok(315_360_000_000), Ok(Some(315_360_000_000)));
+        assert_eq!(
+            err_text(&[("x-message-ttl", AMQPValue::LongLongInt(315_360_000_001))]),
+            "PRECONDITION_FAILED - invalid arg 'x-message-ttl' for queue 'q' in vhost '/': {value_too_big,315360000001}"
+        );
+        assert_eq!(
+            err_text(&[("x-message-ttl", AMQPValue::LongInt(-1))]),
+            "PRECONDITION_FAILED - invalid arg 'x-message-ttl' for queue 'q' in vhost '/': {value_negative,-1}"
+        );
+    }
+
+    #[test]
+    fn reference_texts_for_invalid_arguments() {
+        // Texts recorded from RabbitMQ 3.10.8 (conformance scenario declare_invalid_arguments).
+        let cases: Vec<(Vec<(&str, AMQPValue)>, &str)> = vec![
+            (
+                vec![("x-message-ttl", s("1000"))],
+                "invalid arg 'x-message-ttl' for queue 'q' in vhost '/': \"expected integer, got longstr\"",
+            ),
+            (
+                vec![("x-message-ttl", AMQPValue::LongInt(-1))],
+                "invalid arg 'x-message-ttl' for queue 'q' in vhost '/': {value_negative,-1}",
+            ),
+            (
+                vec![(
+                    "x-message-ttl",
+                    AMQPValue::DecimalValue(DecimalValue {
+                        scale: 1,
+                        value: 15,
+                    }),
+                )],
+                "invalid arg 'x-message-ttl' for queue 'q' in vhost '/': \"expected integer, got decimal\"",
+            ),
+            (
+                vec![("x-max-length", AMQPValue::LongInt(-1))],
+                "invalid arg 'x-max-length' for queue 'q' in vhost '/': {value_negative,-1}",
+            ),
+            (
+                vec![("x-max-length", s("10"))],
+                "invalid arg 'x-max-length' for queue 'q' in vhost '/': \"expected integer, got longstr\"",
+            ),
+            (
+                vec![("x-max-length-bytes", AMQPValue::LongInt(-1))],
+                "invalid arg 'x-max-length-bytes' for queue 'q' in vhost '/': {value_negative,-1}",
+            ),
+            (
+                vec![("x-overflow", s("bogus"))],
+                "invalid arg 'x-overflow' for queue 'q' in vhost '/': invalid_overflow",
+            ),
+            (
+                vec![("x-overflow", AMQPValue::LongInt(1))],
+                "invalid arg 'x-overflow' for queue 'q' in vhost '/': {unacceptable_type,signedint}",
+            ),
+            (
+                vec![("x-expires", AMQPValue::LongInt(0))],
+                "invalid arg 'x-expires' for queue 'q' in vhost '/': {value_zero,0}",
+            ),
+            (
+                vec![("x-expires", AMQPValue::LongInt(-5))],
+                "invalid arg 'x-expires' for queue 'q' in vhost '/': {value_negative,-5}",
+            ),
+            (
+                vec![("x-dead-letter-exchange", AMQPValue::LongInt(42))],
+                "invalid type 'signedint' for arg 'x-dead-letter-exchange' in queue 'q' in vhost '/'",
+            ),
+            (
+                vec![("x-dead-letter-routing-key", s("k"))],
+                "invalid arg 'x-dead-letter-routing-key' for queue 'q' in vhost '/': routing_key_but_no_dlx_defined",
+            ),
+            (
+                vec![
+                    ("x-dead-letter-exchange", s("dlx")),
+                    ("x-dead-letter-routing-key", AMQPValue::LongInt(42)),
+                ],
+                "invalid arg 'x-dead-letter-routing-key' for queue 'q' in vhost '/': {unacceptable_type,signedint}",
+            ),
+            (
+                vec![("x-queue-type", s("bogus"))],
+                "invalid arg 'x-queue-type' for queue 'q' in vhost '/': \"unsupported queue type 'bogus'\"",
+            ),
+            (
+                vec![("x-dead-letter-strategy", s("at-least-once"))],
+                "invalid arg 'x-dead-letter-strategy' for queue 'q' in vhost '/' of queue type rabbit_classic_queue",
+            ),
+            (
+                vec![
+                    ("x-queue-type", s("quorum")),
+                    ("x-dead-letter-strategy", s("exactly-once")),
+                ],
+                "invalid arg 'x-dead-letter-strategy' for queue 'q' in vhost '/': invalid_dlx_strategy",
+            ),
+            (
+                vec![
+                    ("x-queue-type", s("quorum")),
+                    ("x-dead-letter-strategy", AMQPValue::Boolean(true)),
+                ],
+                "invalid arg 'x-dead-letter-strategy' for queue 'q' in vhost '/': {unacceptable_type,bool}",
+            ),
+            (
+                vec![("x-queue-type", AMQPValue::LongInt(1))],
+                "invalid arg 'x-queue-type' for queue 'q' in vhost '/': {unacceptable_type,signedint}",
+            ),
+            (
+                vec![("x-max-length", AMQPValue::Double(1.5))],
+                "invalid arg 'x-max-length' for queue 'q' in vhost '/': \"expected integer, got double\"",
+            ),
+            (
+                vec![("x-expires", AMQPValue::Float(1.5))],
+                "invalid arg 'x-expires' for queue 'q' in vhost '/': \"expected integer, got float\"",
+            ),
+            (
+                vec![("x-message-ttl", AMQPValue::Timestamp(5))],
+                "invalid arg 'x-message-ttl' for queue 'q' in vhost '/': \"expected integer, got timestamp\"",
+            ),
+            (
+                vec![("x-delivery-limit", AMQPValue::LongInt(-1))],
+                "invalid arg 'x-delivery-limit' for queue 'q' in vhost '/': {value_negative,-1}",
+            ),
+        ];
+        for (args, expected) in cases {
+            assert_eq!(
+                err_text(&args),
+                format!("PRECONDITION_FAILED - {expected}"),
+                "{args:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn accepted_edge_values() {
+        // From the same recording: these declares succeed.
+        let dlx_default =
+            parse_queue_arguments(&table(&[("x-dead-letter-exchange", s(""))])).unwrap();
+        assert_eq!(dlx_default.dead_letter_exchange.as_deref(), Some(""));
+        let zero_len =
+            parse_queue_arguments(&table(&[("x-max-length", AMQPValue::LongInt(0))])).unwrap();
+        assert_eq!(zero_len.max_length, Some(0));
+        let zero_bytes =
+            parse_queue_arguments(&table(&[("x-max-length-bytes", AMQPValue::LongInt(0))]))
+                .unwrap();
+        assert_eq!(zero_bytes.max_length_bytes, Some(0));
+        let limit_on_classic =
+            parse_queue_arguments(&table(&[("x-delivery-limit", AMQPValue::LongInt(5))])).unwrap();
+        assert_eq!(limit_on_classic.delivery_limit, Some(5));
+        let expires_one =
+            parse_queue_arguments(&table(&[("x-expires", AMQPValue::LongInt(1))])).unwrap();
+        assert_eq!(expires_one.expires, Some(1));
+    }
+
+    #[test]
+    fn stream_queues_are_refused_with_a_clear_detail() {
+        assert_eq!(
+            err_text(&[("x-queue-type", s("stream"))]),
+            "PRECONDITION_FAILED - invalid arg 'x-queue-type' for queue 'q' in vhost '/': \"stream queues are not supported\""
+        );
+    }
+
+    #[test]
+    fn quorum_queue_with_strategy() {
+        let parsed = parse_queue_arguments(&table(&[
+            ("x-queue-type", s("quorum")),
+            ("x-dead-letter-exchange", s("dlx")),
+            ("x-dead-letter-strategy", s("at-least-once")),
+            ("x-overflow", s("reject-publish")),
+        ]))
+        .unwrap();
+        assert_eq!(parsed.queue_type, QueueType::Quorum);
+        assert_eq!(
+            parsed.dead_letter_strategy,
+            Some(DeadLetterStrategy::AtLeastOnce)
+        );
+        assert_eq!(parsed.overflow, Some(Overflow::RejectPublish));
+        // RabbitMQ accepts a strategy without a DLX on quorum queues (with a warning).
+        let no_dlx = parse_queue_arguments(&table(&[
+            ("x-queue-type", s("quorum")),
+            ("x-dead-letter-strategy", s("at-most-once")),
+        ]))
+        .unwrap();
+        assert_eq!(
+            no_dlx.dead_letter_strategy,
+            Some(DeadLetterStrategy::AtMostOnce)
+        );
+    }
+
+    #[test]
+    fn classic_strategy_error_comes_after_value_errors() {
+        // RabbitMQ validates values before refusing arguments of another queue type.
+        let err = parse_queue_arguments(&table(&[
+            ("x-dead-letter-strategy", s("at-least-once")),
+            ("x-message-ttl", AMQPValue::LongInt(-1)),
+        ]))
+        .unwrap_err();
+        assert_eq!(err.argument, "x-message-ttl");
+    }
+
+    #[test]
+    fn dlx_type_is_checked_before_everything_else() {
+        let err = parse_queue_arguments(&table(&[
+            ("x-dead-letter-exchange", AMQPValue::LongInt(1)),
+            ("x-queue-type", s("bogus")),
+            ("x-message-ttl", AMQPValue::LongInt(-1)),
+        ]))
+        .unwrap_err();
+        assert_eq!(err.kind, ArgumentErrorKind::InvalidType);
+        assert_eq!(err.argument, "x-dead-letter-exchange");
+        assert_eq!(err.detail, "signedint");
+    }
+
+    #[test]
+    fn unknown_arguments_are_ignored() {
+        let parsed = parse_queue_arguments(&table(&[
+            ("x-something-else", AMQPValue::Boolean(true)),
+            ("x-max-priority", AMQPValue::LongInt(10)),
+            ("plain", s("x")),
+        ]))
+        .unwrap();
+        assert_eq!(parsed, QueueArguments::default());
+    }
+
+    #[test]
+    fn display_names_the_argument() {
+        let err = parse_queue_arguments(&table(&[("x-message-ttl", AMQPValue::LongInt(-1))]))
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid arg 'x-message-ttl': {value_negative,-1}"
+        );
+        assert_eq!(err.reply_code(), 406);
+    }
+
+    #[test]
+    fn overflow_and_strategy_round_trip() {
+        for o in [
+            Overflow::DropHead,
+            Overflow::RejectPublish,
+            Overflow::RejectPublishDlx,
+        ] {
+            assert_eq!(o.as_str().parse::<Overflow>(), Ok(o));
+        }
+        assert!("drop-tail".parse::<Overflow>().is_err());
+        for d in [
+            DeadLetterStrategy::AtMostOnce,
+            DeadLetterStrategy::AtLeastOnce,
+        ] {
+            assert_eq!(d.as_str().parse::<DeadLetterStrategy>(), Ok(d));
+        }
+        assert!("exactly-once".parse::<DeadLetterStrategy>().is_err());
+        assert_eq!(Overflow::default(), Overflow::DropHead);
+    }
+
+    #[test]
+    fn expiration_parsing() {
+        assert_eq!(parse_expiration("0"), Ok(0));
+        assert_eq!(parse_expiration("60000"), Ok(60_000));
+        assert_eq!(parse_expiration("4294967296"), Ok(4_294_967_296));
+        assert_eq!(parse_expiration("315360000000"), Ok(315_360_000_000));
+        assert_eq!(parse_expiration("007"), Ok(7));
+        // Erlang's string:to_integer takes a sign.
+        assert_eq!(parse_expiration("+5"), Ok(5));
+        assert_eq!(parse_expiration("-0"), Ok(0));
+        let detail = |e: &str| parse_expiration(e).unwrap_err().detail;
+        assert_eq!(detail(""), "no_integer");
+        assert_eq!(detail(" 5"), "no_integer");
+        assert_eq!(detail("+"), "no_integer");
+        assert_eq!(detail("abc"), "no_integer");
+        assert_eq!(detail("5 "), "{leftover_string,\" \"}");
+        assert_eq!(detail("1.5"), "{leftover_string,\".5\"}");
+        assert_eq!(detail("-5"), "{value_negative,-5}");
+        assert_eq!(detail("315360000001"), "{value_too_big,315360000001}");
+        assert_eq!(
+            detail("99999999999999999999999"),
+            "{value_too_big,99999999999999999999999}"
+        );
+        assert_eq!(
+            parse_expiration("5 ").unwrap_err().reply_text(),
+            "PRECONDITION_FAILED - invalid expiration '5 ': {leftover_string,\" \"}"
+        );
+    }
+
+    #[test]
+    fn equivalence_accepts_same_arguments_and_integer_widths() {
+        let existing = table(&[
+            ("x-dead-letter-exchange", s("dlx")),
+            ("x-message-ttl", AMQPValue::LongInt(1000)),
+        ]);
+        assert_eq!(check_equivalent(&existing, &existing, "q", "/"), Ok(()));
+        let wider = table(&[
+            ("x-dead-letter-exchange", s("dlx")),
+            ("x-message-ttl", AMQPValue::LongLongInt(1000)),
+        ]);
+        assert_eq!(check_equivalent(&existing, &wider, "q", "/"), Ok(()));
+        let unsigned = table(&[
+            ("x-dead-letter-exchange", s("dlx")),
+            ("x-message-ttl", AMQPValue::ShortUInt(1000)),
+            ("x-unrelated", AMQPValue::Boolean(true)),
+        ]);
+        assert_eq!(check_equivalent(&existing, &unsigned, "q", "/"), Ok(()));
+    }
+
+    #[test]
+    fn equivalence_reference_texts() {
+        // Texts recorded from RabbitMQ 3.10.8 (conformance scenario redeclare_different_dlx).
+        let current = table(&[
+            ("x-dead-letter-exchange", s("dlxA")),
+            ("x-message-ttl", AMQPValue::LongInt(1000)),
+        ]);
+        let check =
+            |requested: FieldTable| check_equivalent(&current, &requested, "src", "/").unwrap_err();
+        assert_eq!(
+            check(table(&[
+                ("x-dead-letter-exchange", s("dlxB")),
+                ("x-message-ttl", AMQPValue::LongInt(1000)),
+            ])),
+            "inequivalent arg 'x-dead-letter-exchange' for queue 'src' in vhost '/': received 'dlxB' but current is 'dlxA'"
+        );
+        assert_eq!(
+            check(table(&[("x-message-ttl", AMQPValue::LongInt(1000))])),
+            "inequivalent arg 'x-dead-letter-exchange' for queue 'src' in vhost '/': received none but current is the value 'dlxA' of type 'longstr'"
+        );
+        assert_eq!(
+            check(FieldTable::default()),
+            "inequivalent arg 'x-message-ttl' for queue 'src' in vhost '/': received none but current is the value '1000' of type 'signedint'"
+        );
+        assert_eq!(
+            check(table(&[
+                ("x-dead-letter-exchange", s("dlxA")),
+                ("x-dead-letter-routing-key", s("k")),
+                ("x-message-ttl", AMQPValue::LongInt(1000)),
+            ])),
+            "inequivalent arg 'x-dead-letter-routing-key' for queue 'src' in vhost '/': received the value 'k' of type 'longstr' but current is none"
+        );
+        assert_eq!(
+            check(table(&[
+                ("x-dead-letter-exchange", s("dlxA")),
+                ("x-message-ttl", AMQPValue::LongInt(2000)),
+            ])),
+            "inequivalent arg 'x-message-ttl' for queue 'src' in vhost '/': received '2000' but current is '1000'"
+        );
+    }
+
+    #[test]
+    fn equivalence_different_type_classes_differ() {
+        let current = table(&[("x-max-length", AMQPValue::LongInt(5))]);
+        let requested = table(&[("x-max-length", s("5"))]);
+        assert_eq!(
+            check_equivalent(&current, &requested, "q", "v").unwrap_err(),
+            "inequivalent arg 'x-max-length' for queue 'q' in vhost 'v': received '5' but current is '5'"
+        );
+        let float_current = table(&[("x-max-priority", AMQPValue::Float(1.5))]);
+        let double_requested = table(&[("x-max-priority", AMQPValue::Double(1.5))]);
+        assert_eq!(
+            check_equivalent(&float_current, &double_requested, "q", "/"),
+            Ok(())
+        );
+        let double_other = table(&[("x-max-priority", AMQPValue::Double(2.0))]);
+        assert_eq!(
+            check_equivalent(&float_current, &double_other, "q", "/").unwrap_err(),
+            "inequivalent arg 'x-max-priority' for queue 'q' in vhost '/': received '2.0' but current is '1.5'"
+        );
+    }
+
+    #[test]
+    fn equivalence_covers_every_listed_argument() {
+        for key in EQUIVALENCE_ARGUMENTS {
+            if key == ARG_QUEUE_TYPE {
+                continue;
+            }
+            let current = table(&[(key, AMQPValue::LongInt(1))]);
+            let err = check_equivalent(&current, &FieldTable::default(), "q", "/").unwrap_err();
+            assert!(
+                err.starts_with(&format!("inequivalent arg '{key}'")),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn equivalence_queue_type_absent_means_classic() {
+        let none = FieldTable::default();
+        let classic = table(&[("x-queue-type", s("classic"))]);
+        let quorum = table(&[("x-queue-type", s("quorum"))]);
+        assert_eq!(check_equivalent(&none, &classic, "q", "/"), Ok(()));
+        assert_eq!(check_equivalent(&classic, &none, "q", "/"), Ok(()));
+        assert_eq!(
+            check_equivalent(&none, &quorum, "q", "/").unwrap_err(),
+            "inequivalent arg 'x-queue-type' for queue 'q' in vhost '/': received 'quorum' but current is 'classic'"
+        );
+    }
+
+    #[test]
+    fn equivalence_nested_values_print_as_erlang_terms() {
+        let current = table(&[(
+            "x-overflow",
+            AMQPValue::FieldArray(FieldArray::from(vec![s("a")])),
+        )]);
+        let err = check_equivalent(&current, &FieldTable::default(), "q", "/").unwrap_err();
+        assert_eq!(
+            err,
+            "inequivalent arg 'x-overflow' for queue 'q' in vhost '/': received none but current is the value '[{longstr,<<\"a\">>}]' of type 'array'"
+        );
+    }
+}
