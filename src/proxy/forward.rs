@@ -115,7 +115,7 @@ impl Session {
         match frame.kind {
             FRAME_METHOD => self.client_method(frame),
             FRAME_HEADER | FRAME_BODY => self.client_content(frame),
-            _ => self.to_upstream(frame.raw),
+            _ => self.send_upstream(frame.raw),
         }
     }
 
@@ -126,7 +126,7 @@ impl Session {
         match frame.method_ids() {
             CONNECTION_CLOSE_OK => {
                 if forward_ok {
-                    self.to_upstream(frame.raw);
+                    self.send_upstream(frame.raw);
                     self.upstream_side = Side::Closed;
                 }
                 self.client_side = Side::Closed;
@@ -145,7 +145,7 @@ impl Session {
 
     fn client_handshake_frame(&mut self, frame: WireFrame) {
         if frame.channel != 0 || frame.kind != FRAME_METHOD {
-            self.to_upstream(frame.raw);
+            self.send_upstream(frame.raw);
             return;
         }
         match frame.method_ids() {
@@ -175,7 +175,7 @@ impl Session {
                 let now = Instant::now();
                 self.last_client_rx = now;
                 self.last_upstream_rx = now;
-                self.to_upstream(method_frame(
+                self.send_upstream(method_frame(
                     0,
                     AMQPClass::Connection(connection::AMQPMethod::TuneOk(to_upstream)),
                 ));
@@ -186,10 +186,10 @@ impl Session {
                 {
                     self.vhost = open.virtual_host.as_str().to_string();
                 }
-                self.to_upstream(frame.raw);
+                self.send_upstream(frame.raw);
             }
             CONNECTION_CLOSE => self.forward_client_connection_close(frame.raw),
-            _ => self.to_upstream(frame.raw),
+            _ => self.send_upstream(frame.raw),
         }
     }
 
@@ -202,12 +202,12 @@ impl Session {
             }
             return;
         }
-        self.to_upstream(frame.raw);
+        self.send_upstream(frame.raw);
     }
 
     /// Passes the client's connection.close on; the upstream's close-ok ends the connection.
     pub(super) fn forward_client_connection_close(&mut self, raw: Bytes) {
-        self.to_upstream(raw);
+        self.send_upstream(raw);
         let deadline = Instant::now() + CLOSE_GRACE;
         self.upstream_side = Side::Closing {
             deadline,
@@ -226,7 +226,7 @@ impl Session {
         match frame.method_ids() {
             CHANNEL_CLOSE_OK => self.remove_channel(frame.channel),
             CHANNEL_CLOSE => {
-                self.to_client(channel_close_ok(frame.channel));
+                self.send_client(channel_close_ok(frame.channel));
                 self.remove_channel(frame.channel);
             }
             _ => {}
@@ -264,7 +264,7 @@ impl Session {
                 }
             }
         }
-        self.to_upstream(frame.raw);
+        self.send_upstream(frame.raw);
         if finished {
             self.flush_deferred_upstream(channel);
         }
@@ -277,7 +277,7 @@ impl Session {
             _ => return,
         };
         for bytes in deferred {
-            self.to_upstream(bytes);
+            self.send_upstream(bytes);
         }
     }
 
@@ -290,7 +290,7 @@ impl Session {
                     ch.outgoing = Some(OutgoingContent::AwaitingHeader);
                 }
                 self.shared.metrics.published(1);
-                self.to_upstream(frame.raw);
+                self.send_upstream(frame.raw);
             }
             BASIC_ACK | BASIC_REJECT | BASIC_NACK => {
                 let settle = match decode_method(&frame.payload) {
@@ -320,12 +320,12 @@ impl Session {
                 } else {
                     self.shared.metrics.channel_opened();
                 }
-                self.to_upstream(frame.raw);
+                self.send_upstream(frame.raw);
             }
             CHANNEL_CLOSE => self.client_channel_close(frame),
             CHANNEL_CLOSE_OK => {
                 // Answers the upstream's channel.close.
-                self.to_upstream(frame.raw);
+                self.send_upstream(frame.raw);
                 self.remove_channel(channel);
             }
             QUEUE_DECLARE => self.client_queue_declare(frame),
@@ -339,7 +339,7 @@ impl Session {
                     };
                     self.shared.queues.forget(&self.vhost, &name);
                 }
-                self.to_upstream(frame.raw);
+                self.send_upstream(frame.raw);
             }
             BASIC_CONSUME => {
                 match decode_method(&frame.payload) {
@@ -362,7 +362,7 @@ impl Session {
                         return;
                     }
                 }
-                self.to_upstream(frame.raw);
+                self.send_upstream(frame.raw);
             }
             BASIC_GET => {
                 match decode_method(&frame.payload) {
@@ -380,7 +380,7 @@ impl Session {
                         return;
                     }
                 }
-                self.to_upstream(frame.raw);
+                self.send_upstream(frame.raw);
             }
             BASIC_RECOVER | BASIC_RECOVER_ASYNC => {
                 // Every unacked delivery of the channel goes back: forget them, and let the
@@ -403,15 +403,15 @@ impl Session {
                         );
                     }
                 }
-                self.to_upstream(frame.raw);
+                self.send_upstream(frame.raw);
             }
             TX_SELECT => {
                 if let Some(ch) = self.channels.get_mut(&channel) {
                     ch.transactional = true;
                 }
-                self.to_upstream(frame.raw);
+                self.send_upstream(frame.raw);
             }
-            _ => self.to_upstream(frame.raw),
+            _ => self.send_upstream(frame.raw),
         }
     }
 
@@ -427,14 +427,14 @@ impl Session {
     fn client_channel_close(&mut self, frame: WireFrame) {
         let channel = frame.channel;
         let Some(ch) = self.channels.get_mut(&channel) else {
-            self.to_upstream(frame.raw);
+            self.send_upstream(frame.raw);
             return;
         };
         match ch.phase {
             ChannelPhase::ClosingByUpstream => {
                 // Both closed at once: the client gets its close-ok here and still answers the
                 // upstream's close itself.
-                self.to_client(channel_close_ok(channel));
+                self.send_client(channel_close_ok(channel));
             }
             _ => {
                 ch.phase = ChannelPhase::ClosingByClient;
@@ -479,7 +479,7 @@ impl Session {
                     && frame.method_ids() == CONNECTION_CLOSE_OK
                 {
                     if forward_ok {
-                        self.to_client(frame.raw);
+                        self.send_client(frame.raw);
                         self.client_side = Side::Closed;
                     }
                     self.upstream_side = Side::Closed;
@@ -487,7 +487,7 @@ impl Session {
                     && frame.kind == FRAME_METHOD
                     && frame.method_ids() == CONNECTION_CLOSE
                 {
-                    self.to_upstream(method_frame(
+                    self.send_upstream(method_frame(
                         0,
                         AMQPClass::Connection(connection::AMQPMethod::CloseOk(
                             connection::CloseOk {},
@@ -510,13 +510,13 @@ impl Session {
         match frame.kind {
             FRAME_METHOD => self.upstream_method(frame),
             FRAME_HEADER | FRAME_BODY => self.upstream_content(frame),
-            _ => self.to_client(frame.raw),
+            _ => self.send_client(frame.raw),
         }
     }
 
     fn upstream_connection_frame(&mut self, frame: WireFrame) {
         if frame.kind != FRAME_METHOD {
-            self.to_client(frame.raw);
+            self.send_client(frame.raw);
             return;
         }
         match frame.method_ids() {
@@ -529,20 +529,20 @@ impl Session {
                 };
                 let offered = tune_for_client(&tune);
                 self.upstream_tune = Some(tune);
-                self.to_client(method_frame(
+                self.send_client(method_frame(
                     0,
                     AMQPClass::Connection(connection::AMQPMethod::Tune(offered)),
                 ));
             }
             CONNECTION_OPEN_OK if !self.running => {
-                self.to_client(frame.raw);
+                self.send_client(frame.raw);
                 self.running = true;
                 self.start_proxy_channels();
             }
             CONNECTION_CLOSE => {
                 // Forwarded as is (e.g. 320 from the broker, 403 on a failed login); the
                 // client's close-ok goes back upstream.
-                self.to_client(frame.raw);
+                self.send_client(frame.raw);
                 let deadline = Instant::now() + CLOSE_GRACE;
                 self.client_side = Side::Closing {
                     deadline,
@@ -554,7 +554,7 @@ impl Session {
                 };
                 self.abandon_all_ops();
             }
-            _ => self.to_client(frame.raw),
+            _ => self.send_client(frame.raw),
         }
     }
 
@@ -568,12 +568,12 @@ impl Session {
         }
         if let Some(channel) = agreed.publisher_channel {
             let publisher = Publisher::new(channel, self.frame_max, self.shared.confirm_timeout);
-            self.to_upstream(publisher.open_frames());
+            self.send_upstream(publisher.open_frames());
             self.publisher = Some(publisher);
         }
         if let Some(channel) = agreed.capture_channel {
             let capture = CaptureConsumer::new(channel, &self.shared.capture_name);
-            self.to_upstream(capture.start_frames());
+            self.send_upstream(capture.start_frames());
             self.capture = Some(capture);
         } else {
             tracing::warn!(
@@ -589,7 +589,7 @@ impl Session {
         };
         let step = publisher.on_frame(&frame);
         if let Some(write) = step.write {
-            self.to_upstream(write);
+            self.send_upstream(write);
         }
         for settled in step.settled {
             self.complete_op(settled.op, settled.outcome);
@@ -602,7 +602,7 @@ impl Session {
         };
         let step = capture.on_frame(&frame);
         if let Some(write) = step.write {
-            self.to_upstream(write);
+            self.send_upstream(write);
         }
         if let Some(message) = step.message {
             self.on_captured(message);
@@ -615,7 +615,7 @@ impl Session {
             match frame.method_ids() {
                 CHANNEL_CLOSE_OK | CHANNEL_CLOSE => {
                     if frame.method_ids() == CHANNEL_CLOSE {
-                        self.to_upstream(channel_close_ok(channel));
+                        self.send_upstream(channel_close_ok(channel));
                     }
                     if let Some(left) = self.upstream_drain.get_mut(&channel) {
                         *left = left.saturating_sub(1);
@@ -647,7 +647,7 @@ impl Session {
                 let Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(deliver))) =
                     decode_method(&frame.payload)
                 else {
-                    self.to_client(frame.raw);
+                    self.send_client(frame.raw);
                     return;
                 };
                 self.shared.metrics.delivered(1);
@@ -666,13 +666,13 @@ impl Session {
                     })
                 });
                 self.start_incoming(channel, keep);
-                self.to_client(frame.raw);
+                self.send_client(frame.raw);
             }
             BASIC_GET_OK => {
                 let Some(AMQPClass::Basic(basic::AMQPMethod::GetOk(get_ok))) =
                     decode_method(&frame.payload)
                 else {
-                    self.to_client(frame.raw);
+                    self.send_client(frame.raw);
                     return;
                 };
                 self.shared.metrics.delivered(1);
@@ -692,17 +692,17 @@ impl Session {
                     })
                 });
                 self.start_incoming(channel, keep);
-                self.to_client(frame.raw);
+                self.send_client(frame.raw);
             }
             BASIC_RETURN => {
                 self.start_incoming(channel, None);
-                self.to_client(frame.raw);
+                self.send_client(frame.raw);
             }
             BASIC_GET_EMPTY => {
                 if let Some(ch) = self.channels.get_mut(&channel) {
                     ch.pending_gets.pop_front();
                 }
-                self.to_client(frame.raw);
+                self.send_client(frame.raw);
             }
             BASIC_CONSUME_OK => {
                 if let Some(AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(ok))) =
@@ -713,7 +713,7 @@ impl Session {
                     ch.consumers
                         .insert(ok.consumer_tag.as_str().to_string(), source);
                 }
-                self.to_client(frame.raw);
+                self.send_client(frame.raw);
             }
             BASIC_CANCEL | BASIC_CANCEL_OK => {
                 let tag = match decode_method(&frame.payload) {
@@ -730,18 +730,18 @@ impl Session {
                 {
                     ch.consumers.remove(&tag);
                 }
-                self.to_client(frame.raw);
+                self.send_client(frame.raw);
             }
             QUEUE_DECLARE_OK => {
                 self.upstream_declare_ok(&frame);
-                self.to_client(frame.raw);
+                self.send_client(frame.raw);
             }
             CHANNEL_CLOSE => self.upstream_channel_close(frame),
             CHANNEL_CLOSE_OK => {
-                self.to_client(frame.raw);
+                self.send_client(frame.raw);
                 self.remove_channel(channel);
             }
-            _ => self.to_client(frame.raw),
+            _ => self.send_client(frame.raw),
         }
     }
 
@@ -757,13 +757,13 @@ impl Session {
             // Both sides closed at once. The upstream gets its close-ok; if the client's close
             // was still held back, the client gets its close-ok from the proxy; otherwise the
             // upstream answers the client's close itself.
-            self.to_upstream(channel_close_ok(channel));
+            self.send_upstream(channel_close_ok(channel));
             let parked = self
                 .channels
                 .get_mut(&channel)
                 .and_then(|ch| ch.parked_close.take());
             if parked.is_some() {
-                self.to_client(channel_close_ok(channel));
+                self.send_client(channel_close_ok(channel));
                 self.remove_channel(channel);
             }
             return;
@@ -821,7 +821,7 @@ impl Session {
                 completed = ch.incoming.take().and_then(|i| i.keep);
             }
         }
-        self.to_client(frame.raw);
+        self.send_client(frame.raw);
         if finished {
             self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
             if let Some(builder) = completed {
@@ -838,7 +838,7 @@ impl Session {
                 None => Vec::new(),
             };
             for bytes in deferred {
-                self.to_client(bytes);
+                self.send_client(bytes);
             }
         }
     }

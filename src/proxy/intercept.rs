@@ -92,7 +92,7 @@ impl Session {
                 ch.pending_declares
                     .push_back(PendingDeclare { arguments: None });
             }
-            self.to_upstream(frame.raw);
+            self.send_upstream(frame.raw);
             return;
         }
         let handling = if self.shared.delegate_to_upstream || self.publisher.is_none() {
@@ -135,7 +135,7 @@ impl Session {
                         });
                     }
                 }
-                self.to_upstream(method_frame(
+                self.send_upstream(method_frame(
                     channel,
                     AMQPClass::Queue(queue::AMQPMethod::Declare(upstream)),
                 ));
@@ -172,7 +172,7 @@ impl Session {
         let vhost = self.vhost.clone();
         let proxy_active = self.publisher.is_some();
         let Some(ch) = self.channels.get_mut(&channel) else {
-            self.to_upstream(frame.raw);
+            self.send_upstream(frame.raw);
             return;
         };
         let channel_id = ch.id;
@@ -210,10 +210,10 @@ impl Session {
             );
         }
         if plan.forward_original {
-            self.to_upstream(frame.raw);
+            self.send_upstream(frame.raw);
         } else {
             for native in &plan.native {
-                self.to_upstream(settle_frame(channel, *native));
+                self.send_upstream(settle_frame(channel, *native));
             }
         }
         for (delivery_tag, delivery) in plan.taken_over {
@@ -355,7 +355,7 @@ impl Session {
         };
         match published {
             Ok(bytes) => {
-                self.to_upstream(bytes);
+                self.send_upstream(bytes);
                 if let Origin::Client {
                     channel,
                     channel_id,
@@ -523,7 +523,7 @@ impl Session {
                 match settlement {
                     Settlement::Ack => {
                         if let Some(frame) = capture.ack(tag, epoch) {
-                            self.to_upstream(frame);
+                            self.send_upstream(frame);
                         }
                     }
                     Settlement::Requeue => capture.retry_later(tag, epoch, Instant::now()),

@@ -221,14 +221,14 @@ pub(super) async fn run<S>(
 
 impl Session {
     /// Queues bytes for the client (dropped once the client side is closed).
-    pub(super) fn to_client(&mut self, bytes: Bytes) {
+    pub(super) fn send_client(&mut self, bytes: Bytes) {
         if self.client_side != Side::Closed {
             self.client_out.send(bytes);
         }
     }
 
     /// Queues bytes for the upstream.
-    pub(super) fn to_upstream(&mut self, bytes: Bytes) {
+    pub(super) fn send_upstream(&mut self, bytes: Bytes) {
         if self.upstream_side != Side::Closed {
             self.last_upstream_tx = Instant::now();
             self.upstream_out.send(bytes);
@@ -240,7 +240,7 @@ impl Session {
     pub(super) fn inject_upstream(&mut self, channel: u16, bytes: Bytes) {
         match self.channels.get_mut(&channel) {
             Some(ch) if !ch.upstream_idle() => ch.deferred_upstream.push(bytes),
-            _ => self.to_upstream(bytes),
+            _ => self.send_upstream(bytes),
         }
     }
 
@@ -249,7 +249,7 @@ impl Session {
     pub(super) fn inject_client(&mut self, channel: u16, bytes: Bytes) {
         match self.channels.get_mut(&channel) {
             Some(ch) if !ch.client_idle() => ch.deferred_client.push(bytes),
-            _ => self.to_client(bytes),
+            _ => self.send_client(bytes),
         }
     }
 
@@ -379,7 +379,7 @@ impl Session {
         if let Some(capture) = self.capture.as_mut()
             && let Some(frames) = capture.due_retries(now)
         {
-            self.to_upstream(frames);
+            self.send_upstream(frames);
         }
         if let Some(interval) = self.heartbeat {
             if self.client_side == Side::Open && now >= self.last_client_rx + interval * 2 {
@@ -395,7 +395,7 @@ impl Session {
             {
                 let mut beat = bytes::BytesMut::new();
                 put_heartbeat(&mut beat);
-                self.to_upstream(beat.freeze());
+                self.send_upstream(beat.freeze());
             }
         }
         if let Side::Draining { deadline } = self.upstream_side
@@ -485,7 +485,7 @@ impl Session {
                 class_id: 0,
                 method_id: 0,
             }));
-            self.to_upstream(method_frame(0, close));
+            self.send_upstream(method_frame(0, close));
             self.upstream_side = Side::Closing {
                 deadline: Instant::now() + Duration::from_secs(2),
                 forward_ok: false,

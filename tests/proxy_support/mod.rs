@@ -409,3 +409,110 @@ pub fn rabbitmqctl(args: &[&str]) -> std::process::Output {
         .output()
         .expect("run rabbitmqctl")
 }
+
+/// A minimal AMQP client on a raw socket, to see exactly which frames arrive.
+pub struct RawClient {
+    reader: dlx_proxy::proxy::wire::FrameReader<tokio::net::tcp::OwnedReadHalf>,
+    writer: tokio::net::tcp::OwnedWriteHalf,
+}
+
+impl RawClient {
+    /// Connects and completes the handshake as guest on vhost "/" (with a connection name,
+    /// visible upstream as the `connection_name` client property).
+    pub async fn connect(addr: SocketAddr, connection_name: &str) -> RawClient {
+        use dlx_proxy::proxy::wire::{FrameReader, method_frame};
+        use lapin::protocol::{AMQPClass, connection};
+        use tokio::io::AsyncWriteExt;
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (read, mut writer) = stream.into_split();
+        writer.write_all(b"AMQP\x00\x00\x09\x01").await.unwrap();
+        let mut client = RawClient {
+            reader: FrameReader::new(read, 131_072),
+            writer,
+        };
+        client.expect_method(10, 10).await;
+        let mut props = FieldTable::default();
+        props.insert("connection_name".into(), long_string(connection_name));
+        let start_ok =
+            AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
+                client_properties: props,
+                mechanism: "PLAIN".into(),
+                response: LongString::from("\0guest\0guest"),
+                locale: "en_US".into(),
+            }));
+        client
+            .writer
+            .write_all(&method_frame(0, start_ok))
+            .await
+            .unwrap();
+        let tune = client.expect_method(10, 30).await;
+        let Some(AMQPClass::Connection(connection::AMQPMethod::Tune(tune))) =
+            dlx_proxy::amqp::codec::decode_method(&tune)
+        else {
+            panic!("bad tune");
+        };
+        let tune_ok = AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
+            channel_max: tune.channel_max,
+            frame_max: tune.frame_max,
+            heartbeat: 0,
+        }));
+        client
+            .writer
+            .write_all(&method_frame(0, tune_ok))
+            .await
+            .unwrap();
+        let open = AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
+            virtual_host: "/".into(),
+        }));
+        client
+            .writer
+            .write_all(&method_frame(0, open))
+            .await
+            .unwrap();
+        client.expect_method(10, 41).await;
+        client
+    }
+
+    /// Reads frames until a method with these ids arrives; returns its payload.
+    pub async fn expect_method(&mut self, class_id: u16, method_id: u16) -> bytes::Bytes {
+        loop {
+            let frame = tokio::time::timeout(Duration::from_secs(15), self.reader.next())
+                .await
+                .expect("frame within 15 s")
+                .expect("connection open")
+                .expect("valid frame");
+            if frame.method_ids() == (class_id, method_id) {
+                return frame.payload;
+            }
+        }
+    }
+
+    /// Waits for connection.close; returns its reply code and text.
+    pub async fn expect_connection_close(&mut self) -> (u16, String) {
+        use lapin::protocol::{AMQPClass, connection};
+        let payload = self.expect_method(10, 50).await;
+        match dlx_proxy::amqp::codec::decode_method(&payload) {
+            Some(AMQPClass::Connection(connection::AMQPMethod::Close(close))) => {
+                (close.reply_code, close.reply_text.as_str().to_string())
+            }
+            _ => panic!("bad connection.close"),
+        }
+    }
+}
+
+/// Closes the upstream connection(s) whose client named itself `connection_name`, the way an
+/// operator does (`rabbitmqctl close_connection`): the broker sends 320 CONNECTION_FORCED.
+pub fn close_upstream_connection(connection_name: &str, reason: &str) -> usize {
+    let listing = rabbitmqctl(&["list_connections", "-q", "pid", "client_properties"]);
+    let text = String::from_utf8_lossy(&listing.stdout);
+    let mut closed = 0;
+    for line in text.lines().filter(|l| l.contains(connection_name)) {
+        let Some(pid) = line.split_whitespace().next() else {
+            continue;
+        };
+        let out = rabbitmqctl(&["close_connection", pid, reason]);
+        assert!(out.status.success(), "close_connection: {out:?}");
+        closed += 1;
+    }
+    closed
+}
