@@ -391,3 +391,60 @@ async fn reject_expire_expire_loops_keep_the_history_in_order() {
     );
     proxy.stop().await;
 }
+
+/// With a DLX other than the default exchange the proxy cannot see the targets: a TTL loop
+/// through a fanout is caught when the message comes back (one lap later than RabbitMQ), and
+/// the other target gets exactly one copy, as with RabbitMQ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn automatic_loops_through_other_exchanges_are_dropped_when_they_come_back() {
+    require_upstream!();
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let fan = unique("fan");
+    let looping = unique("looping");
+    let other = unique("other");
+    ch.exchange_declare(
+        fan.as_str().into(),
+        ExchangeKind::Fanout,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    declare(
+        &ch,
+        &looping,
+        table(&[
+            ("x-message-ttl", AMQPValue::LongInt(20)),
+            ("x-dead-letter-exchange", long_string(&fan)),
+        ]),
+    )
+    .await;
+    declare(&ch, &other, FieldTable::default()).await;
+    for queue in [&looping, &other] {
+        ch.queue_bind(
+            queue.as_str().into(),
+            fan.as_str().into(),
+            "".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    }
+    publish(&ch, &looping, "m", AMQPProperties::default()).await;
+    proxy
+        .wait_counter(
+            "dead_letter_dropped_total",
+            &[("cause", "cycle"), ("queue", &looping), ("vhost", "/")],
+            1.0,
+        )
+        .await;
+    let first = get(&ch, &other).await;
+    assert_eq!(field(&x_death(&first)[0], "queue"), &long_string(&looping));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_empty(&ch, &other).await;
+    assert_empty(&ch, &looping).await;
+    proxy.stop().await;
+}

@@ -200,6 +200,9 @@ async fn dead_letter_target_from_a_toml_policy_on_a_queue_without_arguments() {
 
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
+    // The application declares its queue at start-up as usual: the queue exists upstream
+    // without the proxy's arguments, so the proxy declares it passively (no 406).
+    declare(&ch, &q, FieldTable::default()).await;
     publish(&ch, &q, &["m"]).await;
     let mut rx = consume(&ch, &q, BasicConsumeOptions::default()).await;
     let d = next(&mut rx).await;

@@ -149,13 +149,13 @@ async fn confirms_and_qos_keep_their_numbers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_sees_two_channels_fewer_and_upstream_errors_pass_through() {
+async fn client_sees_three_channels_fewer_and_upstream_errors_pass_through() {
     require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let direct = upstream_connection().await;
     assert_eq!(
-        conn.configuration().channel_max() + 2,
+        conn.configuration().channel_max() + 3,
         direct.configuration().channel_max()
     );
     // A channel error from the upstream reaches the client unchanged.
@@ -242,13 +242,22 @@ async fn malformed_frames_close_the_connection_with_frame_error() {
     let n = sock.read(&mut buf).await.unwrap();
     assert!(n > 7 && buf[0] == 1, "expected connection.start");
     sock.write_all(&[9, 0, 0, 0, 0, 0, 0, 0xce]).await.unwrap();
+    // connection.close (10, 50) with reply code 501 arrives.
     let mut reply = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), sock.read_to_end(&mut reply)).await;
-    // connection.close (10, 50) with reply code 501.
-    let pos = reply
-        .windows(4)
-        .position(|w| w == [0, 10, 0, 50])
-        .expect("connection.close");
+    let pos = loop {
+        if let Some(pos) = reply.windows(4).position(|w| w == [0, 10, 0, 50])
+            && reply.len() >= pos + 6
+        {
+            break pos;
+        }
+        let mut chunk = [0u8; 1024];
+        let n = tokio::time::timeout(Duration::from_secs(5), sock.read(&mut chunk))
+            .await
+            .expect("a reply")
+            .unwrap();
+        assert!(n > 0, "closed without connection.close");
+        reply.extend_from_slice(&chunk[..n]);
+    };
     assert_eq!(u16::from_be_bytes([reply[pos + 4], reply[pos + 5]]), 501);
 
     // A wrong protocol header gets ours back.
@@ -342,5 +351,69 @@ async fn basic_get_with_auto_ack_and_redelivery_flags() {
     assert!(again.redelivered);
     again.acker.ack(BasicAckOptions::default()).await.unwrap();
     assert_empty(&ch, &q).await;
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upstream_authenticates_the_client() {
+    require_upstream!();
+    let proxy = TestProxy::start(vec![]).await;
+    let err = Connection::connect(
+        &format!("amqp://guest:wrong@{}/%2f", proxy.addr),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap_err();
+    let text = format!("{err:?}");
+    assert!(
+        text.contains("403") || text.contains("ACCESS_REFUSED"),
+        "{text}"
+    );
+    let err = Connection::connect(
+        &format!(
+            "amqp://guest:guest@{}/{}",
+            proxy.addr,
+            unique("no-such-vhost")
+        ),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap_err();
+    let text = format!("{err:?}");
+    assert!(
+        text.contains("530") || text.contains("NOT_ALLOWED"),
+        "{text}"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_keep_an_idle_connection_alive() {
+    require_upstream!();
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = Connection::connect(
+        &format!("amqp://guest:guest@{}/%2f?heartbeat=1", proxy.addr),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(conn.configuration().heartbeat(), 1);
+    let ch = conn.create_channel().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let q = unique("idle");
+    declare(&ch, &q, FieldTable::default()).await;
+    assert!(conn.status().connected());
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_closes_clients_with_320() {
+    require_upstream!();
+    let proxy = TestProxy::start(vec![]).await;
+    let mut raw = RawClient::connect(proxy.addr, &unique("shutdown")).await;
+    proxy.trigger_shutdown();
+    let (code, text) = raw.expect_connection_close().await;
+    assert_eq!(code, 320);
+    assert!(text.contains("shutting down"), "{text}");
     proxy.stop().await;
 }

@@ -16,6 +16,7 @@ use super::channels::{
 };
 use super::handshake::{negotiate, tune_for_client};
 use super::inflight::Verb;
+use super::probe::QueueProbe;
 use super::publisher::Publisher;
 use super::session::{Session, Side};
 use super::wire::{WireFrame, content_body_size, method_frame};
@@ -470,6 +471,10 @@ impl Session {
                 self.capture_frame(frame);
                 return;
             }
+            if Some(frame.channel) == agreed.probe_channel && frame.channel != 0 {
+                self.probe_frame(frame);
+                return;
+            }
         }
         match self.upstream_side {
             Side::Closed => return,
@@ -566,6 +571,11 @@ impl Session {
         if self.shared.delegate_to_upstream {
             return;
         }
+        if let Some(channel) = agreed.probe_channel {
+            let probe = QueueProbe::new(channel);
+            self.send_upstream(probe.open_frames());
+            self.probe = Some(probe);
+        }
         if let Some(channel) = agreed.publisher_channel {
             let publisher = Publisher::new(channel, self.frame_max, self.shared.confirm_timeout);
             self.send_upstream(publisher.open_frames());
@@ -593,6 +603,19 @@ impl Session {
         }
         for settled in step.settled {
             self.complete_op(settled.op, settled.outcome);
+        }
+    }
+
+    fn probe_frame(&mut self, frame: WireFrame) {
+        let Some(probe) = self.probe.as_mut() else {
+            return;
+        };
+        let step = probe.on_frame(&frame);
+        if let Some(write) = step.write {
+            self.send_upstream(write);
+        }
+        if let Some(answer) = step.answer {
+            self.on_probe_answer(answer);
         }
     }
 

@@ -1,8 +1,8 @@
 //! Connection negotiation seen from the middle: the upstream's `connection.tune` is shown to the
-//! client with two channel numbers fewer, the client's `connection.tune-ok` is passed on with
-//! those two added back, and the two highest channel numbers of the upstream connection become
-//! the proxy's own (dead-letter publisher and capture consumer). Everything else in the
-//! handshake (start, SASL, open) passes through unchanged.
+//! client with [`RESERVED_CHANNELS`] channel numbers fewer, the client's `connection.tune-ok`
+//! is passed on with those added back, and the highest channel numbers of the upstream
+//! connection become the proxy's own (queue probe, dead-letter publisher, capture consumer).
+//! Everything else in the handshake (start, SASL, open) passes through unchanged.
 //!
 //! Also here: [`refuse_client`], which answers a client whose upstream cannot be reached with
 //! a proper `connection.close 320` instead of a dropped socket.
@@ -18,14 +18,16 @@ use crate::amqp::codec::{FRAME_METHOD, decode_method};
 use crate::amqp::reply::CONNECTION_FORCED;
 
 /// Channel numbers the proxy keeps for itself on every upstream connection.
-pub const RESERVED_CHANNELS: u16 = 2;
+pub const RESERVED_CHANNELS: u16 = 3;
 
 /// What was agreed in tune / tune-ok.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Negotiated {
     /// Highest channel number the client may use.
     pub client_channel_max: u16,
-    /// The proxy's dead-letter publisher channel (None when the upstream offers too few).
+    /// The proxy's queue-probe channel (None when the upstream offers too few channels).
+    pub probe_channel: Option<u16>,
+    /// The proxy's dead-letter publisher channel.
     pub publisher_channel: Option<u16>,
     /// The proxy's capture consumer channel.
     pub capture_channel: Option<u16>,
@@ -76,14 +78,15 @@ pub fn negotiate(
     } else {
         client.channel_max
     };
-    let (upstream_channel_max, publisher_channel, capture_channel) = if reserve {
+    let (upstream_channel_max, probe_channel, publisher_channel, capture_channel) = if reserve {
         (
             chosen + RESERVED_CHANNELS,
             Some(chosen + 1),
             Some(chosen + 2),
+            Some(chosen + 3),
         )
     } else {
-        (chosen, None, None)
+        (chosen, None, None, None)
     };
     let frame_max = if client.frame_max != 0 {
         client.frame_max
@@ -101,6 +104,7 @@ pub fn negotiate(
         tune_ok,
         Negotiated {
             client_channel_max: chosen,
+            probe_channel,
             publisher_channel,
             capture_channel,
             frame_max,
@@ -199,23 +203,24 @@ mod tests {
     }
 
     #[test]
-    fn client_sees_two_channels_fewer() {
-        assert_eq!(tune_for_client(&tune(2047, 131072, 60)).channel_max, 2045);
-        assert_eq!(tune_for_client(&tune(0, 131072, 60)).channel_max, 65533);
-        assert_eq!(tune_for_client(&tune(2, 131072, 60)).channel_max, 2);
+    fn client_sees_three_channels_fewer() {
+        assert_eq!(tune_for_client(&tune(2047, 131072, 60)).channel_max, 2044);
+        assert_eq!(tune_for_client(&tune(0, 131072, 60)).channel_max, 65532);
+        assert_eq!(tune_for_client(&tune(3, 131072, 60)).channel_max, 3);
     }
 
     #[test]
-    fn proxy_takes_the_two_numbers_above_the_client() {
+    fn proxy_takes_the_numbers_above_the_client() {
         let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(0, 131072, 30), 4096);
         assert_eq!(ok.channel_max, 2047);
         assert_eq!(ok.heartbeat, 30);
-        assert_eq!(agreed.client_channel_max, 2045);
+        assert_eq!(agreed.client_channel_max, 2044);
+        assert_eq!(agreed.probe_channel, Some(2045));
         assert_eq!(agreed.publisher_channel, Some(2046));
         assert_eq!(agreed.capture_channel, Some(2047));
         let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(10, 0, 0), 65536);
-        assert_eq!(ok.channel_max, 12);
-        assert_eq!(agreed.publisher_channel, Some(11));
+        assert_eq!(ok.channel_max, 13);
+        assert_eq!(agreed.publisher_channel, Some(12));
         assert_eq!(agreed.frame_max, 131072);
         let (_, agreed) = negotiate(&tune(2047, 0, 60), &tune_ok(10, 0, 0), 65536);
         assert_eq!(agreed.frame_max, 65536);
@@ -223,8 +228,8 @@ mod tests {
 
     #[test]
     fn a_tiny_upstream_leaves_no_proxy_channels() {
-        let (ok, agreed) = negotiate(&tune(2, 4096, 0), &tune_ok(2, 4096, 0), 4096);
-        assert_eq!(ok.channel_max, 2);
+        let (ok, agreed) = negotiate(&tune(3, 4096, 0), &tune_ok(3, 4096, 0), 4096);
+        assert_eq!(ok.channel_max, 3);
         assert_eq!(agreed.publisher_channel, None);
     }
 }

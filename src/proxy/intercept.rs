@@ -7,18 +7,20 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use amq_protocol::protocol::{AMQPClass, BasicProperties, basic, queue};
+use amq_protocol::types::FieldTable;
 use bytes::Bytes;
 
 use super::QueueView;
 use super::capture::{CapturedMessage, reconstruct};
 use super::channels::PendingDeclare;
-use super::declare::{CaptureTag, DeadLetterHandling, rewrite_declare};
+use super::declare::{CaptureTag, DeadLetterHandling, DeclareRewrite, rewrite_declare};
 use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{
     dead_letter_publish, delivery_count, delivery_routing_keys, keys_after_cycle_rule,
     requeue_publish,
 };
+use super::probe::ProbeAnswer;
 use super::publisher::{OpId, Outcome, OutgoingMessage};
 use super::session::Session;
 use super::wire::{WireFrame, method_frame};
@@ -54,6 +56,14 @@ fn settle_frame(channel: u16, settle: NativeSettle) -> Bytes {
     method_frame(channel, AMQPClass::Basic(method))
 }
 
+/// A queue.declare held until the probe says whether the queue exists.
+#[derive(Debug)]
+pub(super) struct PendingProbe {
+    channel: u16,
+    declare: queue::Declare,
+    rewrite: DeclareRewrite,
+}
+
 /// Everything `dead_letter_message` needs to know about the message that died.
 struct Death {
     queue: Arc<str>,
@@ -84,7 +94,9 @@ impl Session {
             return;
         };
         let name = declare.queue.as_str().to_string();
-        let untouched = declare.passive || name == self.shared.capture_name;
+        let untouched = declare.passive
+            || name == self.shared.capture_name
+            || !self.channels.get(&channel).is_some_and(|ch| ch.is_open());
         if untouched {
             if !declare.nowait
                 && let Some(ch) = self.channels.get_mut(&channel)
@@ -121,26 +133,78 @@ impl Session {
                 self.close_channel_by_proxy(channel, err.reply_code(), &text, 50, 10);
             }
             Ok(rewrite) => {
-                let mut upstream = declare.clone();
-                upstream.arguments = rewrite.upstream_arguments;
-                if let Some(ch) = self.channels.get_mut(&channel) {
-                    if declare.nowait {
-                        ch.last_queue = Some(Arc::from(name.as_str()));
-                        self.shared
-                            .queues
-                            .record(&self.vhost, &name, rewrite.client_arguments);
-                    } else {
-                        ch.pending_declares.push_back(PendingDeclare {
-                            arguments: Some(rewrite.client_arguments),
+                let question = if declare.queue.as_str().is_empty() {
+                    None
+                } else {
+                    self.probe.as_mut().and_then(|p| p.ask(&declare.queue))
+                };
+                match question {
+                    Some(bytes) => {
+                        self.send_upstream(bytes);
+                        self.pending_probe = Some(PendingProbe {
+                            channel,
+                            declare,
+                            rewrite,
                         });
                     }
+                    None => self.forward_declare(channel, declare, rewrite, false),
                 }
-                self.send_upstream(method_frame(
-                    channel,
-                    AMQPClass::Queue(queue::AMQPMethod::Declare(upstream)),
-                ));
             }
         }
+    }
+
+    /// The probe answered: declare the queue passively if it exists, else with the proxy's
+    /// upstream arguments.
+    pub(super) fn on_probe_answer(&mut self, answer: ProbeAnswer) {
+        let Some(pending) = self.pending_probe.take() else {
+            return;
+        };
+        let open = self
+            .channels
+            .get(&pending.channel)
+            .is_some_and(|ch| ch.is_open());
+        if !open {
+            return;
+        }
+        self.forward_declare(
+            pending.channel,
+            pending.declare,
+            pending.rewrite,
+            answer == ProbeAnswer::Exists,
+        );
+    }
+
+    fn forward_declare(
+        &mut self,
+        channel: u16,
+        declare: queue::Declare,
+        rewrite: DeclareRewrite,
+        exists: bool,
+    ) {
+        let name = declare.queue.as_str().to_string();
+        let mut upstream = declare.clone();
+        if exists {
+            upstream.passive = true;
+            upstream.arguments = FieldTable::default();
+        } else {
+            upstream.arguments = rewrite.upstream_arguments;
+        }
+        if let Some(ch) = self.channels.get_mut(&channel) {
+            if declare.nowait {
+                ch.last_queue = Some(Arc::from(name.as_str()));
+                self.shared
+                    .queues
+                    .record(&self.vhost, &name, rewrite.client_arguments);
+            } else {
+                ch.pending_declares.push_back(PendingDeclare {
+                    arguments: Some(rewrite.client_arguments),
+                });
+            }
+        }
+        self.send_upstream(method_frame(
+            channel,
+            AMQPClass::Queue(queue::AMQPMethod::Declare(upstream)),
+        ));
     }
 
     pub(super) fn upstream_declare_ok(&mut self, frame: &WireFrame) {

@@ -16,13 +16,15 @@
 //! - messages that expire or overflow upstream come back through the capture queue and are
 //!   dead-lettered as their original queue would have.
 //!
-//! The proxy uses the two highest channel numbers of each upstream connection (the client is
-//! offered two fewer in connection.tune): one for its publishes and acks, one for the capture
-//! consumer. Client channel numbers, delivery tags and confirm sequence numbers are untouched.
+//! The proxy uses the three highest channel numbers of each upstream connection (the client is
+//! offered three fewer in connection.tune): one to probe whether a declared queue exists, one
+//! for its publishes (with confirms), one for the capture consumer. Client channel numbers,
+//! delivery tags and confirm sequence numbers are untouched; the proxy's settlements of client
+//! deliveries go on the client's channel with the upstream's own delivery tags.
 //!
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
 //! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`publisher`],
-//! [`capture`], [`declare`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS), [`outbox`]
+//! [`capture`], [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS), [`outbox`]
 //! (writer tasks), [`wire`] (frames), [`channels`], [`ops`], [`registry`].
 
 pub mod capture;
@@ -35,6 +37,7 @@ mod intercept;
 pub mod ops;
 pub mod outbox;
 pub mod outgoing;
+pub mod probe;
 pub mod publisher;
 pub mod registry;
 mod session;

@@ -28,6 +28,7 @@ use super::channels::ClientChannel;
 use super::handshake::{Negotiated, refuse_client};
 use super::ops::Op;
 use super::outbox::{Outbox, spawn_writer};
+use super::probe::QueueProbe;
 use super::publisher::{OpId, Publisher};
 use super::wire::{FrameReader, WireFrame, method_frame};
 use crate::amqp::codec::{FrameError, PROTOCOL_HEADER, put_heartbeat};
@@ -86,6 +87,9 @@ pub(super) struct Session {
     pub(super) incoming_in_progress: usize,
     pub(super) publisher: Option<Publisher>,
     pub(super) capture: Option<CaptureConsumer>,
+    pub(super) probe: Option<QueueProbe>,
+    /// A queue.declare waiting for the probe's answer (client reads pause meanwhile).
+    pub(super) pending_probe: Option<super::intercept::PendingProbe>,
     pub(super) ops: HashMap<OpId, Op>,
     pub(super) next_op: OpId,
     /// The client's connection.close, held until the proxy's own work is settled.
@@ -180,6 +184,8 @@ pub(super) async fn run<S>(
         incoming_in_progress: 0,
         publisher: None,
         capture: None,
+        probe: None,
+        pending_probe: None,
         ops: HashMap::new(),
         next_op: 1,
         parked_connection_close: None,
@@ -197,6 +203,14 @@ pub(super) async fn run<S>(
         }
         let read_client = session.wants_client_frames();
         let read_upstream = session.wants_upstream_frames();
+        // Heartbeat silence only counts while a side is being read.
+        let now = Instant::now();
+        if !read_client {
+            session.last_client_rx = now;
+        }
+        if !read_upstream {
+            session.last_upstream_rx = now;
+        }
         let wait_client_out = session.client_out.is_full() && !session.client_out.has_failed();
         let wait_upstream_out =
             session.upstream_out.is_full() && !session.upstream_out.has_failed();
@@ -258,7 +272,8 @@ impl Session {
             Side::Closed => false,
             Side::Closing { .. } => true,
             Side::Open | Side::Draining { .. } => {
-                self.upstream_side != Side::Open || !self.upstream_out.is_full()
+                self.pending_probe.is_none()
+                    && (self.upstream_side != Side::Open || !self.upstream_out.is_full())
             }
         }
     }
@@ -307,9 +322,11 @@ impl Session {
             }
             if self.upstream_side != Side::Closed {
                 consider(Some(self.last_upstream_rx + interval * 2));
-                if self.client_side != Side::Open {
-                    consider(Some(self.last_upstream_tx + interval / 2));
-                }
+            }
+            if self.client_side != Side::Open
+                && matches!(self.upstream_side, Side::Open | Side::Draining { .. })
+            {
+                consider(Some(self.last_upstream_tx + interval / 2));
             }
         }
         next
@@ -331,6 +348,9 @@ impl Session {
             Some(Err(err)) => {
                 tracing::info!(peer = %self.peer, %err, "malformed frame from client");
                 self.close_client(reply::FRAME_ERROR, &format!("FRAME_ERROR - {err}"), 0, 0);
+                // The byte stream cannot be followed any more: nothing else is read from the
+                // client (the writer still delivers the close before the socket goes).
+                self.client_side = Side::Closed;
             }
             None => self.client_lost(),
         }
@@ -500,8 +520,24 @@ impl Session {
             return;
         }
         let was_closing = matches!(self.upstream_side, Side::Closing { .. });
+        let client_awaits_close_ok = matches!(
+            self.upstream_side,
+            Side::Closing {
+                forward_ok: true,
+                ..
+            }
+        );
         self.upstream_side = Side::Closed;
         self.fail_all_ops();
+        if client_awaits_close_ok && self.client_side != Side::Closed {
+            // The client asked to close and the upstream went away first: confirm it ourselves.
+            self.client_out.send(method_frame(
+                0,
+                AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+            ));
+            self.client_side = Side::Closed;
+            return;
+        }
         if self.client_side == Side::Open && !was_closing {
             tracing::warn!(peer = %self.peer, reason, "closing client connection");
             self.client_out.send(method_frame(

@@ -185,6 +185,11 @@ impl TestProxy {
         }
     }
 
+    /// Fires the service's shutdown signal (connections are closed with 320).
+    pub fn trigger_shutdown(&self) {
+        self.trigger.trigger();
+    }
+
     /// Stops accepting connections and removes the capture exchange and queue.
     pub async fn stop(self) {
         self.trigger.trigger();
