@@ -615,6 +615,12 @@ fn from_figment_error(
                 expected.join(", ")
             )
         }
+        figment::error::Kind::UnknownVariant(value, expected) => {
+            format!(
+                "unknown value {value:?}; expected one of: {}",
+                expected.join(", ")
+            )
+        }
         kind => kind.to_string(),
     };
     let origin = origin_of(figment, &key, file).or_else(|| {
@@ -1226,6 +1232,12 @@ mod tests {
             .unwrap();
         let error = load_text("mode = \"cluster\"\n").unwrap_err();
         assert_eq!(error.key(), "mode");
+        assert!(
+            error
+                .to_string()
+                .ends_with("unknown value \"cluster\"; expected one of: embedded, proxy"),
+            "{error}"
+        );
     }
 
     #[test]
