@@ -22,10 +22,41 @@
 //! delivery tags and confirm sequence numbers are untouched; the proxy's settlements of client
 //! deliveries go on the client's channel with the upstream's own delivery tags.
 //!
+//! Failures: a dead-letter publish that is nacked, times out (`proxy.confirm_timeout_secs`)
+//! or is lost with the proxy's channel leaves the original to be delivered again (it is
+//! requeued with basic.nack; a captured message after a 1 s pause). A missing dead-letter
+//! exchange (404 on the proxy's channel, which is reopened) or an unroutable dead letter
+//! (basic.return) drops the message and counts it (`no_dlx`, `unroutable`), as RabbitMQ does.
+//! The upstream gone → the client gets `connection.close 320`; the client gone → the proxy's
+//! own publishes are settled, then the upstream connection is closed and the upstream
+//! requeues the client's unacked deliveries.
+//!
+//! Where proxy mode differs from a broker doing it itself (documented limits):
+//! - BCC keys are invisible to a consumer, so a message dead-lettered without a dead-letter
+//!   routing key is routed with its publish key and CC keys only;
+//! - a requeue counted against a delivery limit puts the message at the queue's tail (classic
+//!   queues requeue at the head), with `redelivered = false`, exchange `""` and the queue name
+//!   as routing key; its `CC` header is removed so the copy reaches only that queue;
+//! - TTL and length limits (from arguments or policies) are set on the upstream queue when it
+//!   is first declared through the proxy; later policy changes to them need the queue to be
+//!   recreated. Dead-letter target and delivery-limit policy changes apply at once;
+//! - a queue that already exists upstream is declared passively (no argument equivalence
+//!   check, no capture exchange added): its rejections follow the policies, but its own
+//!   expiries and overflows stay the upstream's;
+//! - the cycle rule on a DLX other than the default exchange catches a loop one lap later
+//!   than RabbitMQ (see [`outgoing`]);
+//! - when a missing DLX closes the proxy's channel, other dead letters still unconfirmed on
+//!   it are requeued and delivered again;
+//! - a client settling a tag it already rejected is ignored (RabbitMQ closes the channel with
+//!   406); acks the proxy sends on a transactional channel join the client's transaction;
+//! - the capture queue is consumed by the proxy's connections of a vhost: with no client
+//!   connected there, captured messages wait in it;
+//! - `compat = "4"`: an x-death history on a message is always continued.
+//!
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
 //! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`publisher`],
-//! [`capture`], [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS), [`outbox`]
-//! (writer tasks), [`wire`] (frames), [`channels`], [`ops`], [`registry`].
+//! [`capture`], [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
+//! [`outbox`] (writer tasks), [`wire`] (frames), [`channels`], [`ops`], [`registry`].
 
 pub mod capture;
 pub mod channels;

@@ -9,8 +9,9 @@
 //!   sends them in publish order before the ack, so a return belongs to the oldest
 //!   unconfirmed, not yet returned publish with the same exchange, routing key and body size;
 //! - `basic.nack` → [`Outcome::Failed`];
-//! - `channel.close` (a publish to a missing exchange closes the channel with 404) → the
-//!   publishes to the exchange named in the reply text are [`Outcome::ExchangeMissing`], the
+//! - `channel.close` (a publish to a missing exchange closes the channel with 404, to a
+//!   forbidden one with 403) → the publishes to the exchange named in the reply text are
+//!   [`Outcome::ExchangeMissing`], the
 //!   other unconfirmed ones [`Outcome::Failed`] (the broker discarded them, or their confirm is
 //!   lost); the channel is reopened in confirm mode right away;
 //! - no confirm within `proxy.confirm_timeout_secs` → [`Outcome::TimedOut`].
@@ -25,7 +26,7 @@ use bytes::{Bytes, BytesMut};
 use super::wire::{WireFrame, content_body_size, method_frame};
 use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method};
 use crate::amqp::content::put_content;
-use crate::amqp::reply::NOT_FOUND;
+use crate::amqp::reply::{ACCESS_REFUSED, NOT_FOUND};
 
 /// Identifies the operation a publish belongs to (chosen by the caller).
 pub type OpId = u64;
@@ -46,7 +47,8 @@ pub enum Outcome {
     Confirmed,
     /// Confirmed after a basic.return: no queue was bound for its keys.
     Unroutable,
-    /// The exchange does not exist (channel closed with 404).
+    /// The exchange does not exist (channel closed with 404) or the client's user may not
+    /// publish to it (403).
     ExchangeMissing,
     /// Nacked by the broker, or lost with the channel.
     Failed(&'static str),
@@ -284,7 +286,10 @@ impl Publisher {
     }
 
     fn fail_on_close(&mut self, code: u16, text: &str) -> Vec<Settled> {
-        let missing = if code == NOT_FOUND {
+        // 404: the exchange does not exist; 403: the client's user may not publish to it.
+        // Either way the publish can never succeed: the message is dropped, not retried.
+        let unusable = code == NOT_FOUND || code == ACCESS_REFUSED;
+        let missing = if unusable {
             missing_exchange(text)
         } else {
             None
@@ -295,7 +300,7 @@ impl Publisher {
         for (_, record) in records {
             let outcome = match &missing {
                 Some(name) if *name == record.exchange => Outcome::ExchangeMissing,
-                None if code == NOT_FOUND && !blamed_first => {
+                None if unusable && !blamed_first => {
                     blamed_first = true;
                     Outcome::ExchangeMissing
                 }
@@ -306,7 +311,13 @@ impl Publisher {
                 outcome,
             });
         }
-        if code != NOT_FOUND {
+        if code == ACCESS_REFUSED {
+            tracing::warn!(
+                code,
+                text,
+                "dead-letter exchange refused to the client's user"
+            );
+        } else if code != NOT_FOUND {
             tracing::warn!(
                 code,
                 text,
@@ -369,9 +380,13 @@ impl Publisher {
     }
 }
 
-/// The exchange named in RabbitMQ's `NOT_FOUND - no exchange 'X' in vhost 'V'`.
+/// The exchange named in RabbitMQ's `NOT_FOUND - no exchange 'X' in vhost 'V'` or
+/// `ACCESS_REFUSED - access to exchange 'X' in vhost 'V' refused for user 'U'`.
 pub fn missing_exchange(text: &str) -> Option<String> {
-    let rest = text.split_once("no exchange '")?.1;
+    let rest = text
+        .split_once("no exchange '")
+        .or_else(|| text.split_once("access to exchange '"))?
+        .1;
     let end = rest.rfind("' in vhost '")?;
     Some(rest[..end].to_string())
 }
@@ -531,5 +546,12 @@ mod tests {
             Some("a'b")
         );
         assert_eq!(missing_exchange("NOT_FOUND - no queue 'q'"), None);
+        assert_eq!(
+            missing_exchange(
+                "ACCESS_REFUSED - access to exchange 'x' in vhost '/' refused for user 'u'"
+            )
+            .as_deref(),
+            Some("x")
+        );
     }
 }

@@ -39,6 +39,18 @@ use crate::shutdown::Shutdown;
 /// How long a peer gets to answer our connection.close.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
+/// Frames read are counted locally and added to the metrics in batches of this many frames
+/// (or after [`TALLY_FLUSH`]), to keep label lookups off the per-frame path.
+const TALLY_FRAMES: u64 = 64;
+const TALLY_FLUSH: Duration = Duration::from_secs(1);
+
+/// Frames and bytes read from one side, not yet added to the metrics.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Tally {
+    frames: u64,
+    bytes: u64,
+}
+
 /// State of one side of the proxy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Side {
@@ -95,6 +107,9 @@ pub(super) struct Session {
     /// The client's connection.close, held until the proxy's own work is settled.
     pub(super) parked_connection_close: Option<Bytes>,
     pub(super) shutdown_seen: bool,
+    pub(super) client_in: Tally,
+    pub(super) upstream_in: Tally,
+    pub(super) tally_since: Instant,
 }
 
 /// Serves one client connection until both legs are closed.
@@ -190,6 +205,9 @@ pub(super) async fn run<S>(
         next_op: 1,
         parked_connection_close: None,
         shutdown_seen: false,
+        client_in: Tally::default(),
+        upstream_in: Tally::default(),
+        tally_since: now,
     };
 
     loop {
@@ -310,6 +328,9 @@ impl Session {
                 _ => {}
             }
         }
+        if self.client_in.frames > 0 || self.upstream_in.frames > 0 {
+            consider(Some(self.tally_since + TALLY_FLUSH));
+        }
         if let Some(publisher) = self.publisher.as_mut() {
             consider(publisher.next_deadline());
         }
@@ -336,9 +357,11 @@ impl Session {
         match frame {
             Some(Ok(frame)) => {
                 self.last_client_rx = Instant::now();
-                self.shared
-                    .metrics
-                    .traffic(Direction::ClientIn, 1, frame.raw.len() as u64);
+                self.client_in.frames += 1;
+                self.client_in.bytes += frame.raw.len() as u64;
+                if self.client_in.frames >= TALLY_FRAMES {
+                    self.flush_traffic();
+                }
                 self.on_client_frame(frame);
             }
             Some(Err(FrameError::Io(err))) => {
@@ -360,9 +383,11 @@ impl Session {
         match frame {
             Some(Ok(frame)) => {
                 self.last_upstream_rx = Instant::now();
-                self.shared
-                    .metrics
-                    .traffic(Direction::UpstreamIn, 1, frame.raw.len() as u64);
+                self.upstream_in.frames += 1;
+                self.upstream_in.bytes += frame.raw.len() as u64;
+                if self.upstream_in.frames >= TALLY_FRAMES {
+                    self.flush_traffic();
+                }
                 self.on_upstream_frame(frame);
             }
             Some(Err(err)) => {
@@ -371,6 +396,16 @@ impl Session {
             }
             None => self.upstream_lost("upstream connection closed"),
         }
+    }
+
+    /// Adds the frames read so far to the metrics.
+    fn flush_traffic(&mut self) {
+        let metrics = &self.shared.metrics;
+        let client = std::mem::take(&mut self.client_in);
+        let upstream = std::mem::take(&mut self.upstream_in);
+        metrics.traffic(Direction::ClientIn, client.frames, client.bytes);
+        metrics.traffic(Direction::UpstreamIn, upstream.frames, upstream.bytes);
+        self.tally_since = Instant::now();
     }
 
     /// Notices writer failures (a peer gone while we only write to it).
@@ -384,6 +419,9 @@ impl Session {
     }
 
     fn on_timer(&mut self, now: Instant) {
+        if now >= self.tally_since + TALLY_FLUSH {
+            self.flush_traffic();
+        }
         if !self.running && now >= self.handshake_deadline {
             tracing::info!(peer = %self.peer, "handshake did not complete in time");
             self.client_side = Side::Closed;
@@ -573,6 +611,7 @@ impl Session {
 
     /// Releases everything the connection still holds (gauges).
     fn finish(&mut self) {
+        self.flush_traffic();
         let channels: Vec<u16> = self.channels.keys().copied().collect();
         for channel in channels {
             self.remove_channel(channel);
