@@ -1,1 +1,258 @@
-//! TODO
+//! Proxy mode: each client connection is forwarded to its own upstream connection (RabbitMQ),
+//! and the proxy applies every dead-letter rule itself, with the policies from the TOML file.
+//!
+//! The handshake (protocol header, SASL, vhost) passes through, so the upstream authenticates
+//! the client and the proxy keeps no credentials. Frames that need no change are forwarded as
+//! the bytes that arrived, in order, with backpressure both ways. The proxy takes over:
+//! - `queue.declare`: client arguments are validated and merged with the policy; the upstream
+//!   queue gets the TTL and length limits and dead-letters into the proxy's capture exchange
+//!   ([`declare`], [`capture`]);
+//! - `basic.reject` / `basic.nack` with `requeue=false` on a queue with a dead-letter
+//!   exchange: the proxy publishes the rewritten message to the DLX on its own channel with
+//!   publisher confirms and only then acks the original ([`intercept`], [`publisher`],
+//!   [`outgoing`]): at-least-once;
+//! - requeues on queues with a delivery limit: republished with `x-delivery-count`, and
+//!   dead-lettered as `delivery_limit` past the limit;
+//! - messages that expire or overflow upstream come back through the capture queue and are
+//!   dead-lettered as their original queue would have.
+//!
+//! The proxy uses the three highest channel numbers of each upstream connection (the client is
+//! offered three fewer in connection.tune): one to probe whether a declared queue exists, one
+//! for its publishes (with confirms), one for the capture consumer. Client channel numbers,
+//! delivery tags and confirm sequence numbers are untouched; the proxy's settlements of client
+//! deliveries go on the client's channel with the upstream's own delivery tags.
+//!
+//! Failures: a dead-letter publish that is nacked, times out (`proxy.confirm_timeout_secs`)
+//! or is lost with the proxy's channel leaves the original to be delivered again (it is
+//! requeued with basic.nack; a captured message after a 1 s pause). A missing dead-letter
+//! exchange (404 on the proxy's channel, which is reopened) or an unroutable dead letter
+//! (basic.return) drops the message and counts it (`no_dlx`, `unroutable`), as RabbitMQ does.
+//! The upstream gone → the client gets `connection.close 320`; the client gone → the proxy's
+//! own publishes are settled, then the upstream connection is closed and the upstream
+//! requeues the client's unacked deliveries.
+//!
+//! Where proxy mode differs from a broker doing it itself (documented limits):
+//! - BCC keys are invisible to a consumer, so a message dead-lettered without a dead-letter
+//!   routing key is routed with its publish key and CC keys only;
+//! - a requeue counted against a delivery limit puts the message at the queue's tail (classic
+//!   queues requeue at the head), with `redelivered = false`, exchange `""` and the queue name
+//!   as routing key; its `CC` header is removed so the copy reaches only that queue;
+//! - TTL and length limits (from arguments or policies) are set on the upstream queue when it
+//!   is first declared through the proxy; later policy changes to them need the queue to be
+//!   recreated. Dead-letter target and delivery-limit policy changes apply at once;
+//! - a queue that already exists upstream is declared passively (no argument equivalence
+//!   check, no capture exchange added): its rejections follow the policies, but its own
+//!   expiries and overflows stay the upstream's;
+//! - the cycle rule on a DLX other than the default exchange catches a loop one lap later
+//!   than RabbitMQ (see [`outgoing`]);
+//! - when a missing DLX closes the proxy's channel, other dead letters still unconfirmed on
+//!   it are requeued and delivered again;
+//! - a client settling a tag it already rejected is ignored (RabbitMQ closes the channel with
+//!   406); acks the proxy sends on a transactional channel join the client's transaction;
+//! - the capture queue is consumed by the proxy's connections of a vhost: with no client
+//!   connected there, captured messages wait in it;
+//! - `compat = "4"`: an x-death history on a message is always continued.
+//!
+//! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
+//! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`publisher`],
+//! [`capture`], [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
+//! [`outbox`] (writer tasks), [`wire`] (frames), [`channels`], [`ops`], [`registry`].
+
+pub mod capture;
+pub mod channels;
+pub mod declare;
+mod forward;
+pub mod handshake;
+pub mod inflight;
+mod intercept;
+pub mod ops;
+pub mod outbox;
+pub mod outgoing;
+pub mod probe;
+pub mod publisher;
+pub mod registry;
+mod session;
+pub mod upstream;
+pub mod wire;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpListener;
+
+use crate::broker::args::{QueueArguments, QueueType};
+use crate::config::Config;
+use crate::deadletter::DeadLetterOptions;
+use crate::metrics::Metrics;
+use crate::policy::{EffectiveQueueSettings, PolicySet, effective_settings_with_policy};
+use crate::shutdown::Shutdown;
+
+pub use capture::DEFAULT_CAPTURE_NAME;
+use registry::QueueRegistry;
+use upstream::UpstreamTarget;
+
+/// Most queues whose declared arguments are remembered.
+const REGISTRY_CAPACITY: usize = 100_000;
+
+/// What every connection of the proxy shares.
+pub struct ProxyShared {
+    pub(crate) upstream: UpstreamTarget,
+    pub(crate) policies: Arc<RwLock<PolicySet>>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) queues: QueueRegistry,
+    pub(crate) dead_letter_options: DeadLetterOptions,
+    pub(crate) default_delivery_limit: Option<u64>,
+    pub(crate) max_inflight_bytes: usize,
+    pub(crate) confirm_timeout: Duration,
+    pub(crate) delegate_to_upstream: bool,
+    pub(crate) capture_name: String,
+    pub(crate) outbox_bytes: usize,
+    pub(crate) handshake_timeout: Duration,
+    /// Frame size accepted before tune (and the fallback when both peers say "no limit").
+    pub(crate) handshake_frame_max: u32,
+}
+
+impl std::fmt::Debug for ProxyShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyShared")
+            .field("upstream", &self.upstream)
+            .field("capture_name", &self.capture_name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A queue's settings as the proxy applies them.
+#[derive(Clone, Debug)]
+pub(crate) struct QueueView {
+    pub settings: EffectiveQueueSettings,
+    /// The proxy counts requeues against the delivery limit (classic queues; quorum queues
+    /// count natively upstream).
+    pub proxy_delivery_limit: bool,
+}
+
+impl ProxyShared {
+    /// Shared state for proxy mode, from the validated configuration.
+    pub fn new(
+        config: &Config,
+        policies: Arc<RwLock<PolicySet>>,
+        metrics: Arc<Metrics>,
+    ) -> anyhow::Result<Arc<Self>> {
+        Self::with_capture_name(config, policies, metrics, DEFAULT_CAPTURE_NAME)
+    }
+
+    /// Like [`ProxyShared::new`] with another name for the capture exchange and queue (several
+    /// proxy deployments with different policies on one upstream must not share one).
+    pub fn with_capture_name(
+        config: &Config,
+        policies: Arc<RwLock<PolicySet>>,
+        metrics: Arc<Metrics>,
+        capture_name: &str,
+    ) -> anyhow::Result<Arc<Self>> {
+        if capture_name.is_empty() || capture_name.len() > 255 {
+            anyhow::bail!("capture name must be 1 to 255 bytes");
+        }
+        let upstream = UpstreamTarget::from_config(&config.upstream)?;
+        let dead_letter_options = DeadLetterOptions::from_config(&config.dead_letter)
+            .map_err(|e| anyhow::anyhow!("dead_letter.compat: {e}"))?;
+        let limits = &config.limits;
+        Ok(Arc::new(ProxyShared {
+            upstream,
+            policies,
+            metrics,
+            queues: QueueRegistry::new(REGISTRY_CAPACITY.min(limits.max_queues.max(1))),
+            dead_letter_options,
+            default_delivery_limit: (config.dead_letter.default_delivery_limit > 0)
+                .then_some(u64::from(config.dead_letter.default_delivery_limit)),
+            max_inflight_bytes: config.proxy.max_inflight_bytes.max(1),
+            confirm_timeout: Duration::from_secs(config.proxy.confirm_timeout_secs.max(1)),
+            delegate_to_upstream: config.proxy.delegate_to_upstream,
+            capture_name: capture_name.to_string(),
+            outbox_bytes: limits.connection_outbox_bytes.max(64 * 1024),
+            handshake_timeout: Duration::from_secs(limits.handshake_timeout_secs.max(1)),
+            handshake_frame_max: limits.frame_max.max(crate::amqp::codec::FRAME_MIN_SIZE),
+        }))
+    }
+
+    /// For /readyz: whether a TCP connection to the upstream opens within one second.
+    pub async fn upstream_reachable(&self) -> bool {
+        self.upstream.reachable(Duration::from_secs(1)).await
+    }
+
+    /// The name of the capture exchange and queue.
+    pub fn capture_name(&self) -> &str {
+        &self.capture_name
+    }
+
+    /// The settings a queue has now: its declared arguments (`arguments`, else what this proxy
+    /// saw declared) merged with the current policy.
+    pub(crate) fn queue_view(
+        &self,
+        vhost: &str,
+        queue: &str,
+        arguments: Option<&QueueArguments>,
+    ) -> QueueView {
+        let registered;
+        let arguments = match arguments {
+            Some(arguments) => arguments,
+            None => {
+                registered = self.queues.lookup(vhost, queue).unwrap_or_default();
+                &registered
+            }
+        };
+        let policies = self.policies.read().unwrap_or_else(|e| e.into_inner());
+        let settings = effective_settings_with_policy(
+            arguments,
+            policies.for_queue(vhost, queue),
+            self.default_delivery_limit,
+        );
+        QueueView {
+            proxy_delivery_limit: settings.delivery_limit.is_some()
+                && arguments.queue_type != QueueType::Quorum
+                && !self.delegate_to_upstream,
+            settings,
+        }
+    }
+}
+
+/// Serves one client connection (plain TCP or TLS already accepted) until it ends.
+pub async fn handle_connection<S>(
+    client: S,
+    peer: SocketAddr,
+    shared: Arc<ProxyShared>,
+    shutdown: Shutdown,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let metrics = shared.metrics.clone();
+    metrics.connection_opened();
+    session::run(client, peer, shared, shutdown).await;
+    metrics.connection_closed();
+}
+
+/// Accepts client connections until shutdown; one task per connection.
+pub async fn serve(listener: TcpListener, shared: Arc<ProxyShared>, mut shutdown: Shutdown) {
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = shutdown.recv() => break,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                tokio::spawn(handle_connection(
+                    stream,
+                    peer,
+                    shared.clone(),
+                    shutdown.clone(),
+                ));
+            }
+            Err(err) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                tracing::warn!(%err, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}

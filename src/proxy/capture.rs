@@ -1,0 +1,625 @@
+//! The capture consumer: how messages that die inside the upstream (TTL, length limits,
+//! rejections the proxy did not intercept) come back to the proxy.
+//!
+//! Every queue declared through the proxy dead-letters upstream into the capture exchange (a
+//! durable fanout) bound to the capture queue, which the proxy consumes on its own channel of
+//! each client connection (with the client's credentials). A captured message carries the
+//! x-death entry the upstream wrote for the original queue and reason; [`reconstruct`] undoes
+//! exactly what the upstream did to the headers, so the proxy can dead-letter the message as
+//! if the original queue had done it, with no trace of the capture hop.
+//!
+//! What the upstream (RabbitMQ 3.10, `rabbit_dead_letter:update_x_death_header`) does, and how
+//! it is undone:
+//! - no x-death before: it adds `x-first-death-{reason,queue,exchange}` and
+//!   `x-death = [E]` with `count = 1`. Undo: remove both.
+//! - x-death with entries `H` and no entry for (queue, reason): with 2+ entries it reverses
+//!   them (`group_by_queue_and_reason`) and prepends `E`: `[E | reverse(H)]`. Undo:
+//!   `reverse(rest)` (reversing one entry changes nothing, so the rule holds for any length).
+//! - an entry for (queue, reason) already there: it is moved to the front with `count + 1`
+//!   and the rest is reversed as above. Undo: `[E with count - 1 | reverse(rest)]`. Where the
+//!   old entry stood is lost, and does not matter: dead-lettering it again for the same
+//!   (queue, reason) moves it to the front anyway.
+//! - `expiration` is removed and kept as `original-expiration` in a new `E`. Undo: restore it.
+//! - with a dead-letter routing key on the upstream queue (a capture tag) 3.10 deletes the
+//!   `CC` header. Undo: `CC` is `E.routing-keys` after the first (publish key first, then CC).
+//!
+//! Not recoverable: BCC keys (stripped by the upstream at publish time, as for any consumer)
+//! and a `CC` header on a message that died twice for the same (queue, reason) under a capture
+//! tag.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use amq_protocol::protocol::basic::AMQPProperties;
+use amq_protocol::protocol::{AMQPClass, basic, channel, exchange, queue};
+use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+use bytes::{Bytes, BytesMut};
+
+use super::wire::{WireFrame, content_body_size, method_frame};
+use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method};
+use crate::broker::args::amqp_integer;
+
+/// Default name of the capture exchange and queue.
+pub const DEFAULT_CAPTURE_NAME: &str = "dlx-proxy.capture";
+
+/// Deliveries the capture consumer holds unacknowledged.
+pub const CAPTURE_PREFETCH: u16 = 64;
+
+/// Consumer tag of the capture consumer.
+const CAPTURE_CONSUMER_TAG: &str = "dlx-proxy-capture";
+
+/// How long a capture delivery whose dead-letter publish failed waits before it is requeued.
+pub const RETRY_DELAY: Duration = Duration::from_secs(1);
+
+/// The death the upstream recorded, read from the newest x-death entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CapturedDeath {
+    pub queue: String,
+    pub reason: String,
+    pub exchange: String,
+    pub routing_keys: Vec<String>,
+    /// Seconds since the epoch.
+    pub time: u64,
+    /// The entry's count after the upstream incremented it.
+    pub count: i64,
+}
+
+/// Why a captured message cannot be read.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CaptureError {
+    #[error("captured message has no x-death array")]
+    NoXDeath,
+    #[error("newest x-death entry lacks {0}")]
+    MissingField(&'static str),
+}
+
+fn text(value: &AMQPValue) -> Option<String> {
+    match value {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
+        _ => None,
+    }
+}
+
+fn long_text(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s))
+}
+
+/// Reads the newest entry and rebuilds the properties the message had before the upstream
+/// dead-lettered it. `upstream_had_routing_key` says whether the upstream queue had a
+/// dead-letter routing key (then 3.10 deleted the CC header).
+pub fn reconstruct(
+    props: &AMQPProperties,
+    upstream_had_routing_key: bool,
+) -> Result<(AMQPProperties, CapturedDeath), CaptureError> {
+    let headers = props.headers().as_ref().ok_or(CaptureError::NoXDeath)?;
+    let Some(AMQPValue::FieldArray(deaths)) = headers.inner().get("x-death") else {
+        return Err(CaptureError::NoXDeath);
+    };
+    let entries = deaths.as_slice();
+    let Some(AMQPValue::FieldTable(newest)) = entries.first() else {
+        return Err(CaptureError::NoXDeath);
+    };
+    let field = |name: &'static str| newest.inner().get(name);
+    let queue = field("queue")
+        .and_then(text)
+        .ok_or(CaptureError::MissingField("queue"))?;
+    let reason = field("reason")
+        .and_then(text)
+        .ok_or(CaptureError::MissingField("reason"))?;
+    let exchange = field("exchange").and_then(text).unwrap_or_default();
+    let routing_keys: Vec<String> = match field("routing-keys") {
+        Some(AMQPValue::FieldArray(keys)) => keys.as_slice().iter().filter_map(text).collect(),
+        _ => Vec::new(),
+    };
+    let time = match field("time") {
+        Some(AMQPValue::Timestamp(t)) => *t,
+        Some(other) => amqp_integer(other)
+            .and_then(|t| u64::try_from(t).ok())
+            .unwrap_or(0),
+        None => 0,
+    };
+    let count = field("count").and_then(amqp_integer).unwrap_or(1);
+    let rest = &entries[1..];
+
+    let mut map = headers.inner().clone();
+    let mut restored: Vec<AMQPValue> = Vec::with_capacity(entries.len());
+    if count > 1 {
+        let mut older = newest.inner().clone();
+        older.insert(
+            ShortString::from("count"),
+            AMQPValue::LongLongInt(count - 1),
+        );
+        restored.push(AMQPValue::FieldTable(FieldTable::from(older)));
+    }
+    restored.extend(rest.iter().rev().cloned());
+    if restored.is_empty() {
+        map.remove("x-death");
+        map.remove("x-first-death-reason");
+        map.remove("x-first-death-queue");
+        map.remove("x-first-death-exchange");
+    } else {
+        map.insert(
+            ShortString::from("x-death"),
+            AMQPValue::FieldArray(FieldArray::from(restored)),
+        );
+    }
+    if upstream_had_routing_key && count <= 1 && routing_keys.len() > 1 {
+        let cc: Vec<AMQPValue> = routing_keys[1..].iter().map(|k| long_text(k)).collect();
+        map.insert(
+            ShortString::from("CC"),
+            AMQPValue::FieldArray(FieldArray::from(cc)),
+        );
+    }
+    let mut before = props.clone().with_headers(FieldTable::from(map));
+    if count <= 1
+        && let Some(expiration) = field("original-expiration").and_then(text)
+        && let Ok(expiration) = ShortString::try_new(expiration)
+    {
+        before = before.with_expiration(expiration);
+    }
+    Ok((
+        before,
+        CapturedDeath {
+            queue,
+            reason,
+            exchange,
+            routing_keys,
+            time,
+            count,
+        },
+    ))
+}
+
+/// A message taken from the capture queue.
+#[derive(Clone, Debug)]
+pub struct CapturedMessage {
+    pub delivery_tag: u64,
+    /// The consumer's channel epoch (acks for an older epoch are void).
+    pub epoch: u64,
+    pub routing_key: String,
+    pub raw_properties: Bytes,
+    pub body: Bytes,
+}
+
+#[derive(Debug)]
+struct Incoming {
+    delivery_tag: u64,
+    routing_key: String,
+    raw_properties: Option<Bytes>,
+    body: BytesMut,
+    remaining: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ConsumerState {
+    Starting,
+    Consuming,
+    /// The upstream refused the setup (permissions, a conflicting queue): no capture here.
+    Off,
+}
+
+/// What the session must do after a capture-channel frame.
+#[derive(Debug, Default)]
+pub struct CaptureStep {
+    /// Frames to write upstream (on the capture channel).
+    pub write: Option<Bytes>,
+    /// A complete captured message.
+    pub message: Option<CapturedMessage>,
+}
+
+/// The capture consumer on the proxy's capture channel.
+#[derive(Debug)]
+pub struct CaptureConsumer {
+    channel: u16,
+    name: String,
+    state: ConsumerState,
+    epoch: u64,
+    incoming: Option<Incoming>,
+    retries: VecDeque<(Instant, u64, u64)>,
+    /// Capture deliveries taken and not yet settled.
+    outstanding: usize,
+}
+
+impl CaptureConsumer {
+    pub fn new(channel: u16, name: &str) -> Self {
+        CaptureConsumer {
+            channel,
+            name: name.to_string(),
+            state: ConsumerState::Starting,
+            epoch: 1,
+            incoming: None,
+            retries: VecDeque::new(),
+            outstanding: 0,
+        }
+    }
+
+    pub fn channel(&self) -> u16 {
+        self.channel
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.state != ConsumerState::Off
+    }
+
+    pub fn outstanding(&self) -> usize {
+        self.outstanding
+    }
+
+    /// Opens the channel, declares exchange, queue and binding, and starts consuming (all
+    /// pipelined; replies are read by [`CaptureConsumer::on_frame`]).
+    pub fn start_frames(&self) -> Bytes {
+        let Ok(name) = ShortString::try_new(self.name.clone()) else {
+            return Bytes::new();
+        };
+        let ch = self.channel;
+        let mut out = BytesMut::new();
+        let mut put = |method: AMQPClass| out.extend_from_slice(&method_frame(ch, method));
+        put(AMQPClass::Channel(channel::AMQPMethod::Open(
+            channel::Open {},
+        )));
+        put(AMQPClass::Exchange(exchange::AMQPMethod::Declare(
+            exchange::Declare {
+                exchange: name.clone(),
+                kind: ShortString::from("fanout"),
+                passive: false,
+                durable: true,
+                auto_delete: false,
+                internal: false,
+                nowait: false,
+                arguments: FieldTable::default(),
+            },
+        )));
+        put(AMQPClass::Queue(queue::AMQPMethod::Declare(
+            queue::Declare {
+                queue: name.clone(),
+                passive: false,
+                durable: true,
+                exclusive: false,
+                auto_delete: false,
+                nowait: false,
+                arguments: FieldTable::default(),
+            },
+        )));
+        put(AMQPClass::Queue(queue::AMQPMethod::Bind(queue::Bind {
+            queue: name.clone(),
+            exchange: name.clone(),
+            routing_key: ShortString::from(""),
+            nowait: false,
+            arguments: FieldTable::default(),
+        })));
+        put(AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
+            prefetch_count: CAPTURE_PREFETCH,
+            global: false,
+        })));
+        put(AMQPClass::Basic(basic::AMQPMethod::Consume(
+            basic::Consume {
+                queue: name,
+                consumer_tag: ShortString::from(CAPTURE_CONSUMER_TAG),
+                no_local: false,
+                no_ack: false,
+                exclusive: false,
+                nowait: false,
+                arguments: FieldTable::default(),
+            },
+        )));
+        out.freeze()
+    }
+
+    /// Handles one upstream frame on the capture channel.
+    pub fn on_frame(&mut self, frame: &WireFrame) -> CaptureStep {
+        let mut step = CaptureStep::default();
+        match frame.kind {
+            FRAME_METHOD => match decode_method(&frame.payload) {
+                Some(AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(_))) => {
+                    self.state = ConsumerState::Consuming;
+                }
+                Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => {
+                    self.incoming = Some(Incoming {
+                        delivery_tag: d.delivery_tag,
+                        routing_key: d.routing_key.as_str().to_string(),
+                        raw_properties: None,
+                        body: BytesMut::new(),
+                        remaining: 0,
+                    });
+                }
+                Some(AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
+                    tracing::warn!(
+                        code = close.reply_code,
+                        text = close.reply_text.as_str(),
+                        capture = %self.name,
+                        "capture consumer refused by the upstream; messages that expire or \
+                         overflow upstream are not dead-lettered through this connection"
+                    );
+                    self.state = ConsumerState::Off;
+                    self.incoming = None;
+                    self.outstanding = 0;
+                    self.retries.clear();
+                    self.epoch += 1;
+                    step.write = Some(method_frame(
+                        self.channel,
+                        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+                    ));
+                }
+                Some(AMQPClass::Basic(basic::AMQPMethod::Cancel(_))) => {
+                    // The capture queue was deleted: stop; the messages held are requeued when
+                    // the connection ends.
+                    tracing::warn!(capture = %self.name, "capture consumer cancelled by the upstream");
+                    self.state = ConsumerState::Off;
+                }
+                _ => {}
+            },
+            FRAME_HEADER => {
+                if let Some(incoming) = self.incoming.as_mut() {
+                    let size = content_body_size(&frame.payload).unwrap_or(0);
+                    incoming.raw_properties = Some(Bytes::copy_from_slice(
+                        frame.payload.get(12..).unwrap_or_default(),
+                    ));
+                    incoming.remaining = size;
+                    incoming.body.reserve(size.min(16 * 1024 * 1024) as usize);
+                    if size == 0 {
+                        step.message = self.finish();
+                    }
+                }
+            }
+            FRAME_BODY => {
+                if let Some(incoming) = self.incoming.as_mut() {
+                    incoming.body.extend_from_slice(&frame.payload);
+                    incoming.remaining = incoming
+                        .remaining
+                        .saturating_sub(frame.payload.len() as u64);
+                    if incoming.remaining == 0 {
+                        step.message = self.finish();
+                    }
+                }
+            }
+            _ => {}
+        }
+        step
+    }
+
+    fn finish(&mut self) -> Option<CapturedMessage> {
+        let incoming = self.incoming.take()?;
+        self.outstanding += 1;
+        Some(CapturedMessage {
+            delivery_tag: incoming.delivery_tag,
+            epoch: self.epoch,
+            routing_key: incoming.routing_key,
+            raw_properties: incoming
+                .raw_properties
+                .unwrap_or_else(|| Bytes::from_static(&[0, 0])),
+            body: incoming.body.freeze(),
+        })
+    }
+
+    /// The ack for a capture delivery, if its epoch is current.
+    pub fn ack(&mut self, delivery_tag: u64, epoch: u64) -> Option<Bytes> {
+        if epoch != self.epoch || self.state == ConsumerState::Off {
+            return None;
+        }
+        self.outstanding = self.outstanding.saturating_sub(1);
+        Some(method_frame(
+            self.channel,
+            AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                delivery_tag,
+                multiple: false,
+            })),
+        ))
+    }
+
+    /// Schedules a requeue after [`RETRY_DELAY`] (the dead-letter publish failed).
+    pub fn retry_later(&mut self, delivery_tag: u64, epoch: u64, now: Instant) {
+        if epoch == self.epoch {
+            self.retries
+                .push_back((now + RETRY_DELAY, delivery_tag, epoch));
+        }
+    }
+
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.retries.front().map(|(at, _, _)| *at)
+    }
+
+    /// The requeues that are due.
+    pub fn due_retries(&mut self, now: Instant) -> Option<Bytes> {
+        let mut out = BytesMut::new();
+        while let Some(&(at, tag, epoch)) = self.retries.front() {
+            if at > now {
+                break;
+            }
+            self.retries.pop_front();
+            if epoch != self.epoch || self.state == ConsumerState::Off {
+                continue;
+            }
+            self.outstanding = self.outstanding.saturating_sub(1);
+            out.extend_from_slice(&method_frame(
+                self.channel,
+                AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                    delivery_tag: tag,
+                    multiple: false,
+                    requeue: true,
+                })),
+            ));
+        }
+        (!out.is_empty()).then(|| out.freeze())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::amqp::codec::put_raw_frame;
+    use crate::amqp::content::put_content;
+    use crate::proxy::wire::WireCodec;
+    use tokio_util::codec::Decoder;
+
+    fn entry(queue: &str, reason: &str, count: i64, keys: &[&str]) -> AMQPValue {
+        let mut t = FieldTable::default();
+        t.insert("count".into(), AMQPValue::LongLongInt(count));
+        t.insert("queue".into(), long_text(queue));
+        t.insert("reason".into(), long_text(reason));
+        t.insert("exchange".into(), long_text(""));
+        t.insert("time".into(), AMQPValue::Timestamp(1_700_000_000));
+        t.insert(
+            "routing-keys".into(),
+            AMQPValue::FieldArray(FieldArray::from(
+                keys.iter().map(|k| long_text(k)).collect::<Vec<_>>(),
+            )),
+        );
+        AMQPValue::FieldTable(t)
+    }
+
+    fn props_with(headers: &[(&str, AMQPValue)]) -> AMQPProperties {
+        let mut t = FieldTable::default();
+        for (k, v) in headers {
+            t.insert(ShortString::from(*k), v.clone());
+        }
+        AMQPProperties::default().with_headers(t)
+    }
+
+    fn deaths(list: Vec<AMQPValue>) -> AMQPValue {
+        AMQPValue::FieldArray(FieldArray::from(list))
+    }
+
+    #[test]
+    fn first_death_is_undone_completely() {
+        let mut e = entry("q", "expired", 1, &["q", "cc1"]);
+        if let AMQPValue::FieldTable(t) = &mut e {
+            t.insert("original-expiration".into(), long_text("50"));
+        }
+        let props = props_with(&[
+            ("x-death", deaths(vec![e])),
+            ("x-first-death-queue", long_text("q")),
+            ("x-first-death-reason", long_text("expired")),
+            ("x-first-death-exchange", long_text("")),
+            ("app", long_text("kept")),
+        ]);
+        let (before, death) = reconstruct(&props, true).unwrap();
+        assert_eq!(death.queue, "q");
+        assert_eq!(death.reason, "expired");
+        assert_eq!(death.routing_keys, vec!["q", "cc1"]);
+        assert_eq!(death.time, 1_700_000_000);
+        assert_eq!(before.expiration().as_ref().map(|e| e.as_str()), Some("50"));
+        let headers = before.headers().as_ref().unwrap().inner();
+        assert!(headers.get("x-death").is_none());
+        assert!(headers.get("x-first-death-queue").is_none());
+        assert_eq!(headers.get("app"), Some(&long_text("kept")));
+        assert_eq!(headers.get("CC"), Some(&deaths(vec![long_text("cc1")])));
+    }
+
+    #[test]
+    fn the_reversal_of_older_entries_is_undone() {
+        // Before: [b, a] (newest first); the upstream wrote [c, reverse([b, a])] = [c, a, b].
+        let props = props_with(&[
+            (
+                "x-death",
+                deaths(vec![
+                    entry("c", "expired", 1, &["c"]),
+                    entry("a", "rejected", 1, &["a"]),
+                    entry("b", "rejected", 1, &["b"]),
+                ]),
+            ),
+            ("x-first-death-queue", long_text("a")),
+        ]);
+        let (before, death) = reconstruct(&props, false).unwrap();
+        assert_eq!(death.queue, "c");
+        let headers = before.headers().as_ref().unwrap().inner();
+        assert_eq!(
+            headers.get("x-death"),
+            Some(&deaths(vec![
+                entry("b", "rejected", 1, &["b"]),
+                entry("a", "rejected", 1, &["a"])
+            ]))
+        );
+        assert_eq!(headers.get("x-first-death-queue"), Some(&long_text("a")));
+        assert!(headers.get("CC").is_none());
+        assert!(before.expiration().is_none());
+    }
+
+    #[test]
+    fn a_repeated_death_gets_its_count_back() {
+        let props = props_with(&[(
+            "x-death",
+            deaths(vec![
+                entry("q", "expired", 3, &["q"]),
+                entry("p", "rejected", 1, &["p"]),
+            ]),
+        )]);
+        let (before, death) = reconstruct(&props, false).unwrap();
+        assert_eq!(death.count, 3);
+        let headers = before.headers().as_ref().unwrap().inner();
+        assert_eq!(
+            headers.get("x-death"),
+            Some(&deaths(vec![
+                entry("q", "expired", 2, &["q"]),
+                entry("p", "rejected", 1, &["p"])
+            ]))
+        );
+    }
+
+    #[test]
+    fn messages_without_x_death_are_refused() {
+        assert_eq!(
+            reconstruct(&AMQPProperties::default(), false).unwrap_err(),
+            CaptureError::NoXDeath
+        );
+        let props = props_with(&[("x-death", deaths(vec![]))]);
+        assert_eq!(
+            reconstruct(&props, false).unwrap_err(),
+            CaptureError::NoXDeath
+        );
+    }
+
+    fn frames(bytes: &[u8]) -> Vec<WireFrame> {
+        let mut buf = BytesMut::from(bytes);
+        let mut codec = WireCodec::new(4096);
+        let mut out = Vec::new();
+        while let Some(f) = codec.decode(&mut buf).unwrap() {
+            out.push(f);
+        }
+        out
+    }
+
+    #[test]
+    fn consumer_assembles_deliveries_and_acks_by_epoch() {
+        let mut consumer = CaptureConsumer::new(9, DEFAULT_CAPTURE_NAME);
+        let setup = frames(&consumer.start_frames());
+        assert_eq!(setup.len(), 6);
+        assert!(setup.iter().all(|f| f.channel == 9));
+        let mut wire = BytesMut::new();
+        wire.extend_from_slice(&method_frame(
+            9,
+            AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+                consumer_tag: ShortString::from(CAPTURE_CONSUMER_TAG),
+                delivery_tag: 4,
+                redelivered: false,
+                exchange: ShortString::from(DEFAULT_CAPTURE_NAME),
+                routing_key: ShortString::from("rk"),
+            })),
+        ));
+        put_content(&mut wire, 9, &[0, 0], &[1u8; 5000], 4096);
+        put_raw_frame(&mut wire, 8, 0, b"");
+        let mut got = None;
+        for frame in frames(&wire) {
+            if frame.channel == 9 {
+                let step = consumer.on_frame(&frame);
+                if step.message.is_some() {
+                    got = step.message;
+                }
+            }
+        }
+        let message = got.unwrap();
+        assert_eq!(message.delivery_tag, 4);
+        assert_eq!(message.body.len(), 5000);
+        assert_eq!(consumer.outstanding(), 1);
+        assert!(consumer.ack(4, message.epoch + 1).is_none());
+        assert!(consumer.ack(4, message.epoch).is_some());
+        let now = Instant::now();
+        consumer.retry_later(5, message.epoch, now);
+        assert!(consumer.due_retries(now).is_none());
+        assert!(consumer.due_retries(now + RETRY_DELAY).is_some());
+    }
+}

@@ -1,0 +1,178 @@
+//! What the proxy tracks for each client channel: its lifecycle, where its deliveries come
+//! from (consumers and pending gets), content in progress in both directions, kept
+//! deliveries, and frames the proxy must hold back until a content sequence is complete.
+//!
+//! AMQP content (method, header, bodies) must not be interleaved with other frames on the same
+//! channel, so a frame the proxy injects on a client channel (a deferred ack upstream, a
+//! channel.close to the client) waits in `deferred_*` while content is in progress there.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+
+use super::inflight::{ChannelDeliveries, KeptDelivery};
+
+/// Where a channel is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChannelPhase {
+    Open,
+    /// The client sent channel.close; forwarded (or parked until the proxy's own work on
+    /// the channel is settled); waiting for the upstream's close-ok.
+    ClosingByClient,
+    /// The upstream sent channel.close (forwarded); waiting for the client's close-ok.
+    ClosingByUpstream,
+    /// The proxy closed the channel on both sides (a refused declare); waiting for the
+    /// client's close-ok (the upstream's is swallowed separately).
+    ClosedByProxy,
+}
+
+/// Where deliveries of one consumer come from.
+#[derive(Clone, Debug)]
+pub struct Source {
+    pub queue: Arc<str>,
+    pub no_ack: bool,
+}
+
+/// A queue.declare waiting for its declare-ok.
+#[derive(Clone, Debug)]
+pub struct PendingDeclare {
+    /// What to remember about the queue (None: passive or untouched declare).
+    pub arguments: Option<crate::broker::args::QueueArguments>,
+}
+
+/// Content (method + header + bodies) arriving from the upstream on a client channel.
+#[derive(Debug)]
+pub struct IncomingContent {
+    /// Set when the delivery is kept.
+    pub keep: Option<KeepBuilder>,
+    /// Body bytes still expected (None until the header arrived).
+    pub remaining: Option<u64>,
+}
+
+/// A kept delivery being assembled.
+#[derive(Debug)]
+pub struct KeepBuilder {
+    pub delivery_tag: u64,
+    pub queue: Arc<str>,
+    pub exchange: String,
+    pub routing_key: String,
+    pub redelivered: bool,
+    pub raw_properties: Bytes,
+    pub body: BytesMut,
+}
+
+impl KeepBuilder {
+    pub fn finish(self) -> (u64, KeptDelivery) {
+        (
+            self.delivery_tag,
+            KeptDelivery {
+                queue: self.queue,
+                exchange: self.exchange,
+                routing_key: self.routing_key,
+                redelivered: self.redelivered,
+                raw_properties: self.raw_properties,
+                body: self.body.freeze(),
+                received_at: Instant::now(),
+            },
+        )
+    }
+}
+
+/// Client → upstream content in progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutgoingContent {
+    AwaitingHeader,
+    Body { remaining: u64 },
+}
+
+/// One client channel.
+#[derive(Debug)]
+pub struct ClientChannel {
+    /// Unique per opening, so late work for a closed channel is recognised.
+    pub id: u64,
+    pub phase: ChannelPhase,
+    pub consumers: HashMap<String, Source>,
+    /// basic.consume sent (not nowait), consume-ok not yet seen.
+    pub pending_consumes: VecDeque<Source>,
+    /// basic.get sent, get-ok / get-empty not yet seen.
+    pub pending_gets: VecDeque<Source>,
+    pub pending_declares: VecDeque<PendingDeclare>,
+    /// The queue most recently declared on this channel (what "" means in consume/get).
+    pub last_queue: Option<Arc<str>>,
+    pub incoming: Option<IncomingContent>,
+    pub outgoing: Option<OutgoingContent>,
+    pub deliveries: ChannelDeliveries,
+    /// Proxy work (dead-letter, requeue) not yet settled for this channel.
+    pub ops: usize,
+    /// Frames for the upstream held until the client's content sequence ends.
+    pub deferred_upstream: Vec<Bytes>,
+    /// Frames for the client held until the upstream's content sequence ends.
+    pub deferred_client: Vec<Bytes>,
+    /// The client's channel.close, held until `ops` reaches 0.
+    pub parked_close: Option<Bytes>,
+    /// tx.select was used: injected acks would join the client's transaction.
+    pub transactional: bool,
+}
+
+impl ClientChannel {
+    pub fn new(id: u64) -> Self {
+        ClientChannel {
+            id,
+            phase: ChannelPhase::Open,
+            consumers: HashMap::new(),
+            pending_consumes: VecDeque::new(),
+            pending_gets: VecDeque::new(),
+            pending_declares: VecDeque::new(),
+            last_queue: None,
+            incoming: None,
+            outgoing: None,
+            deliveries: ChannelDeliveries::default(),
+            ops: 0,
+            deferred_upstream: Vec::new(),
+            deferred_client: Vec::new(),
+            parked_close: None,
+            transactional: false,
+        }
+    }
+
+    /// The queue a consume or get names ("" = the last declared one).
+    pub fn resolve_queue(&self, named: &str) -> Arc<str> {
+        if named.is_empty()
+            && let Some(last) = &self.last_queue
+        {
+            return last.clone();
+        }
+        Arc::from(named)
+    }
+
+    /// Whether frames may be injected upstream now (no client content in progress).
+    pub fn upstream_idle(&self) -> bool {
+        self.outgoing.is_none()
+    }
+
+    /// Whether frames may be injected to the client now (no upstream content in progress).
+    pub fn client_idle(&self) -> bool {
+        self.incoming.is_none()
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.phase == ChannelPhase::Open
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_queue_names_mean_the_last_declared_queue() {
+        let mut ch = ClientChannel::new(1);
+        assert_eq!(&*ch.resolve_queue(""), "");
+        ch.last_queue = Some(Arc::from("amq.gen-1"));
+        assert_eq!(&*ch.resolve_queue(""), "amq.gen-1");
+        assert_eq!(&*ch.resolve_queue("q"), "q");
+        assert!(ch.upstream_idle() && ch.client_idle() && ch.is_open());
+    }
+}

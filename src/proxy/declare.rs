@@ -1,0 +1,347 @@
+//! `queue.declare` in proxy mode: validate the client's x-arguments the way the embedded broker
+//! does, merge them with the TOML policy key by key, and compute the arguments the upstream
+//! queue is declared with.
+//!
+//! The upstream queue gets the effective TTL and length limits, but never the real dead-letter
+//! target: its dead-letter exchange is the proxy's capture exchange, so everything that dies
+//! upstream (expired, maxlen, and rejections the proxy did not see) reaches the proxy, which
+//! dead-letters it with the real settings. Dead-letter arguments the client gave travel in the
+//! upstream queue's dead-letter routing key as a [`CaptureTag`], so any proxy instance that
+//! consumes the capture queue knows them. With `proxy.delegate_to_upstream` the merged
+//! dead-letter settings are given to the upstream instead and it dead-letters on its own.
+
+use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
+
+use crate::broker::args::{
+    ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY, ARG_DEAD_LETTER_STRATEGY,
+    ARG_DELIVERY_LIMIT, ARG_EXPIRES, ARG_MAX_LENGTH, ARG_MAX_LENGTH_BYTES, ARG_MESSAGE_TTL,
+    ARG_OVERFLOW, ArgumentError, QueueArguments, QueueType, amqp_integer, parse_queue_arguments,
+};
+use crate::policy::{EffectiveQueueSettings, PolicyDefinition, effective_settings};
+
+/// Prefix of a capture tag in an upstream queue's dead-letter routing key.
+pub const CAPTURE_TAG_PREFIX: &str = "dlx-proxy:";
+
+/// The client's own dead-letter arguments, carried through the upstream.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CaptureTag {
+    #[serde(rename = "x", default, skip_serializing_if = "Option::is_none")]
+    pub dead_letter_exchange: Option<String>,
+    #[serde(rename = "k", default, skip_serializing_if = "Option::is_none")]
+    pub dead_letter_routing_key: Option<String>,
+}
+
+impl CaptureTag {
+    /// The tag for these arguments; `None` when the client gave no dead-letter arguments.
+    pub fn from_arguments(args: &QueueArguments) -> Option<CaptureTag> {
+        if args.dead_letter_exchange.is_none() && args.dead_letter_routing_key.is_none() {
+            return None;
+        }
+        Some(CaptureTag {
+            dead_letter_exchange: args.dead_letter_exchange.clone(),
+            dead_letter_routing_key: args.dead_letter_routing_key.clone(),
+        })
+    }
+
+    /// The routing-key form, if it fits a short string.
+    pub fn encode(&self) -> Option<String> {
+        let json = serde_json::to_string(self).ok()?;
+        let text = format!("{CAPTURE_TAG_PREFIX}{json}");
+        (text.len() <= 255).then_some(text)
+    }
+
+    /// Reads a routing key written by [`CaptureTag::encode`].
+    pub fn decode(routing_key: &str) -> Option<CaptureTag> {
+        let json = routing_key.strip_prefix(CAPTURE_TAG_PREFIX)?;
+        serde_json::from_str(json).ok()
+    }
+
+    /// The queue arguments it stands for (only the dead-letter ones are known).
+    pub fn to_arguments(&self) -> QueueArguments {
+        QueueArguments {
+            dead_letter_exchange: self.dead_letter_exchange.clone(),
+            dead_letter_routing_key: self.dead_letter_routing_key.clone(),
+            ..QueueArguments::default()
+        }
+    }
+}
+
+/// Where dead-lettering happens for declared queues.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeadLetterHandling {
+    /// The proxy dead-letters; the upstream queues dead-letter into this capture exchange.
+    Capture { exchange: String },
+    /// The upstream dead-letters with the merged settings (`proxy.delegate_to_upstream`).
+    Delegate,
+}
+
+/// The outcome of a valid declare.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeclareRewrite {
+    /// What the client asked for, parsed.
+    pub client_arguments: QueueArguments,
+    /// Client arguments merged with the policy.
+    pub effective: EffectiveQueueSettings,
+    /// The arguments to declare the upstream queue with.
+    pub upstream_arguments: FieldTable,
+    /// Whether the proxy emulates the delivery limit (classic queues) rather than leaving it to
+    /// the upstream (quorum queues count deliveries natively).
+    pub proxy_delivery_limit: bool,
+}
+
+/// Validates and rewrites the arguments of a (non-passive) queue.declare.
+pub fn rewrite_declare(
+    client: &FieldTable,
+    policy: Option<&PolicyDefinition>,
+    default_delivery_limit: Option<u64>,
+    handling: &DeadLetterHandling,
+) -> Result<DeclareRewrite, ArgumentError> {
+    let parsed = parse_queue_arguments(client)?;
+    let effective = effective_settings(&parsed, policy, default_delivery_limit);
+    let mut upstream = FieldTable::default();
+    for (key, value) in client {
+        if matches!(
+            key.as_str(),
+            ARG_DEAD_LETTER_EXCHANGE
+                | ARG_DEAD_LETTER_ROUTING_KEY
+                | ARG_DEAD_LETTER_STRATEGY
+                | ARG_DELIVERY_LIMIT
+                | ARG_MESSAGE_TTL
+                | ARG_EXPIRES
+                | ARG_MAX_LENGTH
+                | ARG_MAX_LENGTH_BYTES
+                | ARG_OVERFLOW
+        ) {
+            continue;
+        }
+        upstream.insert(key.clone(), value.clone());
+    }
+    put_number(
+        &mut upstream,
+        client,
+        ARG_MESSAGE_TTL,
+        effective.message_ttl,
+    );
+    put_number(&mut upstream, client, ARG_EXPIRES, effective.expires);
+    put_number(&mut upstream, client, ARG_MAX_LENGTH, effective.max_length);
+    put_number(
+        &mut upstream,
+        client,
+        ARG_MAX_LENGTH_BYTES,
+        effective.max_length_bytes,
+    );
+    if parsed.overflow.is_some() || policy.is_some_and(|p| p.overflow.is_some()) {
+        put_text(&mut upstream, ARG_OVERFLOW, effective.overflow.as_str());
+    }
+    let quorum = parsed.queue_type == QueueType::Quorum;
+    if quorum {
+        put_number(
+            &mut upstream,
+            client,
+            ARG_DELIVERY_LIMIT,
+            effective.delivery_limit,
+        );
+    }
+    match handling {
+        DeadLetterHandling::Capture { exchange } => {
+            put_text(&mut upstream, ARG_DEAD_LETTER_EXCHANGE, exchange);
+            if let Some(tag) = CaptureTag::from_arguments(&parsed).and_then(|t| t.encode()) {
+                put_text(&mut upstream, ARG_DEAD_LETTER_ROUTING_KEY, &tag);
+            }
+        }
+        DeadLetterHandling::Delegate => {
+            if let Some(dlx) = &effective.dead_letter_exchange {
+                put_text(&mut upstream, ARG_DEAD_LETTER_EXCHANGE, dlx);
+                if let Some(key) = &effective.dead_letter_routing_key {
+                    put_text(&mut upstream, ARG_DEAD_LETTER_ROUTING_KEY, key);
+                }
+            }
+            if let Some(strategy) = client.inner().get(ARG_DEAD_LETTER_STRATEGY) {
+                upstream.insert(
+                    ShortString::from(ARG_DEAD_LETTER_STRATEGY),
+                    strategy.clone(),
+                );
+            }
+        }
+    }
+    let proxy_delivery_limit =
+        !quorum && effective.delivery_limit.is_some() && *handling != DeadLetterHandling::Delegate;
+    Ok(DeclareRewrite {
+        client_arguments: parsed,
+        effective,
+        upstream_arguments: upstream,
+        proxy_delivery_limit,
+    })
+}
+
+/// Sets a numeric argument, keeping the client's own value (and type) when it is the effective
+/// one, so redeclares stay equivalent.
+fn put_number(upstream: &mut FieldTable, client: &FieldTable, key: &str, value: Option<u64>) {
+    let Some(value) = value else {
+        return;
+    };
+    if let Some(original) = client.inner().get(key)
+        && amqp_integer(original) == i64::try_from(value).ok()
+    {
+        upstream.insert(ShortString::from(key), original.clone());
+        return;
+    }
+    let number = i64::try_from(value).unwrap_or(i64::MAX);
+    upstream.insert(ShortString::from(key), AMQPValue::LongLongInt(number));
+}
+
+fn put_text(upstream: &mut FieldTable, key: &str, value: &str) {
+    upstream.insert(
+        ShortString::from(key),
+        AMQPValue::LongString(LongString::from(value)),
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::args::Overflow;
+
+    fn args(entries: &[(&str, AMQPValue)]) -> FieldTable {
+        let mut t = FieldTable::default();
+        for (k, v) in entries {
+            t.insert(ShortString::from(*k), v.clone());
+        }
+        t
+    }
+
+    fn text(s: &str) -> AMQPValue {
+        AMQPValue::LongString(LongString::from(s))
+    }
+
+    fn capture() -> DeadLetterHandling {
+        DeadLetterHandling::Capture {
+            exchange: "dlx-proxy.capture".into(),
+        }
+    }
+
+    #[test]
+    fn dead_letter_arguments_go_to_the_capture_tag() {
+        let client = args(&[
+            (ARG_DEAD_LETTER_EXCHANGE, text("dlx")),
+            (ARG_DEAD_LETTER_ROUTING_KEY, text("dlq")),
+            (ARG_MESSAGE_TTL, AMQPValue::LongInt(1000)),
+            ("x-max-priority", AMQPValue::ShortShortUInt(5)),
+        ]);
+        let rewrite = rewrite_declare(&client, None, None, &capture()).unwrap();
+        let up = rewrite.upstream_arguments.inner();
+        assert_eq!(
+            up.get(ARG_DEAD_LETTER_EXCHANGE),
+            Some(&text("dlx-proxy.capture"))
+        );
+        let Some(AMQPValue::LongString(tag)) = up.get(ARG_DEAD_LETTER_ROUTING_KEY) else {
+            panic!("no tag");
+        };
+        let tag = CaptureTag::decode(&String::from_utf8_lossy(tag.as_bytes())).unwrap();
+        assert_eq!(tag.dead_letter_exchange.as_deref(), Some("dlx"));
+        assert_eq!(tag.dead_letter_routing_key.as_deref(), Some("dlq"));
+        assert_eq!(up.get(ARG_MESSAGE_TTL), Some(&AMQPValue::LongInt(1000)));
+        assert_eq!(
+            up.get("x-max-priority"),
+            Some(&AMQPValue::ShortShortUInt(5))
+        );
+        assert_eq!(
+            rewrite.effective.dead_letter_exchange.as_deref(),
+            Some("dlx")
+        );
+    }
+
+    #[test]
+    fn policy_limits_reach_the_upstream_and_the_lower_wins() {
+        let policy = PolicyDefinition {
+            dead_letter_exchange: Some("pdlx".into()),
+            message_ttl: Some(500),
+            max_length: Some(10),
+            overflow: Some(Overflow::RejectPublishDlx),
+            ..PolicyDefinition::default()
+        };
+        let client = args(&[(ARG_MESSAGE_TTL, AMQPValue::LongInt(1000))]);
+        let rewrite = rewrite_declare(&client, Some(&policy), None, &capture()).unwrap();
+        let up = rewrite.upstream_arguments.inner();
+        assert_eq!(up.get(ARG_MESSAGE_TTL), Some(&AMQPValue::LongLongInt(500)));
+        assert_eq!(up.get(ARG_MAX_LENGTH), Some(&AMQPValue::LongLongInt(10)));
+        assert_eq!(up.get(ARG_OVERFLOW), Some(&text("reject-publish-dlx")));
+        // No client dead-letter arguments: no tag, the policy is read when a message dies.
+        assert!(up.get(ARG_DEAD_LETTER_ROUTING_KEY).is_none());
+        assert_eq!(
+            rewrite.effective.dead_letter_exchange.as_deref(),
+            Some("pdlx")
+        );
+    }
+
+    #[test]
+    fn delivery_limit_is_emulated_on_classic_and_native_on_quorum() {
+        let client = args(&[(ARG_DELIVERY_LIMIT, AMQPValue::LongInt(2))]);
+        let rewrite = rewrite_declare(&client, None, None, &capture()).unwrap();
+        assert!(rewrite.proxy_delivery_limit);
+        assert!(
+            rewrite
+                .upstream_arguments
+                .inner()
+                .get(ARG_DELIVERY_LIMIT)
+                .is_none()
+        );
+        let client = args(&[
+            (ARG_DELIVERY_LIMIT, AMQPValue::LongInt(2)),
+            ("x-queue-type", text("quorum")),
+        ]);
+        let rewrite = rewrite_declare(&client, None, None, &capture()).unwrap();
+        assert!(!rewrite.proxy_delivery_limit);
+        assert_eq!(
+            rewrite.upstream_arguments.inner().get(ARG_DELIVERY_LIMIT),
+            Some(&AMQPValue::LongInt(2))
+        );
+        let rewrite = rewrite_declare(&FieldTable::default(), None, Some(3), &capture()).unwrap();
+        assert!(rewrite.proxy_delivery_limit);
+    }
+
+    #[test]
+    fn delegation_gives_the_upstream_the_merged_target() {
+        let policy = PolicyDefinition {
+            dead_letter_exchange: Some("pdlx".into()),
+            dead_letter_routing_key: Some("k".into()),
+            ..PolicyDefinition::default()
+        };
+        let rewrite = rewrite_declare(
+            &FieldTable::default(),
+            Some(&policy),
+            None,
+            &DeadLetterHandling::Delegate,
+        )
+        .unwrap();
+        let up = rewrite.upstream_arguments.inner();
+        assert_eq!(up.get(ARG_DEAD_LETTER_EXCHANGE), Some(&text("pdlx")));
+        assert_eq!(up.get(ARG_DEAD_LETTER_ROUTING_KEY), Some(&text("k")));
+    }
+
+    #[test]
+    fn invalid_arguments_are_refused_like_the_broker() {
+        let client = args(&[(ARG_DEAD_LETTER_ROUTING_KEY, text("k"))]);
+        let err = rewrite_declare(&client, None, None, &capture()).unwrap_err();
+        assert_eq!(err.reply_code(), 406);
+        assert!(
+            err.reply_text("q", "/")
+                .contains("routing_key_but_no_dlx_defined")
+        );
+    }
+
+    #[test]
+    fn long_tags_do_not_fit() {
+        let tag = CaptureTag {
+            dead_letter_exchange: Some("x".repeat(250)),
+            dead_letter_routing_key: None,
+        };
+        assert!(tag.encode().is_none());
+        let short = CaptureTag {
+            dead_letter_exchange: Some(String::new()),
+            dead_letter_routing_key: Some("q\"1".into()),
+        };
+        assert_eq!(CaptureTag::decode(&short.encode().unwrap()), Some(short));
+        assert_eq!(CaptureTag::decode("plain-key"), None);
+    }
+}

@@ -1,0 +1,965 @@
+//! Frame dispatch in both directions: the handshake, channel lifecycles, consumer and get
+//! bookkeeping, content tracking and delivery keeping. Frames are forwarded as the bytes that
+//! arrived; only the few the proxy must understand are decoded (by their class and method ids
+//! first, so most frames cost a 4-byte look). The methods whose meaning the proxy changes are
+//! handed to [`super::intercept`].
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use amq_protocol::protocol::{AMQPClass, basic, channel, connection, queue};
+use bytes::{Bytes, BytesMut};
+
+use super::capture::CaptureConsumer;
+use super::channels::{
+    ChannelPhase, ClientChannel, IncomingContent, KeepBuilder, OutgoingContent, Source,
+};
+use super::handshake::{negotiate, tune_for_client};
+use super::inflight::Verb;
+use super::probe::QueueProbe;
+use super::publisher::Publisher;
+use super::session::{Session, Side};
+use super::wire::{WireFrame, content_body_size, method_frame};
+use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method};
+use crate::amqp::reply;
+
+/// How long the client gets to answer the proxy's closes.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+// Class and method ids the dispatch looks at.
+const CONNECTION_TUNE: (u16, u16) = (10, 30);
+const CONNECTION_TUNE_OK: (u16, u16) = (10, 31);
+const CONNECTION_OPEN: (u16, u16) = (10, 40);
+const CONNECTION_OPEN_OK: (u16, u16) = (10, 41);
+const CONNECTION_CLOSE: (u16, u16) = (10, 50);
+const CONNECTION_CLOSE_OK: (u16, u16) = (10, 51);
+const CHANNEL_OPEN: (u16, u16) = (20, 10);
+const CHANNEL_CLOSE: (u16, u16) = (20, 40);
+const CHANNEL_CLOSE_OK: (u16, u16) = (20, 41);
+const QUEUE_DECLARE: (u16, u16) = (50, 10);
+const QUEUE_DECLARE_OK: (u16, u16) = (50, 11);
+const QUEUE_DELETE: (u16, u16) = (50, 40);
+const BASIC_CONSUME: (u16, u16) = (60, 20);
+const BASIC_CONSUME_OK: (u16, u16) = (60, 21);
+const BASIC_CANCEL: (u16, u16) = (60, 30);
+const BASIC_CANCEL_OK: (u16, u16) = (60, 31);
+const BASIC_PUBLISH: (u16, u16) = (60, 40);
+const BASIC_RETURN: (u16, u16) = (60, 50);
+const BASIC_DELIVER: (u16, u16) = (60, 60);
+const BASIC_GET: (u16, u16) = (60, 70);
+const BASIC_GET_OK: (u16, u16) = (60, 71);
+const BASIC_GET_EMPTY: (u16, u16) = (60, 72);
+const BASIC_ACK: (u16, u16) = (60, 80);
+const BASIC_REJECT: (u16, u16) = (60, 90);
+const BASIC_RECOVER_ASYNC: (u16, u16) = (60, 100);
+const BASIC_RECOVER: (u16, u16) = (60, 110);
+const BASIC_NACK: (u16, u16) = (60, 120);
+const TX_SELECT: (u16, u16) = (90, 10);
+
+fn channel_close_ok(channel: u16) -> Bytes {
+    method_frame(
+        channel,
+        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+    )
+}
+
+impl Session {
+    // ------------------------------------------------------------------------------------
+    // Client → upstream
+    // ------------------------------------------------------------------------------------
+
+    pub(super) fn on_client_frame(&mut self, frame: WireFrame) {
+        match self.client_side {
+            Side::Closed => return,
+            Side::Closing { forward_ok, .. } => {
+                self.client_frame_while_closing(frame, forward_ok);
+                return;
+            }
+            Side::Open | Side::Draining { .. } => {}
+        }
+        if !self.running {
+            self.client_handshake_frame(frame);
+            return;
+        }
+        if frame.channel == 0 {
+            self.client_connection_frame(frame);
+            return;
+        }
+        if let Some(max) = self
+            .negotiated
+            .and_then(|n| n.publisher_channel.map(|_| n.client_channel_max))
+            && frame.channel > max
+        {
+            self.close_client(
+                reply::CHANNEL_ERROR,
+                &format!(
+                    "CHANNEL_ERROR - channel {} is above channel_max {max}",
+                    frame.channel
+                ),
+                0,
+                0,
+            );
+            return;
+        }
+        let phase = self.channels.get(&frame.channel).map(|c| c.phase);
+        match phase {
+            Some(ChannelPhase::ClosedByProxy) => {
+                self.client_frame_on_proxy_closed_channel(frame);
+                return;
+            }
+            Some(ChannelPhase::ClosingByClient) => {
+                // After its channel.close the client only waits for close-ok.
+                return;
+            }
+            _ => {}
+        }
+        match frame.kind {
+            FRAME_METHOD => self.client_method(frame),
+            FRAME_HEADER | FRAME_BODY => self.client_content(frame),
+            _ => self.send_upstream(frame.raw),
+        }
+    }
+
+    fn client_frame_while_closing(&mut self, frame: WireFrame, forward_ok: bool) {
+        if frame.channel != 0 || frame.kind != FRAME_METHOD {
+            return;
+        }
+        match frame.method_ids() {
+            CONNECTION_CLOSE_OK => {
+                if forward_ok {
+                    self.send_upstream(frame.raw);
+                    self.upstream_side = Side::Closed;
+                }
+                self.client_side = Side::Closed;
+            }
+            CONNECTION_CLOSE => {
+                // Both sides closed at once: answer and finish.
+                self.client_out.send(method_frame(
+                    0,
+                    AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+                ));
+                self.client_side = Side::Closed;
+            }
+            _ => {}
+        }
+    }
+
+    fn client_handshake_frame(&mut self, frame: WireFrame) {
+        if frame.channel != 0 || frame.kind != FRAME_METHOD {
+            self.send_upstream(frame.raw);
+            return;
+        }
+        match frame.method_ids() {
+            CONNECTION_TUNE_OK => {
+                let Some(AMQPClass::Connection(connection::AMQPMethod::TuneOk(tune_ok))) =
+                    decode_method(&frame.payload)
+                else {
+                    self.close_client(reply::SYNTAX_ERROR, "SYNTAX_ERROR - bad tune-ok", 10, 31);
+                    return;
+                };
+                let Some(upstream_tune) = self.upstream_tune.clone() else {
+                    self.close_client(
+                        reply::COMMAND_INVALID,
+                        "COMMAND_INVALID - tune-ok before tune",
+                        10,
+                        31,
+                    );
+                    return;
+                };
+                let (to_upstream, agreed) =
+                    negotiate(&upstream_tune, &tune_ok, self.shared.handshake_frame_max);
+                self.negotiated = Some(agreed);
+                self.frame_max = agreed.frame_max as usize;
+                self.new_frame_max = Some(agreed.frame_max);
+                self.heartbeat = (agreed.heartbeat > 0)
+                    .then(|| Duration::from_secs(u64::from(agreed.heartbeat)));
+                let now = Instant::now();
+                self.last_client_rx = now;
+                self.last_upstream_rx = now;
+                self.send_upstream(method_frame(
+                    0,
+                    AMQPClass::Connection(connection::AMQPMethod::TuneOk(to_upstream)),
+                ));
+            }
+            CONNECTION_OPEN => {
+                if let Some(AMQPClass::Connection(connection::AMQPMethod::Open(open))) =
+                    decode_method(&frame.payload)
+                {
+                    self.vhost = open.virtual_host.as_str().to_string();
+                }
+                self.send_upstream(frame.raw);
+            }
+            CONNECTION_CLOSE => self.forward_client_connection_close(frame.raw),
+            _ => self.send_upstream(frame.raw),
+        }
+    }
+
+    fn client_connection_frame(&mut self, frame: WireFrame) {
+        if frame.kind == FRAME_METHOD && frame.method_ids() == CONNECTION_CLOSE {
+            if self.ops.is_empty() {
+                self.forward_client_connection_close(frame.raw);
+            } else {
+                self.parked_connection_close = Some(frame.raw);
+            }
+            return;
+        }
+        self.send_upstream(frame.raw);
+    }
+
+    /// Passes the client's connection.close on; the upstream's close-ok ends the connection.
+    pub(super) fn forward_client_connection_close(&mut self, raw: Bytes) {
+        self.send_upstream(raw);
+        let deadline = Instant::now() + CLOSE_GRACE;
+        self.upstream_side = Side::Closing {
+            deadline,
+            forward_ok: true,
+        };
+        self.client_side = Side::Closing {
+            deadline,
+            forward_ok: false,
+        };
+    }
+
+    fn client_frame_on_proxy_closed_channel(&mut self, frame: WireFrame) {
+        if frame.kind != FRAME_METHOD {
+            return;
+        }
+        match frame.method_ids() {
+            CHANNEL_CLOSE_OK => self.remove_channel(frame.channel),
+            CHANNEL_CLOSE => {
+                self.send_client(channel_close_ok(frame.channel));
+                self.remove_channel(frame.channel);
+            }
+            _ => {}
+        }
+    }
+
+    fn client_content(&mut self, frame: WireFrame) {
+        let channel = frame.channel;
+        let mut finished = false;
+        if let Some(ch) = self.channels.get_mut(&channel) {
+            match (frame.kind, ch.outgoing) {
+                (FRAME_HEADER, Some(OutgoingContent::AwaitingHeader)) => {
+                    let size = content_body_size(&frame.payload).unwrap_or(0);
+                    if size == 0 {
+                        ch.outgoing = None;
+                        finished = true;
+                    } else {
+                        ch.outgoing = Some(OutgoingContent::Body { remaining: size });
+                    }
+                }
+                (FRAME_BODY, Some(OutgoingContent::Body { remaining })) => {
+                    let left = remaining.saturating_sub(frame.payload.len() as u64);
+                    if left == 0 {
+                        ch.outgoing = None;
+                        finished = true;
+                    } else {
+                        ch.outgoing = Some(OutgoingContent::Body { remaining: left });
+                    }
+                }
+                // Out of sequence: the upstream will refuse it; stop tracking.
+                _ => {
+                    if ch.outgoing.take().is_some() {
+                        finished = true;
+                    }
+                }
+            }
+        }
+        self.send_upstream(frame.raw);
+        if finished {
+            self.flush_deferred_upstream(channel);
+        }
+    }
+
+    /// Sends what was held back while the client's content was in progress.
+    pub(super) fn flush_deferred_upstream(&mut self, channel: u16) {
+        let deferred = match self.channels.get_mut(&channel) {
+            Some(ch) if ch.upstream_idle() => std::mem::take(&mut ch.deferred_upstream),
+            _ => return,
+        };
+        for bytes in deferred {
+            self.send_upstream(bytes);
+        }
+    }
+
+    fn client_method(&mut self, frame: WireFrame) {
+        let channel = frame.channel;
+        let ids = frame.method_ids();
+        match ids {
+            BASIC_PUBLISH => {
+                if let Some(ch) = self.channels.get_mut(&channel) {
+                    ch.outgoing = Some(OutgoingContent::AwaitingHeader);
+                }
+                self.shared.metrics.published(1);
+                self.send_upstream(frame.raw);
+            }
+            BASIC_ACK | BASIC_REJECT | BASIC_NACK => {
+                let settle = match decode_method(&frame.payload) {
+                    Some(AMQPClass::Basic(basic::AMQPMethod::Ack(m))) => {
+                        Some((Verb::Ack, m.delivery_tag, m.multiple))
+                    }
+                    Some(AMQPClass::Basic(basic::AMQPMethod::Reject(m))) => {
+                        Some((Verb::Reject { requeue: m.requeue }, m.delivery_tag, false))
+                    }
+                    Some(AMQPClass::Basic(basic::AMQPMethod::Nack(m))) => Some((
+                        Verb::Nack { requeue: m.requeue },
+                        m.delivery_tag,
+                        m.multiple,
+                    )),
+                    _ => None,
+                };
+                match settle {
+                    Some((verb, tag, multiple)) => self.client_settle(frame, verb, tag, multiple),
+                    None => self.syntax_error(ids),
+                }
+            }
+            CHANNEL_OPEN => {
+                let id = self.next_channel_id;
+                self.next_channel_id += 1;
+                if let Some(old) = self.channels.insert(channel, ClientChannel::new(id)) {
+                    self.release_channel_state(old);
+                } else {
+                    self.shared.metrics.channel_opened();
+                }
+                self.send_upstream(frame.raw);
+            }
+            CHANNEL_CLOSE => self.client_channel_close(frame),
+            CHANNEL_CLOSE_OK => {
+                // Answers the upstream's channel.close.
+                self.send_upstream(frame.raw);
+                self.remove_channel(channel);
+            }
+            QUEUE_DECLARE => self.client_queue_declare(frame),
+            QUEUE_DELETE => {
+                if let Some(AMQPClass::Queue(queue::AMQPMethod::Delete(delete))) =
+                    decode_method(&frame.payload)
+                {
+                    let name = match self.channels.get(&channel) {
+                        Some(ch) => ch.resolve_queue(delete.queue.as_str()),
+                        None => Arc::from(delete.queue.as_str()),
+                    };
+                    self.shared.queues.forget(&self.vhost, &name);
+                }
+                self.send_upstream(frame.raw);
+            }
+            BASIC_CONSUME => {
+                match decode_method(&frame.payload) {
+                    Some(AMQPClass::Basic(basic::AMQPMethod::Consume(consume))) => {
+                        if let Some(ch) = self.channels.get_mut(&channel) {
+                            let source = Source {
+                                queue: ch.resolve_queue(consume.queue.as_str()),
+                                no_ack: consume.no_ack,
+                            };
+                            if consume.nowait {
+                                ch.consumers
+                                    .insert(consume.consumer_tag.as_str().to_string(), source);
+                            } else {
+                                ch.pending_consumes.push_back(source);
+                            }
+                        }
+                    }
+                    _ => {
+                        self.syntax_error(ids);
+                        return;
+                    }
+                }
+                self.send_upstream(frame.raw);
+            }
+            BASIC_GET => {
+                match decode_method(&frame.payload) {
+                    Some(AMQPClass::Basic(basic::AMQPMethod::Get(get))) => {
+                        if let Some(ch) = self.channels.get_mut(&channel) {
+                            let source = Source {
+                                queue: ch.resolve_queue(get.queue.as_str()),
+                                no_ack: get.no_ack,
+                            };
+                            ch.pending_gets.push_back(source);
+                        }
+                    }
+                    _ => {
+                        self.syntax_error(ids);
+                        return;
+                    }
+                }
+                self.send_upstream(frame.raw);
+            }
+            BASIC_RECOVER | BASIC_RECOVER_ASYNC => {
+                // Every unacked delivery of the channel goes back: forget them, and let the
+                // proxy's pending work on them settle nothing.
+                if let Some(ch) = self.channels.get_mut(&channel) {
+                    let (count, bytes) = ch.deliveries.clear();
+                    ch.id = {
+                        let id = self.next_channel_id;
+                        self.next_channel_id += 1;
+                        id
+                    };
+                    let outstanding = ch.ops;
+                    ch.ops = 0;
+                    self.release_inflight(count, bytes);
+                    if outstanding > 0 {
+                        tracing::debug!(
+                            channel,
+                            outstanding,
+                            "basic.recover with dead-letters in flight"
+                        );
+                    }
+                }
+                self.send_upstream(frame.raw);
+            }
+            TX_SELECT => {
+                if let Some(ch) = self.channels.get_mut(&channel) {
+                    ch.transactional = true;
+                }
+                self.send_upstream(frame.raw);
+            }
+            _ => self.send_upstream(frame.raw),
+        }
+    }
+
+    fn syntax_error(&mut self, (class_id, method_id): (u16, u16)) {
+        self.close_client(
+            reply::SYNTAX_ERROR,
+            "SYNTAX_ERROR - method frame does not parse",
+            class_id,
+            method_id,
+        );
+    }
+
+    fn client_channel_close(&mut self, frame: WireFrame) {
+        let channel = frame.channel;
+        let Some(ch) = self.channels.get_mut(&channel) else {
+            self.send_upstream(frame.raw);
+            return;
+        };
+        match ch.phase {
+            ChannelPhase::ClosingByUpstream => {
+                // Both closed at once: the client gets its close-ok here and still answers the
+                // upstream's close itself.
+                self.send_client(channel_close_ok(channel));
+            }
+            _ => {
+                ch.phase = ChannelPhase::ClosingByClient;
+                if ch.ops > 0 {
+                    ch.parked_close = Some(frame.raw);
+                } else {
+                    self.forward_channel_close(channel, frame.raw);
+                }
+            }
+        }
+    }
+
+    /// Sends the client's channel.close upstream; its deliveries go back to their queues.
+    pub(super) fn forward_channel_close(&mut self, channel: u16, raw: Bytes) {
+        if let Some(ch) = self.channels.get_mut(&channel) {
+            let (count, bytes) = ch.deliveries.clear();
+            self.release_inflight(count, bytes);
+        }
+        self.inject_upstream(channel, raw);
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Upstream → client
+    // ------------------------------------------------------------------------------------
+
+    pub(super) fn on_upstream_frame(&mut self, frame: WireFrame) {
+        if let Some(agreed) = self.negotiated {
+            if Some(frame.channel) == agreed.publisher_channel && frame.channel != 0 {
+                self.publisher_frame(frame);
+                return;
+            }
+            if Some(frame.channel) == agreed.capture_channel && frame.channel != 0 {
+                self.capture_frame(frame);
+                return;
+            }
+            if Some(frame.channel) == agreed.probe_channel && frame.channel != 0 {
+                self.probe_frame(frame);
+                return;
+            }
+        }
+        match self.upstream_side {
+            Side::Closed => return,
+            Side::Closing { forward_ok, .. } => {
+                if frame.channel == 0
+                    && frame.kind == FRAME_METHOD
+                    && frame.method_ids() == CONNECTION_CLOSE_OK
+                {
+                    if forward_ok {
+                        self.send_client(frame.raw);
+                        self.client_side = Side::Closed;
+                    }
+                    self.upstream_side = Side::Closed;
+                } else if frame.channel == 0
+                    && frame.kind == FRAME_METHOD
+                    && frame.method_ids() == CONNECTION_CLOSE
+                {
+                    self.send_upstream(method_frame(
+                        0,
+                        AMQPClass::Connection(connection::AMQPMethod::CloseOk(
+                            connection::CloseOk {},
+                        )),
+                    ));
+                    self.upstream_side = Side::Closed;
+                }
+                return;
+            }
+            Side::Open | Side::Draining { .. } => {}
+        }
+        if frame.channel == 0 {
+            self.upstream_connection_frame(frame);
+            return;
+        }
+        if self.upstream_drain.contains_key(&frame.channel) {
+            self.upstream_frame_on_drained_channel(frame);
+            return;
+        }
+        match frame.kind {
+            FRAME_METHOD => self.upstream_method(frame),
+            FRAME_HEADER | FRAME_BODY => self.upstream_content(frame),
+            _ => self.send_client(frame.raw),
+        }
+    }
+
+    fn upstream_connection_frame(&mut self, frame: WireFrame) {
+        if frame.kind != FRAME_METHOD {
+            self.send_client(frame.raw);
+            return;
+        }
+        match frame.method_ids() {
+            CONNECTION_TUNE if !self.running => {
+                let Some(AMQPClass::Connection(connection::AMQPMethod::Tune(tune))) =
+                    decode_method(&frame.payload)
+                else {
+                    self.upstream_lost("upstream sent a malformed connection.tune");
+                    return;
+                };
+                let offered = tune_for_client(&tune);
+                self.upstream_tune = Some(tune);
+                self.send_client(method_frame(
+                    0,
+                    AMQPClass::Connection(connection::AMQPMethod::Tune(offered)),
+                ));
+            }
+            CONNECTION_OPEN_OK if !self.running => {
+                self.send_client(frame.raw);
+                self.running = true;
+                self.start_proxy_channels();
+            }
+            CONNECTION_CLOSE => {
+                // Forwarded as is (e.g. 320 from the broker, 403 on a failed login); the
+                // client's close-ok goes back upstream.
+                self.send_client(frame.raw);
+                let deadline = Instant::now() + CLOSE_GRACE;
+                self.client_side = Side::Closing {
+                    deadline,
+                    forward_ok: true,
+                };
+                self.upstream_side = Side::Closing {
+                    deadline,
+                    forward_ok: false,
+                };
+                self.abandon_all_ops();
+            }
+            _ => self.send_client(frame.raw),
+        }
+    }
+
+    /// Opens the proxy's channels once the connection is open.
+    fn start_proxy_channels(&mut self) {
+        let Some(agreed) = self.negotiated else {
+            return;
+        };
+        if self.shared.delegate_to_upstream {
+            return;
+        }
+        if let Some(channel) = agreed.probe_channel {
+            let probe = QueueProbe::new(channel);
+            self.send_upstream(probe.open_frames());
+            self.probe = Some(probe);
+        }
+        if let Some(channel) = agreed.publisher_channel {
+            let publisher = Publisher::new(channel, self.frame_max, self.shared.confirm_timeout);
+            self.send_upstream(publisher.open_frames());
+            self.publisher = Some(publisher);
+        }
+        if let Some(channel) = agreed.capture_channel {
+            let capture = CaptureConsumer::new(channel, &self.shared.capture_name);
+            self.send_upstream(capture.start_frames());
+            self.capture = Some(capture);
+        } else {
+            tracing::warn!(
+                peer = %self.peer,
+                "upstream offers too few channels: dead-lettering left to the upstream"
+            );
+        }
+    }
+
+    fn publisher_frame(&mut self, frame: WireFrame) {
+        let Some(publisher) = self.publisher.as_mut() else {
+            return;
+        };
+        let step = publisher.on_frame(&frame);
+        if let Some(write) = step.write {
+            self.send_upstream(write);
+        }
+        for settled in step.settled {
+            self.complete_op(settled.op, settled.outcome);
+        }
+    }
+
+    fn probe_frame(&mut self, frame: WireFrame) {
+        let Some(probe) = self.probe.as_mut() else {
+            return;
+        };
+        let step = probe.on_frame(&frame);
+        if let Some(write) = step.write {
+            self.send_upstream(write);
+        }
+        if let Some(answer) = step.answer {
+            self.on_probe_answer(answer);
+        }
+    }
+
+    fn capture_frame(&mut self, frame: WireFrame) {
+        let Some(capture) = self.capture.as_mut() else {
+            return;
+        };
+        let step = capture.on_frame(&frame);
+        if let Some(write) = step.write {
+            self.send_upstream(write);
+        }
+        if let Some(message) = step.message {
+            self.on_captured(message);
+        }
+    }
+
+    fn upstream_frame_on_drained_channel(&mut self, frame: WireFrame) {
+        let channel = frame.channel;
+        if frame.kind == FRAME_METHOD {
+            match frame.method_ids() {
+                CHANNEL_CLOSE_OK | CHANNEL_CLOSE => {
+                    if frame.method_ids() == CHANNEL_CLOSE {
+                        self.send_upstream(channel_close_ok(channel));
+                    }
+                    if let Some(left) = self.upstream_drain.get_mut(&channel) {
+                        *left = left.saturating_sub(1);
+                        if *left == 0 {
+                            self.upstream_drain.remove(&channel);
+                        }
+                    }
+                }
+                _ => {}
+            }
+            return;
+        }
+        // The rest of a delivery the client already started receiving is still passed on so
+        // its frame sequence is complete before the proxy's channel.close.
+        let in_progress = self
+            .channels
+            .get(&channel)
+            .is_some_and(|ch| ch.phase == ChannelPhase::ClosedByProxy && ch.incoming.is_some());
+        if in_progress && (frame.kind == FRAME_HEADER || frame.kind == FRAME_BODY) {
+            self.upstream_content(frame);
+        }
+    }
+
+    fn upstream_method(&mut self, frame: WireFrame) {
+        let channel = frame.channel;
+        let ids = frame.method_ids();
+        match ids {
+            BASIC_DELIVER => {
+                let Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(deliver))) =
+                    decode_method(&frame.payload)
+                else {
+                    self.send_client(frame.raw);
+                    return;
+                };
+                self.shared.metrics.delivered(1);
+                let keep = self.channels.get(&channel).and_then(|ch| {
+                    let source = ch.consumers.get(deliver.consumer_tag.as_str())?;
+                    (!source.no_ack && ch.is_open() && self.keeps_deliveries()).then(|| {
+                        KeepBuilder {
+                            delivery_tag: deliver.delivery_tag,
+                            queue: source.queue.clone(),
+                            exchange: deliver.exchange.as_str().to_string(),
+                            routing_key: deliver.routing_key.as_str().to_string(),
+                            redelivered: deliver.redelivered,
+                            raw_properties: Bytes::new(),
+                            body: BytesMut::new(),
+                        }
+                    })
+                });
+                self.start_incoming(channel, keep);
+                self.send_client(frame.raw);
+            }
+            BASIC_GET_OK => {
+                let Some(AMQPClass::Basic(basic::AMQPMethod::GetOk(get_ok))) =
+                    decode_method(&frame.payload)
+                else {
+                    self.send_client(frame.raw);
+                    return;
+                };
+                self.shared.metrics.delivered(1);
+                let keeps = self.keeps_deliveries();
+                let keep = self.channels.get_mut(&channel).and_then(|ch| {
+                    let source = ch.pending_gets.pop_front()?;
+                    (!source.no_ack && ch.phase == ChannelPhase::Open && keeps).then(|| {
+                        KeepBuilder {
+                            delivery_tag: get_ok.delivery_tag,
+                            queue: source.queue,
+                            exchange: get_ok.exchange.as_str().to_string(),
+                            routing_key: get_ok.routing_key.as_str().to_string(),
+                            redelivered: get_ok.redelivered,
+                            raw_properties: Bytes::new(),
+                            body: BytesMut::new(),
+                        }
+                    })
+                });
+                self.start_incoming(channel, keep);
+                self.send_client(frame.raw);
+            }
+            BASIC_RETURN => {
+                self.start_incoming(channel, None);
+                self.send_client(frame.raw);
+            }
+            BASIC_GET_EMPTY => {
+                if let Some(ch) = self.channels.get_mut(&channel) {
+                    ch.pending_gets.pop_front();
+                }
+                self.send_client(frame.raw);
+            }
+            BASIC_CONSUME_OK => {
+                if let Some(AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(ok))) =
+                    decode_method(&frame.payload)
+                    && let Some(ch) = self.channels.get_mut(&channel)
+                    && let Some(source) = ch.pending_consumes.pop_front()
+                {
+                    ch.consumers
+                        .insert(ok.consumer_tag.as_str().to_string(), source);
+                }
+                self.send_client(frame.raw);
+            }
+            BASIC_CANCEL | BASIC_CANCEL_OK => {
+                let tag = match decode_method(&frame.payload) {
+                    Some(AMQPClass::Basic(basic::AMQPMethod::Cancel(c))) => {
+                        Some(c.consumer_tag.as_str().to_string())
+                    }
+                    Some(AMQPClass::Basic(basic::AMQPMethod::CancelOk(c))) => {
+                        Some(c.consumer_tag.as_str().to_string())
+                    }
+                    _ => None,
+                };
+                if let Some(tag) = tag
+                    && let Some(ch) = self.channels.get_mut(&channel)
+                {
+                    ch.consumers.remove(&tag);
+                }
+                self.send_client(frame.raw);
+            }
+            QUEUE_DECLARE_OK => {
+                self.upstream_declare_ok(&frame);
+                self.send_client(frame.raw);
+            }
+            CHANNEL_CLOSE => self.upstream_channel_close(frame),
+            CHANNEL_CLOSE_OK => {
+                self.send_client(frame.raw);
+                self.remove_channel(channel);
+            }
+            _ => self.send_client(frame.raw),
+        }
+    }
+
+    /// The upstream closes a client channel: its deliveries go back to their queues and the
+    /// proxy's work on it settles nothing.
+    fn upstream_channel_close(&mut self, frame: WireFrame) {
+        let channel = frame.channel;
+        let closing_by_client = self
+            .channels
+            .get(&channel)
+            .is_some_and(|ch| ch.phase == ChannelPhase::ClosingByClient);
+        if closing_by_client {
+            // Both sides closed at once. The upstream gets its close-ok; if the client's close
+            // was still held back, the client gets its close-ok from the proxy; otherwise the
+            // upstream answers the client's close itself.
+            self.send_upstream(channel_close_ok(channel));
+            let parked = self
+                .channels
+                .get_mut(&channel)
+                .and_then(|ch| ch.parked_close.take());
+            if parked.is_some() {
+                self.send_client(channel_close_ok(channel));
+                self.remove_channel(channel);
+            }
+            return;
+        }
+        if let Some(ch) = self.channels.get_mut(&channel) {
+            ch.phase = ChannelPhase::ClosingByUpstream;
+            ch.ops = 0;
+            let (count, bytes) = ch.deliveries.clear();
+            self.release_inflight(count, bytes);
+        }
+        self.inject_client(channel, frame.raw);
+    }
+
+    /// Whether deliveries are kept at all (not when the upstream dead-letters on its own).
+    fn keeps_deliveries(&self) -> bool {
+        self.publisher.is_some() && self.client_side == Side::Open
+    }
+
+    fn start_incoming(&mut self, channel: u16, keep: Option<KeepBuilder>) {
+        if let Some(ch) = self.channels.get_mut(&channel) {
+            if ch.incoming.is_none() {
+                self.incoming_in_progress += 1;
+            }
+            ch.incoming = Some(IncomingContent {
+                keep,
+                remaining: None,
+            });
+        }
+    }
+
+    fn upstream_content(&mut self, frame: WireFrame) {
+        let channel = frame.channel;
+        let mut completed = None;
+        let mut finished = false;
+        if let Some(ch) = self.channels.get_mut(&channel)
+            && let Some(incoming) = ch.incoming.as_mut()
+        {
+            if frame.kind == FRAME_HEADER {
+                let size = content_body_size(&frame.payload).unwrap_or(0);
+                incoming.remaining = Some(size);
+                if let Some(keep) = incoming.keep.as_mut() {
+                    keep.raw_properties =
+                        Bytes::copy_from_slice(frame.payload.get(12..).unwrap_or_default());
+                    keep.body.reserve(size.min(16 * 1024 * 1024) as usize);
+                }
+                finished = size == 0;
+            } else if let Some(remaining) = incoming.remaining.as_mut() {
+                *remaining = remaining.saturating_sub(frame.payload.len() as u64);
+                if let Some(keep) = incoming.keep.as_mut() {
+                    keep.body.extend_from_slice(&frame.payload);
+                }
+                finished = *remaining == 0;
+            }
+            if finished {
+                completed = ch.incoming.take().and_then(|i| i.keep);
+            }
+        }
+        self.send_client(frame.raw);
+        if finished {
+            self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
+            if let Some(builder) = completed {
+                let (tag, delivery) = builder.finish();
+                if let Some(ch) = self.channels.get_mut(&channel) {
+                    let charge = ch.deliveries.keep(tag, delivery);
+                    self.inflight_bytes += charge;
+                    self.inflight_count += 1;
+                    self.shared.metrics.add_inflight(1, charge as i64);
+                }
+            }
+            let deferred = match self.channels.get_mut(&channel) {
+                Some(ch) => std::mem::take(&mut ch.deferred_client),
+                None => Vec::new(),
+            };
+            for bytes in deferred {
+                self.send_client(bytes);
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Channel bookkeeping
+    // ------------------------------------------------------------------------------------
+
+    /// Releases kept deliveries from the inflight accounting.
+    pub(super) fn release_inflight(&mut self, count: usize, bytes: usize) {
+        self.inflight_count = self.inflight_count.saturating_sub(count);
+        self.inflight_bytes = self.inflight_bytes.saturating_sub(bytes);
+        if count > 0 || bytes > 0 {
+            self.shared
+                .metrics
+                .add_inflight(-(count as i64), -(bytes as i64));
+        }
+    }
+
+    fn release_channel_state(&mut self, mut old: ClientChannel) {
+        let (count, bytes) = old.deliveries.clear();
+        self.release_inflight(count, bytes);
+        if old.incoming.is_some() {
+            self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
+        }
+    }
+
+    /// Forgets a channel entirely.
+    pub(super) fn remove_channel(&mut self, channel: u16) {
+        if let Some(old) = self.channels.remove(&channel) {
+            self.release_channel_state(old);
+            self.shared.metrics.channels_closed(1);
+        }
+    }
+
+    /// Closes a client channel on both sides with the proxy's own reply (a refused declare).
+    pub(super) fn close_channel_by_proxy(
+        &mut self,
+        channel: u16,
+        code: u16,
+        text: &str,
+        class_id: u16,
+        method_id: u16,
+    ) {
+        let text = amq_protocol::types::ShortString::try_new(reply::truncate_str(text, 255))
+            .unwrap_or_else(|_| amq_protocol::types::ShortString::from("PRECONDITION_FAILED"));
+        let close = method_frame(
+            channel,
+            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: code,
+                reply_text: text,
+                class_id,
+                method_id,
+            })),
+        );
+        if let Some(ch) = self.channels.get_mut(&channel) {
+            ch.phase = ChannelPhase::ClosedByProxy;
+            ch.ops = 0;
+            ch.parked_close = None;
+            let (count, bytes) = ch.deliveries.clear();
+            self.release_inflight(count, bytes);
+        }
+        *self.upstream_drain.entry(channel).or_insert(0) += 1;
+        self.inject_upstream(channel, close.clone());
+        self.inject_client(channel, close);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn method_ids_match_the_protocol() {
+        let ids = |m: AMQPClass| (m.get_amqp_class_id(), m.get_amqp_method_id());
+        assert_eq!(
+            ids(AMQPClass::Basic(basic::AMQPMethod::Nack(
+                basic::Nack::default()
+            ))),
+            BASIC_NACK
+        );
+        assert_eq!(
+            ids(AMQPClass::Queue(queue::AMQPMethod::DeclareOk(
+                queue::DeclareOk::default()
+            ))),
+            QUEUE_DECLARE_OK
+        );
+        assert_eq!(
+            ids(AMQPClass::Connection(connection::AMQPMethod::TuneOk(
+                connection::TuneOk::default()
+            ))),
+            CONNECTION_TUNE_OK
+        );
+        assert_eq!(
+            ids(AMQPClass::Channel(channel::AMQPMethod::CloseOk(
+                channel::CloseOk {}
+            ))),
+            CHANNEL_CLOSE_OK
+        );
+    }
+}

@@ -1,0 +1,374 @@
+//! Kept deliveries: a copy of every delivery a client must still settle, per channel and
+//! delivery tag, so that a later reject can be dead-lettered by the proxy.
+//!
+//! Tags move through three states as seen by the upstream:
+//! - *kept*: delivered, the client has not settled it yet (content held here);
+//! - *pending*: the client rejected it (or requeued it on a queue with a delivery limit); the
+//!   proxy has published the replacement and waits for the confirm before it settles the
+//!   original upstream. The content is no longer held (a failure requeues the original);
+//! - gone: settled upstream.
+//!
+//! Client settlements that name a range (`multiple`) are planned here so the upstream never
+//! sees a `multiple` that would also settle a pending tag: [`plan_settlement`] turns one
+//! client frame into the native frames to forward and the tags the proxy takes over.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+/// Bytes charged per kept delivery on top of its properties and body.
+pub const KEPT_OVERHEAD: usize = 128;
+
+/// A delivery the client has not settled yet.
+#[derive(Clone, Debug)]
+pub struct KeptDelivery {
+    /// The queue it came from.
+    pub queue: Arc<str>,
+    pub exchange: String,
+    pub routing_key: String,
+    pub redelivered: bool,
+    /// The property section exactly as delivered.
+    pub raw_properties: Bytes,
+    pub body: Bytes,
+    /// When the proxy saw the delivery.
+    pub received_at: Instant,
+}
+
+impl KeptDelivery {
+    /// Bytes charged against `proxy.max_inflight_bytes`.
+    pub fn charge(&self) -> usize {
+        self.raw_properties.len()
+            + self.body.len()
+            + self.exchange.len()
+            + self.routing_key.len()
+            + KEPT_OVERHEAD
+    }
+}
+
+/// How the client settles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verb {
+    Ack,
+    Reject { requeue: bool },
+    Nack { requeue: bool },
+}
+
+impl Verb {
+    /// Whether the message goes back to the queue (false for ack and for requeue=false).
+    pub fn requeues(self) -> bool {
+        matches!(
+            self,
+            Verb::Reject { requeue: true } | Verb::Nack { requeue: true }
+        )
+    }
+
+    /// Whether this is a negative settlement (reject or nack).
+    pub fn is_negative(self) -> bool {
+        !matches!(self, Verb::Ack)
+    }
+}
+
+/// One native settlement frame to send upstream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NativeSettle {
+    pub verb: Verb,
+    pub tag: u64,
+    pub multiple: bool,
+}
+
+/// What to do with one client settlement frame.
+#[derive(Debug, Default)]
+pub struct SettlementPlan {
+    /// Forward the client's frame unchanged.
+    pub forward_original: bool,
+    /// Otherwise, these frames (in order).
+    pub native: Vec<NativeSettle>,
+    /// Deliveries the proxy takes over (dead-letter or delivery-limit republish), tag order.
+    pub taken_over: Vec<(u64, KeptDelivery)>,
+    /// Tags the client named that were already pending (settled twice by the client).
+    pub already_pending: Vec<u64>,
+}
+
+/// The deliveries of one client channel.
+#[derive(Debug, Default)]
+pub struct ChannelDeliveries {
+    kept: BTreeMap<u64, KeptDelivery>,
+    pending: BTreeSet<u64>,
+    kept_bytes: usize,
+}
+
+impl ChannelDeliveries {
+    /// Adds a delivery; returns the bytes charged.
+    pub fn keep(&mut self, tag: u64, delivery: KeptDelivery) -> usize {
+        let charge = delivery.charge();
+        if let Some(old) = self.kept.insert(tag, delivery) {
+            self.kept_bytes -= old.charge();
+        }
+        self.kept_bytes += charge;
+        charge
+    }
+
+    pub fn kept_len(&self) -> usize {
+        self.kept.len()
+    }
+
+    pub fn kept_bytes(&self) -> usize {
+        self.kept_bytes
+    }
+
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
+    pub fn is_pending(&self, tag: u64) -> bool {
+        self.pending.contains(&tag)
+    }
+
+    pub fn get(&self, tag: u64) -> Option<&KeptDelivery> {
+        self.kept.get(&tag)
+    }
+
+    /// The pending tag is settled upstream (or given up); true if it was pending.
+    pub fn finish_pending(&mut self, tag: u64) -> bool {
+        self.pending.remove(&tag)
+    }
+
+    /// Drops everything (channel closed or recovered); returns (deliveries, bytes) released.
+    pub fn clear(&mut self) -> (usize, usize) {
+        let released = (self.kept.len(), self.kept_bytes);
+        self.kept.clear();
+        self.pending.clear();
+        self.kept_bytes = 0;
+        released
+    }
+
+    fn take(&mut self, tag: u64) -> Option<KeptDelivery> {
+        let delivery = self.kept.remove(&tag)?;
+        self.kept_bytes -= delivery.charge();
+        Some(delivery)
+    }
+
+    /// The kept tags a client settlement names: one tag, every tag up to `tag`, or every tag
+    /// (`multiple` with tag 0).
+    fn named_tags(&self, tag: u64, multiple: bool) -> Vec<u64> {
+        if !multiple {
+            return if self.kept.contains_key(&tag) {
+                vec![tag]
+            } else {
+                Vec::new()
+            };
+        }
+        if tag == 0 {
+            self.kept.keys().copied().collect()
+        } else {
+            self.kept.range(..=tag).map(|(t, _)| *t).collect()
+        }
+    }
+
+    /// Plans one client settlement. `take_over` decides, per kept delivery, whether the proxy
+    /// handles it instead of the upstream. Every named kept delivery leaves the kept set; the
+    /// taken-over ones become pending. Returns the plan and the bytes released.
+    pub fn plan_settlement(
+        &mut self,
+        verb: Verb,
+        tag: u64,
+        multiple: bool,
+        mut take_over: impl FnMut(&KeptDelivery) -> bool,
+    ) -> (SettlementPlan, usize) {
+        let mut plan = SettlementPlan::default();
+        let before = self.kept_bytes;
+        let named = self.named_tags(tag, multiple);
+        if !multiple && named.is_empty() {
+            if self.pending.contains(&tag) {
+                plan.already_pending.push(tag);
+            } else {
+                // Unknown to the proxy (never kept, e.g. a no-ack delivery): the upstream decides.
+                plan.forward_original = true;
+            }
+            return (plan, 0);
+        }
+        let range_end = if multiple && tag == 0 { u64::MAX } else { tag };
+        let pending_in_range = self.pending.range(..=range_end).next().is_some();
+        let mut native_tags = Vec::with_capacity(named.len());
+        for t in named {
+            let Some(delivery) = self.take(t) else {
+                continue;
+            };
+            if take_over(&delivery) {
+                plan.taken_over.push((t, delivery));
+            } else {
+                native_tags.push(t);
+            }
+        }
+        let released = before - self.kept_bytes;
+        if plan.taken_over.is_empty() && !pending_in_range {
+            plan.forward_original = true;
+            return (plan, released);
+        }
+        // The upstream also counts pending and taken-over tags as outstanding: a `multiple` may
+        // only cover native tags below the lowest of those.
+        let lowest_blocked = plan
+            .taken_over
+            .first()
+            .map(|(t, _)| *t)
+            .into_iter()
+            .chain(self.pending.iter().next().copied())
+            .min();
+        for (t, _) in &plan.taken_over {
+            self.pending.insert(*t);
+        }
+        if let Some(&last) = native_tags.last() {
+            let covered_by_one = lowest_blocked.is_none_or(|blocked| last < blocked);
+            // basic.reject has no `multiple` flag.
+            let can_range = !matches!(verb, Verb::Reject { .. });
+            if covered_by_one && native_tags.len() > 1 && can_range {
+                plan.native.push(NativeSettle {
+                    verb,
+                    tag: last,
+                    multiple: true,
+                });
+            } else {
+                plan.native
+                    .extend(native_tags.iter().map(|&t| NativeSettle {
+                        verb,
+                        tag: t,
+                        multiple: false,
+                    }));
+            }
+        }
+        (plan, released)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn delivery(queue: &str, body: &str) -> KeptDelivery {
+        KeptDelivery {
+            queue: Arc::from(queue),
+            exchange: String::new(),
+            routing_key: queue.to_string(),
+            redelivered: false,
+            raw_properties: Bytes::from_static(&[0, 0]),
+            body: Bytes::copy_from_slice(body.as_bytes()),
+            received_at: Instant::now(),
+        }
+    }
+
+    fn channel_with(tags: &[(u64, &str)]) -> ChannelDeliveries {
+        let mut ch = ChannelDeliveries::default();
+        for (tag, queue) in tags {
+            ch.keep(*tag, delivery(queue, "x"));
+        }
+        ch
+    }
+
+    #[test]
+    fn plain_acks_are_forwarded_unchanged() {
+        let mut ch = channel_with(&[(1, "q"), (2, "q"), (3, "q")]);
+        let (plan, released) = ch.plan_settlement(Verb::Ack, 2, true, |_| false);
+        assert!(plan.forward_original);
+        assert!(released > 0);
+        assert_eq!(ch.kept_len(), 1);
+        let (plan, _) = ch.plan_settlement(Verb::Ack, 3, false, |_| false);
+        assert!(plan.forward_original);
+        assert_eq!(ch.kept_len(), 0);
+        assert_eq!(ch.kept_bytes(), 0);
+    }
+
+    #[test]
+    fn unknown_tags_are_left_to_the_upstream() {
+        let mut ch = channel_with(&[(1, "q")]);
+        let (plan, released) = ch.plan_settlement(Verb::Ack, 9, false, |_| false);
+        assert!(plan.forward_original);
+        assert_eq!(released, 0);
+    }
+
+    #[test]
+    fn take_over_makes_tags_pending() {
+        let mut ch = channel_with(&[(1, "q"), (2, "dl"), (3, "q")]);
+        let (plan, _) = ch.plan_settlement(Verb::Nack { requeue: false }, 3, true, |d| {
+            &*d.queue == "dl"
+        });
+        assert!(!plan.forward_original);
+        assert_eq!(plan.taken_over.len(), 1);
+        assert_eq!(plan.taken_over[0].0, 2);
+        assert_eq!(
+            plan.native,
+            vec![
+                NativeSettle {
+                    verb: Verb::Nack { requeue: false },
+                    tag: 1,
+                    multiple: false
+                },
+                NativeSettle {
+                    verb: Verb::Nack { requeue: false },
+                    tag: 3,
+                    multiple: false
+                },
+            ]
+        );
+        assert!(ch.is_pending(2));
+        assert_eq!(ch.kept_len(), 0);
+    }
+
+    #[test]
+    fn multiple_ack_never_covers_a_pending_tag() {
+        let mut ch = channel_with(&[(1, "q"), (2, "q"), (3, "q"), (4, "q"), (5, "q")]);
+        let (plan, _) = ch.plan_settlement(Verb::Reject { requeue: false }, 3, false, |_| true);
+        assert_eq!(plan.taken_over.len(), 1);
+        // Ack up to 5 with tag 3 pending: 1 and 2 may be acked as a range? No: the range would
+        // include 3, so the acks are single.
+        let (plan, _) = ch.plan_settlement(Verb::Ack, 5, true, |_| false);
+        assert!(!plan.forward_original);
+        assert_eq!(
+            plan.native
+                .iter()
+                .map(|n| (n.tag, n.multiple))
+                .collect::<Vec<_>>(),
+            vec![(1, false), (2, false), (4, false), (5, false)]
+        );
+        assert!(ch.finish_pending(3));
+        let (plan, _) = ch.plan_settlement(Verb::Ack, 0, true, |_| false);
+        assert!(plan.forward_original);
+    }
+
+    #[test]
+    fn native_tags_below_the_pending_ones_use_one_multiple_frame() {
+        let mut ch = channel_with(&[(1, "q"), (2, "q"), (3, "dl")]);
+        let (plan, _) =
+            ch.plan_settlement(Verb::Nack { requeue: true }, 0, true, |d| &*d.queue == "dl");
+        assert_eq!(
+            plan.native,
+            vec![NativeSettle {
+                verb: Verb::Nack { requeue: true },
+                tag: 2,
+                multiple: true
+            }]
+        );
+        assert_eq!(plan.taken_over[0].0, 3);
+    }
+
+    #[test]
+    fn settling_a_pending_tag_again_is_reported() {
+        let mut ch = channel_with(&[(1, "q")]);
+        ch.plan_settlement(Verb::Reject { requeue: false }, 1, false, |_| true);
+        let (plan, _) = ch.plan_settlement(Verb::Ack, 1, false, |_| false);
+        assert_eq!(plan.already_pending, vec![1]);
+        assert!(!plan.forward_original);
+        assert!(plan.native.is_empty());
+    }
+
+    #[test]
+    fn clear_releases_everything() {
+        let mut ch = channel_with(&[(1, "q"), (2, "q")]);
+        ch.plan_settlement(Verb::Reject { requeue: false }, 1, false, |_| true);
+        let (count, bytes) = ch.clear();
+        assert_eq!(count, 1);
+        assert!(bytes > 0);
+        assert_eq!(ch.pending_len(), 0);
+    }
+}

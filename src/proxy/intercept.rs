@@ -1,0 +1,656 @@
+//! What the proxy changes: queue.declare (policy merge, dead-letter arguments taken over),
+//! client settlements (reject/nack dead-lettered by the proxy, requeues counted against
+//! delivery limits), captured messages (dead-lettered as their original queue would have),
+//! and the end of each operation (the original is settled only after the confirm).
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use amq_protocol::protocol::{AMQPClass, BasicProperties, basic, queue};
+use amq_protocol::types::FieldTable;
+use bytes::Bytes;
+
+use super::QueueView;
+use super::capture::{CapturedMessage, reconstruct};
+use super::channels::PendingDeclare;
+use super::declare::{CaptureTag, DeadLetterHandling, DeclareRewrite, rewrite_declare};
+use super::inflight::{KeptDelivery, NativeSettle, Verb};
+use super::ops::{Op, Origin, Purpose, Settlement};
+use super::outgoing::{
+    dead_letter_publish, delivery_count, delivery_routing_keys, keys_after_cycle_rule,
+    requeue_publish,
+};
+use super::probe::ProbeAnswer;
+use super::publisher::{OpId, Outcome, OutgoingMessage};
+use super::session::Session;
+use super::wire::{WireFrame, method_frame};
+use crate::amqp::codec::decode_method;
+use crate::amqp::content::decode_properties;
+use crate::amqp::reply;
+use crate::deadletter::{DeadLetterReason, DeadLetterTarget, DeathEvent, dead_letter};
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The frame for a native settlement.
+fn settle_frame(channel: u16, settle: NativeSettle) -> Bytes {
+    let method = match settle.verb {
+        Verb::Ack => basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag: settle.tag,
+            multiple: settle.multiple,
+        }),
+        Verb::Reject { requeue } => basic::AMQPMethod::Reject(basic::Reject {
+            delivery_tag: settle.tag,
+            requeue,
+        }),
+        Verb::Nack { requeue } => basic::AMQPMethod::Nack(basic::Nack {
+            delivery_tag: settle.tag,
+            multiple: settle.multiple,
+            requeue,
+        }),
+    };
+    method_frame(channel, AMQPClass::Basic(method))
+}
+
+/// A queue.declare held until the probe says whether the queue exists.
+#[derive(Debug)]
+pub(super) struct PendingProbe {
+    channel: u16,
+    declare: queue::Declare,
+    rewrite: DeclareRewrite,
+}
+
+/// Everything `dead_letter_message` needs to know about the message that died.
+struct Death {
+    queue: Arc<str>,
+    reason: DeadLetterReason,
+    before: BasicProperties,
+    exchange: String,
+    routing_keys: Vec<String>,
+    time: u64,
+    body: Bytes,
+}
+
+impl Session {
+    // ------------------------------------------------------------------------------------
+    // queue.declare
+    // ------------------------------------------------------------------------------------
+
+    pub(super) fn client_queue_declare(&mut self, frame: WireFrame) {
+        let channel = frame.channel;
+        let Some(AMQPClass::Queue(queue::AMQPMethod::Declare(declare))) =
+            decode_method(&frame.payload)
+        else {
+            self.close_client(
+                reply::SYNTAX_ERROR,
+                "SYNTAX_ERROR - queue.declare does not parse",
+                50,
+                10,
+            );
+            return;
+        };
+        let name = declare.queue.as_str().to_string();
+        let untouched = declare.passive
+            || name == self.shared.capture_name
+            || !self.channels.get(&channel).is_some_and(|ch| ch.is_open());
+        if untouched {
+            if !declare.nowait
+                && let Some(ch) = self.channels.get_mut(&channel)
+            {
+                ch.pending_declares
+                    .push_back(PendingDeclare { arguments: None });
+            }
+            self.send_upstream(frame.raw);
+            return;
+        }
+        let handling = if self.shared.delegate_to_upstream || self.publisher.is_none() {
+            DeadLetterHandling::Delegate
+        } else {
+            DeadLetterHandling::Capture {
+                exchange: self.shared.capture_name.clone(),
+            }
+        };
+        let policy = self
+            .shared
+            .policies
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .for_queue(&self.vhost, &name)
+            .map(|p| p.definition.clone());
+        match rewrite_declare(
+            &declare.arguments,
+            policy.as_ref(),
+            self.shared.default_delivery_limit,
+            &handling,
+        ) {
+            Err(err) => {
+                let text = err.reply_text(&name, &self.vhost);
+                tracing::debug!(peer = %self.peer, %text, "queue.declare refused");
+                self.close_channel_by_proxy(channel, err.reply_code(), &text, 50, 10);
+            }
+            Ok(rewrite) => {
+                let question = if declare.queue.as_str().is_empty() {
+                    None
+                } else {
+                    self.probe.as_mut().and_then(|p| p.ask(&declare.queue))
+                };
+                match question {
+                    Some(bytes) => {
+                        self.send_upstream(bytes);
+                        self.pending_probe = Some(PendingProbe {
+                            channel,
+                            declare,
+                            rewrite,
+                        });
+                    }
+                    None => self.forward_declare(channel, declare, rewrite, false),
+                }
+            }
+        }
+    }
+
+    /// The probe answered: declare the queue passively if it exists, else with the proxy's
+    /// upstream arguments.
+    pub(super) fn on_probe_answer(&mut self, answer: ProbeAnswer) {
+        let Some(pending) = self.pending_probe.take() else {
+            return;
+        };
+        let open = self
+            .channels
+            .get(&pending.channel)
+            .is_some_and(|ch| ch.is_open());
+        if !open {
+            return;
+        }
+        self.forward_declare(
+            pending.channel,
+            pending.declare,
+            pending.rewrite,
+            answer == ProbeAnswer::Exists,
+        );
+    }
+
+    fn forward_declare(
+        &mut self,
+        channel: u16,
+        declare: queue::Declare,
+        rewrite: DeclareRewrite,
+        exists: bool,
+    ) {
+        let name = declare.queue.as_str().to_string();
+        let mut upstream = declare.clone();
+        if exists {
+            upstream.passive = true;
+            upstream.arguments = FieldTable::default();
+        } else {
+            upstream.arguments = rewrite.upstream_arguments;
+        }
+        if let Some(ch) = self.channels.get_mut(&channel) {
+            if declare.nowait {
+                ch.last_queue = Some(Arc::from(name.as_str()));
+                self.shared
+                    .queues
+                    .record(&self.vhost, &name, rewrite.client_arguments);
+            } else {
+                ch.pending_declares.push_back(PendingDeclare {
+                    arguments: Some(rewrite.client_arguments),
+                });
+            }
+        }
+        self.send_upstream(method_frame(
+            channel,
+            AMQPClass::Queue(queue::AMQPMethod::Declare(upstream)),
+        ));
+    }
+
+    pub(super) fn upstream_declare_ok(&mut self, frame: &WireFrame) {
+        let Some(AMQPClass::Queue(queue::AMQPMethod::DeclareOk(ok))) =
+            decode_method(&frame.payload)
+        else {
+            return;
+        };
+        let Some(ch) = self.channels.get_mut(&frame.channel) else {
+            return;
+        };
+        let name = ok.queue.as_str();
+        ch.last_queue = Some(Arc::from(name));
+        if let Some(PendingDeclare {
+            arguments: Some(arguments),
+        }) = ch.pending_declares.pop_front()
+        {
+            self.shared.queues.record(&self.vhost, name, arguments);
+        }
+    }
+
+    // ------------------------------------------------------------------------------------
+    // basic.ack / basic.reject / basic.nack
+    // ------------------------------------------------------------------------------------
+
+    pub(super) fn client_settle(&mut self, frame: WireFrame, verb: Verb, tag: u64, multiple: bool) {
+        let channel = frame.channel;
+        let shared = self.shared.clone();
+        let vhost = self.vhost.clone();
+        let proxy_active = self.publisher.is_some();
+        let Some(ch) = self.channels.get_mut(&channel) else {
+            self.send_upstream(frame.raw);
+            return;
+        };
+        let channel_id = ch.id;
+        let kept_before = ch.deliveries.kept_len();
+        let mut views: Vec<(Arc<str>, QueueView)> = Vec::new();
+        let (plan, released_bytes) = ch.deliveries.plan_settlement(verb, tag, multiple, |d| {
+            if !proxy_active || !verb.is_negative() {
+                return false;
+            }
+            let view = match views.iter().find(|(q, _)| *q == d.queue) {
+                Some((_, view)) => view.clone(),
+                None => {
+                    let view = shared.queue_view(&vhost, &d.queue, None);
+                    views.push((d.queue.clone(), view.clone()));
+                    view
+                }
+            };
+            if verb.requeues() {
+                view.proxy_delivery_limit
+            } else {
+                view.settings.dead_letter_exchange.is_some()
+            }
+        });
+        let released_count = kept_before - ch.deliveries.kept_len();
+        self.release_inflight(released_count, released_bytes);
+        if verb == Verb::Ack && released_count > 0 {
+            self.shared.metrics.acked(released_count as u64);
+        }
+        if !plan.already_pending.is_empty() {
+            tracing::debug!(
+                peer = %self.peer,
+                channel,
+                tags = ?plan.already_pending,
+                "client settled a delivery the proxy is already dead-lettering"
+            );
+        }
+        if plan.forward_original {
+            self.send_upstream(frame.raw);
+        } else {
+            for native in &plan.native {
+                self.send_upstream(settle_frame(channel, *native));
+            }
+        }
+        for (delivery_tag, delivery) in plan.taken_over {
+            let view = views
+                .iter()
+                .find(|(q, _)| *q == delivery.queue)
+                .map(|(_, v)| v.clone())
+                .unwrap_or_else(|| self.shared.queue_view(&self.vhost, &delivery.queue, None));
+            let origin = Origin::Client {
+                channel,
+                channel_id,
+                tag: delivery_tag,
+            };
+            self.take_over(origin, verb, delivery, &view);
+        }
+    }
+
+    /// Dead-letters a rejected delivery, or republishes a requeued one with its delivery count.
+    fn take_over(&mut self, origin: Origin, verb: Verb, delivery: KeptDelivery, view: &QueueView) {
+        let props = match decode_properties(&delivery.raw_properties) {
+            Ok(props) => props,
+            Err(err) => {
+                tracing::warn!(%err, queue = &*delivery.queue, "delivered properties do not decode; settling natively");
+                let settlement = if verb.requeues() {
+                    Settlement::Requeue
+                } else {
+                    Settlement::Ack
+                };
+                self.settle_origin(origin, settlement);
+                return;
+            }
+        };
+        let routing_keys = delivery_routing_keys(&delivery.routing_key, &props);
+        if verb.requeues() {
+            let count = delivery_count(&props).saturating_add(1);
+            let limit = view
+                .settings
+                .delivery_limit
+                .map_or(i64::MAX, |l| i64::try_from(l).unwrap_or(i64::MAX));
+            if count <= limit {
+                let message = requeue_publish(&props, &delivery.queue, count, delivery.body);
+                self.publish_op(origin, Purpose::Requeue, delivery.queue, message);
+                return;
+            }
+            let death = Death {
+                queue: delivery.queue,
+                reason: DeadLetterReason::DeliveryLimit,
+                before: props,
+                exchange: delivery.exchange,
+                routing_keys,
+                time: now_secs(),
+                body: delivery.body,
+            };
+            self.dead_letter_message(origin, death, view);
+            return;
+        }
+        let death = Death {
+            queue: delivery.queue,
+            reason: DeadLetterReason::Rejected,
+            before: props,
+            exchange: delivery.exchange,
+            routing_keys,
+            time: now_secs(),
+            body: delivery.body,
+        };
+        self.dead_letter_message(origin, death, view);
+    }
+
+    /// Rewrites a dead message with the pure rules and publishes it to its dead-letter
+    /// exchange; drops (and counts) it when there is nowhere to go.
+    fn dead_letter_message(&mut self, origin: Origin, death: Death, view: &QueueView) {
+        let Some(dlx) = view.settings.dead_letter_exchange.as_deref() else {
+            // No dead-letter exchange: the message is discarded, as RabbitMQ does.
+            self.settle_origin(origin, Settlement::Ack);
+            return;
+        };
+        let event = DeathEvent {
+            queue: &death.queue,
+            reason: death.reason,
+            exchange: &death.exchange,
+            routing_keys: &death.routing_keys,
+            now_secs: death.time,
+            trust_existing_history: true,
+        };
+        let target = DeadLetterTarget {
+            exchange: dlx,
+            routing_key: view.settings.dead_letter_routing_key.as_deref(),
+        };
+        let message = match dead_letter(
+            &death.before,
+            &event,
+            &target,
+            &self.shared.dead_letter_options,
+        ) {
+            Ok(message) => message,
+            Err(drop) => {
+                self.shared
+                    .metrics
+                    .dropped(&self.vhost, &death.queue, drop.cause());
+                self.settle_origin(origin, Settlement::Ack);
+                return;
+            }
+        };
+        let keys = keys_after_cycle_rule(death.reason, &message, &death.before, &death.queue);
+        if keys.is_empty() {
+            tracing::debug!(
+                queue = &*death.queue,
+                reason = death.reason.as_str(),
+                "message dropped: dead-letter cycle"
+            );
+            self.shared
+                .metrics
+                .dropped(&self.vhost, &death.queue, "cycle");
+            self.settle_origin(origin, Settlement::Ack);
+            return;
+        }
+        let publish = dead_letter_publish(&message, &keys, death.body);
+        self.publish_op(
+            origin,
+            Purpose::DeadLetter(death.reason),
+            death.queue,
+            publish,
+        );
+    }
+
+    fn publish_op(
+        &mut self,
+        origin: Origin,
+        purpose: Purpose,
+        queue: Arc<str>,
+        message: OutgoingMessage,
+    ) {
+        let op_id = self.next_op;
+        self.next_op += 1;
+        let now = Instant::now();
+        let published = match self.publisher.as_mut() {
+            Some(publisher) => publisher.publish(op_id, &message, now),
+            None => Err("no publisher channel"),
+        };
+        match published {
+            Ok(bytes) => {
+                self.send_upstream(bytes);
+                if let Origin::Client {
+                    channel,
+                    channel_id,
+                    ..
+                } = origin
+                    && let Some(ch) = self.channels.get_mut(&channel)
+                    && ch.id == channel_id
+                {
+                    ch.ops += 1;
+                }
+                self.ops.insert(
+                    op_id,
+                    Op {
+                        origin,
+                        purpose,
+                        queue,
+                        started: now,
+                    },
+                );
+            }
+            Err(why) => {
+                tracing::warn!(
+                    queue = &*queue,
+                    why,
+                    "cannot publish; the message is requeued"
+                );
+                self.shared.metrics.dead_letter_publish_failed("invalid");
+                self.settle_origin(origin, Settlement::Requeue);
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------------------------
+    // The end of an operation
+    // ------------------------------------------------------------------------------------
+
+    /// A publish of the proxy's channel ended: settle the original accordingly.
+    pub(super) fn complete_op(&mut self, op_id: OpId, outcome: Outcome) {
+        let Some(op) = self.ops.remove(&op_id) else {
+            return;
+        };
+        let metrics = self.shared.metrics.clone();
+        let settlement = match (op.purpose, &outcome) {
+            (Purpose::DeadLetter(reason), Outcome::Confirmed) => {
+                metrics.dead_lettered(&self.vhost, &op.queue, reason.as_str());
+                metrics.observe_dead_letter_latency(op.started.elapsed());
+                Settlement::Ack
+            }
+            (Purpose::DeadLetter(_), Outcome::Unroutable) => {
+                metrics.dropped(&self.vhost, &op.queue, "unroutable");
+                Settlement::Ack
+            }
+            (Purpose::DeadLetter(_), Outcome::ExchangeMissing) => {
+                metrics.dropped(&self.vhost, &op.queue, "no_dlx");
+                Settlement::Ack
+            }
+            (Purpose::Requeue, Outcome::Confirmed)
+            | (Purpose::Requeue, Outcome::Unroutable)
+            | (Purpose::Requeue, Outcome::ExchangeMissing) => Settlement::Ack,
+            (_, Outcome::Failed(cause)) => {
+                tracing::warn!(
+                    queue = &*op.queue,
+                    cause,
+                    "publish not confirmed; the message is requeued"
+                );
+                metrics.dead_letter_publish_failed(cause);
+                Settlement::Requeue
+            }
+            (_, Outcome::TimedOut) => {
+                tracing::warn!(
+                    queue = &*op.queue,
+                    "publish confirm timed out; the message is requeued"
+                );
+                metrics.dead_letter_publish_failed("timeout");
+                Settlement::Requeue
+            }
+        };
+        self.settle_origin(op.origin, settlement);
+        self.op_finished(op.origin);
+    }
+
+    /// Forgets an operation without settling anything (the connection or channel is gone, so
+    /// the upstream requeues the original itself).
+    pub(super) fn abandon_op(&mut self, op_id: OpId) {
+        if let Some(op) = self.ops.remove(&op_id) {
+            self.op_finished(op.origin);
+        }
+    }
+
+    pub(super) fn abandon_all_ops(&mut self) {
+        if let Some(publisher) = self.publisher.as_mut() {
+            publisher.fail_all();
+        }
+        let ops: Vec<OpId> = self.ops.keys().copied().collect();
+        for op in ops {
+            self.abandon_op(op);
+        }
+    }
+
+    fn op_finished(&mut self, origin: Origin) {
+        if let Origin::Client {
+            channel,
+            channel_id,
+            ..
+        } = origin
+        {
+            let parked = match self.channels.get_mut(&channel) {
+                Some(ch) if ch.id == channel_id => {
+                    ch.ops = ch.ops.saturating_sub(1);
+                    if ch.ops == 0 {
+                        ch.parked_close.take()
+                    } else {
+                        None
+                    }
+                }
+                _ => None,
+            };
+            if let Some(close) = parked {
+                self.forward_channel_close(channel, close);
+            }
+        }
+        self.maybe_finish_draining();
+    }
+
+    /// Settles the message an operation replaced (or gives it back to its queue).
+    pub(super) fn settle_origin(&mut self, origin: Origin, settlement: Settlement) {
+        match origin {
+            Origin::Client {
+                channel,
+                channel_id,
+                tag,
+            } => {
+                let live = match self.channels.get_mut(&channel) {
+                    Some(ch) if ch.id == channel_id => {
+                        ch.deliveries.finish_pending(tag);
+                        matches!(
+                            ch.phase,
+                            super::channels::ChannelPhase::Open
+                                | super::channels::ChannelPhase::ClosingByClient
+                        )
+                    }
+                    _ => false,
+                };
+                if !live {
+                    return;
+                }
+                let verb = match settlement {
+                    Settlement::Ack => Verb::Ack,
+                    Settlement::Requeue => Verb::Nack { requeue: true },
+                };
+                let frame = settle_frame(
+                    channel,
+                    NativeSettle {
+                        verb,
+                        tag,
+                        multiple: false,
+                    },
+                );
+                self.inject_upstream(channel, frame);
+            }
+            Origin::Capture { tag, epoch } => {
+                let Some(capture) = self.capture.as_mut() else {
+                    return;
+                };
+                match settlement {
+                    Settlement::Ack => {
+                        if let Some(frame) = capture.ack(tag, epoch) {
+                            self.send_upstream(frame);
+                        }
+                    }
+                    Settlement::Requeue => capture.retry_later(tag, epoch, Instant::now()),
+                }
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Captured messages
+    // ------------------------------------------------------------------------------------
+
+    /// A message died upstream (TTL, length limit, a rejection the proxy did not see):
+    /// dead-letter it as its original queue would have.
+    pub(super) fn on_captured(&mut self, message: CapturedMessage) {
+        let origin = Origin::Capture {
+            tag: message.delivery_tag,
+            epoch: message.epoch,
+        };
+        let props = match decode_properties(&message.raw_properties) {
+            Ok(props) => props,
+            Err(err) => {
+                tracing::warn!(%err, "captured message properties do not decode; dropped");
+                self.settle_origin(origin, Settlement::Ack);
+                return;
+            }
+        };
+        let tag = CaptureTag::decode(&message.routing_key);
+        let (before, death) = match reconstruct(&props, tag.is_some()) {
+            Ok(found) => found,
+            Err(err) => {
+                tracing::warn!(%err, "captured message without a death record; dropped");
+                self.settle_origin(origin, Settlement::Ack);
+                return;
+            }
+        };
+        let Ok(reason) = death.reason.parse::<DeadLetterReason>() else {
+            tracing::warn!(reason = %death.reason, "captured message with an unknown death reason; dropped");
+            self.settle_origin(origin, Settlement::Ack);
+            return;
+        };
+        let arguments = self
+            .shared
+            .queues
+            .lookup(&self.vhost, &death.queue)
+            .or_else(|| tag.map(|t| t.to_arguments()));
+        let view = self
+            .shared
+            .queue_view(&self.vhost, &death.queue, arguments.as_ref());
+        let time = if death.time == 0 {
+            now_secs()
+        } else {
+            death.time
+        };
+        let death = Death {
+            queue: Arc::from(death.queue.as_str()),
+            reason,
+            before,
+            exchange: death.exchange,
+            routing_keys: death.routing_keys,
+            time,
+            body: message.body,
+        };
+        self.dead_letter_message(origin, death, &view);
+    }
+}

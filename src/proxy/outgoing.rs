@@ -1,0 +1,346 @@
+//! The messages the proxy publishes on its own channel, built from the pure dead-letter rules.
+//!
+//! **Routing several keys once.** RabbitMQ routes a dead-lettered message through the DLX with
+//! the *set* of its keys (publish key, CC and BCC), and a queue bound by several of them gets
+//! one copy. The proxy publishes once: routing key = the first key, and the upstream adds the
+//! keys of the message's own `CC` header; any further key travels in a `BCC` header, which the
+//! upstream routes by and strips, so consumers see exactly the headers the rewrite produced.
+//! The `CC` header is limited to keys the message is actually routed with (keys dropped by the
+//! cycle rule, and under `compat = "4"` the CC keys of a message sent to a dead-letter routing
+//! key, would otherwise be routed again by the upstream).
+//!
+//! **Cycles.** The proxy cannot see which queues a DLX routes to. With the default exchange the
+//! target queue is the routing key, so [`is_cycle`] is applied per key exactly as RabbitMQ
+//! does. For any other exchange the proxy applies the rule to the source queue on the history
+//! *before* this death: a message that died automatically in this queue before, with no
+//! rejection since, came back through an automatic loop and is dropped. Such a loop therefore
+//! runs once more than in RabbitMQ (which drops it before the first republish).
+//!
+//! **Delivery limits.** A requeue on a queue with a delivery limit is a republish to the
+//! queue's tail through the default exchange with `x-delivery-count` incremented (int64, as
+//! RabbitMQ's quorum queues write it); `CC`/`BCC` are removed so the copy reaches only that
+//! queue.
+
+use amq_protocol::protocol::BasicProperties;
+use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+use bytes::Bytes;
+
+use super::publisher::OutgoingMessage;
+use crate::amqp::content::encode_properties;
+use crate::broker::args::amqp_integer;
+use crate::deadletter::{
+    DeadLetterReason, DeadLetteredMessage, HEADER_BCC, HEADER_CC, X_DELIVERY_COUNT, is_cycle,
+};
+
+/// The longstr keys of a `CC` header, in header order.
+pub fn cc_keys(props: &BasicProperties) -> Vec<String> {
+    match props
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(HEADER_CC))
+    {
+        Some(AMQPValue::FieldArray(keys)) => keys
+            .as_slice()
+            .iter()
+            .filter_map(|k| match k {
+                AMQPValue::LongString(s) => {
+                    Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+                }
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// The keys a delivered message was routed with, as far as a consumer can see them: the
+/// delivery's routing key, then its `CC` header (BCC keys are stripped by the broker).
+pub fn delivery_routing_keys(routing_key: &str, props: &BasicProperties) -> Vec<String> {
+    let mut keys = vec![routing_key.to_string()];
+    keys.extend(cc_keys(props));
+    keys
+}
+
+/// The keys that survive the cycle rule (empty: the message is dropped as a cycle).
+/// `before` is the message as it was before this death; `source_queue` the queue it died in.
+pub fn keys_after_cycle_rule(
+    reason: DeadLetterReason,
+    message: &DeadLetteredMessage,
+    before: &BasicProperties,
+    source_queue: &str,
+) -> Vec<String> {
+    if reason == DeadLetterReason::Rejected {
+        return dedup(&message.routing_keys);
+    }
+    if message.exchange.is_empty() {
+        dedup(&message.routing_keys)
+            .into_iter()
+            .filter(|queue| !is_cycle(reason, &message.properties, queue))
+            .collect()
+    } else if is_cycle(reason, before, source_queue) {
+        Vec::new()
+    } else {
+        dedup(&message.routing_keys)
+    }
+}
+
+fn dedup(keys: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::with_capacity(keys.len());
+    for key in keys {
+        if !out.contains(key) {
+            out.push(key.clone());
+        }
+    }
+    out
+}
+
+fn long_strings(keys: &[String]) -> AMQPValue {
+    AMQPValue::FieldArray(FieldArray::from(
+        keys.iter()
+            .map(|k| AMQPValue::LongString(LongString::from(k.as_str())))
+            .collect::<Vec<_>>(),
+    ))
+}
+
+/// The single publish that routes `message` with exactly `keys` (non-empty).
+pub fn dead_letter_publish(
+    message: &DeadLetteredMessage,
+    keys: &[String],
+    body: Bytes,
+) -> OutgoingMessage {
+    let routing_key = keys.first().cloned().unwrap_or_default();
+    let mut headers = message
+        .properties
+        .headers()
+        .as_ref()
+        .map(|h| h.inner().clone())
+        .unwrap_or_default();
+    let cc = cc_keys(&message.properties);
+    let mut properties = message.properties.clone();
+    let mut changed = false;
+    if headers.contains_key(HEADER_CC) {
+        let kept: Vec<String> = cc.iter().filter(|k| keys.contains(k)).cloned().collect();
+        if kept.len() != cc.len() {
+            changed = true;
+            if kept.is_empty() {
+                headers.remove(HEADER_CC);
+            } else {
+                headers.insert(ShortString::from(HEADER_CC), long_strings(&kept));
+            }
+        }
+    }
+    let extra: Vec<String> = keys
+        .iter()
+        .skip(1)
+        .filter(|k| **k != routing_key && !cc.contains(k))
+        .cloned()
+        .collect();
+    if !extra.is_empty() {
+        changed = true;
+        headers.insert(ShortString::from(HEADER_BCC), long_strings(&extra));
+    }
+    if changed {
+        properties = properties.with_headers(FieldTable::from(headers));
+    }
+    OutgoingMessage {
+        exchange: message.exchange.clone(),
+        routing_key,
+        raw_properties: encode_properties(&properties),
+        body,
+    }
+}
+
+/// The delivery count a message carries (0 when absent).
+pub fn delivery_count(props: &BasicProperties) -> i64 {
+    props
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(X_DELIVERY_COUNT))
+        .and_then(amqp_integer)
+        .unwrap_or(0)
+        .max(0)
+}
+
+/// The republish of a requeued message to the tail of `queue` with `x-delivery-count = count`.
+pub fn requeue_publish(
+    props: &BasicProperties,
+    queue: &str,
+    count: i64,
+    body: Bytes,
+) -> OutgoingMessage {
+    let mut headers = props
+        .headers()
+        .as_ref()
+        .map(|h| h.inner().clone())
+        .unwrap_or_default();
+    headers.remove(HEADER_CC);
+    headers.remove(HEADER_BCC);
+    headers.insert(
+        ShortString::from(X_DELIVERY_COUNT),
+        AMQPValue::LongLongInt(count),
+    );
+    let properties = props.clone().with_headers(FieldTable::from(headers));
+    OutgoingMessage {
+        exchange: String::new(),
+        routing_key: queue.to_string(),
+        raw_properties: encode_properties(&properties),
+        body,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::amqp::content::decode_properties;
+    use crate::deadletter::{
+        DeadLetterOptions, DeadLetterTarget, DeathEvent, X_DEATH, dead_letter,
+    };
+
+    fn headers_of(raw: &[u8]) -> std::collections::BTreeMap<ShortString, AMQPValue> {
+        decode_properties(raw)
+            .unwrap()
+            .headers()
+            .as_ref()
+            .map(|h| h.inner().clone())
+            .unwrap_or_default()
+    }
+
+    fn with_cc(keys: &[&str]) -> BasicProperties {
+        let mut t = FieldTable::default();
+        let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+        t.insert(ShortString::from(HEADER_CC), long_strings(&keys));
+        BasicProperties::default().with_headers(t)
+    }
+
+    fn die(
+        props: &BasicProperties,
+        queue: &str,
+        reason: DeadLetterReason,
+        keys: &[String],
+        dlx: &str,
+        dlrk: Option<&str>,
+    ) -> DeadLetteredMessage {
+        dead_letter(
+            props,
+            &DeathEvent {
+                queue,
+                reason,
+                exchange: "",
+                routing_keys: keys,
+                now_secs: 1,
+                trust_existing_history: true,
+            },
+            &DeadLetterTarget {
+                exchange: dlx,
+                routing_key: dlrk,
+            },
+            &DeadLetterOptions::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn extra_keys_travel_in_bcc_and_cc_stays_as_rewritten() {
+        let props = with_cc(&["cc1"]);
+        let keys = vec!["q".to_string(), "cc1".to_string(), "bcc1".to_string()];
+        let message = die(&props, "q", DeadLetterReason::Rejected, &keys, "dlx", None);
+        let publish = dead_letter_publish(&message, &keys, Bytes::from_static(b"x"));
+        assert_eq!(publish.routing_key, "q");
+        assert_eq!(publish.exchange, "dlx");
+        let headers = headers_of(&publish.raw_properties);
+        assert_eq!(
+            headers.get(HEADER_CC),
+            Some(&long_strings(&["cc1".to_string()]))
+        );
+        assert_eq!(
+            headers.get(HEADER_BCC),
+            Some(&long_strings(&["bcc1".to_string()]))
+        );
+        assert!(headers.contains_key(X_DEATH));
+    }
+
+    #[test]
+    fn a_dead_letter_routing_key_publishes_plainly() {
+        let props = with_cc(&["cc1"]);
+        let keys = delivery_routing_keys("q", &props);
+        let message = die(
+            &props,
+            "q",
+            DeadLetterReason::Rejected,
+            &keys,
+            "dlx",
+            Some("dlq"),
+        );
+        let publish = dead_letter_publish(&message, &message.routing_keys, Bytes::new());
+        assert_eq!(publish.routing_key, "dlq");
+        let headers = headers_of(&publish.raw_properties);
+        assert!(!headers.contains_key(HEADER_CC));
+        assert!(!headers.contains_key(HEADER_BCC));
+    }
+
+    #[test]
+    fn default_exchange_cycles_are_dropped_per_key() {
+        let keys = vec!["q".to_string(), "other".to_string()];
+        let props = with_cc(&["other"]);
+        let message = die(&props, "q", DeadLetterReason::Expired, &keys, "", None);
+        let before = props.clone();
+        let kept = keys_after_cycle_rule(DeadLetterReason::Expired, &message, &before, "q");
+        assert_eq!(kept, vec!["other".to_string()]);
+        let publish = dead_letter_publish(&message, &kept, Bytes::new());
+        assert_eq!(publish.routing_key, "other");
+        // A rejection never drops.
+        let message = die(&props, "q", DeadLetterReason::Rejected, &keys, "", None);
+        assert_eq!(
+            keys_after_cycle_rule(DeadLetterReason::Rejected, &message, &before, "q").len(),
+            2
+        );
+    }
+
+    #[test]
+    fn other_exchanges_drop_a_message_that_came_back_automatically() {
+        let keys = vec!["q".to_string()];
+        let first = die(
+            &BasicProperties::default(),
+            "q",
+            DeadLetterReason::Expired,
+            &keys,
+            "fan",
+            None,
+        );
+        // First death: kept (the proxy cannot see that "fan" routes back to q).
+        assert_eq!(
+            keys_after_cycle_rule(
+                DeadLetterReason::Expired,
+                &first,
+                &BasicProperties::default(),
+                "q"
+            ),
+            keys
+        );
+        // It expired in q again: the history before this death already shows q, no rejection.
+        let second = die(
+            &first.properties,
+            "q",
+            DeadLetterReason::Expired,
+            &keys,
+            "fan",
+            None,
+        );
+        assert!(
+            keys_after_cycle_rule(DeadLetterReason::Expired, &second, &first.properties, "q")
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn requeues_carry_the_delivery_count_and_no_cc() {
+        let props = with_cc(&["cc1"]);
+        assert_eq!(delivery_count(&props), 0);
+        let publish = requeue_publish(&props, "q", 2, Bytes::from_static(b"b"));
+        assert_eq!(publish.exchange, "");
+        assert_eq!(publish.routing_key, "q");
+        let decoded = decode_properties(&publish.raw_properties).unwrap();
+        assert_eq!(delivery_count(&decoded), 2);
+        assert!(!headers_of(&publish.raw_properties).contains_key(HEADER_CC));
+    }
+}

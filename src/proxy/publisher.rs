@@ -1,0 +1,557 @@
+//! The dead-letter publisher: the proxy's own channel on the client's upstream connection, in
+//! confirm mode, used for dead-letter publishes and delivery-limit republishes.
+//!
+//! A pure state machine: [`Publisher::publish`] returns the frames to write and remembers the
+//! confirm sequence number; [`Publisher::on_frame`] reads the upstream's replies on this
+//! channel and reports settled publishes:
+//! - `basic.ack` → [`Outcome::Confirmed`], or [`Outcome::Unroutable`] when a `basic.return`
+//!   (every publish is `mandatory`) came first. Returns carry no sequence number; RabbitMQ
+//!   sends them in publish order before the ack, so a return belongs to the oldest
+//!   unconfirmed, not yet returned publish with the same exchange, routing key and body size;
+//! - `basic.nack` → [`Outcome::Failed`];
+//! - `channel.close` (a publish to a missing exchange closes the channel with 404, to a
+//!   forbidden one with 403) → the publishes to the exchange named in the reply text are
+//!   [`Outcome::ExchangeMissing`], the
+//!   other unconfirmed ones [`Outcome::Failed`] (the broker discarded them, or their confirm is
+//!   lost); the channel is reopened in confirm mode right away;
+//! - no confirm within `proxy.confirm_timeout_secs` → [`Outcome::TimedOut`].
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use amq_protocol::protocol::{AMQPClass, basic, channel, confirm};
+use amq_protocol::types::ShortString;
+use bytes::{Bytes, BytesMut};
+
+use super::wire::{WireFrame, content_body_size, method_frame};
+use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method};
+use crate::amqp::content::put_content;
+use crate::amqp::reply::{ACCESS_REFUSED, NOT_FOUND};
+
+/// Identifies the operation a publish belongs to (chosen by the caller).
+pub type OpId = u64;
+
+/// A message to publish.
+#[derive(Clone, Debug)]
+pub struct OutgoingMessage {
+    pub exchange: String,
+    pub routing_key: String,
+    /// Encoded property section.
+    pub raw_properties: Bytes,
+    pub body: Bytes,
+}
+
+/// How a publish ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Confirmed,
+    /// Confirmed after a basic.return: no queue was bound for its keys.
+    Unroutable,
+    /// The exchange does not exist (channel closed with 404) or the client's user may not
+    /// publish to it (403).
+    ExchangeMissing,
+    /// Nacked by the broker, or lost with the channel.
+    Failed(&'static str),
+    TimedOut,
+}
+
+/// One settled publish.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settled {
+    pub op: OpId,
+    pub outcome: Outcome,
+}
+
+#[derive(Debug)]
+struct Record {
+    op: OpId,
+    exchange: String,
+    routing_key: String,
+    body_len: u64,
+    returned: bool,
+    deadline: Instant,
+}
+
+#[derive(Debug)]
+struct ReturnedContent {
+    exchange: String,
+    routing_key: String,
+    /// Body size from the content header, once it arrived.
+    size: Option<u64>,
+    remaining: u64,
+}
+
+/// What a frame on the publisher channel asks of the session.
+#[derive(Debug, Default)]
+pub struct PublisherStep {
+    pub settled: Vec<Settled>,
+    pub write: Option<Bytes>,
+}
+
+/// The publisher channel.
+#[derive(Debug)]
+pub struct Publisher {
+    channel: u16,
+    frame_max: usize,
+    confirm_timeout: Duration,
+    next_seq: u64,
+    unconfirmed: BTreeMap<u64, Record>,
+    deadlines: VecDeque<(Instant, u64, u64)>,
+    epoch: u64,
+    returned: Option<ReturnedContent>,
+    /// How often the channel was reopened after an error.
+    pub reopened: u64,
+}
+
+impl Publisher {
+    pub fn new(channel: u16, frame_max: usize, confirm_timeout: Duration) -> Self {
+        Publisher {
+            channel,
+            frame_max,
+            confirm_timeout,
+            next_seq: 1,
+            unconfirmed: BTreeMap::new(),
+            deadlines: VecDeque::new(),
+            epoch: 1,
+            returned: None,
+            reopened: 0,
+        }
+    }
+
+    pub fn channel(&self) -> u16 {
+        self.channel
+    }
+
+    pub fn unconfirmed(&self) -> usize {
+        self.unconfirmed.len()
+    }
+
+    /// channel.open + confirm.select.
+    pub fn open_frames(&self) -> Bytes {
+        let mut out = BytesMut::new();
+        out.extend_from_slice(&method_frame(
+            self.channel,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        ));
+        out.extend_from_slice(&method_frame(
+            self.channel,
+            AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+                nowait: false,
+            })),
+        ));
+        out.freeze()
+    }
+
+    /// Encodes a publish (mandatory, confirm-tracked). `Err` if a name is not a short string.
+    pub fn publish(
+        &mut self,
+        op: OpId,
+        message: &OutgoingMessage,
+        now: Instant,
+    ) -> Result<Bytes, &'static str> {
+        let exchange =
+            ShortString::try_new(message.exchange.clone()).map_err(|_| "exchange name too long")?;
+        let routing_key = ShortString::try_new(message.routing_key.clone())
+            .map_err(|_| "routing key too long")?;
+        let mut out = BytesMut::with_capacity(message.body.len() + 256);
+        out.extend_from_slice(&method_frame(
+            self.channel,
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange,
+                routing_key,
+                mandatory: true,
+                immediate: false,
+            })),
+        ));
+        put_content(
+            &mut out,
+            self.channel,
+            &message.raw_properties,
+            &message.body,
+            self.frame_max,
+        );
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let deadline = now + self.confirm_timeout;
+        self.unconfirmed.insert(
+            seq,
+            Record {
+                op,
+                exchange: message.exchange.clone(),
+                routing_key: message.routing_key.clone(),
+                body_len: message.body.len() as u64,
+                returned: false,
+                deadline,
+            },
+        );
+        self.deadlines.push_back((deadline, seq, self.epoch));
+        Ok(out.freeze())
+    }
+
+    /// Handles one upstream frame on the publisher channel.
+    pub fn on_frame(&mut self, frame: &WireFrame) -> PublisherStep {
+        let mut step = PublisherStep::default();
+        match frame.kind {
+            FRAME_METHOD => match decode_method(&frame.payload) {
+                Some(AMQPClass::Basic(basic::AMQPMethod::Ack(ack))) => {
+                    for record in self.take_confirmed(ack.delivery_tag, ack.multiple) {
+                        let outcome = if record.returned {
+                            Outcome::Unroutable
+                        } else {
+                            Outcome::Confirmed
+                        };
+                        step.settled.push(Settled {
+                            op: record.op,
+                            outcome,
+                        });
+                    }
+                }
+                Some(AMQPClass::Basic(basic::AMQPMethod::Nack(nack))) => {
+                    for record in self.take_confirmed(nack.delivery_tag, nack.multiple) {
+                        step.settled.push(Settled {
+                            op: record.op,
+                            outcome: Outcome::Failed("nack"),
+                        });
+                    }
+                }
+                Some(AMQPClass::Basic(basic::AMQPMethod::Return(ret))) => {
+                    self.returned = Some(ReturnedContent {
+                        exchange: ret.exchange.as_str().to_string(),
+                        routing_key: ret.routing_key.as_str().to_string(),
+                        size: None,
+                        remaining: 0,
+                    });
+                }
+                Some(AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
+                    step.settled = self.fail_on_close(close.reply_code, close.reply_text.as_str());
+                    let mut out = BytesMut::new();
+                    out.extend_from_slice(&method_frame(
+                        self.channel,
+                        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+                    ));
+                    out.extend_from_slice(&self.open_frames());
+                    step.write = Some(out.freeze());
+                }
+                _ => {}
+            },
+            FRAME_HEADER => {
+                let size = content_body_size(&frame.payload).unwrap_or(0);
+                if let Some(returned) = self.returned.as_mut() {
+                    returned.size = Some(size);
+                    returned.remaining = size;
+                    if size == 0 {
+                        self.finish_return();
+                    }
+                }
+            }
+            FRAME_BODY => {
+                if let Some(returned) = self.returned.as_mut()
+                    && returned.size.is_some()
+                {
+                    returned.remaining = returned
+                        .remaining
+                        .saturating_sub(frame.payload.len() as u64);
+                    if returned.remaining == 0 {
+                        self.finish_return();
+                    }
+                }
+            }
+            _ => {}
+        }
+        step
+    }
+
+    fn finish_return(&mut self) {
+        let Some(returned) = self.returned.take() else {
+            return;
+        };
+        if let Some(record) = self.unconfirmed.values_mut().find(|r| {
+            !r.returned
+                && r.exchange == returned.exchange
+                && r.routing_key == returned.routing_key
+                && returned.size == Some(r.body_len)
+        }) {
+            record.returned = true;
+        }
+    }
+
+    fn take_confirmed(&mut self, seq: u64, multiple: bool) -> Vec<Record> {
+        if multiple {
+            let rest = self.unconfirmed.split_off(&(seq.saturating_add(1)));
+            let done = std::mem::replace(&mut self.unconfirmed, rest);
+            done.into_values().collect()
+        } else {
+            self.unconfirmed.remove(&seq).into_iter().collect()
+        }
+    }
+
+    fn fail_on_close(&mut self, code: u16, text: &str) -> Vec<Settled> {
+        // 404: the exchange does not exist; 403: the client's user may not publish to it.
+        // Either way the publish can never succeed: the message is dropped, not retried.
+        let unusable = code == NOT_FOUND || code == ACCESS_REFUSED;
+        let missing = if unusable {
+            missing_exchange(text)
+        } else {
+            None
+        };
+        let records = std::mem::take(&mut self.unconfirmed);
+        let mut settled = Vec::with_capacity(records.len());
+        let mut blamed_first = false;
+        for (_, record) in records {
+            let outcome = match &missing {
+                Some(name) if *name == record.exchange => Outcome::ExchangeMissing,
+                None if unusable && !blamed_first => {
+                    blamed_first = true;
+                    Outcome::ExchangeMissing
+                }
+                _ => Outcome::Failed("channel closed"),
+            };
+            settled.push(Settled {
+                op: record.op,
+                outcome,
+            });
+        }
+        if code == ACCESS_REFUSED {
+            tracing::warn!(
+                code,
+                text,
+                "dead-letter exchange refused to the client's user"
+            );
+        } else if code != NOT_FOUND {
+            tracing::warn!(
+                code,
+                text,
+                "dead-letter publisher channel closed by the upstream"
+            );
+        }
+        self.next_seq = 1;
+        self.epoch += 1;
+        self.reopened += 1;
+        self.deadlines.clear();
+        self.returned = None;
+        settled
+    }
+
+    /// The earliest confirm deadline.
+    pub fn next_deadline(&mut self) -> Option<Instant> {
+        while let Some(&(at, seq, epoch)) = self.deadlines.front() {
+            let live =
+                epoch == self.epoch && self.unconfirmed.get(&seq).is_some_and(|r| r.deadline == at);
+            if live {
+                return Some(at);
+            }
+            self.deadlines.pop_front();
+        }
+        None
+    }
+
+    /// Publishes whose confirm did not come in time. Their late confirms are ignored.
+    pub fn expire(&mut self, now: Instant) -> Vec<Settled> {
+        let mut settled = Vec::new();
+        while let Some(&(at, seq, epoch)) = self.deadlines.front() {
+            if at > now {
+                break;
+            }
+            self.deadlines.pop_front();
+            if epoch != self.epoch {
+                continue;
+            }
+            if let Some(record) = self.unconfirmed.remove(&seq) {
+                settled.push(Settled {
+                    op: record.op,
+                    outcome: Outcome::TimedOut,
+                });
+            }
+        }
+        settled
+    }
+
+    /// Every unconfirmed publish, failed (the connection is going away).
+    pub fn fail_all(&mut self) -> Vec<Settled> {
+        let records = std::mem::take(&mut self.unconfirmed);
+        self.deadlines.clear();
+        records
+            .into_values()
+            .map(|r| Settled {
+                op: r.op,
+                outcome: Outcome::Failed("connection closed"),
+            })
+            .collect()
+    }
+}
+
+/// The exchange named in RabbitMQ's `NOT_FOUND - no exchange 'X' in vhost 'V'` or
+/// `ACCESS_REFUSED - access to exchange 'X' in vhost 'V' refused for user 'U'`.
+pub fn missing_exchange(text: &str) -> Option<String> {
+    let rest = text
+        .split_once("no exchange '")
+        .or_else(|| text.split_once("access to exchange '"))?
+        .1;
+    let end = rest.rfind("' in vhost '")?;
+    Some(rest[..end].to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::amqp::codec::put_raw_frame;
+    use crate::proxy::wire::WireCodec;
+    use tokio_util::codec::Decoder;
+
+    fn frame(bytes: Bytes) -> WireFrame {
+        let mut buf = BytesMut::from(&bytes[..]);
+        WireCodec::new(1 << 20).decode(&mut buf).unwrap().unwrap()
+    }
+
+    fn message(exchange: &str, key: &str) -> OutgoingMessage {
+        OutgoingMessage {
+            exchange: exchange.into(),
+            routing_key: key.into(),
+            raw_properties: Bytes::from_static(&[0, 0]),
+            body: Bytes::from_static(b"body"),
+        }
+    }
+
+    fn ack(ch: u16, tag: u64, multiple: bool) -> WireFrame {
+        frame(method_frame(
+            ch,
+            AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                delivery_tag: tag,
+                multiple,
+            })),
+        ))
+    }
+
+    #[test]
+    fn acks_settle_in_sequence_and_multiple() {
+        let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+        let now = Instant::now();
+        for op in 10..13 {
+            p.publish(op, &message("dlx", "k"), now).unwrap();
+        }
+        let step = p.on_frame(&ack(5, 2, true));
+        assert_eq!(
+            step.settled.iter().map(|s| s.op).collect::<Vec<_>>(),
+            vec![10, 11]
+        );
+        let step = p.on_frame(&frame(method_frame(
+            5,
+            AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                delivery_tag: 3,
+                multiple: false,
+                requeue: false,
+            })),
+        )));
+        assert_eq!(step.settled[0].outcome, Outcome::Failed("nack"));
+        assert_eq!(p.unconfirmed(), 0);
+    }
+
+    #[test]
+    fn returns_mark_the_matching_publish_unroutable() {
+        let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+        let now = Instant::now();
+        p.publish(1, &message("dlx", "a"), now).unwrap();
+        p.publish(2, &message("dlx", "b"), now).unwrap();
+        p.on_frame(&frame(method_frame(
+            5,
+            AMQPClass::Basic(basic::AMQPMethod::Return(basic::Return {
+                reply_code: 312,
+                reply_text: ShortString::from("NO_ROUTE"),
+                exchange: ShortString::from("dlx"),
+                routing_key: ShortString::from("b"),
+            })),
+        )));
+        let mut content = BytesMut::new();
+        put_content(&mut content, 5, &[0, 0], b"body", 4096);
+        let mut codec = WireCodec::new(4096);
+        while let Some(f) = codec.decode(&mut content).unwrap() {
+            p.on_frame(&f);
+        }
+        let step = p.on_frame(&ack(5, 2, true));
+        assert_eq!(
+            step.settled,
+            vec![
+                Settled {
+                    op: 1,
+                    outcome: Outcome::Confirmed
+                },
+                Settled {
+                    op: 2,
+                    outcome: Outcome::Unroutable
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn a_missing_exchange_fails_its_publishes_and_reopens() {
+        let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+        let now = Instant::now();
+        p.publish(1, &message("gone", "a"), now).unwrap();
+        p.publish(2, &message("dlx", "b"), now).unwrap();
+        let step = p.on_frame(&frame(method_frame(
+            5,
+            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: 404,
+                reply_text: ShortString::from("NOT_FOUND - no exchange 'gone' in vhost '/'"),
+                class_id: 60,
+                method_id: 40,
+            })),
+        )));
+        assert_eq!(step.settled[0].outcome, Outcome::ExchangeMissing);
+        assert_eq!(step.settled[1].outcome, Outcome::Failed("channel closed"));
+        let write = step.write.unwrap();
+        let mut buf = BytesMut::from(&write[..]);
+        let mut codec = WireCodec::new(4096);
+        let ids: Vec<_> = std::iter::from_fn(|| codec.decode(&mut buf).unwrap())
+            .map(|f| f.method_ids())
+            .collect();
+        assert_eq!(ids, vec![(20, 41), (20, 10), (85, 10)]);
+        // Sequence numbers restart with the new channel.
+        p.publish(3, &message("dlx", "c"), now).unwrap();
+        assert_eq!(p.on_frame(&ack(5, 1, false)).settled[0].op, 3);
+    }
+
+    #[test]
+    fn confirms_time_out() {
+        let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+        let now = Instant::now();
+        p.publish(1, &message("dlx", "a"), now).unwrap();
+        assert_eq!(p.next_deadline(), Some(now + Duration::from_secs(5)));
+        assert!(p.expire(now).is_empty());
+        let expired = p.expire(now + Duration::from_secs(5));
+        assert_eq!(expired[0].outcome, Outcome::TimedOut);
+        assert!(p.on_frame(&ack(5, 1, false)).settled.is_empty());
+        assert_eq!(p.next_deadline(), None);
+    }
+
+    #[test]
+    fn big_bodies_are_split_by_frame_max() {
+        let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+        let mut m = message("dlx", "a");
+        m.body = Bytes::from(vec![0u8; 10_000]);
+        let bytes = p.publish(1, &m, Instant::now()).unwrap();
+        let mut buf = BytesMut::from(&bytes[..]);
+        let mut codec = WireCodec::new(4096);
+        let count = std::iter::from_fn(|| codec.decode(&mut buf).unwrap()).count();
+        assert_eq!(count, 5);
+        let mut heartbeat = BytesMut::new();
+        put_raw_frame(&mut heartbeat, 8, 0, b"");
+    }
+
+    #[test]
+    fn missing_exchange_names_are_read_from_the_reply() {
+        assert_eq!(
+            missing_exchange("NOT_FOUND - no exchange 'a'b' in vhost '/'").as_deref(),
+            Some("a'b")
+        );
+        assert_eq!(missing_exchange("NOT_FOUND - no queue 'q'"), None);
+        assert_eq!(
+            missing_exchange(
+                "ACCESS_REFUSED - access to exchange 'x' in vhost '/' refused for user 'u'"
+            )
+            .as_deref(),
+            Some("x")
+        );
+    }
+}

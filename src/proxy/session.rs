@@ -1,0 +1,620 @@
+//! One client connection and its upstream connection: the task that owns both, the event loop,
+//! and the connection's life and death.
+//!
+//! A single task reads frames from both sockets (each read only when the opposite outbox has
+//! room, and upstream reads also only while kept deliveries are under
+//! `proxy.max_inflight_bytes`), decides what each frame means ([`super::forward`],
+//! [`super::intercept`]) and queues bytes for two writer tasks ([`super::outbox`]). It never
+//! awaits a socket write, so a slow peer only slows the other side's reads.
+//!
+//! Each side is `Open`, `Draining` (upstream only: the client is gone, the proxy's publishes
+//! are settled before the upstream connection is closed so nothing the client rejected is
+//! lost), `Closing` (a connection.close is out, waiting for close-ok, with a deadline) or
+//! `Closed`. The task ends when both sides are closed.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use amq_protocol::protocol::{AMQPClass, connection};
+use amq_protocol::types::ShortString;
+use bytes::Bytes;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::ProxyShared;
+use super::capture::CaptureConsumer;
+use super::channels::ClientChannel;
+use super::handshake::{Negotiated, refuse_client};
+use super::ops::Op;
+use super::outbox::{Outbox, spawn_writer};
+use super::probe::QueueProbe;
+use super::publisher::{OpId, Publisher};
+use super::wire::{FrameReader, WireFrame, method_frame};
+use crate::amqp::codec::{FrameError, PROTOCOL_HEADER, put_heartbeat};
+use crate::amqp::reply;
+use crate::metrics::Direction;
+use crate::shutdown::Shutdown;
+
+/// How long a peer gets to answer our connection.close.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+/// Frames read are counted locally and added to the metrics in batches of this many frames
+/// (or after [`TALLY_FLUSH`]), to keep label lookups off the per-frame path.
+const TALLY_FRAMES: u64 = 64;
+const TALLY_FLUSH: Duration = Duration::from_secs(1);
+
+/// Frames and bytes read from one side, not yet added to the metrics.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Tally {
+    frames: u64,
+    bytes: u64,
+}
+
+/// State of one side of the proxy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Side {
+    Open,
+    /// Upstream only: the client is gone; waiting for the proxy's own publishes to settle.
+    Draining {
+        deadline: Instant,
+    },
+    /// A connection.close was sent to this side (by the proxy or forwarded); its close-ok is
+    /// awaited. `forward_ok`: the close-ok belongs to the other peer's close and is passed on.
+    Closing {
+        deadline: Instant,
+        forward_ok: bool,
+    },
+    Closed,
+}
+
+/// The connection's state, owned by its task.
+pub(super) struct Session {
+    pub(super) shared: Arc<ProxyShared>,
+    pub(super) peer: SocketAddr,
+    pub(super) client_out: Outbox,
+    pub(super) upstream_out: Outbox,
+    pub(super) client_side: Side,
+    pub(super) upstream_side: Side,
+    /// True once connection.open-ok went to the client.
+    pub(super) running: bool,
+    pub(super) handshake_deadline: Instant,
+    pub(super) vhost: String,
+    pub(super) upstream_tune: Option<connection::Tune>,
+    pub(super) negotiated: Option<Negotiated>,
+    /// A frame size limit for the readers to pick up.
+    pub(super) new_frame_max: Option<u32>,
+    pub(super) frame_max: usize,
+    pub(super) heartbeat: Option<Duration>,
+    pub(super) last_client_rx: Instant,
+    pub(super) last_upstream_rx: Instant,
+    pub(super) last_upstream_tx: Instant,
+    pub(super) channels: HashMap<u16, ClientChannel>,
+    pub(super) next_channel_id: u64,
+    /// Channels the proxy closed upstream: close-oks still to swallow.
+    pub(super) upstream_drain: HashMap<u16, u32>,
+    pub(super) inflight_bytes: usize,
+    pub(super) inflight_count: usize,
+    /// Client channels with upstream content in progress.
+    pub(super) incoming_in_progress: usize,
+    pub(super) publisher: Option<Publisher>,
+    pub(super) capture: Option<CaptureConsumer>,
+    pub(super) probe: Option<QueueProbe>,
+    /// A queue.declare waiting for the probe's answer (client reads pause meanwhile).
+    pub(super) pending_probe: Option<super::intercept::PendingProbe>,
+    pub(super) ops: HashMap<OpId, Op>,
+    pub(super) next_op: OpId,
+    /// The client's connection.close, held until the proxy's own work is settled.
+    pub(super) parked_connection_close: Option<Bytes>,
+    pub(super) shutdown_seen: bool,
+    pub(super) client_in: Tally,
+    pub(super) upstream_in: Tally,
+    pub(super) tally_since: Instant,
+}
+
+/// Serves one client connection until both legs are closed.
+pub(super) async fn run<S>(
+    mut client: S,
+    peer: SocketAddr,
+    shared: Arc<ProxyShared>,
+    mut shutdown: Shutdown,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let handshake_timeout = shared.handshake_timeout;
+    let handshake_deadline = Instant::now() + handshake_timeout;
+    // The protocol header comes first; anything else gets ours back (AMQP 0-9-1 §4.2.2).
+    let mut header = [0u8; 8];
+    let read = tokio::select! {
+        r = tokio::time::timeout(handshake_timeout, client.read_exact(&mut header)) => r,
+        _ = shutdown.recv() => return,
+    };
+    match read {
+        Ok(Ok(_)) if header == PROTOCOL_HEADER => {}
+        Ok(Ok(_)) => {
+            tracing::debug!(%peer, "client sent an unsupported protocol header");
+            let _ = client.write_all(&PROTOCOL_HEADER).await;
+            let _ = client.shutdown().await;
+            return;
+        }
+        _ => return,
+    }
+    let upstream = match shared.upstream.connect().await {
+        Ok(stream) => stream,
+        Err(err) => {
+            tracing::warn!(%peer, upstream = %shared.upstream.address(), %err, "upstream unreachable");
+            let reason = format!("upstream {} unreachable: {err}", shared.upstream.address());
+            refuse_client(client, &reason, handshake_timeout).await;
+            return;
+        }
+    };
+    let (client_read, client_write) = tokio::io::split(client);
+    let (upstream_read, mut upstream_write) = tokio::io::split(upstream);
+    if upstream_write.write_all(&PROTOCOL_HEADER).await.is_err() {
+        tracing::warn!(%peer, "upstream closed before the handshake");
+        return;
+    }
+    let outbox_limit = shared.outbox_bytes;
+    let metrics = shared.metrics.clone();
+    let (client_out, client_task) = spawn_writer(
+        client_write,
+        outbox_limit,
+        Direction::ClientOut,
+        metrics.clone(),
+    );
+    let (upstream_out, upstream_task) = spawn_writer(
+        upstream_write,
+        outbox_limit,
+        Direction::UpstreamOut,
+        metrics.clone(),
+    );
+    let mut client_reader = FrameReader::new(client_read, shared.handshake_frame_max);
+    let mut upstream_reader = FrameReader::new(upstream_read, shared.handshake_frame_max);
+    let client_signal = client_out.progress_signal();
+    let upstream_signal = upstream_out.progress_signal();
+    let now = Instant::now();
+    let mut session = Session {
+        shared,
+        peer,
+        client_out,
+        upstream_out,
+        client_side: Side::Open,
+        upstream_side: Side::Open,
+        running: false,
+        handshake_deadline,
+        vhost: String::from("/"),
+        upstream_tune: None,
+        negotiated: None,
+        new_frame_max: None,
+        frame_max: crate::amqp::codec::FRAME_MIN_SIZE as usize,
+        heartbeat: None,
+        last_client_rx: now,
+        last_upstream_rx: now,
+        last_upstream_tx: now,
+        channels: HashMap::new(),
+        next_channel_id: 1,
+        upstream_drain: HashMap::new(),
+        inflight_bytes: 0,
+        inflight_count: 0,
+        incoming_in_progress: 0,
+        publisher: None,
+        capture: None,
+        probe: None,
+        pending_probe: None,
+        ops: HashMap::new(),
+        next_op: 1,
+        parked_connection_close: None,
+        shutdown_seen: false,
+        client_in: Tally::default(),
+        upstream_in: Tally::default(),
+        tally_since: now,
+    };
+
+    loop {
+        session.check_writers();
+        if session.client_side == Side::Closed && session.upstream_side == Side::Closed {
+            break;
+        }
+        if let Some(frame_max) = session.new_frame_max.take() {
+            client_reader.set_frame_max(frame_max);
+            upstream_reader.set_frame_max(frame_max);
+        }
+        let read_client = session.wants_client_frames();
+        let read_upstream = session.wants_upstream_frames();
+        // Heartbeat silence only counts while a side is being read.
+        let now = Instant::now();
+        if !read_client {
+            session.last_client_rx = now;
+        }
+        if !read_upstream {
+            session.last_upstream_rx = now;
+        }
+        let wait_client_out = session.client_out.is_full() && !session.client_out.has_failed();
+        let wait_upstream_out =
+            session.upstream_out.is_full() && !session.upstream_out.has_failed();
+        let deadline = session
+            .next_deadline()
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(60));
+        tokio::select! {
+            frame = client_reader.next(), if read_client => session.client_read(frame),
+            frame = upstream_reader.next(), if read_upstream => session.upstream_read(frame),
+            _ = client_signal.progressed(), if wait_client_out => {}
+            _ = upstream_signal.progressed(), if wait_upstream_out => {}
+            _ = tokio::time::sleep_until(deadline.into()) => session.on_timer(Instant::now()),
+            _ = shutdown.recv(), if !session.shutdown_seen => session.on_shutdown(),
+        }
+    }
+    session.finish();
+    drop(session);
+    // Let the writers flush what is queued (a final close-ok) before the sockets go.
+    let _ = tokio::time::timeout(Duration::from_secs(2), client_task).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), upstream_task).await;
+}
+
+impl Session {
+    /// Queues bytes for the client (dropped once the client side is closed).
+    pub(super) fn send_client(&mut self, bytes: Bytes) {
+        if self.client_side != Side::Closed {
+            self.client_out.send(bytes);
+        }
+    }
+
+    /// Queues bytes for the upstream.
+    pub(super) fn send_upstream(&mut self, bytes: Bytes) {
+        if self.upstream_side != Side::Closed {
+            self.last_upstream_tx = Instant::now();
+            self.upstream_out.send(bytes);
+        }
+    }
+
+    /// Sends (or holds back while the client's content is in progress) a frame the proxy
+    /// writes upstream on a client channel.
+    pub(super) fn inject_upstream(&mut self, channel: u16, bytes: Bytes) {
+        match self.channels.get_mut(&channel) {
+            Some(ch) if !ch.upstream_idle() => ch.deferred_upstream.push(bytes),
+            _ => self.send_upstream(bytes),
+        }
+    }
+
+    /// Sends (or holds back while upstream content is in progress) a frame the proxy writes
+    /// to the client on a client channel.
+    pub(super) fn inject_client(&mut self, channel: u16, bytes: Bytes) {
+        match self.channels.get_mut(&channel) {
+            Some(ch) if !ch.client_idle() => ch.deferred_client.push(bytes),
+            _ => self.send_client(bytes),
+        }
+    }
+
+    fn wants_client_frames(&self) -> bool {
+        match self.client_side {
+            Side::Closed => false,
+            Side::Closing { .. } => true,
+            Side::Open | Side::Draining { .. } => {
+                self.pending_probe.is_none()
+                    && (self.upstream_side != Side::Open || !self.upstream_out.is_full())
+            }
+        }
+    }
+
+    fn wants_upstream_frames(&self) -> bool {
+        if self.upstream_side == Side::Closed {
+            return false;
+        }
+        if self.client_side != Side::Open {
+            return true;
+        }
+        if self.client_out.is_full() {
+            return false;
+        }
+        // At the bound, finish the content in progress, then pause until settlements free room.
+        self.inflight_bytes < self.shared.max_inflight_bytes || self.incoming_in_progress > 0
+    }
+
+    fn next_deadline(&mut self) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        let mut consider = |at: Option<Instant>| {
+            if let Some(at) = at {
+                next = Some(next.map_or(at, |n| n.min(at)));
+            }
+        };
+        if !self.running {
+            consider(Some(self.handshake_deadline));
+        }
+        for side in [self.client_side, self.upstream_side] {
+            match side {
+                Side::Draining { deadline } | Side::Closing { deadline, .. } => {
+                    consider(Some(deadline))
+                }
+                _ => {}
+            }
+        }
+        if self.client_in.frames > 0 || self.upstream_in.frames > 0 {
+            consider(Some(self.tally_since + TALLY_FLUSH));
+        }
+        if let Some(publisher) = self.publisher.as_mut() {
+            consider(publisher.next_deadline());
+        }
+        if let Some(capture) = self.capture.as_ref() {
+            consider(capture.next_deadline());
+        }
+        if let Some(interval) = self.heartbeat {
+            if self.client_side == Side::Open {
+                consider(Some(self.last_client_rx + interval * 2));
+            }
+            if self.upstream_side != Side::Closed {
+                consider(Some(self.last_upstream_rx + interval * 2));
+            }
+            if self.client_side != Side::Open
+                && matches!(self.upstream_side, Side::Open | Side::Draining { .. })
+            {
+                consider(Some(self.last_upstream_tx + interval / 2));
+            }
+        }
+        next
+    }
+
+    fn client_read(&mut self, frame: Option<Result<WireFrame, FrameError>>) {
+        match frame {
+            Some(Ok(frame)) => {
+                self.last_client_rx = Instant::now();
+                self.client_in.frames += 1;
+                self.client_in.bytes += frame.raw.len() as u64;
+                if self.client_in.frames >= TALLY_FRAMES {
+                    self.flush_traffic();
+                }
+                self.on_client_frame(frame);
+            }
+            Some(Err(FrameError::Io(err))) => {
+                tracing::debug!(peer = %self.peer, %err, "client connection failed");
+                self.client_lost();
+            }
+            Some(Err(err)) => {
+                tracing::info!(peer = %self.peer, %err, "malformed frame from client");
+                self.close_client(reply::FRAME_ERROR, &format!("FRAME_ERROR - {err}"), 0, 0);
+                // The byte stream cannot be followed any more: nothing else is read from the
+                // client (the writer still delivers the close before the socket goes).
+                self.client_side = Side::Closed;
+            }
+            None => self.client_lost(),
+        }
+    }
+
+    fn upstream_read(&mut self, frame: Option<Result<WireFrame, FrameError>>) {
+        match frame {
+            Some(Ok(frame)) => {
+                self.last_upstream_rx = Instant::now();
+                self.upstream_in.frames += 1;
+                self.upstream_in.bytes += frame.raw.len() as u64;
+                if self.upstream_in.frames >= TALLY_FRAMES {
+                    self.flush_traffic();
+                }
+                self.on_upstream_frame(frame);
+            }
+            Some(Err(err)) => {
+                tracing::warn!(peer = %self.peer, %err, "upstream connection failed");
+                self.upstream_lost("upstream connection lost");
+            }
+            None => self.upstream_lost("upstream connection closed"),
+        }
+    }
+
+    /// Adds the frames read so far to the metrics.
+    fn flush_traffic(&mut self) {
+        let metrics = &self.shared.metrics;
+        let client = std::mem::take(&mut self.client_in);
+        let upstream = std::mem::take(&mut self.upstream_in);
+        metrics.traffic(Direction::ClientIn, client.frames, client.bytes);
+        metrics.traffic(Direction::UpstreamIn, upstream.frames, upstream.bytes);
+        self.tally_since = Instant::now();
+    }
+
+    /// Notices writer failures (a peer gone while we only write to it).
+    fn check_writers(&mut self) {
+        if self.client_out.has_failed() && self.client_side != Side::Closed {
+            self.client_lost();
+        }
+        if self.upstream_out.has_failed() && self.upstream_side != Side::Closed {
+            self.upstream_lost("upstream connection lost");
+        }
+    }
+
+    fn on_timer(&mut self, now: Instant) {
+        if now >= self.tally_since + TALLY_FLUSH {
+            self.flush_traffic();
+        }
+        if !self.running && now >= self.handshake_deadline {
+            tracing::info!(peer = %self.peer, "handshake did not complete in time");
+            self.client_side = Side::Closed;
+            self.upstream_side = Side::Closed;
+            return;
+        }
+        if let Some(publisher) = self.publisher.as_mut() {
+            let expired = publisher.expire(now);
+            for settled in expired {
+                self.complete_op(settled.op, settled.outcome);
+            }
+        }
+        if let Some(capture) = self.capture.as_mut()
+            && let Some(frames) = capture.due_retries(now)
+        {
+            self.send_upstream(frames);
+        }
+        if let Some(interval) = self.heartbeat {
+            if self.client_side == Side::Open && now >= self.last_client_rx + interval * 2 {
+                tracing::info!(peer = %self.peer, "client missed heartbeats");
+                self.client_lost();
+            }
+            if self.upstream_side != Side::Closed && now >= self.last_upstream_rx + interval * 2 {
+                self.upstream_lost("upstream missed heartbeats");
+            }
+            if self.client_side != Side::Open
+                && matches!(self.upstream_side, Side::Open | Side::Draining { .. })
+                && now >= self.last_upstream_tx + interval / 2
+            {
+                let mut beat = bytes::BytesMut::new();
+                put_heartbeat(&mut beat);
+                self.send_upstream(beat.freeze());
+            }
+        }
+        if let Side::Draining { deadline } = self.upstream_side
+            && now >= deadline
+        {
+            self.close_upstream_now();
+        }
+        for side in [&mut self.client_side, &mut self.upstream_side] {
+            if let Side::Closing { deadline, .. } = *side
+                && now >= deadline
+            {
+                *side = Side::Closed;
+            }
+        }
+    }
+
+    fn on_shutdown(&mut self) {
+        self.shutdown_seen = true;
+        if self.client_side == Side::Open {
+            self.close_client(
+                reply::CONNECTION_FORCED,
+                "CONNECTION_FORCED - dlx-proxy is shutting down",
+                0,
+                0,
+            );
+        }
+    }
+
+    /// Closes the client side with a connection.close of the proxy's own; the upstream is
+    /// closed once the proxy's work is settled.
+    pub(super) fn close_client(&mut self, code: u16, text: &str, class_id: u16, method_id: u16) {
+        if self.client_side == Side::Open {
+            let text = ShortString::try_new(reply::truncate_str(text, 255))
+                .unwrap_or_else(|_| ShortString::from("CONNECTION_FORCED"));
+            let close = AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+                reply_code: code,
+                reply_text: text,
+                class_id,
+                method_id,
+            }));
+            self.client_out.send(method_frame(0, close));
+            self.client_side = Side::Closing {
+                deadline: Instant::now() + CLOSE_GRACE,
+                forward_ok: false,
+            };
+        }
+        self.drain_upstream();
+    }
+
+    /// The client is gone: nothing more is sent to it; the upstream is closed after the
+    /// proxy's work is settled (its unacked deliveries then go back to their queues).
+    fn client_lost(&mut self) {
+        if self.client_side == Side::Closed {
+            return;
+        }
+        self.client_side = Side::Closed;
+        self.drain_upstream();
+    }
+
+    /// Starts closing the upstream once no proxy publish is unsettled.
+    fn drain_upstream(&mut self) {
+        if self.upstream_side == Side::Open {
+            let deadline = Instant::now() + self.shared.confirm_timeout + Duration::from_secs(1);
+            self.upstream_side = Side::Draining { deadline };
+        }
+        self.maybe_finish_draining();
+    }
+
+    /// Called whenever an operation ends: a drained upstream is closed, a parked close is sent.
+    pub(super) fn maybe_finish_draining(&mut self) {
+        if !self.ops.is_empty() {
+            return;
+        }
+        if matches!(self.upstream_side, Side::Draining { .. }) {
+            self.close_upstream_now();
+        }
+        if let Some(close) = self.parked_connection_close.take() {
+            self.forward_client_connection_close(close);
+        }
+    }
+
+    fn close_upstream_now(&mut self) {
+        if matches!(self.upstream_side, Side::Open | Side::Draining { .. }) {
+            let close = AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+                reply_code: reply::REPLY_SUCCESS,
+                reply_text: ShortString::from("client connection closed"),
+                class_id: 0,
+                method_id: 0,
+            }));
+            self.send_upstream(method_frame(0, close));
+            self.upstream_side = Side::Closing {
+                deadline: Instant::now() + Duration::from_secs(2),
+                forward_ok: false,
+            };
+            self.fail_all_ops();
+        }
+    }
+
+    /// The upstream is gone: the client gets 320 CONNECTION_FORCED.
+    pub(super) fn upstream_lost(&mut self, reason: &str) {
+        if self.upstream_side == Side::Closed {
+            return;
+        }
+        let was_closing = matches!(self.upstream_side, Side::Closing { .. });
+        let client_awaits_close_ok = matches!(
+            self.upstream_side,
+            Side::Closing {
+                forward_ok: true,
+                ..
+            }
+        );
+        self.upstream_side = Side::Closed;
+        self.fail_all_ops();
+        if client_awaits_close_ok && self.client_side != Side::Closed {
+            // The client asked to close and the upstream went away first: confirm it ourselves.
+            self.client_out.send(method_frame(
+                0,
+                AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+            ));
+            self.client_side = Side::Closed;
+            return;
+        }
+        if self.client_side == Side::Open && !was_closing {
+            tracing::warn!(peer = %self.peer, reason, "closing client connection");
+            self.client_out.send(method_frame(
+                0,
+                AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+                    reply_code: reply::CONNECTION_FORCED,
+                    reply_text: ShortString::try_new(format!("CONNECTION_FORCED - {reason}"))
+                        .unwrap_or_else(|_| ShortString::from("CONNECTION_FORCED")),
+                    class_id: 0,
+                    method_id: 0,
+                })),
+            ));
+            self.client_side = Side::Closing {
+                deadline: Instant::now() + CLOSE_GRACE,
+                forward_ok: false,
+            };
+        } else if self.client_side == Side::Open {
+            self.client_side = Side::Closed;
+        }
+    }
+
+    /// Every operation ends without settling its original (the connection is going away, so
+    /// the upstream requeues the originals itself).
+    fn fail_all_ops(&mut self) {
+        if let Some(publisher) = self.publisher.as_mut() {
+            publisher.fail_all();
+        }
+        let ops: Vec<OpId> = self.ops.keys().copied().collect();
+        for op in ops {
+            self.abandon_op(op);
+        }
+    }
+
+    /// Releases everything the connection still holds (gauges).
+    fn finish(&mut self) {
+        self.flush_traffic();
+        let channels: Vec<u16> = self.channels.keys().copied().collect();
+        for channel in channels {
+            self.remove_channel(channel);
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! Frames as the proxy sees them: the decoded header fields plus the exact bytes that came off
+//! the wire, so a frame that needs no change is forwarded as those bytes (no re-encoding).
+//!
+//! [`WireCodec`] is the forwarding twin of [`crate::amqp::codec::FrameCodec`]: same checks
+//! (frame type, `frame_max` before buffering, frame-end octet), but the item keeps the whole
+//! frame as one `Bytes` slice of the read buffer. The helpers below build the few frames the
+//! proxy writes itself.
+
+use amq_protocol::protocol::AMQPClass;
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio_util::codec::Decoder;
+
+use crate::amqp::codec::{
+    FRAME_BODY, FRAME_END, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, FRAME_MIN_SIZE,
+    FRAME_OVERHEAD, FrameError, put_method,
+};
+
+/// One frame: header fields, the payload and the whole frame as received.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WireFrame {
+    pub kind: u8,
+    pub channel: u16,
+    /// The payload (a slice of `raw`).
+    pub payload: Bytes,
+    /// The complete frame, header and end octet included.
+    pub raw: Bytes,
+}
+
+impl WireFrame {
+    /// Class and method ids of a method frame (`(0, 0)` for other frames or short payloads).
+    pub fn method_ids(&self) -> (u16, u16) {
+        if self.kind != FRAME_METHOD {
+            return (0, 0);
+        }
+        crate::amqp::codec::method_ids(&self.payload)
+    }
+
+    pub fn is_heartbeat(&self) -> bool {
+        self.kind == FRAME_HEARTBEAT
+    }
+
+    pub fn is_content(&self) -> bool {
+        self.kind == FRAME_HEADER || self.kind == FRAME_BODY
+    }
+}
+
+/// Splits a byte stream into [`WireFrame`]s, refusing frames above `frame_max`.
+#[derive(Clone, Debug)]
+pub struct WireCodec {
+    max_frame: usize,
+}
+
+impl WireCodec {
+    /// `frame_max` counts the whole frame, as in connection.tune.
+    pub fn new(frame_max: u32) -> Self {
+        WireCodec {
+            max_frame: frame_max.max(FRAME_MIN_SIZE) as usize,
+        }
+    }
+
+    pub fn set_frame_max(&mut self, frame_max: u32) {
+        self.max_frame = frame_max.max(FRAME_MIN_SIZE) as usize;
+    }
+}
+
+impl Decoder for WireCodec {
+    type Item = WireFrame;
+    type Error = FrameError;
+
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<WireFrame>, FrameError> {
+        if src.len() < 7 {
+            return Ok(None);
+        }
+        let kind = src[0];
+        if !matches!(
+            kind,
+            FRAME_METHOD | FRAME_HEADER | FRAME_BODY | FRAME_HEARTBEAT
+        ) {
+            return Err(FrameError::UnknownType(kind));
+        }
+        let channel = u16::from_be_bytes([src[1], src[2]]);
+        let size = u32::from_be_bytes([src[3], src[4], src[5], src[6]]) as usize;
+        let total = size.saturating_add(FRAME_OVERHEAD);
+        if total > self.max_frame {
+            return Err(FrameError::TooLarge {
+                size: total,
+                max: self.max_frame,
+            });
+        }
+        if src.len() < total {
+            src.reserve(total - src.len());
+            return Ok(None);
+        }
+        let end = src[total - 1];
+        if end != FRAME_END {
+            return Err(FrameError::BadFrameEnd(end));
+        }
+        let raw = src.split_to(total).freeze();
+        let payload = raw.slice(7..total - 1);
+        Ok(Some(WireFrame {
+            kind,
+            channel,
+            payload,
+            raw,
+        }))
+    }
+}
+
+/// Reads [`WireFrame`]s from one socket half. [`FrameReader::next`] is cancel-safe, so it can
+/// sit in a `select!` and simply not be polled while the other side is backed up.
+#[derive(Debug)]
+pub struct FrameReader<R> {
+    reader: R,
+    codec: WireCodec,
+    buffer: BytesMut,
+    eof: bool,
+}
+
+/// Bytes asked of the socket per read.
+const READ_CHUNK: usize = 16 * 1024;
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    pub fn new(reader: R, frame_max: u32) -> Self {
+        FrameReader {
+            reader,
+            codec: WireCodec::new(frame_max),
+            buffer: BytesMut::with_capacity(READ_CHUNK),
+            eof: false,
+        }
+    }
+
+    /// Changes the frame size limit (after tune).
+    pub fn set_frame_max(&mut self, frame_max: u32) {
+        self.codec.set_frame_max(frame_max);
+    }
+
+    /// Starts with bytes that were already read from the socket.
+    pub fn push_bytes(&mut self, bytes: &[u8]) {
+        self.buffer.extend_from_slice(bytes);
+    }
+
+    /// The next frame; `None` at a clean end of stream (no partial frame buffered).
+    pub async fn next(&mut self) -> Option<Result<WireFrame, FrameError>> {
+        loop {
+            match self.codec.decode(&mut self.buffer) {
+                Ok(Some(frame)) => return Some(Ok(frame)),
+                Ok(None) => {}
+                Err(err) => return Some(Err(err)),
+            }
+            if self.eof {
+                if self.buffer.is_empty() {
+                    return None;
+                }
+                return Some(Err(FrameError::Io(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "connection closed in the middle of a frame",
+                ))));
+            }
+            if self.buffer.capacity() - self.buffer.len() < READ_CHUNK / 4 {
+                self.buffer.reserve(READ_CHUNK);
+            }
+            match self.reader.read_buf(&mut self.buffer).await {
+                Ok(0) => self.eof = true,
+                Ok(_) => {}
+                Err(err) => return Some(Err(FrameError::Io(err))),
+            }
+        }
+    }
+}
+
+/// The encoded method frame.
+pub fn method_frame(channel: u16, method: AMQPClass) -> Bytes {
+    let mut buf = BytesMut::with_capacity(64);
+    put_method(&mut buf, channel, method);
+    buf.freeze()
+}
+
+/// The body size announced by a content header payload, if it is long enough.
+pub fn content_body_size(payload: &[u8]) -> Option<u64> {
+    let bytes: [u8; 8] = payload.get(4..12)?.try_into().ok()?;
+    Some(u64::from_be_bytes(bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::amqp::codec::put_raw_frame;
+    use amq_protocol::protocol::channel;
+
+    #[test]
+    fn keeps_the_exact_frame_bytes() {
+        let mut buf = BytesMut::new();
+        put_raw_frame(&mut buf, FRAME_BODY, 7, b"abc");
+        put_raw_frame(&mut buf, FRAME_HEARTBEAT, 0, b"");
+        let whole = buf.clone().freeze();
+        let mut codec = WireCodec::new(4096);
+        let first = codec.decode(&mut buf).unwrap().unwrap();
+        assert_eq!(first.kind, FRAME_BODY);
+        assert_eq!(first.channel, 7);
+        assert_eq!(&first.payload[..], b"abc");
+        assert_eq!(&first.raw[..], &whole[..11]);
+        let second = codec.decode(&mut buf).unwrap().unwrap();
+        assert!(second.is_heartbeat());
+        assert!(codec.decode(&mut buf).unwrap().is_none());
+    }
+
+    #[test]
+    fn refuses_oversized_and_bad_frames() {
+        let mut codec = WireCodec::new(4096);
+        let mut buf = BytesMut::from(&[FRAME_BODY, 0, 1, 0xff, 0xff, 0xff, 0xff][..]);
+        assert!(matches!(
+            codec.decode(&mut buf),
+            Err(FrameError::TooLarge { .. })
+        ));
+        let mut buf = BytesMut::from(&[9u8, 0, 1, 0, 0, 0, 0, 0xce][..]);
+        assert!(matches!(
+            codec.decode(&mut buf),
+            Err(FrameError::UnknownType(9))
+        ));
+        let mut buf = BytesMut::from(&[FRAME_BODY, 0, 1, 0, 0, 0, 0, 0][..]);
+        assert!(matches!(
+            codec.decode(&mut buf),
+            Err(FrameError::BadFrameEnd(0))
+        ));
+    }
+
+    #[tokio::test]
+    async fn frame_reader_reads_frames_and_reports_truncation() {
+        let mut buf = BytesMut::new();
+        put_raw_frame(&mut buf, FRAME_BODY, 1, b"one");
+        put_raw_frame(&mut buf, FRAME_BODY, 2, b"two");
+        let mut bytes = buf.to_vec();
+        bytes.extend_from_slice(&[FRAME_BODY, 0]);
+        let mut reader = FrameReader::new(&bytes[..], 4096);
+        assert_eq!(reader.next().await.unwrap().unwrap().channel, 1);
+        assert_eq!(reader.next().await.unwrap().unwrap().channel, 2);
+        assert!(matches!(reader.next().await, Some(Err(FrameError::Io(_)))));
+        let mut reader = FrameReader::new(&b""[..], 4096);
+        assert!(reader.next().await.is_none());
+    }
+
+    #[test]
+    fn method_frames_carry_their_ids() {
+        let raw = method_frame(
+            3,
+            AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+        );
+        let mut buf = BytesMut::from(&raw[..]);
+        let frame = WireCodec::new(4096).decode(&mut buf).unwrap().unwrap();
+        assert_eq!(frame.method_ids(), (20, 11));
+        assert_eq!(frame.raw, raw);
+        assert_eq!(
+            content_body_size(&[0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2]),
+            Some(258)
+        );
+        assert_eq!(content_body_size(&[0, 60]), None);
+    }
+}

@@ -1,0 +1,273 @@
+//! Proxy mode, bounds and faults: kept deliveries stay under `proxy.max_inflight_bytes`
+//! without losing anything, a vanished client's deliveries go back to their queue, a vanished
+//! upstream is reported as 320 and reconnecting works, and a dead-letter publish that is
+//! nacked leaves the original to be delivered again.
+
+mod proxy_support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicRejectOptions,
+    ConfirmSelectOptions,
+};
+use lapin::protocol::basic::AMQPProperties;
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Connection, ConnectionProperties};
+use proxy_support::*;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+/// A TCP relay that can be cut, to make a peer vanish without a goodbye.
+struct Relay {
+    addr: std::net::SocketAddr,
+    tasks: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    accept: JoinHandle<()>,
+}
+
+impl Relay {
+    async fn start(listen: &str, target: String) -> Relay {
+        let listener = TcpListener::bind(listen).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let tasks: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let spawned = tasks.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let target = target.clone();
+                let task = tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                spawned.lock().unwrap().push(task);
+            }
+        });
+        Relay {
+            addr,
+            tasks,
+            accept,
+        }
+    }
+
+    fn cut(self) {
+        self.accept.abort();
+        for task in self.tasks.lock().unwrap().drain(..) {
+            task.abort();
+        }
+    }
+}
+
+async fn publish_confirmed(ch: &lapin::Channel, queue: &str, payloads: &[String]) {
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for p in payloads {
+        let confirm = ch
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                p.as_bytes(),
+                AMQPProperties::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_deliveries_are_bounded_and_nothing_is_lost() {
+    require_upstream!();
+    let proxy = TestProxy::start_with(vec![], |config| {
+        config.proxy.max_inflight_bytes = 8 * 1024;
+    })
+    .await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("bounded");
+    declare(&ch, &q, FieldTable::default()).await;
+    let payloads: Vec<String> = (0..300)
+        .map(|i| format!("{i:04}{}", "x".repeat(996)))
+        .collect();
+    publish_confirmed(&ch, &q, &payloads).await;
+
+    let cch = conn.create_channel().await.unwrap();
+    let mut rx = consume(&cch, &q, BasicConsumeOptions::default()).await;
+    // Without acks, the proxy stops reading deliveries near the bound.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut held = Vec::new();
+    while let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_millis(50), rx.recv()).await {
+        held.push(d);
+    }
+    assert!(!held.is_empty());
+    assert!(
+        held.len() <= 10,
+        "{} deliveries held past an 8 KiB bound",
+        held.len()
+    );
+    assert!(proxy.counter("inflight_bytes", &[]) <= 8.0 * 1024.0 + 1200.0);
+    // Acking frees room: everything arrives, in order.
+    let mut received = 0usize;
+    for d in held.drain(..) {
+        assert_eq!(body(&d), payloads[received]);
+        received += 1;
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    while received < payloads.len() {
+        let d = next(&mut rx).await;
+        assert_eq!(body(&d), payloads[received]);
+        received += 1;
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let uch = upstream_connection().await.create_channel().await.unwrap();
+    wait_count(&uch, &q, 0).await;
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vanished_client_gives_its_unacked_deliveries_back() {
+    require_upstream!();
+    let proxy = TestProxy::start(vec![]).await;
+    let q = unique("vanish");
+    let setup = proxy.connect().await;
+    let sch = setup.create_channel().await.unwrap();
+    declare(&sch, &q, FieldTable::default()).await;
+    let payloads: Vec<String> = (0..3).map(|i| format!("m{i}")).collect();
+    publish_confirmed(&sch, &q, &payloads).await;
+
+    let relay = Relay::start("127.0.0.1:0", proxy.addr.to_string()).await;
+    let doomed = Connection::connect(
+        &format!("amqp://guest:guest@{}/%2f", relay.addr),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
+    let dch = doomed.create_channel().await.unwrap();
+    let mut rx = consume(&dch, &q, BasicConsumeOptions::default()).await;
+    for _ in 0..3 {
+        next(&mut rx).await;
+    }
+    relay.cut();
+
+    let survivor = proxy.connect().await;
+    let ch = survivor.create_channel().await.unwrap();
+    let mut rx = consume(&ch, &q, BasicConsumeOptions::default()).await;
+    let mut bodies = Vec::new();
+    for _ in 0..3 {
+        let d = next(&mut rx).await;
+        assert!(d.redelivered);
+        bodies.push(body(&d));
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    bodies.sort();
+    assert_eq!(bodies, payloads);
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vanished_upstream_is_reported_as_320_and_reconnecting_works() {
+    require_upstream!();
+    let relay = Relay::start("127.0.0.1:0", UPSTREAM_HOST.to_string()).await;
+    let relay_addr = relay.addr;
+    let proxy = TestProxy::start_with(vec![], |config| {
+        config.upstream.url = format!("amqp://{relay_addr}");
+    })
+    .await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("upstream-gone");
+    declare(&ch, &q, FieldTable::default()).await;
+    let payloads: Vec<String> = (0..5).map(|i| format!("keep{i}")).collect();
+    publish_confirmed(&ch, &q, &payloads).await;
+    let mut raw = RawClient::connect(proxy.addr, &unique("raw")).await;
+    relay.cut();
+    let (code, text) = raw.expect_connection_close().await;
+    assert_eq!(code, 320);
+    assert!(text.starts_with("CONNECTION_FORCED - upstream"), "{text}");
+    // The lapin client notices too: its operations fail.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        ch.basic_get(q.as_str().into(), Default::default())
+            .await
+            .is_err()
+    );
+
+    // The upstream is back (same address): a new connection works and the confirmed
+    // messages are still there.
+    let relay = Relay::start(&relay_addr.to_string(), UPSTREAM_HOST.to_string()).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut bodies = Vec::new();
+    for _ in 0..5 {
+        let d = get(&ch, &q).await;
+        bodies.push(body(&d));
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    bodies.sort();
+    assert_eq!(bodies, payloads);
+    relay.cut();
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nacked_dead_letter_publish_leaves_the_original_to_be_delivered_again() {
+    require_upstream!();
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("nacked-src");
+    let dlx = unique("nacked-dlx");
+    let dlq = unique("nacked-dlq");
+    declare_dlx(&ch, &dlx, &dlq, &dlq).await;
+    // The DLQ refuses everything: the dead-letter publish is nacked.
+    let full = unique("full");
+    declare(
+        &ch,
+        &full,
+        table(&[
+            ("x-max-length", AMQPValue::LongInt(0)),
+            ("x-overflow", long_string("reject-publish")),
+        ]),
+    )
+    .await;
+    declare(
+        &ch,
+        &q,
+        table(&[
+            ("x-dead-letter-exchange", long_string("")),
+            ("x-dead-letter-routing-key", long_string(&full)),
+        ]),
+    )
+    .await;
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        BasicPublishOptions::default(),
+        b"m",
+        AMQPProperties::default(),
+    )
+    .await
+    .unwrap();
+    let d = get(&ch, &q).await;
+    d.acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    let again = get(&ch, &q).await;
+    assert_eq!(body(&again), "m");
+    assert!(again.redelivered);
+    proxy
+        .wait_counter(
+            "dead_letter_publish_failures_total",
+            &[("cause", "nack")],
+            1.0,
+        )
+        .await;
+    assert_eq!(message_count(&ch, &full).await, 0);
+    again.acker.ack(BasicAckOptions::default()).await.unwrap();
+    proxy.stop().await;
+}
