@@ -191,6 +191,9 @@ pub struct ProxyConfig {
     pub confirm_timeout_secs: u64,
     /// Let the upstream broker dead-letter on its own (do not take the DLX arguments over).
     pub delegate_to_upstream: bool,
+    /// Name of the upstream exchange and queue the proxy owns to capture TTL and length
+    /// deaths (give each proxy deployment sharing one upstream its own).
+    pub capture_name: String,
 }
 
 impl Default for ProxyConfig {
@@ -199,6 +202,7 @@ impl Default for ProxyConfig {
             max_inflight_bytes: 64 * 1024 * 1024,
             confirm_timeout_secs: 30,
             delegate_to_upstream: false,
+            capture_name: "dlx-proxy.capture".into(),
         }
     }
 }
@@ -777,6 +781,12 @@ impl Config {
             return Err(ConfigError::invalid(
                 "proxy.confirm_timeout_secs",
                 "must be at least 1",
+            ));
+        }
+        if self.proxy.capture_name.is_empty() || self.proxy.capture_name.len() > 255 {
+            return Err(ConfigError::invalid(
+                "proxy.capture_name",
+                "must be 1 to 255 bytes",
             ));
         }
         Ok(())

@@ -28,7 +28,6 @@ use crate::shutdown::ShutdownTrigger;
 
 /// Where a new policy set goes.
 #[derive(Clone)]
-#[allow(dead_code)] // `Shared` serves proxy mode
 enum PolicySink {
     Broker(Arc<Broker>),
     Shared(Arc<RwLock<PolicySet>>),
@@ -258,6 +257,35 @@ fn changed_fixed_settings(
         .collect()
 }
 
+/// Proxy accept loop: `stop` ends accepting, `connections` closes client connections.
+async fn proxy_accept_loop(
+    listener: TcpListener,
+    shared: Arc<crate::proxy::ProxyShared>,
+    mut stop: crate::shutdown::Shutdown,
+    connections: crate::shutdown::Shutdown,
+) {
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    tokio::spawn(crate::proxy::handle_connection(
+                        stream,
+                        peer,
+                        shared.clone(),
+                        connections.clone(),
+                    ));
+                }
+                Err(err) => {
+                    tracing::warn!(%err, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = stop.recv() => return,
+        }
+    }
+}
+
 /// Dead-letter options from the configuration.
 pub fn dead_letter_options(config: &Config) -> anyhow::Result<DeadLetterOptions> {
     DeadLetterOptions::from_config(&config.dead_letter).map_err(|e| anyhow::anyhow!("{e}"))
@@ -336,7 +364,54 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             (PolicySink::Broker(broker.clone()), Some(broker), Some(ctx))
         }
         Mode::Proxy => {
-            anyhow::bail!("mode = \"proxy\" is not available in this build yet");
+            let shared_policies = Arc::new(RwLock::new(initial));
+            let proxy = crate::proxy::ProxyShared::with_capture_name(
+                &config,
+                shared_policies.clone(),
+                metrics.clone(),
+                &config.proxy.capture_name,
+            )?;
+            if let Some(listener) = amqp {
+                tracing::info!(addr = ?amqp_addr, upstream = %config.upstream.url, "AMQP listener (proxy)");
+                tasks.push(tokio::spawn(proxy_accept_loop(
+                    listener,
+                    proxy.clone(),
+                    accept_trigger.subscribe(),
+                    connections_trigger.subscribe(),
+                )));
+            }
+            if let (Some(listener), Some(acceptor)) = (amqps, tls_acceptor) {
+                tracing::info!(addr = ?amqps_addr, "AMQPS listener (proxy)");
+                let tls_proxy = proxy.clone();
+                let conn_stop = connections_trigger.subscribe();
+                tasks.push(tokio::spawn(crate::tls::serve(
+                    listener,
+                    acceptor,
+                    accept_trigger.subscribe(),
+                    move |stream, peer| {
+                        tokio::spawn(crate::proxy::handle_connection(
+                            stream,
+                            peer,
+                            tls_proxy.clone(),
+                            conn_stop.clone(),
+                        ));
+                    },
+                )));
+            }
+            // Readiness follows upstream reachability (liveness never does).
+            let ready = readiness.clone();
+            let mut stop = accept_trigger.subscribe();
+            let probe = proxy.clone();
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    ready.set_ready(probe.upstream_reachable().await);
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+                        _ = stop.recv() => return,
+                    }
+                }
+            }));
+            (PolicySink::Shared(shared_policies), None, None)
         }
     };
     let policies = Arc::new(PolicyHub {
