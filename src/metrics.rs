@@ -61,6 +61,20 @@ const AGE_BUCKETS: &[f64] = &[
     21600.0, 43200.0, 86400.0,
 ];
 
+/// A queue's depth gauges (messages and body bytes of ready messages).
+#[derive(Clone, Debug)]
+pub struct QueueDepthGauges {
+    messages: IntGauge,
+    bytes: IntGauge,
+}
+
+impl QueueDepthGauges {
+    pub fn set(&self, messages: u64, bytes: u64) {
+        self.messages.set(saturating_i64(messages));
+        self.bytes.set(saturating_i64(bytes));
+    }
+}
+
 /// Which way frames and bytes travelled. Embedded mode only uses the client directions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Direction {
@@ -416,6 +430,19 @@ impl Metrics {
                 .with_label_values(&labels)
                 .set(saturating_i64(bytes));
         }
+    }
+
+    /// Handles on a queue's depth gauges, so the broker can update them with an atomic store
+    /// on the hot path instead of a label lookup; `None` while the queue is folded.
+    pub fn queue_depth_gauges(&self, vhost: &str, queue: &str) -> Option<QueueDepthGauges> {
+        if !self.queue_label(vhost, queue, |s| s.has_depth = true) {
+            return None;
+        }
+        let labels = [vhost, queue];
+        Some(QueueDepthGauges {
+            messages: self.queue_messages.with_label_values(&labels),
+            bytes: self.queue_bytes.with_label_values(&labels),
+        })
     }
 
     /// Removes every series of a deleted queue and frees its label slot.

@@ -148,6 +148,93 @@ pub fn put_method(dst: &mut BytesMut, channel: u16, method: AMQPClass) {
     }
 }
 
+/// Appends a method frame whose arguments `args` writes (hand-encoded hot-path methods).
+fn put_method_with(
+    dst: &mut BytesMut,
+    channel: u16,
+    class: u16,
+    method: u16,
+    args: impl FnOnce(&mut BytesMut),
+) {
+    dst.put_u8(FRAME_METHOD);
+    dst.put_u16(channel);
+    let size_at = dst.len();
+    dst.put_u32(0);
+    dst.put_u16(class);
+    dst.put_u16(method);
+    args(dst);
+    let size = (dst.len() - size_at - 4) as u32;
+    dst[size_at..size_at + 4].copy_from_slice(&size.to_be_bytes());
+    dst.put_u8(FRAME_END);
+}
+
+fn put_short_str(dst: &mut BytesMut, s: &str) {
+    let s = crate::amqp::reply::truncate_str(s, 255);
+    dst.put_u8(s.len() as u8);
+    dst.put_slice(s.as_bytes());
+}
+
+/// basic.deliver, encoded without an intermediate allocation (one per delivered message).
+pub fn put_basic_deliver(
+    dst: &mut BytesMut,
+    channel: u16,
+    consumer_tag: &str,
+    delivery_tag: u64,
+    redelivered: bool,
+    exchange: &str,
+    routing_key: &str,
+) {
+    put_method_with(dst, channel, 60, 60, |d| {
+        put_short_str(d, consumer_tag);
+        d.put_u64(delivery_tag);
+        d.put_u8(redelivered as u8);
+        put_short_str(d, exchange);
+        put_short_str(d, routing_key);
+    });
+}
+
+/// basic.get-ok.
+#[allow(clippy::too_many_arguments)]
+pub fn put_basic_get_ok(
+    dst: &mut BytesMut,
+    channel: u16,
+    delivery_tag: u64,
+    redelivered: bool,
+    exchange: &str,
+    routing_key: &str,
+    message_count: u32,
+) {
+    put_method_with(dst, channel, 60, 71, |d| {
+        d.put_u64(delivery_tag);
+        d.put_u8(redelivered as u8);
+        put_short_str(d, exchange);
+        put_short_str(d, routing_key);
+        d.put_u32(message_count);
+    });
+}
+
+/// basic.ack (publisher confirms).
+pub fn put_basic_ack(dst: &mut BytesMut, channel: u16, delivery_tag: u64, multiple: bool) {
+    put_method_with(dst, channel, 60, 80, |d| {
+        d.put_u64(delivery_tag);
+        d.put_u8(multiple as u8);
+    });
+}
+
+/// basic.nack (publisher confirms).
+pub fn put_basic_nack(
+    dst: &mut BytesMut,
+    channel: u16,
+    delivery_tag: u64,
+    multiple: bool,
+    requeue: bool,
+) {
+    put_method_with(dst, channel, 60, 120, |d| {
+        d.put_u64(delivery_tag);
+        d.put_u8(multiple as u8 | (requeue as u8) << 1);
+    });
+}
+
 /// Appends a heartbeat frame.
 pub fn put_heartbeat(dst: &mut BytesMut) {
     put_raw_frame(dst, FRAME_HEARTBEAT, 0, &[]);
@@ -240,6 +327,69 @@ mod tests {
             codec.decode(&mut buf),
             Err(FrameError::UnknownType(7))
         ));
+    }
+
+    #[test]
+    fn hand_encoded_methods_match_amq_protocol() {
+        use amq_protocol::protocol::basic;
+        let cases: Vec<(BytesMut, AMQPClass)> = vec![
+            (
+                {
+                    let mut b = BytesMut::new();
+                    put_basic_deliver(&mut b, 3, "ctag", 42, true, "x", "rk");
+                    b
+                },
+                AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+                    consumer_tag: "ctag".into(),
+                    delivery_tag: 42,
+                    redelivered: true,
+                    exchange: "x".into(),
+                    routing_key: "rk".into(),
+                })),
+            ),
+            (
+                {
+                    let mut b = BytesMut::new();
+                    put_basic_get_ok(&mut b, 3, 7, false, "", "q", 9);
+                    b
+                },
+                AMQPClass::Basic(basic::AMQPMethod::GetOk(basic::GetOk {
+                    delivery_tag: 7,
+                    redelivered: false,
+                    exchange: "".into(),
+                    routing_key: "q".into(),
+                    message_count: 9,
+                })),
+            ),
+            (
+                {
+                    let mut b = BytesMut::new();
+                    put_basic_ack(&mut b, 3, 5, true);
+                    b
+                },
+                AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                    delivery_tag: 5,
+                    multiple: true,
+                })),
+            ),
+            (
+                {
+                    let mut b = BytesMut::new();
+                    put_basic_nack(&mut b, 3, 5, false, true);
+                    b
+                },
+                AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                    delivery_tag: 5,
+                    multiple: false,
+                    requeue: true,
+                })),
+            ),
+        ];
+        for (hand, method) in cases {
+            let mut generated = BytesMut::new();
+            put_method(&mut generated, 3, method);
+            assert_eq!(hand, generated);
+        }
     }
 
     #[test]

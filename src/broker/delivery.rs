@@ -1,12 +1,11 @@
 //! Frames the broker writes for deliveries: basic.deliver / basic.get-ok with their content,
 //! and the `x-delivery-count` header added to redeliveries from queues with a delivery limit.
 
-use amq_protocol::protocol::{AMQPClass, basic};
 use amq_protocol::types::{AMQPValue, FieldTable, ShortString};
 use bytes::{Bytes, BytesMut};
 
 use super::message::QueuedMessage;
-use crate::amqp::codec::put_method;
+use crate::amqp::codec::{put_basic_deliver, put_basic_get_ok};
 use crate::amqp::content::{decode_properties, encode_properties, put_content};
 
 /// A short string from a name the broker already validated (cut at 255 bytes, never panics).
@@ -45,16 +44,14 @@ pub fn write_deliver(
     properties: &[u8],
     frame_max: usize,
 ) {
-    put_method(
+    put_basic_deliver(
         out,
         channel,
-        AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
-            consumer_tag: short(consumer_tag),
-            delivery_tag,
-            redelivered: entry.redelivered,
-            exchange: short(&entry.message.exchange),
-            routing_key: short(entry.message.routing_key()),
-        })),
+        consumer_tag,
+        delivery_tag,
+        entry.redelivered,
+        &entry.message.exchange,
+        entry.message.routing_key(),
     );
     put_content(out, channel, properties, &entry.message.body, frame_max);
 }
@@ -69,16 +66,14 @@ pub fn write_get_ok(
     message_count: u32,
     frame_max: usize,
 ) {
-    put_method(
+    put_basic_get_ok(
         out,
         channel,
-        AMQPClass::Basic(basic::AMQPMethod::GetOk(basic::GetOk {
-            delivery_tag,
-            redelivered: entry.redelivered,
-            exchange: short(&entry.message.exchange),
-            routing_key: short(entry.message.routing_key()),
-            message_count,
-        })),
+        delivery_tag,
+        entry.redelivered,
+        &entry.message.exchange,
+        entry.message.routing_key(),
+        message_count,
     );
     put_content(out, channel, properties, &entry.message.body, frame_max);
 }

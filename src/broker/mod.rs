@@ -44,7 +44,8 @@ pub struct BrokerOptions {
 /// A delivery waiting for ack/reject on a channel.
 #[derive(Debug)]
 pub struct Unacked {
-    pub queue: String,
+    /// The queue's name, shared with the queue (no allocation per delivery).
+    pub queue: Arc<str>,
     pub queue_id: u64,
     pub entry: QueuedMessage,
     pub consumer_tag: Option<String>,

@@ -161,7 +161,7 @@ fn deliver_to(
     metrics: &crate::metrics::Metrics,
 ) -> bool {
     let with_count = q.counts_deliveries() && entry.delivery_count > 0;
-    let queue_name = q.name.clone();
+    let queue_name = q.shared_name.clone();
     let queue_id = q.id;
     let Some(c) = q.consumers.get_mut(idx) else {
         return false;
@@ -634,6 +634,7 @@ impl Broker {
         st.next_id += 1;
         let queue = Queue {
             id,
+            shared_name: std::sync::Arc::from(name.as_str()),
             name: name.clone(),
             durable: req.durable,
             exclusive_owner: req.exclusive.then_some(conn),
@@ -648,6 +649,7 @@ impl Broker {
             had_consumer: false,
             last_used: now,
             timer_at: None,
+            depth_gauges: None,
         };
         let v = st.vhosts.get_mut(vhost).ok_or_else(|| no_vhost(vhost))?;
         v.queues.insert(name.clone(), queue);
@@ -677,7 +679,7 @@ impl Broker {
             .ok_or_else(|| no_queue(name, vhost))?;
         check_exclusive(q, conn, vhost)?;
         let n = q.state.purge() as u32;
-        self.update_depth(&st, vhost, name);
+        self.update_depth(&mut st, vhost, name);
         Ok(n)
     }
 
@@ -794,7 +796,7 @@ impl Broker {
         }
         for q in &targets {
             self.reschedule(&mut st, vhost, q);
-            self.update_depth(&st, vhost, q);
+            self.update_depth(&mut st, vhost, q);
         }
         Ok(result)
     }
@@ -1022,7 +1024,7 @@ impl Broker {
                         ch.unacked.insert(
                             tag,
                             Unacked {
-                                queue: q.name.clone(),
+                                queue: q.shared_name.clone(),
                                 queue_id: q.id,
                                 entry,
                                 consumer_tag: None,
@@ -1110,7 +1112,7 @@ impl Broker {
             if let Some(q) = st
                 .vhosts
                 .get_mut(vhost)
-                .and_then(|v| v.queues.get_mut(&u.queue))
+                .and_then(|v| v.queues.get_mut(&*u.queue))
                 .filter(|q| q.id == u.queue_id)
             {
                 q.unacked = q.unacked.saturating_sub(1);
@@ -1127,7 +1129,7 @@ impl Broker {
     }
 
     fn queues_of(taken: &[Unacked]) -> Vec<String> {
-        let mut qs: Vec<String> = taken.iter().map(|u| u.queue.clone()).collect();
+        let mut qs: Vec<String> = taken.iter().map(|u| u.queue.to_string()).collect();
         qs.sort();
         qs.dedup();
         qs
@@ -1165,7 +1167,7 @@ impl Broker {
                 let still_there = st
                     .vhosts
                     .get(&vhost)
-                    .and_then(|v| v.queues.get(&u.queue))
+                    .and_then(|v| v.queues.get(&*u.queue))
                     .is_some_and(|q| q.id == u.queue_id);
                 if !still_there {
                     continue;
@@ -1175,8 +1177,8 @@ impl Broker {
                     reason: DeadLetterReason::Rejected,
                 };
                 match by_queue.last_mut() {
-                    Some((q, list)) if *q == u.queue => list.push(death),
-                    _ => by_queue.push((u.queue, vec![death])),
+                    Some((q, list)) if **q == *u.queue => list.push(death),
+                    _ => by_queue.push((u.queue.to_string(), vec![death])),
                 }
             }
             for (q, deaths) in by_queue {
@@ -1203,7 +1205,7 @@ impl Broker {
     fn requeue_unacked(&self, st: &mut State, vhost: &str, taken: Vec<Unacked>, now: u64) {
         let mut by_queue: BTreeMap<String, Vec<Unacked>> = BTreeMap::new();
         for u in taken {
-            by_queue.entry(u.queue.clone()).or_default().push(u);
+            by_queue.entry(u.queue.to_string()).or_default().push(u);
         }
         for (qname, list) in by_queue {
             let mut deaths = Vec::new();
@@ -1291,10 +1293,18 @@ impl Broker {
         }
     }
 
-    fn update_depth(&self, st: &State, vhost: &str, queue: &str) {
-        if let Some(q) = st.vhosts.get(vhost).and_then(|v| v.queues.get(queue)) {
-            self.metrics
-                .set_queue_depth(vhost, queue, q.state.len() as u64, q.state.bytes());
+    fn update_depth(&self, st: &mut State, vhost: &str, queue: &str) {
+        if let Some(q) = st
+            .vhosts
+            .get_mut(vhost)
+            .and_then(|v| v.queues.get_mut(queue))
+        {
+            if q.depth_gauges.is_none() {
+                q.depth_gauges = self.metrics.queue_depth_gauges(vhost, queue);
+            }
+            if let Some(g) = &q.depth_gauges {
+                g.set(q.state.len() as u64, q.state.bytes());
+            }
         }
     }
 
@@ -1325,7 +1335,7 @@ impl Broker {
                 self.process_deaths(&mut st, &v, &qn, deaths, now);
             }
             self.reschedule(&mut st, &v, &qn);
-            self.update_depth(&st, &v, &qn);
+            self.update_depth(&mut st, &v, &qn);
         }
     }
 }

@@ -73,6 +73,8 @@ pub struct Consumer {
 pub struct Queue {
     pub id: u64,
     pub name: String,
+    /// The name again, shared by the queue's unacked deliveries.
+    pub shared_name: std::sync::Arc<str>,
     pub durable: bool,
     pub exclusive_owner: Option<u64>,
     pub auto_delete: bool,
@@ -92,6 +94,8 @@ pub struct Queue {
     pub last_used: u64,
     /// The deadline this queue currently has in the broker's timer heap.
     pub timer_at: Option<u64>,
+    /// Its depth gauges, resolved once (None while folded by the label cap).
+    pub depth_gauges: Option<crate::metrics::QueueDepthGauges>,
 }
 
 impl Queue {

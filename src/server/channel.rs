@@ -16,7 +16,7 @@ use super::connection::Session;
 use super::publish::{PendingPublish, prepare};
 use crate::amqp::codec::{
     FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, RawFrame, decode_method, method_ids,
-    put_method,
+    put_basic_ack, put_basic_nack, put_method,
 };
 use crate::amqp::content::{BodyCollector, parse_content_header};
 use crate::amqp::reply::AmqpError;
@@ -736,19 +736,13 @@ impl ChannelTable {
             });
         }
         if let Some(seq) = confirm_seq {
-            let m = if result.rejected {
-                AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
-                    delivery_tag: seq,
-                    multiple: false,
-                    requeue: false,
-                }))
-            } else {
-                AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
-                    delivery_tag: seq,
-                    multiple: false,
-                }))
-            };
-            Self::reply(s, ch, m);
+            s.outbox.push(|o| {
+                if result.rejected {
+                    put_basic_nack(o, ch, seq, false, false)
+                } else {
+                    put_basic_ack(o, ch, seq, false)
+                }
+            });
         }
         Flow::Continue
     }
