@@ -157,11 +157,11 @@ impl BodyCollector {
         self.len() as u64 == self.expected
     }
 
-    /// The finished body. Single-frame bodies are copied out of the shared read buffer so a
-    /// queued message never pins a large socket buffer.
+    /// The finished body. A single-frame body is still a slice of the read buffer: callers
+    /// that keep it (the broker's `Message::new`) copy it into storage of their own.
     pub fn finish(self) -> Bytes {
         match self.first {
-            Some(b) => Bytes::copy_from_slice(&b),
+            Some(b) => b,
             None => self.buf.freeze(),
         }
     }

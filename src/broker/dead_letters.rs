@@ -85,7 +85,7 @@ impl Broker {
         let event = DeathEvent {
             queue: source,
             reason,
-            exchange: &message.exchange,
+            exchange: message.exchange(),
             routing_keys: &routing_keys,
             now_secs: self.wall_secs(now),
             trust_existing_history: message.dead_lettered,
@@ -110,18 +110,14 @@ impl Broker {
             self.drop_message(st, vhost, source, "unroutable", now, dlx);
             return;
         }
-        let new_message = Arc::new(Message {
-            exchange: rewritten.exchange.clone().into_boxed_str(),
-            routing_keys: rewritten
-                .routing_keys
-                .iter()
-                .map(|k| k.clone().into_boxed_str())
-                .collect(),
-            raw_properties: encode_properties(&rewritten.properties),
-            body: message.body.clone(),
-            expiration_ms: None,
-            dead_lettered: true,
-        });
+        let new_message = Arc::new(Message::new(
+            &rewritten.exchange,
+            &rewritten.routing_keys,
+            &encode_properties(&rewritten.properties),
+            message.body(),
+            None,
+            true,
+        ));
         let mut delivered = false;
         for t in &targets {
             if is_cycle(reason, &rewritten.properties, t) {

@@ -17,9 +17,9 @@ pub fn short(s: &str) -> ShortString {
 /// Properties to deliver: the stored bytes, or with `x-delivery-count` set when the queue
 /// counts deliveries.
 pub fn delivery_properties(entry: &QueuedMessage, with_count: bool) -> Bytes {
-    let raw = &entry.message.raw_properties;
+    let raw = entry.message.raw_properties();
     if !with_count {
-        return raw.clone();
+        return Bytes::copy_from_slice(raw);
     }
     match decode_properties(raw) {
         Ok(props) => {
@@ -30,7 +30,7 @@ pub fn delivery_properties(entry: &QueuedMessage, with_count: bool) -> Bytes {
             );
             encode_properties(&props.with_headers(headers))
         }
-        Err(_) => raw.clone(),
+        Err(_) => Bytes::copy_from_slice(raw),
     }
 }
 
@@ -50,10 +50,10 @@ pub fn write_deliver(
         consumer_tag,
         delivery_tag,
         entry.redelivered,
-        &entry.message.exchange,
+        entry.message.exchange(),
         entry.message.routing_key(),
     );
-    put_content(out, channel, properties, &entry.message.body, frame_max);
+    put_content(out, channel, properties, entry.message.body(), frame_max);
 }
 
 /// Writes basic.get-ok and the content.
@@ -71,11 +71,11 @@ pub fn write_get_ok(
         channel,
         delivery_tag,
         entry.redelivered,
-        &entry.message.exchange,
+        entry.message.exchange(),
         entry.message.routing_key(),
         message_count,
     );
-    put_content(out, channel, properties, &entry.message.body, frame_max);
+    put_content(out, channel, properties, entry.message.body(), frame_max);
 }
 
 /// Reads the CC or BCC header as a list of routing keys (longstr array entries only, as

@@ -759,7 +759,7 @@ impl Broker {
         &self,
         vhost: &str,
         exchange: &str,
-        message: Message,
+        message: Arc<Message>,
         headers: Option<&FieldTable>,
     ) -> Result<PublishResult, AmqpError> {
         let now = self.now();
@@ -774,9 +774,8 @@ impl Broker {
             }
             Some(_) => {}
         }
-        let keys: Vec<&str> = message.routing_keys.iter().map(|k| &**k).collect();
+        let keys: Vec<&str> = message.routing_keys().collect();
         let targets = v.route(exchange, &keys, headers);
-        let message = Arc::new(message);
         let mut result = PublishResult {
             routed: !targets.is_empty(),
             rejected: false,

@@ -271,17 +271,16 @@ impl QueueState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bytes::Bytes;
 
     fn msg(body: &str, expiration_ms: Option<u64>) -> Arc<Message> {
-        Arc::new(Message {
-            exchange: "".into(),
-            routing_keys: vec!["q".into()].into_boxed_slice(),
-            raw_properties: Bytes::from_static(&[0, 0]),
-            body: Bytes::copy_from_slice(body.as_bytes()),
+        Arc::new(Message::new(
+            "",
+            &["q"],
+            &[0, 0],
+            body.as_bytes(),
             expiration_ms,
-            dead_lettered: false,
-        })
+            false,
+        ))
     }
 
     fn publish(
@@ -296,7 +295,7 @@ mod tests {
 
     fn bodies(q: &QueueState) -> Vec<String> {
         q.iter()
-            .map(|e| String::from_utf8_lossy(&e.message.body).into_owned())
+            .map(|e| String::from_utf8_lossy(e.message.body()).into_owned())
             .collect()
     }
 
@@ -305,7 +304,7 @@ mod tests {
             .iter()
             .map(|d| {
                 (
-                    String::from_utf8_lossy(&d.entry.message.body).into_owned(),
+                    String::from_utf8_lossy(d.entry.message.body()).into_owned(),
                     d.reason,
                 )
             })

@@ -702,23 +702,18 @@ impl ChannelTable {
             Ok(m) => m,
             Err(e) => return self.fail(ch, e.on_method(60, 40), s, ctx),
         };
-        let returnable = p.mandatory.then(|| {
-            (
-                prepared.message.raw_properties.clone(),
-                prepared.message.body.clone(),
-            )
-        });
-        let result = match ctx.broker.publish(
-            &s.vhost,
-            &p.exchange,
-            prepared.message,
-            prepared.headers.as_ref(),
-        ) {
-            Ok(r) => r,
-            Err(e) => return self.fail(ch, e.on_method(60, 40), s, ctx),
-        };
+        let message = std::sync::Arc::new(prepared.message);
+        let returnable = p.mandatory.then(|| message.clone());
+        let result =
+            match ctx
+                .broker
+                .publish(&s.vhost, &p.exchange, message, prepared.headers.as_ref())
+            {
+                Ok(r) => r,
+                Err(e) => return self.fail(ch, e.on_method(60, 40), s, ctx),
+            };
         if !result.routed
-            && let Some((props, body)) = returnable
+            && let Some(returned) = returnable
         {
             let frame_max = s.frame_max;
             s.outbox.push(|o| {
@@ -732,7 +727,13 @@ impl ChannelTable {
                         routing_key: short(&p.routing_key),
                     })),
                 );
-                crate::amqp::content::put_content(o, ch, &props, &body, frame_max);
+                crate::amqp::content::put_content(
+                    o,
+                    ch,
+                    returned.raw_properties(),
+                    returned.body(),
+                    frame_max,
+                );
             });
         }
         if let Some(seq) = confirm_seq {

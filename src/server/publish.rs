@@ -52,8 +52,7 @@ pub fn prepare(
         None => None,
     };
     let mut keys: Vec<Box<str>> = vec![routing_key.into()];
-    // Copied out of the read buffer so a queued message never pins a socket buffer.
-    let mut raw = Bytes::copy_from_slice(&header.raw_properties);
+    let mut raw = header.raw_properties;
     let mut headers = props.headers().clone();
     if let Some(h) = &headers {
         keys.extend(header_keys(h, "CC").into_iter().map(String::into_boxed_str));
@@ -70,15 +69,10 @@ pub fn prepare(
             headers = Some(without);
         }
     }
+    // Message::new copies everything into one allocation of its own, so a queued message
+    // never pins a socket read buffer.
     Ok(PreparedMessage {
-        message: Message {
-            exchange: exchange.into(),
-            routing_keys: keys.into_boxed_slice(),
-            raw_properties: raw,
-            body,
-            expiration_ms,
-            dead_lettered: false,
-        },
+        message: Message::new(exchange, &keys, &raw, &body, expiration_ms, false),
         headers,
     })
 }
