@@ -314,14 +314,17 @@ impl Session {
                 }
             }
             CHANNEL_OPEN => {
-                let id = self.next_channel_id;
-                self.next_channel_id += 1;
-                if let Some(old) = self.channels.insert(channel, ClientChannel::new(id)) {
-                    self.release_channel_state(old);
-                } else {
-                    self.shared.metrics.channel_opened();
+                if self.upstream_drain.contains_key(&channel) {
+                    // The proxy closed this channel number upstream (a refused declare) and
+                    // the close-ok is still on its way. RabbitMQ forgets a channel only when
+                    // it has answered the close, so an open sent now would reach the closing
+                    // channel and end the connection (504 "second 'channel.open' seen"). The
+                    // open waits for the close-ok, and client reads pause until then, so
+                    // nothing the client sends on that channel overtakes it.
+                    self.held_channel_open = Some(frame);
+                    return;
                 }
-                self.send_upstream(frame.raw);
+                self.open_client_channel(frame);
             }
             CHANNEL_CLOSE => self.client_channel_close(frame),
             CHANNEL_CLOSE_OK => {
@@ -414,6 +417,19 @@ impl Session {
             }
             _ => self.send_upstream(frame.raw),
         }
+    }
+
+    /// A client's channel.open: a fresh channel state, and the open goes upstream.
+    fn open_client_channel(&mut self, frame: WireFrame) {
+        let channel = frame.channel;
+        let id = self.next_channel_id;
+        self.next_channel_id += 1;
+        if let Some(old) = self.channels.insert(channel, ClientChannel::new(id)) {
+            self.release_channel_state(old);
+        } else {
+            self.shared.metrics.channel_opened();
+        }
+        self.send_upstream(frame.raw);
     }
 
     fn syntax_error(&mut self, (class_id, method_id): (u16, u16)) {
@@ -644,6 +660,15 @@ impl Session {
                         *left = left.saturating_sub(1);
                         if *left == 0 {
                             self.upstream_drain.remove(&channel);
+                            // The channel number is free upstream: a reopen may go now.
+                            if self
+                                .held_channel_open
+                                .as_ref()
+                                .is_some_and(|open| open.channel == channel)
+                                && let Some(open) = self.held_channel_open.take()
+                            {
+                                self.open_client_channel(open);
+                            }
                         }
                     }
                 }
