@@ -40,9 +40,15 @@
 //! - TTL and length limits (from arguments or policies) are set on the upstream queue when it
 //!   is first declared through the proxy; later policy changes to them need the queue to be
 //!   recreated. Dead-letter target and delivery-limit policy changes apply at once;
-//! - a queue that already exists upstream is declared passively (no argument equivalence
-//!   check, no capture exchange added): its rejections follow the policies, but its own
-//!   expiries and overflows stay the upstream's;
+//! - a queue that already exists upstream is declared passively (no capture exchange added):
+//!   its rejections follow the policies, but its own expiries and overflows stay the
+//!   upstream's;
+//! - a redeclare is checked for equivalence (durable, exclusive, auto-delete and the
+//!   x-arguments RabbitMQ compares, with the embedded broker's 406 texts) against the
+//!   declaration this proxy instance remembers ([`registry`]). A queue this instance has not
+//!   seen declared (after a restart, or declared through another instance) takes the first
+//!   declaration it sees as that reference: AMQP cannot read a queue's arguments back, and
+//!   RabbitMQ compares none the proxy could carry them in;
 //! - the cycle rule on a DLX other than the default exchange catches a loop one lap later
 //!   than RabbitMQ (see [`outgoing`]);
 //! - when a missing DLX closes the proxy's channel, other dead letters still unconfirmed on
