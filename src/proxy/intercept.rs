@@ -11,6 +11,7 @@ use amq_protocol::types::FieldTable;
 use bytes::Bytes;
 
 use super::QueueView;
+use super::bcc::kept_bcc_keys;
 use super::capture::{CapturedMessage, reconstruct};
 use super::channels::{DeclareRecord, PendingDeclare};
 use super::declare::{
@@ -703,12 +704,16 @@ impl Session {
         } else {
             death.time
         };
+        // The upstream recorded the publish key and the CC keys; the BCC keys come from the
+        // proxy's private header.
+        let mut routing_keys = death.routing_keys;
+        routing_keys.extend(kept_bcc_keys(&before));
         let death = Death {
             queue: Arc::from(death.queue.as_str()),
             reason,
             before,
             exchange: death.exchange,
-            routing_keys: death.routing_keys,
+            routing_keys,
             time,
             body: message.body,
         };

@@ -14,7 +14,14 @@
 //! - requeues on queues with a delivery limit: republished with `x-delivery-count`, and
 //!   dead-lettered as `delivery_limit` past the limit;
 //! - messages that expire or overflow upstream come back through the capture queue and are
-//!   dead-lettered as their original queue would have.
+//!   dead-lettered as their original queue would have;
+//! - BCC keys ([`bcc`]): the upstream strips `BCC` at publish, yet RabbitMQ routes a dead
+//!   letter (without a dead-letter routing key) with them. A client publish whose content
+//!   header carries `BCC` gets the keys copied into the private header `x-dlx-proxy-bcc`
+//!   (array of longstr), which the upstream keeps; the proxy routes dead letters with them
+//!   (never listing them in x-death), removes the header from everything it delivers to a
+//!   client, and drops a client's own. Consumers connected straight to the upstream do see it.
+//!   Other publishes stay untouched bytes.
 //!
 //! The proxy uses the three highest channel numbers of each upstream connection (the client is
 //! offered three fewer in connection.tune): one to probe whether a declared queue exists, one
@@ -32,8 +39,8 @@
 //! requeues the client's unacked deliveries.
 //!
 //! Where proxy mode differs from a broker doing it itself (documented limits):
-//! - BCC keys are invisible to a consumer, so a message dead-lettered without a dead-letter
-//!   routing key is routed with its publish key and CC keys only;
+//! - a publish whose content header would outgrow `frame_max` with the kept BCC keys keeps
+//!   none: dead-lettered, it is routed with its publish key and CC keys only;
 //! - a requeue counted against a delivery limit puts the message at the queue's tail (classic
 //!   queues requeue at the head), with `redelivered = false`, exchange `""` and the queue name
 //!   as routing key; its `CC` header is removed so the copy reaches only that queue;
@@ -60,10 +67,11 @@
 //! - `compat = "4"`: an x-death history on a message is always continued.
 //!
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
-//! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`publisher`],
+//! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`bcc`], [`publisher`],
 //! [`capture`], [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
 //! [`outbox`] (writer tasks), [`wire`] (frames), [`channels`], [`ops`], [`registry`].
 
+pub mod bcc;
 pub mod capture;
 pub mod channels;
 pub mod declare;
