@@ -146,9 +146,13 @@ async fn conformance_reference_rabbitmq() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_through_the_proxy() {
     let Some(dir) = prerequisites() else { return };
-    let upstream = std::env::var("DLX_TEST_RABBITMQ_ADDR").unwrap_or_else(|_| "127.0.0.1:5673".into());
+    let upstream =
+        std::env::var("DLX_TEST_RABBITMQ_ADDR").unwrap_or_else(|_| "127.0.0.1:5673".into());
     if std::net::TcpStream::connect(&upstream).is_err() {
-        assert!(!in_ci(), "RabbitMQ is not reachable at {upstream} (started by .ci/run)");
+        assert!(
+            !in_ci(),
+            "RabbitMQ is not reachable at {upstream} (started by .ci/run)"
+        );
         eprintln!("skipping: RabbitMQ not reachable at {upstream}");
         return;
     }
@@ -168,5 +172,9 @@ async fn conformance_through_the_proxy() {
         tokio::task::spawn_blocking(move || run_harness(&dir, &url, &policy_cmd, SKIP_UNSPECIFIED))
             .await
             .expect("harness task");
-    assert!(ok, "conformance failures through the proxy:\n{}\n\n{text}", summary(&text));
+    assert!(
+        ok,
+        "conformance failures through the proxy:\n{}\n\n{text}",
+        summary(&text)
+    );
 }
