@@ -142,3 +142,39 @@ async fn conformance_reference_rabbitmq() {
         summary(&text)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_through_the_proxy() {
+    let Some(dir) = prerequisites() else { return };
+    let upstream =
+        std::env::var("DLX_TEST_RABBITMQ_ADDR").unwrap_or_else(|_| "127.0.0.1:5673".into());
+    if std::net::TcpStream::connect(&upstream).is_err() {
+        assert!(
+            !in_ci(),
+            "RabbitMQ is not reachable at {upstream} (started by .ci/run)"
+        );
+        eprintln!("skipping: RabbitMQ not reachable at {upstream}");
+        return;
+    }
+    let mut cfg = common::test_config();
+    cfg.mode = dlx_proxy::config::Mode::Proxy;
+    cfg.upstream.url = format!("amqp://{upstream}");
+    cfg.listen.admin = "127.0.0.1:0".into();
+    cfg.proxy.capture_name = common::unique("conformance.capture");
+    let b = common::start_with(cfg).await;
+    let admin = b.service.admin_addr.expect("admin listener");
+    let url = format!("amqp://guest:guest@{}/", b.addr);
+    let policy_cmd = format!(
+        "{} policy --admin {admin} {{op}} {{vhost}} {{name}} {{pattern}} {{definition}} {{priority}} {{apply_to}}",
+        env!("CARGO_BIN_EXE_dlx-proxy")
+    );
+    let (ok, text) =
+        tokio::task::spawn_blocking(move || run_harness(&dir, &url, &policy_cmd, SKIP_UNSPECIFIED))
+            .await
+            .expect("harness task");
+    assert!(
+        ok,
+        "conformance failures through the proxy:\n{}\n\n{text}",
+        summary(&text)
+    );
+}

@@ -23,9 +23,9 @@
 //! - with a dead-letter routing key on the upstream queue (a capture tag) 3.10 deletes the
 //!   `CC` header. Undo: `CC` is `E.routing-keys` after the first (publish key first, then CC).
 //!
-//! Not recoverable: BCC keys (stripped by the upstream at publish time, as for any consumer)
-//! and a `CC` header on a message that died twice for the same (queue, reason) under a capture
-//! tag.
+//! BCC keys are not in x-death (RabbitMQ leaves them out too); the proxy's private header
+//! still carries them (see [`super::bcc`]). Not recoverable: a `CC` header on a message that
+//! died twice for the same (queue, reason) under a capture tag.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};

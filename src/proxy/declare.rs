@@ -9,13 +9,19 @@
 //! upstream queue's dead-letter routing key as a [`CaptureTag`], so any proxy instance that
 //! consumes the capture queue knows them. With `proxy.delegate_to_upstream` the merged
 //! dead-letter settings are given to the upstream instead and it dead-letters on its own.
+//!
+//! Because the upstream queue carries the proxy's arguments, not the client's, the upstream
+//! cannot tell whether a redeclare is equivalent: the proxy does, with the embedded broker's
+//! check, against the [`DeclaredQueue`] it remembered (see [`super::registry`]).
 
+use amq_protocol::protocol::queue;
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 use crate::broker::args::{
     ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY, ARG_DEAD_LETTER_STRATEGY,
     ARG_DELIVERY_LIMIT, ARG_EXPIRES, ARG_MAX_LENGTH, ARG_MAX_LENGTH_BYTES, ARG_MESSAGE_TTL,
-    ARG_OVERFLOW, ArgumentError, QueueArguments, QueueType, amqp_integer, parse_queue_arguments,
+    ARG_OVERFLOW, ArgumentError, EQUIVALENCE_ARGUMENTS, QueueArguments, QueueType, amqp_integer,
+    check_equivalent, parse_queue_arguments,
 };
 use crate::policy::{EffectiveQueueSettings, PolicyDefinition, effective_settings};
 
@@ -63,6 +69,56 @@ impl CaptureTag {
             dead_letter_routing_key: self.dead_letter_routing_key.clone(),
             ..QueueArguments::default()
         }
+    }
+}
+
+/// How a client declared a queue: what the dead-letter rules read, and what a redeclare is
+/// compared with.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DeclaredQueue {
+    /// The client's arguments, parsed.
+    pub arguments: QueueArguments,
+    /// The client's x-arguments a redeclare is compared on (RabbitMQ's list), as sent.
+    pub compared: FieldTable,
+    pub durable: bool,
+    pub exclusive: bool,
+    pub auto_delete: bool,
+}
+
+impl DeclaredQueue {
+    /// What to remember of a valid declare.
+    pub fn new(declare: &queue::Declare, arguments: QueueArguments) -> DeclaredQueue {
+        let mut compared = FieldTable::default();
+        for (key, value) in &declare.arguments {
+            if EQUIVALENCE_ARGUMENTS.contains(&key.as_str()) {
+                compared.insert(key.clone(), value.clone());
+            }
+        }
+        DeclaredQueue {
+            arguments,
+            compared,
+            durable: declare.durable,
+            exclusive: declare.exclusive,
+            auto_delete: declare.auto_delete,
+        }
+    }
+
+    /// The embedded broker's redeclare check, in its order: durable, exclusive, auto-delete,
+    /// then the x-arguments ([`check_equivalent`]). `Err` holds the reply text after
+    /// `PRECONDITION_FAILED - `.
+    pub fn check_redeclare(&self, declare: &queue::Declare, vhost: &str) -> Result<(), String> {
+        let name = declare.queue.as_str();
+        let flags = [
+            ("durable", declare.durable, self.durable),
+            ("exclusive", declare.exclusive, self.exclusive),
+            ("auto_delete", declare.auto_delete, self.auto_delete),
+        ];
+        if let Some((flag, received, current)) = flags.into_iter().find(|(_, r, c)| r != c) {
+            return Err(format!(
+                "inequivalent arg '{flag}' for queue '{name}' in vhost '{vhost}': received '{received}' but current is '{current}'"
+            ));
+        }
+        check_equivalent(&self.compared, &declare.arguments, name, vhost)
     }
 }
 
@@ -327,6 +383,109 @@ mod tests {
         assert!(
             err.reply_text("q", "/")
                 .contains("routing_key_but_no_dlx_defined")
+        );
+    }
+
+    fn declare_of(name: &str, arguments: FieldTable) -> queue::Declare {
+        queue::Declare {
+            queue: ShortString::from(name),
+            passive: false,
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            nowait: false,
+            arguments,
+        }
+    }
+
+    fn declared(arguments: FieldTable) -> DeclaredQueue {
+        let declare = declare_of("src", arguments);
+        let parsed = parse_queue_arguments(&declare.arguments).unwrap();
+        DeclaredQueue::new(&declare, parsed)
+    }
+
+    #[test]
+    fn a_declared_queue_keeps_only_the_compared_arguments_as_sent() {
+        let queue = declared(args(&[
+            (ARG_DEAD_LETTER_EXCHANGE, text("dlx")),
+            (ARG_MESSAGE_TTL, AMQPValue::LongInt(1000)),
+            ("x-single-active-consumer", AMQPValue::Boolean(true)),
+            ("x-custom", text("v")),
+        ]));
+        assert_eq!(
+            queue.compared,
+            args(&[
+                (ARG_DEAD_LETTER_EXCHANGE, text("dlx")),
+                (ARG_MESSAGE_TTL, AMQPValue::LongInt(1000)),
+            ])
+        );
+        assert_eq!(queue.arguments.message_ttl, Some(1000));
+        assert!(queue.durable && !queue.exclusive && !queue.auto_delete);
+    }
+
+    #[test]
+    fn redeclares_are_compared_like_the_embedded_broker() {
+        let original = args(&[
+            (ARG_DEAD_LETTER_EXCHANGE, text("dlxA")),
+            (ARG_MESSAGE_TTL, AMQPValue::LongInt(1000)),
+        ]);
+        let queue = declared(original.clone());
+        let check =
+            |arguments: FieldTable| queue.check_redeclare(&declare_of("src", arguments), "/");
+        assert_eq!(check(original.clone()), Ok(()));
+        // An int64 TTL equals an int32 one; arguments RabbitMQ does not compare are ignored.
+        assert_eq!(
+            check(args(&[
+                (ARG_DEAD_LETTER_EXCHANGE, text("dlxA")),
+                (ARG_MESSAGE_TTL, AMQPValue::LongLongInt(1000)),
+                ("x-custom", text("v")),
+            ])),
+            Ok(())
+        );
+        assert_eq!(
+            check(args(&[
+                (ARG_DEAD_LETTER_EXCHANGE, text("dlxB")),
+                (ARG_MESSAGE_TTL, AMQPValue::LongInt(1000)),
+            ])),
+            Err("inequivalent arg 'x-dead-letter-exchange' for queue 'src' in vhost '/': received 'dlxB' but current is 'dlxA'".into())
+        );
+        assert_eq!(
+            check(args(&[(ARG_MESSAGE_TTL, AMQPValue::LongInt(1000))])),
+            Err("inequivalent arg 'x-dead-letter-exchange' for queue 'src' in vhost '/': received none but current is the value 'dlxA' of type 'longstr'".into())
+        );
+        assert_eq!(
+            check(FieldTable::default()),
+            Err("inequivalent arg 'x-message-ttl' for queue 'src' in vhost '/': received none but current is the value '1000' of type 'signedint'".into())
+        );
+        let mut with_key = original.clone();
+        with_key.insert(ARG_DEAD_LETTER_ROUTING_KEY.into(), text("k"));
+        assert_eq!(
+            check(with_key),
+            Err("inequivalent arg 'x-dead-letter-routing-key' for queue 'src' in vhost '/': received the value 'k' of type 'longstr' but current is none".into())
+        );
+        assert_eq!(
+            check(args(&[
+                (ARG_DEAD_LETTER_EXCHANGE, text("dlxA")),
+                (ARG_MESSAGE_TTL, AMQPValue::LongInt(2000)),
+            ])),
+            Err("inequivalent arg 'x-message-ttl' for queue 'src' in vhost '/': received '2000' but current is '1000'".into())
+        );
+    }
+
+    #[test]
+    fn redeclares_compare_the_flags_first() {
+        let queue = declared(args(&[(ARG_MESSAGE_TTL, AMQPValue::LongInt(1000))]));
+        let mut declare = declare_of("src", FieldTable::default());
+        declare.durable = false;
+        assert_eq!(
+            queue.check_redeclare(&declare, "v"),
+            Err("inequivalent arg 'durable' for queue 'src' in vhost 'v': received 'false' but current is 'true'".into())
+        );
+        let mut declare = declare_of("src", args(&[(ARG_MESSAGE_TTL, AMQPValue::LongInt(1000))]));
+        declare.auto_delete = true;
+        assert_eq!(
+            queue.check_redeclare(&declare, "v"),
+            Err("inequivalent arg 'auto_delete' for queue 'src' in vhost 'v': received 'true' but current is 'false'".into())
         );
     }
 

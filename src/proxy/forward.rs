@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use amq_protocol::protocol::{AMQPClass, basic, channel, connection, queue};
 use bytes::{Bytes, BytesMut};
 
+use super::bcc;
 use super::capture::CaptureConsumer;
 use super::channels::{
     ChannelPhase, ClientChannel, IncomingContent, KeepBuilder, OutgoingContent, Source,
@@ -19,8 +20,8 @@ use super::inflight::Verb;
 use super::probe::QueueProbe;
 use super::publisher::Publisher;
 use super::session::{Session, Side};
-use super::wire::{WireFrame, content_body_size, method_frame};
-use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method};
+use super::wire::{WireFrame, content_body_size, header_frame, method_frame};
+use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, decode_method};
 use crate::amqp::reply;
 
 /// How long the client gets to answer the proxy's closes.
@@ -237,9 +238,15 @@ impl Session {
     fn client_content(&mut self, frame: WireFrame) {
         let channel = frame.channel;
         let mut finished = false;
+        let mut rewritten = None;
         if let Some(ch) = self.channels.get_mut(&channel) {
             match (frame.kind, ch.outgoing) {
                 (FRAME_HEADER, Some(OutgoingContent::AwaitingHeader)) => {
+                    // A publish's BCC keys are kept for dead-lettering (see `bcc`).
+                    rewritten = bcc::publish_header(
+                        &frame.payload,
+                        self.frame_max.saturating_sub(FRAME_OVERHEAD),
+                    );
                     let size = content_body_size(&frame.payload).unwrap_or(0);
                     if size == 0 {
                         ch.outgoing = None;
@@ -265,7 +272,10 @@ impl Session {
                 }
             }
         }
-        self.send_upstream(frame.raw);
+        match rewritten {
+            Some(payload) => self.send_upstream(header_frame(channel, &payload)),
+            None => self.send_upstream(frame.raw),
+        }
         if finished {
             self.flush_deferred_upstream(channel);
         }
@@ -314,14 +324,17 @@ impl Session {
                 }
             }
             CHANNEL_OPEN => {
-                let id = self.next_channel_id;
-                self.next_channel_id += 1;
-                if let Some(old) = self.channels.insert(channel, ClientChannel::new(id)) {
-                    self.release_channel_state(old);
-                } else {
-                    self.shared.metrics.channel_opened();
+                if self.upstream_drain.contains_key(&channel) {
+                    // The proxy closed this channel number upstream (a refused declare) and
+                    // the close-ok is still on its way. RabbitMQ forgets a channel only when
+                    // it has answered the close, so an open sent now would reach the closing
+                    // channel and end the connection (504 "second 'channel.open' seen"). The
+                    // open waits for the close-ok, and client reads pause until then, so
+                    // nothing the client sends on that channel overtakes it.
+                    self.held_channel_open = Some(frame);
+                    return;
                 }
-                self.send_upstream(frame.raw);
+                self.open_client_channel(frame);
             }
             CHANNEL_CLOSE => self.client_channel_close(frame),
             CHANNEL_CLOSE_OK => {
@@ -414,6 +427,19 @@ impl Session {
             }
             _ => self.send_upstream(frame.raw),
         }
+    }
+
+    /// A client's channel.open: a fresh channel state, and the open goes upstream.
+    fn open_client_channel(&mut self, frame: WireFrame) {
+        let channel = frame.channel;
+        let id = self.next_channel_id;
+        self.next_channel_id += 1;
+        if let Some(old) = self.channels.insert(channel, ClientChannel::new(id)) {
+            self.release_channel_state(old);
+        } else {
+            self.shared.metrics.channel_opened();
+        }
+        self.send_upstream(frame.raw);
     }
 
     fn syntax_error(&mut self, (class_id, method_id): (u16, u16)) {
@@ -644,6 +670,15 @@ impl Session {
                         *left = left.saturating_sub(1);
                         if *left == 0 {
                             self.upstream_drain.remove(&channel);
+                            // The channel number is free upstream: a reopen may go now.
+                            if self
+                                .held_channel_open
+                                .as_ref()
+                                .is_some_and(|open| open.channel == channel)
+                                && let Some(open) = self.held_channel_open.take()
+                            {
+                                self.open_client_channel(open);
+                            }
                         }
                     }
                 }
@@ -821,10 +856,13 @@ impl Session {
         let channel = frame.channel;
         let mut completed = None;
         let mut finished = false;
+        let mut stripped = None;
         if let Some(ch) = self.channels.get_mut(&channel)
             && let Some(incoming) = ch.incoming.as_mut()
         {
             if frame.kind == FRAME_HEADER {
+                // Clients never see the proxy's private header; the kept copy has it.
+                stripped = bcc::delivered_header(&frame.payload);
                 let size = content_body_size(&frame.payload).unwrap_or(0);
                 incoming.remaining = Some(size);
                 if let Some(keep) = incoming.keep.as_mut() {
@@ -844,7 +882,10 @@ impl Session {
                 completed = ch.incoming.take().and_then(|i| i.keep);
             }
         }
-        self.send_client(frame.raw);
+        match stripped {
+            Some(payload) => self.send_client(header_frame(channel, &payload)),
+            None => self.send_client(frame.raw),
+        }
         if finished {
             self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
             if let Some(builder) = completed {

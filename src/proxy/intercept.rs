@@ -11,9 +11,12 @@ use amq_protocol::types::FieldTable;
 use bytes::Bytes;
 
 use super::QueueView;
+use super::bcc::kept_bcc_keys;
 use super::capture::{CapturedMessage, reconstruct};
-use super::channels::PendingDeclare;
-use super::declare::{CaptureTag, DeadLetterHandling, DeclareRewrite, rewrite_declare};
+use super::channels::{DeclareRecord, PendingDeclare};
+use super::declare::{
+    CaptureTag, DeadLetterHandling, DeclareRewrite, DeclaredQueue, rewrite_declare,
+};
 use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{
@@ -27,6 +30,7 @@ use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::decode_method;
 use crate::amqp::content::decode_properties;
 use crate::amqp::reply;
+use crate::broker::args::ArgumentError;
 use crate::deadletter::{DeadLetterReason, DeadLetterTarget, DeathEvent, dead_letter};
 
 fn now_secs() -> u64 {
@@ -61,7 +65,20 @@ fn settle_frame(channel: u16, settle: NativeSettle) -> Bytes {
 pub(super) struct PendingProbe {
     channel: u16,
     declare: queue::Declare,
-    rewrite: DeclareRewrite,
+    /// The validated rewrite, or why the arguments are refused (an existing queue is compared
+    /// before its arguments are validated, as RabbitMQ does).
+    rewrite: Result<DeclareRewrite, ArgumentError>,
+}
+
+/// How a declare goes upstream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum UpstreamDeclare {
+    /// The queue is new (or the upstream decides): declared with the proxy's arguments, and
+    /// the client's declaration replaces what was remembered.
+    Create,
+    /// The queue exists: declared passively; the client's declaration is remembered only if
+    /// nothing was (`remember`).
+    Existing { remember: bool },
 }
 
 /// Everything `dead_letter_message` needs to know about the message that died.
@@ -101,8 +118,7 @@ impl Session {
             if !declare.nowait
                 && let Some(ch) = self.channels.get_mut(&channel)
             {
-                ch.pending_declares
-                    .push_back(PendingDeclare { arguments: None });
+                ch.pending_declares.push_back(PendingDeclare::default());
             }
             self.send_upstream(frame.raw);
             return;
@@ -121,40 +137,36 @@ impl Session {
             .unwrap_or_else(|e| e.into_inner())
             .for_queue(&self.vhost, &name)
             .map(|p| p.definition.clone());
-        match rewrite_declare(
+        let rewrite = rewrite_declare(
             &declare.arguments,
             policy.as_ref(),
             self.shared.default_delivery_limit,
             &handling,
-        ) {
-            Err(err) => {
-                let text = err.reply_text(&name, &self.vhost);
-                tracing::debug!(peer = %self.peer, %text, "queue.declare refused");
-                self.close_channel_by_proxy(channel, err.reply_code(), &text, 50, 10);
+        );
+        let question = if name.is_empty() {
+            None
+        } else {
+            self.probe.as_mut().and_then(|p| p.ask(&declare.queue))
+        };
+        match (question, rewrite) {
+            (Some(bytes), rewrite) => {
+                self.send_upstream(bytes);
+                self.pending_probe = Some(PendingProbe {
+                    channel,
+                    declare,
+                    rewrite,
+                });
             }
-            Ok(rewrite) => {
-                let question = if declare.queue.as_str().is_empty() {
-                    None
-                } else {
-                    self.probe.as_mut().and_then(|p| p.ask(&declare.queue))
-                };
-                match question {
-                    Some(bytes) => {
-                        self.send_upstream(bytes);
-                        self.pending_probe = Some(PendingProbe {
-                            channel,
-                            declare,
-                            rewrite,
-                        });
-                    }
-                    None => self.forward_declare(channel, declare, rewrite, false),
-                }
+            (None, Err(err)) => self.refuse_declare(channel, &name, &err),
+            (None, Ok(rewrite)) => {
+                self.forward_declare(channel, declare, rewrite, UpstreamDeclare::Create)
             }
         }
     }
 
-    /// The probe answered: declare the queue passively if it exists, else with the proxy's
-    /// upstream arguments.
+    /// The probe answered. An existing queue is compared with the declaration remembered for
+    /// it (406 when inequivalent) and declared passively; a missing one is created with the
+    /// proxy's upstream arguments.
     pub(super) fn on_probe_answer(&mut self, answer: ProbeAnswer) {
         let Some(pending) = self.pending_probe.take() else {
             return;
@@ -166,12 +178,43 @@ impl Session {
         if !open {
             return;
         }
-        self.forward_declare(
-            pending.channel,
-            pending.declare,
-            pending.rewrite,
-            answer == ProbeAnswer::Exists,
-        );
+        let name = pending.declare.queue.as_str().to_string();
+        let how = match answer {
+            ProbeAnswer::Exists => match self.shared.queues.lookup_declared(&self.vhost, &name) {
+                Some(known) => {
+                    if let Err(text) = known.check_redeclare(&pending.declare, &self.vhost) {
+                        tracing::debug!(peer = %self.peer, %text, "queue.declare refused");
+                        self.close_channel_by_proxy(
+                            pending.channel,
+                            reply::PRECONDITION_FAILED,
+                            &format!("PRECONDITION_FAILED - {text}"),
+                            50,
+                            10,
+                        );
+                        return;
+                    }
+                    UpstreamDeclare::Existing { remember: false }
+                }
+                None => UpstreamDeclare::Existing { remember: true },
+            },
+            ProbeAnswer::Missing => {
+                // Whatever was remembered belongs to a queue that is gone.
+                self.shared.queues.forget(&self.vhost, &name);
+                UpstreamDeclare::Create
+            }
+            ProbeAnswer::Unknown => UpstreamDeclare::Create,
+        };
+        match pending.rewrite {
+            Ok(rewrite) => self.forward_declare(pending.channel, pending.declare, rewrite, how),
+            Err(err) => self.refuse_declare(pending.channel, &name, &err),
+        }
+    }
+
+    /// Answers a declare with invalid arguments with the broker's 406.
+    fn refuse_declare(&mut self, channel: u16, queue: &str, err: &ArgumentError) {
+        let text = err.reply_text(queue, &self.vhost);
+        tracing::debug!(peer = %self.peer, %text, "queue.declare refused");
+        self.close_channel_by_proxy(channel, err.reply_code(), &text, 50, 10);
     }
 
     fn forward_declare(
@@ -179,32 +222,51 @@ impl Session {
         channel: u16,
         declare: queue::Declare,
         rewrite: DeclareRewrite,
-        exists: bool,
+        how: UpstreamDeclare,
     ) {
         let name = declare.queue.as_str().to_string();
         let mut upstream = declare.clone();
-        if exists {
-            upstream.passive = true;
-            upstream.arguments = FieldTable::default();
-        } else {
-            upstream.arguments = rewrite.upstream_arguments;
+        let record = match how {
+            UpstreamDeclare::Existing { remember } => {
+                upstream.passive = true;
+                upstream.arguments = FieldTable::default();
+                remember.then_some(false)
+            }
+            UpstreamDeclare::Create => {
+                upstream.arguments = rewrite.upstream_arguments;
+                Some(true)
+            }
         }
+        .map(|replace| DeclareRecord {
+            declared: DeclaredQueue::new(&declare, rewrite.client_arguments),
+            replace,
+        });
         if let Some(ch) = self.channels.get_mut(&channel) {
             if declare.nowait {
                 ch.last_queue = Some(Arc::from(name.as_str()));
-                self.shared
-                    .queues
-                    .record(&self.vhost, &name, rewrite.client_arguments);
+                if let Some(record) = record {
+                    self.remember_declare(&name, record);
+                }
             } else {
-                ch.pending_declares.push_back(PendingDeclare {
-                    arguments: Some(rewrite.client_arguments),
-                });
+                ch.pending_declares.push_back(PendingDeclare { record });
             }
         }
         self.send_upstream(method_frame(
             channel,
             AMQPClass::Queue(queue::AMQPMethod::Declare(upstream)),
         ));
+    }
+
+    fn remember_declare(&self, queue: &str, record: DeclareRecord) {
+        if record.replace {
+            self.shared
+                .queues
+                .record(&self.vhost, queue, record.declared);
+        } else {
+            self.shared
+                .queues
+                .record_if_absent(&self.vhost, queue, record.declared);
+        }
     }
 
     pub(super) fn upstream_declare_ok(&mut self, frame: &WireFrame) {
@@ -219,10 +281,10 @@ impl Session {
         let name = ok.queue.as_str();
         ch.last_queue = Some(Arc::from(name));
         if let Some(PendingDeclare {
-            arguments: Some(arguments),
+            record: Some(record),
         }) = ch.pending_declares.pop_front()
         {
-            self.shared.queues.record(&self.vhost, name, arguments);
+            self.remember_declare(name, record);
         }
     }
 
@@ -642,12 +704,16 @@ impl Session {
         } else {
             death.time
         };
+        // The upstream recorded the publish key and the CC keys; the BCC keys come from the
+        // proxy's private header.
+        let mut routing_keys = death.routing_keys;
+        routing_keys.extend(kept_bcc_keys(&before));
         let death = Death {
             queue: Arc::from(death.queue.as_str()),
             reason,
             before,
             exchange: death.exchange,
-            routing_keys: death.routing_keys,
+            routing_keys,
             time,
             body: message.body,
         };

@@ -14,7 +14,14 @@
 //! - requeues on queues with a delivery limit: republished with `x-delivery-count`, and
 //!   dead-lettered as `delivery_limit` past the limit;
 //! - messages that expire or overflow upstream come back through the capture queue and are
-//!   dead-lettered as their original queue would have.
+//!   dead-lettered as their original queue would have;
+//! - BCC keys ([`bcc`]): the upstream strips `BCC` at publish, yet RabbitMQ routes a dead
+//!   letter (without a dead-letter routing key) with them. A client publish whose content
+//!   header carries `BCC` gets the keys copied into the private header `x-dlx-proxy-bcc`
+//!   (array of longstr), which the upstream keeps; the proxy routes dead letters with them
+//!   (never listing them in x-death), removes the header from everything it delivers to a
+//!   client, and drops a client's own. Consumers connected straight to the upstream do see it.
+//!   Other publishes stay untouched bytes.
 //!
 //! The proxy uses the three highest channel numbers of each upstream connection (the client is
 //! offered three fewer in connection.tune): one to probe whether a declared queue exists, one
@@ -32,17 +39,23 @@
 //! requeues the client's unacked deliveries.
 //!
 //! Where proxy mode differs from a broker doing it itself (documented limits):
-//! - BCC keys are invisible to a consumer, so a message dead-lettered without a dead-letter
-//!   routing key is routed with its publish key and CC keys only;
+//! - a publish whose content header would outgrow `frame_max` with the kept BCC keys keeps
+//!   none: dead-lettered, it is routed with its publish key and CC keys only;
 //! - a requeue counted against a delivery limit puts the message at the queue's tail (classic
 //!   queues requeue at the head), with `redelivered = false`, exchange `""` and the queue name
 //!   as routing key; its `CC` header is removed so the copy reaches only that queue;
 //! - TTL and length limits (from arguments or policies) are set on the upstream queue when it
 //!   is first declared through the proxy; later policy changes to them need the queue to be
 //!   recreated. Dead-letter target and delivery-limit policy changes apply at once;
-//! - a queue that already exists upstream is declared passively (no argument equivalence
-//!   check, no capture exchange added): its rejections follow the policies, but its own
-//!   expiries and overflows stay the upstream's;
+//! - a queue that already exists upstream is declared passively (no capture exchange added):
+//!   its rejections follow the policies, but its own expiries and overflows stay the
+//!   upstream's;
+//! - a redeclare is checked for equivalence (durable, exclusive, auto-delete and the
+//!   x-arguments RabbitMQ compares, with the embedded broker's 406 texts) against the
+//!   declaration this proxy instance remembers ([`registry`]). A queue this instance has not
+//!   seen declared (after a restart, or declared through another instance) takes the first
+//!   declaration it sees as that reference: AMQP cannot read a queue's arguments back, and
+//!   RabbitMQ compares none the proxy could carry them in;
 //! - the cycle rule on a DLX other than the default exchange catches a loop one lap later
 //!   than RabbitMQ (see [`outgoing`]);
 //! - when a missing DLX closes the proxy's channel, other dead letters still unconfirmed on
@@ -54,10 +67,11 @@
 //! - `compat = "4"`: an x-death history on a message is always continued.
 //!
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
-//! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`publisher`],
+//! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`bcc`], [`publisher`],
 //! [`capture`], [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
 //! [`outbox`] (writer tasks), [`wire`] (frames), [`channels`], [`ops`], [`registry`].
 
+pub mod bcc;
 pub mod capture;
 pub mod channels;
 pub mod declare;

@@ -5,6 +5,8 @@
 //! one copy. The proxy publishes once: routing key = the first key, and the upstream adds the
 //! keys of the message's own `CC` header; any further key travels in a `BCC` header, which the
 //! upstream routes by and strips, so consumers see exactly the headers the rewrite produced.
+//! Those keys are the message's BCC keys (see [`super::bcc`]); they are kept in the proxy's
+//! private header again so a further dead-lettering routes with them too.
 //! The `CC` header is limited to keys the message is actually routed with (keys dropped by the
 //! cycle rule, and under `compat = "4"` the CC keys of a message sent to a dead-letter routing
 //! key, would otherwise be routed again by the upstream).
@@ -18,13 +20,14 @@
 //!
 //! **Delivery limits.** A requeue on a queue with a delivery limit is a republish to the
 //! queue's tail through the default exchange with `x-delivery-count` incremented (int64, as
-//! RabbitMQ's quorum queues write it); `CC`/`BCC` are removed so the copy reaches only that
-//! queue.
+//! RabbitMQ's quorum queues write it); `CC`/`BCC` (and the kept BCC keys) are removed so the
+//! copy reaches only that queue.
 
 use amq_protocol::protocol::BasicProperties;
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use bytes::Bytes;
 
+use super::bcc::{PRIVATE_BCC_HEADER, kept_bcc_keys};
 use super::publisher::OutgoingMessage;
 use crate::amqp::content::encode_properties;
 use crate::broker::args::amqp_integer;
@@ -53,11 +56,12 @@ pub fn cc_keys(props: &BasicProperties) -> Vec<String> {
     }
 }
 
-/// The keys a delivered message was routed with, as far as a consumer can see them: the
-/// delivery's routing key, then its `CC` header (BCC keys are stripped by the broker).
+/// The keys a delivered message was routed with: the delivery's routing key, its `CC`
+/// header, then the BCC keys the proxy kept at publish (the broker strips `BCC`).
 pub fn delivery_routing_keys(routing_key: &str, props: &BasicProperties) -> Vec<String> {
     let mut keys = vec![routing_key.to_string()];
     keys.extend(cc_keys(props));
+    keys.extend(kept_bcc_keys(props));
     keys
 }
 
@@ -138,6 +142,9 @@ pub fn dead_letter_publish(
     if !extra.is_empty() {
         changed = true;
         headers.insert(ShortString::from(HEADER_BCC), long_strings(&extra));
+        headers.insert(ShortString::from(PRIVATE_BCC_HEADER), long_strings(&extra));
+    } else if headers.remove(PRIVATE_BCC_HEADER).is_some() {
+        changed = true;
     }
     if changed {
         properties = properties.with_headers(FieldTable::from(headers));
@@ -175,6 +182,7 @@ pub fn requeue_publish(
         .unwrap_or_default();
     headers.remove(HEADER_CC);
     headers.remove(HEADER_BCC);
+    headers.remove(PRIVATE_BCC_HEADER);
     headers.insert(
         ShortString::from(X_DELIVERY_COUNT),
         AMQPValue::LongLongInt(count),
@@ -257,6 +265,47 @@ mod tests {
             Some(&long_strings(&["bcc1".to_string()]))
         );
         assert!(headers.contains_key(X_DEATH));
+    }
+
+    #[test]
+    fn kept_bcc_keys_route_but_stay_out_of_x_death() {
+        let mut t = FieldTable::default();
+        t.insert(
+            ShortString::from(HEADER_CC),
+            long_strings(&["cc1".to_string()]),
+        );
+        t.insert(
+            ShortString::from(PRIVATE_BCC_HEADER),
+            long_strings(&["bcc1".to_string()]),
+        );
+        let props = BasicProperties::default().with_headers(t);
+        let keys = delivery_routing_keys("q", &props);
+        assert_eq!(keys, vec!["q", "cc1", "bcc1"]);
+        let message = die(&props, "q", DeadLetterReason::Rejected, &keys, "dlx", None);
+        let entry = &crate::deadletter::x_death_entries(&message.properties)[0];
+        assert_eq!(entry.routing_keys, vec!["q", "cc1"]);
+        let publish = dead_letter_publish(&message, &keys, Bytes::new());
+        let headers = headers_of(&publish.raw_properties);
+        let bcc = long_strings(&["bcc1".to_string()]);
+        assert_eq!(headers.get(HEADER_BCC), Some(&bcc));
+        // Kept again for a further hop.
+        assert_eq!(headers.get(PRIVATE_BCC_HEADER), Some(&bcc));
+        // With a dead-letter routing key the message is routed with that key alone.
+        let message = die(
+            &props,
+            "q",
+            DeadLetterReason::Rejected,
+            &keys,
+            "dlx",
+            Some("dlq"),
+        );
+        let publish = dead_letter_publish(&message, &message.routing_keys, Bytes::new());
+        let headers = headers_of(&publish.raw_properties);
+        assert!(!headers.contains_key(HEADER_BCC));
+        assert!(!headers.contains_key(PRIVATE_BCC_HEADER));
+        // A requeue reaches its queue only.
+        let requeue = requeue_publish(&props, "q", 1, Bytes::new());
+        assert!(!headers_of(&requeue.raw_properties).contains_key(PRIVATE_BCC_HEADER));
     }
 
     #[test]

@@ -5,8 +5,9 @@
 //! arguments (the capture exchange, merged limits). A queue that already exists upstream,
 //! declared before the proxy was deployed or with other arguments, would refuse that declare
 //! as inequivalent (406). An existing queue is therefore declared passively for the client:
-//! it gets its declare-ok with the message and consumer counts, as from RabbitMQ, only without
-//! the argument equivalence check. A passive declare of a missing queue closes the channel
+//! it gets its declare-ok with the message and consumer counts, as from RabbitMQ, after the
+//! proxy compared the declare with the one it remembers for the queue (see
+//! [`super::declare::DeclaredQueue`]). A passive declare of a missing queue closes the channel
 //! (404), so the probe has a channel of its own, reopened after every "no".
 
 use amq_protocol::protocol::{AMQPClass, channel, queue};

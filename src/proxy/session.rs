@@ -102,6 +102,9 @@ pub(super) struct Session {
     pub(super) probe: Option<QueueProbe>,
     /// A queue.declare waiting for the probe's answer (client reads pause meanwhile).
     pub(super) pending_probe: Option<super::intercept::PendingProbe>,
+    /// A client's channel.open for a channel number the proxy closed upstream whose close-ok
+    /// has not come back yet (client reads pause meanwhile; see `forward`).
+    pub(super) held_channel_open: Option<WireFrame>,
     pub(super) ops: HashMap<OpId, Op>,
     pub(super) next_op: OpId,
     /// The client's connection.close, held until the proxy's own work is settled.
@@ -201,6 +204,7 @@ pub(super) async fn run<S>(
         capture: None,
         probe: None,
         pending_probe: None,
+        held_channel_open: None,
         ops: HashMap::new(),
         next_op: 1,
         parked_connection_close: None,
@@ -290,10 +294,16 @@ impl Session {
             Side::Closed => false,
             Side::Closing { .. } => true,
             Side::Open | Side::Draining { .. } => {
-                self.pending_probe.is_none()
+                !self.awaits_upstream_answer()
                     && (self.upstream_side != Side::Open || !self.upstream_out.is_full())
             }
         }
+    }
+
+    /// Whether client reads wait for an answer from the upstream (the probe's, or the close-ok
+    /// that frees a channel number the client is reopening).
+    fn awaits_upstream_answer(&self) -> bool {
+        self.pending_probe.is_some() || self.held_channel_open.is_some()
     }
 
     fn wants_upstream_frames(&self) -> bool {
@@ -307,7 +317,11 @@ impl Session {
             return false;
         }
         // At the bound, finish the content in progress, then pause until settlements free room.
-        self.inflight_bytes < self.shared.max_inflight_bytes || self.incoming_in_progress > 0
+        // Not while client reads wait for an upstream answer: the client cannot settle anything
+        // then, so pausing here would wait forever.
+        self.inflight_bytes < self.shared.max_inflight_bytes
+            || self.incoming_in_progress > 0
+            || self.awaits_upstream_answer()
     }
 
     fn next_deadline(&mut self) -> Option<Instant> {

@@ -13,7 +13,7 @@ use tokio_util::codec::Decoder;
 
 use crate::amqp::codec::{
     FRAME_BODY, FRAME_END, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, FRAME_MIN_SIZE,
-    FRAME_OVERHEAD, FrameError, put_method,
+    FRAME_OVERHEAD, FrameError, put_method, put_raw_frame,
 };
 
 /// One frame: header fields, the payload and the whole frame as received.
@@ -176,6 +176,13 @@ pub fn method_frame(channel: u16, method: AMQPClass) -> Bytes {
     buf.freeze()
 }
 
+/// The content header frame with this payload.
+pub fn header_frame(channel: u16, payload: &[u8]) -> Bytes {
+    let mut buf = BytesMut::with_capacity(payload.len() + FRAME_OVERHEAD);
+    put_raw_frame(&mut buf, FRAME_HEADER, channel, payload);
+    buf.freeze()
+}
+
 /// The body size announced by a content header payload, if it is long enough.
 pub fn content_body_size(payload: &[u8]) -> Option<u64> {
     let bytes: [u8; 8] = payload.get(4..12)?.try_into().ok()?;
@@ -185,7 +192,6 @@ pub fn content_body_size(payload: &[u8]) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::amqp::codec::put_raw_frame;
     use amq_protocol::protocol::channel;
 
     #[test]

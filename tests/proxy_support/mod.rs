@@ -492,6 +492,26 @@ impl RawClient {
         }
     }
 
+    /// Writes raw bytes (frames built with `dlx_proxy::proxy::wire::method_frame`).
+    pub async fn send(&mut self, bytes: &[u8]) {
+        use tokio::io::AsyncWriteExt;
+        self.writer.write_all(bytes).await.unwrap();
+    }
+
+    /// The next method frame (other frames are skipped): its channel, ids and payload.
+    pub async fn next_method(&mut self) -> (u16, (u16, u16), bytes::Bytes) {
+        loop {
+            let frame = tokio::time::timeout(Duration::from_secs(15), self.reader.next())
+                .await
+                .expect("frame within 15 s")
+                .expect("connection open")
+                .expect("valid frame");
+            if frame.kind == dlx_proxy::amqp::codec::FRAME_METHOD {
+                return (frame.channel, frame.method_ids(), frame.payload);
+            }
+        }
+    }
+
     /// Waits for connection.close; returns its reply code and text.
     pub async fn expect_connection_close(&mut self) -> (u16, String) {
         use lapin::protocol::{AMQPClass, connection};
