@@ -39,6 +39,9 @@
 //! requeues the client's unacked deliveries.
 //!
 //! Where proxy mode differs from a broker doing it itself (documented limits):
+//! - a dead letter whose rewritten properties (x-death grows with every death) no longer fit
+//!   one content-header frame of the upstream's `frame_max` cannot be published; keep
+//!   `frame_max` at RabbitMQ's default (128 KiB) so this needs thousands of history entries;
 //! - a publish whose content header would outgrow `frame_max` with the kept BCC keys keeps
 //!   none: dead-lettered, it is routed with its publish key and CC keys only;
 //! - a requeue counted against a delivery limit puts the message at the queue's tail (classic
