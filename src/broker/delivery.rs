@@ -14,24 +14,19 @@ pub fn short(s: &str) -> ShortString {
     ShortString::try_new(cut).unwrap_or_default()
 }
 
-/// Properties to deliver: the stored bytes, or with `x-delivery-count` set when the queue
-/// counts deliveries.
-pub fn delivery_properties(entry: &QueuedMessage, with_count: bool) -> Bytes {
-    let raw = entry.message.raw_properties();
+/// Properties to deliver when they differ from the stored bytes: with `x-delivery-count` set
+/// when the queue counts deliveries. `None` means "deliver the stored bytes" (no copy).
+pub fn delivery_properties(entry: &QueuedMessage, with_count: bool) -> Option<Bytes> {
     if !with_count {
-        return Bytes::copy_from_slice(raw);
+        return None;
     }
-    match decode_properties(raw) {
-        Ok(props) => {
-            let mut headers = props.headers().clone().unwrap_or_default();
-            headers.insert(
-                short("x-delivery-count"),
-                AMQPValue::LongLongInt(entry.delivery_count as i64),
-            );
-            encode_properties(&props.with_headers(headers))
-        }
-        Err(_) => Bytes::copy_from_slice(raw),
-    }
+    let props = decode_properties(entry.message.raw_properties()).ok()?;
+    let mut headers = props.headers().clone().unwrap_or_default();
+    headers.insert(
+        short("x-delivery-count"),
+        AMQPValue::LongLongInt(entry.delivery_count as i64),
+    );
+    Some(encode_properties(&props.with_headers(headers)))
 }
 
 /// Writes basic.deliver and the content.

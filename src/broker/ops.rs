@@ -174,10 +174,13 @@ fn deliver_to(
     };
     let tag = ch.next_tag;
     ch.next_tag += 1;
-    let props = delivery_properties(&entry, with_count);
+    let rewritten = delivery_properties(&entry, with_count);
+    let props = rewritten
+        .as_deref()
+        .unwrap_or_else(|| entry.message.raw_properties());
     let frame_max = conn.frame_max;
     conn.outbox.push(|out| {
-        write_deliver(out, c.channel, &c.tag, tag, &entry, &props, frame_max);
+        write_deliver(out, c.channel, &c.tag, tag, &entry, props, frame_max);
     });
     if !c.no_ack {
         c.unacked += 1;
@@ -1012,11 +1015,14 @@ impl Broker {
                 Some(entry) => {
                     let tag = ch.next_tag;
                     ch.next_tag += 1;
-                    let props = delivery_properties(&entry, q.counts_deliveries());
+                    let rewritten = delivery_properties(&entry, q.counts_deliveries());
+                    let props = rewritten
+                        .as_deref()
+                        .unwrap_or_else(|| entry.message.raw_properties());
                     let remaining = q.state.len() as u32;
                     let frame_max = conn_state.frame_max;
                     conn_state.outbox.push(|out| {
-                        write_get_ok(out, channel, tag, &entry, &props, remaining, frame_max)
+                        write_get_ok(out, channel, tag, &entry, props, remaining, frame_max)
                     });
                     if !no_ack {
                         self.metrics.add_inflight(1, entry.body_len() as i64);
