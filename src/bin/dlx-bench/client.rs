@@ -9,10 +9,13 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context as TaskContext, Poll};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use futures_util::future::BoxFuture;
 use futures_util::stream::{FuturesOrdered, FuturesUnordered};
+use futures_util::task::noop_waker_ref;
 use futures_util::{FutureExt, StreamExt};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions,
@@ -48,6 +51,22 @@ pub async fn open_channel(url: &str, name: &str) -> Result<(Connection, Channel)
         .await
         .with_context(|| format!("opening a channel ({name})"))?;
     Ok((conn, ch))
+}
+
+/// Time a connection or channel close may take. lapin can leave a close unanswered when many
+/// connections close at once; the benchmark then moves on (the socket goes with the process).
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Closes a connection; false if it failed or took longer than [`CLOSE_TIMEOUT`].
+pub async fn close(conn: &Connection) -> bool {
+    matches!(
+        tokio::time::timeout(CLOSE_TIMEOUT, conn.close(200, "done".into())).await,
+        Ok(Ok(()))
+    )
+}
+
+async fn close_channel(ch: &Channel) {
+    let _ = tokio::time::timeout(CLOSE_TIMEOUT, ch.close(200, "bye".into())).await;
 }
 
 pub fn short(s: &str) -> Result<ShortString> {
@@ -92,9 +111,12 @@ impl QueueArgs {
 pub async fn delete_queue(conn: &Connection, name: &str) {
     if let Ok(ch) = conn.create_channel().await {
         let _ = ch
-            .queue_delete(short(name).unwrap_or_default(), QueueDeleteOptions::default())
+            .queue_delete(
+                short(name).unwrap_or_default(),
+                QueueDeleteOptions::default(),
+            )
             .await;
-        let _ = ch.close(200, "bye".into()).await;
+        close_channel(&ch).await;
     }
 }
 
@@ -106,7 +128,7 @@ pub async fn delete_exchange(conn: &Connection, name: &str) {
                 ExchangeDeleteOptions::default(),
             )
             .await;
-        let _ = ch.close(200, "bye".into()).await;
+        close_channel(&ch).await;
     }
 }
 
@@ -117,7 +139,7 @@ pub async fn fresh_queue(conn: &Connection, name: &str, args: &QueueArgs) -> Res
     ch.queue_declare(short(name)?, QueueDeclareOptions::default(), args.table())
         .await
         .with_context(|| format!("declaring queue {name} with {args:?}"))?;
-    let _ = ch.close(200, "bye".into()).await;
+    close_channel(&ch).await;
     Ok(())
 }
 
@@ -143,7 +165,7 @@ pub async fn fanout_with_queue(conn: &Connection, exchange: &str, queue: &str) -
     )
     .await
     .with_context(|| format!("binding {queue} to {exchange}"))?;
-    let _ = ch.close(200, "bye".into()).await;
+    close_channel(&ch).await;
     Ok(())
 }
 
@@ -210,8 +232,7 @@ pub async fn publish(spec: PublishSpec) -> Result<PublishResult> {
     let window = spec.confirm_window.max(1);
     let mut seq = 0u64;
     loop {
-        if spec.count.is_some_and(|c| seq >= c) || spec.until.is_some_and(|t| Instant::now() >= t)
-        {
+        if spec.count.is_some_and(|c| seq >= c) || spec.until.is_some_and(|t| Instant::now() >= t) {
             break;
         }
         let body = payload::encode(
@@ -260,7 +281,7 @@ pub async fn publish(spec: PublishSpec) -> Result<PublishResult> {
     }
     result.published = seq;
     result.finished_nanos = now_nanos();
-    let _ = conn.close(200, "done".into()).await;
+    close(&conn).await;
     Ok(result)
 }
 
@@ -376,7 +397,7 @@ async fn consume_loop(
     mut stop: watch::Receiver<bool>,
 ) -> Result<ConsumeResult> {
     let mut result = ConsumeResult::default();
-    let mut settling = FuturesUnordered::new();
+    let mut settling: FuturesUnordered<SettleFuture> = FuturesUnordered::new();
     let mut since_ack = 0u64;
     let ack_every = spec.ack_every.max(1);
     let mut last_acker: Option<lapin::Acker> = None;
@@ -403,20 +424,32 @@ async fn consume_loop(
                 progress.last_nanos.fetch_max(arrived, Ordering::Relaxed);
                 let acker = delivery.acker;
                 match spec.settle {
-                    Settle::Reject => settling.push(
+                    Settle::Reject => start_settle(
                         async move { acker.reject(BasicRejectOptions { requeue: false }).await }
                             .boxed(),
+                        &mut settling,
+                        &mut result,
                     ),
                     Settle::Ack => {
                         since_ack += 1;
                         if since_ack >= ack_every {
                             since_ack = 0;
                             last_acker = None;
-                            let multiple = ack_every > 1;
-                            settling.push(
-                                async move { acker.ack(BasicAckOptions { multiple }).await }
-                                    .boxed(),
-                            );
+                            if ack_every > 1 {
+                                // The client may reorder settles in flight, and a
+                                // multiple=true ack overtaken by a later one names an
+                                // unknown tag: wait for each.
+                                if acker.ack(BasicAckOptions { multiple: true }).await.is_err() {
+                                    result.settle_errors += 1;
+                                }
+                            } else {
+                                start_settle(
+                                    async move { acker.ack(BasicAckOptions::default()).await }
+                                        .boxed(),
+                                    &mut settling,
+                                    &mut result,
+                                );
+                            }
                         } else {
                             last_acker = Some(acker);
                         }
@@ -426,7 +459,9 @@ async fn consume_loop(
         }
     }
     if let Some(acker) = last_acker {
-        settling.push(async move { acker.ack(BasicAckOptions { multiple: true }).await }.boxed());
+        if acker.ack(BasicAckOptions { multiple: true }).await.is_err() {
+            result.settle_errors += 1;
+        }
     }
     let drain = async {
         while let Some(done) = settling.next().await {
@@ -436,8 +471,24 @@ async fn consume_loop(
         }
     };
     let _ = tokio::time::timeout(Duration::from_secs(10), drain).await;
-    let _ = conn.close(200, "done".into()).await;
+    close(&conn).await;
     Ok(result)
+}
+
+type SettleFuture = BoxFuture<'static, lapin::Result<bool>>;
+
+/// Polls a settle once so its command is queued at once, then keeps it until it is done.
+fn start_settle(
+    mut settle: SettleFuture,
+    settling: &mut FuturesUnordered<SettleFuture>,
+    result: &mut ConsumeResult,
+) {
+    let mut cx = TaskContext::from_waker(noop_waker_ref());
+    match settle.as_mut().poll(&mut cx) {
+        Poll::Ready(Ok(_)) => {}
+        Poll::Ready(Err(_)) => result.settle_errors += 1,
+        Poll::Pending => settling.push(settle),
+    }
 }
 
 /// Stops consumers and merges what they saw.

@@ -158,7 +158,9 @@ impl IdTracker {
             let bits = self.seen.get(p).map_or(&[][..], |b| &b[..]);
             for seq in 0..count {
                 let word = (seq / 64) as usize;
-                let present = bits.get(word).is_some_and(|w| w & (1u64 << (seq % 64)) != 0);
+                let present = bits
+                    .get(word)
+                    .is_some_and(|w| w & (1u64 << (seq % 64)) != 0);
                 if !present {
                     v.missing += 1;
                     if v.missing_examples.len() < 10 {

@@ -25,8 +25,7 @@ impl ProcSample {
         Ok(ProcSample {
             rss_kib: status_field_kib(&status, "VmRSS").ok_or_else(|| bad("VmRSS"))?,
             threads: status_field_kib(&status, "Threads").unwrap_or(0),
-            cpu_secs: stat_cpu_ticks(&stat).ok_or_else(|| bad("CPU times"))? as f64
-                / TICKS_PER_SEC,
+            cpu_secs: stat_cpu_ticks(&stat).ok_or_else(|| bad("CPU times"))? as f64 / TICKS_PER_SEC,
         })
     }
 

@@ -36,7 +36,8 @@ pub async fn run(cli: &Cli) -> Result<Report> {
         Scenario::IdleConnections {
             count,
             hold_seconds,
-        } => idle::run(c, *count, *hold_seconds).await,
+            client_frame_max,
+        } => idle::run(c, *count, *hold_seconds, *client_frame_max).await,
         Scenario::Memory { settle_seconds } => memory::run(c, *settle_seconds).await,
     }
 }
@@ -214,7 +215,10 @@ fn verdict_into(report: &mut Report, v: &crate::payload::Verdict, what: &str) {
         report.fail(format!("{} messages {what} more than once", v.duplicates));
     }
     if v.unexpected > 0 {
-        report.fail(format!("{} ids {what} that were never published", v.unexpected));
+        report.fail(format!(
+            "{} ids {what} that were never published",
+            v.unexpected
+        ));
     }
     if v.malformed > 0 {
         report.fail(format!("{} bodies without a benchmark stamp", v.malformed));

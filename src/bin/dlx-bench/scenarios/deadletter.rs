@@ -136,6 +136,6 @@ pub async fn run(c: &Common, kind: DeadLetterKind, ttl_ms: u32, max_length: u32)
     client::delete_queue(&setup, &source).await;
     client::delete_queue(&setup, &dlq).await;
     client::delete_exchange(&setup, &dlx).await;
-    let _ = setup.close(200, "done".into()).await;
+    client::close(&setup).await;
     Ok(report)
 }

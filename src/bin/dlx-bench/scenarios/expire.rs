@@ -126,6 +126,6 @@ pub async fn run(c: &Common, ttl_ms: u32, into_dlq: bool, drain_timeout: f64) ->
         client::delete_queue(&setup, &dlq).await;
         client::delete_exchange(&setup, &dlx).await;
     }
-    let _ = setup.close(200, "done".into()).await;
+    client::close(&setup).await;
     Ok(report)
 }

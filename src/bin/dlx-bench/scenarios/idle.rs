@@ -14,10 +14,14 @@ use crate::report::Report;
 
 /// Connections opened at once.
 const OPEN_CONCURRENCY: usize = 16;
+/// Time one connection (with its channel) may take to open.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(15);
 
-pub async fn run(c: &Common, count: u32, hold_seconds: f64) -> Result<Report> {
+pub async fn run(c: &Common, count: u32, hold_seconds: f64, frame_max: u32) -> Result<Report> {
     let mut report = Report::new("idle-connections", &c.label);
     report.set("connections", count);
+    let url = with_frame_max(&c.url, frame_max);
+    report.set("client_url", url.as_str());
     let watch = Watch::start(c.pid);
     let before = watch.broker();
     if let Some(s) = before {
@@ -29,8 +33,17 @@ pub async fn run(c: &Common, count: u32, hold_seconds: f64) -> Result<Report> {
     let started = std::time::Instant::now();
     let opened: Vec<_> = stream::iter(0..count)
         .map(|i| {
-            let url = c.url.clone();
-            async move { client::open_channel(&url, &format!("idle {i}")).await }
+            let url = url.clone();
+            async move {
+                let name = format!("idle {i}");
+                let open = client::open_channel(&url, &name);
+                match tokio::time::timeout(OPEN_TIMEOUT, open).await {
+                    Ok(r) => r,
+                    Err(_) => Err(anyhow::anyhow!(
+                        "no answer within {OPEN_TIMEOUT:?} (is the broker out of file descriptors?)"
+                    )),
+                }
+            }
         })
         .buffer_unordered(OPEN_CONCURRENCY)
         .collect()
@@ -62,14 +75,52 @@ pub async fn run(c: &Common, count: u32, hold_seconds: f64) -> Result<Report> {
             report.set("rss_per_connection_kib", per);
         }
     }
-    let _: Vec<_> = stream::iter(held)
-        .map(|(conn, _ch)| async move { conn.close(200, "done".into()).await })
-        .buffer_unordered(OPEN_CONCURRENCY * 4)
+    let closed: Vec<bool> = stream::iter(held)
+        .map(|(conn, _ch)| async move { client::close(&conn).await })
+        .buffer_unordered(OPEN_CONCURRENCY)
         .collect()
         .await;
+    let unclosed = closed.iter().filter(|ok| !**ok).count();
+    if unclosed > 0 {
+        report.note(format!(
+            "{unclosed} connections did not close cleanly (client side)"
+        ));
+    }
     tokio::time::sleep(Duration::from_secs(2)).await;
     if let Some(s) = watch.broker() {
         report.set("rss_after_close_mib", s.rss_mib());
     }
     Ok(report)
+}
+
+/// The URL with `frame_max` added to its query, unless it already sets one.
+fn with_frame_max(url: &str, frame_max: u32) -> String {
+    if url.contains("frame_max=") {
+        url.to_string()
+    } else if url.contains('?') {
+        format!("{url}&frame_max={frame_max}")
+    } else {
+        format!("{url}?frame_max={frame_max}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_frame_max;
+
+    #[test]
+    fn frame_max_is_added_once() {
+        assert_eq!(
+            with_frame_max("amqp://h:1/%2f", 8192),
+            "amqp://h:1/%2f?frame_max=8192"
+        );
+        assert_eq!(
+            with_frame_max("amqp://h:1/%2f?heartbeat=5", 8192),
+            "amqp://h:1/%2f?heartbeat=5&frame_max=8192"
+        );
+        assert_eq!(
+            with_frame_max("amqp://h:1/%2f?frame_max=4096", 8192),
+            "amqp://h:1/%2f?frame_max=4096"
+        );
+    }
 }

@@ -48,6 +48,6 @@ pub async fn run(c: &Common, settle_seconds: f64) -> Result<Report> {
     if let Some(s) = watch.broker() {
         report.set("rss_after_delete_mib", s.rss_mib());
     }
-    let _ = setup.close(200, "done".into()).await;
+    client::close(&setup).await;
     Ok(report)
 }

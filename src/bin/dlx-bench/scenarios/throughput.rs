@@ -64,6 +64,6 @@ pub async fn run(c: &Common) -> Result<Report> {
         report.fail(format!("{} acks failed", seen.settle_errors));
     }
     client::delete_queue(&setup, &queue).await;
-    let _ = setup.close(200, "done".into()).await;
+    client::close(&setup).await;
     Ok(report)
 }
