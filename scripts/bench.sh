@@ -1,0 +1,353 @@
+#!/usr/bin/env bash
+# Runs every dlx-bench scenario against the embedded broker and against RabbitMQ, side by side,
+# and prints one comparison table (see BENCHMARKS.md).
+#
+#   scripts/bench.sh                 # full run, 2 rounds (about 40 minutes on 2 cores)
+#   scripts/bench.sh --quick         # smaller counts, 1 round (a few minutes; numbers are rough)
+#   scripts/bench.sh --rounds 3
+#
+# RabbitMQ: by default a private node is started for the run (Debian's rabbitmq-server must be
+# installed, e.g. `sudo bash .ci/rabbitmq.sh install`; needs root to run it as the rabbitmq
+# user) with a raised file-descriptor limit, and restarted fresh before each memory scenario,
+# so leftovers of other users do not blur its RSS. To use a running RabbitMQ instead, set
+# RABBIT_URL (and RABBIT_PID, else the first `pgrep -f beam.smp`); it is then never restarted.
+#
+# The embedded broker is the release build of this checkout (`cargo build --release --features
+# bench`), started on a free port and restarted fresh before each memory scenario.
+# Results: BENCH_OUT (default target/bench-<time>/): results.jsonl, logs, table.txt.
+# Exit status: 1 if any scenario lost or duplicated a message (or failed), else 0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ROUNDS=2
+QUICK=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) QUICK=1; ROUNDS=1 ;;
+    --rounds) ROUNDS="$2"; shift ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+if [ "$QUICK" = 1 ]; then
+  TP_MESSAGES=50000; DL_MESSAGES=30000; BULK_MESSAGES=100000; BULK_TTL_MS=15000
+  MEM_MESSAGES=200000; IDLE_CONNECTIONS=1000
+else
+  TP_MESSAGES=${TP_MESSAGES:-200000}; DL_MESSAGES=${DL_MESSAGES:-100000}
+  BULK_MESSAGES=${BULK_MESSAGES:-1000000}; BULK_TTL_MS=${BULK_TTL_MS:-75000}
+  MEM_MESSAGES=${MEM_MESSAGES:-1000000}; IDLE_CONNECTIONS=${IDLE_CONNECTIONS:-1000}
+fi
+
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
+OUT=${BENCH_OUT:-$CARGO_TARGET_DIR/bench-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+RESULTS="$OUT/results.jsonl"
+: > "$RESULTS"
+FAILED=0
+
+echo "== building (release, feature bench)"
+cargo build --release --features bench --bins --quiet
+BIN="$CARGO_TARGET_DIR/release"
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+wait_port() {
+  for _ in $(seq 1 200); do
+    if (echo > "/dev/tcp/127.0.0.1/$1") 2>/dev/null; then return 0; fi
+    sleep 0.1
+  done
+  return 1
+}
+
+# ---- embedded broker -------------------------------------------------------------------------
+EMB_PID=""
+EMB_URL=""
+start_embedded() {
+  local port
+  port=$(free_port)
+  # The config gets a directory of its own: the broker reloads its config on any change in the
+  # config file's directory, and this script writes logs into $OUT.
+  mkdir -p "$OUT/embedded-config"
+  cat > "$OUT/embedded-config/embedded.toml" <<EOF
+mode = "embedded"
+[listen]
+amqp = "127.0.0.1:$port"
+admin = ""
+[log]
+filter = "warn"
+EOF
+  "$BIN/dlx-proxy" run --config "$OUT/embedded-config/embedded.toml" >> "$OUT/embedded.log" 2>&1 &
+  EMB_PID=$!
+  EMB_URL="amqp://guest:guest@127.0.0.1:$port/%2f"
+  wait_port "$port" || { echo "embedded broker did not start; see $OUT/embedded.log" >&2; exit 1; }
+  sleep 1
+}
+stop_embedded() {
+  if [ -n "$EMB_PID" ]; then
+    kill "$EMB_PID" 2>/dev/null || true
+    wait "$EMB_PID" 2>/dev/null || true
+    EMB_PID=""
+  fi
+}
+
+# ---- RabbitMQ ----------------------------------------------------------------------------------
+RABBIT_PRIVATE=0
+if [ -z "${RABBIT_URL:-}" ]; then
+  command -v rabbitmq-server >/dev/null || {
+    echo "rabbitmq-server is not installed: sudo bash .ci/rabbitmq.sh install (or set RABBIT_URL)" >&2
+    exit 2
+  }
+  RABBIT_PRIVATE=1
+fi
+RMQ_NODE="dlxbench$$@localhost"
+RMQ_DIR="$OUT/rabbitmq"
+rmq_env() {
+  env RABBITMQ_NODENAME="$RMQ_NODE" RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
+    RABBITMQ_NODE_PORT="$RMQ_PORT" RABBITMQ_DIST_PORT="$RMQ_DIST_PORT" \
+    RABBITMQ_LOG_BASE="$RMQ_DIR/log" RABBITMQ_MNESIA_BASE="$RMQ_DIR/mnesia" \
+    RABBITMQ_ENABLED_PLUGINS_FILE="$RMQ_DIR/enabled_plugins" "$@"
+}
+RMQ_PID=""
+RMQ_URL=""
+start_rabbit() {
+  if [ "$RABBIT_PRIVATE" = 0 ]; then
+    RMQ_URL="$RABBIT_URL"
+    RMQ_PID=${RABBIT_PID:-$(pgrep -f beam.smp | head -n 1)}
+    return
+  fi
+  RMQ_PORT=$(free_port)
+  RMQ_DIST_PORT=$(free_port)
+  rm -rf "$RMQ_DIR"
+  mkdir -p "$RMQ_DIR/log" "$RMQ_DIR/mnesia"
+  echo "[]." > "$RMQ_DIR/enabled_plugins"
+  # Debian's wrapper goes through su, whose PAM limits cut the node to 1024 file descriptors
+  # (fewer than 1,000 connections): start the node directly with a raised limit instead.
+  chown -R rabbitmq:rabbitmq "$RMQ_DIR"
+  (
+    ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+    cd /var/lib/rabbitmq
+    rmq_env HOME=/var/lib/rabbitmq setpriv --reuid=rabbitmq --regid=rabbitmq --init-groups \
+      /usr/lib/rabbitmq/bin/rabbitmq-server -detached
+  ) >> "$OUT/rabbitmq-start.log" 2>&1
+  for _ in $(seq 1 90); do
+    if rmq_env rabbitmqctl -q await_startup >/dev/null 2>&1; then break; fi
+    sleep 1
+  done
+  RMQ_PID=$(rmq_env rabbitmqctl -q eval 'os:getpid().' | tr -d '"')
+  RMQ_URL="amqp://guest:guest@127.0.0.1:$RMQ_PORT/%2f"
+  wait_port "$RMQ_PORT" || { echo "RabbitMQ did not start; see $RMQ_DIR/log" >&2; exit 1; }
+  sleep 2
+}
+stop_rabbit() {
+  if [ "$RABBIT_PRIVATE" = 1 ] && [ -n "$RMQ_PID" ]; then
+    rmq_env rabbitmqctl -q stop >/dev/null 2>&1 || true
+    for _ in $(seq 1 50); do kill -0 "$RMQ_PID" 2>/dev/null || break; sleep 0.2; done
+    RMQ_PID=""
+  fi
+}
+
+cleanup() {
+  stop_embedded
+  stop_rabbit
+}
+trap cleanup EXIT
+
+start_broker() { if [ "$1" = embedded ]; then start_embedded; else start_rabbit; fi; }
+stop_broker() { if [ "$1" = embedded ]; then stop_embedded; else stop_rabbit; fi; }
+broker_url() { if [ "$1" = embedded ]; then echo "$EMB_URL"; else echo "$RMQ_URL"; fi; }
+broker_pid() { if [ "$1" = embedded ]; then echo "$EMB_PID"; else echo "$RMQ_PID"; fi; }
+
+# bench ROUND BROKER CASE ARGS...: one dlx-bench run; its JSON result goes to results.jsonl.
+bench() {
+  local round=$1 broker=$2 case=$3
+  shift 3
+  local log="$OUT/$broker-$case-r$round.log"
+  local load
+  load=$(cut -d' ' -f1 /proc/loadavg)
+  echo "-- round $round  $broker  $case  (load $load)"
+  local rc=0
+  "$BIN/dlx-bench" --url "$(broker_url "$broker")" --pid "$(broker_pid "$broker")" \
+    --label "$broker" --json "$@" > "$log" 2>&1 || rc=$?
+  if [ "$rc" != 0 ]; then
+    echo "   FAILED (exit $rc): see $log"
+    grep -E 'FAILED|dlx-bench:' "$log" | sed 's/^/   /' || true
+    FAILED=1
+  fi
+  local json
+  json=$(tail -n 1 "$log")
+  if [ "${json:0:1}" = "{" ]; then
+    python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(round=int(sys.argv[2]), broker=sys.argv[3], case=sys.argv[4], load_before=float(sys.argv[5]), exit=int(sys.argv[6])); print(json.dumps(d))' \
+      "$json" "$round" "$broker" "$case" "$load" "$rc" >> "$RESULTS"
+  else
+    echo "{\"round\": $round, \"broker\": \"$broker\", \"case\": \"$case\", \"exit\": $rc, \"ok\": false}" >> "$RESULTS"
+  fi
+}
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "cores: $(nproc)  memory: $(free -h | awk '/Mem:/ {print $2}')  kernel: $(uname -r)"
+  echo "rustc: $(rustc --version)"
+  echo "rabbitmq-server: $(dpkg-query -W -f='${Version}' rabbitmq-server 2>/dev/null || echo '?')  erlang: $(dpkg-query -W -f='${Version}' erlang-base 2>/dev/null || echo '?')"
+  echo "rabbitmq: $([ "$RABBIT_PRIVATE" = 1 ] && echo "private node per run" || echo "existing node $RABBIT_URL")"
+  echo "rounds: $ROUNDS  quick: $QUICK"
+} | tee "$OUT/conditions.txt"
+
+for round in $(seq 1 "$ROUNDS"); do
+  for broker in embedded rabbitmq; do
+    # Memory scenarios start from a fresh broker each.
+    start_broker "$broker"
+    bench "$round" "$broker" idle idle-connections --count 0 --hold-seconds 2
+    bench "$round" "$broker" connections idle-connections --count "$IDLE_CONNECTIONS" --hold-seconds 5
+    stop_broker "$broker"
+
+    start_broker "$broker"
+    bench "$round" "$broker" memory memory -n "$MEM_MESSAGES"
+    stop_broker "$broker"
+
+    start_broker "$broker"
+    bench "$round" "$broker" expire-bulk expire-bulk -n "$BULK_MESSAGES" --ttl-ms "$BULK_TTL_MS"
+    stop_broker "$broker"
+
+    start_broker "$broker"
+    bench "$round" "$broker" expire-bulk-dlq expire-bulk --into-dlq -n "$BULK_MESSAGES" --ttl-ms "$BULK_TTL_MS"
+    stop_broker "$broker"
+
+    # Rates: one broker instance for all of them.
+    start_broker "$broker"
+    bench "$round" "$broker" tp-confirms throughput --confirms on -n "$TP_MESSAGES"
+    bench "$round" "$broker" tp-noconfirms throughput --confirms off -n "$TP_MESSAGES"
+    for kind in reject expiry overflow; do
+      bench "$round" "$broker" "dl-$kind" deadletter --kind "$kind" -n "$DL_MESSAGES"
+    done
+    # The same with the DLQ consumer acking in batches (less client work per message).
+    for kind in reject expiry overflow; do
+      bench "$round" "$broker" "dl-$kind-batch" deadletter --kind "$kind" -n "$DL_MESSAGES" --ack-every 100
+    done
+    stop_broker "$broker"
+  done
+done
+
+echo
+python3 - "$RESULTS" <<'PY' | tee "$OUT/table.txt"
+import json, statistics, sys
+
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+def runs(broker, case, key):
+    return [r[key] for r in rows if r.get("broker") == broker and r.get("case") == case
+            and isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+def med(v):
+    return statistics.median(v) if v else None
+def fmt(x):
+    if x is None: return "-"
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.2f}"
+def cell(broker, case, key):
+    v = runs(broker, case, key)
+    if not v: return "-", None
+    m = med(v)
+    shown = fmt(m) if len(v) == 1 else f"{fmt(m)} ({' / '.join(fmt(x) for x in v)})"
+    return shown, m
+
+table = [
+    ("throughput 1P/1C 100 B, confirms on: msg/s", "tp-confirms", "rate_msg_s", "higher"),
+    ("  latency p50 (us)", "tp-confirms", "latency_p50_us", "lower"),
+    ("  latency p99 (us)", "tp-confirms", "latency_p99_us", "lower"),
+    ("  broker CPU per message (us)", "tp-confirms", "broker_cpu_us_per_msg", "lower"),
+    ("throughput 1P/1C 100 B, confirms off: msg/s", "tp-noconfirms", "rate_msg_s", "higher"),
+    ("  latency p50 (us)", "tp-noconfirms", "latency_p50_us", "lower"),
+    ("  latency p99 (us)", "tp-noconfirms", "latency_p99_us", "lower"),
+    ("  broker CPU per message (us)", "tp-noconfirms", "broker_cpu_us_per_msg", "lower"),
+]
+for kind in ("reject", "expiry", "overflow"):
+    table += [
+        (f"dead-letter {kind}: msg/s into the DLQ", f"dl-{kind}", "dead_letter_rate_msg_s", "higher"),
+        ("  publish-to-DLQ p50 (us)", f"dl-{kind}", "latency_p50_us", "lower"),
+        ("  publish-to-DLQ p99 (us)", f"dl-{kind}", "latency_p99_us", "lower"),
+        ("  broker CPU per message (us)", f"dl-{kind}", "broker_cpu_us_per_msg", "lower"),
+    ]
+for kind in ("reject", "expiry", "overflow"):
+    table += [
+        (f"dead-letter {kind}, DLQ acked per 100: msg/s", f"dl-{kind}-batch", "dead_letter_rate_msg_s", "higher"),
+        ("  broker CPU per message (us)", f"dl-{kind}-batch", "broker_cpu_us_per_msg", "lower"),
+    ]
+table += [
+    ("benchmark client CPU, throughput with confirms (s)", "tp-confirms", "bench_cpu_s", "lower"),
+    ("broker CPU, throughput with confirms (s)", "tp-confirms", "broker_cpu_s", "lower"),
+    ("benchmark client CPU, dead-letter reject (s)", "dl-reject", "bench_cpu_s", "lower"),
+    ("broker CPU, dead-letter reject (s)", "dl-reject", "broker_cpu_s", "lower"),
+]
+for case, what in (("expire-bulk", "dropped"), ("expire-bulk-dlq", "into a DLQ")):
+    table += [
+        (f"bulk expiry ({what}): s until empty after the last is due", case, "empty_after_last_due_secs", "lower"),
+        ("  expiry rate while due (msg/s)", case, "expiry_rate_msg_s", "higher"),
+        ("  RSS before fill (MiB)", case, "rss_before_mib", "lower"),
+        ("  RSS full (MiB)", case, "rss_peak_mib", "lower"),
+        ("  RSS after expiry (MiB)", case, "rss_after_mib", "lower"),
+    ]
+table += [
+    ("idle broker RSS (MiB)", "idle", "rss_before_mib", "lower"),
+    ("RSS with 1,000 idle connections + channels (MiB)", "connections", "rss_with_connections_mib", "lower"),
+    ("  per connection (KiB)", "connections", "rss_per_connection_kib", "lower"),
+    ("queued 100 B messages: RSS bytes per message", "memory", "rss_bytes_per_msg", "lower"),
+    ("  overhead per message beyond the body (bytes)", "memory", "overhead_bytes_per_msg", "lower"),
+]
+
+w = max(len(t[0]) for t in table)
+print(f"{'metric':<{w}}  {'RabbitMQ':>24}  {'embedded':>24}  ratio")
+print("-" * (w + 62))
+for label, case, key, better in table:
+    r_s, r = cell("rabbitmq", case, key)
+    e_s, e = cell("embedded", case, key)
+    ratio = "-"
+    if r and e:
+        ratio = f"{e / r:.2f}x" if better == "higher" else f"{r / e:.2f}x less"
+    print(f"{label:<{w}}  {r_s:>24}  {e_s:>24}  {ratio}")
+print("(median of rounds; each round in parentheses. ratio: embedded / RabbitMQ for rates,")
+print(" RabbitMQ / embedded for costs.)")
+
+def ratio(case, key):
+    r, e = med(runs("rabbitmq", case, key)), med(runs("embedded", case, key))
+    return e / r if r and e else None
+def emb(case, key):
+    return med(runs("embedded", case, key))
+def show(ok):
+    return "n/a" if ok is None else ("MET" if ok else "MISSED")
+print()
+print("targets (embedded broker):")
+targets = []
+for case, name in (("tp-confirms", "with confirms"), ("tp-noconfirms", "without confirms")):
+    x = ratio(case, "rate_msg_s")
+    targets.append((f">= 2x RabbitMQ msg/s at 1P/1C, 100 B, {name}", x and x >= 2, f"{x:.2f}x" if x else "-"))
+x = emb("idle", "rss_before_mib")
+targets.append(("idle RSS <= 15 MiB", x is not None and x <= 15 if x is not None else None, f"{x:.1f} MiB" if x else "-"))
+x = emb("connections", "rss_with_connections_mib")
+targets.append(("1,000 connections with a channel each <= 100 MiB RSS", x <= 100 if x is not None else None, f"{x:.1f} MiB" if x else "-"))
+for kind in ("reject", "expiry", "overflow"):
+    x = ratio(f"dl-{kind}", "dead_letter_rate_msg_s")
+    targets.append((f">= 3x RabbitMQ dead-letter rate ({kind})", x and x >= 3, f"{x:.2f}x" if x else "-"))
+bulk = [r for r in rows if r.get("broker") == "embedded" and r.get("case") == "expire-bulk"]
+if bulk:
+    ok = all(r.get("ok") and r.get("peak_depth") == r.get("published") for r in bulk)
+    lag = med(runs("embedded", "expire-bulk", "empty_after_last_due_secs"))
+    targets.append((f"expiry of {bulk[0].get('published', 0):,} queued messages (one broker timer, no task per message)",
+                    ok, f"empty {lag:.2f} s after the last was due" if lag is not None else "did not drain"))
+x = emb("memory", "overhead_bytes_per_msg")
+targets.append(("<= 200 bytes overhead per queued 100-byte message", x <= 200 if x is not None else None, f"{x:.0f} B" if x is not None else "-"))
+for name, ok, val in targets:
+    print(f"  {show(ok):<7} {name}: {val}")
+bad = [r for r in rows if not r.get("ok", False)]
+print()
+if bad:
+    print("FAILED runs (loss, duplicates or errors):")
+    for r in bad:
+        print(f"  round {r.get('round')} {r.get('broker')} {r.get('case')}: {'; '.join(r.get('failures', [])) or 'exit ' + str(r.get('exit'))}")
+else:
+    print("every run delivered or dead-lettered each message exactly once")
+PY
+
+echo "results: $OUT"
+exit "$FAILED"

@@ -1,0 +1,204 @@
+//! `dlx-bench`: the benchmark driver. It speaks AMQP 0-9-1 through lapin to any broker (the
+//! embedded dlx-proxy broker or RabbitMQ), runs one scenario and reports rates, latencies and
+//! the broker's memory (with `--pid`, read from /proc). Every scenario that moves messages
+//! checks that each published message arrived exactly once and exits 1 otherwise.
+//!
+//! Build: `cargo build --release --features bench --bin dlx-bench`.
+//! scripts/bench.sh runs every scenario against both brokers and prints the comparison.
+
+mod client;
+mod payload;
+mod procfs;
+mod report;
+mod scenarios;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "dlx-bench",
+    about = "Benchmark driver for dlx-proxy's embedded broker and RabbitMQ"
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub common: Common,
+    #[command(subcommand)]
+    pub scenario: Scenario,
+}
+
+/// Options every scenario understands (they may come before or after the scenario name).
+#[derive(Clone, Debug, clap::Args)]
+pub struct Common {
+    /// Broker URL.
+    #[arg(
+        long,
+        global = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
+    pub url: String,
+    /// Producer connections (one channel each).
+    #[arg(long, short = 'P', global = true, default_value_t = 1)]
+    pub producers: u32,
+    /// Consumer connections (one channel each).
+    #[arg(long, short = 'C', global = true, default_value_t = 1)]
+    pub consumers: u32,
+    /// Body size in bytes (at least 20: the stamp).
+    #[arg(long, global = true, default_value_t = 100)]
+    pub size: usize,
+    /// Publisher confirms.
+    #[arg(long, global = true, value_enum, default_value_t = OnOff::On)]
+    pub confirms: OnOff,
+    /// Messages to publish in total (default depends on the scenario).
+    #[arg(long, short = 'n', global = true, conflicts_with = "seconds")]
+    pub messages: Option<u64>,
+    /// Publish for this many seconds instead of a fixed count.
+    #[arg(long, global = true)]
+    pub seconds: Option<f64>,
+    /// basic.qos prefetch of each consumer.
+    #[arg(long, global = true, default_value_t = 500)]
+    pub prefetch: u16,
+    /// Unconfirmed messages per producer before it waits for the oldest confirm.
+    #[arg(long, global = true, default_value_t = 1000)]
+    pub confirm_window: usize,
+    /// basic.publish calls each producer keeps in flight inside the client.
+    #[arg(long, global = true, default_value_t = 64)]
+    pub pipeline: usize,
+    /// Acknowledge every N deliveries with multiple=true (1 = one ack per message).
+    #[arg(long, global = true, default_value_t = 1)]
+    pub ack_every: u64,
+    /// PID of the broker process: report its RSS (VmRSS) and CPU time.
+    #[arg(long, global = true)]
+    pub pid: Option<u32>,
+    /// Name of the broker in the report (e.g. embedded, rabbitmq).
+    #[arg(long, global = true, default_value = "broker")]
+    pub label: String,
+    /// Also print the result as one JSON object on the last line.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// Seconds without progress after which the run stops waiting (and counts losses).
+    #[arg(long, global = true, default_value_t = 20.0)]
+    pub idle_timeout: f64,
+    /// Runtime worker threads of this benchmark. lapin blocks a worker now and then (for
+    /// example while connections open), so keep a few more than there are cores.
+    #[arg(long, global = true, default_value_t = 8)]
+    pub worker_threads: usize,
+}
+
+impl Common {
+    pub fn idle(&self) -> Duration {
+        Duration::from_secs_f64(self.idle_timeout.max(0.1))
+    }
+
+    pub fn confirms_on(&self) -> bool {
+        self.confirms == OnOff::On
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DeadLetterKind {
+    /// Consumers reject with requeue=false.
+    Reject,
+    /// Queue TTL (x-message-ttl) expires messages with no consumer.
+    Expiry,
+    /// x-max-length with drop-head pushes the oldest messages out.
+    Overflow,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Scenario {
+    /// Publish and consume over TCP: msg/s, publish-to-consume latency, no loss.
+    Throughput,
+    /// Dead-letter rate into a DLQ and publish-to-DLQ latency; each message exactly once.
+    Deadletter {
+        #[arg(long, value_enum)]
+        kind: DeadLetterKind,
+        /// Queue TTL for --kind expiry, in milliseconds.
+        #[arg(long, default_value_t = 1)]
+        ttl_ms: u32,
+        /// x-max-length for --kind overflow.
+        #[arg(long, default_value_t = 100)]
+        max_length: u32,
+    },
+    /// Queue many messages with a queue TTL and no consumer; time until they all expired and
+    /// the broker's RSS before, at the peak and after.
+    ExpireBulk {
+        /// Queue TTL in milliseconds (should exceed the time it takes to fill the queue).
+        #[arg(long, default_value_t = 60_000)]
+        ttl_ms: u32,
+        /// Dead-letter the expired messages into a DLQ instead of dropping them.
+        #[arg(long)]
+        into_dlq: bool,
+        /// Seconds to wait for the queue to drain after the last message is due.
+        #[arg(long, default_value_t = 300.0)]
+        drain_timeout: f64,
+    },
+    /// Hold N idle connections with one channel each; report the broker's RSS.
+    IdleConnections {
+        #[arg(long, default_value_t = 1000)]
+        count: u32,
+        /// Seconds to hold them before measuring.
+        #[arg(long, default_value_t = 5.0)]
+        hold_seconds: f64,
+        /// frame_max the client asks for (added to the URL unless it names one). lapin keeps
+        /// 64 frames of buffers per connection: 8 MiB of this process's memory per connection
+        /// at 128 KiB frames.
+        #[arg(long, default_value_t = 16_384)]
+        client_frame_max: u32,
+    },
+    /// Queue K messages (--messages, default 1,000,000) and report the broker's RSS per
+    /// queued message.
+    Memory {
+        /// Seconds to let the broker settle before each RSS reading.
+        #[arg(long, default_value_t = 3.0)]
+        settle_seconds: f64,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
+    client::now_nanos();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cli.common.worker_threads.max(1))
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("dlx-bench: cannot start the runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let outcome = runtime.block_on(scenarios::run(&cli));
+    match outcome {
+        Ok(report) => {
+            print!("{}", report.text());
+            if cli.common.json {
+                println!("{}", report.json());
+            }
+            if report.ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            eprintln!("dlx-bench: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
