@@ -415,10 +415,10 @@ async fn consume_loop(
                 let Some(delivery) = next else { break };
                 let delivery = delivery.context("consumer stream")?;
                 let arrived = now_nanos();
-                if spec.record {
-                    if let Some(stamp) = result.ids.record_body(&delivery.data) {
-                        result.latencies.push(arrived.saturating_sub(stamp.sent_nanos));
-                    }
+                if spec.record
+                    && let Some(stamp) = result.ids.record_body(&delivery.data)
+                {
+                    result.latencies.push(arrived.saturating_sub(stamp.sent_nanos));
                 }
                 progress.received.fetch_add(1, Ordering::Relaxed);
                 progress.last_nanos.fetch_max(arrived, Ordering::Relaxed);
@@ -458,10 +458,10 @@ async fn consume_loop(
             }
         }
     }
-    if let Some(acker) = last_acker {
-        if acker.ack(BasicAckOptions { multiple: true }).await.is_err() {
-            result.settle_errors += 1;
-        }
+    if let Some(acker) = last_acker
+        && acker.ack(BasicAckOptions { multiple: true }).await.is_err()
+    {
+        result.settle_errors += 1;
     }
     let drain = async {
         while let Some(done) = settling.next().await {
