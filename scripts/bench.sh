@@ -2,7 +2,7 @@
 # Runs every dlx-bench scenario against the embedded broker and against RabbitMQ, side by side,
 # and prints one comparison table (see BENCHMARKS.md).
 #
-#   scripts/bench.sh                 # full run, 2 rounds (about 40 minutes on 2 cores)
+#   scripts/bench.sh                 # full run, 2 rounds (about 30 minutes on 2 cores)
 #   scripts/bench.sh --quick         # smaller counts, 1 round (a few minutes; numbers are rough)
 #   scripts/bench.sh --rounds 3
 #
