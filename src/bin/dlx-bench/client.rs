@@ -416,16 +416,10 @@ async fn consume_loop(
                 let delivery = delivery.context("consumer stream")?;
                 let arrived = now_nanos();
                 if spec.record
-<<<<<<< HEAD
-                    && let Some(stamp) = result.ids.record_body(&delivery.data) {
-                        result.latencies.push(arrived.saturating_sub(stamp.sent_nanos));
-                    }
-=======
                     && let Some(stamp) = result.ids.record_body(&delivery.data)
                 {
                     result.latencies.push(arrived.saturating_sub(stamp.sent_nanos));
                 }
->>>>>>> bench
                 progress.received.fetch_add(1, Ordering::Relaxed);
                 progress.last_nanos.fetch_max(arrived, Ordering::Relaxed);
                 let acker = delivery.acker;

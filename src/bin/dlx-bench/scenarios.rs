@@ -130,11 +130,7 @@ impl Published {
             .unwrap_or(0)
     }
 
-<<<<<<< HEAD
-    fn add_to_report(&self, report: &mut Report, confirms: bool) {
-=======
     fn add_to(&self, report: &mut Report, confirms: bool) {
->>>>>>> bench
         let secs = secs_between(self.started_nanos(), self.finished_nanos());
         report.set("published", self.total());
         report.set("publish_secs", secs);

@@ -94,11 +94,7 @@ pub async fn run(c: &Common, kind: DeadLetterKind, ttl_ms: u32, max_length: u32)
     let rejected = client::stop_consumers(&stop, rejecters).await?;
     watch.cpu_into(&mut report, total);
 
-<<<<<<< HEAD
-    published.add_to_report(&mut report, confirms);
-=======
     published.add_to(&mut report, confirms);
->>>>>>> bench
     let secs = secs_between(published.started_nanos(), last);
     report.set("dead_lettered", seen.ids.received);
     report.set("elapsed_secs", secs);

@@ -22,11 +22,7 @@ pub async fn run(c: &Common, settle_seconds: f64) -> Result<Report> {
     let watch = Watch::start(c.pid);
     let before = watch.broker();
     let published = publish_all(c, &queue, message_total(c, 1_000_000), true).await?;
-<<<<<<< HEAD
-    published.add_to_report(&mut report, true);
-=======
     published.add_to(&mut report, true);
->>>>>>> bench
     let total = published.total();
     tokio::time::sleep(settle).await;
     let depth = client::queue_depth(&ch, &queue).await?;

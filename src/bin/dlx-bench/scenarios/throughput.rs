@@ -43,11 +43,7 @@ pub async fn run(c: &Common) -> Result<Report> {
     let mut seen = client::stop_consumers(&stop, consumers).await?;
     watch.cpu_into(&mut report, expected);
 
-<<<<<<< HEAD
-    published.add_to_report(&mut report, confirms);
-=======
     published.add_to(&mut report, confirms);
->>>>>>> bench
     let verdict = seen.ids.verdict(&published.per_producer());
     let secs = secs_between(published.started_nanos(), last);
     report.set("received", seen.ids.received);
