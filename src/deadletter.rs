@@ -279,9 +279,10 @@ pub fn x_death_entries(props: &BasicProperties) -> Vec<XDeathEntry> {
     }
 }
 
-/// The longstr keys of a `CC` header, in header order.
-fn cc_keys(headers: &BTreeMap<ShortString, AMQPValue>) -> Vec<String> {
-    match headers.get(HEADER_CC) {
+/// The routing keys in a `CC`/`BCC`-style header value: the longstr entries of an array, in
+/// order (RabbitMQ ignores every other shape). Shared by the broker and the proxy.
+pub fn routing_key_list(value: Option<&AMQPValue>) -> Vec<String> {
+    match value {
         Some(AMQPValue::FieldArray(keys)) => keys
             .as_slice()
             .iter()
@@ -294,6 +295,11 @@ fn cc_keys(headers: &BTreeMap<ShortString, AMQPValue>) -> Vec<String> {
             .collect(),
         _ => Vec::new(),
     }
+}
+
+/// The longstr keys of a `CC` header, in header order.
+fn cc_keys(headers: &BTreeMap<ShortString, AMQPValue>) -> Vec<String> {
+    routing_key_list(headers.get(HEADER_CC))
 }
 
 /// The {queue, reason} an entry is grouped by: the raw values, as RabbitMQ compares them.

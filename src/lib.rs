@@ -13,6 +13,7 @@ pub mod amqp;
 pub mod broker;
 pub mod config;
 pub mod deadletter;
+pub mod listener;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;

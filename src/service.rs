@@ -257,35 +257,6 @@ fn changed_fixed_settings(
         .collect()
 }
 
-/// Proxy accept loop: `stop` ends accepting, `connections` closes client connections.
-async fn proxy_accept_loop(
-    listener: TcpListener,
-    shared: Arc<crate::proxy::ProxyShared>,
-    mut stop: crate::shutdown::Shutdown,
-    connections: crate::shutdown::Shutdown,
-) {
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    let _ = stream.set_nodelay(true);
-                    tokio::spawn(crate::proxy::handle_connection(
-                        stream,
-                        peer,
-                        shared.clone(),
-                        connections.clone(),
-                    ));
-                }
-                Err(err) => {
-                    tracing::warn!(%err, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            },
-            _ = stop.recv() => return,
-        }
-    }
-}
-
 /// Dead-letter options from the configuration.
 pub fn dead_letter_options(config: &Config) -> anyhow::Result<DeadLetterOptions> {
     DeadLetterOptions::from_config(&config.dead_letter).map_err(|e| anyhow::anyhow!("{e}"))
@@ -373,11 +344,19 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             )?;
             if let Some(listener) = amqp {
                 tracing::info!(addr = ?amqp_addr, upstream = %config.upstream.url, "AMQP listener (proxy)");
-                tasks.push(tokio::spawn(proxy_accept_loop(
+                let shared = proxy.clone();
+                let conn_stop = connections_trigger.subscribe();
+                tasks.push(tokio::spawn(crate::listener::accept_tcp(
                     listener,
-                    proxy.clone(),
                     accept_trigger.subscribe(),
-                    connections_trigger.subscribe(),
+                    move |stream, peer| {
+                        tokio::spawn(crate::proxy::handle_connection(
+                            stream,
+                            peer,
+                            shared.clone(),
+                            conn_stop.clone(),
+                        ));
+                    },
                 )));
             }
             if let (Some(listener), Some(acceptor)) = (amqps, tls_acceptor) {

@@ -76,18 +76,5 @@ pub fn write_get_ok(
 /// Reads the CC or BCC header as a list of routing keys (longstr array entries only, as
 /// RabbitMQ does).
 pub fn header_keys(headers: &FieldTable, name: &str) -> Vec<String> {
-    match headers.inner().get(name) {
-        Some(AMQPValue::FieldArray(arr)) => arr
-            .as_slice()
-            .iter()
-            .filter_map(|v| match v {
-                AMQPValue::LongString(s) => {
-                    Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
-                }
-                AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
-                _ => None,
-            })
-            .collect(),
-        _ => Vec::new(),
-    }
+    crate::deadletter::routing_key_list(headers.inner().get(name))
 }

@@ -50,19 +50,7 @@ fn may_hold(payload: &[u8], key_bytes: &[u8]) -> bool {
 }
 
 fn long_string_keys(value: &AMQPValue) -> Vec<String> {
-    match value {
-        AMQPValue::FieldArray(keys) => keys
-            .as_slice()
-            .iter()
-            .filter_map(|k| match k {
-                AMQPValue::LongString(s) => {
-                    Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
-                }
-                _ => None,
-            })
-            .collect(),
-        _ => Vec::new(),
-    }
+    crate::deadletter::routing_key_list(Some(value))
 }
 
 /// The array value of a key header.

@@ -249,27 +249,15 @@ pub async fn handle_connection<S>(
 }
 
 /// Accepts client connections until shutdown; one task per connection.
-pub async fn serve(listener: TcpListener, shared: Arc<ProxyShared>, mut shutdown: Shutdown) {
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            _ = shutdown.recv() => break,
-        };
-        match accepted {
-            Ok((stream, peer)) => {
-                let _ = stream.set_nodelay(true);
-                tokio::spawn(handle_connection(
-                    stream,
-                    peer,
-                    shared.clone(),
-                    shutdown.clone(),
-                ));
-            }
-            Err(err) => {
-                // Out of file descriptors and the like: back off instead of spinning.
-                tracing::warn!(%err, "accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
+pub async fn serve(listener: TcpListener, shared: Arc<ProxyShared>, shutdown: Shutdown) {
+    let connections = shutdown.clone();
+    crate::listener::accept_tcp(listener, shutdown, move |stream, peer| {
+        tokio::spawn(handle_connection(
+            stream,
+            peer,
+            shared.clone(),
+            connections.clone(),
+        ));
+    })
+    .await
 }

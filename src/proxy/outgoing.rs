@@ -37,23 +37,12 @@ use crate::deadletter::{
 
 /// The longstr keys of a `CC` header, in header order.
 pub fn cc_keys(props: &BasicProperties) -> Vec<String> {
-    match props
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get(HEADER_CC))
-    {
-        Some(AMQPValue::FieldArray(keys)) => keys
-            .as_slice()
-            .iter()
-            .filter_map(|k| match k {
-                AMQPValue::LongString(s) => {
-                    Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
-                }
-                _ => None,
-            })
-            .collect(),
-        _ => Vec::new(),
-    }
+    crate::deadletter::routing_key_list(
+        props
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get(HEADER_CC)),
+    )
 }
 
 /// The keys a delivered message was routed with: the delivery's routing key, its `CC`

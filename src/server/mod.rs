@@ -58,24 +58,13 @@ impl ServerContext {
 pub async fn serve(
     listener: TcpListener,
     ctx: Arc<ServerContext>,
-    mut stop: Shutdown,
+    stop: Shutdown,
     connections: Shutdown,
 ) {
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    let _ = stream.set_nodelay(true);
-                    spawn_connection(stream, peer, ctx.clone(), connections.clone());
-                }
-                Err(err) => {
-                    tracing::warn!(%err, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                }
-            },
-            _ = stop.recv() => return,
-        }
-    }
+    crate::listener::accept_tcp(listener, stop, |stream, peer| {
+        spawn_connection(stream, peer, ctx.clone(), connections.clone())
+    })
+    .await
 }
 
 /// Runs one client connection (plain TCP or TLS) in a new task.
