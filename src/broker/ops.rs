@@ -115,6 +115,30 @@ fn server_named_queue() -> String {
     format!("amq.gen-{suffix}")
 }
 
+/// The checks bind and unbind share: the source is not the default exchange, the destination
+/// exists and is not another connection's exclusive queue.
+fn check_binding_ends(
+    v: &VHost,
+    conn: u64,
+    vhost: &str,
+    source: &str,
+    destination: &Destination,
+) -> Result<(), AmqpError> {
+    if source.is_empty() {
+        return Err(AmqpError::access_refused(
+            "operation not permitted on the default exchange",
+        ));
+    }
+    match destination {
+        Destination::Queue(q) => {
+            let queue = v.queues.get(q).ok_or_else(|| no_queue(q, vhost))?;
+            check_exclusive(queue, conn, vhost)
+        }
+        Destination::Exchange(e) if !v.exchanges.contains_key(e) => Err(no_exchange(e, vhost)),
+        Destination::Exchange(_) => Ok(()),
+    }
+}
+
 /// Picks the next consumer of `q` that can take a delivery now (round robin).
 fn pick_consumer(
     q: &Queue,
@@ -468,27 +492,12 @@ impl Broker {
     ) -> Result<(), AmqpError> {
         let mut st = self.lock();
         let v = st.vhosts.get_mut(vhost).ok_or_else(|| no_vhost(vhost))?;
-        if source.is_empty() {
+        if matches!(&destination, Destination::Exchange(e) if e.is_empty()) {
             return Err(AmqpError::access_refused(
                 "operation not permitted on the default exchange",
             ));
         }
-        match &destination {
-            Destination::Queue(q) => {
-                let queue = v.queues.get(q).ok_or_else(|| no_queue(q, vhost))?;
-                check_exclusive(queue, conn, vhost)?;
-            }
-            Destination::Exchange(e) => {
-                if e.is_empty() {
-                    return Err(AmqpError::access_refused(
-                        "operation not permitted on the default exchange",
-                    ));
-                }
-                if !v.exchanges.contains_key(e) {
-                    return Err(no_exchange(e, vhost));
-                }
-            }
-        }
+        check_binding_ends(v, conn, vhost, source, &destination)?;
         let x = v
             .exchanges
             .get_mut(source)
@@ -516,22 +525,7 @@ impl Broker {
     ) -> Result<(), AmqpError> {
         let mut st = self.lock();
         let v = st.vhosts.get_mut(vhost).ok_or_else(|| no_vhost(vhost))?;
-        if source.is_empty() {
-            return Err(AmqpError::access_refused(
-                "operation not permitted on the default exchange",
-            ));
-        }
-        match &destination {
-            Destination::Queue(q) => {
-                let queue = v.queues.get(q).ok_or_else(|| no_queue(q, vhost))?;
-                check_exclusive(queue, conn, vhost)?;
-            }
-            Destination::Exchange(e) => {
-                if !v.exchanges.contains_key(e) {
-                    return Err(no_exchange(e, vhost));
-                }
-            }
-        }
+        check_binding_ends(v, conn, vhost, source, &destination)?;
         let Some(x) = v.exchanges.get_mut(source) else {
             return Err(no_exchange(source, vhost));
         };
