@@ -541,3 +541,216 @@ pub fn close_upstream_connection(connection_name: &str, reason: &str) -> usize {
     }
     closed
 }
+
+// ------------------------------------------------------------------------------------------
+// The amqps listener of the reference RabbitMQ
+// ------------------------------------------------------------------------------------------
+
+/// Where the reference RabbitMQ listens with TLS (`.ci/rabbitmq.sh start` opens it).
+pub const UPSTREAM_TLS_PORT: u16 = 5674;
+
+/// The directory `.ci/rabbitmq.sh start` writes the TLS files to: `$DLX_RABBITMQ_TLS_DIR`, by
+/// default `/tmp/dlx-ci-rabbitmq-tls`. `ca.pem` in it signed the listener's certificate
+/// (subjectAltName `localhost` and `127.0.0.1`).
+pub fn upstream_tls_dir() -> std::path::PathBuf {
+    std::env::var_os("DLX_RABBITMQ_TLS_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("/tmp/dlx-ci-rabbitmq-tls"))
+}
+
+/// The CA file of the amqps listener when the listener is up; prints a skip note (or panics
+/// under CI, like [`upstream_available`]) when the CA file or the listener is missing.
+pub async fn upstream_tls_ca() -> Option<std::path::PathBuf> {
+    let ca = upstream_tls_dir().join("ca.pem");
+    let problem = if !ca.is_file() {
+        Some(format!("no CA file at {}", ca.display()))
+    } else {
+        let listening = matches!(
+            tokio::time::timeout(
+                Duration::from_secs(2),
+                tokio::net::TcpStream::connect(("127.0.0.1", UPSTREAM_TLS_PORT))
+            )
+            .await,
+            Ok(Ok(_))
+        );
+        (!listening).then(|| format!("nothing listens on 127.0.0.1:{UPSTREAM_TLS_PORT}"))
+    };
+    match problem {
+        None => Some(ca),
+        Some(problem) => {
+            if std::env::var_os("CI").is_some() {
+                panic!(
+                    "RabbitMQ's amqps listener is not usable: {problem} \
+                     (restart it with .ci/rabbitmq.sh stop && .ci/rabbitmq.sh start)"
+                );
+            }
+            eprintln!("skipping: RabbitMQ's amqps listener is not usable: {problem}");
+            None
+        }
+    }
+}
+
+/// Returns from the test when RabbitMQ's amqps listener is not there; otherwise evaluates to
+/// the path of its CA file.
+#[macro_export]
+macro_rules! require_upstream_tls {
+    () => {
+        match proxy_support::upstream_tls_ca().await {
+            Some(ca) => ca,
+            None => return,
+        }
+    };
+}
+
+// ------------------------------------------------------------------------------------------
+// Raw client: a small receive buffer, and whole deliveries
+// ------------------------------------------------------------------------------------------
+
+/// One delivery read by [`RawClient::next_delivery`].
+#[derive(Debug)]
+pub struct RawDelivery {
+    pub channel: u16,
+    pub delivery_tag: u64,
+    pub redelivered: bool,
+    pub body: Vec<u8>,
+}
+
+impl RawClient {
+    /// Like [`RawClient::connect`], with the socket's receive buffer set to `receive_buffer`
+    /// bytes before it connects, so that the kernel holds little of what the proxy sends while
+    /// the test does not read.
+    pub async fn connect_with_receive_buffer(
+        addr: SocketAddr,
+        connection_name: &str,
+        receive_buffer: u32,
+    ) -> RawClient {
+        use tokio::io::AsyncWriteExt;
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(receive_buffer).unwrap();
+        let stream = socket.connect(addr).await.unwrap();
+        let (read, mut writer) = stream.into_split();
+        writer.write_all(b"AMQP\x00\x00\x09\x01").await.unwrap();
+        let mut client = RawClient {
+            reader: dlx_proxy::proxy::wire::FrameReader::new(read, 131_072),
+            writer,
+        };
+        client.finish_handshake(connection_name).await;
+        client
+    }
+
+    /// start-ok as guest, tune-ok with the offered limits and no heartbeats, open "/".
+    async fn finish_handshake(&mut self, connection_name: &str) {
+        use dlx_proxy::proxy::wire::method_frame;
+        use lapin::protocol::{AMQPClass, connection};
+        self.expect_method(10, 10).await;
+        let mut props = FieldTable::default();
+        props.insert("connection_name".into(), long_string(connection_name));
+        let start_ok =
+            AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
+                client_properties: props,
+                mechanism: "PLAIN".into(),
+                response: LongString::from("\0guest\0guest"),
+                locale: "en_US".into(),
+            }));
+        self.send(&method_frame(0, start_ok)).await;
+        let tune = self.expect_method(10, 30).await;
+        let Some(AMQPClass::Connection(connection::AMQPMethod::Tune(tune))) =
+            dlx_proxy::amqp::codec::decode_method(&tune)
+        else {
+            panic!("bad tune");
+        };
+        let tune_ok = AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
+            channel_max: tune.channel_max,
+            frame_max: tune.frame_max,
+            heartbeat: 0,
+        }));
+        self.send(&method_frame(0, tune_ok)).await;
+        let open = AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
+            virtual_host: "/".into(),
+        }));
+        self.send(&method_frame(0, open)).await;
+        self.expect_method(10, 41).await;
+    }
+
+    /// The next frame of any kind (panics after 15 s or at the end of the stream).
+    pub async fn next_frame(&mut self) -> dlx_proxy::proxy::wire::WireFrame {
+        tokio::time::timeout(Duration::from_secs(15), self.reader.next())
+            .await
+            .expect("frame within 15 s")
+            .expect("connection open")
+            .expect("valid frame")
+    }
+
+    /// Opens channel `channel` and waits for open-ok.
+    pub async fn open_channel(&mut self, channel: u16) {
+        use dlx_proxy::proxy::wire::method_frame;
+        use lapin::protocol::{AMQPClass, channel as channel_class};
+        let open = AMQPClass::Channel(channel_class::AMQPMethod::Open(channel_class::Open {}));
+        self.send(&method_frame(channel, open)).await;
+        self.expect_method(20, 11).await;
+    }
+
+    /// Starts a consumer on `queue` (server-named tag) and waits for consume-ok.
+    pub async fn consume(&mut self, channel: u16, queue: &str, no_ack: bool) {
+        use dlx_proxy::proxy::wire::method_frame;
+        use lapin::protocol::{AMQPClass, basic};
+        let consume = AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+            queue: ShortString::try_new(queue).unwrap(),
+            consumer_tag: "".into(),
+            no_local: false,
+            no_ack,
+            exclusive: false,
+            nowait: false,
+            arguments: FieldTable::default(),
+        }));
+        self.send(&method_frame(channel, consume)).await;
+        self.expect_method(60, 21).await;
+    }
+
+    /// Sends basic.ack.
+    pub async fn ack(&mut self, channel: u16, delivery_tag: u64, multiple: bool) {
+        use dlx_proxy::proxy::wire::method_frame;
+        use lapin::protocol::{AMQPClass, basic};
+        let ack = AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag,
+            multiple,
+        }));
+        self.send(&method_frame(channel, ack)).await;
+    }
+
+    /// Reads the next basic.deliver with its content (panics on any other method).
+    pub async fn next_delivery(&mut self) -> RawDelivery {
+        use dlx_proxy::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD};
+        use lapin::protocol::{AMQPClass, basic};
+        let deliver = loop {
+            let frame = self.next_frame().await;
+            if frame.kind != FRAME_METHOD {
+                assert!(
+                    frame.is_heartbeat(),
+                    "content outside a delivery: {frame:?}"
+                );
+                continue;
+            }
+            match dlx_proxy::amqp::codec::decode_method(&frame.payload) {
+                Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => break (frame.channel, d),
+                other => panic!("expected basic.deliver, got {other:?}"),
+            }
+        };
+        let (channel, deliver) = deliver;
+        let header = self.next_frame().await;
+        assert_eq!(header.kind, FRAME_HEADER, "content header after deliver");
+        let size = dlx_proxy::proxy::wire::content_body_size(&header.payload).unwrap() as usize;
+        let mut body = Vec::with_capacity(size);
+        while body.len() < size {
+            let frame = self.next_frame().await;
+            assert_eq!(frame.kind, FRAME_BODY, "content body");
+            body.extend_from_slice(&frame.payload);
+        }
+        RawDelivery {
+            channel,
+            delivery_tag: deliver.delivery_tag,
+            redelivered: deliver.redelivered,
+            body,
+        }
+    }
+}
