@@ -42,6 +42,10 @@ const CLOSE_GRACE: Duration = Duration::from_secs(5);
 /// Frames read are counted locally and added to the metrics in batches of this many frames
 /// (or after [`TALLY_FLUSH`]), to keep label lookups off the per-frame path.
 const TALLY_FRAMES: u64 = 64;
+
+/// Most frames already read that one turn of the connection loop handles before it checks
+/// timers, shutdown and the sockets again.
+const BUFFERED_FRAMES_PER_TURN: usize = 256;
 const TALLY_FLUSH: Duration = Duration::from_secs(1);
 
 /// Frames and bytes read from one side, not yet added to the metrics.
@@ -214,7 +218,10 @@ pub(super) async fn run<S>(
         tally_since: now,
     };
 
+    let timer = tokio::time::sleep_until((Instant::now() + Duration::from_secs(60)).into());
+    tokio::pin!(timer);
     loop {
+        session.handle_buffered(&mut client_reader, &mut upstream_reader);
         session.check_writers();
         if session.client_side == Side::Closed && session.upstream_side == Side::Closed {
             break;
@@ -233,18 +240,26 @@ pub(super) async fn run<S>(
         if !read_upstream {
             session.last_upstream_rx = now;
         }
+        // Everything this turn produced goes to the writers before the task waits.
+        session.client_out.flush();
+        session.upstream_out.flush();
         let wait_client_out = session.client_out.is_full() && !session.client_out.has_failed();
         let wait_upstream_out =
             session.upstream_out.is_full() && !session.upstream_out.has_failed();
-        let deadline = session
-            .next_deadline()
-            .unwrap_or_else(|| Instant::now() + Duration::from_secs(60));
+        let deadline = tokio::time::Instant::from(
+            session
+                .next_deadline()
+                .unwrap_or_else(|| now + Duration::from_secs(60)),
+        );
+        if timer.deadline() != deadline {
+            timer.as_mut().reset(deadline);
+        }
         tokio::select! {
             frame = client_reader.next(), if read_client => session.client_read(frame),
             frame = upstream_reader.next(), if read_upstream => session.upstream_read(frame),
             _ = client_signal.progressed(), if wait_client_out => {}
             _ = upstream_signal.progressed(), if wait_upstream_out => {}
-            _ = tokio::time::sleep_until(deadline.into()) => session.on_timer(Instant::now()),
+            _ = &mut timer => session.on_timer(Instant::now()),
             _ = shutdown.recv(), if !session.shutdown_seen => session.on_shutdown(),
         }
     }
@@ -256,6 +271,38 @@ pub(super) async fn run<S>(
 }
 
 impl Session {
+    /// Handles frames that are already in the read buffers (a burst read in one go), up to
+    /// [`BUFFERED_FRAMES_PER_TURN`], so a burst costs one wake-up rather than one per frame.
+    /// The same flow-control checks apply as before a socket read.
+    fn handle_buffered<C, U>(&mut self, client: &mut FrameReader<C>, upstream: &mut FrameReader<U>)
+    where
+        C: AsyncRead + Unpin,
+        U: AsyncRead + Unpin,
+    {
+        for _ in 0..BUFFERED_FRAMES_PER_TURN {
+            if let Some(frame_max) = self.new_frame_max.take() {
+                client.set_frame_max(frame_max);
+                upstream.set_frame_max(frame_max);
+            }
+            let mut handled = false;
+            if self.wants_client_frames()
+                && let Some(frame) = client.buffered()
+            {
+                self.client_read(Some(frame));
+                handled = true;
+            }
+            if self.wants_upstream_frames()
+                && let Some(frame) = upstream.buffered()
+            {
+                self.upstream_read(Some(frame));
+                handled = true;
+            }
+            if !handled {
+                break;
+            }
+        }
+    }
+
     /// Queues bytes for the client (dropped once the client side is closed).
     pub(super) fn send_client(&mut self, bytes: Bytes) {
         if self.client_side != Side::Closed {

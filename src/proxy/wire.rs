@@ -140,13 +140,17 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         self.buffer.extend_from_slice(bytes);
     }
 
+    /// The next frame already in the read buffer, without touching the socket: `None` when
+    /// no complete frame is buffered.
+    pub fn buffered(&mut self) -> Option<Result<WireFrame, FrameError>> {
+        self.codec.decode(&mut self.buffer).transpose()
+    }
+
     /// The next frame; `None` at a clean end of stream (no partial frame buffered).
     pub async fn next(&mut self) -> Option<Result<WireFrame, FrameError>> {
         loop {
-            match self.codec.decode(&mut self.buffer) {
-                Ok(Some(frame)) => return Some(Ok(frame)),
-                Ok(None) => {}
-                Err(err) => return Some(Err(err)),
+            if let Some(frame) = self.buffered() {
+                return Some(frame);
             }
             if self.eof {
                 if self.buffer.is_empty() {
