@@ -224,12 +224,25 @@ pub struct PolicyError {
 #[derive(Clone, Debug, Default)]
 pub struct PolicySet {
     by_vhost: BTreeMap<String, BTreeMap<String, Policy>>,
+    /// Changes whenever the set is built or changed, so a decision taken from it can be
+    /// cached and recognised as stale ([`PolicySet::revision`]).
+    revision: u64,
+}
+
+/// Source of [`PolicySet::revision`] values (0 is the empty default set).
+static NEXT_POLICY_REVISION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn next_policy_revision() -> u64 {
+    NEXT_POLICY_REVISION.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl PolicySet {
     /// Validate every policy; refuses duplicates of (vhost, name).
     pub fn from_configs(configs: &[PolicyConfig]) -> Result<PolicySet, PolicyError> {
-        let mut set = PolicySet::default();
+        let mut set = PolicySet {
+            revision: next_policy_revision(),
+            ..PolicySet::default()
+        };
         for config in configs {
             let policy = Policy::from_config(config)?;
             let names = set.by_vhost.entry(policy.vhost.clone()).or_default();
@@ -265,6 +278,12 @@ impl PolicySet {
         best
     }
 
+    /// Differs between any two sets with different contents (and usually between any two
+    /// sets): what a decision cached from this set is checked against.
+    pub fn revision(&self) -> u64 {
+        self.revision
+    }
+
     /// The policy that applies to a queue, if any.
     pub fn for_queue(&self, vhost: &str, queue: &str) -> Option<&Policy> {
         self.best_match(vhost, queue, ApplyTo::covers_queues)
@@ -282,6 +301,7 @@ impl PolicySet {
             .entry(policy.vhost.clone())
             .or_default()
             .insert(policy.name.clone(), policy);
+        self.revision = next_policy_revision();
         Ok(())
     }
 
@@ -291,6 +311,7 @@ impl PolicySet {
             return false;
         };
         let removed = names.remove(name).is_some();
+        self.revision = next_policy_revision();
         if names.is_empty() {
             self.by_vhost.remove(vhost);
         }

@@ -11,9 +11,10 @@
 //!
 //! - A raw client that consumes (manual ack, no prefetch limit) and then does not read while
 //!   32 MiB are published: the proxy stops reading at the first bound it meets (the kept
-//!   deliveries' bound by default; the outbox bound with `proxy.delegate_to_upstream`, where
-//!   nothing is kept), the rest stays in RabbitMQ, and once the client reads and acks again
-//!   every message arrives exactly once, in order.
+//!   deliveries' bound when the queue can dead-letter, so deliveries keep their content; the
+//!   outbox bound when it cannot, or with `proxy.delegate_to_upstream`: deliveries are then
+//!   tracked as tags only), the rest stays in RabbitMQ, and once the client reads and acks
+//!   again every message arrives exactly once, in order.
 //! - A lapin client on a queue with a dead-letter exchange that reads but does not ack: the
 //!   deliveries stop at about `max_inflight_bytes` worth, and resume when it acks.
 
@@ -59,8 +60,25 @@ struct ProxyProcess {
     _dir: TempDir,
 }
 
+/// What stops the proxy's upstream reads in the stalled-consumer scenario.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stall {
+    /// A policy gives the queue a dead-letter exchange: deliveries keep their content and
+    /// `proxy.max_inflight_bytes` is reached first.
+    KeptDeliveries,
+    /// No dead-letter exchange: deliveries are tracked as tags only, the outbox fills first.
+    OutboxTagsOnly,
+    /// `proxy.delegate_to_upstream`: the same, with the upstream doing the dead-lettering.
+    OutboxDelegated,
+}
+
 impl ProxyProcess {
     async fn start(delegate_to_upstream: bool) -> ProxyProcess {
+        Self::start_with_policy(delegate_to_upstream, None).await
+    }
+
+    /// With a policy giving the queues `pattern` matches a dead-letter exchange.
+    async fn start_with_policy(delegate_to_upstream: bool, pattern: Option<&str>) -> ProxyProcess {
         let dir = TempDir::new("backpressure");
         let amqp: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
@@ -75,6 +93,13 @@ impl ProxyProcess {
              [log]\nfilter = \"warn\"\n\n\
              [shutdown]\ndrain_secs = 1\n"
         );
+        let config = match pattern {
+            Some(pattern) => format!(
+                "{config}\n[[policies]]\nname = \"bp-dlx\"\nvhost = \"/\"\npattern = \"{pattern}\"\n\
+                 definition = {{ dead-letter-exchange = \"bp-dlx\" }}\n"
+            ),
+            None => config,
+        };
         let path = dir.join("config.toml");
         std::fs::write(&path, config).unwrap();
         let mut process = ServiceProcess::spawn(BINARY, dir.path(), &path, amqp, admin);
@@ -321,13 +346,19 @@ async fn wait_until_reads_stop(proxy: &ProxyProcess) -> Metrics {
     }
 }
 
-/// The stalled-consumer scenario; `delegate_to_upstream` switches keeping deliveries off.
-async fn stalled_consumer(delegate_to_upstream: bool) {
+/// The stalled-consumer scenario.
+async fn stalled_consumer(stall: Stall) {
     const COUNT: u32 = 1024;
     const SIZE: usize = 32 * 1024;
     let volume = COUNT as usize * SIZE;
-    let proxy = ProxyProcess::start(delegate_to_upstream).await;
     let q = unique("bp-stalled");
+    let proxy = match stall {
+        Stall::KeptDeliveries => {
+            ProxyProcess::start_with_policy(false, Some(&format!("^{q}$"))).await
+        }
+        Stall::OutboxTagsOnly => ProxyProcess::start(false).await,
+        Stall::OutboxDelegated => ProxyProcess::start(true).await,
+    };
     let upstream = upstream_connection().await;
     let uch = upstream.create_channel().await.unwrap();
     declare(&uch, &q, FieldTable::default()).await;
@@ -353,9 +384,15 @@ async fn stalled_consumer(delegate_to_upstream: bool) {
         stalled.delivered,
         stalled.upstream_in_bytes
     );
-    if delegate_to_upstream {
-        // Nothing is kept: the client's outbox is what stopped the reads, and it is full.
-        assert_eq!(stalled.inflight_deliveries, 0.0, "{stalled:?}");
+    if stall != Stall::KeptDeliveries {
+        // Only tags are kept (a fixed charge each): the client's outbox is what stopped the
+        // reads, and it is full.
+        assert_eq!(stalled.inflight_deliveries, stalled.delivered, "{stalled:?}");
+        assert_eq!(
+            stalled.inflight_bytes,
+            stalled.delivered * CHARGE_OVERHEAD_MIN as f64,
+            "{stalled:?}"
+        );
         assert!(
             stalled.outbox_bytes >= OUTBOX as f64
                 && stalled.outbox_bytes <= (OUTBOX + FRAME_MAX) as f64,
@@ -409,10 +446,8 @@ async fn stalled_consumer(delegate_to_upstream: bool) {
     let peaks = sampler.finish().await;
     let end = proxy.metrics().await;
     assert_eq!(end.delivered, f64::from(COUNT), "deliveries read upstream");
-    if !delegate_to_upstream {
-        // messages_acked_total counts the acks that settle kept deliveries.
-        assert_eq!(end.acked, f64::from(COUNT), "acks of kept deliveries");
-    }
+    // Every ack of a tracked delivery is counted, with or without its content.
+    assert_eq!(end.acked, f64::from(COUNT), "acks of tracked deliveries");
     assert_eq!(end.inflight_deliveries, 0.0);
     assert_eq!(end.inflight_bytes, 0.0);
 
@@ -447,13 +482,19 @@ async fn stalled_consumer(delegate_to_upstream: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_consumer_stops_upstream_reads_at_the_kept_delivery_bound() {
     require_upstream!();
-    stalled_consumer(false).await;
+    stalled_consumer(Stall::KeptDeliveries).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_consumer_stops_upstream_reads_at_the_outbox_bound() {
     require_upstream!();
-    stalled_consumer(true).await;
+    stalled_consumer(Stall::OutboxTagsOnly).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_consumer_stops_upstream_reads_at_the_outbox_bound_when_delegating() {
+    require_upstream!();
+    stalled_consumer(Stall::OutboxDelegated).await;
 }
 
 /// A client that reads but does not ack, on a queue with a dead-letter exchange: deliveries
@@ -470,8 +511,14 @@ async fn unacked_deliveries_stop_at_the_inflight_bound_until_acked() {
     let dlx = unique("bp-kept-dlx");
     let dlq = unique("bp-kept-dlq");
     declare_dlx(&uch, &dlx, &dlq, &dlq).await;
+    // Declared through the proxy, which so knows the queue dead-letters and keeps the
+    // content of its deliveries.
+    let conn = lapin::Connection::connect(&proxy.uri(), lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
     declare(
-        &uch,
+        &ch,
         &q,
         table(&[
             ("x-dead-letter-exchange", long_string(&dlx)),
@@ -482,10 +529,6 @@ async fn unacked_deliveries_stop_at_the_inflight_bound_until_acked() {
     publish_direct(&q, COUNT, SIZE).await;
 
     let sampler = proxy.sampler();
-    let conn = lapin::Connection::connect(&proxy.uri(), lapin::ConnectionProperties::default())
-        .await
-        .unwrap();
-    let ch = conn.create_channel().await.unwrap();
     let mut deliveries = consume(&ch, &q, BasicConsumeOptions::default()).await;
 
     // The proxy reads deliveries until the kept bytes reach the bound, then pauses.

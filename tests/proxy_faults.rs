@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicRejectOptions,
-    ConfirmSelectOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions,
+    BasicRejectOptions, ConfirmSelectOptions,
 };
 use lapin::protocol::basic::AMQPProperties;
 use lapin::types::{AMQPValue, FieldTable};
@@ -89,7 +89,16 @@ async fn kept_deliveries_are_bounded_and_nothing_is_lost() {
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("bounded");
-    declare(&ch, &q, FieldTable::default()).await;
+    // Content is kept for queues that can dead-letter, so give this one a dead-letter exchange.
+    declare(
+        &ch,
+        &q,
+        table(&[(
+            "x-dead-letter-exchange",
+            long_string(&unique("bounded-dlx")),
+        )]),
+    )
+    .await;
     let payloads: Vec<String> = (0..300)
         .map(|i| format!("{i:04}{}", "x".repeat(996)))
         .collect();
@@ -125,6 +134,76 @@ async fn kept_deliveries_are_bounded_and_nothing_is_lost() {
     }
     let uch = upstream_connection().await.create_channel().await.unwrap();
     wait_count(&uch, &q, 0).await;
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_deliveries_that_can_dead_letter_keep_their_content() {
+    require_upstream!();
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let plain = unique("tags-only");
+    let dead = unique("with-content");
+    let dlx = unique("with-content-dlx");
+    let dlq = unique("with-content-dlq");
+    declare(&ch, &plain, FieldTable::default()).await;
+    declare_dlx(&ch, &dlx, &dlq, &dlq).await;
+    declare(
+        &ch,
+        &dead,
+        table(&[
+            ("x-dead-letter-exchange", long_string(&dlx)),
+            ("x-dead-letter-routing-key", long_string(&dlq)),
+        ]),
+    )
+    .await;
+    let payloads: Vec<String> = (0..4).map(|i| format!("{i}{}", "y".repeat(999))).collect();
+    publish_confirmed(&ch, &plain, &payloads).await;
+    publish_confirmed(&ch, &dead, &payloads).await;
+
+    // Both queues are consumed on one channel, so their delivery tags interleave.
+    let cch = conn.create_channel().await.unwrap();
+    let mut plain_rx = consume(&cch, &plain, BasicConsumeOptions::default()).await;
+    let mut dead_rx = consume(&cch, &dead, BasicConsumeOptions::default()).await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(next(&mut plain_rx).await);
+        held.push(next(&mut dead_rx).await);
+    }
+    proxy.wait_counter("inflight_deliveries", &[], 8.0).await;
+    // The plain queue's deliveries are kept as tags only; the other queue's with their
+    // properties (2 bytes: no property set), body and routing key, to dead-letter them.
+    let overhead = dlx_proxy::proxy::inflight::KEPT_OVERHEAD;
+    let expected = 4 * overhead + 4 * (overhead + 2 + 1000 + dead.len());
+    assert_eq!(proxy.counter("inflight_bytes", &[]), expected as f64);
+
+    // One nack for all eight: the plain queue's go back to the upstream natively (and are
+    // dropped there: no dead-letter exchange), the others are dead-lettered by the proxy.
+    let last = held.iter().max_by_key(|d| d.delivery_tag).unwrap();
+    last.acker
+        .nack(BasicNackOptions {
+            multiple: true,
+            requeue: false,
+        })
+        .await
+        .unwrap();
+    for expected in &payloads {
+        let d = get(&ch, &dlq).await;
+        assert_eq!(&body(&d), expected);
+        let deaths = x_death(&d);
+        assert_eq!(deaths.len(), 1);
+        assert_eq!(field(&deaths[0], "queue"), &long_string(&dead));
+        assert_eq!(field(&deaths[0], "reason"), &long_string("rejected"));
+        assert_eq!(field(&deaths[0], "count"), &AMQPValue::LongLongInt(1));
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    assert_empty(&ch, &dlq).await;
+    let uch = upstream_connection().await.create_channel().await.unwrap();
+    wait_count(&uch, &plain, 0).await;
+    wait_count(&uch, &dead, 0).await;
+    proxy.wait_counter("inflight_deliveries", &[], 0.0).await;
+    assert_eq!(proxy.counter("inflight_bytes", &[]), 0.0);
     proxy.stop().await;
 }
 

@@ -33,6 +33,19 @@ pub enum ChannelPhase {
 pub struct Source {
     pub queue: Arc<str>,
     pub no_ack: bool,
+    /// Whether deliveries keep their content ([`super::ProxyShared::may_take_over`]), and the
+    /// settings that answer came from.
+    pub(crate) keeps_content: Option<(super::SettingsRevision, bool)>,
+}
+
+impl Source {
+    pub fn new(queue: Arc<str>, no_ack: bool) -> Self {
+        Source {
+            queue,
+            no_ack,
+            keeps_content: None,
+        }
+    }
 }
 
 /// A queue.declare waiting for its declare-ok.
@@ -63,6 +76,8 @@ pub struct IncomingContent {
 #[derive(Debug)]
 pub struct KeepBuilder {
     pub delivery_tag: u64,
+    /// Whether the properties and body are copied (else only the tag and queue are kept).
+    pub with_content: bool,
     pub queue: Arc<str>,
     pub exchange: String,
     pub routing_key: String,
@@ -72,6 +87,27 @@ pub struct KeepBuilder {
 }
 
 impl KeepBuilder {
+    /// A delivery to keep; `content` (its exchange and routing key) when its properties and
+    /// body are kept too.
+    pub fn new(
+        delivery_tag: u64,
+        queue: Arc<str>,
+        content: Option<(&str, &str)>,
+        redelivered: bool,
+    ) -> Self {
+        let (exchange, routing_key) = content.unwrap_or_default();
+        KeepBuilder {
+            delivery_tag,
+            with_content: content.is_some(),
+            queue,
+            exchange: exchange.to_string(),
+            routing_key: routing_key.to_string(),
+            redelivered,
+            raw_properties: Bytes::new(),
+            body: BytesMut::new(),
+        }
+    }
+
     pub fn finish(self) -> (u64, KeptDelivery) {
         (
             self.delivery_tag,
@@ -82,6 +118,7 @@ impl KeepBuilder {
                 redelivered: self.redelivered,
                 raw_properties: self.raw_properties,
                 body: self.body.freeze(),
+                with_content: self.with_content,
                 received_at: Instant::now(),
             },
         )

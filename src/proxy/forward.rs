@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use amq_protocol::protocol::{AMQPClass, basic, channel, connection, queue};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 
 use super::bcc;
 use super::capture::CaptureConsumer;
@@ -359,10 +359,10 @@ impl Session {
                 match decode_method(&frame.payload) {
                     Some(AMQPClass::Basic(basic::AMQPMethod::Consume(consume))) => {
                         if let Some(ch) = self.channels.get_mut(&channel) {
-                            let source = Source {
-                                queue: ch.resolve_queue(consume.queue.as_str()),
-                                no_ack: consume.no_ack,
-                            };
+                            let source = Source::new(
+                                ch.resolve_queue(consume.queue.as_str()),
+                                consume.no_ack,
+                            );
                             if consume.nowait {
                                 ch.consumers
                                     .insert(consume.consumer_tag.as_str().to_string(), source);
@@ -382,10 +382,8 @@ impl Session {
                 match decode_method(&frame.payload) {
                     Some(AMQPClass::Basic(basic::AMQPMethod::Get(get))) => {
                         if let Some(ch) = self.channels.get_mut(&channel) {
-                            let source = Source {
-                                queue: ch.resolve_queue(get.queue.as_str()),
-                                no_ack: get.no_ack,
-                            };
+                            let source =
+                                Source::new(ch.resolve_queue(get.queue.as_str()), get.no_ack);
                             ch.pending_gets.push_back(source);
                         }
                     }
@@ -709,19 +707,34 @@ impl Session {
                     return;
                 };
                 self.shared.metrics.delivered(1);
-                let keep = self.channels.get(&channel).and_then(|ch| {
-                    let source = ch.consumers.get(deliver.consumer_tag.as_str())?;
-                    (!source.no_ack && ch.is_open() && self.keeps_deliveries()).then(|| {
-                        KeepBuilder {
-                            delivery_tag: deliver.delivery_tag,
-                            queue: source.queue.clone(),
-                            exchange: deliver.exchange.as_str().to_string(),
-                            routing_key: deliver.routing_key.as_str().to_string(),
-                            redelivered: deliver.redelivered,
-                            raw_properties: Bytes::new(),
-                            body: BytesMut::new(),
+                let keeps = self.keeps_deliveries();
+                let takes_over = self.takes_over_settlements();
+                let shared = &self.shared;
+                let vhost = &self.vhost;
+                let keep = self.channels.get_mut(&channel).and_then(|ch| {
+                    let open = ch.is_open();
+                    let source = ch.consumers.get_mut(deliver.consumer_tag.as_str())?;
+                    if source.no_ack || !open || !keeps {
+                        return None;
+                    }
+                    let with_content = takes_over && {
+                        let revision = shared.settings_revision();
+                        match source.keeps_content {
+                            Some((seen, answer)) if seen == revision => answer,
+                            _ => {
+                                let answer = shared.may_take_over(vhost, &source.queue);
+                                source.keeps_content = Some((revision, answer));
+                                answer
+                            }
                         }
-                    })
+                    };
+                    Some(KeepBuilder::new(
+                        deliver.delivery_tag,
+                        source.queue.clone(),
+                        with_content
+                            .then(|| (deliver.exchange.as_str(), deliver.routing_key.as_str())),
+                        deliver.redelivered,
+                    ))
                 });
                 self.start_incoming(channel, keep);
                 self.send_client(frame.raw);
@@ -735,19 +748,22 @@ impl Session {
                 };
                 self.shared.metrics.delivered(1);
                 let keeps = self.keeps_deliveries();
+                let takes_over = self.takes_over_settlements();
+                let shared = &self.shared;
+                let vhost = &self.vhost;
                 let keep = self.channels.get_mut(&channel).and_then(|ch| {
                     let source = ch.pending_gets.pop_front()?;
-                    (!source.no_ack && ch.phase == ChannelPhase::Open && keeps).then(|| {
-                        KeepBuilder {
-                            delivery_tag: get_ok.delivery_tag,
-                            queue: source.queue,
-                            exchange: get_ok.exchange.as_str().to_string(),
-                            routing_key: get_ok.routing_key.as_str().to_string(),
-                            redelivered: get_ok.redelivered,
-                            raw_properties: Bytes::new(),
-                            body: BytesMut::new(),
-                        }
-                    })
+                    if source.no_ack || ch.phase != ChannelPhase::Open || !keeps {
+                        return None;
+                    }
+                    let with_content = takes_over && shared.may_take_over(vhost, &source.queue);
+                    Some(KeepBuilder::new(
+                        get_ok.delivery_tag,
+                        source.queue,
+                        with_content
+                            .then(|| (get_ok.exchange.as_str(), get_ok.routing_key.as_str())),
+                        get_ok.redelivered,
+                    ))
                 });
                 self.start_incoming(channel, keep);
                 self.send_client(frame.raw);
@@ -835,9 +851,16 @@ impl Session {
         self.inject_client(channel, frame.raw);
     }
 
-    /// Whether deliveries are kept at all (not when the upstream dead-letters on its own).
+    /// Whether deliveries are tracked (as tags, for settlement planning, the inflight bound
+    /// and the ack count) while the client must still settle them.
     fn keeps_deliveries(&self) -> bool {
-        self.publisher.is_some() && self.client_side == Side::Open
+        self.client_side == Side::Open
+    }
+
+    /// Whether the proxy dead-letters at all, so deliveries of queues that can dead-letter
+    /// keep their content (not when the upstream dead-letters on its own).
+    fn takes_over_settlements(&self) -> bool {
+        self.publisher.is_some()
     }
 
     fn start_incoming(&mut self, channel: u16, keep: Option<KeepBuilder>) {
@@ -865,7 +888,7 @@ impl Session {
                 stripped = bcc::delivered_header(&frame.payload);
                 let size = content_body_size(&frame.payload).unwrap_or(0);
                 incoming.remaining = Some(size);
-                if let Some(keep) = incoming.keep.as_mut() {
+                if let Some(keep) = incoming.keep.as_mut().filter(|k| k.with_content) {
                     keep.raw_properties =
                         Bytes::copy_from_slice(frame.payload.get(12..).unwrap_or_default());
                     keep.body.reserve(size.min(16 * 1024 * 1024) as usize);
@@ -873,7 +896,7 @@ impl Session {
                 finished = size == 0;
             } else if let Some(remaining) = incoming.remaining.as_mut() {
                 *remaining = remaining.saturating_sub(frame.payload.len() as u64);
-                if let Some(keep) = incoming.keep.as_mut() {
+                if let Some(keep) = incoming.keep.as_mut().filter(|k| k.with_content) {
                     keep.body.extend_from_slice(&frame.payload);
                 }
                 finished = *remaining == 0;

@@ -1,5 +1,8 @@
-//! Kept deliveries: a copy of every delivery a client must still settle, per channel and
-//! delivery tag, so that a later reject can be dead-lettered by the proxy.
+//! Kept deliveries: every delivery a client must still settle, per channel and delivery tag,
+//! with a copy of its content when the proxy may have to dead-letter or republish it (queues
+//! with a dead-letter exchange or a delivery limit the proxy counts; see
+//! `ProxyShared::may_take_over`). The others are kept as a tag only, so a `multiple`
+//! settlement can still be split correctly around tags the proxy took over.
 //!
 //! Tags move through three states as seen by the upstream:
 //! - *kept*: delivered, the client has not settled it yet (content held here);
@@ -29,9 +32,12 @@ pub struct KeptDelivery {
     pub exchange: String,
     pub routing_key: String,
     pub redelivered: bool,
-    /// The property section exactly as delivered.
+    /// The property section exactly as delivered (empty without content).
     pub raw_properties: Bytes,
     pub body: Bytes,
+    /// Whether properties and body were kept; without them the proxy cannot take the
+    /// delivery over and settles it natively.
+    pub with_content: bool,
     /// When the proxy saw the delivery.
     pub received_at: Instant,
 }
@@ -254,6 +260,7 @@ mod tests {
             redelivered: false,
             raw_properties: Bytes::from_static(&[0, 0]),
             body: Bytes::copy_from_slice(body.as_bytes()),
+            with_content: true,
             received_at: Instant::now(),
         }
     }

@@ -305,7 +305,7 @@ impl Session {
         let kept_before = ch.deliveries.kept_len();
         let mut views: Vec<(Arc<str>, QueueView)> = Vec::new();
         let (plan, released_bytes) = ch.deliveries.plan_settlement(verb, tag, multiple, |d| {
-            if !proxy_active || !verb.is_negative() {
+            if !proxy_active || !verb.is_negative() || !d.with_content {
                 return false;
             }
             let view = match views.iter().find(|(q, _)| *q == d.queue) {

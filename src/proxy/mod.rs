@@ -233,6 +233,34 @@ impl ProxyShared {
     }
 }
 
+/// What a cached per-queue decision was taken from: the policy set's revision and the
+/// declaration registry's generation. A decision cached with other values is taken again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SettingsRevision {
+    policies: u64,
+    registry: u64,
+}
+
+impl ProxyShared {
+    /// The current [`SettingsRevision`]; read it before taking the decision it guards.
+    pub(crate) fn settings_revision(&self) -> SettingsRevision {
+        let policies = self.policies.read().unwrap_or_else(|e| e.into_inner());
+        SettingsRevision {
+            policies: policies.revision(),
+            registry: self.queues.generation(),
+        }
+    }
+
+    /// Whether the proxy may take over a negative settlement of this queue's deliveries (it
+    /// has a dead-letter exchange to publish to, or a delivery limit the proxy counts), so it
+    /// must keep their content. Other deliveries are settled natively: what the upstream
+    /// dead-letters of them still reaches the proxy through the capture queue.
+    pub(crate) fn may_take_over(&self, vhost: &str, queue: &str) -> bool {
+        let view = self.queue_view(vhost, queue, None);
+        view.settings.dead_letter_exchange.is_some() || view.proxy_delivery_limit
+    }
+}
+
 /// Serves one client connection (plain TCP or TLS already accepted) until it ends.
 pub async fn handle_connection<S>(
     client: S,

@@ -15,6 +15,7 @@
 
 use std::collections::HashMap;
 use std::sync::RwLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::declare::DeclaredQueue;
 use crate::broker::args::QueueArguments;
@@ -24,6 +25,8 @@ use crate::broker::args::QueueArguments;
 pub struct QueueRegistry {
     queues: RwLock<HashMap<(String, String), DeclaredQueue>>,
     capacity: usize,
+    /// Counts changes, so decisions cached from the registry can be checked for staleness.
+    generation: AtomicU64,
 }
 
 impl QueueRegistry {
@@ -32,6 +35,7 @@ impl QueueRegistry {
         QueueRegistry {
             queues: RwLock::new(HashMap::new()),
             capacity: capacity.max(1),
+            generation: AtomicU64::new(0),
         }
     }
 
@@ -48,6 +52,7 @@ impl QueueRegistry {
 
     fn insert(&self, vhost: &str, queue: &str, declared: DeclaredQueue, replace: bool) {
         let mut queues = self.queues.write().unwrap_or_else(|e| e.into_inner());
+        self.generation.fetch_add(1, Ordering::Release);
         let key = (vhost.to_string(), queue.to_string());
         if let Some(known) = queues.get_mut(&key) {
             if replace {
@@ -79,7 +84,13 @@ impl QueueRegistry {
 
     pub fn forget(&self, vhost: &str, queue: &str) {
         let mut queues = self.queues.write().unwrap_or_else(|e| e.into_inner());
+        self.generation.fetch_add(1, Ordering::Release);
         queues.remove(&(vhost.to_string(), queue.to_string()));
+    }
+
+    /// Changes whenever a declaration is remembered, replaced or forgotten.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 
     pub fn len(&self) -> usize {
