@@ -387,7 +387,10 @@ async fn stalled_consumer(stall: Stall) {
     if stall != Stall::KeptDeliveries {
         // Only tags are kept (a fixed charge each): the client's outbox is what stopped the
         // reads, and it is full.
-        assert_eq!(stalled.inflight_deliveries, stalled.delivered, "{stalled:?}");
+        assert_eq!(
+            stalled.inflight_deliveries, stalled.delivered,
+            "{stalled:?}"
+        );
         assert_eq!(
             stalled.inflight_bytes,
             stalled.delivered * CHARGE_OVERHEAD_MIN as f64,

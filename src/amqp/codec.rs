@@ -79,42 +79,69 @@ impl Decoder for FrameCodec {
     type Error = FrameError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<RawFrame>, FrameError> {
-        if src.len() < 7 {
+        let Some(header) = complete_frame(src, self.max_frame)? else {
             return Ok(None);
-        }
-        let kind = src[0];
-        if !matches!(
-            kind,
-            FRAME_METHOD | FRAME_HEADER | FRAME_BODY | FRAME_HEARTBEAT
-        ) {
-            return Err(FrameError::UnknownType(kind));
-        }
-        let channel = u16::from_be_bytes([src[1], src[2]]);
-        let size = u32::from_be_bytes([src[3], src[4], src[5], src[6]]) as usize;
-        if size + FRAME_OVERHEAD > self.max_frame {
-            return Err(FrameError::TooLarge {
-                size: size + FRAME_OVERHEAD,
-                max: self.max_frame,
-            });
-        }
-        let total = size + FRAME_OVERHEAD;
-        if src.len() < total {
-            src.reserve(total - src.len());
-            return Ok(None);
-        }
-        let end = src[total - 1];
-        if end != FRAME_END {
-            return Err(FrameError::BadFrameEnd(end));
-        }
+        };
         src.advance(7);
-        let payload = src.split_to(size).freeze();
+        let payload = src.split_to(header.size).freeze();
         src.advance(1);
         Ok(Some(RawFrame {
-            kind,
-            channel,
+            kind: header.kind,
+            channel: header.channel,
             payload,
         }))
     }
+}
+
+/// The header of a frame that is complete in a read buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    pub kind: u8,
+    pub channel: u16,
+    /// Payload size; the frame takes `size + FRAME_OVERHEAD` bytes.
+    pub size: usize,
+}
+
+/// Checks the frame at the start of `src` (shared by [`FrameCodec`] and the proxy's forwarding
+/// codec): a known frame type, a size within `max_frame` (checked before anything is
+/// buffered), and the frame-end octet. `Ok(None)` while the frame is incomplete; room for the
+/// rest is reserved then.
+pub fn complete_frame(
+    src: &mut BytesMut,
+    max_frame: usize,
+) -> Result<Option<FrameHeader>, FrameError> {
+    if src.len() < 7 {
+        return Ok(None);
+    }
+    let kind = src[0];
+    if !matches!(
+        kind,
+        FRAME_METHOD | FRAME_HEADER | FRAME_BODY | FRAME_HEARTBEAT
+    ) {
+        return Err(FrameError::UnknownType(kind));
+    }
+    let channel = u16::from_be_bytes([src[1], src[2]]);
+    let size = u32::from_be_bytes([src[3], src[4], src[5], src[6]]) as usize;
+    let total = size.saturating_add(FRAME_OVERHEAD);
+    if total > max_frame {
+        return Err(FrameError::TooLarge {
+            size: total,
+            max: max_frame,
+        });
+    }
+    if src.len() < total {
+        src.reserve(total - src.len());
+        return Ok(None);
+    }
+    let end = src[total - 1];
+    if end != FRAME_END {
+        return Err(FrameError::BadFrameEnd(end));
+    }
+    Ok(Some(FrameHeader {
+        kind,
+        channel,
+        size,
+    }))
 }
 
 impl Encoder<RawFrame> for FrameCodec {

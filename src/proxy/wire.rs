@@ -1,9 +1,9 @@
 //! Frames as the proxy sees them: the decoded header fields plus the exact bytes that came off
 //! the wire, so a frame that needs no change is forwarded as those bytes (no re-encoding).
 //!
-//! [`WireCodec`] is the forwarding twin of [`crate::amqp::codec::FrameCodec`]: same checks
-//! (frame type, `frame_max` before buffering, frame-end octet), but the item keeps the whole
-//! frame as one `Bytes` slice of the read buffer. The helpers below build the few frames the
+//! [`WireCodec`] is the forwarding twin of [`crate::amqp::codec::FrameCodec`]: the same checks
+//! ([`crate::amqp::codec::complete_frame`]: frame type, `frame_max` before buffering, frame-end
+//! octet), but the item keeps the whole frame as one `Bytes` slice of the read buffer. The helpers below build the few frames the
 //! proxy writes itself.
 
 use amq_protocol::protocol::AMQPClass;
@@ -12,8 +12,8 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio_util::codec::Decoder;
 
 use crate::amqp::codec::{
-    FRAME_BODY, FRAME_END, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, FRAME_MIN_SIZE,
-    FRAME_OVERHEAD, FrameError, put_method, put_raw_frame,
+    FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, FRAME_MIN_SIZE, FRAME_OVERHEAD,
+    FrameError, complete_frame, put_method, put_raw_frame,
 };
 
 /// One frame: header fields, the payload and the whole frame as received.
@@ -69,38 +69,15 @@ impl Decoder for WireCodec {
     type Error = FrameError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<WireFrame>, FrameError> {
-        if src.len() < 7 {
+        let Some(header) = complete_frame(src, self.max_frame)? else {
             return Ok(None);
-        }
-        let kind = src[0];
-        if !matches!(
-            kind,
-            FRAME_METHOD | FRAME_HEADER | FRAME_BODY | FRAME_HEARTBEAT
-        ) {
-            return Err(FrameError::UnknownType(kind));
-        }
-        let channel = u16::from_be_bytes([src[1], src[2]]);
-        let size = u32::from_be_bytes([src[3], src[4], src[5], src[6]]) as usize;
-        let total = size.saturating_add(FRAME_OVERHEAD);
-        if total > self.max_frame {
-            return Err(FrameError::TooLarge {
-                size: total,
-                max: self.max_frame,
-            });
-        }
-        if src.len() < total {
-            src.reserve(total - src.len());
-            return Ok(None);
-        }
-        let end = src[total - 1];
-        if end != FRAME_END {
-            return Err(FrameError::BadFrameEnd(end));
-        }
+        };
+        let total = header.size + FRAME_OVERHEAD;
         let raw = src.split_to(total).freeze();
         let payload = raw.slice(7..total - 1);
         Ok(Some(WireFrame {
-            kind,
-            channel,
+            kind: header.kind,
+            channel: header.channel,
             payload,
             raw,
         }))
