@@ -65,7 +65,8 @@ pub struct Common {
     /// Unconfirmed messages per producer before it waits for the oldest confirm.
     #[arg(long, global = true, default_value_t = 1000)]
     pub confirm_window: usize,
-    /// basic.publish calls each producer keeps in flight inside the client.
+    /// basic.publish calls each producer keeps in flight inside the client (lapin only; the
+    /// raw client writes up to 64 KiB of publishes at a time).
     #[arg(long, global = true, default_value_t = 64)]
     pub pipeline: usize,
     /// Acknowledge every N deliveries with multiple=true (1 = one ack per message).
