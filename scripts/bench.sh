@@ -2,7 +2,7 @@
 # Runs every dlx-bench scenario against the embedded broker and against RabbitMQ, side by side,
 # and prints one comparison table (see BENCHMARKS.md).
 #
-#   scripts/bench.sh                 # full run, 2 rounds (about 30 minutes on 2 cores)
+#   scripts/bench.sh                 # full run, 2 rounds (about 35 minutes on 2 cores)
 #   scripts/bench.sh --quick         # smaller counts, 1 round (a few minutes; numbers are rough)
 #   scripts/bench.sh --rounds 3
 #
@@ -14,6 +14,9 @@
 #
 # The embedded broker is the release build of this checkout (`cargo build --release --features
 # bench`), started on a free port and restarted fresh before each memory scenario.
+# Rate scenarios run with both of dlx-bench's clients: lapin (rows marked "lapin") and its own
+# raw frame-level client (rows marked "raw"), which costs far less CPU per message, so the
+# broker rather than the client limits the rate. ping (one message in flight) uses the raw client.
 # Results: BENCH_OUT (default target/bench-<time>/): results.jsonl, logs, table.txt.
 # Exit status: 1 if any scenario lost or duplicated a message (or failed), else 0.
 set -euo pipefail
@@ -25,7 +28,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; ROUNDS=1 ;;
     --rounds) ROUNDS="$2"; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -33,11 +36,12 @@ done
 
 if [ "$QUICK" = 1 ]; then
   TP_MESSAGES=50000; DL_MESSAGES=30000; BULK_MESSAGES=100000; BULK_TTL_MS=15000
-  MEM_MESSAGES=200000; IDLE_CONNECTIONS=1000
+  MEM_MESSAGES=200000; IDLE_CONNECTIONS=1000; PING_MESSAGES=3000
 else
   TP_MESSAGES=${TP_MESSAGES:-200000}; DL_MESSAGES=${DL_MESSAGES:-100000}
   BULK_MESSAGES=${BULK_MESSAGES:-1000000}; BULK_TTL_MS=${BULK_TTL_MS:-75000}
   MEM_MESSAGES=${MEM_MESSAGES:-1000000}; IDLE_CONNECTIONS=${IDLE_CONNECTIONS:-1000}
+  PING_MESSAGES=${PING_MESSAGES:-10000}
 fi
 
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
@@ -219,14 +223,21 @@ for round in $(seq 1 "$ROUNDS"); do
 
     # Rates: one broker instance for all of them.
     start_broker "$broker"
-    bench "$round" "$broker" tp-confirms throughput --confirms on -n "$TP_MESSAGES"
-    bench "$round" "$broker" tp-noconfirms throughput --confirms off -n "$TP_MESSAGES"
-    for kind in reject expiry overflow; do
-      bench "$round" "$broker" "dl-$kind" deadletter --kind "$kind" -n "$DL_MESSAGES"
-    done
-    # The same with the DLQ consumer acking in batches (less client work per message).
-    for kind in reject expiry overflow; do
-      bench "$round" "$broker" "dl-$kind-batch" deadletter --kind "$kind" -n "$DL_MESSAGES" --ack-every 100
+    # One message in flight: round-trip latency without pipelining (raw client).
+    bench "$round" "$broker" ping ping --confirms off -n "$PING_MESSAGES"
+    bench "$round" "$broker" ping-confirms ping --confirms on -n "$PING_MESSAGES"
+    for client in lapin raw; do
+      # Case names: lapin rows keep their historical names, raw rows end in -raw.
+      sfx=""; [ "$client" = raw ] && sfx="-raw"
+      bench "$round" "$broker" "tp-confirms$sfx" throughput --client "$client" --confirms on -n "$TP_MESSAGES"
+      bench "$round" "$broker" "tp-noconfirms$sfx" throughput --client "$client" --confirms off -n "$TP_MESSAGES"
+      for kind in reject expiry overflow; do
+        bench "$round" "$broker" "dl-$kind$sfx" deadletter --client "$client" --kind "$kind" -n "$DL_MESSAGES"
+      done
+      # The same with the DLQ consumer acking in batches (less client work per message).
+      for kind in reject expiry overflow; do
+        bench "$round" "$broker" "dl-$kind$sfx-batch" deadletter --client "$client" --kind "$kind" -n "$DL_MESSAGES" --ack-every 100
+      done
     done
     stop_broker "$broker"
   done
@@ -252,34 +263,46 @@ def cell(broker, case, key):
     shown = fmt(m) if len(v) == 1 else f"{fmt(m)} ({' / '.join(fmt(x) for x in v)})"
     return shown, m
 
-table = [
-    ("throughput 1P/1C 100 B, confirms on: msg/s", "tp-confirms", "rate_msg_s", "higher"),
-    ("  latency p50 (us)", "tp-confirms", "latency_p50_us", "lower"),
-    ("  latency p99 (us)", "tp-confirms", "latency_p99_us", "lower"),
-    ("  broker CPU per message (us)", "tp-confirms", "broker_cpu_us_per_msg", "lower"),
-    ("throughput 1P/1C 100 B, confirms off: msg/s", "tp-noconfirms", "rate_msg_s", "higher"),
-    ("  latency p50 (us)", "tp-noconfirms", "latency_p50_us", "lower"),
-    ("  latency p99 (us)", "tp-noconfirms", "latency_p99_us", "lower"),
-    ("  broker CPU per message (us)", "tp-noconfirms", "broker_cpu_us_per_msg", "lower"),
-]
-for kind in ("reject", "expiry", "overflow"):
+# Case suffix and row label of each client (lapin rows keep their historical case names).
+CLIENTS = (("", "lapin"), ("-raw", "raw"))
+table = []
+for case, what in (("ping", "confirms off"), ("ping-confirms", "confirms on")):
     table += [
-        (f"dead-letter {kind}: msg/s into the DLQ", f"dl-{kind}", "dead_letter_rate_msg_s", "higher"),
-        ("  publish-to-DLQ p50 (us)", f"dl-{kind}", "latency_p50_us", "lower"),
-        ("  publish-to-DLQ p99 (us)", f"dl-{kind}", "latency_p99_us", "lower"),
-        ("  broker CPU per message (us)", f"dl-{kind}", "broker_cpu_us_per_msg", "lower"),
+        (f"ping 1 in flight, 100 B, {what} (raw): round trip p50 (us)", case, "rtt_p50_us", "lower"),
+        ("  round trip p90 (us)", case, "rtt_p90_us", "lower"),
+        ("  round trip p99 (us)", case, "rtt_p99_us", "lower"),
+        ("  round trips/s", case, "rate_msg_s", "higher"),
+        ("  broker CPU per round trip (us)", case, "broker_cpu_us_per_msg", "lower"),
     ]
-for kind in ("reject", "expiry", "overflow"):
+for sfx, client in CLIENTS:
+    for case, what in ((f"tp-confirms{sfx}", "confirms on"), (f"tp-noconfirms{sfx}", "confirms off")):
+        table += [
+            (f"throughput 1P/1C 100 B, {what} ({client}): msg/s", case, "rate_msg_s", "higher"),
+            ("  latency p50 (us)", case, "latency_p50_us", "lower"),
+            ("  latency p99 (us)", case, "latency_p99_us", "lower"),
+            ("  broker CPU per message (us)", case, "broker_cpu_us_per_msg", "lower"),
+        ]
+for sfx, client in CLIENTS:
+    for kind in ("reject", "expiry", "overflow"):
+        table += [
+            (f"dead-letter {kind} ({client}): msg/s into the DLQ", f"dl-{kind}{sfx}", "dead_letter_rate_msg_s", "higher"),
+            ("  publish-to-DLQ p50 (us)", f"dl-{kind}{sfx}", "latency_p50_us", "lower"),
+            ("  publish-to-DLQ p99 (us)", f"dl-{kind}{sfx}", "latency_p99_us", "lower"),
+            ("  broker CPU per message (us)", f"dl-{kind}{sfx}", "broker_cpu_us_per_msg", "lower"),
+        ]
+for sfx, client in CLIENTS:
+    for kind in ("reject", "expiry", "overflow"):
+        table += [
+            (f"dead-letter {kind}, DLQ acked per 100 ({client}): msg/s", f"dl-{kind}{sfx}-batch", "dead_letter_rate_msg_s", "higher"),
+            ("  broker CPU per message (us)", f"dl-{kind}{sfx}-batch", "broker_cpu_us_per_msg", "lower"),
+        ]
+for sfx, client in CLIENTS:
     table += [
-        (f"dead-letter {kind}, DLQ acked per 100: msg/s", f"dl-{kind}-batch", "dead_letter_rate_msg_s", "higher"),
-        ("  broker CPU per message (us)", f"dl-{kind}-batch", "broker_cpu_us_per_msg", "lower"),
+        (f"benchmark client CPU, throughput with confirms ({client}) (s)", f"tp-confirms{sfx}", "bench_cpu_s", "lower"),
+        (f"broker CPU, throughput with confirms ({client}) (s)", f"tp-confirms{sfx}", "broker_cpu_s", "lower"),
+        (f"benchmark client CPU, dead-letter reject ({client}) (s)", f"dl-reject{sfx}", "bench_cpu_s", "lower"),
+        (f"broker CPU, dead-letter reject ({client}) (s)", f"dl-reject{sfx}", "broker_cpu_s", "lower"),
     ]
-table += [
-    ("benchmark client CPU, throughput with confirms (s)", "tp-confirms", "bench_cpu_s", "lower"),
-    ("broker CPU, throughput with confirms (s)", "tp-confirms", "broker_cpu_s", "lower"),
-    ("benchmark client CPU, dead-letter reject (s)", "dl-reject", "bench_cpu_s", "lower"),
-    ("broker CPU, dead-letter reject (s)", "dl-reject", "broker_cpu_s", "lower"),
-]
 for case, what in (("expire-bulk", "dropped"), ("expire-bulk-dlq", "into a DLQ")):
     table += [
         (f"bulk expiry ({what}): s until empty after the last is due", case, "empty_after_last_due_secs", "lower"),
@@ -319,16 +342,18 @@ def show(ok):
 print()
 print("targets (embedded broker):")
 targets = []
-for case, name in (("tp-confirms", "with confirms"), ("tp-noconfirms", "without confirms")):
-    x = ratio(case, "rate_msg_s")
-    targets.append((f">= 2x RabbitMQ msg/s at 1P/1C, 100 B, {name}", x and x >= 2, f"{x:.2f}x" if x else "-"))
+for sfx, client in CLIENTS:
+    for case, name in ((f"tp-confirms{sfx}", "with confirms"), (f"tp-noconfirms{sfx}", "without confirms")):
+        x = ratio(case, "rate_msg_s")
+        targets.append((f">= 2x RabbitMQ msg/s at 1P/1C, 100 B, {name} ({client})", x and x >= 2, f"{x:.2f}x" if x else "-"))
 x = emb("idle", "rss_before_mib")
 targets.append(("idle RSS <= 15 MiB", x is not None and x <= 15 if x is not None else None, f"{x:.1f} MiB" if x else "-"))
 x = emb("connections", "rss_with_connections_mib")
 targets.append(("1,000 connections with a channel each <= 100 MiB RSS", x <= 100 if x is not None else None, f"{x:.1f} MiB" if x else "-"))
-for kind in ("reject", "expiry", "overflow"):
-    x = ratio(f"dl-{kind}", "dead_letter_rate_msg_s")
-    targets.append((f">= 3x RabbitMQ dead-letter rate ({kind})", x and x >= 3, f"{x:.2f}x" if x else "-"))
+for sfx, client in CLIENTS:
+    for kind in ("reject", "expiry", "overflow"):
+        x = ratio(f"dl-{kind}{sfx}", "dead_letter_rate_msg_s")
+        targets.append((f">= 3x RabbitMQ dead-letter rate ({kind}, {client})", x and x >= 3, f"{x:.2f}x" if x else "-"))
 bulk = [r for r in rows if r.get("broker") == "embedded" and r.get("case") == "expire-bulk"]
 if bulk:
     ok = all(r.get("ok") and r.get("peak_depth") == r.get("published") for r in bulk)

@@ -1,6 +1,7 @@
-//! `dlx-bench`: the benchmark driver. It speaks AMQP 0-9-1 through lapin to any broker (the
-//! embedded dlx-proxy broker or RabbitMQ), runs one scenario and reports rates, latencies and
-//! the broker's memory (with `--pid`, read from /proc). Every scenario that moves messages
+//! `dlx-bench`: the benchmark driver. It speaks AMQP 0-9-1 to any broker (the embedded
+//! dlx-proxy broker or RabbitMQ) through lapin or through its own lighter raw client
+//! (`--client raw`), runs one scenario and reports rates, latencies and the broker's memory and
+//! CPU (with `--pid`, read from /proc). Every scenario that moves messages
 //! checks that each published message arrived exactly once and exits 1 otherwise.
 //!
 //! Build: `cargo build --release --features bench --bin dlx-bench`.
@@ -9,6 +10,7 @@
 mod client;
 mod payload;
 mod procfs;
+mod raw;
 mod report;
 mod scenarios;
 
@@ -63,12 +65,18 @@ pub struct Common {
     /// Unconfirmed messages per producer before it waits for the oldest confirm.
     #[arg(long, global = true, default_value_t = 1000)]
     pub confirm_window: usize,
-    /// basic.publish calls each producer keeps in flight inside the client.
+    /// basic.publish calls each producer keeps in flight inside the client (lapin only; the
+    /// raw client writes up to 64 KiB of publishes at a time).
     #[arg(long, global = true, default_value_t = 64)]
     pub pipeline: usize,
     /// Acknowledge every N deliveries with multiple=true (1 = one ack per message).
     #[arg(long, global = true, default_value_t = 1)]
     pub ack_every: u64,
+    /// AMQP client of producers and consumers: lapin, or raw (frames written and parsed by
+    /// this program, much less CPU per message). Default: lapin, except for ping (raw).
+    /// Topology setup always uses lapin.
+    #[arg(long, global = true, value_enum)]
+    pub client: Option<ClientKind>,
     /// PID of the broker process: report its RSS (VmRSS) and CPU time.
     #[arg(long, global = true)]
     pub pid: Option<u32>,
@@ -95,6 +103,28 @@ impl Common {
     pub fn confirms_on(&self) -> bool {
         self.confirms == OnOff::On
     }
+
+    /// The client given with --client, else `default`.
+    pub fn client_or(&self, default: ClientKind) -> ClientKind {
+        self.client.unwrap_or(default)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ClientKind {
+    /// The lapin crate.
+    Lapin,
+    /// This program's own frame-level client (src/bin/dlx-bench/raw).
+    Raw,
+}
+
+impl ClientKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            ClientKind::Lapin => "lapin",
+            ClientKind::Raw => "raw",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -117,6 +147,14 @@ pub enum DeadLetterKind {
 pub enum Scenario {
     /// Publish and consume over TCP: msg/s, publish-to-consume latency, no loss.
     Throughput,
+    /// One message in flight: publish, wait for its delivery (and its confirm with --confirms
+    /// on), ack, repeat. Round-trip latency percentiles without pipelining; --messages round
+    /// trips (default 10,000) after a warm-up.
+    Ping {
+        /// Round trips before the measured ones.
+        #[arg(long, default_value_t = 500)]
+        warmup: u64,
+    },
     /// Dead-letter rate into a DLQ and publish-to-DLQ latency; each message exactly once.
     Deadletter {
         #[arg(long, value_enum)]

@@ -186,6 +186,7 @@ pub struct Latencies {
 pub struct LatencySummary {
     pub count: usize,
     pub p50_us: f64,
+    pub p90_us: f64,
     pub p99_us: f64,
     pub max_us: f64,
 }
@@ -199,7 +200,7 @@ impl Latencies {
         self.samples.extend(other.samples);
     }
 
-    /// Nearest-rank percentiles (p50, p99, max).
+    /// Nearest-rank percentiles (p50, p90, p99, max).
     pub fn summary(&mut self) -> LatencySummary {
         if self.samples.is_empty() {
             return LatencySummary::default();
@@ -213,6 +214,7 @@ impl Latencies {
         LatencySummary {
             count: n,
             p50_us: rank(50.0),
+            p90_us: rank(90.0),
             p99_us: rank(99.0),
             max_us: self.samples[n - 1] as f64 / 1000.0,
         }
@@ -321,6 +323,7 @@ mod tests {
         let s = l.summary();
         assert_eq!(s.count, 100);
         assert_eq!(s.p50_us, 50.0);
+        assert_eq!(s.p90_us, 90.0);
         assert_eq!(s.p99_us, 99.0);
         assert_eq!(s.max_us, 100.0);
         assert_eq!(Latencies::default().summary(), LatencySummary::default());

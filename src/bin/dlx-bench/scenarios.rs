@@ -5,16 +5,20 @@ mod deadletter;
 mod expire;
 mod idle;
 mod memory;
+mod ping;
 mod throughput;
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
+use std::sync::Arc;
 
-use crate::client::{self, PublishResult, PublishSpec};
+use anyhow::{Result, bail};
+use tokio::sync::watch;
+
+use crate::client::{self, ConsumeSpec, Progress, PublishResult, PublishSpec, RunningConsumer};
 use crate::procfs::ProcSample;
 use crate::report::Report;
-use crate::{Cli, Common, Scenario};
+use crate::{Cli, ClientKind, Common, Scenario, raw};
 
 pub async fn run(cli: &Cli) -> Result<Report> {
     let c = &cli.common;
@@ -23,6 +27,7 @@ pub async fn run(cli: &Cli) -> Result<Report> {
     }
     match &cli.scenario {
         Scenario::Throughput => throughput::run(c).await,
+        Scenario::Ping { warmup } => ping::run(c, *warmup).await,
         Scenario::Deadletter {
             kind,
             ttl_ms,
@@ -171,13 +176,29 @@ async fn publish_all(
             confirm_window: c.confirm_window,
             pipeline: c.pipeline,
         };
-        tasks.push(tokio::spawn(client::publish(spec)));
+        tasks.push(match c.client_or(ClientKind::Lapin) {
+            ClientKind::Lapin => tokio::spawn(client::publish(spec)),
+            ClientKind::Raw => tokio::spawn(raw::publish(spec)),
+        });
     }
     let mut results = Vec::new();
     for t in tasks {
         results.push(t.await??);
     }
     Ok(Published { results })
+}
+
+/// Starts a consumer with the client --client names (lapin by default).
+async fn start_consumer(
+    c: &Common,
+    spec: ConsumeSpec,
+    progress: Arc<Progress>,
+    stop: watch::Receiver<bool>,
+) -> Result<RunningConsumer> {
+    match c.client_or(ClientKind::Lapin) {
+        ClientKind::Lapin => client::start_consumer(spec, progress, stop).await,
+        ClientKind::Raw => raw::start_consumer(spec, progress, stop).await,
+    }
 }
 
 /// The message count of a run: --messages, else the scenario's default unless --seconds.
@@ -196,6 +217,7 @@ fn describe(report: &mut Report, c: &Common, confirms: bool) {
     report.set("size_bytes", c.size as u64);
     report.set("confirms", if confirms { "on" } else { "off" });
     report.set("prefetch", c.prefetch);
+    report.set("client", c.client_or(ClientKind::Lapin).name());
 }
 
 /// Adds the exactly-once verdict; anything but exactly once is a failure.

@@ -59,7 +59,7 @@ pub async fn run(c: &Common, kind: DeadLetterKind, ttl_ms: u32, max_length: u32)
             record: true,
         };
         dlq_consumers
-            .push(client::start_consumer(spec, dlq_progress.clone(), stop_rx.clone()).await?);
+            .push(super::start_consumer(c, spec, dlq_progress.clone(), stop_rx.clone()).await?);
     }
     let reject_progress = Progress::new();
     let mut rejecters = Vec::new();
@@ -75,7 +75,7 @@ pub async fn run(c: &Common, kind: DeadLetterKind, ttl_ms: u32, max_length: u32)
                 record: false,
             };
             rejecters.push(
-                client::start_consumer(spec, reject_progress.clone(), stop_rx.clone()).await?,
+                super::start_consumer(c, spec, reject_progress.clone(), stop_rx.clone()).await?,
             );
         }
     }

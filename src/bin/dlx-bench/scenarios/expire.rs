@@ -115,7 +115,7 @@ pub async fn run(c: &Common, ttl_ms: u32, into_dlq: bool, drain_timeout: f64) ->
             ack_every: c.ack_every.max(50),
             record: true,
         };
-        let consumer = client::start_consumer(spec, progress.clone(), stop_rx).await?;
+        let consumer = super::start_consumer(c, spec, progress.clone(), stop_rx).await?;
         progress.wait_for(total, c.idle()).await;
         let seen = client::stop_consumers(&stop, vec![consumer]).await?;
         let verdict = seen.ids.verdict(&published.per_producer());

@@ -30,7 +30,7 @@ pub async fn run(c: &Common) -> Result<Report> {
             ack_every: c.ack_every,
             record: true,
         };
-        consumers.push(client::start_consumer(spec, progress.clone(), stop_rx.clone()).await?);
+        consumers.push(super::start_consumer(c, spec, progress.clone(), stop_rx.clone()).await?);
     }
 
     let watch = Watch::start(c.pid);
