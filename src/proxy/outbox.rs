@@ -1,259 +1,285 @@
-//! Byte-counted outboxes: one writer task per socket half, fed by the connection task.
+//! Byte-counted outboxes: what the connection task has to write to one socket half, written
+//! by the connection task itself as the socket accepts it.
 //!
 //! The connection task never waits on a socket write. It hands encoded frames to an
 //! [`Outbox`] and checks [`Outbox::is_full`] before it reads the next frame that would be
 //! forwarded into that outbox; when a peer reads slowly its outbox fills, the connection task
-//! stops reading from the other side and TCP backpressure does the rest.
+//! stops reading from the other side and TCP backpressure does the rest. While an outbox holds
+//! bytes, the connection loop also waits on [`Outbox::write_some`], which writes what the
+//! socket takes (vectored, several frames per system call) and returns after any progress.
 //!
-//! Small frames are gathered in the outbox and handed to the writer as one piece when the
-//! connection task calls [`Outbox::flush`] (once per turn of its loop, before it waits), so a
-//! burst of frames costs one hand-over and one socket write instead of one per frame. Large
-//! frames go as they are (no copy). The writer wakes the connection task as bytes drain.
+//! Writing from the connection task, instead of handing frames to a writer task, keeps a
+//! forwarded frame on one thread: no channel, no cross-thread wake-up per burst. Small frames
+//! are gathered into one buffer (fewer, larger writes); large ones are queued as they are (no
+//! copy).
 
+use std::collections::VecDeque;
+use std::future::poll_fn;
+use std::io::IoSlice;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
-use tokio::sync::{Notify, mpsc};
-use tokio::task::JoinHandle;
 
 use crate::metrics::{Direction, Metrics};
 
-/// Most bytes gathered into one socket write.
-const WRITE_BATCH: usize = 64 * 1024;
-
-/// Frames at least this large are handed to the writer as they are instead of being copied
-/// into the gathered batch.
+/// Frames smaller than this are copied into the gathering buffer; larger ones are queued as
+/// they are.
 const GATHER_FRAME_MAX: usize = 8 * 1024;
 
-#[derive(Debug, Default)]
-struct OutboxState {
-    queued: AtomicUsize,
-    drained: Notify,
-    failed: AtomicBool,
-}
+/// A gathering buffer is queued once it holds this much.
+const GATHER_MAX: usize = 64 * 1024;
 
-/// The sending side of one socket's writer task.
+/// Most pieces handed to one vectored write.
+const WRITE_SLICES: usize = 64;
+
+/// A socket's write half, as the outbox sees it.
+pub type SocketWriter = Pin<Box<dyn AsyncWrite + Send>>;
+
+/// The bytes waiting for one socket, and the socket.
 pub struct Outbox {
-    sender: mpsc::UnboundedSender<Piece>,
-    state: Arc<OutboxState>,
+    writer: SocketWriter,
+    /// Pieces in order; the first may be partly written.
+    pieces: VecDeque<Bytes>,
+    /// Small frames queued after the last piece, not yet a piece of their own.
+    gathered: BytesMut,
+    /// Bytes in `pieces` and `gathered`.
+    queued: usize,
     limit: usize,
+    /// Written bytes since the last flush (TLS streams buffer inside).
+    unflushed: bool,
+    failed: bool,
+    direction: Direction,
     count_outbox_gauge: bool,
     metrics: Arc<Metrics>,
-    /// Small frames queued since the last flush, in order (counted in `queued` already).
-    gathered: BytesMut,
-    gathered_frames: u64,
-}
-
-/// What the writer gets: one frame, or several gathered ones.
-#[derive(Debug)]
-struct Piece {
-    bytes: Bytes,
-    frames: u64,
+    /// Traffic not yet added to the metrics (added after each write).
+    unreported_frames: u64,
+    unreported_bytes: u64,
 }
 
 impl std::fmt::Debug for Outbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Outbox")
-            .field("queued", &self.queued())
+            .field("queued", &self.queued)
             .field("limit", &self.limit)
+            .field("failed", &self.failed)
             .finish()
     }
 }
 
 impl Outbox {
-    /// Queues bytes for the socket; `false` once the writer has stopped. Small frames wait in
-    /// the outbox until [`Outbox::flush`].
+    /// An outbox for `writer`, full at `limit` bytes.
+    pub fn new<W>(writer: W, limit: usize, direction: Direction, metrics: Arc<Metrics>) -> Self
+    where
+        W: AsyncWrite + Send + 'static,
+    {
+        Outbox {
+            writer: Box::pin(writer),
+            pieces: VecDeque::new(),
+            gathered: BytesMut::new(),
+            queued: 0,
+            limit: limit.max(1),
+            unflushed: false,
+            failed: false,
+            direction,
+            count_outbox_gauge: direction == Direction::ClientOut,
+            metrics,
+            unreported_frames: 0,
+            unreported_bytes: 0,
+        }
+    }
+
+    /// Queues one frame (or several, encoded back to back); `false` once the socket failed.
     pub fn send(&mut self, bytes: Bytes) -> bool {
+        if self.failed {
+            return false;
+        }
         if bytes.is_empty() {
             return true;
         }
-        if self.sender.is_closed() {
-            return false;
-        }
         let len = bytes.len();
-        self.state.queued.fetch_add(len, Ordering::AcqRel);
+        self.queued += len;
+        self.unreported_frames += 1;
         if self.count_outbox_gauge {
             self.metrics.add_outbox_bytes(len as i64);
         }
         if len >= GATHER_FRAME_MAX {
-            // Order: what was gathered before goes first.
-            return self.flush() && self.hand_over(Piece { bytes, frames: 1 });
-        }
-        self.gathered.extend_from_slice(&bytes);
-        self.gathered_frames += 1;
-        if self.gathered.len() >= WRITE_BATCH {
-            return self.flush();
-        }
-        true
-    }
-
-    /// Hands the gathered frames to the writer; `false` once the writer has stopped.
-    pub fn flush(&mut self) -> bool {
-        if self.gathered.is_empty() {
-            return true;
-        }
-        let piece = Piece {
-            bytes: self.gathered.split().freeze(),
-            frames: std::mem::take(&mut self.gathered_frames),
-        };
-        self.hand_over(piece)
-    }
-
-    fn hand_over(&mut self, piece: Piece) -> bool {
-        let len = piece.bytes.len();
-        if self.sender.send(piece).is_err() {
-            self.state.queued.fetch_sub(len, Ordering::AcqRel);
-            if self.count_outbox_gauge {
-                self.metrics.add_outbox_bytes(-(len as i64));
+            self.seal_gathered();
+            self.pieces.push_back(bytes);
+        } else {
+            self.gathered.extend_from_slice(&bytes);
+            if self.gathered.len() >= GATHER_MAX {
+                self.seal_gathered();
             }
-            return false;
         }
         true
+    }
+
+    fn seal_gathered(&mut self) {
+        if !self.gathered.is_empty() {
+            self.pieces.push_back(self.gathered.split().freeze());
+        }
     }
 
     /// Bytes waiting for the socket.
     pub fn queued(&self) -> usize {
-        self.state.queued.load(Ordering::Acquire)
+        self.queued
     }
 
     /// Whether the connection task should stop feeding this outbox.
     pub fn is_full(&self) -> bool {
-        self.queued() >= self.limit
+        self.queued >= self.limit
     }
 
-    /// Whether the socket write failed (the peer is gone).
+    /// Whether a socket write failed (the peer is gone); nothing is queued after that.
     pub fn has_failed(&self) -> bool {
-        self.state.failed.load(Ordering::Acquire)
+        self.failed
     }
 
-    /// Resolves after the writer made progress (or failed). Cancel-safe.
-    pub async fn progressed(&self) {
-        self.state.drained.notified().await;
+    /// Whether there is anything to write or flush.
+    pub fn has_work(&self) -> bool {
+        !self.failed && (self.queued > 0 || self.unflushed)
     }
 
-    /// A handle that waits for progress without borrowing the outbox.
-    pub fn progress_signal(&self) -> ProgressSignal {
-        ProgressSignal(self.state.clone())
+    /// Writes what the socket accepts now; resolves after any progress (or a failure).
+    /// Cancel-safe: what was written is accounted for before it resolves.
+    pub async fn write_some(&mut self) {
+        poll_fn(|cx| self.poll_write_some(cx)).await
+    }
+
+    fn poll_write_some(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.failed {
+            return Poll::Ready(());
+        }
+        self.seal_gathered();
+        if self.pieces.is_empty() {
+            if !self.unflushed {
+                return Poll::Ready(());
+            }
+            return match self.writer.as_mut().poll_flush(cx) {
+                Poll::Ready(Ok(())) => {
+                    self.unflushed = false;
+                    Poll::Ready(())
+                }
+                Poll::Ready(Err(err)) => {
+                    self.fail(&err);
+                    Poll::Ready(())
+                }
+                Poll::Pending => Poll::Pending,
+            };
+        }
+        let written = if self.pieces.len() > 1 && self.writer.is_write_vectored() {
+            let slices: Vec<IoSlice<'_>> = self
+                .pieces
+                .iter()
+                .take(WRITE_SLICES)
+                .map(|piece| IoSlice::new(piece))
+                .collect();
+            self.writer.as_mut().poll_write_vectored(cx, &slices)
+        } else {
+            match self.pieces.front() {
+                Some(front) => self.writer.as_mut().poll_write(cx, front),
+                None => Poll::Ready(Ok(0)),
+            }
+        };
+        match written {
+            Poll::Ready(Ok(0)) => {
+                self.fail(&std::io::Error::new(
+                    std::io::ErrorKind::WriteZero,
+                    "socket accepted no bytes",
+                ));
+                Poll::Ready(())
+            }
+            Poll::Ready(Ok(n)) => {
+                self.consume(n);
+                Poll::Ready(())
+            }
+            Poll::Ready(Err(err)) => {
+                self.fail(&err);
+                Poll::Ready(())
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// Drops `n` written bytes from the front and accounts for them.
+    fn consume(&mut self, mut n: usize) {
+        self.queued -= n;
+        self.unflushed = true;
+        if self.count_outbox_gauge {
+            self.metrics.add_outbox_bytes(-(n as i64));
+        }
+        self.unreported_bytes += n as u64;
+        while n > 0 {
+            let Some(front) = self.pieces.front_mut() else {
+                break;
+            };
+            if front.len() <= n {
+                n -= front.len();
+                self.pieces.pop_front();
+            } else {
+                front.advance(n);
+                n = 0;
+            }
+        }
+        if self.queued == 0 {
+            self.report_traffic();
+        } else if self.unreported_bytes >= GATHER_MAX as u64 {
+            // Frames are counted when queued; bytes as they are written.
+            self.report_traffic();
+        }
+    }
+
+    fn report_traffic(&mut self) {
+        let frames = std::mem::take(&mut self.unreported_frames);
+        let bytes = std::mem::take(&mut self.unreported_bytes);
+        self.metrics.traffic(self.direction, frames, bytes);
+    }
+
+    fn fail(&mut self, err: &std::io::Error) {
+        tracing::debug!(%err, direction = self.direction.as_str(), "socket write failed");
+        self.failed = true;
+        if self.count_outbox_gauge {
+            self.metrics.add_outbox_bytes(-(self.queued as i64));
+        }
+        self.queued = 0;
+        self.pieces.clear();
+        self.gathered.clear();
+        self.unflushed = false;
+        self.report_traffic();
+    }
+
+    /// Writes what is queued (for at most `grace`), then shuts the write side down.
+    pub async fn close(&mut self, grace: Duration) {
+        let drain = async {
+            while self.has_work() {
+                self.write_some().await;
+            }
+        };
+        let _ = tokio::time::timeout(grace, drain).await;
+        if !self.failed {
+            let _ = tokio::time::timeout(grace, self.writer.shutdown()).await;
+        }
+        if self.queued > 0 && self.count_outbox_gauge {
+            self.metrics.add_outbox_bytes(-(self.queued as i64));
+        }
+        self.queued = 0;
+        self.pieces.clear();
+        self.gathered.clear();
+        self.report_traffic();
     }
 }
 
 impl Drop for Outbox {
     fn drop(&mut self) {
-        // What was gathered is still written (a final close-ok) before the writer ends.
-        self.flush();
-    }
-}
-
-/// Waits for an outbox's writer to make progress (see [`Outbox::progress_signal`]).
-#[derive(Clone, Debug)]
-pub struct ProgressSignal(Arc<OutboxState>);
-
-impl ProgressSignal {
-    /// Resolves after the writer made progress (or failed). Cancel-safe.
-    pub async fn progressed(&self) {
-        self.0.drained.notified().await;
-    }
-}
-
-/// A writer task for `writer` and the outbox that feeds it. The task ends when the outbox is
-/// dropped (after writing what was queued and shutting the socket down) or on a write error.
-pub fn spawn_writer<W>(
-    writer: W,
-    limit: usize,
-    direction: Direction,
-    metrics: Arc<Metrics>,
-) -> (Outbox, JoinHandle<()>)
-where
-    W: AsyncWrite + Unpin + Send + 'static,
-{
-    let (sender, receiver) = mpsc::unbounded_channel();
-    let state = Arc::new(OutboxState::default());
-    let count_outbox_gauge = direction == Direction::ClientOut;
-    let outbox = Outbox {
-        sender,
-        state: state.clone(),
-        limit: limit.max(1),
-        count_outbox_gauge,
-        metrics: metrics.clone(),
-        gathered: BytesMut::new(),
-        gathered_frames: 0,
-    };
-    let task = tokio::spawn(write_loop(
-        writer,
-        receiver,
-        state,
-        direction,
-        metrics,
-        count_outbox_gauge,
-    ));
-    (outbox, task)
-}
-
-async fn write_loop<W>(
-    mut writer: W,
-    mut receiver: mpsc::UnboundedReceiver<Piece>,
-    state: Arc<OutboxState>,
-    direction: Direction,
-    metrics: Arc<Metrics>,
-    count_outbox_gauge: bool,
-) where
-    W: AsyncWrite + Unpin + Send + 'static,
-{
-    let mut batch = BytesMut::new();
-    while let Some(first) = receiver.recv().await {
-        let mut taken = first.bytes.len();
-        let mut frames = first.frames;
-        let result = match receiver.try_recv() {
-            // The common case: one gathered piece at a time, written without a copy.
-            Err(_) => writer.write_all(&first.bytes).await,
-            Ok(second) => {
-                batch.clear();
-                batch.extend_from_slice(&first.bytes);
-                batch.extend_from_slice(&second.bytes);
-                taken += second.bytes.len();
-                frames += second.frames;
-                while batch.len() < WRITE_BATCH {
-                    match receiver.try_recv() {
-                        Ok(more) => {
-                            taken += more.bytes.len();
-                            frames += more.frames;
-                            batch.extend_from_slice(&more.bytes);
-                        }
-                        Err(_) => break,
-                    }
-                }
-                writer.write_all(&batch).await
-            }
-        };
-        let result = match result {
-            Ok(()) if receiver.is_empty() => writer.flush().await,
-            other => other,
-        };
-        state.queued.fetch_sub(taken, Ordering::AcqRel);
-        if count_outbox_gauge {
-            metrics.add_outbox_bytes(-(taken as i64));
+        // Keep the gauge right for bytes that never reached the socket.
+        if self.queued > 0 && self.count_outbox_gauge {
+            self.metrics.add_outbox_bytes(-(self.queued as i64));
         }
-        metrics.traffic(direction, frames, taken as u64);
-        if let Err(err) = result {
-            tracing::debug!(%err, direction = direction.as_str(), "socket write failed");
-            state.failed.store(true, Ordering::Release);
-            state.drained.notify_one();
-            // Release what is still queued so gauges stay right.
-            receiver.close();
-            while let Ok(rest) = receiver.try_recv() {
-                state.queued.fetch_sub(rest.bytes.len(), Ordering::AcqRel);
-                if count_outbox_gauge {
-                    metrics.add_outbox_bytes(-(rest.bytes.len() as i64));
-                }
-            }
-            return;
-        }
-        state.drained.notify_one();
     }
-    let _ = writer.flush().await;
-    let _ = writer.shutdown().await;
 }
 
 #[cfg(test)]
@@ -261,38 +287,52 @@ mod tests {
     use super::*;
     use tokio::io::AsyncReadExt;
 
+    async fn drain(outbox: &mut Outbox) {
+        while outbox.has_work() {
+            outbox.write_some().await;
+        }
+    }
+
     #[tokio::test]
     async fn writes_in_order_and_counts_bytes() {
         let (a, mut b) = tokio::io::duplex(1024);
         let metrics = Metrics::new(10);
-        let (mut outbox, task) = spawn_writer(a, 8, Direction::ClientOut, metrics);
+        let mut outbox = Outbox::new(a, 8, Direction::ClientOut, metrics.clone());
         assert!(outbox.send(Bytes::from_static(b"hello ")));
         assert!(outbox.send(Bytes::from_static(b"world")));
-        assert!(outbox.queued() <= 11);
-        // Dropping the outbox hands over what was gathered.
-        drop(outbox);
+        assert_eq!(outbox.queued(), 11);
+        assert!(outbox.is_full());
+        outbox.close(Duration::from_secs(1)).await;
         let mut got = String::new();
         b.read_to_string(&mut got).await.unwrap();
         assert_eq!(got, "hello world");
-        task.await.unwrap();
+        let text = metrics.encode();
+        assert!(text.contains(r#"dlx_proxy_frames_total{direction="client_out"} 2"#));
+        assert!(text.contains(r#"dlx_proxy_bytes_total{direction="client_out"} 11"#));
+        assert!(text.contains("dlx_proxy_outbox_bytes 0"), "{text}");
     }
 
     #[tokio::test]
-    async fn reports_fullness_while_the_peer_does_not_read() {
+    async fn stays_full_while_the_peer_does_not_read() {
         let (a, mut b) = tokio::io::duplex(16);
         let metrics = Metrics::new(10);
-        let (mut outbox, _task) = spawn_writer(a, 32, Direction::UpstreamOut, metrics);
+        let mut outbox = Outbox::new(a, 32, Direction::UpstreamOut, metrics);
         outbox.send(Bytes::from(vec![1u8; 64]));
-        assert!(outbox.is_full(), "gathered bytes count before the flush");
-        outbox.flush();
-        tokio::task::yield_now().await;
         assert!(outbox.is_full());
-        let mut sink = vec![0u8; 64];
-        b.read_exact(&mut sink).await.unwrap();
-        while outbox.is_full() {
-            outbox.progressed().await;
-        }
+        // The pipe takes 16 bytes; then the write waits for the reader.
+        outbox.write_some().await;
+        assert_eq!(outbox.queued(), 48);
+        let blocked = tokio::time::timeout(Duration::from_millis(50), outbox.write_some()).await;
+        assert!(blocked.is_err(), "no progress without a reader");
+        assert!(outbox.is_full());
+        let reader = tokio::spawn(async move {
+            let mut sink = vec![0u8; 64];
+            b.read_exact(&mut sink).await.unwrap();
+            sink
+        });
+        drain(&mut outbox).await;
         assert_eq!(outbox.queued(), 0);
+        assert_eq!(reader.await.unwrap(), vec![1u8; 64]);
     }
 
     #[tokio::test]
@@ -300,36 +340,39 @@ mod tests {
         let (a, b) = tokio::io::duplex(16);
         drop(b);
         let metrics = Metrics::new(10);
-        let (mut outbox, task) = spawn_writer(a, 32, Direction::ClientOut, metrics);
+        let mut outbox = Outbox::new(a, 32, Direction::ClientOut, metrics.clone());
         outbox.send(Bytes::from_static(b"x"));
-        outbox.flush();
-        task.await.unwrap();
+        drain(&mut outbox).await;
         assert!(outbox.has_failed());
         assert!(!outbox.send(Bytes::from_static(b"y")));
+        assert_eq!(outbox.queued(), 0);
+        assert!(metrics.encode().contains("dlx_proxy_outbox_bytes 0"));
     }
 
     #[tokio::test]
     async fn large_frames_keep_their_place_between_gathered_ones() {
         let (a, mut b) = tokio::io::duplex(64 * 1024);
         let metrics = Metrics::new(10);
-        let (mut outbox, task) = spawn_writer(a, 1 << 20, Direction::ClientOut, metrics.clone());
+        let mut outbox = Outbox::new(a, 1 << 20, Direction::ClientOut, metrics.clone());
         let large = vec![b'b'; GATHER_FRAME_MAX + 10];
         assert!(outbox.send(Bytes::from_static(b"a")));
         assert!(outbox.send(Bytes::from(large.clone())));
         assert!(outbox.send(Bytes::from_static(b"c")));
         assert_eq!(outbox.queued(), large.len() + 2);
-        outbox.flush();
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            b.read_to_end(&mut got).await.unwrap();
+            got
+        });
+        outbox.close(Duration::from_secs(1)).await;
         drop(outbox);
-        let mut got = Vec::new();
-        b.read_to_end(&mut got).await.unwrap();
-        task.await.unwrap();
         let mut expected = b"a".to_vec();
         expected.extend_from_slice(&large);
         expected.push(b'c');
-        assert_eq!(got, expected);
+        assert_eq!(reader.await.unwrap(), expected);
         let text = metrics.encode();
         assert!(
-            text.contains("dlx_proxy_frames_total{direction=\"client_out\"} 3"),
+            text.contains(r#"dlx_proxy_frames_total{direction="client_out"} 3"#),
             "three frames counted, however they were written: {text}"
         );
     }

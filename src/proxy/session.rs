@@ -27,7 +27,7 @@ use super::capture::CaptureConsumer;
 use super::channels::ClientChannel;
 use super::handshake::{Negotiated, refuse_client};
 use super::ops::Op;
-use super::outbox::{Outbox, spawn_writer};
+use super::outbox::Outbox;
 use super::probe::QueueProbe;
 use super::publisher::{OpId, Publisher};
 use super::wire::{FrameReader, WireFrame, method_frame};
@@ -163,13 +163,13 @@ pub(super) async fn run<S>(
     }
     let outbox_limit = shared.outbox_bytes;
     let metrics = shared.metrics.clone();
-    let (client_out, client_task) = spawn_writer(
+    let client_out = Outbox::new(
         client_write,
         outbox_limit,
         Direction::ClientOut,
         metrics.clone(),
     );
-    let (upstream_out, upstream_task) = spawn_writer(
+    let upstream_out = Outbox::new(
         upstream_write,
         outbox_limit,
         Direction::UpstreamOut,
@@ -177,8 +177,6 @@ pub(super) async fn run<S>(
     );
     let mut client_reader = FrameReader::new(client_read, shared.handshake_frame_max);
     let mut upstream_reader = FrameReader::new(upstream_read, shared.handshake_frame_max);
-    let client_signal = client_out.progress_signal();
-    let upstream_signal = upstream_out.progress_signal();
     let now = Instant::now();
     let mut session = Session {
         shared,
@@ -240,12 +238,8 @@ pub(super) async fn run<S>(
         if !read_upstream {
             session.last_upstream_rx = now;
         }
-        // Everything this turn produced goes to the writers before the task waits.
-        session.client_out.flush();
-        session.upstream_out.flush();
-        let wait_client_out = session.client_out.is_full() && !session.client_out.has_failed();
-        let wait_upstream_out =
-            session.upstream_out.is_full() && !session.upstream_out.has_failed();
+        let write_client = session.client_out.has_work();
+        let write_upstream = session.upstream_out.has_work();
         let deadline = tokio::time::Instant::from(
             session
                 .next_deadline()
@@ -257,17 +251,19 @@ pub(super) async fn run<S>(
         tokio::select! {
             frame = client_reader.next(), if read_client => session.client_read(frame),
             frame = upstream_reader.next(), if read_upstream => session.upstream_read(frame),
-            _ = client_signal.progressed(), if wait_client_out => {}
-            _ = upstream_signal.progressed(), if wait_upstream_out => {}
+            _ = session.client_out.write_some(), if write_client => {}
+            _ = session.upstream_out.write_some(), if write_upstream => {}
             _ = &mut timer => session.on_timer(Instant::now()),
             _ = shutdown.recv(), if !session.shutdown_seen => session.on_shutdown(),
         }
     }
     session.finish();
-    drop(session);
-    // Let the writers flush what is queued (a final close-ok) before the sockets go.
-    let _ = tokio::time::timeout(Duration::from_secs(2), client_task).await;
-    let _ = tokio::time::timeout(Duration::from_secs(2), upstream_task).await;
+    // What is queued (a final close-ok) is written before the sockets go.
+    let grace = Duration::from_secs(2);
+    tokio::join!(
+        session.client_out.close(grace),
+        session.upstream_out.close(grace)
+    );
 }
 
 impl Session {
