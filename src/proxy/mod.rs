@@ -67,7 +67,11 @@
 //!   406); acks the proxy sends on a transactional channel join the client's transaction;
 //! - the capture queue is consumed by the proxy's connections of a vhost: with no client
 //!   connected there, captured messages wait in it;
-//! - `compat = "4"`: an x-death history on a message is always continued.
+//! - `compat = "4"`: an x-death history on a message is always continued;
+//! - a delivery keeps its content (to be dead-lettered or republished by the proxy) only when
+//!   its queue can dead-letter when it is delivered (`ProxyShared::may_take_over`); a
+//!   policy that adds a dead-letter exchange later applies to such a delivery only through
+//!   the capture queue (queues declared through the proxy), see docs/semantics.md.
 //!
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
 //! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`bcc`], [`publisher`],
