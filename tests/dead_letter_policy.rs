@@ -12,18 +12,12 @@ use common::dl_policy::{exact, pattern};
 use common::*;
 use serde_json::json;
 
-async fn dlx_and_dlq(ch: &Channel) {
-    exchange(ch, "dlx", ExchangeKind::Direct).await;
-    declare(ch, "dlq", FieldTable::default()).await;
-    bind(ch, "dlq", "dlx", "dlq").await;
-}
-
 /// P1: a policy set later applies to messages already unacked.
 #[tokio::test]
 async fn dead_letter_policy() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     declare(&ch, "q", FieldTable::default()).await;
     publish(&ch, "q", &["p1", "p2"]).await;
     let tags = consume(&ch, "q", &["p1", "p2"]).await;
@@ -83,7 +77,7 @@ async fn dead_letter_ignore_policy() {
 async fn precedence_dead_letter_keys_merge_key_by_key() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     b.set_policy(exact(
         "p",
         "q",
@@ -106,7 +100,7 @@ async fn precedence_dead_letter_keys_merge_key_by_key() {
 async fn precedence_message_ttl_lower_wins() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     b.set_policy(pattern(
         "ttl",
         "^q",
@@ -192,7 +186,7 @@ async fn precedence_overflow_argument_wins() {
 async fn precedence_expires_lower_wins_and_never_dead_letters() {
     let b = start().await;
     let (c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     b.set_policy(exact("exp", "q", json!({"expires": 50})));
     declare(
         &ch,
@@ -269,7 +263,7 @@ async fn policy_matching_priority_apply_to_and_vhost() {
 async fn runtime_policy_ttl_applies_to_queued_messages() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     declare(&ch, "q", FieldTable::default()).await;
     publish(&ch, "q", &["old1", "old2"]).await;
     tokio::time::sleep(Duration::from_millis(60)).await;
@@ -294,7 +288,7 @@ async fn runtime_policy_ttl_applies_to_queued_messages() {
 async fn runtime_policy_max_length_applies_to_queued_messages() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     declare(&ch, "q", FieldTable::default()).await;
     publish(&ch, "q", &["1", "2", "3"]).await;
     b.set_policy(exact(
@@ -313,7 +307,7 @@ async fn runtime_policy_max_length_applies_to_queued_messages() {
 async fn runtime_policy_cleared_stops_dead_lettering() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     b.set_policy(exact(
         "dlx",
         "q",
@@ -342,7 +336,7 @@ async fn reload_applies_policies_to_existing_queues() {
     )];
     let b = start_with(cfg.clone()).await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     declare(&ch, "dlq2", FieldTable::default()).await;
     bind(&ch, "dlq2", "dlx", "dlq2").await;
     declare(&ch, "q", FieldTable::default()).await;
