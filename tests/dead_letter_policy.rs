@@ -48,8 +48,7 @@ async fn dead_letter_override_policy() {
     ));
     declare_dead_letter_queues(&ch, "q", "dlq", &[]).await;
     publish(&ch, "q", &["p1"]).await;
-    let t = consume(&ch, "q", &["p1"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "p1").await;
     b.wait_counts("dlq", 1, 0).await;
     consume_empty(&ch, "q").await;
 }
@@ -66,8 +65,7 @@ async fn dead_letter_ignore_policy() {
         json!({"dead-letter-exchange": "", "dead-letter-routing-key": "q"}),
     ));
     publish(&ch, "q", &["p1"]).await;
-    let t = consume(&ch, "q", &["p1"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "p1").await;
     b.wait_counts("dlq", 1, 0).await;
     consume_empty(&ch, "q").await;
 }
@@ -85,8 +83,7 @@ async fn precedence_dead_letter_keys_merge_key_by_key() {
     ));
     declare(&ch, "q", table(&[("x-dead-letter-exchange", ls("dlx"))])).await;
     publish(&ch, "q", &["m"]).await;
-    let t = consume(&ch, "q", &["m"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "m").await;
     b.wait_counts("dlq", 1, 0).await;
     let d = get_one(&ch, "dlq").await;
     assert_eq!(
@@ -155,9 +152,7 @@ async fn precedence_max_length_lower_wins() {
 async fn precedence_overflow_argument_wins() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    confirm_select(&ch).await;
     b.set_policy(exact(
         "ovf",
         "q",

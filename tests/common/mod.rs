@@ -441,6 +441,26 @@ pub mod dl {
         t
     }
 
+    /// Queue arguments that dead-letter to `queue` through the default exchange
+    /// (`x-dead-letter-exchange = ""`, `x-dead-letter-routing-key = queue`), plus `extra`.
+    pub fn dead_letter_to(queue: &str, extra: &[(&str, AMQPValue)]) -> FieldTable {
+        let mut args = vec![
+            ("x-dead-letter-exchange", ls("")),
+            ("x-dead-letter-routing-key", ls(queue)),
+        ];
+        args.extend(extra.iter().cloned());
+        table(&args)
+    }
+
+    /// Queue arguments that dead-letter through the default exchange with the message's own
+    /// routing key (`x-dead-letter-exchange = ""`), plus `extra`: a message published to the
+    /// queue by name comes back to it.
+    pub fn self_loop(extra: &[(&str, AMQPValue)]) -> FieldTable {
+        let mut args = vec![("x-dead-letter-exchange", ls(""))];
+        args.extend(extra.iter().cloned());
+        table(&args)
+    }
+
     /// Wall clock, seconds.
     pub fn now_secs() -> u64 {
         std::time::SystemTime::now()
@@ -599,6 +619,13 @@ pub mod dl {
         .expect("sync round trip");
     }
 
+    /// Puts the channel in confirm mode.
+    pub async fn confirm_select(ch: &Channel) {
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm.select");
+    }
+
     /// Publishes through `exchange`; returns the confirmation (`NotRequested` without
     /// confirms). Returns only once the broker has handled the publish.
     pub async fn publish_to(
@@ -681,6 +708,19 @@ pub mod dl {
         if let Some(d) = get(ch, queue).await {
             panic!("{queue}: expected get-empty, got {:?}", payload(&d));
         }
+    }
+
+    /// The upstream `[DTag] = consume(Ch, Q, [P])` then `basic.reject` without requeue: takes
+    /// the next message of `queue`, which must be `payload`, and rejects it.
+    pub async fn get_and_reject(ch: &Channel, queue: &str, payload: &str) {
+        let tag = consume(ch, queue, &[payload]).await[0];
+        reject(ch, tag, false).await;
+    }
+
+    /// The same with `basic.nack` (not multiple, no requeue).
+    pub async fn get_and_nack(ch: &Channel, queue: &str, payload: &str) {
+        let tag = consume(ch, queue, &[payload]).await[0];
+        nack(ch, tag, false, false).await;
     }
 
     /// basic.nack; returns once the broker handled it (as do `reject` and `ack`).
