@@ -922,7 +922,7 @@ pub mod dl {
     }
 }
 
-/// Policy helpers for the dead-letter suites.
+/// Policy helpers for the dead-letter suites (`tests/proxy_support` builds its `policy` on them).
 pub mod dl_policy {
     use super::TestBroker;
     use dlx_proxy::admin::PolicyControl;

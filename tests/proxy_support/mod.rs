@@ -70,19 +70,9 @@ macro_rules! require_upstream {
     };
 }
 
-/// A policy for `pattern` (anchored) in vhost "/".
+/// A policy for the queues matching `pattern` in vhost "/", priority 0.
 pub fn policy(name: &str, pattern: &str, definition: serde_json::Value) -> PolicyConfig {
-    let serde_json::Value::Object(map) = definition else {
-        panic!("definition must be an object");
-    };
-    PolicyConfig {
-        name: name.into(),
-        vhost: "/".into(),
-        pattern: pattern.into(),
-        apply_to: "queues".into(),
-        priority: 0,
-        definition: map.into_iter().collect(),
-    }
+    crate::common::dl_policy::pattern(name, pattern, 0, definition)
 }
 
 /// A proxy running in this process.
