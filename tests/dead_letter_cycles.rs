@@ -13,13 +13,11 @@ use common::*;
 async fn dead_letter_routing_key_cycle_with_reject() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    declare(&ch, "q", table(&[("x-dead-letter-exchange", ls(""))])).await;
+    declare(&ch, "q", self_loop(&[])).await;
     publish(&ch, "q", &["p"]).await;
-    let t = consume(&ch, "q", &["p"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "p").await;
     b.wait_counts("q", 1, 0).await;
-    let t = consume(&ch, "q", &["p"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "p").await;
     b.wait_counts("q", 1, 0).await;
     let d = get_one(&ch, "q").await;
     assert_eq!(payload(&d), "p");
@@ -34,19 +32,14 @@ async fn dead_letter_routing_key_cycle_with_reject() {
 async fn dead_letter_reject_expire_expire() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    let dl = |rk: &str| {
-        vec![
-            ("x-dead-letter-exchange", ls("")),
-            ("x-dead-letter-routing-key", ls(rk)),
-        ]
-    };
-    declare(&ch, "b", table(&dl("a2"))).await;
-    let mut a2 = dl("a3");
-    a2.push(("x-message-ttl", int(5)));
-    declare(&ch, "a2", table(&a2)).await;
-    let mut a3 = dl("b");
-    a3.push(("x-message-ttl", int(5)));
-    declare(&ch, "a3", table(&a3)).await;
+    declare(&ch, "b", dead_letter_to("a2", &[])).await;
+    declare(
+        &ch,
+        "a2",
+        dead_letter_to("a3", &[("x-message-ttl", int(5))]),
+    )
+    .await;
+    declare(&ch, "a3", dead_letter_to("b", &[("x-message-ttl", int(5))])).await;
     publish(&ch, "b", &["m"]).await;
     b.wait_counts("b", 1, 0).await;
     for round in 1..=3i64 {
@@ -82,21 +75,13 @@ async fn expire_expire_loop_is_dropped_at_the_first_queue() {
     declare(
         &ch,
         "x1",
-        table(&[
-            ("x-dead-letter-exchange", ls("")),
-            ("x-dead-letter-routing-key", ls("x2")),
-            ("x-message-ttl", int(5)),
-        ]),
+        dead_letter_to("x2", &[("x-message-ttl", int(5))]),
     )
     .await;
     declare(
         &ch,
         "x2",
-        table(&[
-            ("x-dead-letter-exchange", ls("")),
-            ("x-dead-letter-routing-key", ls("x1")),
-            ("x-message-ttl", int(5)),
-        ]),
+        dead_letter_to("x1", &[("x-message-ttl", int(5))]),
     )
     .await;
     publish(&ch, "x1", &["m"]).await;
@@ -117,22 +102,10 @@ async fn loop_with_a_rejection_in_it_is_not_a_cycle() {
     declare(
         &ch,
         "x1",
-        table(&[
-            ("x-dead-letter-exchange", ls("")),
-            ("x-dead-letter-routing-key", ls("x2")),
-            ("x-message-ttl", int(5)),
-        ]),
+        dead_letter_to("x2", &[("x-message-ttl", int(5))]),
     )
     .await;
-    declare(
-        &ch,
-        "x2",
-        table(&[
-            ("x-dead-letter-exchange", ls("")),
-            ("x-dead-letter-routing-key", ls("x1")),
-        ]),
-    )
-    .await;
+    declare(&ch, "x2", dead_letter_to("x1", &[])).await;
     publish(&ch, "x1", &["m"]).await;
     for round in 1..=3i64 {
         b.wait_counts("x2", 1, 0).await;
@@ -184,8 +157,7 @@ async fn fanout_self_target_after_rejection_is_delivered() {
     bind(&ch, "src", "fan", "").await;
     bind(&ch, "other", "fan", "").await;
     publish(&ch, "src", &["m"]).await;
-    let t = consume(&ch, "src", &["m"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "src", "m").await;
     b.wait_counts("src", 1, 0).await;
     b.wait_counts("other", 1, 0).await;
     assert_eq!(b.dropped("src", "cycle"), 0);
@@ -201,11 +173,7 @@ async fn client_supplied_history_counts_for_cycles() {
     declare(
         &ch,
         "loop",
-        table(&[
-            ("x-dead-letter-exchange", ls("")),
-            ("x-dead-letter-routing-key", ls("loop")),
-            ("x-message-ttl", int(5)),
-        ]),
+        dead_letter_to("loop", &[("x-message-ttl", int(5))]),
     )
     .await;
     // A history without any rejection: loop expired once already.

@@ -333,9 +333,7 @@ async fn queue_expiry_never_dead_letters() {
 async fn exclusive_queue_deleted_with_connection_never_dead_letters() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    exchange(&ch, "dlx", ExchangeKind::Direct).await;
-    declare(&ch, "dlq", FieldTable::default()).await;
-    bind(&ch, "dlq", "dlx", "dlq").await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     {
         let (c2, ch2) = b.channel().await;
         ch2.queue_declare(

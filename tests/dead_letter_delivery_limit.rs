@@ -216,8 +216,7 @@ async fn reject_without_requeue_is_not_a_delivery_limit_death() {
     let (_c, ch) = b.channel().await;
     declare_dead_letter_queues(&ch, "q", "dlq", &[("x-delivery-limit", int(0))]).await;
     publish(&ch, "q", &["m"]).await;
-    let t = consume(&ch, "q", &["m"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "m").await;
     b.wait_counts("dlq", 1, 0).await;
     let d = get_one(&ch, "dlq").await;
     assert_eq!(x_death(&d)[0].reason, "rejected");

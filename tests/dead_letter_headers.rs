@@ -15,17 +15,6 @@ fn config(compat: &str) -> Config {
     cfg
 }
 
-fn self_loop() -> FieldTable {
-    table(&[("x-dead-letter-exchange", ls(""))])
-}
-
-fn dl_to(rk: &str) -> Vec<(&'static str, AMQPValue)> {
-    vec![
-        ("x-dead-letter-exchange", ls("")),
-        ("x-dead-letter-routing-key", ls(rk)),
-    ]
-}
-
 /// H1: exactly one entry with every field and its type.
 #[tokio::test]
 async fn dead_letter_headers() {
@@ -33,8 +22,7 @@ async fn dead_letter_headers() {
     let (_c, ch) = b.channel().await;
     declare_dead_letter_queues(&ch, "q", "dlq", &[]).await;
     publish(&ch, "q", &["p1"]).await;
-    let t = consume(&ch, "q", &["p1"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "p1").await;
     b.wait_counts("dlq", 1, 0).await;
     let d = get_one(&ch, "dlq").await;
     // Raw shape, field by field (x_death() checks the same strictly).
@@ -67,10 +55,9 @@ async fn dead_letter_headers() {
 async fn dead_letter_headers_cycle() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    declare(&ch, "q", self_loop()).await;
+    declare(&ch, "q", self_loop(&[])).await;
     publish(&ch, "q", &["p"]).await;
-    let t = consume(&ch, "q", &["p"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "p").await;
     let d = get_one(&ch, "q").await;
     let first = x_death(&d);
     assert_eq!(first.len(), 1);
@@ -92,12 +79,11 @@ async fn dead_letter_headers_cycle() {
 async fn dead_letter_headers_should_be_appended_for_each_event() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    declare(&ch, "q", table(&dl_to("dlx1"))).await;
-    declare(&ch, "dlx1", table(&dl_to("dlx2"))).await;
+    declare(&ch, "q", dead_letter_to("dlx1", &[])).await;
+    declare(&ch, "dlx1", dead_letter_to("dlx2", &[])).await;
     declare(&ch, "dlx2", FieldTable::default()).await;
     publish(&ch, "q", &["m"]).await;
-    let t = consume(&ch, "q", &["m"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "m").await;
     b.wait_counts("dlx1", 1, 0).await;
     let d = get_one(&ch, "dlx1").await;
     let deaths = x_death(&d);
@@ -120,9 +106,9 @@ async fn dead_letter_headers_should_be_appended_for_each_event() {
 async fn x_death_order_with_three_entries_is_newest_first() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    declare(&ch, "c0", table(&dl_to("c1"))).await;
-    declare(&ch, "c1", table(&dl_to("c2"))).await;
-    declare(&ch, "c2", table(&dl_to("c3"))).await;
+    declare(&ch, "c0", dead_letter_to("c1", &[])).await;
+    declare(&ch, "c1", dead_letter_to("c2", &[])).await;
+    declare(&ch, "c2", dead_letter_to("c3", &[])).await;
     declare(&ch, "c3", FieldTable::default()).await;
     publish(&ch, "c0", &["m"]).await;
     for q in ["c0", "c1", "c2"] {
@@ -139,11 +125,10 @@ async fn x_death_order_with_three_entries_is_newest_first() {
 
 async fn republish_scenario(b: &TestBroker) -> Delivery {
     let (_c, ch) = b.channel().await;
-    declare(&ch, "q", table(&dl_to("dlx"))).await;
+    declare(&ch, "q", dead_letter_to("dlx", &[])).await;
     declare(&ch, "dlx", FieldTable::default()).await;
     publish(&ch, "q", &["m"]).await;
-    let t = consume(&ch, "q", &["m"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "m").await;
     b.wait_counts("dlx", 1, 0).await;
     let d = get_one(&ch, "dlx").await;
     assert_eq!(x_death(&d)[0].qrc(), ("q", "rejected", 1));
@@ -152,9 +137,12 @@ async fn republish_scenario(b: &TestBroker) -> Delivery {
     ch.queue_delete("q".into(), QueueDeleteOptions::default())
         .await
         .unwrap();
-    let mut args = dl_to("dlx");
-    args.push(("x-message-ttl", int(1)));
-    declare(&ch, "q", table(&args)).await;
+    declare(
+        &ch,
+        "q",
+        dead_letter_to("dlx", &[("x-message-ttl", int(1))]),
+    )
+    .await;
     publish_headers(&ch, "q", "m", headers1).await;
     b.wait_counts("dlx", 1, 0).await;
     get_one(&ch, "dlx").await
@@ -222,11 +210,10 @@ async fn dead_letter_headers_first_death() {
     ch.queue_delete("dlq".into(), QueueDeleteOptions::default())
         .await
         .unwrap();
-    declare(&ch, "dlq", table(&dl_to("q"))).await;
+    declare(&ch, "dlq", dead_letter_to("q", &[])).await;
     bind(&ch, "dlq", &dlx, "dlq").await;
     publish(&ch, "q", &["m"]).await;
-    let t = consume(&ch, "q", &["m"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "m").await;
     b.wait_counts("dlq", 1, 0).await;
     let d = get_one(&ch, "dlq").await;
     assert_first_death(&d, "rejected", "q", "");
@@ -286,8 +273,7 @@ async fn dead_letter_headers_first_death_route() {
     assert_eq!(b.dropped("q2", "unroutable"), 1);
     publish(&ch, "q2", &["p3"]).await;
     b.wait_counts("q2", 1, 0).await;
-    let t = consume(&ch, "q2", &["p3"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q2", "p3").await;
     b.wait_counts("rejected_q", 1, 0).await;
     consume(&ch, "rejected_q", &["p3"]).await;
 }
@@ -298,10 +284,13 @@ async fn dead_letter_headers_first_death_route() {
 async fn stream() {
     let b = start_with(config("4")).await;
     let (_c, ch) = b.channel().await;
-    declare(&ch, "q1", table(&dl_to("q2"))).await;
-    let mut q2 = dl_to("q3");
-    q2.push(("x-message-ttl", int(20)));
-    declare(&ch, "q2", table(&q2)).await;
+    declare(&ch, "q1", dead_letter_to("q2", &[])).await;
+    declare(
+        &ch,
+        "q2",
+        dead_letter_to("q3", &[("x-message-ttl", int(20))]),
+    )
+    .await;
     declare(&ch, "q3", FieldTable::default()).await;
     let props = BasicProperties::default()
         .with_expiration("0".into())
@@ -339,10 +328,13 @@ async fn stream() {
 async fn stream_second_death_routing_keys_compat_4() {
     let b = start_with(config("4")).await;
     let (_c, ch) = b.channel().await;
-    declare(&ch, "q1", table(&dl_to("q2"))).await;
-    let mut q2 = dl_to("q3");
-    q2.push(("x-message-ttl", int(1)));
-    declare(&ch, "q2", table(&q2)).await;
+    declare(&ch, "q1", dead_letter_to("q2", &[])).await;
+    declare(
+        &ch,
+        "q2",
+        dead_letter_to("q3", &[("x-message-ttl", int(1))]),
+    )
+    .await;
     declare(&ch, "q3", FieldTable::default()).await;
     let props = BasicProperties::default()
         .with_expiration("0".into())
@@ -364,14 +356,16 @@ async fn last_death_headers_follow_each_death_in_compat_4() {
     ch.queue_delete("dlq".into(), QueueDeleteOptions::default())
         .await
         .unwrap();
-    let mut args = dl_to("last");
-    args.push(("x-message-ttl", int(1)));
-    declare(&ch, "dlq", table(&args)).await;
+    declare(
+        &ch,
+        "dlq",
+        dead_letter_to("last", &[("x-message-ttl", int(1))]),
+    )
+    .await;
     bind(&ch, "dlq", &dlx, "dlq").await;
     declare(&ch, "last", FieldTable::default()).await;
     publish(&ch, "q", &["m"]).await;
-    let t = consume(&ch, "q", &["m"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "m").await;
     b.wait_counts("last", 1, 0).await;
     let d = get_one(&ch, "last").await;
     assert_first_death(&d, "rejected", "q", "");
@@ -405,8 +399,7 @@ async fn dead_lettered_properties_and_header_layout() {
         .with_user_id("guest".into())
         .with_content_encoding("identity".into());
     publish_to(&ch, "", "src", b"body", props.clone()).await;
-    let t = consume(&ch, "src", &["body"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "src", "body").await;
     b.wait_counts("dlq", 1, 0).await;
     let d = get_one(&ch, "dlq").await;
     assert_eq!(d.exchange.as_str(), dlx);
@@ -449,8 +442,7 @@ async fn x_death_of_wrong_type_is_reset() {
     let (_c, ch) = b.channel().await;
     declare_dead_letter_queues(&ch, "q", "dlq", &[]).await;
     publish_headers(&ch, "q", "m", table(&[("x-death", ls("garbage"))])).await;
-    let t = consume(&ch, "q", &["m"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "m").await;
     b.wait_counts("dlq", 1, 0).await;
     let d = get_one(&ch, "dlq").await;
     let deaths = x_death(&d);
@@ -494,8 +486,7 @@ async fn client_history_entry_is_incremented_and_moved_to_front() {
         ]),
     )
     .await;
-    let t = consume(&ch, "q", &["m"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "m").await;
     b.wait_counts("dlq", 1, 0).await;
     let d = get_one(&ch, "dlq").await;
     let deaths = x_death(&d);
@@ -522,8 +513,8 @@ async fn x_death_total_counts_every_death() {
     cfg.dead_letter.x_death_total = true;
     let b = start_with(cfg).await;
     let (_c, ch) = b.channel().await;
-    declare(&ch, "q", table(&dl_to("r"))).await;
-    declare(&ch, "r", table(&dl_to("q"))).await;
+    declare(&ch, "q", dead_letter_to("r", &[])).await;
+    declare(&ch, "r", dead_letter_to("q", &[])).await;
     publish(&ch, "q", &["m"]).await;
     for (deaths_so_far, q) in (0i64..).zip(["q", "r", "q", "r"]) {
         b.wait_counts(q, 1, 0).await;
@@ -554,10 +545,9 @@ async fn x_death_total_counts_every_death() {
 async fn x_death_total_is_off_by_default() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    declare(&ch, "q", self_loop()).await;
+    declare(&ch, "q", self_loop(&[])).await;
     publish(&ch, "q", &["m"]).await;
-    let t = consume(&ch, "q", &["m"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "m").await;
     let d = get_one(&ch, "q").await;
     assert!(header(&d, "x-death-total").is_none());
 }
@@ -570,18 +560,16 @@ async fn max_hops_drops_after_the_limit() {
     cfg.dead_letter.max_hops = 2;
     let b = start_with(cfg).await;
     let (_c, ch) = b.channel().await;
-    declare(&ch, "q", self_loop()).await;
+    declare(&ch, "q", self_loop(&[])).await;
     publish(&ch, "q", &["m"]).await;
     for hop in 1..=2i64 {
-        let t = consume(&ch, "q", &["m"]).await[0];
-        reject(&ch, t, false).await;
+        get_and_reject(&ch, "q", "m").await;
         b.wait_counts("q", 1, 0).await;
         let d = get_one(&ch, "q").await;
         assert_eq!(x_death(&d)[0].count, hop);
         nack(&ch, d.delivery_tag, false, true).await;
     }
-    let t = consume(&ch, "q", &["m"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "m").await;
     b.wait_counts("q", 0, 0).await;
     assert_eq!(b.dropped("q", "hop_limit"), 1);
     assert_eq!(b.dead_lettered("q", "rejected"), 3);

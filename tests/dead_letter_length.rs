@@ -51,9 +51,7 @@ async fn dead_letter_max_length_reject_publish_dlx() {
 async fn reject_publish_dlx_confirms_ack_nack_nack() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    confirm_select(&ch).await;
     let dlx = declare_dead_letter_queues(
         &ch,
         "q",
@@ -122,12 +120,7 @@ async fn dead_letter_headers_reason_maxlen() {
 async fn dead_letter_routing_key_cycle_max_length() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    declare(
-        &ch,
-        "q",
-        table(&[("x-max-length", int(1)), ("x-dead-letter-exchange", ls(""))]),
-    )
-    .await;
+    declare(&ch, "q", self_loop(&[("x-max-length", int(1))])).await;
     publish(&ch, "q", &["p1", "p2"]).await;
     b.wait_counts("q", 1, 0).await;
     let t = consume(&ch, "q", &["p2"]).await[0];
@@ -211,9 +204,7 @@ async fn drop_head_after_requeue_dead_letters_the_head() {
 async fn reject_publish_does_not_dead_letter() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    confirm_select(&ch).await;
     declare_dead_letter_queues(
         &ch,
         "q",
@@ -250,9 +241,7 @@ async fn max_length_zero_dead_letters_every_message() {
 async fn quorum_reject_publish_dlx_same_as_classic() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    confirm_select(&ch).await;
     exchange(&ch, "dlx", ExchangeKind::Direct).await;
     declare_durable(
         &ch,
@@ -285,9 +274,7 @@ async fn quorum_reject_publish_dlx_same_as_classic() {
 async fn quorum_drop_head_dead_letters_oldest_in_order() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    exchange(&ch, "dlx", ExchangeKind::Direct).await;
-    declare(&ch, "dlq", FieldTable::default()).await;
-    bind(&ch, "dlq", "dlx", "dlq").await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     for (q, limit) in [
         ("qq-len", ("x-max-length", int(1))),
         ("qq-bytes", ("x-max-length-bytes", int(100))),
@@ -325,9 +312,7 @@ async fn quorum_drop_head_dead_letters_oldest_in_order() {
 async fn at_most_once_dead_letter_order_maxlen() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    exchange(&ch, "dlx", ExchangeKind::Direct).await;
-    declare(&ch, "dlq", FieldTable::default()).await;
-    bind(&ch, "dlq", "dlx", "dlq").await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     declare_durable(
         &ch,
         "qq",
@@ -367,9 +352,7 @@ async fn max_length_zero_drop_head_delivers_to_waiting_consumer() {
 async fn reject_publish_checks_the_limit_before_a_waiting_consumer() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    exchange(&ch, "dlx", ExchangeKind::Direct).await;
-    declare(&ch, "dlq", FieldTable::default()).await;
-    bind(&ch, "dlq", "dlx", "dlq").await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     for (q, overflow) in [("rp", "reject-publish"), ("rpdlx", "reject-publish-dlx")] {
         declare(
             &ch,
@@ -387,10 +370,7 @@ async fn reject_publish_checks_the_limit_before_a_waiting_consumer() {
     let mut crp = consumer(&cons, "rp", "c1").await;
     let mut crpdlx = consumer(&cons, "rpdlx", "c2").await;
     let (_c3, publisher) = b.channel().await;
-    publisher
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    confirm_select(&publisher).await;
     for q in ["rp", "rpdlx"] {
         let c = publish_to(&publisher, "", q, &[b'x'; 20], BasicProperties::default()).await;
         assert!(matches!(c, Confirmation::Nack(_)), "{q}: {c:?}");
@@ -425,19 +405,10 @@ async fn reject_publish_dlx_target_dead_letters_onward() {
         ]),
     )
     .await;
-    declare(
-        &ch,
-        "src",
-        table(&[
-            ("x-dead-letter-exchange", ls("")),
-            ("x-dead-letter-routing-key", ls("target")),
-        ]),
-    )
-    .await;
+    declare(&ch, "src", dead_letter_to("target", &[])).await;
     publish(&ch, "target", &["filler"]).await;
     publish(&ch, "src", &["m"]).await;
-    let t = consume(&ch, "src", &["m"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "src", "m").await;
     b.wait_counts("final", 1, 0).await;
     let d = get_one(&ch, "final").await;
     assert_eq!(
@@ -466,19 +437,10 @@ async fn reject_publish_target_full_drops_and_counts() {
         ]),
     )
     .await;
-    declare(
-        &ch,
-        "src",
-        table(&[
-            ("x-dead-letter-exchange", ls("")),
-            ("x-dead-letter-routing-key", ls("target")),
-        ]),
-    )
-    .await;
+    declare(&ch, "src", dead_letter_to("target", &[])).await;
     publish(&ch, "target", &["filler"]).await;
     publish(&ch, "src", &["m"]).await;
-    let t = consume(&ch, "src", &["m"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "src", "m").await;
     b.wait_counts("src", 0, 0).await;
     consume(&ch, "target", &["filler"]).await;
     consume_empty(&ch, "target").await;

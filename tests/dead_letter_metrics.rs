@@ -99,8 +99,7 @@ async fn dead_lettered_total_by_reason() {
     // maxlen: 3 publishes into a 2-message queue.
     publish(&ch, "q", &["a", "b", "c"]).await;
     // rejected: b.
-    let t = consume(&ch, "q", &["b"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "b").await;
     // delivery_limit: c requeued once with limit 0.
     let t = consume(&ch, "q", &["c"]).await[0];
     nack(&ch, t, false, true).await;
@@ -151,17 +150,9 @@ async fn dropped_total_by_cause() {
     )
     .await;
     // cycle: an expiring self-loop.
-    declare(
-        &ch,
-        "cycle",
-        table(&[
-            ("x-dead-letter-exchange", ls("")),
-            ("x-message-ttl", int(0)),
-        ]),
-    )
-    .await;
+    declare(&ch, "cycle", self_loop(&[("x-message-ttl", int(0))])).await;
     // hop_limit: a rejecting self-loop with max_hops = 1.
-    declare(&ch, "hops", table(&[("x-dead-letter-exchange", ls(""))])).await;
+    declare(&ch, "hops", self_loop(&[])).await;
     for q in ["nodlx", "unroutable"] {
         for _ in 0..2 {
             publish(&ch, q, &["m"]).await;
@@ -171,10 +162,8 @@ async fn dropped_total_by_cause() {
     }
     publish(&ch, "cycle", &["m1", "m2", "m3"]).await;
     publish(&ch, "hops", &["m"]).await;
-    let t = consume(&ch, "hops", &["m"]).await[0];
-    reject(&ch, t, false).await;
-    let t = consume(&ch, "hops", &["m"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "hops", "m").await;
+    get_and_reject(&ch, "hops", "m").await;
     b.wait_counts("hops", 0, 0).await;
     let text = b.metrics_text();
     for (q, cause, n) in [
@@ -228,8 +217,7 @@ async fn metrics_carry_the_vhost() {
     let ch = conn.create_channel().await.unwrap();
     declare(&ch, "q", FieldTable::default()).await;
     publish(&ch, "q", &["m"]).await;
-    let t = consume(&ch, "q", &["m"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "m").await;
     let ok = eventually(|| {
         metric_value(
             &b.metrics_text(),
@@ -270,8 +258,7 @@ async fn depth_gauge_and_histograms() {
     // A dropped message is aged but has no delivery latency.
     declare(&ch, "plain", FieldTable::default()).await;
     publish(&ch, "plain", &["x"]).await;
-    let t = consume(&ch, "plain", &["x"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "plain", "x").await;
     let ok = eventually(|| {
         metric_value(
             &b.metrics_text(),

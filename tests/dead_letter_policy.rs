@@ -12,18 +12,12 @@ use common::dl_policy::{exact, pattern};
 use common::*;
 use serde_json::json;
 
-async fn dlx_and_dlq(ch: &Channel) {
-    exchange(ch, "dlx", ExchangeKind::Direct).await;
-    declare(ch, "dlq", FieldTable::default()).await;
-    bind(ch, "dlq", "dlx", "dlq").await;
-}
-
 /// P1: a policy set later applies to messages already unacked.
 #[tokio::test]
 async fn dead_letter_policy() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     declare(&ch, "q", FieldTable::default()).await;
     publish(&ch, "q", &["p1", "p2"]).await;
     let tags = consume(&ch, "q", &["p1", "p2"]).await;
@@ -54,8 +48,7 @@ async fn dead_letter_override_policy() {
     ));
     declare_dead_letter_queues(&ch, "q", "dlq", &[]).await;
     publish(&ch, "q", &["p1"]).await;
-    let t = consume(&ch, "q", &["p1"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "p1").await;
     b.wait_counts("dlq", 1, 0).await;
     consume_empty(&ch, "q").await;
 }
@@ -72,8 +65,7 @@ async fn dead_letter_ignore_policy() {
         json!({"dead-letter-exchange": "", "dead-letter-routing-key": "q"}),
     ));
     publish(&ch, "q", &["p1"]).await;
-    let t = consume(&ch, "q", &["p1"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "p1").await;
     b.wait_counts("dlq", 1, 0).await;
     consume_empty(&ch, "q").await;
 }
@@ -83,7 +75,7 @@ async fn dead_letter_ignore_policy() {
 async fn precedence_dead_letter_keys_merge_key_by_key() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     b.set_policy(exact(
         "p",
         "q",
@@ -91,8 +83,7 @@ async fn precedence_dead_letter_keys_merge_key_by_key() {
     ));
     declare(&ch, "q", table(&[("x-dead-letter-exchange", ls("dlx"))])).await;
     publish(&ch, "q", &["m"]).await;
-    let t = consume(&ch, "q", &["m"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "m").await;
     b.wait_counts("dlq", 1, 0).await;
     let d = get_one(&ch, "dlq").await;
     assert_eq!(
@@ -106,7 +97,7 @@ async fn precedence_dead_letter_keys_merge_key_by_key() {
 async fn precedence_message_ttl_lower_wins() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     b.set_policy(pattern(
         "ttl",
         "^q",
@@ -161,9 +152,7 @@ async fn precedence_max_length_lower_wins() {
 async fn precedence_overflow_argument_wins() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    confirm_select(&ch).await;
     b.set_policy(exact(
         "ovf",
         "q",
@@ -192,7 +181,7 @@ async fn precedence_overflow_argument_wins() {
 async fn precedence_expires_lower_wins_and_never_dead_letters() {
     let b = start().await;
     let (c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     b.set_policy(exact("exp", "q", json!({"expires": 50})));
     declare(
         &ch,
@@ -269,7 +258,7 @@ async fn policy_matching_priority_apply_to_and_vhost() {
 async fn runtime_policy_ttl_applies_to_queued_messages() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     declare(&ch, "q", FieldTable::default()).await;
     publish(&ch, "q", &["old1", "old2"]).await;
     tokio::time::sleep(Duration::from_millis(60)).await;
@@ -294,7 +283,7 @@ async fn runtime_policy_ttl_applies_to_queued_messages() {
 async fn runtime_policy_max_length_applies_to_queued_messages() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     declare(&ch, "q", FieldTable::default()).await;
     publish(&ch, "q", &["1", "2", "3"]).await;
     b.set_policy(exact(
@@ -313,7 +302,7 @@ async fn runtime_policy_max_length_applies_to_queued_messages() {
 async fn runtime_policy_cleared_stops_dead_lettering() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     b.set_policy(exact(
         "dlx",
         "q",
@@ -342,7 +331,7 @@ async fn reload_applies_policies_to_existing_queues() {
     )];
     let b = start_with(cfg.clone()).await;
     let (_c, ch) = b.channel().await;
-    dlx_and_dlq(&ch).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     declare(&ch, "dlq2", FieldTable::default()).await;
     bind(&ch, "dlq2", "dlx", "dlq2").await;
     declare(&ch, "q", FieldTable::default()).await;

@@ -15,19 +15,13 @@ async fn declare_limited(ch: &Channel, q: &str, args: &[(&str, AMQPValue)]) {
     declare_durable(ch, q, table(args)).await;
 }
 
-async fn confirm(ch: &Channel) {
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-}
-
 async fn publish_one(ch: &Channel, q: &str, p: &str) -> Confirmation {
     publish_to(ch, "", q, p.as_bytes(), BasicProperties::default()).await
 }
 
 /// "drops head": publish 1, get 1; publish 1,2 → get 2; publish 1,2,3 → get 3.
 async fn check_max_length_drops_head(ch: &Channel, q: &str, p: [&str; 3]) {
-    confirm(ch).await;
+    confirm_select(ch).await;
     consume_empty(ch, q).await;
     publish(ch, q, &[p[0]]).await;
     consume(ch, q, &[p[0]]).await;
@@ -42,7 +36,7 @@ async fn check_max_length_drops_head(ch: &Channel, q: &str, p: [&str; 3]) {
 
 /// "drops publish": publish 1, get 1; publish 1,2 → get 1; publish 1,2,3 → get 1.
 async fn check_max_length_drops_publish(ch: &Channel, q: &str, p: [&str; 3]) {
-    confirm(ch).await;
+    confirm_select(ch).await;
     consume_empty(ch, q).await;
     publish(ch, q, &[p[0]]).await;
     consume(ch, q, &[p[0]]).await;
@@ -57,7 +51,7 @@ async fn check_max_length_drops_publish(ch: &Channel, q: &str, p: [&str; 3]) {
 
 /// "rejects": ack, nack, nack; get 1; publish 2 → ack; get 2.
 async fn check_max_length_rejects(ch: &Channel, q: &str, p: [&str; 3]) {
-    confirm(ch).await;
+    confirm_select(ch).await;
     let c = publish_one(ch, q, p[0]).await;
     assert!(matches!(c, Confirmation::Ack(None)), "{c:?}");
     let c = publish_one(ch, q, p[1]).await;
@@ -72,7 +66,7 @@ async fn check_max_length_rejects(ch: &Channel, q: &str, p: [&str; 3]) {
 
 /// "requeue": the limit counts ready messages only, and a requeue is never refused.
 async fn check_max_length_requeue(ch: &Channel, q: &str, p: [&str; 2]) {
-    confirm(ch).await;
+    confirm_select(ch).await;
     let c = publish_one(ch, q, p[0]).await;
     assert!(matches!(c, Confirmation::Ack(None)), "{c:?}");
     let t = consume(ch, q, &[p[0]]).await[0];

@@ -161,8 +161,7 @@ async fn dead_letter_reject_requeue_reject_norequeue() {
     b.wait_counts("q", 0, 1).await;
     reject(&ch, t, true).await;
     b.wait_counts("q", 1, 0).await;
-    let t = consume(&ch, "q", &["p"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "p").await;
     b.wait_counts("dlq", 1, 0).await;
     let d = get_one(&ch, "dlq").await;
     assert_eq!(payload(&d), "p");
@@ -267,8 +266,7 @@ async fn reject_without_dlx_discards_and_counts() {
     let (_c, ch) = b.channel().await;
     declare(&ch, "q", FieldTable::default()).await;
     publish(&ch, "q", &["p"]).await;
-    let t = consume(&ch, "q", &["p"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "p").await;
     b.wait_counts("q", 0, 0).await;
     assert_eq!(b.dead_lettered("q", "rejected"), 1);
     for cause in ["no_dlx", "unroutable", "cycle", "hop_limit"] {
@@ -309,9 +307,7 @@ async fn reject_after_queue_deleted_does_not_dead_letter() {
 async fn publisher_sees_ack_and_no_return_for_later_dead_letter() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    confirm_select(&ch).await;
     declare_dead_letter_queues(&ch, "q", "dlq", &[]).await;
     let c = ch
         .basic_publish(
@@ -329,8 +325,7 @@ async fn publisher_sees_ack_and_no_return_for_later_dead_letter() {
         .await
         .unwrap();
     assert!(matches!(c, Confirmation::Ack(None)), "{c:?}");
-    let t = consume(&ch, "q", &["p"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "p").await;
     b.wait_counts("dlq", 1, 0).await;
     // A second publish is still simply acked (no stray return/nack was queued on the channel).
     let c = publish_to(&ch, "", "q", b"p2", BasicProperties::default()).await;

@@ -39,16 +39,14 @@ async fn dead_letter_missing_exchange() {
     .await;
     declare(&ch, "dlq", FieldTable::default()).await;
     publish(&ch, "q", &["p1"]).await;
-    let t = consume(&ch, "q", &["p1"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "p1").await;
     b.wait_counts("q", 0, 0).await;
     consume_empty(&ch, "dlq").await;
     assert_eq!(b.dropped("q", "no_dlx"), 1);
     exchange(&ch, "dlx-exchange-2", ExchangeKind::Direct).await;
     bind(&ch, "dlq", "dlx-exchange-2", "dlq").await;
     publish(&ch, "q", &["p2"]).await;
-    let t = consume(&ch, "q", &["p2"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "p2").await;
     b.wait_counts("dlq", 1, 0).await;
     consume(&ch, "dlq", &["p2"]).await;
     assert_eq!(b.dead_lettered("q", "rejected"), 2);
@@ -65,14 +63,12 @@ async fn dead_letter_routing_key() {
     declare(&ch, "q", table(&[("x-dead-letter-exchange", ls("dlx"))])).await;
     declare(&ch, "dlq", FieldTable::default()).await;
     publish(&ch, "q", &["p1"]).await;
-    let t = consume(&ch, "q", &["p1"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "p1").await;
     b.wait_counts("q", 0, 0).await;
     assert_eq!(b.dropped("q", "unroutable"), 1);
     bind(&ch, "dlq", "dlx", "q").await;
     publish(&ch, "q", &["p2"]).await;
-    let t = consume(&ch, "q", &["p2"]).await[0];
-    nack(&ch, t, false, false).await;
+    get_and_nack(&ch, "q", "p2").await;
     b.wait_counts("dlq", 1, 0).await;
     let d = get_one(&ch, "dlq").await;
     assert_eq!(payload(&d), "p2");
@@ -86,10 +82,8 @@ async fn dead_letter_routing_key() {
 async fn dead_letter_routing_key_header_CC() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    exchange(&ch, "dlx", ExchangeKind::Direct).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     declare(&ch, "q", table(&[("x-dead-letter-exchange", ls("dlx"))])).await;
-    declare(&ch, "dlq", FieldTable::default()).await;
-    bind(&ch, "dlq", "dlx", "dlq").await;
     publish(&ch, "q", &["p1"]).await;
     publish_to(&ch, "", "q", b"p2", with_cc_bcc(&["dlq"], &[])).await;
     b.wait_counts("q", 2, 0).await;
@@ -111,10 +105,8 @@ async fn dead_letter_routing_key_header_CC() {
 async fn dead_letter_routing_key_header_BCC() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    exchange(&ch, "dlx", ExchangeKind::Direct).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     declare(&ch, "q", table(&[("x-dead-letter-exchange", ls("dlx"))])).await;
-    declare(&ch, "dlq", FieldTable::default()).await;
-    bind(&ch, "dlq", "dlx", "dlq").await;
     publish(&ch, "q", &["p1"]).await;
     publish_to(&ch, "", "q", b"p2", with_cc_bcc(&[], &["dlq"])).await;
     b.wait_counts("q", 2, 0).await;
@@ -138,10 +130,8 @@ async fn dead_letter_routing_key_header_BCC() {
 async fn dead_letter_headers_CC() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    exchange(&ch, "dlx", ExchangeKind::Direct).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     declare(&ch, "q", table(&[("x-dead-letter-exchange", ls("dlx"))])).await;
-    declare(&ch, "dlq", FieldTable::default()).await;
-    bind(&ch, "dlq", "dlx", "dlq").await;
     publish_to(&ch, "", "q", b"p1", with_cc_bcc(&["dlq"], &[])).await;
     let from_q = get_one(&ch, "q").await;
     let from_dlq = get_one(&ch, "dlq").await;
@@ -211,10 +201,8 @@ async fn dead_letter_headers_CC_with_routing_key_compat_4() {
 async fn dead_letter_headers_BCC() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    exchange(&ch, "dlx", ExchangeKind::Direct).await;
+    declare_dlx(&ch, "dlx", "dlq").await;
     declare(&ch, "q", table(&[("x-dead-letter-exchange", ls("dlx"))])).await;
-    declare(&ch, "dlq", FieldTable::default()).await;
-    bind(&ch, "dlq", "dlx", "dlq").await;
     publish_to(
         &ch,
         "",
@@ -304,20 +292,11 @@ async fn two_hops_record_exchange_and_keys_per_death() {
         ]),
     )
     .await;
-    declare(
-        &ch,
-        "q2",
-        table(&[
-            ("x-dead-letter-exchange", ls("")),
-            ("x-dead-letter-routing-key", ls("q3")),
-        ]),
-    )
-    .await;
+    declare(&ch, "q2", dead_letter_to("q3", &[])).await;
     bind(&ch, "q2", "p4_d1", "k2").await;
     declare(&ch, "q3", FieldTable::default()).await;
     publish(&ch, "q1", &["m"]).await;
-    let t = consume(&ch, "q1", &["m"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q1", "m").await;
     let d = get_one(&ch, "q2").await;
     assert_eq!(
         (d.exchange.as_str(), d.routing_key.as_str()),
@@ -398,18 +377,9 @@ async fn dlx_exchange_bindings_and_alternate_exchange_apply() {
 async fn default_exchange_dlx_to_missing_queue_is_unroutable() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    declare(
-        &ch,
-        "q",
-        table(&[
-            ("x-dead-letter-exchange", ls("")),
-            ("x-dead-letter-routing-key", ls("no-such-queue")),
-        ]),
-    )
-    .await;
+    declare(&ch, "q", dead_letter_to("no-such-queue", &[])).await;
     publish(&ch, "q", &["p"]).await;
-    let t = consume(&ch, "q", &["p"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "p").await;
     b.wait_counts("q", 0, 0).await;
     assert_eq!(b.dropped("q", "unroutable"), 1);
     assert_eq!(b.dead_lettered("q", "rejected"), 1);
@@ -425,8 +395,7 @@ async fn dlx_deleted_later_drops_as_no_dlx() {
         .await
         .unwrap();
     publish(&ch, "q", &["p"]).await;
-    let t = consume(&ch, "q", &["p"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "p").await;
     b.wait_counts("q", 0, 0).await;
     consume_empty(&ch, "dlq").await;
     assert_eq!(b.dropped("q", "no_dlx"), 1);
@@ -453,8 +422,7 @@ async fn topic_dlx_routes_on_original_keys() {
         with_cc_bcc(&["audit.orders"], &[]),
     )
     .await;
-    let t = consume(&ch, "q", &["o"]).await[0];
-    reject(&ch, t, false).await;
+    get_and_reject(&ch, "q", "o").await;
     for q in ["eu", "audit"] {
         b.wait_counts(q, 1, 0).await;
         let d = get_one(&ch, q).await;

@@ -73,15 +73,7 @@ async fn dead_letter_headers_reason_expired_per_message() {
 async fn dead_letter_routing_key_cycle_ttl() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    declare(
-        &ch,
-        "q",
-        table(&[
-            ("x-message-ttl", int(1)),
-            ("x-dead-letter-exchange", ls("")),
-        ]),
-    )
-    .await;
+    declare(&ch, "q", self_loop(&[("x-message-ttl", int(1))])).await;
     publish(&ch, "q", &["p1", "p2"]).await;
     b.wait_counts("q", 0, 0).await;
     consume_empty(&ch, "q").await;
@@ -167,9 +159,7 @@ async fn per_message_ttl_mixed_expiry() {
 async fn per_message_ttl_expiration_too_high() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    confirm_select(&ch).await;
     declare(&ch, "q", FieldTable::default()).await;
     let res = ch
         .basic_publish(
@@ -314,9 +304,7 @@ async fn expiry_order_is_head_order() {
 async fn mandatory_publish_to_expiring_queue_is_acked_without_return() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    confirm_select(&ch).await;
     declare_dead_letter_queues(&ch, "q", "dlq", &[("x-message-ttl", int(0))]).await;
     let c = ch
         .basic_publish(

@@ -3,7 +3,7 @@
 
 mod common;
 
-use amq_protocol::protocol::{AMQPClass, basic, channel, connection, exchange, queue, tx};
+use amq_protocol::protocol::{AMQPClass, basic, channel, exchange, queue, tx};
 use amq_protocol::types::FieldTable;
 use common::dl::{amqp_code, amqp_text};
 use common::*;
@@ -11,38 +11,12 @@ use dlx_proxy::amqp::codec::{FRAME_BODY, FRAME_HEADER, PROTOCOL_HEADER, put_raw_
 use lapin::options::*;
 use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
 
-/// Expects connection.close with `code` on a raw client.
+/// Expects connection.close with `code` on a raw client and answers it; returns its text.
 async fn expect_connection_close(c: &mut RawClient, code: u16) -> String {
-    loop {
-        let m = c.read_method().await;
-        if let AMQPClass::Connection(connection::AMQPMethod::Close(close)) = m {
-            assert_eq!(
-                close.reply_code,
-                code,
-                "reply text: {}",
-                close.reply_text.as_str()
-            );
-            c.send_method(
-                0,
-                AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
-            )
-            .await;
-            return close.reply_text.as_str().to_string();
-        }
-    }
-}
-
-async fn open_channel(c: &mut RawClient, ch: u16) {
-    c.send_method(
-        ch,
-        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
-    )
-    .await;
-    let ok = c.read_method().await;
-    assert!(matches!(
-        ok,
-        AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))
-    ));
+    let (reply_code, text) = c.expect_connection_close().await;
+    assert_eq!(reply_code, code, "reply text: {text}");
+    c.send_close_ok().await;
+    text
 }
 
 #[tokio::test]
@@ -189,7 +163,7 @@ async fn inequivalent_redeclare_is_406() {
 async fn unknown_delivery_tag_is_406() {
     let b = start().await;
     let mut c = RawClient::connect(b.addr).await;
-    open_channel(&mut c, 1).await;
+    c.open_channel(1).await;
     c.send_method(
         1,
         AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
@@ -242,7 +216,7 @@ async fn malformed_method_is_502() {
     let mut buf = bytes::BytesMut::new();
     // queue.declare with a truncated argument list.
     put_raw_frame(&mut buf, 1, 1, &[0, 50, 0, 10, 0]);
-    open_channel(&mut c, 1).await;
+    c.open_channel(1).await;
     c.send_raw(&buf).await;
     expect_connection_close(&mut c, 502).await;
 }
@@ -251,7 +225,7 @@ async fn malformed_method_is_502() {
 async fn unknown_exchange_type_is_503() {
     let b = start().await;
     let mut c = RawClient::connect(b.addr).await;
-    open_channel(&mut c, 1).await;
+    c.open_channel(1).await;
     c.send_method(
         1,
         AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
@@ -293,7 +267,7 @@ async fn method_on_unopened_channel_is_504() {
 async fn content_without_publish_is_505() {
     let b = start().await;
     let mut c = RawClient::connect(b.addr).await;
-    open_channel(&mut c, 1).await;
+    c.open_channel(1).await;
     let mut buf = bytes::BytesMut::new();
     put_raw_frame(&mut buf, FRAME_BODY, 1, b"stray body");
     c.send_raw(&buf).await;
@@ -304,7 +278,7 @@ async fn content_without_publish_is_505() {
 async fn method_between_header_and_body_is_505() {
     let b = start().await;
     let mut c = RawClient::connect(b.addr).await;
-    open_channel(&mut c, 1).await;
+    c.open_channel(1).await;
     c.send_method(
         1,
         AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
@@ -345,7 +319,7 @@ async fn unknown_vhost_is_530() {
 async fn tx_select_is_540() {
     let b = start().await;
     let mut c = RawClient::connect(b.addr).await;
-    open_channel(&mut c, 1).await;
+    c.open_channel(1).await;
     c.send_method(1, AMQPClass::Tx(tx::AMQPMethod::Select(tx::Select {})))
         .await;
     expect_connection_close(&mut c, 540).await;

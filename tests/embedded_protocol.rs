@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use amq_protocol::protocol::{AMQPClass, basic, channel, connection, queue};
+use amq_protocol::protocol::{AMQPClass, basic, connection, queue};
 use amq_protocol::types::{
     AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString, ShortString,
 };
@@ -17,18 +17,6 @@ use lapin::{BasicProperties, ExchangeKind};
 
 fn s(v: &str) -> ShortString {
     ShortString::from(v)
-}
-
-async fn open_channel(c: &mut RawClient, ch: u16) {
-    c.send_method(
-        ch,
-        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
-    )
-    .await;
-    assert!(matches!(
-        c.read_method().await,
-        AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))
-    ));
 }
 
 async fn raw_declare(c: &mut RawClient, ch: u16, q: &str) {
@@ -204,7 +192,7 @@ fn hand_encoded_properties() -> Vec<u8> {
 async fn properties_round_trip_byte_for_byte() {
     let b = start().await;
     let mut c = RawClient::connect(b.addr).await;
-    open_channel(&mut c, 1).await;
+    c.open_channel(1).await;
     let q = unique("bytes");
     raw_declare(&mut c, 1, &q).await;
     let props = hand_encoded_properties();

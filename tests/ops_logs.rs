@@ -4,10 +4,9 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::{ServiceProcess, TempDir, free_port, process_config, write_atomically};
+use common::{ServiceProcess, TempDir, free_addresses, process_config, write_atomically};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
 
@@ -15,15 +14,13 @@ const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
 /// SIGTERM and returns every line it wrote (stdout then stderr).
 async fn run_and_collect(log_section: &str) -> Vec<String> {
     let dir = TempDir::new("dlx-proxy-logs");
-    let amqp: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let (amqp, admin) = free_addresses();
     let path = dir.join("config.toml");
     write_atomically(
         &path,
         &format!("{}\n[log]\n{log_section}\n", process_config(amqp, admin, 1)),
     );
-    let mut process = ServiceProcess::spawn(BINARY, dir.path(), &path, amqp, admin);
-    process.wait_ready().await;
+    let mut process = ServiceProcess::start(BINARY, dir.path(), &path, amqp, admin).await;
     process.signal("TERM");
     let status = process
         .wait_exit(Duration::from_secs(10))

@@ -8,7 +8,6 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use amq_protocol::protocol::{AMQPClass, channel};
 use common::{RawClient, TestBroker, http, metric_value, scrape, start_with, test_config, unique};
 use futures_util::StreamExt;
 use lapin::options::{
@@ -407,16 +406,7 @@ async fn the_connection_gauge_recovers_when_a_client_vanishes() {
 /// A raw client with channel 1 open.
 async fn open_raw_channel(addr: SocketAddr) -> RawClient {
     let mut raw = RawClient::connect(addr).await;
-    raw.send_method(
-        1,
-        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
-    )
-    .await;
-    let ok = raw.read_method().await;
-    assert!(matches!(
-        ok,
-        AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))
-    ));
+    raw.open_channel(1).await;
     raw
 }
 

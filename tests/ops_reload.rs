@@ -7,12 +7,11 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::time::Duration;
 
 use common::{
-    ServiceProcess, TempDir, free_port, http, metric_value, process_config, scrape, unique,
-    wait_metric, write_atomically,
+    ServiceProcess, TempDir, free_addresses, http, metric_value, process_config, scrape, unique,
+    wait_metric, wait_metric_at_least, write_atomically,
 };
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
@@ -24,12 +23,6 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Exchange
 const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
 const SUCCESS: &str = r#"dlx_proxy_config_reloads_total{result="success"}"#;
 const FAILURE: &str = r#"dlx_proxy_config_reloads_total{result="failure"}"#;
-
-fn addresses() -> (SocketAddr, SocketAddr) {
-    let amqp = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let admin = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    (amqp, admin)
-}
 
 /// A `max-length = 1` policy on `queue` that dead-letters the overflow to `dlx`.
 fn cap_policy(queue: &str, dlx: &str) -> String {
@@ -43,19 +36,6 @@ fn cap_policy(queue: &str, dlx: &str) -> String {
 /// The value of a sample, 0 when the series does not exist yet.
 fn value(text: &str, name_and_labels: &str) -> f64 {
     metric_value(text, name_and_labels).unwrap_or(0.0)
-}
-
-/// Polls /metrics until `name_and_labels` is at least `min`.
-async fn wait_at_least(admin: SocketAddr, name_and_labels: &str, min: f64) -> String {
-    let mut text = String::new();
-    for _ in 0..200 {
-        text = scrape(admin).await;
-        if value(&text, name_and_labels) >= min {
-            return text;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{name_and_labels} never reached {min}:\n{text}");
 }
 
 fn depth(queue: &str) -> String {
@@ -150,18 +130,6 @@ impl Client {
     }
 }
 
-/// Runs the binary on `config_path` (whose content `write` has already put in place).
-async fn spawn(
-    dir: &TempDir,
-    config_path: &Path,
-    amqp: SocketAddr,
-    admin: SocketAddr,
-) -> ServiceProcess {
-    let mut process = ServiceProcess::spawn(BINARY, dir.path(), config_path, amqp, admin);
-    process.wait_ready().await;
-    process
-}
-
 /// The shared scenario once the service runs with `base` and no policy: `apply(text)` puts a
 /// new configuration in place (and signals, if needed). Checks that the policy applies to the
 /// existing queue on the same connection, that a broken file is rejected with the old policy
@@ -178,7 +146,7 @@ where
     // Add the policy: the existing queue is trimmed to one message, the overflow dead-lettered.
     let with_policy = format!("{base}{}", cap_policy(&client.queue, &client.dlx));
     apply(&with_policy);
-    let text = wait_at_least(admin, SUCCESS, 1.0).await;
+    let text = wait_metric_at_least(admin, SUCCESS, 1.0).await;
     assert_eq!(value(&text, FAILURE), 0.0, "{text}");
     wait_metric(admin, &depth(&client.queue), 1.0).await;
     let text = wait_metric(admin, &depth(&client.dlq), 2.0).await;
@@ -214,7 +182,7 @@ where
 
     // A valid file without the policy lifts the cap.
     apply(base);
-    wait_at_least(admin, SUCCESS, successes + 1.0).await;
+    wait_metric_at_least(admin, SUCCESS, successes + 1.0).await;
     let (_, listed) = http(admin, "GET", "/api/policies").await;
     assert!(!listed.contains("\"cap\""), "{listed}");
     client.publish(2).await;
@@ -228,22 +196,22 @@ where
 #[tokio::test]
 async fn a_file_replaced_by_rename_is_reloaded() {
     let dir = TempDir::new("dlx-proxy-reload-rename");
-    let (amqp, admin) = addresses();
+    let (amqp, admin) = free_addresses();
     let base = process_config(amqp, admin, 1);
     let path = dir.join("config.toml");
     write_atomically(&path, &base);
-    let process = spawn(&dir, &path, amqp, admin).await;
+    let process = ServiceProcess::start(BINARY, dir.path(), &path, amqp, admin).await;
     policy_reload_scenario(&process, &base, |text| write_atomically(&path, text)).await;
 }
 
 #[tokio::test]
 async fn a_file_rewritten_in_place_is_reloaded() {
     let dir = TempDir::new("dlx-proxy-reload-inplace");
-    let (amqp, admin) = addresses();
+    let (amqp, admin) = free_addresses();
     let base = process_config(amqp, admin, 1);
     let path = dir.join("config.toml");
     std::fs::write(&path, &base).unwrap();
-    let _process = spawn(&dir, &path, amqp, admin).await;
+    let _process = ServiceProcess::start(BINARY, dir.path(), &path, amqp, admin).await;
     let client = Client::connect(amqp).await;
     client.publish(3).await;
     wait_metric(admin, &depth(&client.queue), 3.0).await;
@@ -304,11 +272,12 @@ impl ConfigMapVolume {
 
 #[tokio::test]
 async fn a_configmap_symlink_swap_is_reloaded() {
-    let (amqp, admin) = addresses();
+    let (amqp, admin) = free_addresses();
     let base = process_config(amqp, admin, 1);
     let mut volume = ConfigMapVolume::new(&base);
     let logs = TempDir::new("dlx-proxy-configmap-logs");
-    let process = spawn(&logs, &volume.config_path(), amqp, admin).await;
+    let process =
+        ServiceProcess::start(BINARY, logs.path(), &volume.config_path(), amqp, admin).await;
     policy_reload_scenario(&process, &base, |text| volume.update(text)).await;
 }
 
@@ -318,7 +287,7 @@ async fn sighup_reloads_a_file_the_watcher_cannot_see() {
     // the watched directory, so only SIGHUP can pick them up.
     let watched = TempDir::new("dlx-proxy-hup-watched");
     let elsewhere = TempDir::new("dlx-proxy-hup-real");
-    let (amqp, admin) = addresses();
+    let (amqp, admin) = free_addresses();
     let base = process_config(amqp, admin, 1);
     let real = elsewhere.join("real.toml");
     write_atomically(&real, &base);
@@ -327,7 +296,7 @@ async fn sighup_reloads_a_file_the_watcher_cannot_see() {
     // Logs elsewhere too: any event in the watched directory makes the watcher re-read the
     // file (through the symlink) and notice the change.
     let logs = TempDir::new("dlx-proxy-hup-logs");
-    let mut process = spawn(&logs, &path, amqp, admin).await;
+    let mut process = ServiceProcess::start(BINARY, logs.path(), &path, amqp, admin).await;
 
     let client = Client::connect(amqp).await;
     client.publish(3).await;
@@ -367,11 +336,11 @@ async fn sighup_reloads_a_file_the_watcher_cannot_see() {
 #[tokio::test]
 async fn reloaded_users_can_log_in_without_a_restart() {
     let dir = TempDir::new("dlx-proxy-reload-users");
-    let (amqp, admin) = addresses();
+    let (amqp, admin) = free_addresses();
     let base = process_config(amqp, admin, 1);
     let path = dir.join("config.toml");
     write_atomically(&path, &base);
-    let _process = spawn(&dir, &path, amqp, admin).await;
+    let _process = ServiceProcess::start(BINARY, dir.path(), &path, amqp, admin).await;
     let alice = format!("amqp://alice:wonderland@{amqp}/%2f");
     assert!(
         Connection::connect(&alice, ConnectionProperties::default())
@@ -397,11 +366,11 @@ async fn reloaded_users_can_log_in_without_a_restart() {
 #[tokio::test]
 async fn start_only_settings_are_kept_and_reported() {
     let dir = TempDir::new("dlx-proxy-reload-fixed");
-    let (amqp, admin) = addresses();
+    let (amqp, admin) = free_addresses();
     let base = process_config(amqp, admin, 1);
     let path = dir.join("config.toml");
     write_atomically(&path, &base);
-    let process = spawn(&dir, &path, amqp, admin).await;
+    let process = ServiceProcess::start(BINARY, dir.path(), &path, amqp, admin).await;
     let client = Client::connect(amqp).await;
     // A new drain time and a new policy: the policy applies, the drain time is reported.
     let changed = format!(

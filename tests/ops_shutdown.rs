@@ -8,9 +8,10 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use amq_protocol::protocol::{AMQPClass, basic, channel, connection};
+use amq_protocol::protocol::{AMQPClass, basic};
 use common::{
-    RawClient, ServiceProcess, TempDir, free_port, http, process_config, unique, write_atomically,
+    RawClient, ServiceProcess, TempDir, free_addresses, http, process_config, unique,
+    write_atomically,
 };
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
@@ -20,39 +21,10 @@ const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
 
 /// The binary on fresh ports with `drain_secs`, ready to serve.
 async fn spawn_ready(dir: &TempDir, drain_secs: u64) -> ServiceProcess {
-    let amqp: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let (amqp, admin) = free_addresses();
     let config = dir.join("config.toml");
     write_atomically(&config, &process_config(amqp, admin, drain_secs));
-    let mut process = ServiceProcess::spawn(BINARY, dir.path(), &config, amqp, admin);
-    process.wait_ready().await;
-    process
-}
-
-/// Reads frames until connection.close arrives; returns its reply code and text.
-async fn expect_connection_close(client: &mut RawClient) -> (u16, String) {
-    loop {
-        let frame = client
-            .read_frame()
-            .await
-            .expect("connection.close before the socket closed");
-        if frame.kind != 1 || frame.channel != 0 {
-            continue;
-        }
-        let method = dlx_proxy::amqp::codec::decode_method(&frame.payload).unwrap();
-        if let AMQPClass::Connection(connection::AMQPMethod::Close(close)) = method {
-            return (close.reply_code, close.reply_text.as_str().to_string());
-        }
-    }
-}
-
-async fn send_close_ok(client: &mut RawClient) {
-    client
-        .send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
-        )
-        .await;
+    ServiceProcess::start(BINARY, dir.path(), &config, amqp, admin).await
 }
 
 /// True if nothing accepts TCP connections on `addr` any more.
@@ -107,17 +79,7 @@ async fn publish(uri: &str, queue: &str, count: usize) {
 /// Opens channel 1 on a raw client and takes one message with basic.get (no_ack = false);
 /// returns its delivery tag.
 async fn raw_get(client: &mut RawClient, queue: &str) -> u64 {
-    client
-        .send_method(
-            1,
-            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
-        )
-        .await;
-    let ok = client.read_method().await;
-    assert!(
-        matches!(ok, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))),
-        "{ok:?}"
-    );
+    client.open_channel(1).await;
     client
         .send_method(
             1,
@@ -145,7 +107,7 @@ async fn sigterm_closes_clients_with_320_and_exits_0() {
     let started = Instant::now();
     process.signal("TERM");
 
-    let (code, text) = expect_connection_close(&mut client).await;
+    let (code, text) = client.expect_connection_close().await;
     assert_eq!(code, 320, "reply text: {text}");
     assert!(text.starts_with("CONNECTION_FORCED"), "{text}");
     // With nothing in flight the drain does not wait.
@@ -159,7 +121,7 @@ async fn sigterm_closes_clients_with_320_and_exits_0() {
         refuses_connections(process.amqp).await,
         "new AMQP connections are still accepted during shutdown"
     );
-    send_close_ok(&mut client).await;
+    client.send_close_ok().await;
 
     let status = process
         .wait_exit(Duration::from_secs(10))
@@ -248,9 +210,9 @@ async fn the_drain_lets_unacked_deliveries_be_settled_first() {
             })),
         )
         .await;
-    let (code, _) = expect_connection_close(&mut consumer).await;
+    let (code, _) = consumer.expect_connection_close().await;
     assert_eq!(code, 320);
-    send_close_ok(&mut consumer).await;
+    consumer.send_close_ok().await;
     let status = process
         .wait_exit(Duration::from_secs(10))
         .await
@@ -281,14 +243,14 @@ async fn the_drain_ends_at_drain_secs_when_deliveries_stay_unacked() {
 
     let started = Instant::now();
     process.signal("TERM");
-    let (code, _) = expect_connection_close(&mut consumer).await;
+    let (code, _) = consumer.expect_connection_close().await;
     let closed_after = started.elapsed();
     assert_eq!(code, 320);
     assert!(
         closed_after >= Duration::from_millis(drain * 1000 - 300),
         "closed after {closed_after:?}, before the drain time"
     );
-    send_close_ok(&mut consumer).await;
+    consumer.send_close_ok().await;
     let status = process
         .wait_exit(Duration::from_secs(10))
         .await
@@ -314,10 +276,10 @@ async fn in_process_shutdown_closes_clients_and_stops_the_admin_server() {
     let mut client = RawClient::connect(amqp).await;
     let readiness = broker.service.readiness.clone();
     let shutdown = tokio::spawn(broker.service.shutdown());
-    let (code, _) = expect_connection_close(&mut client).await;
+    let (code, _) = client.expect_connection_close().await;
     assert_eq!(code, 320);
     assert!(!readiness.is_ready());
-    send_close_ok(&mut client).await;
+    client.send_close_ok().await;
     tokio::time::timeout(Duration::from_secs(10), shutdown)
         .await
         .expect("shutdown finishes")

@@ -8,7 +8,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::{TempDir, TestBroker, start_with, test_config, unique};
+use common::{RawClient, TempDir, TestBroker, start_with, test_config, unique};
 use dlx_proxy::amqp::codec::PROTOCOL_HEADER;
 use dlx_proxy::config::Config;
 use futures_util::StreamExt;
@@ -243,12 +243,9 @@ async fn a_client_that_does_not_trust_the_server_ca_is_refused() {
 async fn plain_amqp_on_the_amqps_port_gets_no_amqp_answer() {
     let pki = Pki::new();
     let broker = start_with(pki.config(false, false)).await;
-    let mut tcp = TcpStream::connect(broker.service.amqps_addr.unwrap())
-        .await
-        .unwrap();
-    tcp.write_all(&PROTOCOL_HEADER).await.unwrap();
-    let mut answer = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut answer)).await;
+    let mut client = RawClient::connect_no_handshake(broker.service.amqps_addr.unwrap()).await;
+    client.send_raw(&PROTOCOL_HEADER).await;
+    let answer = client.read_to_end().await;
     // A TLS alert or nothing, but never connection.start (frame type 1 on channel 0).
     assert!(
         !answer.starts_with(&[1, 0, 0]),

@@ -26,7 +26,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{ServiceProcess, TempDir, free_port, metric_value, scrape};
+use common::{
+    RawClient, ServiceProcess, TempDir, free_addresses, metric_value, scrape, unique, wait_until,
+};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicRejectOptions,
     ConfirmSelectOptions, QueueDeleteOptions,
@@ -34,8 +36,8 @@ use lapin::options::{
 use lapin::protocol::basic::AMQPProperties;
 use lapin::types::{AMQPValue, FieldTable};
 use proxy_support::{
-    RawClient, UPSTREAM_HOST, consume, declare, declare_dlx, field, get, long_string, next,
-    rabbitmqctl, table, unique, upstream_connection, x_death,
+    UPSTREAM_HOST, consume, declare, declare_dlx, field, get, ls, next, rabbitmqctl, table,
+    upstream_connection, x_death,
 };
 
 const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
@@ -80,8 +82,7 @@ impl ProxyProcess {
     /// With a policy giving the queues `pattern` matches a dead-letter exchange.
     async fn start_with_policy(delegate_to_upstream: bool, pattern: Option<&str>) -> ProxyProcess {
         let dir = TempDir::new("backpressure");
-        let amqp: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let (amqp, admin) = free_addresses();
         let capture = unique("bp-capture");
         let config = format!(
             "mode = \"proxy\"\n\n\
@@ -102,8 +103,7 @@ impl ProxyProcess {
         };
         let path = dir.join("config.toml");
         std::fs::write(&path, config).unwrap();
-        let mut process = ServiceProcess::spawn(BINARY, dir.path(), &path, amqp, admin);
-        process.wait_ready().await;
+        let process = ServiceProcess::start(BINARY, dir.path(), &path, amqp, admin).await;
         ProxyProcess {
             process,
             capture,
@@ -310,19 +310,6 @@ fn upstream_queue_counts(queue: &str) -> (u64, u64) {
     panic!("{queue} not in list_queues:\n{text}");
 }
 
-/// Polls `check` every 100 ms until it returns true (panics after `limit`).
-async fn eventually<F, Fut>(what: &str, limit: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    while !check().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// Waits until the proxy has stopped reading from RabbitMQ: the deliveries it read and the
 /// bytes it read upstream stay the same for two seconds (bytes are added to the metrics at
 /// least once a second). Returns the metrics then.
@@ -441,10 +428,11 @@ async fn stalled_consumer(stall: Stall) {
         assert_eq!(delivery.delivery_tag, u64::from(expected) + 1);
         client.ack(1, delivery.delivery_tag, false).await;
     }
-    eventually("RabbitMQ's queue to empty", Duration::from_secs(30), || {
-        let q = q.clone();
-        async move { upstream_queue_counts(&q) == (0, 0) }
-    })
+    wait_until(
+        "RabbitMQ's queue to empty",
+        Duration::from_secs(30),
+        async || upstream_queue_counts(&q) == (0, 0),
+    )
     .await;
     let peaks = sampler.finish().await;
     let end = proxy.metrics().await;
@@ -513,7 +501,7 @@ async fn unacked_deliveries_stop_at_the_inflight_bound_until_acked() {
     let q = unique("bp-kept");
     let dlx = unique("bp-kept-dlx");
     let dlq = unique("bp-kept-dlq");
-    declare_dlx(&uch, &dlx, &dlq, &dlq).await;
+    declare_dlx(&uch, &dlx, &dlq).await;
     // Declared through the proxy, which so knows the queue dead-letters and keeps the
     // content of its deliveries.
     let conn = lapin::Connection::connect(&proxy.uri(), lapin::ConnectionProperties::default())
@@ -524,8 +512,8 @@ async fn unacked_deliveries_stop_at_the_inflight_bound_until_acked() {
         &ch,
         &q,
         table(&[
-            ("x-dead-letter-exchange", long_string(&dlx)),
-            ("x-dead-letter-routing-key", long_string(&dlq)),
+            ("x-dead-letter-exchange", ls(&dlx)),
+            ("x-dead-letter-routing-key", ls(&dlq)),
         ]),
     )
     .await;
@@ -593,14 +581,15 @@ async fn unacked_deliveries_stop_at_the_inflight_bound_until_acked() {
     let dead = get(&uch, &dlq).await;
     assert_eq!(check_payload(&dead.data, SIZE), COUNT - 1);
     let deaths = x_death(&dead);
-    assert_eq!(field(&deaths[0], "reason"), &long_string("rejected"));
-    assert_eq!(field(&deaths[0], "queue"), &long_string(&q));
+    assert_eq!(field(&deaths[0], "reason"), &ls("rejected"));
+    assert_eq!(field(&deaths[0], "queue"), &ls(&q));
     assert_eq!(field(&deaths[0], "count"), &AMQPValue::LongLongInt(1));
     dead.acker.ack(BasicAckOptions::default()).await.unwrap();
-    eventually("RabbitMQ's queue to empty", Duration::from_secs(30), || {
-        let q = q.clone();
-        async move { upstream_queue_counts(&q) == (0, 0) }
-    })
+    wait_until(
+        "RabbitMQ's queue to empty",
+        Duration::from_secs(30),
+        async || upstream_queue_counts(&q) == (0, 0),
+    )
     .await;
     let peaks = sampler.finish().await;
     let end = proxy.metrics().await;

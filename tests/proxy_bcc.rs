@@ -3,6 +3,7 @@
 //! broker strips `BCC` at publish. The proxy keeps them in `x-dlx-proxy-bcc`, which no client
 //! of the proxy ever sees, and publishes stay 1:1 with their confirms.
 
+mod common;
 mod proxy_support;
 
 use std::time::Duration;
@@ -20,7 +21,7 @@ const PRIVATE: &str = "x-dlx-proxy-bcc";
 
 fn strings(values: &[&str]) -> AMQPValue {
     AMQPValue::FieldArray(FieldArray::from(
-        values.iter().map(|v| long_string(v)).collect::<Vec<_>>(),
+        values.iter().map(|v| ls(v)).collect::<Vec<_>>(),
     ))
 }
 
@@ -69,7 +70,7 @@ async fn topology(ch: &Channel, src_args: &[(&str, AMQPValue)]) -> Topology {
         dlq.insert(key, q);
     }
     let src = unique("bcc-src");
-    let mut args = vec![("x-dead-letter-exchange", long_string(&dlx))];
+    let mut args = vec![("x-dead-letter-exchange", ls(&dlx))];
     args.extend(src_args.iter().cloned());
     declare(ch, &src, table(&args)).await;
     bind(ch, &src, &x, "a").await;
@@ -118,12 +119,7 @@ async fn bcc_keys_route_rejected_messages_and_stay_invisible() {
         bind(&ch, q, &dlx2, key).await;
     }
     let dlq_a = unique("bcc-dlq-a2");
-    declare(
-        &ch,
-        &dlq_a,
-        table(&[("x-dead-letter-exchange", long_string(&dlx2))]),
-    )
-    .await;
+    declare(&ch, &dlq_a, table(&[("x-dead-letter-exchange", ls(&dlx2))])).await;
     bind(&ch, &dlq_a, &t.dlx, "a").await;
 
     publish(
@@ -131,7 +127,7 @@ async fn bcc_keys_route_rejected_messages_and_stay_invisible() {
         &t.x,
         "a",
         "m1",
-        table(&[("BCC", strings(&["c"])), ("keep", long_string("yes"))]),
+        table(&[("BCC", strings(&["c"])), ("keep", ls("yes"))]),
     )
     .await;
     // A consumer of the source queue sees neither header.
@@ -139,21 +135,21 @@ async fn bcc_keys_route_rejected_messages_and_stay_invisible() {
     let mut rx = consume(&consumer_ch, &t.src, BasicConsumeOptions::default()).await;
     let d = next(&mut rx).await;
     assert_no_routing_headers(&d);
-    assert_eq!(header(&d, "keep"), Some(&long_string("yes")));
+    assert_eq!(header(&d, "keep"), Some(&ls("yes")));
     d.acker
         .reject(BasicRejectOptions { requeue: false })
         .await
         .unwrap();
     for q in [&t.dlq["a"], &t.dlq["c"]] {
         let dead = get(&ch, q).await;
-        assert_eq!(body(&dead), "m1");
+        assert_eq!(payload(&dead), "m1");
         assert_eq!(dead.routing_key.as_str(), "a");
         assert_no_routing_headers(&dead);
-        assert_eq!(header(&dead, "keep"), Some(&long_string("yes")));
+        assert_eq!(header(&dead, "keep"), Some(&ls("yes")));
         assert_eq!(field(&x_death(&dead)[0], "routing-keys"), &strings(&["a"]));
         dead.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
-    assert_empty(&ch, &t.dlq["z"]).await;
+    consume_empty(&ch, &t.dlq["z"]).await;
 
     // Second hop: rejected from the dead-letter queue of "a".
     let dead = get(&ch, &dlq_a).await;
@@ -164,7 +160,7 @@ async fn bcc_keys_route_rejected_messages_and_stay_invisible() {
         .unwrap();
     for q in [&hop2_a, &hop2_c] {
         let dead = get(&ch, q).await;
-        assert_eq!(body(&dead), "m1");
+        assert_eq!(payload(&dead), "m1");
         assert_no_routing_headers(&dead);
         assert_eq!(x_death(&dead).len(), 2);
         dead.acker.ack(BasicAckOptions::default()).await.unwrap();
@@ -204,10 +200,10 @@ async fn bcc_keys_route_expired_messages() {
     .await;
     for key in ["a", "c", "z"] {
         let dead = get(&ch, &t.dlq[key]).await;
-        assert_eq!(body(&dead), "m1");
+        assert_eq!(payload(&dead), "m1");
         assert_no_routing_headers(&dead);
         let deaths = x_death(&dead);
-        assert_eq!(field(&deaths[0], "reason"), &long_string("expired"));
+        assert_eq!(field(&deaths[0], "reason"), &ls("expired"));
         assert_eq!(field(&deaths[0], "routing-keys"), &strings(&["a"]));
         dead.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
@@ -235,7 +231,7 @@ async fn a_clients_own_private_header_is_dropped() {
     let dead = get(&ch, &t.dlq["a"]).await;
     assert_no_routing_headers(&dead);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_empty(&ch, &t.dlq["c"]).await;
+    consume_empty(&ch, &t.dlq["c"]).await;
     proxy.stop().await;
 }
 
@@ -282,36 +278,33 @@ async fn confirms_stay_one_to_one_and_an_oversized_header_keeps_no_keys() {
     wait_count(&ch, &bcc_copy, 10).await;
     for i in 0..20 {
         let d = get(&ch, &t.src).await;
-        assert_eq!(body(&d), format!("n{i}"));
+        assert_eq!(payload(&d), format!("n{i}"));
         assert_no_routing_headers(&d);
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
     for i in (0..20).step_by(2) {
         let d = get(&ch, &bcc_copy).await;
-        assert_eq!(body(&d), format!("n{i}"));
+        assert_eq!(payload(&d), format!("n{i}"));
         assert_no_routing_headers(&d);
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
 
     // A header frame a few bytes short of frame_max: no room for the kept keys.
     let frame_max = conn.configuration().frame_max() as usize;
-    let base = table(&[("BCC", strings(&["c"])), ("pad", long_string(""))]);
+    let base = table(&[("BCC", strings(&["c"])), ("pad", ls(""))]);
     let base_len = {
         let props = AMQPProperties::default().with_headers(base);
         dlx_proxy::amqp::content::encode_properties(&props).len()
     };
     // frame = 8 overhead + 12 class/weight/size + properties.
     let pad = frame_max - 8 - 12 - base_len - 4;
-    let big = table(&[
-        ("BCC", strings(&["c"])),
-        ("pad", long_string(&"p".repeat(pad))),
-    ]);
+    let big = table(&[("BCC", strings(&["c"])), ("pad", ls(&"p".repeat(pad)))]);
     publish(&ch, &t.x, "a", "big", big).await;
     let upstream = upstream_connection().await;
     let uch = upstream.create_channel().await.unwrap();
     for q in [&t.src, &bcc_copy] {
         let d = get(&uch, q).await;
-        assert_eq!(body(&d), "big");
+        assert_eq!(payload(&d), "big");
         assert!(header(&d, PRIVATE).is_none());
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }

@@ -2,6 +2,7 @@
 //! back through the proxy's capture queue and reach the real dead-letter exchange with the
 //! x-death RabbitMQ writes for the original queue, and no trace of the capture hop.
 
+mod common;
 mod proxy_support;
 
 use std::time::Duration;
@@ -29,7 +30,7 @@ async fn publish(ch: &Channel, queue: &str, payload: &str, props: AMQPProperties
 
 fn strings(values: &[&str]) -> AMQPValue {
     AMQPValue::FieldArray(FieldArray::from(
-        values.iter().map(|v| long_string(v)).collect::<Vec<_>>(),
+        values.iter().map(|v| ls(v)).collect::<Vec<_>>(),
     ))
 }
 
@@ -38,10 +39,10 @@ async fn topology(ch: &Channel, extra: &[(&str, AMQPValue)]) -> (String, String,
     let q = unique("q");
     let dlx = unique("dlx");
     let dlq = unique("dlq");
-    declare_dlx(ch, &dlx, &dlq, &dlq).await;
+    declare_dlx(ch, &dlx, &dlq).await;
     let mut args = vec![
-        ("x-dead-letter-exchange", long_string(&dlx)),
-        ("x-dead-letter-routing-key", long_string(&dlq)),
+        ("x-dead-letter-exchange", ls(&dlx)),
+        ("x-dead-letter-routing-key", ls(&dlq)),
     ];
     args.extend(extra.iter().cloned());
     declare(ch, &q, table(&args)).await;
@@ -63,38 +64,32 @@ async fn queue_ttl_expiry_is_dead_lettered_as_rabbitmq_would() {
     let (q, dlx, dlq) = topology(&ch, &[("x-message-ttl", AMQPValue::LongInt(1))]).await;
     let props = AMQPProperties::default()
         .with_message_id("id-1".into())
-        .with_headers(table(&[("app", long_string("v"))]));
+        .with_headers(table(&[("app", ls("v"))]));
     publish(&ch, &q, "p1", props).await;
     let dead = get(&ch, &dlq).await;
-    assert_eq!(body(&dead), "p1");
+    assert_eq!(payload(&dead), "p1");
     assert_eq!(dead.exchange.as_str(), dlx);
     assert_eq!(dead.routing_key.as_str(), dlq);
     assert_eq!(
         dead.properties.message_id().as_ref().map(|m| m.as_str()),
         Some("id-1")
     );
-    assert_eq!(header(&dead, "app"), Some(&long_string("v")));
+    assert_eq!(header(&dead, "app"), Some(&ls("v")));
     let deaths = x_death(&dead);
     assert_eq!(deaths.len(), 1);
     let entry = &deaths[0];
-    assert_eq!(field(entry, "reason"), &long_string("expired"));
-    assert_eq!(field(entry, "queue"), &long_string(&q));
-    assert_eq!(field(entry, "exchange"), &long_string(""));
+    assert_eq!(field(entry, "reason"), &ls("expired"));
+    assert_eq!(field(entry, "queue"), &ls(&q));
+    assert_eq!(field(entry, "exchange"), &ls(""));
     assert_eq!(field(entry, "count"), &AMQPValue::LongLongInt(1));
     assert_eq!(field(entry, "routing-keys"), &strings(&[&q]));
     assert!(matches!(field(entry, "time"), AMQPValue::Timestamp(_)));
     assert!(entry.inner().get("original-expiration").is_none());
-    assert_eq!(
-        header(&dead, "x-first-death-reason"),
-        Some(&long_string("expired"))
-    );
-    assert_eq!(header(&dead, "x-first-death-queue"), Some(&long_string(&q)));
-    assert_eq!(
-        header(&dead, "x-first-death-exchange"),
-        Some(&long_string(""))
-    );
+    assert_eq!(header(&dead, "x-first-death-reason"), Some(&ls("expired")));
+    assert_eq!(header(&dead, "x-first-death-queue"), Some(&ls(&q)));
+    assert_eq!(header(&dead, "x-first-death-exchange"), Some(&ls("")));
     no_capture_trace(&dead, &proxy.capture);
-    assert_empty(&ch, &q).await;
+    consume_empty(&ch, &q).await;
     proxy
         .wait_counter(
             "dead_lettered_total",
@@ -121,15 +116,15 @@ async fn per_message_ttl_keeps_the_original_expiration() {
     .await;
     publish(&ch, &q, "msg2", AMQPProperties::default()).await;
     let dead = get(&ch, &dlq).await;
-    assert_eq!(body(&dead), "p1");
+    assert_eq!(payload(&dead), "p1");
     assert!(dead.properties.expiration().is_none());
     let deaths = x_death(&dead);
     assert_eq!(deaths.len(), 1);
-    assert_eq!(field(&deaths[0], "reason"), &long_string("expired"));
-    assert_eq!(field(&deaths[0], "original-expiration"), &long_string("1"));
+    assert_eq!(field(&deaths[0], "reason"), &ls("expired"));
+    assert_eq!(field(&deaths[0], "original-expiration"), &ls("1"));
     no_capture_trace(&dead, &proxy.capture);
     let kept = get(&ch, &q).await;
-    assert_eq!(body(&kept), "msg2");
+    assert_eq!(payload(&kept), "msg2");
     proxy.stop().await;
 }
 
@@ -147,7 +142,7 @@ async fn ttl_and_target_from_a_toml_policy() {
     .await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    declare_dlx(&ch, &dlx, &dlq, &dlq).await;
+    declare_dlx(&ch, &dlx, &dlq).await;
     // The client's own TTL is higher: the lower one (the policy's) applies.
     declare(
         &ch,
@@ -157,8 +152,8 @@ async fn ttl_and_target_from_a_toml_policy() {
     .await;
     publish(&ch, &q, "p", AMQPProperties::default()).await;
     let dead = get(&ch, &dlq).await;
-    assert_eq!(field(&x_death(&dead)[0], "reason"), &long_string("expired"));
-    assert_eq!(field(&x_death(&dead)[0], "queue"), &long_string(&q));
+    assert_eq!(field(&x_death(&dead)[0], "reason"), &ls("expired"));
+    assert_eq!(field(&x_death(&dead)[0], "queue"), &ls(&q));
     proxy.stop().await;
 }
 
@@ -175,13 +170,13 @@ async fn max_length_drop_head_dead_letters_the_oldest_as_maxlen() {
     wait_count(&ch, &q, 1).await;
     for expected in ["p1", "p2"] {
         let dead = get(&ch, &dlq).await;
-        assert_eq!(body(&dead), expected);
-        assert_eq!(field(&x_death(&dead)[0], "reason"), &long_string("maxlen"));
+        assert_eq!(payload(&dead), expected);
+        assert_eq!(field(&x_death(&dead)[0], "reason"), &ls("maxlen"));
         dead.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
-    assert_eq!(body(&get(&ch, &q).await), "p3");
-    assert_empty(&ch, &q).await;
-    assert_empty(&ch, &dlq).await;
+    assert_eq!(payload(&get(&ch, &q).await), "p3");
+    consume_empty(&ch, &q).await;
+    consume_empty(&ch, &dlq).await;
     proxy.stop().await;
 }
 
@@ -195,7 +190,7 @@ async fn reject_publish_dlx_nacks_and_dead_letters_the_new_messages() {
         &ch,
         &[
             ("x-max-length", AMQPValue::LongInt(1)),
-            ("x-overflow", long_string("reject-publish-dlx")),
+            ("x-overflow", ls("reject-publish-dlx")),
         ],
     )
     .await;
@@ -221,11 +216,11 @@ async fn reject_publish_dlx_nacks_and_dead_letters_the_new_messages() {
     assert_eq!(acks, vec![true, false, false]);
     for expected in ["p2", "p3"] {
         let dead = get(&ch, &dlq).await;
-        assert_eq!(body(&dead), expected);
-        assert_eq!(field(&x_death(&dead)[0], "reason"), &long_string("maxlen"));
+        assert_eq!(payload(&dead), expected);
+        assert_eq!(field(&x_death(&dead)[0], "reason"), &ls("maxlen"));
         dead.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
-    assert_eq!(body(&get(&ch, &q).await), "p1");
+    assert_eq!(payload(&get(&ch, &q).await), "p1");
     proxy.stop().await;
 }
 
@@ -241,7 +236,7 @@ async fn ttl_self_loops_are_dropped_as_cycles() {
         &q,
         table(&[
             ("x-message-ttl", AMQPValue::LongInt(1)),
-            ("x-dead-letter-exchange", long_string("")),
+            ("x-dead-letter-exchange", ls("")),
         ]),
     )
     .await;
@@ -255,7 +250,7 @@ async fn ttl_self_loops_are_dropped_as_cycles() {
         )
         .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_empty(&ch, &q).await;
+    consume_empty(&ch, &q).await;
     proxy.stop().await;
 }
 
@@ -290,12 +285,7 @@ async fn expiry_with_cc_routes_every_key_and_records_them() {
         .await
         .unwrap();
     }
-    declare(
-        &ch,
-        &q,
-        table(&[("x-dead-letter-exchange", long_string(&dlx))]),
-    )
-    .await;
+    declare(&ch, &q, table(&[("x-dead-letter-exchange", ls(&dlx))])).await;
     let props = AMQPProperties::default()
         .with_expiration("20".into())
         .with_headers(table(&[("CC", strings(&[&cc]))]));
@@ -306,7 +296,7 @@ async fn expiry_with_cc_routes_every_key_and_records_them() {
         assert_eq!(header(&dead, "CC"), Some(&strings(&[&cc])));
         let deaths = x_death(&dead);
         assert_eq!(field(&deaths[0], "routing-keys"), &strings(&[&q, &cc]));
-        assert_eq!(field(&deaths[0], "original-expiration"), &long_string("20"));
+        assert_eq!(field(&deaths[0], "original-expiration"), &ls("20"));
         no_capture_trace(&dead, &proxy.capture);
     }
     proxy.stop().await;
@@ -327,8 +317,8 @@ async fn reject_expire_expire_loops_keep_the_history_in_order() {
         &ch,
         &b,
         table(&[
-            ("x-dead-letter-exchange", long_string("")),
-            ("x-dead-letter-routing-key", long_string(&a2)),
+            ("x-dead-letter-exchange", ls("")),
+            ("x-dead-letter-routing-key", ls(&a2)),
         ]),
     )
     .await;
@@ -336,8 +326,8 @@ async fn reject_expire_expire_loops_keep_the_history_in_order() {
         &ch,
         &a2,
         table(&[
-            ("x-dead-letter-exchange", long_string("")),
-            ("x-dead-letter-routing-key", long_string(&a3)),
+            ("x-dead-letter-exchange", ls("")),
+            ("x-dead-letter-routing-key", ls(&a3)),
             ("x-message-ttl", AMQPValue::LongInt(5)),
         ]),
     )
@@ -346,8 +336,8 @@ async fn reject_expire_expire_loops_keep_the_history_in_order() {
         &ch,
         &a3,
         table(&[
-            ("x-dead-letter-exchange", long_string("")),
-            ("x-dead-letter-routing-key", long_string(&b)),
+            ("x-dead-letter-exchange", ls("")),
+            ("x-dead-letter-routing-key", ls(&b)),
             ("x-message-ttl", AMQPValue::LongInt(5)),
         ]),
     )
@@ -364,9 +354,9 @@ async fn reject_expire_expire_loops_keep_the_history_in_order() {
             assert_eq!(
                 order,
                 vec![
-                    (&long_string(&a3), &long_string("expired")),
-                    (&long_string(&a2), &long_string("expired")),
-                    (&long_string(&b), &long_string("rejected")),
+                    (&ls(&a3), &ls("expired")),
+                    (&ls(&a2), &ls("expired")),
+                    (&ls(&b), &ls("rejected")),
                 ]
             );
         }
@@ -381,14 +371,11 @@ async fn reject_expire_expire_loops_keep_the_history_in_order() {
     for entry in &deaths {
         assert_eq!(field(entry, "count"), &AMQPValue::LongLongInt(2));
     }
-    assert_eq!(field(&deaths[0], "queue"), &long_string(&a3));
-    assert_eq!(field(&deaths[1], "queue"), &long_string(&a2));
-    assert_eq!(field(&deaths[2], "queue"), &long_string(&b));
-    assert_eq!(header(&d, "x-first-death-queue"), Some(&long_string(&b)));
-    assert_eq!(
-        header(&d, "x-first-death-reason"),
-        Some(&long_string("rejected"))
-    );
+    assert_eq!(field(&deaths[0], "queue"), &ls(&a3));
+    assert_eq!(field(&deaths[1], "queue"), &ls(&a2));
+    assert_eq!(field(&deaths[2], "queue"), &ls(&b));
+    assert_eq!(header(&d, "x-first-death-queue"), Some(&ls(&b)));
+    assert_eq!(header(&d, "x-first-death-reason"), Some(&ls("rejected")));
     proxy.stop().await;
 }
 
@@ -417,7 +404,7 @@ async fn automatic_loops_through_other_exchanges_are_dropped_when_they_come_back
         &looping,
         table(&[
             ("x-message-ttl", AMQPValue::LongInt(20)),
-            ("x-dead-letter-exchange", long_string(&fan)),
+            ("x-dead-letter-exchange", ls(&fan)),
         ]),
     )
     .await;
@@ -442,9 +429,9 @@ async fn automatic_loops_through_other_exchanges_are_dropped_when_they_come_back
         )
         .await;
     let first = get(&ch, &other).await;
-    assert_eq!(field(&x_death(&first)[0], "queue"), &long_string(&looping));
+    assert_eq!(field(&x_death(&first)[0], "queue"), &ls(&looping));
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_empty(&ch, &other).await;
-    assert_empty(&ch, &looping).await;
+    consume_empty(&ch, &other).await;
+    consume_empty(&ch, &looping).await;
     proxy.stop().await;
 }

@@ -2,6 +2,7 @@
 //! the proxy (publisher confirms, then the original is acked), with RabbitMQ's headers, even
 //! when the upstream queue has no dead-letter settings of its own.
 
+mod common;
 mod proxy_support;
 
 use std::time::Duration;
@@ -34,13 +35,13 @@ async fn topology(ch: &Channel) -> (String, String, String) {
     let q = unique("q");
     let dlx = unique("dlx");
     let dlq = unique("dlq");
-    declare_dlx(ch, &dlx, &dlq, &dlq).await;
+    declare_dlx(ch, &dlx, &dlq).await;
     declare(
         ch,
         &q,
         table(&[
-            ("x-dead-letter-exchange", long_string(&dlx)),
-            ("x-dead-letter-routing-key", long_string(&dlq)),
+            ("x-dead-letter-exchange", ls(&dlx)),
+            ("x-dead-letter-routing-key", ls(&dlq)),
         ]),
     )
     .await;
@@ -49,7 +50,7 @@ async fn topology(ch: &Channel) -> (String, String, String) {
 
 fn strings(values: &[&str]) -> AMQPValue {
     AMQPValue::FieldArray(FieldArray::from(
-        values.iter().map(|v| long_string(v)).collect::<Vec<_>>(),
+        values.iter().map(|v| ls(v)).collect::<Vec<_>>(),
     ))
 }
 
@@ -73,7 +74,7 @@ async fn nack_dead_letters_with_exact_headers() {
         .await
         .unwrap();
     let dead = get(&ch, &dlq).await;
-    assert_eq!(body(&dead), "p3");
+    assert_eq!(payload(&dead), "p3");
     // Delivered from the DLQ: exchange = the DLX, routing key = the DLRK.
     assert_eq!(dead.exchange.as_str(), dlx);
     assert_eq!(dead.routing_key.as_str(), dlq);
@@ -81,9 +82,9 @@ async fn nack_dead_letters_with_exact_headers() {
     assert_eq!(deaths.len(), 1);
     let entry = &deaths[0];
     assert_eq!(field(entry, "count"), &AMQPValue::LongLongInt(1));
-    assert_eq!(field(entry, "reason"), &long_string("rejected"));
-    assert_eq!(field(entry, "queue"), &long_string(&q));
-    assert_eq!(field(entry, "exchange"), &long_string(""));
+    assert_eq!(field(entry, "reason"), &ls("rejected"));
+    assert_eq!(field(entry, "queue"), &ls(&q));
+    assert_eq!(field(entry, "exchange"), &ls(""));
     assert_eq!(field(entry, "routing-keys"), &strings(&[&q]));
     match field(entry, "time") {
         AMQPValue::Timestamp(t) => {
@@ -99,17 +100,11 @@ async fn nack_dead_letters_with_exact_headers() {
         other => panic!("time is not a timestamp: {other:?}"),
     }
     assert!(entry.inner().get("original-expiration").is_none());
-    assert_eq!(
-        header(&dead, "x-first-death-reason"),
-        Some(&long_string("rejected"))
-    );
-    assert_eq!(header(&dead, "x-first-death-queue"), Some(&long_string(&q)));
-    assert_eq!(
-        header(&dead, "x-first-death-exchange"),
-        Some(&long_string(""))
-    );
+    assert_eq!(header(&dead, "x-first-death-reason"), Some(&ls("rejected")));
+    assert_eq!(header(&dead, "x-first-death-queue"), Some(&ls(&q)));
+    assert_eq!(header(&dead, "x-first-death-exchange"), Some(&ls("")));
     dead.acker.ack(BasicAckOptions::default()).await.unwrap();
-    assert_empty(&ch, &dlq).await;
+    consume_empty(&ch, &dlq).await;
 
     // Then the other two, one at a time, arrive in that order; the source is empty.
     d1.acker
@@ -123,9 +118,9 @@ async fn nack_dead_letters_with_exact_headers() {
         .reject(BasicRejectOptions { requeue: false })
         .await
         .unwrap();
-    assert_eq!(body(&get(&ch, &dlq).await), "p1");
-    assert_eq!(body(&get(&ch, &dlq).await), "p2");
-    assert_empty(&ch, &q).await;
+    assert_eq!(payload(&get(&ch, &dlq).await), "p1");
+    assert_eq!(payload(&get(&ch, &dlq).await), "p2");
+    consume_empty(&ch, &q).await;
     let uch = upstream_connection().await.create_channel().await.unwrap();
     wait_count(&uch, &q, 0).await;
     proxy
@@ -168,15 +163,15 @@ async fn multiple_nack_dead_letters_in_tag_order_and_keeps_other_settlements_apa
         .unwrap();
     for expected in ["p1", "p2", "p3"] {
         let d = get(&ch, &dlq).await;
-        assert_eq!(body(&d), expected);
+        assert_eq!(payload(&d), expected);
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
-    assert_empty(&ch, &dlq).await;
+    consume_empty(&ch, &dlq).await;
     let uch = upstream_connection().await.create_channel().await.unwrap();
     wait_count(&uch, &q, 0).await;
     // The channel is still fine.
     publish(&ch, &q, &["after"]).await;
-    assert_eq!(body(&get(&ch, &q).await), "after");
+    assert_eq!(payload(&get(&ch, &q).await), "after");
     proxy.stop().await;
 }
 
@@ -196,7 +191,7 @@ async fn dead_letter_target_from_a_toml_policy_on_a_queue_without_arguments() {
     let upstream = upstream_connection().await;
     let uch = upstream.create_channel().await.unwrap();
     declare(&uch, &q, FieldTable::default()).await;
-    declare_dlx(&uch, &dlx, &dlq, &dlq).await;
+    declare_dlx(&uch, &dlx, &dlq).await;
 
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -211,8 +206,8 @@ async fn dead_letter_target_from_a_toml_policy_on_a_queue_without_arguments() {
         .await
         .unwrap();
     let dead = get(&uch, &dlq).await;
-    assert_eq!(body(&dead), "m");
-    assert_eq!(field(&x_death(&dead)[0], "queue"), &long_string(&q));
+    assert_eq!(payload(&dead), "m");
+    assert_eq!(field(&x_death(&dead)[0], "queue"), &ls(&q));
     wait_count(&uch, &q, 0).await;
 
     // A queue declared through the proxy without arguments gets the policy too, and its
@@ -236,7 +231,7 @@ async fn dead_letter_target_from_a_toml_policy_on_a_queue_without_arguments() {
         })
         .await
         .unwrap();
-    assert_eq!(body(&get(&uch, &dlq).await), "m2");
+    assert_eq!(payload(&get(&uch, &dlq).await), "m2");
     proxy.stop().await;
     proxy2.stop().await;
 }
@@ -277,12 +272,7 @@ async fn cc_keys_route_once_and_the_cc_header_is_kept_without_a_routing_key() {
             .unwrap();
         }
     }
-    declare(
-        &ch,
-        &q,
-        table(&[("x-dead-letter-exchange", long_string(&dlx))]),
-    )
-    .await;
+    declare(&ch, &q, table(&[("x-dead-letter-exchange", ls(&dlx))])).await;
     let props = AMQPProperties::default().with_headers(table(&[
         ("CC", strings(&[&cc_key])),
         ("BCC", strings(&[&unique("invisible")])),
@@ -304,7 +294,7 @@ async fn cc_keys_route_once_and_the_cc_header_is_kept_without_a_routing_key() {
         .unwrap();
     for queue in [&both, &only_cc] {
         let dead = get(&ch, queue).await;
-        assert_eq!(body(&dead), "m");
+        assert_eq!(payload(&dead), "m");
         // Routed with the original key: the first key is the delivery's routing key.
         assert_eq!(dead.exchange.as_str(), dlx);
         assert_eq!(dead.routing_key.as_str(), q);
@@ -315,7 +305,7 @@ async fn cc_keys_route_once_and_the_cc_header_is_kept_without_a_routing_key() {
         dead.acker.ack(BasicAckOptions::default()).await.unwrap();
         // Exactly one copy, also in the queue bound by both keys.
         tokio::time::sleep(Duration::from_millis(200)).await;
-        assert_empty(&ch, queue).await;
+        consume_empty(&ch, queue).await;
     }
     proxy.stop().await;
 }
@@ -328,8 +318,8 @@ async fn a_dead_letter_routing_key_removes_the_cc_header() {
     let ch = conn.create_channel().await.unwrap();
     let (q, _dlx, dlq) = topology(&ch).await;
     let cc = unique("cc");
-    let props = AMQPProperties::default()
-        .with_headers(table(&[("CC", strings(&[&cc])), ("aa", long_string("x"))]));
+    let props =
+        AMQPProperties::default().with_headers(table(&[("CC", strings(&[&cc])), ("aa", ls("x"))]));
     ch.basic_publish(
         "".into(),
         q.as_str().into(),
@@ -349,7 +339,7 @@ async fn a_dead_letter_routing_key_removes_the_cc_header() {
         .unwrap();
     let dead = get(&ch, &dlq).await;
     assert!(header(&dead, "CC").is_none());
-    assert_eq!(header(&dead, "aa"), Some(&long_string("x")));
+    assert_eq!(header(&dead, "aa"), Some(&ls("x")));
     assert_eq!(
         field(&x_death(&dead)[0], "routing-keys"),
         &strings(&[&q, &cc])
@@ -370,8 +360,8 @@ async fn a_missing_dead_letter_exchange_drops_and_counts_then_recovers() {
         &ch,
         &q,
         table(&[
-            ("x-dead-letter-exchange", long_string(&dlx)),
-            ("x-dead-letter-routing-key", long_string(&dlq)),
+            ("x-dead-letter-exchange", ls(&dlx)),
+            ("x-dead-letter-routing-key", ls(&dlq)),
         ]),
     )
     .await;
@@ -391,17 +381,17 @@ async fn a_missing_dead_letter_exchange_drops_and_counts_then_recovers() {
         .await;
     let uch = upstream_connection().await.create_channel().await.unwrap();
     wait_count(&uch, &q, 0).await;
-    assert_empty(&ch, &dlq).await;
+    consume_empty(&ch, &dlq).await;
 
     // Declared later, the exchange is used from then on (the name is resolved each time).
-    declare_dlx(&ch, &dlx, &dlq, &dlq).await;
+    declare_dlx(&ch, &dlx, &dlq).await;
     publish(&ch, &q, &["kept"]).await;
     let d = get(&ch, &q).await;
     d.acker
         .reject(BasicRejectOptions { requeue: false })
         .await
         .unwrap();
-    assert_eq!(body(&get(&ch, &dlq).await), "kept");
+    assert_eq!(payload(&get(&ch, &dlq).await), "kept");
     proxy.stop().await;
 }
 
@@ -421,12 +411,7 @@ async fn an_unroutable_dead_letter_is_dropped_and_counted() {
     )
     .await
     .unwrap();
-    declare(
-        &ch,
-        &q,
-        table(&[("x-dead-letter-exchange", long_string(&dlx))]),
-    )
-    .await;
+    declare(&ch, &q, table(&[("x-dead-letter-exchange", ls(&dlx))])).await;
     publish(&ch, &q, &["nowhere"]).await;
     let d = get(&ch, &q).await;
     d.acker
@@ -455,16 +440,11 @@ async fn rejections_never_form_a_dropping_cycle_and_counts_grow() {
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("self");
-    declare(
-        &ch,
-        &q,
-        table(&[("x-dead-letter-exchange", long_string(""))]),
-    )
-    .await;
+    declare(&ch, &q, table(&[("x-dead-letter-exchange", ls(""))])).await;
     publish(&ch, &q, &["loop"]).await;
     for round in 1..=3i64 {
         let d = get(&ch, &q).await;
-        assert_eq!(body(&d), "loop");
+        assert_eq!(payload(&d), "loop");
         if round > 1 {
             let deaths = x_death(&d);
             assert_eq!(deaths.len(), 1);
@@ -509,8 +489,8 @@ async fn two_hops_keep_the_history_newest_first() {
         &ch,
         &q1,
         table(&[
-            ("x-dead-letter-exchange", long_string(&d1)),
-            ("x-dead-letter-routing-key", long_string(&k2)),
+            ("x-dead-letter-exchange", ls(&d1)),
+            ("x-dead-letter-routing-key", ls(&k2)),
         ]),
     )
     .await;
@@ -518,8 +498,8 @@ async fn two_hops_keep_the_history_newest_first() {
         &ch,
         &q2,
         table(&[
-            ("x-dead-letter-exchange", long_string("")),
-            ("x-dead-letter-routing-key", long_string(&q3)),
+            ("x-dead-letter-exchange", ls("")),
+            ("x-dead-letter-routing-key", ls(&q3)),
         ]),
     )
     .await;
@@ -551,16 +531,13 @@ async fn two_hops_keep_the_history_newest_first() {
     assert_eq!(dead.routing_key.as_str(), q3);
     let deaths = x_death(&dead);
     assert_eq!(deaths.len(), 2);
-    assert_eq!(field(&deaths[0], "queue"), &long_string(&q2));
-    assert_eq!(field(&deaths[0], "exchange"), &long_string(&d1));
+    assert_eq!(field(&deaths[0], "queue"), &ls(&q2));
+    assert_eq!(field(&deaths[0], "exchange"), &ls(&d1));
     assert_eq!(field(&deaths[0], "routing-keys"), &strings(&[&k2]));
-    assert_eq!(field(&deaths[1], "queue"), &long_string(&q1));
-    assert_eq!(field(&deaths[1], "exchange"), &long_string(""));
+    assert_eq!(field(&deaths[1], "queue"), &ls(&q1));
+    assert_eq!(field(&deaths[1], "exchange"), &ls(""));
     assert_eq!(field(&deaths[1], "routing-keys"), &strings(&[&q1]));
-    assert_eq!(
-        header(&dead, "x-first-death-queue"),
-        Some(&long_string(&q1))
-    );
+    assert_eq!(header(&dead, "x-first-death-queue"), Some(&ls(&q1)));
     proxy.stop().await;
 }
 
@@ -588,7 +565,7 @@ async fn many_rejections_from_a_consumer_arrive_in_order() {
     wait_count(&uch, &dlq, 100).await;
     for expected in &payloads {
         let d = get(&uch, &dlq).await;
-        assert_eq!(&body(&d), expected);
+        assert_eq!(&payload(&d), expected);
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
     wait_count(&uch, &q, 0).await;
@@ -617,15 +594,15 @@ async fn closing_the_channel_right_after_a_reject_loses_and_duplicates_nothing()
     let uch = upstream_connection().await.create_channel().await.unwrap();
     wait_count(&uch, &dlq, 1).await;
     wait_count(&uch, &q, 1).await;
-    assert_eq!(body(&get(&uch, &dlq).await), "a");
-    assert_eq!(body(&get(&uch, &q).await), "b");
+    assert_eq!(payload(&get(&uch, &dlq).await), "a");
+    assert_eq!(payload(&get(&uch, &q).await), "b");
     // Declaring with equal arguments again works (the upstream arguments are stable).
     declare(
         &ch,
         &q,
         table(&[
-            ("x-dead-letter-exchange", long_string(&dlx)),
-            ("x-dead-letter-routing-key", long_string(&dlq)),
+            ("x-dead-letter-exchange", ls(&dlx)),
+            ("x-dead-letter-routing-key", ls(&dlq)),
         ]),
     )
     .await;

@@ -2,6 +2,7 @@
 //! inequivalent redeclares) get the broker's 406 and leave the connection usable, even when
 //! the client reuses the channel number at once.
 
+mod common;
 mod proxy_support;
 
 use dlx_proxy::proxy::wire::method_frame;
@@ -60,8 +61,8 @@ fn close_code(payload: &[u8]) -> (u16, String) {
 async fn reusing_a_channel_number_right_after_a_refused_declare_works() {
     require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
-    let mut client = RawClient::connect(proxy.addr, &unique("reuse")).await;
-    client.send(&channel_open(1)).await;
+    let mut client = RawClient::connect_named(proxy.addr, &unique("reuse")).await;
+    client.send_raw(&channel_open(1)).await;
     assert_eq!(client.next_method().await.1, (20, 11));
     let invalid = [
         ("x-expires", AMQPValue::LongInt(0)),
@@ -72,7 +73,7 @@ async fn reusing_a_channel_number_right_after_a_refused_declare_works() {
         let (key, value) = &invalid[round % invalid.len()];
         let name = unique("refused");
         client
-            .send(&queue_declare(1, &name, table(&[(key, value.clone())])))
+            .send_raw(&queue_declare(1, &name, table(&[(key, value.clone())])))
             .await;
         let (ch, ids, payload) = client.next_method().await;
         assert_eq!(
@@ -90,7 +91,7 @@ async fn reusing_a_channel_number_right_after_a_refused_declare_works() {
         burst.extend_from_slice(&channel_open(1));
         let ok_name = unique("after-refusal");
         burst.extend_from_slice(&queue_declare(1, &ok_name, FieldTable::default()));
-        client.send(&burst).await;
+        client.send_raw(&burst).await;
         let (ch, ids, payload) = client.next_method().await;
         assert_eq!(
             (ch, ids),
@@ -133,7 +134,7 @@ async fn inequivalent_redeclares_get_the_brokers_406() {
     let ch = conn.create_channel().await.unwrap();
     let q = unique("redeclare");
     let original = table(&[
-        ("x-dead-letter-exchange", long_string("dlxA")),
+        ("x-dead-letter-exchange", ls("dlxA")),
         ("x-message-ttl", AMQPValue::LongInt(1000)),
     ]);
     declare(&ch, &q, original.clone()).await;
@@ -143,9 +144,9 @@ async fn inequivalent_redeclares_get_the_brokers_406() {
         &ch,
         &q,
         table(&[
-            ("x-dead-letter-exchange", long_string("dlxA")),
+            ("x-dead-letter-exchange", ls("dlxA")),
             ("x-message-ttl", AMQPValue::LongLongInt(1000)),
-            ("x-custom", long_string("v")),
+            ("x-custom", ls("v")),
         ]),
     )
     .await;
@@ -156,7 +157,7 @@ async fn inequivalent_redeclares_get_the_brokers_406() {
             "different DLX",
             QueueDeclareOptions::default(),
             table(&[
-                ("x-dead-letter-exchange", long_string("dlxB")),
+                ("x-dead-letter-exchange", ls("dlxB")),
                 ("x-message-ttl", AMQPValue::LongInt(1000)),
             ]),
             format!(
@@ -183,9 +184,9 @@ async fn inequivalent_redeclares_get_the_brokers_406() {
             "DLRK added",
             QueueDeclareOptions::default(),
             table(&[
-                ("x-dead-letter-exchange", long_string("dlxA")),
+                ("x-dead-letter-exchange", ls("dlxA")),
                 ("x-message-ttl", AMQPValue::LongInt(1000)),
-                ("x-dead-letter-routing-key", long_string("k")),
+                ("x-dead-letter-routing-key", ls("k")),
             ]),
             format!(
                 "{prefix} 'x-dead-letter-routing-key' {suffix}: received the value 'k' of type 'longstr' but current is none"
@@ -195,7 +196,7 @@ async fn inequivalent_redeclares_get_the_brokers_406() {
             "different TTL",
             QueueDeclareOptions::default(),
             table(&[
-                ("x-dead-letter-exchange", long_string("dlxA")),
+                ("x-dead-letter-exchange", ls("dlxA")),
                 ("x-message-ttl", AMQPValue::LongInt(2000)),
             ]),
             format!("{prefix} 'x-message-ttl' {suffix}: received '2000' but current is '1000'"),
@@ -245,30 +246,20 @@ async fn a_queue_that_is_gone_is_declared_anew_with_other_arguments() {
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("recreated");
-    declare(
-        &ch,
-        &q,
-        table(&[("x-dead-letter-exchange", long_string("a"))]),
-    )
-    .await;
+    declare(&ch, &q, table(&[("x-dead-letter-exchange", ls("a"))])).await;
     let upstream = upstream_connection().await;
     let uch = upstream.create_channel().await.unwrap();
     uch.queue_delete(q.as_str().into(), Default::default())
         .await
         .unwrap();
-    declare(
-        &ch,
-        &q,
-        table(&[("x-dead-letter-exchange", long_string("b"))]),
-    )
-    .await;
+    declare(&ch, &q, table(&[("x-dead-letter-exchange", ls("b"))])).await;
     // Now "b" is what the queue was declared with.
     let ch = conn.create_channel().await.unwrap();
     let (code, text) = refused(
         &ch,
         &q,
         QueueDeclareOptions::default(),
-        table(&[("x-dead-letter-exchange", long_string("a"))]),
+        table(&[("x-dead-letter-exchange", ls("a"))]),
     )
     .await;
     assert_eq!(code, 406, "{text}");
@@ -318,8 +309,8 @@ async fn another_instance_takes_the_first_declaration_it_sees_as_the_reference()
     require_upstream!();
     let first = TestProxy::start(vec![]).await;
     let q = unique("two-instances");
-    let dlx_a = table(&[("x-dead-letter-exchange", long_string("a"))]);
-    let dlx_b = table(&[("x-dead-letter-exchange", long_string("b"))]);
+    let dlx_a = table(&[("x-dead-letter-exchange", ls("a"))]);
+    let dlx_b = table(&[("x-dead-letter-exchange", ls("b"))]);
     let conn = first.connect().await;
     let ch = conn.create_channel().await.unwrap();
     declare(&ch, &q, dlx_a.clone()).await;

@@ -2,6 +2,7 @@
 //! incremented `x-delivery-count`; past the limit the message is dead-lettered with reason
 //! `delivery_limit` (classic queues emulated by the proxy, quorum queues counted upstream).
 
+mod common;
 mod proxy_support;
 
 use lapin::options::{
@@ -40,14 +41,14 @@ async fn classic_queue_delivery_limit_counts_requeues_then_dead_letters() {
     let q = unique("limit");
     let dlx = unique("limit-dlx");
     let dlq = unique("limit-dlq");
-    declare_dlx(&ch, &dlx, &dlq, &dlq).await;
+    declare_dlx(&ch, &dlx, &dlq).await;
     declare(
         &ch,
         &q,
         table(&[
             ("x-delivery-limit", AMQPValue::LongInt(1)),
-            ("x-dead-letter-exchange", long_string(&dlx)),
-            ("x-dead-letter-routing-key", long_string(&dlq)),
+            ("x-dead-letter-exchange", ls(&dlx)),
+            ("x-dead-letter-routing-key", ls(&dlq)),
         ]),
     )
     .await;
@@ -56,7 +57,7 @@ async fn classic_queue_delivery_limit_counts_requeues_then_dead_letters() {
     assert!(header(&first, "x-delivery-count").is_none());
     first.acker.nack(requeue()).await.unwrap();
     let second = get(&ch, &q).await;
-    assert_eq!(body(&second), "m");
+    assert_eq!(payload(&second), "m");
     assert_eq!(
         header(&second, "x-delivery-count"),
         Some(&AMQPValue::LongLongInt(1))
@@ -67,17 +68,17 @@ async fn classic_queue_delivery_limit_counts_requeues_then_dead_letters() {
         .await
         .unwrap();
     let dead = get(&ch, &dlq).await;
-    assert_eq!(body(&dead), "m");
+    assert_eq!(payload(&dead), "m");
     assert!(header(&dead, "x-delivery-count").is_none());
     let deaths = x_death(&dead);
     assert_eq!(deaths.len(), 1);
-    assert_eq!(field(&deaths[0], "reason"), &long_string("delivery_limit"));
-    assert_eq!(field(&deaths[0], "queue"), &long_string(&q));
+    assert_eq!(field(&deaths[0], "reason"), &ls("delivery_limit"));
+    assert_eq!(field(&deaths[0], "queue"), &ls(&q));
     assert_eq!(
         header(&dead, "x-first-death-reason"),
-        Some(&long_string("delivery_limit"))
+        Some(&ls("delivery_limit"))
     );
-    assert_empty(&ch, &q).await;
+    consume_empty(&ch, &q).await;
     proxy
         .wait_counter(
             "dead_lettered_total",
@@ -102,18 +103,15 @@ async fn a_policy_limit_of_zero_allows_one_delivery_to_a_consumer() {
     .await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    declare_dlx(&ch, &dlx, &dlq, &dlq).await;
+    declare_dlx(&ch, &dlx, &dlq).await;
     declare(&ch, &q, FieldTable::default()).await;
     publish_one(&ch, &q, "once").await;
     let mut rx = consume(&ch, &q, BasicConsumeOptions::default()).await;
     let d = next(&mut rx).await;
     d.acker.nack(requeue()).await.unwrap();
     let dead = get(&ch, &dlq).await;
-    assert_eq!(body(&dead), "once");
-    assert_eq!(
-        field(&x_death(&dead)[0], "reason"),
-        &long_string("delivery_limit")
-    );
+    assert_eq!(payload(&dead), "once");
+    assert_eq!(field(&x_death(&dead)[0], "reason"), &ls("delivery_limit"));
     dead.acker.ack(BasicAckOptions::default()).await.unwrap();
     assert!(
         tokio::time::timeout(std::time::Duration::from_millis(300), rx.recv())
@@ -160,7 +158,7 @@ async fn quorum_queues_count_upstream_and_die_through_the_capture() {
     let q = unique("quorum-limit");
     let dlx = unique("quorum-dlx");
     let dlq = unique("quorum-dlq");
-    declare_dlx(&ch, &dlx, &dlq, &dlq).await;
+    declare_dlx(&ch, &dlx, &dlq).await;
     ch.queue_declare(
         q.as_str().into(),
         QueueDeclareOptions {
@@ -168,10 +166,10 @@ async fn quorum_queues_count_upstream_and_die_through_the_capture() {
             ..QueueDeclareOptions::default()
         },
         table(&[
-            ("x-queue-type", long_string("quorum")),
+            ("x-queue-type", ls("quorum")),
             ("x-delivery-limit", AMQPValue::LongInt(1)),
-            ("x-dead-letter-exchange", long_string(&dlx)),
-            ("x-dead-letter-routing-key", long_string(&dlq)),
+            ("x-dead-letter-exchange", ls(&dlx)),
+            ("x-dead-letter-routing-key", ls(&dlq)),
         ]),
     )
     .await
@@ -182,13 +180,13 @@ async fn quorum_queues_count_upstream_and_die_through_the_capture() {
         d.acker.nack(requeue()).await.unwrap();
     }
     let dead = get(&ch, &dlq).await;
-    assert_eq!(body(&dead), "qm");
+    assert_eq!(payload(&dead), "qm");
     let deaths = x_death(&dead);
     assert_eq!(deaths.len(), 1, "{deaths:?}");
-    assert_eq!(field(&deaths[0], "reason"), &long_string("delivery_limit"));
-    assert_eq!(field(&deaths[0], "queue"), &long_string(&q));
+    assert_eq!(field(&deaths[0], "reason"), &ls("delivery_limit"));
+    assert_eq!(field(&deaths[0], "queue"), &ls(&q));
     assert_eq!(dead.exchange.as_str(), dlx);
-    assert_empty(&ch, &q).await;
+    consume_empty(&ch, &q).await;
     ch.queue_delete(q.as_str().into(), Default::default())
         .await
         .unwrap();

@@ -6,6 +6,7 @@
 //!
 //! Its own test binary: it must not run next to tests that need their connections.
 
+mod common;
 mod proxy_support;
 
 use std::time::Duration;
@@ -48,7 +49,7 @@ async fn broker_forced_close_reaches_the_client_and_reconnecting_works() {
             .unwrap();
         assert!(confirm.is_ack());
     }
-    let mut raw = RawClient::connect(proxy.addr, &name).await;
+    let mut raw = RawClient::connect_named(proxy.addr, &name).await;
 
     assert_eq!(close_upstream_connection(&name, "test"), 2);
     let (code, text) = raw.expect_connection_close().await;
@@ -67,10 +68,10 @@ async fn broker_forced_close_reaches_the_client_and_reconnecting_works() {
     let ch = conn.create_channel().await.unwrap();
     for i in 0..5 {
         let d = get(&ch, &q).await;
-        assert_eq!(body(&d), format!("m{i}"));
+        assert_eq!(payload(&d), format!("m{i}"));
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
-    assert_empty(&ch, &q).await;
+    consume_empty(&ch, &q).await;
     conn.close(200, "done".into()).await.unwrap();
     proxy.stop().await;
 }

@@ -3,6 +3,7 @@
 //! upstream is reported as 320 and reconnecting works, and a dead-letter publish that is
 //! nacked leaves the original to be delivered again.
 
+mod common;
 mod proxy_support;
 
 use std::sync::{Arc, Mutex};
@@ -93,10 +94,7 @@ async fn kept_deliveries_are_bounded_and_nothing_is_lost() {
     declare(
         &ch,
         &q,
-        table(&[(
-            "x-dead-letter-exchange",
-            long_string(&unique("bounded-dlx")),
-        )]),
+        table(&[("x-dead-letter-exchange", ls(&unique("bounded-dlx")))]),
     )
     .await;
     let payloads: Vec<String> = (0..300)
@@ -122,13 +120,13 @@ async fn kept_deliveries_are_bounded_and_nothing_is_lost() {
     // Acking frees room: everything arrives, in order.
     let mut received = 0usize;
     for d in held.drain(..) {
-        assert_eq!(body(&d), payloads[received]);
+        assert_eq!(payload(&d), payloads[received]);
         received += 1;
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
     while received < payloads.len() {
         let d = next(&mut rx).await;
-        assert_eq!(body(&d), payloads[received]);
+        assert_eq!(payload(&d), payloads[received]);
         received += 1;
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
@@ -148,13 +146,13 @@ async fn only_deliveries_that_can_dead_letter_keep_their_content() {
     let dlx = unique("with-content-dlx");
     let dlq = unique("with-content-dlq");
     declare(&ch, &plain, FieldTable::default()).await;
-    declare_dlx(&ch, &dlx, &dlq, &dlq).await;
+    declare_dlx(&ch, &dlx, &dlq).await;
     declare(
         &ch,
         &dead,
         table(&[
-            ("x-dead-letter-exchange", long_string(&dlx)),
-            ("x-dead-letter-routing-key", long_string(&dlq)),
+            ("x-dead-letter-exchange", ls(&dlx)),
+            ("x-dead-letter-routing-key", ls(&dlq)),
         ]),
     )
     .await;
@@ -190,15 +188,15 @@ async fn only_deliveries_that_can_dead_letter_keep_their_content() {
         .unwrap();
     for expected in &payloads {
         let d = get(&ch, &dlq).await;
-        assert_eq!(&body(&d), expected);
+        assert_eq!(&payload(&d), expected);
         let deaths = x_death(&d);
         assert_eq!(deaths.len(), 1);
-        assert_eq!(field(&deaths[0], "queue"), &long_string(&dead));
-        assert_eq!(field(&deaths[0], "reason"), &long_string("rejected"));
+        assert_eq!(field(&deaths[0], "queue"), &ls(&dead));
+        assert_eq!(field(&deaths[0], "reason"), &ls("rejected"));
         assert_eq!(field(&deaths[0], "count"), &AMQPValue::LongLongInt(1));
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
-    assert_empty(&ch, &dlq).await;
+    consume_empty(&ch, &dlq).await;
     let uch = upstream_connection().await.create_channel().await.unwrap();
     wait_count(&uch, &plain, 0).await;
     wait_count(&uch, &dead, 0).await;
@@ -239,7 +237,7 @@ async fn a_vanished_client_gives_its_unacked_deliveries_back() {
     for _ in 0..3 {
         let d = next(&mut rx).await;
         assert!(d.redelivered);
-        bodies.push(body(&d));
+        bodies.push(payload(&d));
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
     bodies.sort();
@@ -262,7 +260,7 @@ async fn a_vanished_upstream_is_reported_as_320_and_reconnecting_works() {
     declare(&ch, &q, FieldTable::default()).await;
     let payloads: Vec<String> = (0..5).map(|i| format!("keep{i}")).collect();
     publish_confirmed(&ch, &q, &payloads).await;
-    let mut raw = RawClient::connect(proxy.addr, &unique("raw")).await;
+    let mut raw = RawClient::connect_named(proxy.addr, &unique("raw")).await;
     relay.cut();
     let (code, text) = raw.expect_connection_close().await;
     assert_eq!(code, 320);
@@ -283,7 +281,7 @@ async fn a_vanished_upstream_is_reported_as_320_and_reconnecting_works() {
     let mut bodies = Vec::new();
     for _ in 0..5 {
         let d = get(&ch, &q).await;
-        bodies.push(body(&d));
+        bodies.push(payload(&d));
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
     bodies.sort();
@@ -301,7 +299,7 @@ async fn a_nacked_dead_letter_publish_leaves_the_original_to_be_delivered_again(
     let q = unique("nacked-src");
     let dlx = unique("nacked-dlx");
     let dlq = unique("nacked-dlq");
-    declare_dlx(&ch, &dlx, &dlq, &dlq).await;
+    declare_dlx(&ch, &dlx, &dlq).await;
     // The DLQ refuses everything: the dead-letter publish is nacked.
     let full = unique("full");
     declare(
@@ -309,7 +307,7 @@ async fn a_nacked_dead_letter_publish_leaves_the_original_to_be_delivered_again(
         &full,
         table(&[
             ("x-max-length", AMQPValue::LongInt(0)),
-            ("x-overflow", long_string("reject-publish")),
+            ("x-overflow", ls("reject-publish")),
         ]),
     )
     .await;
@@ -317,8 +315,8 @@ async fn a_nacked_dead_letter_publish_leaves_the_original_to_be_delivered_again(
         &ch,
         &q,
         table(&[
-            ("x-dead-letter-exchange", long_string("")),
-            ("x-dead-letter-routing-key", long_string(&full)),
+            ("x-dead-letter-exchange", ls("")),
+            ("x-dead-letter-routing-key", ls(&full)),
         ]),
     )
     .await;
@@ -337,7 +335,7 @@ async fn a_nacked_dead_letter_publish_leaves_the_original_to_be_delivered_again(
         .await
         .unwrap();
     let again = get(&ch, &q).await;
-    assert_eq!(body(&again), "m");
+    assert_eq!(payload(&again), "m");
     assert!(again.redelivered);
     proxy
         .wait_counter(

@@ -1,6 +1,7 @@
 //! Proxy mode, plain forwarding: what an unchanged client sees through the proxy is what it
 //! would see talking to RabbitMQ directly (publish, consume, get, confirms, qos, errors).
 
+mod common;
 mod proxy_support;
 
 use std::time::Duration;
@@ -10,10 +11,10 @@ use lapin::options::{
     ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::protocol::basic::AMQPProperties;
+use lapin::protocol::{AMQPClass, connection};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties, ErrorKind};
 use proxy_support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_get_and_consume_pass_through() {
@@ -27,10 +28,7 @@ async fn publish_get_and_consume_pass_through() {
     let props = BasicProperties::default()
         .with_message_id("m-1".into())
         .with_priority(3)
-        .with_headers(table(&[
-            ("zz", AMQPValue::LongInt(1)),
-            ("aa", long_string("x")),
-        ]));
+        .with_headers(table(&[("zz", AMQPValue::LongInt(1)), ("aa", ls("x"))]));
     ch.basic_publish(
         "".into(),
         q.as_str().into(),
@@ -41,7 +39,7 @@ async fn publish_get_and_consume_pass_through() {
     .await
     .unwrap();
     let got = get(&ch, &q).await;
-    assert_eq!(body(&got), "hello");
+    assert_eq!(payload(&got), "hello");
     assert_eq!(got.properties.message_id(), props.message_id());
     assert_eq!(got.properties.priority(), &Some(3));
     assert_eq!(header(&got, "zz"), Some(&AMQPValue::LongInt(1)));
@@ -139,7 +137,7 @@ async fn confirms_and_qos_keep_their_numbers() {
     let mut seen = 5;
     while seen < 50 {
         let d = next(&mut rx).await;
-        assert_eq!(body(&d), format!("m{seen}"));
+        assert_eq!(payload(&d), format!("m{seen}"));
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
         seen += 1;
     }
@@ -193,7 +191,7 @@ async fn invalid_queue_arguments_get_the_brokers_406_and_the_channel_stays_usabl
         .queue_declare(
             q.as_str().into(),
             QueueDeclareOptions::default(),
-            table(&[("x-dead-letter-routing-key", long_string("k"))]),
+            table(&[("x-dead-letter-routing-key", ls("k"))]),
         )
         .await
         .unwrap_err();
@@ -235,37 +233,26 @@ async fn invalid_queue_arguments_get_the_brokers_406_and_the_channel_stays_usabl
 async fn malformed_frames_close_the_connection_with_frame_error() {
     require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
-    let mut sock = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    sock.write_all(b"AMQP\x00\x00\x09\x01").await.unwrap();
+    let mut client = RawClient::connect_no_handshake(proxy.addr).await;
+    client.send_raw(b"AMQP\x00\x00\x09\x01").await;
     // Read connection.start, then send a frame with an unknown type.
-    let mut buf = vec![0u8; 4096];
-    let n = sock.read(&mut buf).await.unwrap();
-    assert!(n > 7 && buf[0] == 1, "expected connection.start");
-    sock.write_all(&[9, 0, 0, 0, 0, 0, 0, 0xce]).await.unwrap();
+    let start = client.read_method().await;
+    assert!(
+        matches!(
+            start,
+            AMQPClass::Connection(connection::AMQPMethod::Start(_))
+        ),
+        "expected connection.start, got {start:?}"
+    );
+    client.send_raw(&[9, 0, 0, 0, 0, 0, 0, 0xce]).await;
     // connection.close (10, 50) with reply code 501 arrives.
-    let mut reply = Vec::new();
-    let pos = loop {
-        if let Some(pos) = reply.windows(4).position(|w| w == [0, 10, 0, 50])
-            && reply.len() >= pos + 6
-        {
-            break pos;
-        }
-        let mut chunk = [0u8; 1024];
-        let n = tokio::time::timeout(Duration::from_secs(5), sock.read(&mut chunk))
-            .await
-            .expect("a reply")
-            .unwrap();
-        assert!(n > 0, "closed without connection.close");
-        reply.extend_from_slice(&chunk[..n]);
-    };
-    assert_eq!(u16::from_be_bytes([reply[pos + 4], reply[pos + 5]]), 501);
+    let (code, text) = client.expect_connection_close().await;
+    assert_eq!(code, 501, "{text}");
 
     // A wrong protocol header gets ours back.
-    let mut sock = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    sock.write_all(b"AMQP\x01\x01\x00\x0a").await.unwrap();
-    let mut reply = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), sock.read_to_end(&mut reply)).await;
-    assert_eq!(reply, b"AMQP\x00\x00\x09\x01");
+    let mut client = RawClient::connect_no_handshake(proxy.addr).await;
+    client.send_raw(b"AMQP\x01\x01\x00\x0a").await;
+    assert_eq!(client.read_to_end().await, b"AMQP\x00\x00\x09\x01");
     proxy.stop().await;
 }
 
@@ -337,7 +324,7 @@ async fn basic_get_with_auto_ack_and_redelivery_flags() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(body(&a.delivery), "a");
+    assert_eq!(payload(&a.delivery), "a");
     let b = get(&ch, &q).await;
     b.acker
         .nack(lapin::options::BasicNackOptions {
@@ -347,10 +334,10 @@ async fn basic_get_with_auto_ack_and_redelivery_flags() {
         .await
         .unwrap();
     let again = get(&ch, &q).await;
-    assert_eq!(body(&again), "b");
+    assert_eq!(payload(&again), "b");
     assert!(again.redelivered);
     again.acker.ack(BasicAckOptions::default()).await.unwrap();
-    assert_empty(&ch, &q).await;
+    consume_empty(&ch, &q).await;
     proxy.stop().await;
 }
 
@@ -410,7 +397,7 @@ async fn heartbeats_keep_an_idle_connection_alive() {
 async fn shutdown_closes_clients_with_320() {
     require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
-    let mut raw = RawClient::connect(proxy.addr, &unique("shutdown")).await;
+    let mut raw = RawClient::connect_named(proxy.addr, &unique("shutdown")).await;
     proxy.trigger_shutdown();
     let (code, text) = raw.expect_connection_close().await;
     assert_eq!(code, 320);

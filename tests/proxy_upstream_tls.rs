@@ -7,18 +7,19 @@
 //! every client with connection.close 320 naming the certificate problem, and keeps serving;
 //! one without any CA file is not accepted as a configuration.
 
+mod common;
 mod proxy_support;
 
 use std::path::Path;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use dlx_proxy::amqp::codec::{FRAME_METHOD, decode_method};
+use common::poll;
+use dlx_proxy::amqp::codec::PROTOCOL_HEADER;
 use dlx_proxy::config::{Config, Mode};
 use dlx_proxy::metrics::Metrics;
 use dlx_proxy::policy::PolicySet;
 use dlx_proxy::proxy::ProxyShared;
-use dlx_proxy::proxy::wire::{FrameReader, method_frame};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicRejectOptions,
     ConfirmSelectOptions, QueueDeleteOptions,
@@ -28,7 +29,6 @@ use lapin::protocol::{AMQPClass, connection};
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString};
 use lapin::{Connection, ConnectionProperties};
 use proxy_support::*;
-use tokio::io::AsyncWriteExt;
 
 /// The amqps upstream URL, by host name (the certificate names `localhost`).
 fn tls_url() -> String {
@@ -78,13 +78,13 @@ async fn publish_consume_and_dead_letter_over_an_amqps_upstream() {
     let q = unique("tls-q");
     let dlx = unique("tls-dlx");
     let dlq = unique("tls-dlq");
-    declare_dlx(&ch, &dlx, &dlq, &dlq).await;
+    declare_dlx(&ch, &dlx, &dlq).await;
     declare(
         &ch,
         &q,
         table(&[
-            ("x-dead-letter-exchange", long_string(&dlx)),
-            ("x-dead-letter-routing-key", long_string(&dlq)),
+            ("x-dead-letter-exchange", ls(&dlx)),
+            ("x-dead-letter-routing-key", ls(&dlq)),
         ]),
     )
     .await;
@@ -114,7 +114,7 @@ async fn publish_consume_and_dead_letter_over_an_amqps_upstream() {
     let mut deliveries = consume(&ch, &q, BasicConsumeOptions::default()).await;
     for i in 0..5 {
         let d = next(&mut deliveries).await;
-        assert_eq!(body(&d), format!("m{i}"));
+        assert_eq!(payload(&d), format!("m{i}"));
         assert!(!d.redelivered);
         if i == 3 {
             d.acker
@@ -129,24 +129,21 @@ async fn publish_consume_and_dead_letter_over_an_amqps_upstream() {
     // The proxy published the dead letter (confirmed upstream, over TLS) with RabbitMQ's
     // headers, then settled the original.
     let dead = get(&ch, &dlq).await;
-    assert_eq!(body(&dead), "m3");
+    assert_eq!(payload(&dead), "m3");
     assert_eq!(dead.exchange.as_str(), dlx);
     assert_eq!(dead.routing_key.as_str(), dlq);
     let deaths = x_death(&dead);
     assert_eq!(deaths.len(), 1, "{deaths:?}");
     let entry = &deaths[0];
-    assert_eq!(field(entry, "reason"), &long_string("rejected"));
-    assert_eq!(field(entry, "queue"), &long_string(&q));
+    assert_eq!(field(entry, "reason"), &ls("rejected"));
+    assert_eq!(field(entry, "queue"), &ls(&q));
     assert_eq!(field(entry, "count"), &AMQPValue::LongLongInt(1));
-    assert_eq!(field(entry, "exchange"), &long_string(""));
+    assert_eq!(field(entry, "exchange"), &ls(""));
     assert_eq!(
         field(entry, "routing-keys"),
-        &AMQPValue::FieldArray(FieldArray::from(vec![long_string(&q)]))
+        &AMQPValue::FieldArray(FieldArray::from(vec![ls(&q)]))
     );
-    assert_eq!(
-        header(&dead, "x-first-death-reason"),
-        Some(&long_string("rejected"))
-    );
+    assert_eq!(header(&dead, "x-first-death-reason"), Some(&ls("rejected")));
     dead.acker.ack(BasicAckOptions::default()).await.unwrap();
     proxy
         .wait_counter(
@@ -179,21 +176,10 @@ async fn publish_consume_and_dead_letter_over_an_amqps_upstream() {
 /// returns the product the server announced and the connection.close that follows start-ok,
 /// then answers close-ok and checks that the proxy ends the connection.
 async fn refused_handshake(proxy: &TestProxy) -> (String, u16, String) {
-    let stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    let (read, mut write) = stream.into_split();
-    let mut frames = FrameReader::new(read, 131_072);
-    write.write_all(b"AMQP\x00\x00\x09\x01").await.unwrap();
-    let mut next_method = async || loop {
-        let frame = tokio::time::timeout(Duration::from_secs(15), frames.next())
-            .await
-            .expect("a frame within 15 s")
-            .expect("the connection stays open until close-ok")
-            .expect("a valid frame");
-        if frame.kind == FRAME_METHOD {
-            return decode_method(&frame.payload).expect("a known method");
-        }
-    };
-    let AMQPClass::Connection(connection::AMQPMethod::Start(start)) = next_method().await else {
+    let mut client = RawClient::connect_no_handshake(proxy.addr).await;
+    client.send_raw(&PROTOCOL_HEADER).await;
+    let AMQPClass::Connection(connection::AMQPMethod::Start(start)) = client.read_method().await
+    else {
         panic!("expected connection.start");
     };
     let product = match start.server_properties.inner().get("product") {
@@ -206,16 +192,14 @@ async fn refused_handshake(proxy: &TestProxy) -> (String, u16, String) {
         response: LongString::from("\0guest\0guest"),
         locale: "en_US".into(),
     }));
-    write.write_all(&method_frame(0, start_ok)).await.unwrap();
-    let AMQPClass::Connection(connection::AMQPMethod::Close(close)) = next_method().await else {
+    client.send_method(0, start_ok).await;
+    let AMQPClass::Connection(connection::AMQPMethod::Close(close)) = client.read_method().await
+    else {
         panic!("expected connection.close after start-ok");
     };
-    let close_ok = AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {}));
-    write.write_all(&method_frame(0, close_ok)).await.unwrap();
-    let end = tokio::time::timeout(Duration::from_secs(15), frames.next())
-        .await
-        .expect("the proxy ends the connection after close-ok");
-    assert!(end.is_none(), "nothing after connection.close: {end:?}");
+    client.send_close_ok().await;
+    // The proxy ends the connection after close-ok, with nothing after connection.close.
+    client.expect_end().await;
     (
         product,
         close.reply_code,
@@ -249,15 +233,17 @@ async fn assert_refused(proxy: &TestProxy, certificate_problem: &str) {
         );
     }
     // Every refused connection ends (the gauge counts a connection until its task is done).
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    while proxy.counter("connections", &[]) != 0.0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "refused connections never ended:\n{}",
-            proxy.metrics.encode()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let ended = poll(
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        async || (proxy.counter("connections", &[]) == 0.0).then_some(()),
+    )
+    .await;
+    assert!(
+        ended.is_some(),
+        "refused connections never ended:\n{}",
+        proxy.metrics.encode()
+    );
 }
 
 /// A PEM CA that signed nothing RabbitMQ presents.

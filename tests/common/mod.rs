@@ -1,21 +1,23 @@
-//! Shared test support: start the service in-process on free ports, connect lapin, and a
-//! raw AMQP client for byte-level and malformed-input tests.
+//! Shared test support, compiled into every integration test binary that says `mod common;`:
+//! start the embedded broker in-process on free ports and connect lapin to it; unique names,
+//! polling and metric parsing; the raw AMQP client ([`raw_client`]); free ports, admin HTTP
+//! and the real binary as a child process for the operations tests; and, in [`dl`] and
+//! [`dl_policy`], the helpers of the dead-letter suites. `tests/proxy_support` builds the
+//! proxy-mode helpers on top of this module.
 #![allow(dead_code)]
+
+mod raw_client;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use amq_protocol::frame::{AMQPFrame, WriteContext, gen_frame};
-use amq_protocol::protocol::{AMQPClass, connection};
-use amq_protocol::types::{FieldTable, LongString};
-use bytes::BytesMut;
-use dlx_proxy::amqp::codec::{FrameCodec, PROTOCOL_HEADER, RawFrame, decode_method};
 use dlx_proxy::config::Config;
 use dlx_proxy::service::{self, RunningService};
 use lapin::{Channel, Connection, ConnectionProperties};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
-use tokio_util::codec::Decoder;
+
+// Not every test binary uses all of it.
+#[allow(unused_imports)]
+pub use raw_client::{RawClient, RawDelivery, encode_method};
 
 /// An embedded broker started for one test.
 pub struct TestBroker {
@@ -68,26 +70,55 @@ pub async fn start_with(config: Config) -> TestBroker {
     TestBroker { service, addr }
 }
 
-/// A unique name for queues and exchanges of one test.
+/// A name no other test, and no earlier run against the same RabbitMQ, uses.
 pub fn unique(prefix: &str) -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    format!(
-        "{prefix}.{}.{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    )
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let micros = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros();
+    format!("t-{prefix}-{}-{micros}-{n}", std::process::id())
 }
 
-/// Waits for a condition with a bounded poll.
-pub async fn eventually<F: FnMut() -> bool>(mut f: F) -> bool {
-    for _ in 0..300 {
-        if f() {
-            return true;
+/// Calls `attempt` every `every` until it returns a value, for at most `limit` (it is called
+/// at least once); `None` when it never did.
+pub async fn poll<T>(
+    limit: Duration,
+    every: Duration,
+    mut attempt: impl AsyncFnMut() -> Option<T>,
+) -> Option<T> {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(value) = attempt().await {
+            return Some(value);
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(every).await;
     }
-    false
+}
+
+/// Whether `condition` holds within 3 s (checked every 10 ms).
+pub async fn eventually(mut condition: impl FnMut() -> bool) -> bool {
+    poll(
+        Duration::from_secs(3),
+        Duration::from_millis(10),
+        async || condition().then_some(()),
+    )
+    .await
+    .is_some()
+}
+
+/// Polls `check` every 100 ms until it holds; panics naming `what` after `limit`.
+pub async fn wait_until(what: &str, limit: Duration, mut check: impl AsyncFnMut() -> bool) {
+    let held = poll(limit, Duration::from_millis(100), async || {
+        check().await.then_some(())
+    })
+    .await;
+    assert!(held.is_some(), "timed out waiting for {what}");
 }
 
 /// The value of a Prometheus sample line `name{labels} value` in the text format.
@@ -98,123 +129,14 @@ pub fn metric_value(text: &str, name_and_labels: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// A raw AMQP client speaking frames directly, for malformed input and byte checks.
-pub struct RawClient {
-    pub stream: TcpStream,
-    codec: FrameCodec,
-    buf: BytesMut,
-}
-
-pub fn encode_method(channel: u16, m: AMQPClass) -> Vec<u8> {
-    let f = AMQPFrame::Method(channel, m);
-    gen_frame(&f)(WriteContext::from(Vec::new()))
-        .expect("encode")
-        .write
-}
-
-impl RawClient {
-    /// Connects and completes the handshake as guest on vhost "/".
-    pub async fn connect(addr: SocketAddr) -> RawClient {
-        let mut c = Self::connect_no_handshake(addr).await;
-        c.stream.write_all(&PROTOCOL_HEADER).await.expect("header");
-        let start = c.read_method().await;
-        assert!(matches!(
-            start,
-            AMQPClass::Connection(connection::AMQPMethod::Start(_))
-        ));
-        c.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
-                client_properties: FieldTable::default(),
-                mechanism: "PLAIN".into(),
-                response: LongString::from("\0guest\0guest"),
-                locale: "en_US".into(),
-            })),
-        )
-        .await;
-        let tune = c.read_method().await;
-        let AMQPClass::Connection(connection::AMQPMethod::Tune(t)) = tune else {
-            panic!("expected tune, got {tune:?}");
-        };
-        c.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
-                channel_max: t.channel_max,
-                frame_max: t.frame_max,
-                heartbeat: 0,
-            })),
-        )
-        .await;
-        c.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
-                virtual_host: "/".into(),
-            })),
-        )
-        .await;
-        let ok = c.read_method().await;
-        assert!(matches!(
-            ok,
-            AMQPClass::Connection(connection::AMQPMethod::OpenOk(_))
-        ));
-        c
+/// A series as the text format writes it: `name{k1="v1",k2="v2"}`, or `name` without labels.
+/// The text format orders labels by name, so `labels` must come in that order.
+pub fn series(name: &str, labels: &[(&str, &str)]) -> String {
+    if labels.is_empty() {
+        return name.to_string();
     }
-
-    pub async fn connect_no_handshake(addr: SocketAddr) -> RawClient {
-        RawClient {
-            stream: TcpStream::connect(addr).await.expect("tcp"),
-            codec: FrameCodec::new(1 << 20),
-            buf: BytesMut::new(),
-        }
-    }
-
-    pub async fn send_raw(&mut self, bytes: &[u8]) {
-        self.stream.write_all(bytes).await.expect("write");
-    }
-
-    pub async fn send_method(&mut self, channel: u16, m: AMQPClass) {
-        let b = encode_method(channel, m);
-        self.send_raw(&b).await;
-    }
-
-    /// Next frame (skipping heartbeats), or None at EOF / timeout.
-    pub async fn read_frame(&mut self) -> Option<RawFrame> {
-        loop {
-            if let Ok(Some(f)) = self.codec.decode(&mut self.buf) {
-                if f.kind == 8 {
-                    continue;
-                }
-                return Some(f);
-            }
-            let mut tmp = [0u8; 65536];
-            let n = tokio::time::timeout(Duration::from_secs(5), self.stream.read(&mut tmp))
-                .await
-                .ok()?
-                .ok()?;
-            if n == 0 {
-                return None;
-            }
-            self.buf.extend_from_slice(&tmp[..n]);
-        }
-    }
-
-    pub async fn read_method(&mut self) -> AMQPClass {
-        let f = self.read_frame().await.expect("a frame");
-        assert_eq!(f.kind, 1, "expected a method frame, got {f:?}");
-        decode_method(&f.payload).expect("decodable method")
-    }
-
-    /// Reads raw bytes until EOF (or 5 s).
-    pub async fn read_to_end(&mut self) -> Vec<u8> {
-        let mut out = self.buf.to_vec();
-        let mut tmp = [0u8; 4096];
-        loop {
-            match tokio::time::timeout(Duration::from_secs(5), self.stream.read(&mut tmp)).await {
-                Ok(Ok(0)) | Err(_) | Ok(Err(_)) => return out,
-                Ok(Ok(n)) => out.extend_from_slice(&tmp[..n]),
-            }
-        }
-    }
+    let labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+    format!("{name}{{{}}}", labels.join(","))
 }
 
 // ------------------------------------------------------------------------------------------
@@ -226,6 +148,13 @@ impl RawClient {
 pub fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
     listener.local_addr().expect("local addr").port()
+}
+
+/// An AMQP and an admin address on 127.0.0.1, each on a [`free_port`].
+pub fn free_addresses() -> (SocketAddr, SocketAddr) {
+    let amqp = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    (amqp, admin)
 }
 
 /// One HTTP/1.1 request to the admin server: (status, body).
@@ -252,20 +181,58 @@ pub async fn scrape(admin: SocketAddr) -> String {
     body
 }
 
-/// Polls `/metrics` until `name_and_labels` has `value` (or 5 s pass); returns the last text.
+/// Polls `/metrics` until `name_and_labels` has `value` (or 5 s pass); returns that text.
 pub async fn wait_metric(admin: SocketAddr, name_and_labels: &str, value: f64) -> String {
-    let mut text = String::new();
-    for _ in 0..100 {
-        text = scrape(admin).await;
-        if metric_value(&text, name_and_labels) == Some(value) {
-            return text;
+    let wanted = format!("{value}");
+    let accept = |found: Option<f64>| found == Some(value);
+    wait_metric_where(
+        admin,
+        name_and_labels,
+        Duration::from_secs(5),
+        &wanted,
+        accept,
+    )
+    .await
+}
+
+/// Polls `/metrics` until `name_and_labels` is at least `min`, a series that does not exist
+/// yet counting as 0 (or 10 s pass); returns that text.
+pub async fn wait_metric_at_least(admin: SocketAddr, name_and_labels: &str, min: f64) -> String {
+    let wanted = format!("at least {min}");
+    let accept = |found: Option<f64>| found.unwrap_or(0.0) >= min;
+    wait_metric_where(
+        admin,
+        name_and_labels,
+        Duration::from_secs(10),
+        &wanted,
+        accept,
+    )
+    .await
+}
+
+async fn wait_metric_where(
+    admin: SocketAddr,
+    name_and_labels: &str,
+    limit: Duration,
+    wanted: &str,
+    accept: impl Fn(Option<f64>) -> bool,
+) -> String {
+    let every = Duration::from_millis(50);
+    let found = poll(limit, every, async || {
+        let text = scrape(admin).await;
+        accept(metric_value(&text, name_and_labels)).then_some(text)
+    })
+    .await;
+    match found {
+        Some(text) => text,
+        None => {
+            let text = scrape(admin).await;
+            panic!(
+                "{name_and_labels} never reached {wanted} (last: {:?}):\n{text}",
+                metric_value(&text, name_and_labels)
+            );
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    panic!(
-        "{name_and_labels} never reached {value} (last: {:?}):\n{text}",
-        metric_value(&text, name_and_labels)
-    );
 }
 
 /// A scratch directory removed on drop.
@@ -355,6 +322,19 @@ impl ServiceProcess {
         }
     }
 
+    /// [`ServiceProcess::spawn`], then [`ServiceProcess::wait_ready`].
+    pub async fn start(
+        binary: &str,
+        dir: &std::path::Path,
+        config: &std::path::Path,
+        amqp: SocketAddr,
+        admin: SocketAddr,
+    ) -> ServiceProcess {
+        let mut process = Self::spawn(binary, dir, config, amqp, admin);
+        process.wait_ready().await;
+        process
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -422,7 +402,8 @@ impl Drop for ServiceProcess {
 
 /// Helpers for the dead-letter suites (`tests/dead_letter_*.rs`): queue counts from the broker's
 /// state, declare/publish/get shortcuts named after the upstream RabbitMQ suite's helpers, and
-/// strict decoding of the headers a dead-lettered message carries.
+/// strict decoding of the headers a dead-lettered message carries. `tests/proxy_support`
+/// re-exports the ones that do not need the embedded broker (values, tables, declares).
 pub mod dl {
     use super::TestBroker;
     use std::time::Duration;
@@ -458,6 +439,26 @@ pub mod dl {
             t.insert(ShortString::from(*k), v.clone());
         }
         t
+    }
+
+    /// Queue arguments that dead-letter to `queue` through the default exchange
+    /// (`x-dead-letter-exchange = ""`, `x-dead-letter-routing-key = queue`), plus `extra`.
+    pub fn dead_letter_to(queue: &str, extra: &[(&str, AMQPValue)]) -> FieldTable {
+        let mut args = vec![
+            ("x-dead-letter-exchange", ls("")),
+            ("x-dead-letter-routing-key", ls(queue)),
+        ];
+        args.extend(extra.iter().cloned());
+        table(&args)
+    }
+
+    /// Queue arguments that dead-letter through the default exchange with the message's own
+    /// routing key (`x-dead-letter-exchange = ""`), plus `extra`: a message published to the
+    /// queue by name comes back to it.
+    pub fn self_loop(extra: &[(&str, AMQPValue)]) -> FieldTable {
+        let mut args = vec![("x-dead-letter-exchange", ls(""))];
+        args.extend(extra.iter().cloned());
+        table(&args)
     }
 
     /// Wall clock, seconds.
@@ -529,12 +530,9 @@ pub mod dl {
 
         fn counter(&self, name: &str, queue: &str, label: &str, value: &str) -> u64 {
             // The text format lists labels sorted by name.
-            let series = format!("{name}{{{label}=\"{value}\",queue=\"{queue}\",vhost=\"/\"}}");
-            let series = if label < "queue" {
-                series
-            } else {
-                format!("{name}{{queue=\"{queue}\",{label}=\"{value}\",vhost=\"/\"}}")
-            };
+            let mut labels = [(label, value), ("queue", queue), ("vhost", "/")];
+            labels.sort_by_key(|(name, _)| *name);
+            let series = super::series(name, &labels);
             super::metric_value(&self.metrics_text(), &series).unwrap_or(0.0) as u64
         }
 
@@ -621,6 +619,13 @@ pub mod dl {
         .expect("sync round trip");
     }
 
+    /// Puts the channel in confirm mode.
+    pub async fn confirm_select(ch: &Channel) {
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm.select");
+    }
+
     /// Publishes through `exchange`; returns the confirmation (`NotRequested` without
     /// confirms). Returns only once the broker has handled the publish.
     pub async fn publish_to(
@@ -705,6 +710,19 @@ pub mod dl {
         }
     }
 
+    /// The upstream `[DTag] = consume(Ch, Q, [P])` then `basic.reject` without requeue: takes
+    /// the next message of `queue`, which must be `payload`, and rejects it.
+    pub async fn get_and_reject(ch: &Channel, queue: &str, payload: &str) {
+        let tag = consume(ch, queue, &[payload]).await[0];
+        reject(ch, tag, false).await;
+    }
+
+    /// The same with `basic.nack` (not multiple, no requeue).
+    pub async fn get_and_nack(ch: &Channel, queue: &str, payload: &str) {
+        let tag = consume(ch, queue, &[payload]).await[0];
+        nack(ch, tag, false, false).await;
+    }
+
     /// basic.nack; returns once the broker handled it (as do `reject` and `ack`).
     pub async fn nack(ch: &Channel, tag: u64, multiple: bool, requeue: bool) {
         ch.basic_nack(tag, BasicNackOptions { multiple, requeue })
@@ -725,6 +743,13 @@ pub mod dl {
             .await
             .expect("ack");
         sync(ch).await;
+    }
+
+    /// A direct exchange `dlx` and a queue `dlq` bound to it with routing key `dlq`.
+    pub async fn declare_dlx(ch: &Channel, dlx: &str, dlq: &str) {
+        exchange(ch, dlx, ExchangeKind::Direct).await;
+        declare(ch, dlq, FieldTable::default()).await;
+        bind(ch, dlq, dlx, dlq).await;
     }
 
     /// The upstream `declare_dead_letter_queues(Q, DLQ, Extra)`: a direct DLX named after the
@@ -897,7 +922,7 @@ pub mod dl {
     }
 }
 
-/// Policy helpers for the dead-letter suites.
+/// Policy helpers for the dead-letter suites (`tests/proxy_support` builds its `policy` on them).
 pub mod dl_policy {
     use super::TestBroker;
     use dlx_proxy::admin::PolicyControl;
