@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Proxy mode against RabbitMQ directly, side by side (see BENCHMARKS.md, "Proxy mode"):
+# throughput (1 producer / 1 consumer, 100 B and 4 KiB, confirms off and on, lapin and raw
+# clients) and single-message round trips (ping), with the CPU time of the proxy and of
+# RabbitMQ per message.
+#
+#   scripts/bench-proxy.sh                 # everything shares the machine's cores
+#   scripts/bench-proxy.sh --pinned        # proxy on core 1; RabbitMQ and the client on core 0
+#   scripts/bench-proxy.sh --rounds 3 -n 100000
+#
+# Needs a running RabbitMQ: RABBIT_URL (default amqp://guest:guest@127.0.0.1:5673/%2f, the node
+# `.ci/rabbitmq.sh start` runs) and RABBIT_PID (default: the first `pgrep -f beam.smp`).
+# --pinned moves RabbitMQ's threads with taskset (needs the right to) and puts them back after.
+# Results: BENCH_OUT (default target/bench-proxy-<time>/): results.jsonl and table.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ROUNDS=2
+MESSAGES=50000
+PINGS=${PINGS:-10000}
+PINNED=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --pinned) PINNED=1 ;;
+    --rounds) ROUNDS="$2"; shift ;;
+    -n) MESSAGES="$2"; shift ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+RABBIT_URL=${RABBIT_URL:-amqp://guest:guest@127.0.0.1:5673/%2f}
+RABBIT_PID=${RABBIT_PID:-$(pgrep -f beam.smp | head -1 || true)}
+if [ -z "$RABBIT_PID" ]; then
+  echo "no RabbitMQ process found; start one (sudo bash .ci/rabbitmq.sh start) or set RABBIT_PID" >&2
+  exit 2
+fi
+
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
+OUT=${BENCH_OUT:-$CARGO_TARGET_DIR/bench-proxy-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT/config"
+RESULTS="$OUT/results.jsonl"
+: > "$RESULTS"
+
+echo "== building (release, feature bench)"
+cargo build --release --features bench --bins --quiet
+BIN="$CARGO_TARGET_DIR/release"
+
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# RabbitMQ's address without credentials and vhost, for upstream.url.
+upstream=$(python3 -c 'import sys, urllib.parse as u; p=u.urlsplit(sys.argv[1]); print(f"{p.scheme}://{p.hostname}:{p.port or 5672}")' "$RABBIT_URL")
+cat > "$OUT/config/proxy.toml" <<EOF
+mode = "proxy"
+[listen]
+amqp = "127.0.0.1:$port"
+admin = ""
+[upstream]
+url = "$upstream"
+[log]
+filter = "warn"
+EOF
+PROXY_URL="amqp://guest:guest@127.0.0.1:$port/%2f"
+
+CLIENT_CPUS=""
+if [ "$PINNED" = 1 ]; then
+  "$BIN/dlx-proxy" run --config "$OUT/config/proxy.toml" > "$OUT/proxy.log" 2>&1 &
+  PROXY_PID=$!
+  taskset -a -p 0x2 "$PROXY_PID" > /dev/null
+  taskset -a -p 0x1 "$RABBIT_PID" > /dev/null
+  CLIENT_CPUS="taskset 0x1"
+else
+  "$BIN/dlx-proxy" run --config "$OUT/config/proxy.toml" > "$OUT/proxy.log" 2>&1 &
+  PROXY_PID=$!
+fi
+cleanup() {
+  kill "$PROXY_PID" 2>/dev/null || true
+  if [ "$PINNED" = 1 ]; then taskset -a -p 0x3 "$RABBIT_PID" > /dev/null || true; fi
+}
+trap cleanup EXIT
+for _ in $(seq 1 100); do
+  if (echo > "/dev/tcp/127.0.0.1/$port") 2>/dev/null; then break; fi
+  sleep 0.1
+done
+
+# One run: who (direct|proxy), then dlx-bench arguments.
+run() {
+  local round=$1 who=$2; shift 2
+  local url=$RABBIT_URL pid=$RABBIT_PID
+  if [ "$who" = proxy ]; then url=$PROXY_URL; pid=$PROXY_PID; fi
+  local line
+  line=$($CLIENT_CPUS "$BIN/dlx-bench" "$@" --url "$url" --pid "$pid" --label "$who" --json 2>>"$OUT/bench.log" | tail -1)
+  case "$line" in
+    \{*) echo "{\"round\":$round,\"who\":\"$who\",${line#\{}" >> "$RESULTS" ;;
+    *) echo "run failed: $who $*" >&2 ;;
+  esac
+}
+
+for round in $(seq 1 "$ROUNDS"); do
+  echo "== round $round"
+  for client in lapin raw; do
+    for size in 100 4096; do
+      for confirms in off on; do
+        for who in direct proxy; do
+          run "$round" "$who" throughput --client "$client" -n "$MESSAGES" --size "$size" --confirms "$confirms"
+        done
+      done
+    done
+  done
+  for size in 100 4096; do
+    for confirms in off on; do
+      for who in direct proxy; do
+        run "$round" "$who" ping -n "$PINGS" --size "$size" --confirms "$confirms"
+      done
+    done
+  done
+done
+
+python3 - "$RESULTS" <<'EOF' | tee "$OUT/table.txt"
+import collections, json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+groups = collections.defaultdict(lambda: collections.defaultdict(list))
+for r in rows:
+    key = (r["scenario"], r.get("client", "raw"), r["size_bytes"], r["confirms"])
+    groups[key][r["who"]].append(r)
+failed = [r for r in rows if not r.get("ok", False)]
+med = lambda rs, k: statistics.median(r[k] for r in rs)
+print(f"{'scenario':<46} {'direct':>12} {'proxy':>12} {'proxy/direct':>13} {'CPU proxy/RabbitMQ':>19}")
+for (scenario, client, size, confirms), by in sorted(groups.items()):
+    d, p = by.get("direct"), by.get("proxy")
+    if not d or not p:
+        continue
+    name = f"{scenario} {client} {size} B confirms {confirms}"
+    cpu = med(p, "broker_cpu_us_per_msg") / med(d, "broker_cpu_us_per_msg")
+    if scenario == "ping":
+        dv, pv = med(d, "rtt_p50_us"), med(p, "rtt_p50_us")
+        print(f"{name + ' p50 us':<46} {dv:>12.0f} {pv:>12.0f} {'+%.0f us' % (pv - dv):>13} {cpu:>18.0%}")
+    else:
+        dv, pv = med(d, "rate_msg_s"), med(p, "rate_msg_s")
+        print(f"{name + ' msg/s':<46} {dv:>12.0f} {pv:>12.0f} {pv / dv:>13.0%} {cpu:>18.0%}")
+print(f"{len(rows)} runs, {len(failed)} failed (lost, duplicated or reordered messages)")
+sys.exit(1 if failed else 0)
+EOF
