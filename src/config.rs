@@ -41,6 +41,7 @@ pub struct Config {
     pub log: LogConfig,
     pub metrics: MetricsConfig,
     pub shutdown: ShutdownConfig,
+    pub runtime: RuntimeConfig,
     /// Virtual hosts of the embedded broker.
     pub vhosts: Vec<String>,
     /// Users of the embedded broker.
@@ -62,6 +63,7 @@ impl Default for Config {
             log: LogConfig::default(),
             metrics: MetricsConfig::default(),
             shutdown: ShutdownConfig::default(),
+            runtime: RuntimeConfig::default(),
             vhosts: vec!["/".to_string()],
             users: vec![UserConfig::default()],
             policies: Vec::new(),
@@ -267,6 +269,18 @@ impl Default for ShutdownConfig {
         ShutdownConfig { drain_secs: 5 }
     }
 }
+
+/// The async runtime the service runs on.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RuntimeConfig {
+    /// Worker threads; 0 means one per CPU core. A sidecar with a CPU request of one core or
+    /// less does best with 1: a connection's two sockets and its work then stay on one thread.
+    pub worker_threads: usize,
+}
+
+/// Most runtime worker threads accepted.
+pub const MAX_WORKER_THREADS: usize = 1024;
 
 /// A user of the embedded broker.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -681,6 +695,12 @@ impl Config {
         self.validate_proxy()?;
         self.validate_tls()?;
         self.log.validate()?;
+        if self.runtime.worker_threads > MAX_WORKER_THREADS {
+            return Err(ConfigError::invalid(
+                "runtime.worker_threads",
+                format!("must be at most {MAX_WORKER_THREADS} (0 = one per CPU core)"),
+            ));
+        }
         let vhosts = self.validate_vhosts()?;
         self.validate_users(&vhosts)?;
         self.validate_policies(&vhosts)

@@ -140,10 +140,11 @@ fn run(given: Option<&Path>) -> ExitCode {
         config_file = %path.as_deref().map_or("(built-in defaults)".into(), |p| p.display().to_string()),
         "starting dlx-proxy"
     );
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if config.runtime.worker_threads > 0 {
+        builder.worker_threads(config.runtime.worker_threads);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
             tracing::error!(%error, "cannot start the async runtime");

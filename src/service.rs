@@ -241,6 +241,7 @@ fn fixed_settings(config: &Config) -> BTreeMap<&'static str, serde_json::Value> 
         ("log", json(&config.log)),
         ("metrics", json(&config.metrics)),
         ("shutdown", json(&config.shutdown)),
+        ("runtime", json(&config.runtime)),
         ("vhosts", json(&config.vhosts)),
     ])
 }

@@ -107,6 +107,10 @@ fn invalid_values_exit_2_and_name_the_key() {
         ),
         ("colour = \"blue\"\n", "key `colour`"),
         (
+            "[runtime]\nworker_threads = 5000\n",
+            "key `runtime.worker_threads`: must be at most 1024",
+        ),
+        (
             "mode = \"proxy\"\n[upstream]\nurl = \"http://x\"\n",
             "key `upstream.url`",
         ),

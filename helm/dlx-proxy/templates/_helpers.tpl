@@ -181,7 +181,7 @@ users = []
 {{- end }}
 
 {{ include "dlx-proxy.tomlTable" (list "tls" $tls) }}
-{{- range $section := list "log" "metrics" "shutdown" }}
+{{- range $section := list "log" "metrics" "shutdown" "runtime" }}
 {{- if hasKey $config $section }}
 
 {{ include "dlx-proxy.tomlTable" (list $section (get $config $section)) }}
