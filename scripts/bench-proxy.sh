@@ -7,6 +7,7 @@
 #   scripts/bench-proxy.sh                 # everything shares the machine's cores
 #   scripts/bench-proxy.sh --pinned        # proxy on core 1; RabbitMQ and the client on core 0
 #   scripts/bench-proxy.sh --rounds 3 -n 100000
+#   scripts/bench-proxy.sh --worker-threads 1   # the proxy's runtime.worker_threads (0 = per core)
 #
 # Needs a running RabbitMQ: RABBIT_URL (default amqp://guest:guest@127.0.0.1:5673/%2f, the node
 # `.ci/rabbitmq.sh start` runs) and RABBIT_PID (default: the first `pgrep -f beam.smp`).
@@ -19,12 +20,14 @@ ROUNDS=2
 MESSAGES=50000
 PINGS=${PINGS:-10000}
 PINNED=0
+WORKERS=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --pinned) PINNED=1 ;;
     --rounds) ROUNDS="$2"; shift ;;
     -n) MESSAGES="$2"; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    --worker-threads) WORKERS="$2"; shift ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -59,6 +62,8 @@ admin = ""
 url = "$upstream"
 [log]
 filter = "warn"
+[runtime]
+worker_threads = $WORKERS
 EOF
 PROXY_URL="amqp://guest:guest@127.0.0.1:$port/%2f"
 
