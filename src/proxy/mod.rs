@@ -76,7 +76,7 @@
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
 //! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`bcc`], [`publisher`],
 //! [`capture`], [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
-//! [`outbox`] (writer tasks), [`wire`] (frames), [`channels`], [`ops`], [`registry`].
+//! [`outbox`] (socket writes), [`wire`] (frames), [`channels`], [`ops`], [`registry`].
 
 pub mod bcc;
 pub mod capture;

@@ -4,8 +4,9 @@
 //! A single task reads frames from both sockets (each read only when the opposite outbox has
 //! room, and upstream reads also only while kept deliveries are under
 //! `proxy.max_inflight_bytes`), decides what each frame means ([`super::forward`],
-//! [`super::intercept`]) and queues bytes for two writer tasks ([`super::outbox`]). It never
-//! awaits a socket write, so a slow peer only slows the other side's reads.
+//! [`super::intercept`]) and queues bytes in two outboxes ([`super::outbox`]), which it writes
+//! to the sockets as they accept them. It never blocks on a socket write, so a slow peer only
+//! slows the other side's reads.
 //!
 //! Each side is `Open`, `Draining` (upstream only: the client is gone, the proxy's publishes
 //! are settled before the upstream connection is closed so nothing the client rejected is
