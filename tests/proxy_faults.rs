@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
     BasicRejectOptions, ConfirmSelectOptions,
 };
 use lapin::protocol::basic::AMQPProperties;
@@ -202,6 +202,73 @@ async fn only_deliveries_that_can_dead_letter_keep_their_content() {
     wait_count(&uch, &dead, 0).await;
     proxy.wait_counter("inflight_deliveries", &[], 0.0).await;
     assert_eq!(proxy.counter("inflight_bytes", &[]), 0.0);
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_policy_loaded_mid_delivery_applies_to_both_deliveries() {
+    require_upstream!();
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("late-policy");
+    let dlx = unique("late-policy-dlx");
+    let dlq = unique("late-policy-dlq");
+    // Declared through the proxy: what the upstream dead-letters comes back to the proxy.
+    declare(&ch, &q, FieldTable::default()).await;
+    declare_dlx(&ch, &dlx, &dlq).await;
+    publish_confirmed(&ch, &q, &["early".to_string(), "late".to_string()]).await;
+
+    let cch = conn.create_channel().await.unwrap();
+    cch.basic_qos(1, BasicQosOptions::default()).await.unwrap();
+    let mut rx = consume(&cch, &q, BasicConsumeOptions::default()).await;
+    let early = next(&mut rx).await;
+    assert_eq!(payload(&early), "early");
+    // No dead-letter exchange yet: the delivery is kept as a tag only.
+    let overhead = dlx_proxy::proxy::inflight::KEPT_OVERHEAD as f64;
+    proxy.wait_counter("inflight_deliveries", &[], 1.0).await;
+    assert_eq!(proxy.counter("inflight_bytes", &[]), overhead);
+
+    proxy.set_policies(&[policy(
+        "late",
+        &format!("^{q}$"),
+        serde_json::json!({"dead-letter-exchange": dlx, "dead-letter-routing-key": dlq}),
+    )]);
+    // Rejected after the policy appeared: the upstream dead-letters it into the capture queue
+    // and the proxy dead-letters it with the new policy.
+    early
+        .acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    // The next delivery of the same consumer is kept with its content (the cached decision
+    // was taken again) and dead-lettered by the proxy itself.
+    let late = next(&mut rx).await;
+    assert_eq!(payload(&late), "late");
+    proxy.wait_counter("inflight_deliveries", &[], 1.0).await;
+    let content = 2.0 + 4.0 + q.len() as f64;
+    assert_eq!(proxy.counter("inflight_bytes", &[]), overhead + content);
+    late.acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+
+    let mut dead = Vec::new();
+    for _ in 0..2 {
+        let d = get(&ch, &dlq).await;
+        let deaths = x_death(&d);
+        assert_eq!(deaths.len(), 1, "one death, no trace of the capture hop");
+        assert_eq!(field(&deaths[0], "queue"), &ls(&q));
+        assert_eq!(field(&deaths[0], "reason"), &ls("rejected"));
+        assert_eq!(field(&deaths[0], "count"), &AMQPValue::LongLongInt(1));
+        dead.push(payload(&d));
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    dead.sort();
+    assert_eq!(dead, vec!["early".to_string(), "late".to_string()]);
+    consume_empty(&ch, &dlq).await;
+    let uch = upstream_connection().await.create_channel().await.unwrap();
+    wait_count(&uch, &q, 0).await;
     proxy.stop().await;
 }
 

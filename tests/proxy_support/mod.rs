@@ -81,6 +81,8 @@ pub struct TestProxy {
     pub metrics: Arc<Metrics>,
     pub shared: Arc<ProxyShared>,
     pub capture: String,
+    /// The policies the proxy reads (what a config reload or the admin API replaces).
+    policies: Arc<RwLock<PolicySet>>,
     trigger: ShutdownTrigger,
 }
 
@@ -106,13 +108,10 @@ impl TestProxy {
         let set = PolicySet::from_configs(&config.policies).expect("valid policies");
         let metrics = Metrics::new(1000);
         let capture = unique("capture");
-        let shared = ProxyShared::with_capture_name(
-            &config,
-            Arc::new(RwLock::new(set)),
-            metrics.clone(),
-            &capture,
-        )
-        .expect("proxy settings");
+        let policies = Arc::new(RwLock::new(set));
+        let shared =
+            ProxyShared::with_capture_name(&config, policies.clone(), metrics.clone(), &capture)
+                .expect("proxy settings");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let trigger = ShutdownTrigger::new();
@@ -122,8 +121,15 @@ impl TestProxy {
             metrics,
             shared,
             capture,
+            policies,
             trigger,
         }
+    }
+
+    /// Replaces the policies, as a config reload does.
+    pub fn set_policies(&self, policies: &[PolicyConfig]) {
+        let set = PolicySet::from_configs(policies).expect("valid policies");
+        *self.policies.write().unwrap() = set;
     }
 
     pub fn uri(&self) -> String {
