@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::dl::amqp_code;
+use common::dl::{amqp_code, exchange};
 use common::*;
 use futures_util::StreamExt;
 use lapin::Confirmation;
@@ -710,23 +710,9 @@ async fn exchange_declare_and_delete() {
     let b = start().await;
     let (c, ch) = b.channel().await;
     let x = unique("x");
-    ch.exchange_declare(
-        x.as_str().into(),
-        ExchangeKind::Topic,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange(&ch, &x, ExchangeKind::Topic).await;
     // Same declaration again is fine; a different type is 406.
-    ch.exchange_declare(
-        x.as_str().into(),
-        ExchangeKind::Topic,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange(&ch, &x, ExchangeKind::Topic).await;
     let err = ch
         .exchange_declare(
             x.as_str().into(),

@@ -10,6 +10,7 @@ use amq_protocol::protocol::{AMQPClass, basic, connection, queue};
 use amq_protocol::types::{
     AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString, ShortString,
 };
+use common::dl::exchange;
 use common::*;
 use dlx_proxy::amqp::codec::{FRAME_BODY, FRAME_HEADER, PROTOCOL_HEADER, put_raw_frame};
 use lapin::options::*;
@@ -380,14 +381,7 @@ async fn topic_routing_table() {
         .await
         .unwrap();
     let x = unique("topic");
-    ch.exchange_declare(
-        x.as_str().into(),
-        ExchangeKind::Topic,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange(&ch, &x, ExchangeKind::Topic).await;
     let patterns = ["#", "a.*", "a.#", "a.#.b", "*.b", "#.#", "*"];
     let mut queues = Vec::new();
     for p in patterns {
@@ -412,14 +406,7 @@ async fn headers_routing_all_and_any() {
         .await
         .unwrap();
     let x = unique("headers");
-    ch.exchange_declare(
-        x.as_str().into(),
-        ExchangeKind::Headers,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange(&ch, &x, ExchangeKind::Headers).await;
     let mut all = FieldTable::default();
     all.insert(s("x-match"), AMQPValue::LongString("all".into()));
     all.insert(s("a"), AMQPValue::LongInt(1));
@@ -449,14 +436,7 @@ async fn fanout_direct_e2e_and_alternate_exchange() {
         .await
         .unwrap();
     let ae = unique("ae");
-    ch.exchange_declare(
-        ae.as_str().into(),
-        ExchangeKind::Fanout,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange(&ch, &ae, ExchangeKind::Fanout).await;
     let q_ae = declare_bound(&ch, &ae, "", FieldTable::default()).await;
     let direct = unique("direct");
     let mut args = FieldTable::default();
@@ -475,14 +455,7 @@ async fn fanout_direct_e2e_and_alternate_exchange() {
     let q1 = declare_bound(&ch, &direct, "k", FieldTable::default()).await;
     let q2 = declare_bound(&ch, &direct, "k", FieldTable::default()).await;
     let fan = unique("fan");
-    ch.exchange_declare(
-        fan.as_str().into(),
-        ExchangeKind::Fanout,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange(&ch, &fan, ExchangeKind::Fanout).await;
     ch.exchange_bind(
         direct.as_str().into(),
         fan.as_str().into(),
@@ -508,14 +481,7 @@ async fn cc_and_bcc_add_routing_keys_and_bcc_is_removed() {
         .await
         .unwrap();
     let x = unique("sender");
-    ch.exchange_declare(
-        x.as_str().into(),
-        ExchangeKind::Direct,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange(&ch, &x, ExchangeKind::Direct).await;
     let qa = declare_bound(&ch, &x, "a", FieldTable::default()).await;
     let qb = declare_bound(&ch, &x, "b", FieldTable::default()).await;
     let qc = declare_bound(&ch, &x, "c", FieldTable::default()).await;

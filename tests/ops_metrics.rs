@@ -8,12 +8,12 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use common::dl::{bind, exchange};
 use common::{RawClient, TestBroker, http, metric_value, scrape, start_with, test_config, unique};
 use futures_util::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicRejectOptions,
-    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, ExchangeKind};
@@ -51,24 +51,9 @@ async fn declare(ch: &Channel, queue: &str, arguments: FieldTable) {
 
 /// A fanout exchange `dlx` bound to a queue `dlq`.
 async fn declare_dead_letter_target(ch: &Channel, dlx: &str, dlq: &str) {
-    ch.exchange_declare(
-        dlx.into(),
-        ExchangeKind::Fanout,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange(ch, dlx, ExchangeKind::Fanout).await;
     declare(ch, dlq, FieldTable::default()).await;
-    ch.queue_bind(
-        dlq.into(),
-        dlx.into(),
-        "".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    bind(ch, dlq, dlx, "").await;
 }
 
 /// Publishes `count` messages to `queue` through the default exchange (confirmed).

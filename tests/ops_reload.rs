@@ -9,14 +9,12 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use common::dl::{bind, exchange};
 use common::{
     ServiceProcess, TempDir, free_addresses, http, metric_value, process_config, scrape, unique,
     wait_metric, wait_metric_at_least, write_atomically,
 };
-use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
-    QueueDeclareOptions,
-};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
@@ -68,14 +66,7 @@ impl Client {
             .await
             .unwrap();
         let (queue, dlx, dlq) = (unique("reloaded"), unique("dlx"), unique("dlq"));
-        ch.exchange_declare(
-            dlx.as_str().into(),
-            ExchangeKind::Fanout,
-            ExchangeDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+        exchange(&ch, &dlx, ExchangeKind::Fanout).await;
         for q in [&queue, &dlq] {
             ch.queue_declare(
                 q.as_str().into(),
@@ -85,15 +76,7 @@ impl Client {
             .await
             .unwrap();
         }
-        ch.queue_bind(
-            dlq.as_str().into(),
-            dlx.as_str().into(),
-            "".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+        bind(&ch, &dlq, &dlx, "").await;
         Client {
             conn,
             ch,

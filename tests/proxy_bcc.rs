@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicRejectOptions,
-    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    ConfirmSelectOptions,
 };
 use lapin::protocol::basic::AMQPProperties;
 use lapin::types::{AMQPValue, FieldArray, FieldTable};
@@ -34,34 +34,11 @@ struct Topology {
     dlq: std::collections::HashMap<&'static str, String>,
 }
 
-async fn exchange(ch: &Channel, name: &str) {
-    ch.exchange_declare(
-        name.into(),
-        ExchangeKind::Direct,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-}
-
-async fn bind(ch: &Channel, queue: &str, exchange: &str, key: &str) {
-    ch.queue_bind(
-        queue.into(),
-        exchange.into(),
-        key.into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-}
-
 async fn topology(ch: &Channel, src_args: &[(&str, AMQPValue)]) -> Topology {
     let x = unique("bcc-x");
     let dlx = unique("bcc-dlx");
-    exchange(ch, &x).await;
-    exchange(ch, &dlx).await;
+    exchange(ch, &x, ExchangeKind::Direct).await;
+    exchange(ch, &dlx, ExchangeKind::Direct).await;
     let mut dlq = std::collections::HashMap::new();
     for key in ["a", "c", "z"] {
         let q = unique(&format!("bcc-dlq-{key}"));
@@ -111,7 +88,7 @@ async fn bcc_keys_route_rejected_messages_and_stay_invisible() {
     let t = topology(&ch, &[]).await;
     // The dead-letter queue of "a" dead-letters on to a second exchange.
     let dlx2 = unique("bcc-dlx2");
-    exchange(&ch, &dlx2).await;
+    exchange(&ch, &dlx2, ExchangeKind::Direct).await;
     let hop2_a = unique("bcc-hop2-a");
     let hop2_c = unique("bcc-hop2-c");
     for (q, key) in [(&hop2_a, "a"), (&hop2_c, "c")] {

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use lapin::options::{
     BasicAckOptions, BasicPublishOptions, BasicRejectOptions, ConfirmSelectOptions,
-    ExchangeDeclareOptions, QueueBindOptions,
 };
 use lapin::protocol::basic::AMQPProperties;
 use lapin::types::{AMQPValue, FieldArray, FieldTable};
@@ -265,25 +264,10 @@ async fn expiry_with_cc_routes_every_key_and_records_them() {
     let cc = unique("cc-ttl-key");
     let by_src = unique("by-src");
     let by_cc = unique("by-cc");
-    ch.exchange_declare(
-        dlx.as_str().into(),
-        ExchangeKind::Direct,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange(&ch, &dlx, ExchangeKind::Direct).await;
     for (queue, key) in [(&by_src, &q), (&by_cc, &cc)] {
         declare(&ch, queue, FieldTable::default()).await;
-        ch.queue_bind(
-            queue.as_str().into(),
-            dlx.as_str().into(),
-            key.as_str().into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+        bind(&ch, queue, &dlx, key).await;
     }
     declare(&ch, &q, table(&[("x-dead-letter-exchange", ls(&dlx))])).await;
     let props = AMQPProperties::default()
@@ -391,14 +375,7 @@ async fn automatic_loops_through_other_exchanges_are_dropped_when_they_come_back
     let fan = unique("fan");
     let looping = unique("looping");
     let other = unique("other");
-    ch.exchange_declare(
-        fan.as_str().into(),
-        ExchangeKind::Fanout,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange(&ch, &fan, ExchangeKind::Fanout).await;
     declare(
         &ch,
         &looping,
@@ -410,15 +387,7 @@ async fn automatic_loops_through_other_exchanges_are_dropped_when_they_come_back
     .await;
     declare(&ch, &other, FieldTable::default()).await;
     for queue in [&looping, &other] {
-        ch.queue_bind(
-            queue.as_str().into(),
-            fan.as_str().into(),
-            "".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+        bind(&ch, queue, &fan, "").await;
     }
     publish(&ch, &looping, "m", AMQPProperties::default()).await;
     proxy

@@ -8,8 +8,7 @@ mod proxy_support;
 use std::time::Duration;
 
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions,
-    BasicRejectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicRejectOptions,
 };
 use lapin::protocol::basic::AMQPProperties;
 use lapin::types::{AMQPValue, FieldArray, FieldTable};
@@ -247,29 +246,14 @@ async fn cc_keys_route_once_and_the_cc_header_is_kept_without_a_routing_key() {
     let both = unique("cc-both");
     let only_cc = unique("cc-only");
     let cc_key = unique("cc-key");
-    ch.exchange_declare(
-        dlx.as_str().into(),
-        ExchangeKind::Direct,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange(&ch, &dlx, ExchangeKind::Direct).await;
     for (queue, keys) in [
         (&both, vec![q.clone(), cc_key.clone()]),
         (&only_cc, vec![cc_key.clone()]),
     ] {
         declare(&ch, queue, FieldTable::default()).await;
         for key in keys {
-            ch.queue_bind(
-                queue.as_str().into(),
-                dlx.as_str().into(),
-                key.as_str().into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
+            bind(&ch, queue, &dlx, &key).await;
         }
     }
     declare(&ch, &q, table(&[("x-dead-letter-exchange", ls(&dlx))])).await;
@@ -403,14 +387,7 @@ async fn an_unroutable_dead_letter_is_dropped_and_counted() {
     let ch = conn.create_channel().await.unwrap();
     let q = unique("unroutable-src");
     let dlx = unique("unroutable-dlx");
-    ch.exchange_declare(
-        dlx.as_str().into(),
-        ExchangeKind::Direct,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange(&ch, &dlx, ExchangeKind::Direct).await;
     declare(&ch, &q, table(&[("x-dead-letter-exchange", ls(&dlx))])).await;
     publish(&ch, &q, &["nowhere"]).await;
     let d = get(&ch, &q).await;
@@ -477,14 +454,7 @@ async fn two_hops_keep_the_history_newest_first() {
     let q3 = unique("hop3");
     let d1 = unique("hop-dlx");
     let k2 = unique("k2");
-    ch.exchange_declare(
-        d1.as_str().into(),
-        ExchangeKind::Direct,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange(&ch, &d1, ExchangeKind::Direct).await;
     declare(
         &ch,
         &q1,
@@ -504,15 +474,7 @@ async fn two_hops_keep_the_history_newest_first() {
     )
     .await;
     declare(&ch, &q3, FieldTable::default()).await;
-    ch.queue_bind(
-        q2.as_str().into(),
-        d1.as_str().into(),
-        k2.as_str().into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    bind(&ch, &q2, &d1, &k2).await;
     publish(&ch, &q1, &["m"]).await;
     get(&ch, &q1)
         .await

@@ -31,7 +31,9 @@ use crate::common::{metric_value, poll, series};
 
 // Re-exported for the proxy tests (not every test binary uses all of them).
 #[allow(unused_imports)]
-pub use crate::common::dl::{consume_empty, declare, declare_dlx, header, ls, payload, table};
+pub use crate::common::dl::{
+    bind, consume_empty, declare, declare_dlx, exchange, header, ls, payload, table,
+};
 #[allow(unused_imports)]
 pub use crate::common::{RawClient, RawDelivery, unique};
 
