@@ -46,6 +46,20 @@ impl Source {
             keeps_content: None,
         }
     }
+
+    /// Whether this source's deliveries keep their content; asked of the shared settings once
+    /// per [`super::SettingsRevision`].
+    pub(crate) fn keeps_content(&mut self, shared: &super::ProxyShared, vhost: &str) -> bool {
+        let revision = shared.settings_revision();
+        match self.keeps_content {
+            Some((seen, answer)) if seen == revision => answer,
+            _ => {
+                let answer = shared.may_take_over(vhost, &self.queue);
+                self.keeps_content = Some((revision, answer));
+                answer
+            }
+        }
+    }
 }
 
 /// A queue.declare waiting for its declare-ok.

@@ -717,17 +717,7 @@ impl Session {
                     if source.no_ack || !open || !keeps {
                         return None;
                     }
-                    let with_content = takes_over && {
-                        let revision = shared.settings_revision();
-                        match source.keeps_content {
-                            Some((seen, answer)) if seen == revision => answer,
-                            _ => {
-                                let answer = shared.may_take_over(vhost, &source.queue);
-                                source.keeps_content = Some((revision, answer));
-                                answer
-                            }
-                        }
-                    };
+                    let with_content = takes_over && source.keeps_content(shared, vhost);
                     Some(KeepBuilder::new(
                         deliver.delivery_tag,
                         source.queue.clone(),
@@ -752,11 +742,11 @@ impl Session {
                 let shared = &self.shared;
                 let vhost = &self.vhost;
                 let keep = self.channels.get_mut(&channel).and_then(|ch| {
-                    let source = ch.pending_gets.pop_front()?;
+                    let mut source = ch.pending_gets.pop_front()?;
                     if source.no_ack || ch.phase != ChannelPhase::Open || !keeps {
                         return None;
                     }
-                    let with_content = takes_over && shared.may_take_over(vhost, &source.queue);
+                    let with_content = takes_over && source.keeps_content(shared, vhost);
                     Some(KeepBuilder::new(
                         get_ok.delivery_tag,
                         source.queue,
