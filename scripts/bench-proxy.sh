@@ -8,6 +8,7 @@
 #   scripts/bench-proxy.sh --pinned        # proxy on core 1; RabbitMQ and the client on core 0
 #   scripts/bench-proxy.sh --rounds 3 -n 100000
 #   scripts/bench-proxy.sh --worker-threads 1   # the proxy's runtime.worker_threads (0 = per core)
+#   scripts/bench-proxy.sh --busy-poll 200      # the proxy's proxy.busy_poll_us (0 = off)
 #
 # Needs a running RabbitMQ: RABBIT_URL (default amqp://guest:guest@127.0.0.1:5673/%2f, the node
 # `.ci/rabbitmq.sh start` runs) and RABBIT_PID (default: the first `pgrep -f beam.smp`).
@@ -21,13 +22,15 @@ MESSAGES=50000
 PINGS=${PINGS:-10000}
 PINNED=0
 WORKERS=0
+BUSY_POLL=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --pinned) PINNED=1 ;;
     --rounds) ROUNDS="$2"; shift ;;
     -n) MESSAGES="$2"; shift ;;
     --worker-threads) WORKERS="$2"; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    --busy-poll) BUSY_POLL="$2"; shift ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -62,6 +65,8 @@ admin = ""
 url = "$upstream"
 [log]
 filter = "warn"
+[proxy]
+busy_poll_us = $BUSY_POLL
 [runtime]
 worker_threads = $WORKERS
 EOF

@@ -196,7 +196,13 @@ pub struct ProxyConfig {
     /// Name of the upstream exchange and queue the proxy owns to capture TTL and length
     /// deaths (give each proxy deployment sharing one upstream its own).
     pub capture_name: String,
+    /// Microseconds a connection keeps polling its sockets after its last traffic before its
+    /// thread sleeps (0: never). Trades CPU for latency; see docs/deploy.md.
+    pub busy_poll_us: u64,
 }
+
+/// Largest accepted `proxy.busy_poll_us` (10 ms).
+pub const MAX_BUSY_POLL_US: u64 = 10_000;
 
 impl Default for ProxyConfig {
     fn default() -> Self {
@@ -205,6 +211,7 @@ impl Default for ProxyConfig {
             confirm_timeout_secs: 30,
             delegate_to_upstream: false,
             capture_name: "dlx-proxy.capture".into(),
+            busy_poll_us: 0,
         }
     }
 }
@@ -807,6 +814,12 @@ impl Config {
             return Err(ConfigError::invalid(
                 "proxy.capture_name",
                 "must be 1 to 255 bytes",
+            ));
+        }
+        if self.proxy.busy_poll_us > MAX_BUSY_POLL_US {
+            return Err(ConfigError::invalid(
+                "proxy.busy_poll_us",
+                format!("must be at most {MAX_BUSY_POLL_US} (0 = never poll)"),
             ));
         }
         Ok(())

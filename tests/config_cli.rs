@@ -111,6 +111,10 @@ fn invalid_values_exit_2_and_name_the_key() {
             "key `runtime.worker_threads`: must be at most 1024",
         ),
         (
+            "[proxy]\nbusy_poll_us = 20000\n",
+            "key `proxy.busy_poll_us`: must be at most 10000",
+        ),
+        (
             "mode = \"proxy\"\n[upstream]\nurl = \"http://x\"\n",
             "key `upstream.url`",
         ),

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions,
+    QueueDeclareOptions,
 };
 use lapin::protocol::basic::AMQPProperties;
 use lapin::protocol::{AMQPClass, connection};
@@ -62,9 +62,56 @@ async fn publish_get_and_consume_pass_through() {
     assert!(!d.redelivered);
     d.acker.ack(BasicAckOptions::default()).await.unwrap();
 
-    let upstream = upstream_connection().await;
-    let uch = upstream.create_channel().await.unwrap();
-    wait_count(&uch, &q, 0).await;
+    wait_upstream_empty(&q).await;
+    conn.close(200, "bye".into()).await.unwrap();
+    proxy.stop().await;
+}
+
+/// A burst of mixed sizes (frames gathered into one write, frames between the small and the
+/// largest read size, and bodies split over several frames) through a proxy that busy-polls:
+/// every message is confirmed and arrives once, in order, byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_polling_proxy_forwards_a_burst_of_mixed_sizes_in_order() {
+    require_upstream!();
+    let proxy = TestProxy::start_with(vec![], |config| config.proxy.busy_poll_us = 2_000).await;
+    let conn = proxy.connect().await;
+    let (ch, q) = confirming_channel(&conn, "burst").await;
+    let sizes = [100usize, 20_000, 70_000, 300_000];
+    let body = |i: usize| -> Vec<u8> {
+        let size = sizes[i % sizes.len()];
+        (0..size).map(|n| ((n + i * 31) % 251) as u8).collect()
+    };
+    let count = 120;
+    let mut confirms = Vec::new();
+    for i in 0..count {
+        confirms.push(
+            ch.basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                &body(i),
+                AMQPProperties::default().with_message_id(i.to_string().into()),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    for confirm in confirms {
+        assert!(confirm.await.unwrap().is_ack());
+    }
+    ch.basic_qos(20, BasicQosOptions::default()).await.unwrap();
+    let mut rx = consume(&ch, &q, BasicConsumeOptions::default()).await;
+    for i in 0..count {
+        let d = next(&mut rx).await;
+        assert_eq!(
+            d.properties.message_id().as_ref().map(|id| id.as_str()),
+            Some(i.to_string().as_str()),
+            "in publish order"
+        );
+        assert!(d.data == body(i), "body of message {i} arrives intact");
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    wait_upstream_empty(&q).await;
     conn.close(200, "bye".into()).await.unwrap();
     proxy.stop().await;
 }
@@ -74,12 +121,7 @@ async fn confirms_and_qos_keep_their_numbers() {
     require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
-    let ch = conn.create_channel().await.unwrap();
-    let q = unique("confirm");
-    declare(&ch, &q, FieldTable::default()).await;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    let (ch, q) = confirming_channel(&conn, "confirm").await;
     for i in 0..50 {
         let confirm = ch
             .basic_publish(

@@ -79,6 +79,7 @@
 //! [`outbox`] (socket writes), [`wire`] (frames), [`channels`], [`ops`], [`registry`].
 
 pub mod bcc;
+pub mod busy_poll;
 pub mod capture;
 pub mod channels;
 pub mod declare;
@@ -131,6 +132,9 @@ pub struct ProxyShared {
     pub(crate) capture_name: String,
     pub(crate) outbox_bytes: usize,
     pub(crate) handshake_timeout: Duration,
+    /// How long a connection task polls after its last traffic before it sleeps
+    /// (`proxy.busy_poll_us`; zero: never).
+    pub(crate) busy_poll: Duration,
     /// Frame size accepted before tune (and the fallback when both peers say "no limit").
     pub(crate) handshake_frame_max: u32,
 }
@@ -188,6 +192,7 @@ impl ProxyShared {
                 .then_some(u64::from(config.dead_letter.default_delivery_limit)),
             max_inflight_bytes: config.proxy.max_inflight_bytes.max(1),
             confirm_timeout: Duration::from_secs(config.proxy.confirm_timeout_secs.max(1)),
+            busy_poll: Duration::from_micros(config.proxy.busy_poll_us),
             delegate_to_upstream: config.proxy.delegate_to_upstream,
             capture_name: capture_name.to_string(),
             outbox_bytes: limits.connection_outbox_bytes.max(64 * 1024),

@@ -27,8 +27,9 @@ use tokio::io::{AsyncWrite, AsyncWriteExt};
 use crate::metrics::{Direction, Metrics};
 
 /// Frames smaller than this are copied into the gathering buffer; larger ones are queued as
-/// they are.
-const GATHER_FRAME_MAX: usize = 8 * 1024;
+/// they are. As large as the largest read ([`super::wire::READ_CHUNK_MAX`]), so a frame kept
+/// as it is never holds on to a read buffer much larger than itself.
+const GATHER_FRAME_MAX: usize = super::wire::READ_CHUNK_MAX;
 
 /// A gathering buffer is queued once it holds this much.
 const GATHER_MAX: usize = 64 * 1024;

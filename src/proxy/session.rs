@@ -24,6 +24,7 @@ use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::ProxyShared;
+use super::busy_poll::BusyPoll;
 use super::capture::CaptureConsumer;
 use super::channels::ClientChannel;
 use super::handshake::{Negotiated, refuse_client};
@@ -73,6 +74,18 @@ pub(super) enum Side {
     Closed,
 }
 
+/// What woke the connection loop.
+enum Event {
+    Client(Option<Result<WireFrame, FrameError>>),
+    Upstream(Option<Result<WireFrame, FrameError>>),
+    /// An outbox wrote bytes (or failed).
+    Wrote,
+    Timer,
+    Shutdown,
+    /// Nothing was ready; the task yielded instead of sleeping.
+    Polled,
+}
+
 /// The connection's state, owned by its task.
 pub(super) struct Session {
     pub(super) shared: Arc<ProxyShared>,
@@ -118,6 +131,8 @@ pub(super) struct Session {
     pub(super) client_in: Tally,
     pub(super) upstream_in: Tally,
     pub(super) tally_since: Instant,
+    /// The time of the current turn of the connection loop (read once per turn).
+    pub(super) now: Instant,
 }
 
 /// Serves one client connection until both legs are closed.
@@ -215,10 +230,12 @@ pub(super) async fn run<S>(
         client_in: Tally::default(),
         upstream_in: Tally::default(),
         tally_since: now,
+        now,
     };
 
     let timer = tokio::time::sleep_until((Instant::now() + Duration::from_secs(60)).into());
     tokio::pin!(timer);
+    let mut busy_poll = BusyPoll::new(session.shared.busy_poll, Instant::now());
     loop {
         session.handle_buffered(&mut client_reader, &mut upstream_reader);
         session.check_writers();
@@ -232,7 +249,7 @@ pub(super) async fn run<S>(
         let read_client = session.wants_client_frames();
         let read_upstream = session.wants_upstream_frames();
         // Heartbeat silence only counts while a side is being read.
-        let now = Instant::now();
+        let now = session.now;
         if !read_client {
             session.last_client_rx = now;
         }
@@ -246,16 +263,38 @@ pub(super) async fn run<S>(
                 .next_deadline()
                 .unwrap_or_else(|| now + Duration::from_secs(60)),
         );
-        if timer.deadline() != deadline {
+        // A later deadline leaves the earlier timer armed (an early wake-up only re-checks),
+        // so traffic that pushes heartbeat deadlines back does not re-arm the timer per frame.
+        if deadline < timer.deadline() || timer.is_elapsed() {
             timer.as_mut().reset(deadline);
         }
-        tokio::select! {
-            frame = client_reader.next(), if read_client => session.client_read(frame),
-            frame = upstream_reader.next(), if read_upstream => session.upstream_read(frame),
-            _ = session.client_out.write_some(), if write_client => {}
-            _ = session.upstream_out.write_some(), if write_upstream => {}
-            _ = &mut timer => session.on_timer(Instant::now()),
-            _ = shutdown.recv(), if !session.shutdown_seen => session.on_shutdown(),
+        let poll_again = busy_poll.should_poll(now);
+        let event = tokio::select! {
+            frame = client_reader.next(), if read_client => Event::Client(frame),
+            frame = upstream_reader.next(), if read_upstream => Event::Upstream(frame),
+            _ = session.client_out.write_some(), if write_client => Event::Wrote,
+            _ = session.upstream_out.write_some(), if write_upstream => Event::Wrote,
+            _ = &mut timer => Event::Timer,
+            _ = shutdown.recv(), if !session.shutdown_seen => Event::Shutdown,
+            // Nothing is ready: yield to the runtime (which polls the sockets without
+            // sleeping) instead of parking, while traffic is recent (`busy_poll`).
+            _ = tokio::task::yield_now(), if poll_again => Event::Polled,
+        };
+        // One clock read per turn: every frame handled in it is stamped with this time.
+        session.now = Instant::now();
+        match event {
+            Event::Client(frame) => {
+                busy_poll.traffic(session.now);
+                session.client_read(frame);
+            }
+            Event::Upstream(frame) => {
+                busy_poll.traffic(session.now);
+                session.upstream_read(frame);
+            }
+            Event::Wrote => busy_poll.traffic(session.now),
+            Event::Timer => session.on_timer(session.now),
+            Event::Shutdown => session.on_shutdown(),
+            Event::Polled => {}
         }
     }
     session.finish();
@@ -310,7 +349,7 @@ impl Session {
     /// Queues bytes for the upstream.
     pub(super) fn send_upstream(&mut self, bytes: Bytes) {
         if self.upstream_side != Side::Closed {
-            self.last_upstream_tx = Instant::now();
+            self.last_upstream_tx = self.now;
             self.upstream_out.send(bytes);
         }
     }
@@ -414,7 +453,7 @@ impl Session {
     fn client_read(&mut self, frame: Option<Result<WireFrame, FrameError>>) {
         match frame {
             Some(Ok(frame)) => {
-                self.last_client_rx = Instant::now();
+                self.last_client_rx = self.now;
                 self.client_in.frames += 1;
                 self.client_in.bytes += frame.raw.len() as u64;
                 if self.client_in.frames >= TALLY_FRAMES {
@@ -440,7 +479,7 @@ impl Session {
     fn upstream_read(&mut self, frame: Option<Result<WireFrame, FrameError>>) {
         match frame {
             Some(Ok(frame)) => {
-                self.last_upstream_rx = Instant::now();
+                self.last_upstream_rx = self.now;
                 self.upstream_in.frames += 1;
                 self.upstream_in.bytes += frame.raw.len() as u64;
                 if self.upstream_in.frames >= TALLY_FRAMES {

@@ -86,23 +86,33 @@ impl Decoder for WireCodec {
 
 /// Reads [`WireFrame`]s from one socket half. [`FrameReader::next`] is cancel-safe, so it can
 /// sit in a `select!` and simply not be polled while the other side is backed up.
+///
+/// The read size adapts: it starts at [`READ_CHUNK_MIN`], doubles (up to [`READ_CHUNK_MAX`])
+/// each time a read fills all the room it was given (a burst is running, so fewer and larger
+/// reads and writes follow) and halves when reads come back small; an idle connection goes
+/// back to a small buffer.
 #[derive(Debug)]
 pub struct FrameReader<R> {
     reader: R,
     codec: WireCodec,
     buffer: BytesMut,
+    /// Bytes asked of the socket per read.
+    chunk: usize,
     eof: bool,
 }
 
-/// Bytes asked of the socket per read.
-const READ_CHUNK: usize = 16 * 1024;
+/// Smallest (and first) read size.
+pub const READ_CHUNK_MIN: usize = 16 * 1024;
+/// Largest read size, during bursts.
+pub const READ_CHUNK_MAX: usize = 64 * 1024;
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
     pub fn new(reader: R, frame_max: u32) -> Self {
         FrameReader {
             reader,
             codec: WireCodec::new(frame_max),
-            buffer: BytesMut::with_capacity(READ_CHUNK),
+            buffer: BytesMut::with_capacity(READ_CHUNK_MIN),
+            chunk: READ_CHUNK_MIN,
             eof: false,
         }
     }
@@ -123,6 +133,20 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         self.codec.decode(&mut self.buffer).transpose()
     }
 
+    /// Bytes the next read asks for.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Grows the read size after a read that filled its `room`, shrinks it after a small one.
+    fn adapt_chunk(&mut self, read: usize, room: usize) {
+        if read >= room {
+            self.chunk = (self.chunk * 2).min(READ_CHUNK_MAX);
+        } else if read < self.chunk / 4 && self.chunk > READ_CHUNK_MIN {
+            self.chunk = (self.chunk / 2).max(READ_CHUNK_MIN);
+        }
+    }
+
     /// The next frame; `None` at a clean end of stream (no partial frame buffered).
     pub async fn next(&mut self) -> Option<Result<WireFrame, FrameError>> {
         loop {
@@ -138,12 +162,21 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                     "connection closed in the middle of a frame",
                 ))));
             }
-            if self.buffer.capacity() - self.buffer.len() < READ_CHUNK / 4 {
-                self.buffer.reserve(READ_CHUNK);
+            if self.chunk == READ_CHUNK_MIN
+                && self.buffer.is_empty()
+                && self.buffer.capacity() > 2 * READ_CHUNK_MIN
+            {
+                // The burst is over: let its large allocation go (once the frames cut from it
+                // are written) rather than keep it for an idle connection.
+                self.buffer = BytesMut::with_capacity(READ_CHUNK_MIN);
             }
+            if self.buffer.capacity() - self.buffer.len() < self.chunk / 4 {
+                self.buffer.reserve(self.chunk);
+            }
+            let room = self.buffer.capacity() - self.buffer.len();
             match self.reader.read_buf(&mut self.buffer).await {
                 Ok(0) => self.eof = true,
-                Ok(_) => {}
+                Ok(read) => self.adapt_chunk(read, room),
                 Err(err) => return Some(Err(FrameError::Io(err))),
             }
         }
@@ -225,6 +258,34 @@ mod tests {
         assert!(matches!(reader.next().await, Some(Err(FrameError::Io(_)))));
         let mut reader = FrameReader::new(&b""[..], 4096);
         assert!(reader.next().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn read_size_grows_in_a_burst_and_shrinks_after_it() {
+        use tokio::io::AsyncWriteExt;
+        let (mut tx, rx) = tokio::io::duplex(1 << 20);
+        let mut burst = BytesMut::new();
+        for _ in 0..64 {
+            put_raw_frame(&mut burst, FRAME_BODY, 1, &[7u8; 4000]);
+        }
+        tx.write_all(&burst).await.unwrap();
+        let mut reader = FrameReader::new(rx, 1 << 17);
+        assert_eq!(reader.chunk(), READ_CHUNK_MIN);
+        for _ in 0..64 {
+            assert_eq!(reader.next().await.unwrap().unwrap().payload.len(), 4000);
+        }
+        assert_eq!(
+            reader.chunk(),
+            READ_CHUNK_MAX,
+            "reads that fill their room grow"
+        );
+        for _ in 0..4 {
+            let mut small = BytesMut::new();
+            put_raw_frame(&mut small, FRAME_HEARTBEAT, 0, b"");
+            tx.write_all(&small).await.unwrap();
+            assert!(reader.next().await.unwrap().unwrap().is_heartbeat());
+        }
+        assert_eq!(reader.chunk(), READ_CHUNK_MIN, "small reads shrink it back");
     }
 
     #[test]

@@ -21,7 +21,8 @@ use dlx_proxy::proxy::{ProxyShared, serve};
 use dlx_proxy::shutdown::ShutdownTrigger;
 use lapin::message::{Delivery, DeliveryResult};
 use lapin::options::{
-    BasicConsumeOptions, BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicConsumeOptions, BasicGetOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties};
@@ -199,6 +200,25 @@ pub async fn upstream_connection() -> Connection {
 /// How long the polling helpers below wait, and how often they look.
 const POLL_LIMIT: Duration = Duration::from_secs(15);
 const POLL_EVERY: Duration = Duration::from_millis(50);
+
+/// Waits until the upstream broker itself reports `queue` empty (everything was settled).
+pub async fn wait_upstream_empty(queue: &str) {
+    let upstream = upstream_connection().await;
+    let ch = upstream.create_channel().await.unwrap();
+    wait_count(&ch, queue, 0).await;
+    let _ = upstream.close(200, "done".into()).await;
+}
+
+/// A new channel in confirm mode and a new queue (named from `prefix`) declared on it.
+pub async fn confirming_channel(conn: &Connection, prefix: &str) -> (Channel, String) {
+    let ch = conn.create_channel().await.unwrap();
+    let queue = unique(prefix);
+    declare(&ch, &queue, FieldTable::default()).await;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    (ch, queue)
+}
 
 /// Polls basic.get (no auto-ack) until a message arrives (panics after 15 s).
 pub async fn get(ch: &Channel, queue: &str) -> Delivery {
