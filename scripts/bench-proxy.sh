@@ -11,7 +11,7 @@
 #   scripts/bench-proxy.sh --busy-poll 200      # the proxy's proxy.busy_poll_us (0 = off)
 #
 # Needs a running RabbitMQ: RABBIT_URL (default amqp://guest:guest@127.0.0.1:5673/%2f, the node
-# `.ci/rabbitmq.sh start` runs) and RABBIT_PID (default: the first `pgrep -f beam.smp`).
+# `.ci/rabbitmq.sh start` runs) and RABBIT_PID (default: the first `pgrep -x beam.smp`).
 # --pinned moves RabbitMQ's threads with taskset (needs the right to) and puts them back after.
 # Results: BENCH_OUT (default target/bench-proxy-<time>/): results.jsonl and table.txt.
 set -euo pipefail
@@ -37,7 +37,7 @@ while [ $# -gt 0 ]; do
 done
 
 RABBIT_URL=${RABBIT_URL:-amqp://guest:guest@127.0.0.1:5673/%2f}
-RABBIT_PID=${RABBIT_PID:-$(pgrep -f beam.smp | head -1 || true)}
+RABBIT_PID=${RABBIT_PID:-$(pgrep -x beam.smp | head -1 || true)}
 if [ -z "$RABBIT_PID" ]; then
   echo "no RabbitMQ process found; start one (sudo bash .ci/rabbitmq.sh start) or set RABBIT_PID" >&2
   exit 2

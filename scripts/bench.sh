@@ -10,7 +10,7 @@
 # installed, e.g. `sudo bash .ci/rabbitmq.sh install`; needs root to run it as the rabbitmq
 # user) with a raised file-descriptor limit, and restarted fresh before each memory scenario,
 # so leftovers of other users do not blur its RSS. To use a running RabbitMQ instead, set
-# RABBIT_URL (and RABBIT_PID, else the first `pgrep -f beam.smp`); it is then never restarted.
+# RABBIT_URL (and RABBIT_PID, else the first `pgrep -x beam.smp`); it is then never restarted.
 #
 # The embedded broker is the release build of this checkout (`cargo build --release --features
 # bench`), started on a free port and restarted fresh before each memory scenario.
@@ -120,7 +120,7 @@ RMQ_URL=""
 start_rabbit() {
   if [ "$RABBIT_PRIVATE" = 0 ]; then
     RMQ_URL="$RABBIT_URL"
-    RMQ_PID=${RABBIT_PID:-$(pgrep -f beam.smp | head -n 1)}
+    RMQ_PID=${RABBIT_PID:-$(pgrep -x beam.smp | head -n 1)}
     return
   fi
   RMQ_PORT=$(free_port)

@@ -76,7 +76,8 @@
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
 //! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`bcc`], [`publisher`],
 //! [`capture`], [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
-//! [`outbox`] (socket writes), [`wire`] (frames), [`channels`], [`ops`], [`registry`].
+//! [`outbox`] (socket writes), [`wire`] (frames and adaptive reads), [`busy_poll`] (polling
+//! before sleeping), [`channels`], [`ops`], [`registry`].
 
 pub mod bcc;
 pub mod busy_poll;
