@@ -40,6 +40,16 @@ enum Phase {
     Closing,
 }
 
+/// One exchange.bind / exchange.unbind / queue.bind / queue.unbind, as the broker sees it.
+struct BindingChange<'a> {
+    /// Add (`true`) or remove the binding.
+    bind: bool,
+    source: &'a str,
+    destination: Destination,
+    routing_key: &'a str,
+    arguments: &'a amq_protocol::types::FieldTable,
+}
+
 #[derive(Debug)]
 struct ChannelLocal {
     phase: Phase,
@@ -271,41 +281,52 @@ impl ChannelTable {
     /// queue.bind/unbind and exchange.bind/unbind: write on the destination, read on the
     /// source, then the broker operation.
     #[allow(clippy::too_many_arguments)]
+    /// Checks permissions, adds or removes a binding, and sends `ok` (unless nowait).
     fn change_binding(
         &self,
         ctx: &ServerContext,
         s: &Session,
-        bind: bool,
-        source: &str,
-        destination: Destination,
-        routing_key: &str,
-        arguments: &amq_protocol::types::FieldTable,
+        ch: u16,
+        change: BindingChange<'_>,
+        ok: Option<AMQPClass>,
     ) -> Result<(), AmqpError> {
+        let BindingChange {
+            bind,
+            source,
+            destination,
+            routing_key,
+            arguments,
+        } = change;
         let (kind, name) = match &destination {
             Destination::Queue(q) => ("queue", q.as_str()),
             Destination::Exchange(x) => ("exchange", x.as_str()),
         };
         self.check(ctx, s, Access::Write, kind, name)?;
         self.check(ctx, s, Access::Read, "exchange", exchange_resource(source))?;
+        let vhost = &s.vhost;
         if bind {
             ctx.broker.bind(
                 s.conn_id,
-                &s.vhost,
+                vhost,
                 source,
                 destination,
                 routing_key,
                 arguments,
-            )
+            )?;
         } else {
             ctx.broker.unbind(
                 s.conn_id,
-                &s.vhost,
+                vhost,
                 source,
                 destination,
                 routing_key,
                 arguments,
-            )
+            )?;
         }
+        if let Some(ok) = ok {
+            Self::reply(s, ch, ok);
+        }
+        Ok(())
     }
 
     fn reply(s: &Session, ch: u16, m: AMQPClass) {
@@ -375,42 +396,36 @@ impl ChannelTable {
                     );
                 }
             }
-            AMQPClass::Exchange(exchange::AMQPMethod::Bind(b)) => {
-                self.change_binding(
-                    ctx,
-                    s,
-                    true,
-                    b.source.as_str(),
-                    Destination::Exchange(b.destination.as_str().to_string()),
-                    b.routing_key.as_str(),
-                    &b.arguments,
-                )?;
-                if !b.nowait {
-                    Self::reply(
-                        s,
-                        ch,
-                        AMQPClass::Exchange(exchange::AMQPMethod::BindOk(exchange::BindOk {})),
-                    );
-                }
-            }
-            AMQPClass::Exchange(exchange::AMQPMethod::Unbind(b)) => {
-                self.change_binding(
-                    ctx,
-                    s,
-                    false,
-                    b.source.as_str(),
-                    Destination::Exchange(b.destination.as_str().to_string()),
-                    b.routing_key.as_str(),
-                    &b.arguments,
-                )?;
-                if !b.nowait {
-                    Self::reply(
-                        s,
-                        ch,
-                        AMQPClass::Exchange(exchange::AMQPMethod::UnbindOk(exchange::UnbindOk {})),
-                    );
-                }
-            }
+            AMQPClass::Exchange(exchange::AMQPMethod::Bind(b)) => self.change_binding(
+                ctx,
+                s,
+                ch,
+                BindingChange {
+                    bind: true,
+                    source: b.source.as_str(),
+                    destination: Destination::Exchange(b.destination.to_string()),
+                    routing_key: b.routing_key.as_str(),
+                    arguments: &b.arguments,
+                },
+                (!b.nowait).then_some(AMQPClass::Exchange(exchange::AMQPMethod::BindOk(
+                    exchange::BindOk {},
+                ))),
+            )?,
+            AMQPClass::Exchange(exchange::AMQPMethod::Unbind(b)) => self.change_binding(
+                ctx,
+                s,
+                ch,
+                BindingChange {
+                    bind: false,
+                    source: b.source.as_str(),
+                    destination: Destination::Exchange(b.destination.to_string()),
+                    routing_key: b.routing_key.as_str(),
+                    arguments: &b.arguments,
+                },
+                (!b.nowait).then_some(AMQPClass::Exchange(exchange::AMQPMethod::UnbindOk(
+                    exchange::UnbindOk {},
+                ))),
+            )?,
             AMQPClass::Queue(queue::AMQPMethod::Declare(d)) => {
                 let name = d.queue.as_str();
                 if !d.passive {
@@ -448,40 +463,37 @@ impl ChannelTable {
                     );
                 }
             }
-            AMQPClass::Queue(queue::AMQPMethod::Bind(b)) => {
-                self.change_binding(
-                    ctx,
-                    s,
-                    true,
-                    b.exchange.as_str(),
-                    Destination::Queue(b.queue.as_str().to_string()),
-                    b.routing_key.as_str(),
-                    &b.arguments,
-                )?;
-                if !b.nowait {
-                    Self::reply(
-                        s,
-                        ch,
-                        AMQPClass::Queue(queue::AMQPMethod::BindOk(queue::BindOk {})),
-                    );
-                }
-            }
-            AMQPClass::Queue(queue::AMQPMethod::Unbind(b)) => {
-                self.change_binding(
-                    ctx,
-                    s,
-                    false,
-                    b.exchange.as_str(),
-                    Destination::Queue(b.queue.as_str().to_string()),
-                    b.routing_key.as_str(),
-                    &b.arguments,
-                )?;
-                Self::reply(
-                    s,
-                    ch,
-                    AMQPClass::Queue(queue::AMQPMethod::UnbindOk(queue::UnbindOk {})),
-                );
-            }
+            AMQPClass::Queue(queue::AMQPMethod::Bind(b)) => self.change_binding(
+                ctx,
+                s,
+                ch,
+                BindingChange {
+                    bind: true,
+                    source: b.exchange.as_str(),
+                    destination: Destination::Queue(b.queue.to_string()),
+                    routing_key: b.routing_key.as_str(),
+                    arguments: &b.arguments,
+                },
+                (!b.nowait).then_some(AMQPClass::Queue(queue::AMQPMethod::BindOk(
+                    queue::BindOk {},
+                ))),
+            )?,
+            // queue.unbind has no nowait flag: unbind-ok always follows.
+            AMQPClass::Queue(queue::AMQPMethod::Unbind(b)) => self.change_binding(
+                ctx,
+                s,
+                ch,
+                BindingChange {
+                    bind: false,
+                    source: b.exchange.as_str(),
+                    destination: Destination::Queue(b.queue.to_string()),
+                    routing_key: b.routing_key.as_str(),
+                    arguments: &b.arguments,
+                },
+                Some(AMQPClass::Queue(queue::AMQPMethod::UnbindOk(
+                    queue::UnbindOk {},
+                ))),
+            )?,
             AMQPClass::Queue(queue::AMQPMethod::Purge(p)) => {
                 self.check(ctx, s, Access::Read, "queue", p.queue.as_str())?;
                 let n = broker.queue_purge(s.conn_id, vhost, p.queue.as_str())?;
