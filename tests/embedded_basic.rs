@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::dl::{amqp_code, exchange};
+use common::dl::{amqp_code, consumer, exchange};
 use common::*;
 use futures_util::StreamExt;
 use lapin::Confirmation;
@@ -41,6 +41,16 @@ async fn get_body(ch: &lapin::Channel, q: &str) -> Option<(Vec<u8>, u64, bool)> 
         })
 }
 
+/// The next `n` messages of `q` (basic.get, left unacked): body as text and redelivered flag.
+async fn bodies_and_redelivered(ch: &lapin::Channel, q: &str, n: usize) -> Vec<(String, bool)> {
+    let mut got = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (body, _, redelivered) = get_body(ch, q).await.expect("a message");
+        got.push((String::from_utf8(body).expect("text body"), redelivered));
+    }
+    got
+}
+
 async fn declare(ch: &lapin::Channel, q: &str) {
     ch.queue_declare(
         q.into(),
@@ -68,15 +78,7 @@ async fn publish_consume_ack_round_trip() {
     for i in 0..10 {
         publish(&ch, "", &q, format!("m{i}").as_bytes()).await;
     }
-    let mut consumer = ch
-        .basic_consume(
-            q.as_str().into(),
-            "c1".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consumer(&ch, &q, "c1").await;
     for i in 0..10 {
         let d = next(&mut consumer).await;
         assert_eq!(d.data, format!("m{i}").as_bytes());
@@ -150,17 +152,9 @@ async fn nack_requeue_preserves_order_and_marks_redelivered() {
     )
     .await
     .unwrap();
-    let got: Vec<_> = [
-        get_body(&ch, &q).await.unwrap(),
-        get_body(&ch, &q).await.unwrap(),
-        get_body(&ch, &q).await.unwrap(),
-    ]
-    .into_iter()
-    .map(|(b, _, r)| (String::from_utf8(b).unwrap(), r))
-    .collect();
     assert_eq!(
-        got,
-        vec![("1".into(), true), ("2".into(), true), ("3".into(), false)]
+        bodies_and_redelivered(&ch, &q, 3).await,
+        [("1".into(), true), ("2".into(), true), ("3".into(), false)]
     );
 }
 
@@ -190,15 +184,7 @@ async fn prefetch_limits_unacked_deliveries() {
     ch.basic_qos(2, BasicQosOptions { global: false })
         .await
         .unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            q.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consumer(&ch, &q, "").await;
     let d1 = next(&mut consumer).await;
     let _d2 = next(&mut consumer).await;
     // A third delivery must not arrive while two are unacked.
@@ -228,24 +214,8 @@ async fn global_prefetch_is_shared_by_the_channel() {
     ch.basic_qos(2, BasicQosOptions { global: true })
         .await
         .unwrap();
-    let mut c1 = ch
-        .basic_consume(
-            q1.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let mut c2 = ch
-        .basic_consume(
-            q2.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut c1 = consumer(&ch, &q1, "").await;
+    let mut c2 = consumer(&ch, &q2, "").await;
     let _a = next(&mut c1).await;
     let _b = next(&mut c1).await;
     assert!(
@@ -323,17 +293,9 @@ async fn unacked_messages_requeue_on_channel_close_in_order() {
     get_body(&ch2, &q).await.unwrap();
     get_body(&ch2, &q).await.unwrap();
     ch2.close(200, "bye".into()).await.unwrap();
-    let got: Vec<_> = [
-        get_body(&ch, &q).await.unwrap(),
-        get_body(&ch, &q).await.unwrap(),
-        get_body(&ch, &q).await.unwrap(),
-    ]
-    .into_iter()
-    .map(|(b, _, r)| (String::from_utf8(b).unwrap(), r))
-    .collect();
     assert_eq!(
-        got,
-        vec![("1".into(), true), ("2".into(), true), ("3".into(), false)]
+        bodies_and_redelivered(&ch, &q, 3).await,
+        [("1".into(), true), ("2".into(), true), ("3".into(), false)]
     );
 }
 
@@ -398,15 +360,7 @@ async fn deleting_a_queue_cancels_its_consumers() {
     let (_c, ch) = b.channel().await;
     let q = unique("cancelnotify");
     declare(&ch, &q).await;
-    let mut consumer = ch
-        .basic_consume(
-            q.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consumer(&ch, &q, "").await;
     let (_c2, ch2) = b.channel().await;
     ch2.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
         .await
@@ -432,15 +386,7 @@ async fn cancel_stops_deliveries_and_auto_delete_removes_queue() {
     )
     .await
     .unwrap();
-    let consumer = ch
-        .basic_consume(
-            q.as_str().into(),
-            "t1".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let consumer = consumer(&ch, &q, "t1").await;
     assert_eq!(consumer.tag().as_str(), "t1");
     ch.basic_cancel("t1".into(), BasicCancelOptions::default())
         .await
@@ -604,15 +550,7 @@ async fn delete_if_empty_and_if_unused_refuse_with_406() {
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(406));
     let ch = c.create_channel().await.unwrap();
-    let _consumer = ch
-        .basic_consume(
-            q.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let _consumer = consumer(&ch, &q, "").await;
     let ch2 = c.create_channel().await.unwrap();
     let err = ch2
         .queue_delete(
