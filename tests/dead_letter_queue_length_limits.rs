@@ -11,8 +11,12 @@ fn bytes_payload(c: char) -> String {
     c.to_string().repeat(80)
 }
 
-async fn declare_limited(ch: &Channel, q: &str, args: &[(&str, AMQPValue)]) {
-    declare_durable(ch, q, table(args)).await;
+/// A broker, and a channel on which the durable queue "q" is declared with these arguments.
+async fn limited_queue(args: &[(&str, AMQPValue)]) -> (TestBroker, lapin::Connection, Channel) {
+    let broker = start().await;
+    let (conn, ch) = broker.channel().await;
+    declare_durable(&ch, "q", table(args)).await;
+    (broker, conn, ch)
 }
 
 async fn publish_one(ch: &Channel, q: &str, p: &str) -> Confirmation {
@@ -79,46 +83,30 @@ async fn check_max_length_requeue(ch: &Channel, q: &str, p: [&str; 2]) {
 
 #[tokio::test]
 async fn max_length_default() {
-    let b = start().await;
-    let (_c, ch) = b.channel().await;
-    declare_limited(&ch, "q", &[("x-max-length", int(1))]).await;
+    let (_broker, _conn, ch) = limited_queue(&[("x-max-length", int(1))]).await;
     check_max_length_drops_head(&ch, "q", ["1", "2", "3"]).await;
 }
 
 #[tokio::test]
 async fn max_length_drop_head() {
-    let b = start().await;
-    let (_c, ch) = b.channel().await;
-    declare_limited(
-        &ch,
-        "q",
-        &[("x-max-length", int(1)), ("x-overflow", ls("drop-head"))],
-    )
-    .await;
+    let (_broker, _conn, ch) =
+        limited_queue(&[("x-max-length", int(1)), ("x-overflow", ls("drop-head"))]).await;
     check_max_length_drops_head(&ch, "q", ["1", "2", "3"]).await;
 }
 
 #[tokio::test]
 async fn max_length_bytes_default() {
-    let b = start().await;
-    let (_c, ch) = b.channel().await;
-    declare_limited(&ch, "q", &[("x-max-length-bytes", int(100))]).await;
+    let (_broker, _conn, ch) = limited_queue(&[("x-max-length-bytes", int(100))]).await;
     let p = [bytes_payload('1'), bytes_payload('2'), bytes_payload('3')];
     check_max_length_drops_head(&ch, "q", [&p[0], &p[1], &p[2]]).await;
 }
 
 #[tokio::test]
 async fn max_length_bytes_drop_head() {
-    let b = start().await;
-    let (_c, ch) = b.channel().await;
-    declare_limited(
-        &ch,
-        "q",
-        &[
-            ("x-max-length-bytes", int(100)),
-            ("x-overflow", ls("drop-head")),
-        ],
-    )
+    let (_broker, _conn, ch) = limited_queue(&[
+        ("x-max-length-bytes", int(100)),
+        ("x-overflow", ls("drop-head")),
+    ])
     .await;
     let p = [bytes_payload('1'), bytes_payload('2'), bytes_payload('3')];
     check_max_length_drops_head(&ch, "q", [&p[0], &p[1], &p[2]]).await;
@@ -126,16 +114,10 @@ async fn max_length_bytes_drop_head() {
 
 #[tokio::test]
 async fn max_length_reject_confirm() {
-    let b = start().await;
-    let (_c, ch) = b.channel().await;
-    declare_limited(
-        &ch,
-        "q",
-        &[
-            ("x-max-length", int(1)),
-            ("x-overflow", ls("reject-publish")),
-        ],
-    )
+    let (_broker, _conn, ch) = limited_queue(&[
+        ("x-max-length", int(1)),
+        ("x-overflow", ls("reject-publish")),
+    ])
     .await;
     check_max_length_drops_publish(&ch, "q", ["1", "2", "3"]).await;
     check_max_length_rejects(&ch, "q", ["1", "2", "3"]).await;
@@ -143,16 +125,10 @@ async fn max_length_reject_confirm() {
 
 #[tokio::test]
 async fn max_length_bytes_reject_confirm() {
-    let b = start().await;
-    let (_c, ch) = b.channel().await;
-    declare_limited(
-        &ch,
-        "q",
-        &[
-            ("x-max-length-bytes", int(100)),
-            ("x-overflow", ls("reject-publish")),
-        ],
-    )
+    let (_broker, _conn, ch) = limited_queue(&[
+        ("x-max-length-bytes", int(100)),
+        ("x-overflow", ls("reject-publish")),
+    ])
     .await;
     let p = [bytes_payload('1'), bytes_payload('2'), bytes_payload('3')];
     check_max_length_drops_publish(&ch, "q", [&p[0], &p[1], &p[2]]).await;
@@ -161,48 +137,30 @@ async fn max_length_bytes_reject_confirm() {
 
 #[tokio::test]
 async fn max_length_drop_publish() {
-    let b = start().await;
-    let (_c, ch) = b.channel().await;
-    declare_limited(
-        &ch,
-        "q",
-        &[
-            ("x-max-length", int(1)),
-            ("x-overflow", ls("reject-publish")),
-        ],
-    )
+    let (_broker, _conn, ch) = limited_queue(&[
+        ("x-max-length", int(1)),
+        ("x-overflow", ls("reject-publish")),
+    ])
     .await;
     check_max_length_drops_publish(&ch, "q", ["1", "2", "3"]).await;
 }
 
 #[tokio::test]
 async fn max_length_drop_publish_requeue() {
-    let b = start().await;
-    let (_c, ch) = b.channel().await;
-    declare_limited(
-        &ch,
-        "q",
-        &[
-            ("x-max-length", int(1)),
-            ("x-overflow", ls("reject-publish")),
-        ],
-    )
+    let (_broker, _conn, ch) = limited_queue(&[
+        ("x-max-length", int(1)),
+        ("x-overflow", ls("reject-publish")),
+    ])
     .await;
     check_max_length_requeue(&ch, "q", ["1", "2"]).await;
 }
 
 #[tokio::test]
 async fn max_length_bytes_drop_publish() {
-    let b = start().await;
-    let (_c, ch) = b.channel().await;
-    declare_limited(
-        &ch,
-        "q",
-        &[
-            ("x-max-length-bytes", int(100)),
-            ("x-overflow", ls("reject-publish")),
-        ],
-    )
+    let (_broker, _conn, ch) = limited_queue(&[
+        ("x-max-length-bytes", int(100)),
+        ("x-overflow", ls("reject-publish")),
+    ])
     .await;
     let p = [bytes_payload('1'), bytes_payload('2'), bytes_payload('3')];
     check_max_length_drops_publish(&ch, "q", [&p[0], &p[1], &p[2]]).await;
@@ -211,30 +169,18 @@ async fn max_length_bytes_drop_publish() {
 /// Group max_length_quorum: max_length_default on a quorum queue.
 #[tokio::test]
 async fn max_length_default_quorum() {
-    let b = start().await;
-    let (_c, ch) = b.channel().await;
-    declare_limited(
-        &ch,
-        "q",
-        &[("x-queue-type", ls("quorum")), ("x-max-length", int(1))],
-    )
-    .await;
+    let (_broker, _conn, ch) =
+        limited_queue(&[("x-queue-type", ls("quorum")), ("x-max-length", int(1))]).await;
     check_max_length_drops_head(&ch, "q", ["1", "2", "3"]).await;
 }
 
 /// Group max_length_quorum: max_length_bytes_default on a quorum queue.
 #[tokio::test]
 async fn max_length_bytes_default_quorum() {
-    let b = start().await;
-    let (_c, ch) = b.channel().await;
-    declare_limited(
-        &ch,
-        "q",
-        &[
-            ("x-queue-type", ls("quorum")),
-            ("x-max-length-bytes", int(100)),
-        ],
-    )
+    let (_broker, _conn, ch) = limited_queue(&[
+        ("x-queue-type", ls("quorum")),
+        ("x-max-length-bytes", int(100)),
+    ])
     .await;
     let p = [bytes_payload('1'), bytes_payload('2'), bytes_payload('3')];
     check_max_length_drops_head(&ch, "q", [&p[0], &p[1], &p[2]]).await;
