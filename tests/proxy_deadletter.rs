@@ -120,8 +120,7 @@ async fn nack_dead_letters_with_exact_headers() {
     assert_eq!(payload(&get(&ch, &dlq).await), "p1");
     assert_eq!(payload(&get(&ch, &dlq).await), "p2");
     consume_empty(&ch, &q).await;
-    let uch = upstream_connection().await.create_channel().await.unwrap();
-    wait_count(&uch, &q, 0).await;
+    wait_upstream_empty(&q).await;
     proxy
         .wait_counter(
             "dead_lettered_total",
@@ -166,8 +165,7 @@ async fn multiple_nack_dead_letters_in_tag_order_and_keeps_other_settlements_apa
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
     consume_empty(&ch, &dlq).await;
-    let uch = upstream_connection().await.create_channel().await.unwrap();
-    wait_count(&uch, &q, 0).await;
+    wait_upstream_empty(&q).await;
     // The channel is still fine.
     publish(&ch, &q, &["after"]).await;
     assert_eq!(payload(&get(&ch, &q).await), "after");
@@ -363,8 +361,7 @@ async fn a_missing_dead_letter_exchange_drops_and_counts_then_recovers() {
             1.0,
         )
         .await;
-    let uch = upstream_connection().await.create_channel().await.unwrap();
-    wait_count(&uch, &q, 0).await;
+    wait_upstream_empty(&q).await;
     consume_empty(&ch, &dlq).await;
 
     // Declared later, the exchange is used from then on (the name is resolved each time).
@@ -405,8 +402,7 @@ async fn an_unroutable_dead_letter_is_dropped_and_counted() {
             1.0,
         )
         .await;
-    let uch = upstream_connection().await.create_channel().await.unwrap();
-    wait_count(&uch, &q, 0).await;
+    wait_upstream_empty(&q).await;
     proxy.stop().await;
 }
 

@@ -144,8 +144,7 @@ async fn past_the_limit_without_a_dead_letter_exchange_the_message_is_dropped() 
         }
         d.acker.nack(requeue()).await.unwrap();
     }
-    let uch = upstream_connection().await.create_channel().await.unwrap();
-    wait_count(&uch, &q, 0).await;
+    wait_upstream_empty(&q).await;
     proxy.stop().await;
 }
 

@@ -130,8 +130,7 @@ async fn kept_deliveries_are_bounded_and_nothing_is_lost() {
         received += 1;
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
-    let uch = upstream_connection().await.create_channel().await.unwrap();
-    wait_count(&uch, &q, 0).await;
+    wait_upstream_empty(&q).await;
     proxy.stop().await;
 }
 
@@ -267,8 +266,7 @@ async fn a_dead_letter_policy_loaded_mid_delivery_applies_to_both_deliveries() {
     dead.sort();
     assert_eq!(dead, vec!["early".to_string(), "late".to_string()]);
     consume_empty(&ch, &dlq).await;
-    let uch = upstream_connection().await.create_channel().await.unwrap();
-    wait_count(&uch, &q, 0).await;
+    wait_upstream_empty(&q).await;
     proxy.stop().await;
 }
 

@@ -183,8 +183,7 @@ async fn confirms_and_qos_keep_their_numbers() {
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
         seen += 1;
     }
-    let uch = upstream_connection().await.create_channel().await.unwrap();
-    wait_count(&uch, &q, 0).await;
+    wait_upstream_empty(&q).await;
     proxy.stop().await;
 }
 
