@@ -11,8 +11,7 @@ mod proxy_support;
 
 use std::time::Duration;
 
-use lapin::options::{BasicAckOptions, BasicPublishOptions, ConfirmSelectOptions};
-use lapin::protocol::basic::AMQPProperties;
+use lapin::options::{BasicAckOptions, ConfirmSelectOptions};
 use lapin::types::{FieldTable, LongString};
 use lapin::{Connection, ConnectionProperties};
 use proxy_support::*;
@@ -34,21 +33,7 @@ async fn broker_forced_close_reaches_the_client_and_reconnecting_works() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    for i in 0..5 {
-        let confirm = ch
-            .basic_publish(
-                "".into(),
-                q.as_str().into(),
-                BasicPublishOptions::default(),
-                format!("m{i}").as_bytes(),
-                AMQPProperties::default(),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert!(confirm.is_ack());
-    }
+    publish_acked(&ch, &q, 5).await;
     let mut raw = RawClient::connect_named(proxy.addr, &name).await;
 
     assert_eq!(close_upstream_connection(&name, "test"), 2);

@@ -122,21 +122,7 @@ async fn confirms_and_qos_keep_their_numbers() {
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let (ch, q) = confirming_channel(&conn, "confirm").await;
-    for i in 0..50 {
-        let confirm = ch
-            .basic_publish(
-                "".into(),
-                q.as_str().into(),
-                BasicPublishOptions::default(),
-                format!("m{i}").as_bytes(),
-                AMQPProperties::default(),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert!(confirm.is_ack());
-    }
+    publish_acked(&ch, &q, 50).await;
     // Unroutable mandatory publish: returned, then acked.
     let confirm = ch
         .basic_publish(

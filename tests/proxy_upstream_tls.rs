@@ -21,10 +21,9 @@ use dlx_proxy::metrics::Metrics;
 use dlx_proxy::policy::PolicySet;
 use dlx_proxy::proxy::ProxyShared;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicRejectOptions,
-    ConfirmSelectOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicRejectOptions, ConfirmSelectOptions,
+    QueueDeleteOptions,
 };
-use lapin::protocol::basic::AMQPProperties;
 use lapin::protocol::{AMQPClass, connection};
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString};
 use lapin::{Connection, ConnectionProperties};
@@ -92,21 +91,7 @@ async fn publish_consume_and_dead_letter_over_an_amqps_upstream() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    for i in 0..5 {
-        let confirm = ch
-            .basic_publish(
-                "".into(),
-                q.as_str().into(),
-                BasicPublishOptions::default(),
-                format!("m{i}").as_bytes(),
-                AMQPProperties::default(),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert!(confirm.is_ack(), "publish m{i}: {confirm:?}");
-    }
+    publish_acked(&ch, &q, 5).await;
     let upstream = upstream_connection().await;
     let uch = upstream.create_channel().await.unwrap();
     wait_count(&uch, &q, 5).await;

@@ -209,6 +209,23 @@ pub async fn wait_upstream_empty(queue: &str) {
     let _ = upstream.close(200, "done".into()).await;
 }
 
+/// Publishes "m0", "m1", … (`count` messages) to `queue` on a channel in confirm mode and
+/// checks that each is acked.
+pub async fn publish_acked(ch: &Channel, queue: &str, count: usize) {
+    for i in 0..count {
+        let body = format!("m{i}");
+        let confirm = crate::common::dl::publish_to(
+            ch,
+            "",
+            queue,
+            body.as_bytes(),
+            lapin::BasicProperties::default(),
+        )
+        .await;
+        assert!(confirm.is_ack(), "publish {body}: {confirm:?}");
+    }
+}
+
 /// A new channel in confirm mode and a new queue (named from `prefix`) declared on it.
 pub async fn confirming_channel(conn: &Connection, prefix: &str) -> (Channel, String) {
     let ch = conn.create_channel().await.unwrap();
