@@ -36,8 +36,8 @@ use lapin::options::{
 use lapin::protocol::basic::AMQPProperties;
 use lapin::types::{AMQPValue, FieldTable};
 use proxy_support::{
-    UPSTREAM_HOST, consume, declare, declare_dlx, field, get, ls, next, rabbitmqctl, table,
-    upstream_connection, x_death,
+    UPSTREAM_HOST, consume, declare, declare_dead_lettering, declare_dlx, delete_upstream, field,
+    get, ls, next, rabbitmqctl, upstream_connection, x_death,
 };
 
 const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
@@ -508,15 +508,7 @@ async fn unacked_deliveries_stop_at_the_inflight_bound_until_acked() {
         .await
         .unwrap();
     let ch = conn.create_channel().await.unwrap();
-    declare(
-        &ch,
-        &q,
-        table(&[
-            ("x-dead-letter-exchange", ls(&dlx)),
-            ("x-dead-letter-routing-key", ls(&dlq)),
-        ]),
-    )
-    .await;
+    declare_dead_lettering(&ch, &q, &dlx, &dlq).await;
     publish_direct(&q, COUNT, SIZE).await;
 
     let sampler = proxy.sampler();
@@ -605,14 +597,7 @@ async fn unacked_deliveries_stop_at_the_inflight_bound_until_acked() {
     eprintln!("kept: {stalled:?}; peaks {peaks:?}");
 
     conn.close(200, "done".into()).await.unwrap();
-    for queue in [&q, &dlq] {
-        uch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-            .await
-            .unwrap();
-    }
-    uch.exchange_delete(dlx.as_str().into(), Default::default())
-        .await
-        .unwrap();
+    delete_upstream(&uch, &[&q, &dlq], &[&dlx]).await;
     upstream.close(200, "done".into()).await.unwrap();
     proxy.stop().await;
 }

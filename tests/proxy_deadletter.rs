@@ -338,15 +338,7 @@ async fn a_missing_dead_letter_exchange_drops_and_counts_then_recovers() {
     let q = unique("nodlx-src");
     let dlx = unique("nodlx");
     let dlq = unique("nodlx-q");
-    declare(
-        &ch,
-        &q,
-        table(&[
-            ("x-dead-letter-exchange", ls(&dlx)),
-            ("x-dead-letter-routing-key", ls(&dlq)),
-        ]),
-    )
-    .await;
+    declare_dead_lettering(&ch, &q, &dlx, &dlq).await;
     declare(&ch, &dlq, FieldTable::default()).await;
     publish(&ch, &q, &["lost"]).await;
     let d = get(&ch, &q).await;
@@ -451,15 +443,7 @@ async fn two_hops_keep_the_history_newest_first() {
     let d1 = unique("hop-dlx");
     let k2 = unique("k2");
     exchange(&ch, &d1, ExchangeKind::Direct).await;
-    declare(
-        &ch,
-        &q1,
-        table(&[
-            ("x-dead-letter-exchange", ls(&d1)),
-            ("x-dead-letter-routing-key", ls(&k2)),
-        ]),
-    )
-    .await;
+    declare_dead_lettering(&ch, &q1, &d1, &k2).await;
     declare(
         &ch,
         &q2,
@@ -555,14 +539,6 @@ async fn closing_the_channel_right_after_a_reject_loses_and_duplicates_nothing()
     assert_eq!(payload(&get(&uch, &dlq).await), "a");
     assert_eq!(payload(&get(&uch, &q).await), "b");
     // Declaring with equal arguments again works (the upstream arguments are stable).
-    declare(
-        &ch,
-        &q,
-        table(&[
-            ("x-dead-letter-exchange", ls(&dlx)),
-            ("x-dead-letter-routing-key", ls(&dlq)),
-        ]),
-    )
-    .await;
+    declare_dead_lettering(&ch, &q, &dlx, &dlq).await;
     proxy.stop().await;
 }

@@ -146,15 +146,7 @@ async fn only_deliveries_that_can_dead_letter_keep_their_content() {
     let dlq = unique("with-content-dlq");
     declare(&ch, &plain, FieldTable::default()).await;
     declare_dlx(&ch, &dlx, &dlq).await;
-    declare(
-        &ch,
-        &dead,
-        table(&[
-            ("x-dead-letter-exchange", ls(&dlx)),
-            ("x-dead-letter-routing-key", ls(&dlq)),
-        ]),
-    )
-    .await;
+    declare_dead_lettering(&ch, &dead, &dlx, &dlq).await;
     let payloads: Vec<String> = (0..4).map(|i| format!("{i}{}", "y".repeat(999))).collect();
     publish_confirmed(&ch, &plain, &payloads).await;
     publish_confirmed(&ch, &dead, &payloads).await;

@@ -22,7 +22,6 @@ use dlx_proxy::policy::PolicySet;
 use dlx_proxy::proxy::ProxyShared;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicRejectOptions, ConfirmSelectOptions,
-    QueueDeleteOptions,
 };
 use lapin::protocol::{AMQPClass, connection};
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString};
@@ -78,15 +77,7 @@ async fn publish_consume_and_dead_letter_over_an_amqps_upstream() {
     let dlx = unique("tls-dlx");
     let dlq = unique("tls-dlq");
     declare_dlx(&ch, &dlx, &dlq).await;
-    declare(
-        &ch,
-        &q,
-        table(&[
-            ("x-dead-letter-exchange", ls(&dlx)),
-            ("x-dead-letter-routing-key", ls(&dlq)),
-        ]),
-    )
-    .await;
+    declare_dead_lettering(&ch, &q, &dlx, &dlq).await;
 
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
@@ -145,14 +136,7 @@ async fn publish_consume_and_dead_letter_over_an_amqps_upstream() {
     wait_count(&uch, &dlq, 0).await;
 
     conn.close(200, "done".into()).await.unwrap();
-    for queue in [&q, &dlq] {
-        uch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-            .await
-            .unwrap();
-    }
-    uch.exchange_delete(dlx.as_str().into(), Default::default())
-        .await
-        .unwrap();
+    delete_upstream(&uch, &[&q, &dlq], &[&dlx]).await;
     upstream.close(200, "done".into()).await.unwrap();
     proxy.stop().await;
 }

@@ -752,6 +752,15 @@ pub mod dl {
         bind(ch, dlq, dlx, dlq).await;
     }
 
+    /// `queue` dead-lettering to exchange `dlx` with routing key `dlk`.
+    pub async fn declare_dead_lettering(ch: &Channel, queue: &str, dlx: &str, dlk: &str) {
+        let args = [
+            ("x-dead-letter-exchange", ls(dlx)),
+            ("x-dead-letter-routing-key", ls(dlk)),
+        ];
+        declare(ch, queue, table(&args)).await;
+    }
+
     /// The upstream `declare_dead_letter_queues(Q, DLQ, Extra)`: a direct DLX named after the
     /// test, Q with `x-dead-letter-exchange = DLX`, `x-dead-letter-routing-key = DLQ` plus
     /// `extra`, DLQ without arguments, bound to the DLX with key DLQ. Returns the DLX name.

@@ -33,7 +33,8 @@ use crate::common::{metric_value, poll, series};
 // Re-exported for the proxy tests (not every test binary uses all of them).
 #[allow(unused_imports)]
 pub use crate::common::dl::{
-    bind, consume_empty, declare, declare_dlx, exchange, header, ls, payload, table,
+    bind, consume_empty, declare, declare_dead_lettering, declare_dlx, exchange, header, ls,
+    payload, table,
 };
 #[allow(unused_imports)]
 pub use crate::common::{RawClient, RawDelivery, unique};
@@ -200,6 +201,20 @@ pub async fn upstream_connection() -> Connection {
 /// How long the polling helpers below wait, and how often they look.
 const POLL_LIMIT: Duration = Duration::from_secs(15);
 const POLL_EVERY: Duration = Duration::from_millis(50);
+
+/// Deletes queues and exchanges a test left on the upstream broker.
+pub async fn delete_upstream(ch: &Channel, queues: &[&str], exchanges: &[&str]) {
+    for queue in queues {
+        ch.queue_delete((*queue).into(), QueueDeleteOptions::default())
+            .await
+            .unwrap_or_else(|e| panic!("delete queue {queue}: {e}"));
+    }
+    for exchange in exchanges {
+        ch.exchange_delete((*exchange).into(), Default::default())
+            .await
+            .unwrap_or_else(|e| panic!("delete exchange {exchange}: {e}"));
+    }
+}
 
 /// Waits until the upstream broker itself reports `queue` empty (everything was settled).
 pub async fn wait_upstream_empty(queue: &str) {
