@@ -431,34 +431,27 @@ impl Wire {
     /// answer in time or the connection failed.
     pub async fn close(mut self) -> bool {
         let closing = async {
-            self.put_method(
-                CHANNEL,
-                AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
-                    reply_code: 200,
-                    reply_text: short("bye")?,
-                    class_id: 0,
-                    method_id: 0,
-                })),
-            )?;
-            self.flush().await?;
-            self.skip_until(|f| {
+            let channel_close = AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: 200,
+                reply_text: short("bye")?,
+                class_id: 0,
+                method_id: 0,
+            }));
+            self.call_skipping(CHANNEL, channel_close, |f| {
                 matches!(
                     f,
                     AMQPFrame::Method(CHANNEL, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)))
                 )
             })
             .await?;
-            self.put_method(
-                0,
+            let connection_close =
                 AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
                     reply_code: 200,
                     reply_text: short("done")?,
                     class_id: 0,
                     method_id: 0,
-                })),
-            )?;
-            self.flush().await?;
-            self.skip_until(|f| {
+                }));
+            self.call_skipping(0, connection_close, |f| {
                 matches!(
                     f,
                     AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)))
@@ -471,6 +464,19 @@ impl Wire {
             tokio::time::timeout(CLOSE_TIMEOUT, closing).await,
             Ok(Ok(()))
         )
+    }
+
+    /// Like [`Self::call_on`], but drops whatever arrives before the reply (deliveries,
+    /// confirms): for closing.
+    async fn call_skipping(
+        &mut self,
+        channel: u16,
+        method: AMQPClass,
+        is_reply: impl Fn(&AMQPFrame) -> bool,
+    ) -> Result<()> {
+        self.put_method(channel, method)?;
+        self.flush().await?;
+        self.skip_until(is_reply).await
     }
 
     async fn skip_until(&mut self, done: impl Fn(&AMQPFrame) -> bool) -> Result<()> {
