@@ -36,8 +36,8 @@ use lapin::options::{
 use lapin::protocol::basic::AMQPProperties;
 use lapin::types::{AMQPValue, FieldTable};
 use proxy_support::{
-    UPSTREAM_HOST, consume, declare, declare_dead_lettering, declare_dlx, delete_upstream, field,
-    get, ls, next, rabbitmqctl, upstream_connection, x_death,
+    UPSTREAM_HOST, consume, declare, declare_dead_lettering, declare_dlx, delete_capture,
+    delete_upstream, field, get, ls, next, rabbitmqctl, upstream_connection, x_death,
 };
 
 const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
@@ -140,15 +140,7 @@ impl ProxyProcess {
         }
         let logs = self.process.logs();
         assert!(!logs.contains("panicked"), "{logs}");
-        let conn = upstream_connection().await;
-        let ch = conn.create_channel().await.unwrap();
-        let _ = ch
-            .queue_delete(self.capture.as_str().into(), QueueDeleteOptions::default())
-            .await;
-        let _ = ch
-            .exchange_delete(self.capture.as_str().into(), Default::default())
-            .await;
-        let _ = conn.close(200, "done".into()).await;
+        delete_capture(&self.capture).await;
     }
 }
 

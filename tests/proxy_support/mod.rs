@@ -177,17 +177,21 @@ impl TestProxy {
     /// Stops accepting connections and removes the capture exchange and queue.
     pub async fn stop(self) {
         self.trigger.trigger();
-        if let Ok(conn) = Connection::connect(UPSTREAM_URI, ConnectionProperties::default()).await
-            && let Ok(ch) = conn.create_channel().await
-        {
-            let _ = ch
-                .queue_delete(self.capture.as_str().into(), QueueDeleteOptions::default())
-                .await;
-            let _ = ch
-                .exchange_delete(self.capture.as_str().into(), Default::default())
-                .await;
-            let _ = conn.close(200, "done".into()).await;
-        }
+        delete_capture(&self.capture).await;
+    }
+}
+
+/// Removes a proxy's capture exchange and queue from the upstream (best effort: a test that
+/// ends early may have created neither).
+pub async fn delete_capture(capture: &str) {
+    if let Ok(conn) = Connection::connect(UPSTREAM_URI, ConnectionProperties::default()).await
+        && let Ok(ch) = conn.create_channel().await
+    {
+        let _ = ch
+            .queue_delete(capture.into(), QueueDeleteOptions::default())
+            .await;
+        let _ = ch.exchange_delete(capture.into(), Default::default()).await;
+        let _ = conn.close(200, "done".into()).await;
     }
 }
 
