@@ -9,6 +9,9 @@
 #   scripts/bench-proxy.sh --rounds 3 -n 100000
 #   scripts/bench-proxy.sh --worker-threads 1   # the proxy's runtime.worker_threads (0 = per core)
 #   scripts/bench-proxy.sh --busy-poll 200      # the proxy's proxy.busy_poll_us (0 = off)
+#   scripts/bench-proxy.sh --floor              # also dlx-floor (epoll, uring, threads) in the
+#                                               # raw-client runs: a forwarder that only copies
+#                                               # bytes, the floor under any proxy's cost
 #
 # Needs a running RabbitMQ: RABBIT_URL (default amqp://guest:guest@127.0.0.1:5673/%2f, the node
 # `.ci/rabbitmq.sh start` runs) and RABBIT_PID (default: the first `pgrep -x beam.smp`).
@@ -23,6 +26,7 @@ PINGS=${PINGS:-10000}
 PINNED=0
 WORKERS=0
 BUSY_POLL=0
+FLOOR=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --pinned) PINNED=1 ;;
@@ -30,7 +34,8 @@ while [ $# -gt 0 ]; do
     -n) MESSAGES="$2"; shift ;;
     --worker-threads) WORKERS="$2"; shift ;;
     --busy-poll) BUSY_POLL="$2"; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --floor) FLOOR=1 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -53,7 +58,8 @@ echo "== building (release, feature bench)"
 cargo build --release --features bench --bins --quiet
 BIN="$CARGO_TARGET_DIR/release"
 
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+port=$(free_port)
 # RabbitMQ's address without credentials and vhost, for upstream.url.
 upstream=$(python3 -c 'import sys, urllib.parse as u; p=u.urlsplit(sys.argv[1]); print(f"{p.scheme}://{p.hostname}:{p.port or 5672}")' "$RABBIT_URL")
 cat > "$OUT/config/proxy.toml" <<EOF
@@ -72,32 +78,46 @@ worker_threads = $WORKERS
 EOF
 PROXY_URL="amqp://guest:guest@127.0.0.1:$port/%2f"
 
+# Forwarders in front of RabbitMQ: who -> "pid url".
+declare -A TARGET
+"$BIN/dlx-proxy" run --config "$OUT/config/proxy.toml" > "$OUT/proxy.log" 2>&1 &
+TARGET[proxy]="$! $PROXY_URL"
+wait_ports=("$port")
+FLOORS=()
+if [ "$FLOOR" = 1 ]; then
+  rabbit_addr=${upstream#*://}
+  for mode in epoll uring threads; do
+    floor_port=$(free_port)
+    "$BIN/dlx-floor" --mode "$mode" --listen "127.0.0.1:$floor_port" --upstream "$rabbit_addr" \
+      > "$OUT/floor-$mode.log" 2>&1 &
+    TARGET[floor-$mode]="$! amqp://guest:guest@127.0.0.1:$floor_port/%2f"
+    FLOORS+=("floor-$mode")
+    wait_ports+=("$floor_port")
+  done
+fi
 CLIENT_CPUS=""
 if [ "$PINNED" = 1 ]; then
-  "$BIN/dlx-proxy" run --config "$OUT/config/proxy.toml" > "$OUT/proxy.log" 2>&1 &
-  PROXY_PID=$!
-  taskset -a -p 0x2 "$PROXY_PID" > /dev/null
+  for who in "${!TARGET[@]}"; do taskset -a -p 0x2 "${TARGET[$who]%% *}" > /dev/null; done
   taskset -a -p 0x1 "$RABBIT_PID" > /dev/null
   CLIENT_CPUS="taskset 0x1"
-else
-  "$BIN/dlx-proxy" run --config "$OUT/config/proxy.toml" > "$OUT/proxy.log" 2>&1 &
-  PROXY_PID=$!
 fi
 cleanup() {
-  kill "$PROXY_PID" 2>/dev/null || true
+  for who in "${!TARGET[@]}"; do kill "${TARGET[$who]%% *}" 2>/dev/null || true; done
   if [ "$PINNED" = 1 ]; then taskset -a -p 0x3 "$RABBIT_PID" > /dev/null || true; fi
 }
 trap cleanup EXIT
-for _ in $(seq 1 100); do
-  if (echo > "/dev/tcp/127.0.0.1/$port") 2>/dev/null; then break; fi
-  sleep 0.1
+for p in "${wait_ports[@]}"; do
+  for _ in $(seq 1 100); do
+    if (echo > "/dev/tcp/127.0.0.1/$p") 2>/dev/null; then break; fi
+    sleep 0.1
+  done
 done
 
-# One run: who (direct|proxy), then dlx-bench arguments.
+# One run: who (direct, proxy or a floor-* forwarder), then dlx-bench arguments.
 run() {
   local round=$1 who=$2; shift 2
   local url=$RABBIT_URL pid=$RABBIT_PID
-  if [ "$who" = proxy ]; then url=$PROXY_URL; pid=$PROXY_PID; fi
+  if [ "$who" != direct ]; then pid=${TARGET[$who]%% *}; url=${TARGET[$who]#* }; fi
   local line
   line=$($CLIENT_CPUS "$BIN/dlx-bench" "$@" --url "$url" --pid "$pid" --label "$who" --json 2>>"$OUT/bench.log" | tail -1)
   case "$line" in
@@ -109,9 +129,11 @@ run() {
 for round in $(seq 1 "$ROUNDS"); do
   echo "== round $round"
   for client in lapin raw; do
+    whos=(direct proxy)
+    if [ "$client" = raw ]; then whos+=("${FLOORS[@]}"); fi
     for size in 100 4096; do
       for confirms in off on; do
-        for who in direct proxy; do
+        for who in "${whos[@]}"; do
           run "$round" "$who" throughput --client "$client" -n "$MESSAGES" --size "$size" --confirms "$confirms"
         done
       done
@@ -119,7 +141,7 @@ for round in $(seq 1 "$ROUNDS"); do
   done
   for size in 100 4096; do
     for confirms in off on; do
-      for who in direct proxy; do
+      for who in direct proxy "${FLOORS[@]}"; do
         run "$round" "$who" ping -n "$PINGS" --size "$size" --confirms "$confirms"
       done
     done
@@ -135,19 +157,22 @@ for r in rows:
     groups[key][r["who"]].append(r)
 failed = [r for r in rows if not r.get("ok", False)]
 med = lambda rs, k: statistics.median(r[k] for r in rs)
-print(f"{'scenario':<46} {'direct':>12} {'proxy':>12} {'proxy/direct':>13} {'CPU proxy/RabbitMQ':>19}")
+print(f"{'scenario':<46} {'through':<14} {'direct':>9} {'through':>9} {'vs direct':>10} {'CPU / RabbitMQ':>15}")
+order = ["proxy", "floor-epoll", "floor-uring", "floor-threads"]
 for (scenario, client, size, confirms), by in sorted(groups.items()):
-    d, p = by.get("direct"), by.get("proxy")
-    if not d or not p:
+    d = by.get("direct")
+    if not d:
         continue
     name = f"{scenario} {client} {size} B confirms {confirms}"
-    cpu = med(p, "broker_cpu_us_per_msg") / med(d, "broker_cpu_us_per_msg")
-    if scenario == "ping":
-        dv, pv = med(d, "rtt_p50_us"), med(p, "rtt_p50_us")
-        print(f"{name + ' p50 us':<46} {dv:>12.0f} {pv:>12.0f} {'+%.0f us' % (pv - dv):>13} {cpu:>18.0%}")
-    else:
-        dv, pv = med(d, "rate_msg_s"), med(p, "rate_msg_s")
-        print(f"{name + ' msg/s':<46} {dv:>12.0f} {pv:>12.0f} {pv / dv:>13.0%} {cpu:>18.0%}")
+    for who in sorted((w for w in by if w != "direct"), key=lambda w: (w not in order, order.index(w) if w in order else 0, w)):
+        p = by[who]
+        cpu = med(p, "broker_cpu_us_per_msg") / med(d, "broker_cpu_us_per_msg")
+        if scenario == "ping":
+            dv, pv = med(d, "rtt_p50_us"), med(p, "rtt_p50_us")
+            print(f"{name + ' p50 us':<46} {who:<14} {dv:>9.0f} {pv:>9.0f} {'+%.0f us' % (pv - dv):>10} {cpu:>15.0%}")
+        else:
+            dv, pv = med(d, "rate_msg_s"), med(p, "rate_msg_s")
+            print(f"{name + ' msg/s':<46} {who:<14} {dv:>9.0f} {pv:>9.0f} {pv / dv:>10.0%} {cpu:>15.0%}")
 print(f"{len(rows)} runs, {len(failed)} failed (lost, duplicated or reordered messages)")
 sys.exit(1 if failed else 0)
 EOF
