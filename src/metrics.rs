@@ -16,7 +16,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 /// Prefix of every metric name.
@@ -89,6 +89,8 @@ pub enum Direction {
 }
 
 impl Direction {
+    const COUNT: usize = 4;
+
     /// The `direction` label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -134,6 +136,10 @@ pub struct Metrics {
     connections_total: IntCounter,
     frames: IntCounterVec,
     bytes: IntCounterVec,
+    /// The frames and the bytes series of each direction, looked up in the vectors once, at
+    /// their first use: `traffic` runs for every socket write and read.
+    frame_series: [OnceLock<IntCounter>; Direction::COUNT],
+    byte_series: [OnceLock<IntCounter>; Direction::COUNT],
     config_reloads: IntCounterVec,
     labels_folded: IntCounter,
     connections: IntGauge,
@@ -252,6 +258,8 @@ impl Metrics {
                 "Bytes of AMQP traffic, by direction.",
                 &["direction"],
             )?,
+            frame_series: Default::default(),
+            byte_series: Default::default(),
             config_reloads: b.counter_vec(
                 "config_reloads_total",
                 "Configuration reloads, by result (success, failure).",
@@ -411,11 +419,16 @@ impl Metrics {
     /// `frames` frames totalling `bytes` bytes went `direction`.
     pub fn traffic(&self, direction: Direction, frames: u64, bytes: u64) {
         let label = [direction.as_str()];
+        let slot = direction as usize;
         if frames > 0 {
-            self.frames.with_label_values(&label).inc_by(frames);
+            self.frame_series[slot]
+                .get_or_init(|| self.frames.with_label_values(&label))
+                .inc_by(frames);
         }
         if bytes > 0 {
-            self.bytes.with_label_values(&label).inc_by(bytes);
+            self.byte_series[slot]
+                .get_or_init(|| self.bytes.with_label_values(&label))
+                .inc_by(bytes);
         }
     }
 
