@@ -161,19 +161,7 @@ async fn per_message_ttl_expiration_too_high() {
     let (_c, ch) = b.channel().await;
     confirm_select(&ch).await;
     declare(&ch, "q", FieldTable::default()).await;
-    let res = ch
-        .basic_publish(
-            "".into(),
-            "q".into(),
-            BasicPublishOptions::default(),
-            b"x",
-            expiring("315360000001"),
-        )
-        .await;
-    let err = match res {
-        Ok(c) => c.await.unwrap_err(),
-        Err(e) => e,
-    };
+    let err = publish_refused(&ch, "", "q", expiring("315360000001")).await;
     assert_eq!(amqp_code(&err), Some(406));
     assert_eq!(
         amqp_text(&err),

@@ -5,7 +5,7 @@ mod common;
 
 use amq_protocol::protocol::{AMQPClass, basic, channel, exchange, queue, tx};
 use amq_protocol::types::FieldTable;
-use common::dl::{amqp_code, amqp_text};
+use common::dl::{amqp_code, amqp_text, publish_refused};
 use common::*;
 use dlx_proxy::amqp::codec::{FRAME_BODY, FRAME_HEADER, PROTOCOL_HEADER, put_raw_frame};
 use lapin::options::*;
@@ -78,19 +78,7 @@ async fn missing_queue_and_exchange_are_404() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    let res = ch
-        .basic_publish(
-            "no-exchange".into(),
-            "k".into(),
-            BasicPublishOptions::default(),
-            b"x",
-            BasicProperties::default(),
-        )
-        .await;
-    let err = match res {
-        Ok(c) => c.await.unwrap_err(),
-        Err(e) => e,
-    };
+    let err = publish_refused(&ch, "no-exchange", "k", BasicProperties::default()).await;
     assert_eq!(amqp_code(&err), Some(404));
     assert_eq!(
         amqp_text(&err),
@@ -385,19 +373,7 @@ async fn permissions_are_enforced_per_operation() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    let res = ch
-        .basic_publish(
-            "".into(),
-            "mine.q".into(),
-            BasicPublishOptions::default(),
-            b"x",
-            BasicProperties::default(),
-        )
-        .await;
-    let err = match res {
-        Ok(c) => c.await.unwrap_err(),
-        Err(e) => e,
-    };
+    let err = publish_refused(&ch, "", "mine.q", BasicProperties::default()).await;
     assert_eq!(amqp_code(&err), Some(403));
 }
 
@@ -416,19 +392,8 @@ async fn invalid_expiration_closes_the_channel_with_406() {
     )
     .await
     .unwrap();
-    let res = ch
-        .basic_publish(
-            "".into(),
-            q.as_str().into(),
-            BasicPublishOptions::default(),
-            b"x",
-            BasicProperties::default().with_expiration("soon".into()),
-        )
-        .await;
-    let err = match res {
-        Ok(c) => c.await.unwrap_err(),
-        Err(e) => e,
-    };
+    let expiring = BasicProperties::default().with_expiration("soon".into());
+    let err = publish_refused(&ch, "", &q, expiring).await;
     assert_eq!(amqp_code(&err), Some(406));
 }
 

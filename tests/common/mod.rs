@@ -477,6 +477,33 @@ pub mod dl {
         }
     }
 
+    /// Publishes one `x` body on a channel in confirm mode and returns the error that ends it:
+    /// the publish failing at once, or the channel closing before a confirm arrives. Panics
+    /// when the publish is confirmed instead.
+    pub async fn publish_refused(
+        ch: &Channel,
+        exchange: &str,
+        routing_key: &str,
+        properties: BasicProperties,
+    ) -> lapin::Error {
+        let publish = ch
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                BasicPublishOptions::default(),
+                b"x",
+                properties,
+            )
+            .await;
+        match publish {
+            Ok(confirm) => match confirm.await {
+                Ok(answer) => panic!("publish to {exchange:?}/{routing_key:?} got {answer:?}"),
+                Err(e) => e,
+            },
+            Err(e) => e,
+        }
+    }
+
     /// The reply text of a lapin protocol error.
     pub fn amqp_text(err: &lapin::Error) -> String {
         match err.kind() {
