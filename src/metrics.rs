@@ -89,7 +89,9 @@ pub enum Direction {
 }
 
 impl Direction {
-    const COUNT: usize = 4;
+    /// How many directions there are (`UpstreamOut` is the last variant), the length of the
+    /// per-direction series caches.
+    const COUNT: usize = Direction::UpstreamOut as usize + 1;
 
     /// The `direction` label value.
     pub fn as_str(self) -> &'static str {
