@@ -1,0 +1,420 @@
+//! Every reply code the embedded broker uses, provoked and asserted: channel errors through
+//! lapin, connection errors and malformed input through a raw client.
+
+use crate::common;
+
+use amq_protocol::protocol::{AMQPClass, basic, channel, exchange, queue, tx};
+use amq_protocol::types::FieldTable;
+use common::dl::{amqp_code, amqp_text, publish_refused};
+use common::*;
+use dlx_proxy::amqp::codec::{FRAME_BODY, FRAME_HEADER, PROTOCOL_HEADER, put_raw_frame};
+use lapin::options::*;
+use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
+
+/// Expects connection.close with `code` on a raw client and answers it; returns its text.
+async fn expect_connection_close(c: &mut RawClient, code: u16) -> String {
+    let (reply_code, text) = c.expect_connection_close().await;
+    assert_eq!(reply_code, code, "reply text: {text}");
+    c.send_close_ok().await;
+    text
+}
+
+#[tokio::test]
+async fn wrong_protocol_header_is_answered_with_ours_and_closed() {
+    let b = start().await;
+    let mut c = RawClient::connect_no_handshake(b.addr).await;
+    c.send_raw(b"AMQP\x00\x00\x08\x00").await;
+    let got = c.read_to_end().await;
+    assert_eq!(got, PROTOCOL_HEADER);
+}
+
+#[tokio::test]
+async fn reserved_names_are_403() {
+    let b = start().await;
+    let (c, ch) = b.channel().await;
+    let err = ch
+        .queue_declare(
+            "amq.mine".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(amqp_code(&err), Some(403));
+    assert!(
+        amqp_text(&err).contains("reserved prefix"),
+        "{}",
+        amqp_text(&err)
+    );
+    let ch = c.create_channel().await.unwrap();
+    let err = ch
+        .exchange_declare(
+            "amq.mine".into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(amqp_code(&err), Some(403));
+}
+
+#[tokio::test]
+async fn missing_queue_and_exchange_are_404() {
+    let b = start().await;
+    let (c, ch) = b.channel().await;
+    let err = ch
+        .basic_consume(
+            "nope".into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(amqp_code(&err), Some(404));
+    assert_eq!(amqp_text(&err), "NOT_FOUND - no queue 'nope' in vhost '/'");
+    let ch = c.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let err = publish_refused(&ch, "no-exchange", "k", BasicProperties::default()).await;
+    assert_eq!(amqp_code(&err), Some(404));
+    assert_eq!(
+        amqp_text(&err),
+        "NOT_FOUND - no exchange 'no-exchange' in vhost '/'"
+    );
+}
+
+#[tokio::test]
+async fn exclusive_queue_of_another_connection_is_405() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    let q = unique("excl");
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let (_c2, ch2) = b.channel().await;
+    let err = ch2
+        .queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(amqp_code(&err), Some(405));
+}
+
+#[tokio::test]
+async fn inequivalent_redeclare_is_406() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    let q = unique("ineq");
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let err = ch
+        .queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(amqp_code(&err), Some(406));
+    assert!(
+        amqp_text(&err).contains("inequivalent arg 'durable'"),
+        "{}",
+        amqp_text(&err)
+    );
+}
+
+#[tokio::test]
+async fn unknown_delivery_tag_is_406() {
+    let b = start().await;
+    let mut c = RawClient::connect(b.addr).await;
+    c.open_channel(1).await;
+    c.send_method(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag: 42,
+            multiple: false,
+        })),
+    )
+    .await;
+    match c.read_method().await {
+        AMQPClass::Channel(channel::AMQPMethod::Close(close)) => {
+            assert_eq!(close.reply_code, 406);
+            assert_eq!(
+                close.reply_text.as_str(),
+                "PRECONDITION_FAILED - unknown delivery tag 42"
+            );
+            assert_eq!((close.class_id, close.method_id), (60, 80));
+        }
+        other => panic!("expected channel.close, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn bad_frame_end_is_501() {
+    let b = start().await;
+    let mut c = RawClient::connect(b.addr).await;
+    let mut frame = encode_method(
+        0,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    );
+    let last = frame.len() - 1;
+    frame[last] = 0x00;
+    c.send_raw(&frame).await;
+    expect_connection_close(&mut c, 501).await;
+}
+
+#[tokio::test]
+async fn oversized_frame_is_501() {
+    let b = start().await;
+    let mut c = RawClient::connect(b.addr).await;
+    let mut raw = vec![1u8, 0, 1];
+    raw.extend_from_slice(&(50_000_000u32).to_be_bytes());
+    c.send_raw(&raw).await;
+    expect_connection_close(&mut c, 501).await;
+}
+
+#[tokio::test]
+async fn malformed_method_is_502() {
+    let b = start().await;
+    let mut c = RawClient::connect(b.addr).await;
+    let mut buf = bytes::BytesMut::new();
+    // queue.declare with a truncated argument list.
+    put_raw_frame(&mut buf, 1, 1, &[0, 50, 0, 10, 0]);
+    c.open_channel(1).await;
+    c.send_raw(&buf).await;
+    expect_connection_close(&mut c, 502).await;
+}
+
+#[tokio::test]
+async fn unknown_exchange_type_is_503() {
+    let b = start().await;
+    let mut c = RawClient::connect(b.addr).await;
+    c.open_channel(1).await;
+    c.send_method(
+        1,
+        AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+            exchange: "x-weird".into(),
+            kind: "no-such-type".into(),
+            passive: false,
+            durable: false,
+            auto_delete: false,
+            internal: false,
+            nowait: false,
+            arguments: FieldTable::default(),
+        })),
+    )
+    .await;
+    expect_connection_close(&mut c, 503).await;
+}
+
+#[tokio::test]
+async fn method_on_unopened_channel_is_504() {
+    let b = start().await;
+    let mut c = RawClient::connect(b.addr).await;
+    c.send_method(
+        7,
+        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+            queue: "q".into(),
+            passive: false,
+            durable: false,
+            exclusive: false,
+            auto_delete: false,
+            nowait: false,
+            arguments: FieldTable::default(),
+        })),
+    )
+    .await;
+    expect_connection_close(&mut c, 504).await;
+}
+
+#[tokio::test]
+async fn content_without_publish_is_505() {
+    let b = start().await;
+    let mut c = RawClient::connect(b.addr).await;
+    c.open_channel(1).await;
+    let mut buf = bytes::BytesMut::new();
+    put_raw_frame(&mut buf, FRAME_BODY, 1, b"stray body");
+    c.send_raw(&buf).await;
+    expect_connection_close(&mut c, 505).await;
+}
+
+#[tokio::test]
+async fn method_between_header_and_body_is_505() {
+    let b = start().await;
+    let mut c = RawClient::connect(b.addr).await;
+    c.open_channel(1).await;
+    c.send_method(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+            exchange: "".into(),
+            routing_key: "q".into(),
+            mandatory: false,
+            immediate: false,
+        })),
+    )
+    .await;
+    let mut buf = bytes::BytesMut::new();
+    let mut header = vec![0, 60, 0, 0];
+    header.extend_from_slice(&5u64.to_be_bytes());
+    header.extend_from_slice(&[0, 0]);
+    put_raw_frame(&mut buf, FRAME_HEADER, 1, &header);
+    c.send_raw(&buf).await;
+    c.send_method(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::Flow(channel::Flow { active: true })),
+    )
+    .await;
+    expect_connection_close(&mut c, 505).await;
+}
+
+#[tokio::test]
+async fn unknown_vhost_is_530() {
+    let b = start().await;
+    let err = Connection::connect(
+        &b.uri_as("guest", "guest", "nope"),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(amqp_code(&err), Some(530), "{err:?}");
+}
+
+#[tokio::test]
+async fn tx_select_is_540() {
+    let b = start().await;
+    let mut c = RawClient::connect(b.addr).await;
+    c.open_channel(1).await;
+    c.send_method(1, AMQPClass::Tx(tx::AMQPMethod::Select(tx::Select {})))
+        .await;
+    expect_connection_close(&mut c, 540).await;
+}
+
+#[tokio::test]
+async fn bad_password_is_403_access_refused() {
+    let b = start().await;
+    let err = Connection::connect(
+        &b.uri_as("guest", "wrong", "/"),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(amqp_code(&err), Some(403), "{err:?}");
+}
+
+#[tokio::test]
+async fn permissions_are_enforced_per_operation() {
+    let mut cfg = test_config();
+    cfg.users.push(dlx_proxy::config::UserConfig {
+        name: "limited".into(),
+        password: "pw".into(),
+        password_hash: String::new(),
+        loopback_only: false,
+        permissions: vec![dlx_proxy::config::PermissionConfig {
+            vhost: "/".into(),
+            configure: "^mine\\.".into(),
+            write: "^mine\\.".into(),
+            read: "^mine\\.".into(),
+        }],
+    });
+    let b = start_with(cfg).await;
+    let conn = Connection::connect(
+        &b.uri_as("limited", "pw", "/"),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        "mine.q".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let err = ch
+        .queue_declare(
+            "theirs.q".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(amqp_code(&err), Some(403));
+    assert_eq!(
+        amqp_text(&err),
+        "ACCESS_REFUSED - access to queue 'theirs.q' in vhost '/' refused for user 'limited'"
+    );
+    // Publishing to the default exchange needs write on amq.default.
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let err = publish_refused(&ch, "", "mine.q", BasicProperties::default()).await;
+    assert_eq!(amqp_code(&err), Some(403));
+}
+
+#[tokio::test]
+async fn invalid_expiration_closes_the_channel_with_406() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let q = unique("badexp");
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let expiring = BasicProperties::default().with_expiration("soon".into());
+    let err = publish_refused(&ch, "", &q, expiring).await;
+    assert_eq!(amqp_code(&err), Some(406));
+}
+
+#[tokio::test]
+async fn garbage_after_the_handshake_never_panics_the_server() {
+    let b = start().await;
+    for seed in 0u8..20 {
+        let mut c = RawClient::connect(b.addr).await;
+        let junk: Vec<u8> = (0..200u32)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect();
+        c.send_raw(&junk).await;
+        let _ = c.read_to_end().await;
+    }
+    // Still serving.
+    let (_c, ch) = b.channel().await;
+    ch.queue_declare(
+        "still-alive".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+}

@@ -1,0 +1,42 @@
+//! The integration tests, one crate: embedded-mode tests with lapin and a raw client over
+//! real TCP, proxy-mode tests against RabbitMQ, operations (metrics, reload, shutdown, TLS,
+//! logs), the CLI, and the differential conformance scenarios.
+//!
+//! Shared helpers live in `common` (test broker, raw AMQP client, metrics and dead-letter
+//! helpers) and `proxy_support` (the proxy in front of RabbitMQ).
+
+mod common;
+#[macro_use]
+mod proxy_support;
+
+mod config_cli;
+mod conformance;
+mod dead_letter_cycles;
+mod dead_letter_declare;
+mod dead_letter_delivery_limit;
+mod dead_letter_headers;
+mod dead_letter_length;
+mod dead_letter_metrics;
+mod dead_letter_policy;
+mod dead_letter_queue_length_limits;
+mod dead_letter_rejection;
+mod dead_letter_routing;
+mod dead_letter_ttl;
+mod embedded_basic;
+mod embedded_errors;
+mod embedded_protocol;
+mod ops_logs;
+mod ops_metrics;
+mod ops_reload;
+mod ops_shutdown;
+mod ops_tls;
+mod proxy_backpressure;
+mod proxy_bcc;
+mod proxy_capture;
+mod proxy_deadletter;
+mod proxy_declare;
+mod proxy_delivery_limit;
+mod proxy_fault_close;
+mod proxy_faults;
+mod proxy_forwarding;
+mod proxy_upstream_tls;
