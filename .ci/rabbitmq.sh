@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Starts or stops the reference RabbitMQ used by proxy-mode and differential tests.
-# It listens on 127.0.0.1:5673 so it never collides with dlx-proxy's own 5672, and with TLS
-# (amqps) on 127.0.0.1:5674 for the amqps-upstream tests.
+# Installs RabbitMQ (CI and the tests need the package: the tests start their own nodes), and
+# starts or stops a long-running node for the benchmark scripts (scripts/bench*.sh) on
+# 127.0.0.1:5673, with TLS (amqps) on 127.0.0.1:5674.
 #   .ci/rabbitmq.sh install   apt-get install rabbitmq-server (Debian's package) and openssl
 #   .ci/rabbitmq.sh start     start a node and wait until it accepts AMQP and AMQPS
 #   .ci/rabbitmq.sh stop

@@ -8,6 +8,7 @@
 mod common;
 #[macro_use]
 mod proxy_support;
+mod rabbit;
 
 mod config_cli;
 mod conformance;

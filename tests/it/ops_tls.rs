@@ -8,6 +8,7 @@ use crate::common;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use common::pki::{Pem, TestCa};
 use common::{RawClient, TempDir, TestBroker, start_with, test_config, unique};
 use dlx_proxy::amqp::codec::PROTOCOL_HEADER;
 use dlx_proxy::config::Config;
@@ -19,59 +20,9 @@ use lapin::options::{
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, DefaultConnectionBuilder};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
+use rcgen::ExtendedKeyUsagePurpose;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-
-/// A certificate and its key, PEM-encoded.
-struct Pem {
-    cert: String,
-    key: String,
-}
-
-/// A CA able to sign leaf certificates.
-struct TestCa {
-    pem: String,
-    issuer: Issuer<'static, KeyPair>,
-}
-
-impl TestCa {
-    fn new(name: &str) -> TestCa {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let cert = params.self_signed(&key).unwrap();
-        TestCa {
-            pem: cert.pem(),
-            issuer: Issuer::new(params, key),
-        }
-    }
-
-    fn leaf(&self, common_name: &str, names: &[&str], usage: ExtendedKeyUsagePurpose) -> Pem {
-        let key = KeyPair::generate().unwrap();
-        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-        let mut params = CertificateParams::new(names).unwrap();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, common_name);
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![usage];
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        Pem {
-            cert: cert.pem(),
-            key: key.serialize_pem(),
-        }
-    }
-}
 
 /// Everything a test needs, written to a scratch directory.
 struct Pki {
@@ -86,11 +37,7 @@ impl Pki {
     fn new() -> Pki {
         let dir = TempDir::new("dlx-proxy-tls");
         let ca = TestCa::new("dlx-proxy test CA");
-        let server = ca.leaf(
-            "localhost",
-            &["localhost", "127.0.0.1"],
-            ExtendedKeyUsagePurpose::ServerAuth,
-        );
+        let server = ca.localhost_server();
         let client = ca.leaf("client", &["client"], ExtendedKeyUsagePurpose::ClientAuth);
         let other_ca = TestCa::new("another CA");
         let stranger = other_ca.leaf(

@@ -36,8 +36,8 @@ use lapin::options::{
 use lapin::protocol::basic::AMQPProperties;
 use lapin::types::{AMQPValue, FieldTable};
 use proxy_support::{
-    UPSTREAM_HOST, consume, declare, declare_dead_lettering, declare_dlx, delete_capture,
-    delete_upstream, field, get, ls, next, rabbitmqctl, upstream_connection, x_death,
+    consume, declare, declare_dead_lettering, declare_dlx, delete_capture, delete_upstream, field,
+    get, ls, next, rabbitmqctl, upstream_connection, upstream_host, x_death,
 };
 
 const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
@@ -84,10 +84,11 @@ impl ProxyProcess {
         let dir = TempDir::new("backpressure");
         let (amqp, admin) = free_addresses();
         let capture = unique("bp-capture");
+        let upstream = upstream_host();
         let config = format!(
             "mode = \"proxy\"\n\n\
              [listen]\namqp = \"{amqp}\"\nadmin = \"{admin}\"\n\n\
-             [upstream]\nurl = \"amqp://{UPSTREAM_HOST}\"\n\n\
+             [upstream]\nurl = \"amqp://{upstream}\"\n\n\
              [limits]\nconnection_outbox_bytes = {OUTBOX}\n\n\
              [proxy]\nmax_inflight_bytes = {MAX_INFLIGHT}\nconfirm_timeout_secs = 5\n\
              delegate_to_upstream = {delegate_to_upstream}\ncapture_name = \"{capture}\"\n\n\
@@ -464,19 +465,16 @@ async fn stalled_consumer(stall: Stall) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_consumer_stops_upstream_reads_at_the_kept_delivery_bound() {
-    require_upstream!();
     stalled_consumer(Stall::KeptDeliveries).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_consumer_stops_upstream_reads_at_the_outbox_bound() {
-    require_upstream!();
     stalled_consumer(Stall::OutboxTagsOnly).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_consumer_stops_upstream_reads_at_the_outbox_bound_when_delegating() {
-    require_upstream!();
     stalled_consumer(Stall::OutboxDelegated).await;
 }
 
@@ -484,7 +482,6 @@ async fn a_stalled_consumer_stops_upstream_reads_at_the_outbox_bound_when_delega
 /// stop at about `max_inflight_bytes` worth and resume with the acks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unacked_deliveries_stop_at_the_inflight_bound_until_acked() {
-    require_upstream!();
     const COUNT: u32 = 160;
     const SIZE: usize = 16 * 1024;
     let proxy = ProxyProcess::start(false).await;

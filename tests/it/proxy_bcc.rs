@@ -77,7 +77,6 @@ fn assert_no_routing_headers(d: &lapin::message::Delivery) {
 /// dead-letter queue, again without a routing key) still routes with them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bcc_keys_route_rejected_messages_and_stay_invisible() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -158,7 +157,6 @@ async fn bcc_keys_route_rejected_messages_and_stay_invisible() {
 /// are routed with them too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bcc_keys_route_expired_messages() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -189,7 +187,6 @@ async fn bcc_keys_route_expired_messages() {
 /// A client cannot add routing keys by setting the proxy's header itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clients_own_private_header_is_dropped() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -216,7 +213,6 @@ async fn a_clients_own_private_header_is_dropped() {
 /// forwarded as it is: still routed by its BCC keys at publish, only without kept keys.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn confirms_stay_one_to_one_and_an_oversized_header_keeps_no_keys() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();

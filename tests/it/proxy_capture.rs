@@ -55,7 +55,6 @@ fn no_capture_trace(d: &lapin::message::Delivery, capture: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_ttl_expiry_is_dead_lettered_as_rabbitmq_would() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -100,7 +99,6 @@ async fn queue_ttl_expiry_is_dead_lettered_as_rabbitmq_would() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_message_ttl_keeps_the_original_expiration() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -128,7 +126,6 @@ async fn per_message_ttl_keeps_the_original_expiration() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ttl_and_target_from_a_toml_policy() {
-    require_upstream!();
     let q = unique("pttl");
     let dlx = unique("pttl-dlx");
     let dlq = unique("pttl-dlq");
@@ -157,7 +154,6 @@ async fn ttl_and_target_from_a_toml_policy() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_length_drop_head_dead_letters_the_oldest_as_maxlen() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -180,7 +176,6 @@ async fn max_length_drop_head_dead_letters_the_oldest_as_maxlen() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reject_publish_dlx_nacks_and_dead_letters_the_new_messages() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -224,7 +219,6 @@ async fn reject_publish_dlx_nacks_and_dead_letters_the_new_messages() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ttl_self_loops_are_dropped_as_cycles() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -254,7 +248,6 @@ async fn ttl_self_loops_are_dropped_as_cycles() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expiry_with_cc_routes_every_key_and_records_them() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -289,7 +282,6 @@ async fn expiry_with_cc_routes_every_key_and_records_them() {
 /// reversal makes it see a false cycle): b (reject) → a2 (TTL) → a3 (TTL) → b, twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reject_expire_expire_loops_keep_the_history_in_order() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -367,7 +359,6 @@ async fn reject_expire_expire_loops_keep_the_history_in_order() {
 /// the other target gets exactly one copy, as with RabbitMQ.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn automatic_loops_through_other_exchanges_are_dropped_when_they_come_back() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();

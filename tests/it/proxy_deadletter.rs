@@ -54,7 +54,6 @@ fn strings(values: &[&str]) -> AMQPValue {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nack_dead_letters_with_exact_headers() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -132,7 +131,6 @@ async fn nack_dead_letters_with_exact_headers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multiple_nack_dead_letters_in_tag_order_and_keeps_other_settlements_apart() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -173,7 +171,6 @@ async fn multiple_nack_dead_letters_in_tag_order_and_keeps_other_settlements_apa
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letter_target_from_a_toml_policy_on_a_queue_without_arguments() {
-    require_upstream!();
     let dlx = unique("pdlx");
     let dlq = unique("pdlq");
     let q = unique("plain");
@@ -234,7 +231,6 @@ async fn dead_letter_target_from_a_toml_policy_on_a_queue_without_arguments() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cc_keys_route_once_and_the_cc_header_is_kept_without_a_routing_key() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -293,7 +289,6 @@ async fn cc_keys_route_once_and_the_cc_header_is_kept_without_a_routing_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_routing_key_removes_the_cc_header() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -330,7 +325,6 @@ async fn a_dead_letter_routing_key_removes_the_cc_header() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_dead_letter_exchange_drops_and_counts_then_recovers() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -369,7 +363,6 @@ async fn a_missing_dead_letter_exchange_drops_and_counts_then_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unroutable_dead_letter_is_dropped_and_counted() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -399,7 +392,6 @@ async fn an_unroutable_dead_letter_is_dropped_and_counted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rejections_never_form_a_dropping_cycle_and_counts_grow() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -432,7 +424,6 @@ async fn rejections_never_form_a_dropping_cycle_and_counts_grow() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hops_keep_the_history_newest_first() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -484,7 +475,6 @@ async fn two_hops_keep_the_history_newest_first() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_rejections_from_a_consumer_arrive_in_order() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -515,7 +505,6 @@ async fn many_rejections_from_a_consumer_arrive_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closing_the_channel_right_after_a_reject_loses_and_duplicates_nothing() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();

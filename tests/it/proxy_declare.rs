@@ -58,7 +58,6 @@ fn close_code(payload: &[u8]) -> (u16, String) {
 /// close the whole connection with 504 CHANNEL_ERROR).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reusing_a_channel_number_right_after_a_refused_declare_works() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let mut client = RawClient::connect_named(proxy.addr, &unique("reuse")).await;
     client.send_raw(&channel_open(1)).await;
@@ -127,7 +126,6 @@ async fn refused(
 /// carries the proxy's arguments and is declared passively.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inequivalent_redeclares_get_the_brokers_406() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -240,7 +238,6 @@ async fn inequivalent_redeclares_get_the_brokers_406() {
 /// (or an exclusive queue gone with its connection) is declared anew with new arguments.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queue_that_is_gone_is_declared_anew_with_other_arguments() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -305,7 +302,6 @@ async fn a_queue_that_is_gone_is_declared_anew_with_other_arguments() {
 /// reference for later redeclares through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_instance_takes_the_first_declaration_it_sees_as_the_reference() {
-    require_upstream!();
     let first = TestProxy::start(vec![]).await;
     let q = unique("two-instances");
     let dlx_a = table(&[("x-dead-letter-exchange", ls("a"))]);

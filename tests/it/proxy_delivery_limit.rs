@@ -33,7 +33,6 @@ fn requeue() -> BasicNackOptions {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn classic_queue_delivery_limit_counts_requeues_then_dead_letters() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -90,7 +89,6 @@ async fn classic_queue_delivery_limit_counts_requeues_then_dead_letters() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_policy_limit_of_zero_allows_one_delivery_to_a_consumer() {
-    require_upstream!();
     let q = unique("limit0");
     let dlx = unique("limit0-dlx");
     let dlq = unique("limit0-dlq");
@@ -123,7 +121,6 @@ async fn a_policy_limit_of_zero_allows_one_delivery_to_a_consumer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_limit_without_a_dead_letter_exchange_the_message_is_dropped() {
-    require_upstream!();
     let proxy = TestProxy::start_with(vec![], |config| {
         config.dead_letter.default_delivery_limit = 2;
     })
@@ -149,7 +146,6 @@ async fn past_the_limit_without_a_dead_letter_exchange_the_message_is_dropped() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quorum_queues_count_upstream_and_die_through_the_capture() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();

@@ -17,7 +17,6 @@ use proxy_support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_forced_close_reaches_the_client_and_reconnecting_works() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let name = unique("forced");
     let conn = Connection::connect(

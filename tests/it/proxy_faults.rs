@@ -81,7 +81,6 @@ async fn publish_confirmed(ch: &lapin::Channel, queue: &str, payloads: &[String]
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kept_deliveries_are_bounded_and_nothing_is_lost() {
-    require_upstream!();
     let proxy = TestProxy::start_with(vec![], |config| {
         config.proxy.max_inflight_bytes = 8 * 1024;
     })
@@ -135,7 +134,6 @@ async fn kept_deliveries_are_bounded_and_nothing_is_lost() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_deliveries_that_can_dead_letter_keep_their_content() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -197,7 +195,6 @@ async fn only_deliveries_that_can_dead_letter_keep_their_content() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_policy_loaded_mid_delivery_applies_to_both_deliveries() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -263,7 +260,6 @@ async fn a_dead_letter_policy_loaded_mid_delivery_applies_to_both_deliveries() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vanished_client_gives_its_unacked_deliveries_back() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let q = unique("vanish");
     let setup = proxy.connect().await;
@@ -303,8 +299,7 @@ async fn a_vanished_client_gives_its_unacked_deliveries_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vanished_upstream_is_reported_as_320_and_reconnecting_works() {
-    require_upstream!();
-    let relay = Relay::start("127.0.0.1:0", UPSTREAM_HOST.to_string()).await;
+    let relay = Relay::start("127.0.0.1:0", upstream_host()).await;
     let relay_addr = relay.addr;
     let proxy = TestProxy::start_with(vec![], |config| {
         config.upstream.url = format!("amqp://{relay_addr}");
@@ -331,7 +326,7 @@ async fn a_vanished_upstream_is_reported_as_320_and_reconnecting_works() {
 
     // The upstream is back (same address): a new connection works and the confirmed
     // messages are still there.
-    let relay = Relay::start(&relay_addr.to_string(), UPSTREAM_HOST.to_string()).await;
+    let relay = Relay::start(&relay_addr.to_string(), upstream_host()).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let mut bodies = Vec::new();
@@ -348,7 +343,6 @@ async fn a_vanished_upstream_is_reported_as_320_and_reconnecting_works() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nacked_dead_letter_publish_leaves_the_original_to_be_delivered_again() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();

@@ -17,7 +17,6 @@ use proxy_support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_get_and_consume_pass_through() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -71,7 +70,6 @@ async fn publish_get_and_consume_pass_through() {
 /// every message is confirmed and arrives once, in order, byte for byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_polling_proxy_forwards_a_burst_of_mixed_sizes_in_order() {
-    require_upstream!();
     let proxy = TestProxy::start_with(vec![], |config| config.proxy.busy_poll_us = 2_000).await;
     let conn = proxy.connect().await;
     let (ch, q) = confirming_channel(&conn, "burst").await;
@@ -117,7 +115,6 @@ async fn a_busy_polling_proxy_forwards_a_burst_of_mixed_sizes_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn confirms_and_qos_keep_their_numbers() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let (ch, q) = confirming_channel(&conn, "confirm").await;
@@ -174,7 +171,6 @@ async fn confirms_and_qos_keep_their_numbers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_sees_three_channels_fewer_and_upstream_errors_pass_through() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let direct = upstream_connection().await;
@@ -208,7 +204,6 @@ async fn client_sees_three_channels_fewer_and_upstream_errors_pass_through() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_queue_arguments_get_the_brokers_406_and_the_channel_stays_usable() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -257,7 +252,6 @@ async fn invalid_queue_arguments_get_the_brokers_406_and_the_channel_stays_usabl
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_frames_close_the_connection_with_frame_error() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let mut client = RawClient::connect_no_handshake(proxy.addr).await;
     client.send_raw(b"AMQP\x00\x00\x09\x01").await;
@@ -327,7 +321,6 @@ async fn an_unreachable_upstream_is_reported_as_320() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn basic_get_with_auto_ack_and_redelivery_flags() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -369,7 +362,6 @@ async fn basic_get_with_auto_ack_and_redelivery_flags() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_upstream_authenticates_the_client() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let err = Connection::connect(
         &format!("amqp://guest:wrong@{}/%2f", proxy.addr),
@@ -402,7 +394,6 @@ async fn the_upstream_authenticates_the_client() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heartbeats_keep_an_idle_connection_alive() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let conn = Connection::connect(
         &format!("amqp://guest:guest@{}/%2f?heartbeat=1", proxy.addr),
@@ -421,7 +412,6 @@ async fn heartbeats_keep_an_idle_connection_alive() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_closes_clients_with_320() {
-    require_upstream!();
     let proxy = TestProxy::start(vec![]).await;
     let mut raw = RawClient::connect_named(proxy.addr, &unique("shutdown")).await;
     proxy.trigger_shutdown();

@@ -30,7 +30,7 @@ use proxy_support::*;
 
 /// The amqps upstream URL, by host name (the certificate names `localhost`).
 fn tls_url() -> String {
-    format!("amqps://localhost:{UPSTREAM_TLS_PORT}")
+    format!("amqps://localhost:{}", upstream_tls_port())
 }
 
 /// A proxy in front of the amqps listener that trusts `ca_file`.
@@ -59,8 +59,7 @@ fn upstream_ssl_flags(connection_name: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_consume_and_dead_letter_over_an_amqps_upstream() {
-    require_upstream!();
-    let ca = require_upstream_tls!();
+    let ca = upstream_tls_ca();
     let proxy = tls_proxy(&ca, "").await;
     let name = unique("tls-client");
     let conn = Connection::connect(
@@ -185,7 +184,8 @@ async fn assert_refused(proxy: &TestProxy, certificate_problem: &str) {
         assert_eq!(product, "dlx-proxy");
         assert_eq!(code, 320, "{text}");
         let expected = format!(
-            "CONNECTION_FORCED - upstream localhost:{UPSTREAM_TLS_PORT} unreachable: invalid peer certificate: {certificate_problem}"
+            "CONNECTION_FORCED - upstream localhost:{} unreachable: invalid peer certificate: {certificate_problem}",
+            upstream_tls_port()
         );
         assert!(
             text.starts_with(&expected),
@@ -217,23 +217,12 @@ async fn assert_refused(proxy: &TestProxy, certificate_problem: &str) {
 
 /// A PEM CA that signed nothing RabbitMQ presents.
 fn unrelated_ca() -> String {
-    let key = rcgen::KeyPair::generate().unwrap();
-    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "an unrelated CA");
-    params.key_usages = vec![
-        rcgen::KeyUsagePurpose::KeyCertSign,
-        rcgen::KeyUsagePurpose::CrlSign,
-    ];
-    params.self_signed(&key).unwrap().pem()
+    crate::common::pki::TestCa::new("an unrelated CA").pem
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_signed_by_another_ca_is_refused() {
-    require_upstream!();
-    let _ = require_upstream_tls!();
+    let _ = upstream_tls_ca();
     let dir = std::env::temp_dir().join(unique("tls-other-ca"));
     std::fs::create_dir_all(&dir).unwrap();
     let other_ca = dir.join("other-ca.pem");
@@ -246,8 +235,7 @@ async fn an_upstream_signed_by_another_ca_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_certificate_for_another_name_is_refused() {
-    require_upstream!();
-    let ca = require_upstream_tls!();
+    let ca = upstream_tls_ca();
     let proxy = tls_proxy(&ca, "rabbit.example").await;
     assert_refused(&proxy, "certificate not valid for name \"rabbit.example\"").await;
     proxy.stop().await;

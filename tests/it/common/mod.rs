@@ -6,6 +6,7 @@
 //! proxy-mode helpers on top of this module.
 #![allow(dead_code)]
 
+pub mod pki;
 mod raw_client;
 
 use std::net::SocketAddr;

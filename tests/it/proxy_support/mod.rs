@@ -1,13 +1,11 @@
 //! Shared helpers for the proxy-mode integration tests: start a proxy in-process in front of
 //! the reference RabbitMQ, talk to it with lapin, read the upstream directly, read metrics.
 //!
-//! RabbitMQ is expected at amqp://guest:guest@127.0.0.1:5673/%2f (`.ci/rabbitmq.sh start`).
-//! When it is not reachable a test prints "skipping: …" and passes, unless `CI` is set, in
-//! which case it fails.
+//! The upstream is the RabbitMQ node the tests start themselves ([`crate::rabbit::reference`]),
+//! started on first use; without `rabbitmq-server` installed these tests fail and say so.
 //!
-//! Built on `tests/common` (a test binary declares `mod common;` next to
-//! `mod proxy_support;`), whose general helpers it re-exports, so that `use proxy_support::*`
-//! is a proxy test's one import of helpers.
+//! Built on `common`, whose general helpers it re-exports, so that `use proxy_support::*` is a
+//! proxy test's one import of helpers.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
@@ -39,39 +37,14 @@ pub use crate::common::dl::{
 #[allow(unused_imports)]
 pub use crate::common::{RawClient, RawDelivery, unique};
 
-/// Where the reference RabbitMQ listens.
-pub const UPSTREAM_HOST: &str = "127.0.0.1:5673";
-pub const UPSTREAM_URI: &str = "amqp://guest:guest@127.0.0.1:5673/%2f";
-
-/// Whether the upstream is reachable; prints a skip note (or panics under CI) when not.
-pub async fn upstream_available() -> bool {
-    let reachable = matches!(
-        tokio::time::timeout(
-            Duration::from_secs(2),
-            tokio::net::TcpStream::connect(UPSTREAM_HOST)
-        )
-        .await,
-        Ok(Ok(_))
-    );
-    if !reachable {
-        if std::env::var_os("CI").is_some() {
-            panic!(
-                "RabbitMQ not reachable at {UPSTREAM_HOST} (start it with .ci/rabbitmq.sh start)"
-            );
-        }
-        eprintln!("skipping: RabbitMQ not reachable at {UPSTREAM_HOST}");
-    }
-    reachable
+/// `host:port` of the reference RabbitMQ's AMQP listener (starts the node on first use).
+pub fn upstream_host() -> String {
+    crate::rabbit::reference().amqp.to_string()
 }
 
-/// Returns from the test when RabbitMQ is not there.
-#[macro_export]
-macro_rules! require_upstream {
-    () => {
-        if !proxy_support::upstream_available().await {
-            return;
-        }
-    };
+/// `amqp://guest:guest@host:port/%2f` of the reference RabbitMQ.
+pub fn upstream_uri() -> String {
+    crate::rabbit::reference().uri()
 }
 
 /// A policy for the queues matching `pattern` in vhost "/", priority 0.
@@ -106,7 +79,7 @@ impl TestProxy {
             policies: policies.clone(),
             ..Config::default()
         };
-        config.upstream.url = format!("amqp://{UPSTREAM_HOST}");
+        config.upstream.url = format!("amqp://{}", upstream_host());
         config.proxy.confirm_timeout_secs = 5;
         tweak(&mut config);
         let set = PolicySet::from_configs(&config.policies).expect("valid policies");
@@ -184,7 +157,7 @@ impl TestProxy {
 /// Removes a proxy's capture exchange and queue from the upstream (best effort: a test that
 /// ends early may have created neither).
 pub async fn delete_capture(capture: &str) {
-    if let Ok(conn) = Connection::connect(UPSTREAM_URI, ConnectionProperties::default()).await
+    if let Ok(conn) = Connection::connect(&upstream_uri(), ConnectionProperties::default()).await
         && let Ok(ch) = conn.create_channel().await
     {
         let _ = ch
@@ -197,7 +170,7 @@ pub async fn delete_capture(capture: &str) {
 
 /// A connection straight to RabbitMQ (to look behind the proxy).
 pub async fn upstream_connection() -> Connection {
-    Connection::connect(UPSTREAM_URI, ConnectionProperties::default())
+    Connection::connect(&upstream_uri(), ConnectionProperties::default())
         .await
         .expect("connect to RabbitMQ")
 }
@@ -366,20 +339,9 @@ pub fn field<'a>(t: &'a FieldTable, name: &str) -> &'a AMQPValue {
         .unwrap_or_else(|| panic!("x-death entry lacks {name}: {t:?}"))
 }
 
-/// Runs a rabbitmqctl command through the CI helper.
+/// Runs `rabbitmqctl` against the reference RabbitMQ.
 pub fn rabbitmqctl(args: &[&str]) -> std::process::Output {
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/rabbitmq.sh");
-    let script = if script.exists() {
-        script
-    } else {
-        std::path::PathBuf::from("/work/main/.ci/rabbitmq.sh")
-    };
-    std::process::Command::new("bash")
-        .arg(script)
-        .arg("ctl")
-        .args(args)
-        .output()
-        .expect("run rabbitmqctl")
+    crate::rabbit::reference().ctl(args)
 }
 
 /// Closes the upstream connection(s) whose client named itself `connection_name`, the way an
@@ -403,58 +365,13 @@ pub fn close_upstream_connection(connection_name: &str, reason: &str) -> usize {
 // The amqps listener of the reference RabbitMQ
 // ------------------------------------------------------------------------------------------
 
-/// Where the reference RabbitMQ listens with TLS (`.ci/rabbitmq.sh start` opens it).
-pub const UPSTREAM_TLS_PORT: u16 = 5674;
-
-/// The directory `.ci/rabbitmq.sh start` writes the TLS files to: `$DLX_RABBITMQ_TLS_DIR`, by
-/// default `/tmp/dlx-ci-rabbitmq-tls`. `ca.pem` in it signed the listener's certificate
-/// (subjectAltName `localhost` and `127.0.0.1`).
-pub fn upstream_tls_dir() -> std::path::PathBuf {
-    std::env::var_os("DLX_RABBITMQ_TLS_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::PathBuf::from("/tmp/dlx-ci-rabbitmq-tls"))
+/// The port of the reference RabbitMQ's amqps listener (certificate for `localhost` and
+/// 127.0.0.1, signed by [`upstream_tls_ca`]).
+pub fn upstream_tls_port() -> u16 {
+    crate::rabbit::reference().amqps.port()
 }
 
-/// The CA file of the amqps listener when the listener is up; prints a skip note (or panics
-/// under CI, like [`upstream_available`]) when the CA file or the listener is missing.
-pub async fn upstream_tls_ca() -> Option<std::path::PathBuf> {
-    let ca = upstream_tls_dir().join("ca.pem");
-    let problem = if !ca.is_file() {
-        Some(format!("no CA file at {}", ca.display()))
-    } else {
-        let listening = matches!(
-            tokio::time::timeout(
-                Duration::from_secs(2),
-                tokio::net::TcpStream::connect(("127.0.0.1", UPSTREAM_TLS_PORT))
-            )
-            .await,
-            Ok(Ok(_))
-        );
-        (!listening).then(|| format!("nothing listens on 127.0.0.1:{UPSTREAM_TLS_PORT}"))
-    };
-    match problem {
-        None => Some(ca),
-        Some(problem) => {
-            if std::env::var_os("CI").is_some() {
-                panic!(
-                    "RabbitMQ's amqps listener is not usable: {problem} \
-                     (restart it with .ci/rabbitmq.sh stop && .ci/rabbitmq.sh start)"
-                );
-            }
-            eprintln!("skipping: RabbitMQ's amqps listener is not usable: {problem}");
-            None
-        }
-    }
-}
-
-/// Returns from the test when RabbitMQ's amqps listener is not there; otherwise evaluates to
-/// the path of its CA file.
-#[macro_export]
-macro_rules! require_upstream_tls {
-    () => {
-        match proxy_support::upstream_tls_ca().await {
-            Some(ca) => ca,
-            None => return,
-        }
-    };
+/// The CA file that signed the amqps listener's certificate.
+pub fn upstream_tls_ca() -> std::path::PathBuf {
+    crate::rabbit::reference().ca_file.clone()
 }
