@@ -13,8 +13,8 @@
 //! dead-letter routing key replaces the keys, `x-last-death-*` headers are written, and the
 //! history on a message a client published is not trusted.
 
-use crate::broker::args::{UnknownValue, amqp_integer};
 use crate::config::DeadLetterConfig;
+use crate::rabbit::args::{UnknownValue, amqp_integer};
 use amq_protocol::protocol::BasicProperties;
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use std::collections::BTreeMap;

@@ -2,6 +2,7 @@
 //!
 //! The crate is split the way data flows through it:
 //! - [`amqp`] turns bytes into frames and frames into methods and contents (no sockets);
+//! - [`rabbit`] is RabbitMQ's vocabulary both modes share (queue arguments and their checks);
 //! - [`deadletter`] and [`policy`] hold the pure dead-letter rules and policy matching;
 //! - [`broker`] is the embedded broker core (vhosts, exchanges, queues, consumers);
 //! - [`server`] runs one task per client connection for embedded mode;
@@ -17,6 +18,7 @@ pub mod listener;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;
+pub mod rabbit;
 pub mod reload;
 pub mod server;
 pub mod service;

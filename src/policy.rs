@@ -17,8 +17,8 @@
 //! win over the policy; TTLs, length limits, `expires` and the delivery limit take the lower
 //! of the two.
 
-use crate::broker::args::{MAX_EXPIRY_MS, Overflow, QueueArguments};
 use crate::config::PolicyConfig;
+use crate::rabbit::args::{MAX_EXPIRY_MS, Overflow, QueueArguments};
 use regex::Regex;
 use serde_json::Value;
 use std::collections::BTreeMap;

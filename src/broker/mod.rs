@@ -8,7 +8,6 @@
 //! length or delivery limit) are collected as [`queue::Death`]s and handed to
 //! [`dead_letters`], which rewrites and re-routes them.
 
-pub mod args;
 pub mod auth;
 pub mod dead_letters;
 pub mod delivery;

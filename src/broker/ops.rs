@@ -11,7 +11,6 @@ use std::sync::Arc;
 use amq_protocol::protocol::{AMQPClass, basic};
 use amq_protocol::types::FieldTable;
 
-use super::args::{self, QueueType};
 use super::delivery::{delivery_properties, short, write_deliver, write_get_ok};
 use super::message::Message;
 use super::queue::{Death, PublishOutcome, QueueLimits, QueueState};
@@ -22,6 +21,7 @@ use crate::amqp::codec::put_method;
 use crate::amqp::reply::AmqpError;
 use crate::deadletter::DeadLetterReason;
 use crate::policy::{EffectiveQueueSettings, effective_settings};
+use crate::rabbit::args::{self, QueueType};
 
 use super::outbox::Outbox;
 

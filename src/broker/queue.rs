@@ -8,9 +8,9 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use super::args::Overflow;
 use super::message::{Message, QueuedMessage};
 use crate::deadletter::DeadLetterReason;
+use crate::rabbit::args::Overflow;
 
 /// The limits a queue enforces (its effective settings: arguments merged with the policy).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

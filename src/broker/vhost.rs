@@ -8,10 +8,10 @@ use std::collections::{HashMap, HashSet};
 
 use amq_protocol::types::{AMQPValue, FieldTable};
 
-use super::args::QueueArguments;
 use super::queue::QueueState;
 use super::routing::{BindingTable, Destination, ExchangeKind};
 use crate::policy::EffectiveQueueSettings;
+use crate::rabbit::args::QueueArguments;
 
 /// An exchange and the bindings that have it as their source.
 pub struct Exchange {
@@ -111,7 +111,7 @@ impl Queue {
     /// Whether deliveries carry `x-delivery-count` (queues that count deliveries).
     pub fn counts_deliveries(&self) -> bool {
         self.settings.delivery_limit.is_some()
-            || self.args.queue_type == super::args::QueueType::Quorum
+            || self.args.queue_type == crate::rabbit::args::QueueType::Quorum
     }
 
     pub fn consumer_count(&self) -> usize {

@@ -37,7 +37,7 @@ use bytes::{Bytes, BytesMut};
 
 use super::wire::{WireFrame, content_body_size, method_frame};
 use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method};
-use crate::broker::args::amqp_integer;
+use crate::rabbit::args::amqp_integer;
 
 /// Default name of the capture exchange and queue.
 pub const DEFAULT_CAPTURE_NAME: &str = "dlx-proxy.capture";

@@ -17,13 +17,13 @@
 use amq_protocol::protocol::queue;
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 
-use crate::broker::args::{
+use crate::policy::{EffectiveQueueSettings, PolicyDefinition, effective_settings};
+use crate::rabbit::args::{
     ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY, ARG_DEAD_LETTER_STRATEGY,
     ARG_DELIVERY_LIMIT, ARG_EXPIRES, ARG_MAX_LENGTH, ARG_MAX_LENGTH_BYTES, ARG_MESSAGE_TTL,
     ARG_OVERFLOW, ArgumentError, EQUIVALENCE_ARGUMENTS, QueueArguments, QueueType, amqp_integer,
     check_equivalent, parse_queue_arguments,
 };
-use crate::policy::{EffectiveQueueSettings, PolicyDefinition, effective_settings};
 
 /// Prefix of a capture tag in an upstream queue's dead-letter routing key.
 pub const CAPTURE_TAG_PREFIX: &str = "dlx-proxy:";
@@ -256,7 +256,7 @@ fn put_text(upstream: &mut FieldTable, key: &str, value: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::args::Overflow;
+    use crate::rabbit::args::Overflow;
 
     fn args(entries: &[(&str, AMQPValue)]) -> FieldTable {
         let mut t = FieldTable::default();

@@ -30,8 +30,8 @@ use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::decode_method;
 use crate::amqp::content::decode_properties;
 use crate::amqp::reply;
-use crate::broker::args::ArgumentError;
 use crate::deadletter::{DeadLetterReason, DeadLetterTarget, DeathEvent, dead_letter};
+use crate::rabbit::args::ArgumentError;
 
 fn now_secs() -> u64 {
     SystemTime::now()

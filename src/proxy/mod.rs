@@ -105,11 +105,11 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 
-use crate::broker::args::{QueueArguments, QueueType};
 use crate::config::Config;
 use crate::deadletter::DeadLetterOptions;
 use crate::metrics::Metrics;
 use crate::policy::{EffectiveQueueSettings, PolicySet, effective_settings_with_policy};
+use crate::rabbit::args::{QueueArguments, QueueType};
 use crate::shutdown::Shutdown;
 
 pub use capture::DEFAULT_CAPTURE_NAME;

@@ -30,10 +30,10 @@ use bytes::Bytes;
 use super::bcc::{PRIVATE_BCC_HEADER, kept_bcc_keys};
 use super::publisher::OutgoingMessage;
 use crate::amqp::content::encode_properties;
-use crate::broker::args::amqp_integer;
 use crate::deadletter::{
     DeadLetterReason, DeadLetteredMessage, HEADER_BCC, HEADER_CC, X_DELIVERY_COUNT, is_cycle,
 };
+use crate::rabbit::args::amqp_integer;
 
 /// The longstr keys of a `CC` header, in header order.
 pub fn cc_keys(props: &BasicProperties) -> Vec<String> {

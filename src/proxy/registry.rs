@@ -18,7 +18,7 @@ use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::declare::DeclaredQueue;
-use crate::broker::args::QueueArguments;
+use crate::rabbit::args::QueueArguments;
 
 /// Declarations by (vhost, queue).
 #[derive(Debug)]

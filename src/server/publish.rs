@@ -7,9 +7,9 @@ use bytes::Bytes;
 
 use crate::amqp::content::{ContentHeader, encode_properties};
 use crate::amqp::reply::AmqpError;
-use crate::broker::args::parse_expiration;
 use crate::broker::delivery::header_keys;
 use crate::broker::message::Message;
+use crate::rabbit::args::parse_expiration;
 
 /// A publish waiting for its content.
 #[derive(Debug)]
