@@ -33,7 +33,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "messages_published_total",
     "messages_delivered_total",
     "messages_acked_total",
-    "connections_total",
+    "connections_opened_total",
+    "build_info",
     "frames_total",
     "bytes_total",
     "config_reloads_total",
@@ -135,7 +136,7 @@ pub struct Metrics {
     messages_published: IntCounter,
     messages_delivered: IntCounter,
     messages_acked: IntCounter,
-    connections_total: IntCounter,
+    connections_opened_total: IntCounter,
     frames: IntCounterVec,
     bytes: IntCounterVec,
     /// The frames and the bytes series of each direction, looked up in the vectors once, at
@@ -253,7 +254,8 @@ impl Metrics {
                 "messages_acked_total",
                 "Deliveries acknowledged by clients.",
             )?,
-            connections_total: b.counter("connections_total", "Client connections accepted.")?,
+            connections_opened_total: b
+                .counter("connections_opened_total", "Client connections accepted.")?,
             frames: b.counter_vec("frames_total", "AMQP frames, by direction.", &["direction"])?,
             bytes: b.counter_vec(
                 "bytes_total",
@@ -309,7 +311,35 @@ impl Metrics {
             )?,
             registry,
         };
+        metrics.register_process_metrics()?;
         Ok(metrics)
+    }
+
+    /// `dlx_proxy_build_info{version} 1`, and the standard process metrics of this process
+    /// (`process_cpu_seconds_total`, `process_resident_memory_bytes`, `process_open_fds`,
+    /// `process_max_fds`, `process_virtual_memory_bytes`, `process_start_time_seconds`; Linux
+    /// only) with the `dlx_proxy_` prefix like every other metric (RabbitMQ prefixes them
+    /// `rabbitmq_` likewise).
+    fn register_process_metrics(&self) -> prometheus::Result<()> {
+        let b = Builder {
+            registry: &self.registry,
+        };
+        let build_info = b.gauge_vec(
+            "build_info",
+            "Always 1; the labels say which build is running.",
+            &["version"],
+        )?;
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
+        #[cfg(target_os = "linux")]
+        self.registry.register(Box::new(
+            prometheus::process_collector::ProcessCollector::new(
+                std::process::id() as i32,
+                PREFIX.trim_end_matches('_'),
+            ),
+        ))?;
+        Ok(())
     }
 
     /// The registry holding every metric (to add process collectors, for instance).
@@ -399,7 +429,7 @@ impl Metrics {
 
     /// A client connection was accepted (counts it and raises the open-connections gauge).
     pub fn connection_opened(&self) {
-        self.connections_total.inc();
+        self.connections_opened_total.inc();
         self.connections.inc();
     }
 
@@ -557,6 +587,29 @@ mod tests {
     }
 
     #[test]
+    fn build_info_and_process_metrics_are_exported() {
+        let text = Metrics::new(10).encode();
+        let line = format!(
+            "dlx_proxy_build_info{{version=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        );
+        assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+        for name in [
+            "dlx_proxy_process_resident_memory_bytes",
+            "dlx_proxy_process_open_fds",
+        ] {
+            let value: f64 = text
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("{name} ")))
+                .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
+                .parse()
+                .unwrap();
+            assert!(value > 0.0, "{name} = {value}");
+        }
+        assert!(text.contains("# TYPE dlx_proxy_process_cpu_seconds_total counter"));
+    }
+
+    #[test]
     fn counters_and_gauges_have_exact_values() {
         let metrics = Metrics::new(10);
         metrics.dead_lettered("/", "orders", "expired");
@@ -590,7 +643,7 @@ mod tests {
             "dlx_proxy_messages_published_total 5",
             "dlx_proxy_messages_delivered_total 3",
             "dlx_proxy_messages_acked_total 2",
-            "dlx_proxy_connections_total 2",
+            "dlx_proxy_connections_opened_total 2",
             "dlx_proxy_connections 1",
             "dlx_proxy_channels 1",
             r#"dlx_proxy_frames_total{direction="client_in"} 3"#,

@@ -196,7 +196,7 @@ async fn a_dead_letter_scenario_has_exact_metric_values() {
             ("dlx_proxy_messages_delivered_total", 6.0),
             ("dlx_proxy_messages_acked_total", 2.0),
             ("dlx_proxy_connections", 1.0),
-            ("dlx_proxy_connections_total", 1.0),
+            ("dlx_proxy_connections_opened_total", 1.0),
             ("dlx_proxy_channels", 1.0),
             (&depth(&dlq), 7.0),
             (&depth(&capped), 1.0),
@@ -250,7 +250,7 @@ async fn a_dead_letter_scenario_has_exact_metric_values() {
     common::wait_metric(admin, "dlx_proxy_channels", 0.0).await;
     conn.close(200, "bye".into()).await.unwrap();
     let text = common::wait_metric(admin, "dlx_proxy_connections", 0.0).await;
-    assert_values(&text, &[("dlx_proxy_connections_total", 1.0)]);
+    assert_values(&text, &[("dlx_proxy_connections_opened_total", 1.0)]);
 }
 
 #[tokio::test]
@@ -325,6 +325,25 @@ async fn queues_beyond_max_queue_labels_fold_into_other() {
 }
 
 #[tokio::test]
+async fn build_info_and_process_metrics_over_http() {
+    let (_broker, admin) = broker_with_admin(500).await;
+    let text = scrape(admin).await;
+    let build = format!(
+        "dlx_proxy_build_info{{version=\"{}\"}}",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(metric_value(&text, &build), Some(1.0), "{text}");
+    // The test process is the service here: its resident memory and descriptors are real.
+    let rss = metric_value(&text, "dlx_proxy_process_resident_memory_bytes").expect("RSS");
+    assert!(
+        rss > 1_000_000.0,
+        "dlx_proxy_process_resident_memory_bytes = {rss}"
+    );
+    let fds = metric_value(&text, "dlx_proxy_process_open_fds").expect("open fds");
+    assert!(fds >= 3.0, "dlx_proxy_process_open_fds = {fds}");
+}
+
+#[tokio::test]
 async fn health_and_readiness_over_http() {
     let (broker, admin) = broker_with_admin(500).await;
     assert_eq!(http(admin, "GET", "/healthz").await, (200, "ok".into()));
@@ -363,7 +382,7 @@ async fn connection_and_channel_gauges_follow_clients() {
         &text,
         &[
             ("dlx_proxy_connections", 2.0),
-            ("dlx_proxy_connections_total", 2.0),
+            ("dlx_proxy_connections_opened_total", 2.0),
         ],
     );
     ch_b.close(200, "done".into()).await.unwrap();
@@ -376,7 +395,7 @@ async fn connection_and_channel_gauges_follow_clients() {
     common::wait_metric(admin, "dlx_proxy_connections", 1.0).await;
     conn_b.close(200, "bye".into()).await.unwrap();
     let text = common::wait_metric(admin, "dlx_proxy_connections", 0.0).await;
-    assert_values(&text, &[("dlx_proxy_connections_total", 2.0)]);
+    assert_values(&text, &[("dlx_proxy_connections_opened_total", 2.0)]);
 }
 
 #[tokio::test]

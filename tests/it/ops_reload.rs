@@ -138,7 +138,11 @@ where
     client.publish(2).await;
     let text = wait_metric(admin, &depth(&client.dlq), 4.0).await;
     assert_eq!(value(&text, &depth(&client.queue)), 1.0, "{text}");
-    assert_eq!(value(&text, "dlx_proxy_connections_total"), 1.0, "{text}");
+    assert_eq!(
+        value(&text, "dlx_proxy_connections_opened_total"),
+        1.0,
+        "{text}"
+    );
     let (status, listed) = http(admin, "GET", "/api/policies").await;
     assert_eq!(status, 200);
     assert!(listed.contains("\"cap\""), "{listed}");
@@ -172,7 +176,11 @@ where
     let text = wait_metric(admin, &depth(&client.queue), 3.0).await;
     assert_eq!(value(&text, &depth(&client.dlq)), 6.0, "{text}");
     client.still_connected();
-    assert_eq!(value(&text, "dlx_proxy_connections_total"), 1.0, "{text}");
+    assert_eq!(
+        value(&text, "dlx_proxy_connections_opened_total"),
+        1.0,
+        "{text}"
+    );
     assert_eq!(value(&text, "dlx_proxy_connections"), 1.0, "{text}");
 }
 

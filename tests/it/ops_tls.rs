@@ -228,7 +228,7 @@ async fn required_client_certificates_are_enforced() {
     // ever accepted as AMQP.
     let text = broker.metrics_text();
     assert_eq!(
-        common::metric_value(&text, "dlx_proxy_connections_total"),
+        common::metric_value(&text, "dlx_proxy_connections_opened_total"),
         Some(1.0),
         "{text}"
     );
