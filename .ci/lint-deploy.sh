@@ -55,12 +55,38 @@ config_rs, files = sys.argv[1], sys.argv[2:]
 errors = []
 
 # --- Prometheus operator kinds: the fields the operator needs. ---
+def check_rule(doc, where):
+    import promql_parser
+    groups = (doc.get("spec") or {}).get("groups")
+    if not isinstance(groups, list) or not groups:
+        errors.append(f"{where}: PrometheusRule needs a non-empty spec.groups")
+        return
+    for group in groups:
+        rules = group.get("rules")
+        if not group.get("name") or not isinstance(rules, list) or not rules:
+            errors.append(f"{where}: PrometheusRule group needs a name and rules")
+            continue
+        for rule in rules:
+            name = rule.get("alert") or rule.get("record")
+            if not name or not rule.get("expr"):
+                errors.append(f"{where}: rule {rule} needs alert/record and expr")
+                continue
+            try:
+                promql_parser.parse(str(rule["expr"]))
+            except Exception as error:
+                errors.append(f"{where}: rule {name}: PromQL does not parse: {error}")
+            if "for" in rule and not re.fullmatch(r"[0-9]+(ms|s|m|h|d|w|y)", str(rule["for"])):
+                errors.append(f"{where}: rule {name}: bad duration for: {rule['for']}")
+
 def check_monitor(doc, where):
     kind, spec = doc["kind"], doc.get("spec") or {}
     if doc.get("apiVersion") != "monitoring.coreos.com/v1":
         errors.append(f"{where}: {kind} needs apiVersion monitoring.coreos.com/v1")
     if not (doc.get("metadata") or {}).get("name"):
         errors.append(f"{where}: {kind} has no metadata.name")
+    if kind == "PrometheusRule":
+        check_rule(doc, where)
+        return
     if not isinstance(spec.get("selector"), dict):
         errors.append(f"{where}: {kind} needs spec.selector")
     key = {"ServiceMonitor": "endpoints", "PodMonitor": "podMetricsEndpoints"}.get(kind)
