@@ -8,6 +8,7 @@
 //! presents while connections made before keep working; a broken or mismatched pair is
 //! refused, counted in `tls_reloads_total{result="failure"}` (read over HTTP) and the previous
 //! certificate stays in force; a rotated client CA decides the next client-certificate check.
+//! SIGHUP re-reads the files of the real binary even when no watched directory changed.
 
 mod common;
 
@@ -16,8 +17,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::{
-    RawClient, TempDir, TestBroker, metric_value, poll, scrape, start_with, test_config, unique,
-    wait_metric_at_least,
+    RawClient, ServiceProcess, TempDir, TestBroker, free_addresses, free_port, metric_value, poll,
+    process_config, scrape, start_with, test_config, unique, wait_metric, wait_metric_at_least,
 };
 use dlx_proxy::amqp::codec::PROTOCOL_HEADER;
 use dlx_proxy::config::Config;
@@ -646,4 +647,58 @@ async fn a_rotated_client_ca_decides_the_next_client_certificate_check() {
     assert!(refused.is_err(), "a client of the old CA was accepted");
     // The stranger's connection was made before the rotation and goes on.
     round_trip(&stranger).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_certificates_the_watcher_cannot_see() {
+    let pki = Pki::new();
+    let ca_file = pki.path("ca.pem");
+    // The configured files are symlinks into another directory: a change to their targets
+    // makes no event in the watched directory, so only SIGHUP can pick it up.
+    let (store, watched) = (pki.dir.join("store"), pki.dir.join("watched"));
+    std::fs::create_dir(&store).unwrap();
+    std::fs::create_dir(&watched).unwrap();
+    let first = server_leaf(&pki.ca, "first");
+    std::fs::write(store.join("cert.pem"), &first.cert).unwrap();
+    std::fs::write(store.join("key.pem"), &first.key).unwrap();
+    std::os::unix::fs::symlink(store.join("cert.pem"), watched.join("tls.crt")).unwrap();
+    std::os::unix::fs::symlink(store.join("key.pem"), watched.join("tls.key")).unwrap();
+
+    let (amqp, admin) = free_addresses();
+    let amqps = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let config = process_config(amqp, admin, 1)
+        .replace("[listen]\n", &format!("[listen]\namqps = \"{amqps}\"\n"))
+        + &format!(
+            "\n[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+            watched.join("tls.crt").display(),
+            watched.join("tls.key").display()
+        );
+    let config_file = pki.dir.join("config.toml");
+    std::fs::write(&config_file, config).unwrap();
+    let process = ServiceProcess::start(
+        env!("CARGO_BIN_EXE_dlx-proxy"),
+        pki.dir.path(),
+        &config_file,
+        amqp,
+        admin,
+    )
+    .await;
+    assert_eq!(presented(amqps, &ca_file).await, der(&first.cert));
+
+    let second = server_leaf(&pki.ca, "second");
+    std::fs::write(store.join("cert.pem"), &second.cert).unwrap();
+    std::fs::write(store.join("key.pem"), &second.key).unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        presented(amqps, &ca_file).await,
+        der(&first.cert),
+        "reloaded without SIGHUP:\n{}",
+        process.logs()
+    );
+    assert_eq!(metric(admin, RELOADED).await, 0.0);
+
+    process.signal("HUP");
+    wait_presented(amqps, &ca_file, &second.cert).await;
+    wait_metric(admin, RELOADED, 1.0).await;
+    assert_eq!(metric(admin, REJECTED).await, 0.0);
 }
