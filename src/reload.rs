@@ -1,4 +1,4 @@
-//! Config file watching for live reload.
+//! File watching for live reload: the config file, and the TLS certificate, key and CA files.
 //!
 //! Kubernetes mounts a ConfigMap as a directory whose files are symlinks into a `..data`
 //! directory that is swapped atomically on update; the file itself never changes in place.
