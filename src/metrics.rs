@@ -38,6 +38,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "frames_total",
     "bytes_total",
     "config_reloads_total",
+    "tls_reloads_total",
     "metric_labels_folded_total",
     "connections",
     "channels",
@@ -144,6 +145,7 @@ pub struct Metrics {
     frame_series: [OnceLock<IntCounter>; Direction::COUNT],
     byte_series: [OnceLock<IntCounter>; Direction::COUNT],
     config_reloads: IntCounterVec,
+    tls_reloads: IntCounterVec,
     labels_folded: IntCounter,
     connections: IntGauge,
     channels: IntGauge,
@@ -267,6 +269,12 @@ impl Metrics {
             config_reloads: b.counter_vec(
                 "config_reloads_total",
                 "Configuration reloads, by result (success, failure).",
+                &["result"],
+            )?,
+            tls_reloads: b.counter_vec(
+                "tls_reloads_total",
+                "TLS certificate, key and CA reloads (file change or SIGHUP), by result \
+                 (success, failure: the previous material stays in force).",
                 &["result"],
             )?,
             labels_folded: b.counter(
@@ -536,6 +544,12 @@ impl Metrics {
         self.config_reloads.with_label_values(&[result]).inc();
     }
 
+    /// A TLS material reload finished (`succeeded` or not).
+    pub fn tls_reloaded(&self, succeeded: bool) {
+        let result = if succeeded { "success" } else { "failure" };
+        self.tls_reloads.with_label_values(&[result]).inc();
+    }
+
     /// Every metric in the Prometheus text exposition format (version 0.0.4).
     pub fn encode(&self) -> String {
         let mut text = String::new();
@@ -572,6 +586,7 @@ mod tests {
         metrics.dead_letter_publish_failed("nack");
         metrics.traffic(Direction::ClientIn, 1, 8);
         metrics.config_reloaded(true);
+        metrics.tls_reloaded(true);
         metrics.set_queue_depth("/", "q", 1, 1);
         let text = metrics.encode();
         for name in METRIC_NAMES {
@@ -633,6 +648,9 @@ mod tests {
         metrics.add_inflight(-1, -100);
         metrics.add_outbox_bytes(64);
         metrics.config_reloaded(false);
+        metrics.tls_reloaded(false);
+        metrics.tls_reloaded(false);
+        metrics.tls_reloaded(true);
         metrics.observe_dead_letter_latency(Duration::from_micros(50));
         metrics.observe_message_age_at_dead_letter(Duration::from_secs(2));
         let text = metrics.encode();
@@ -655,6 +673,8 @@ mod tests {
             "dlx_proxy_inflight_bytes 300",
             "dlx_proxy_outbox_bytes 64",
             r#"dlx_proxy_config_reloads_total{result="failure"} 1"#,
+            r#"dlx_proxy_tls_reloads_total{result="failure"} 2"#,
+            r#"dlx_proxy_tls_reloads_total{result="success"} 1"#,
             r#"dlx_proxy_dead_letter_latency_seconds_bucket{le="0.0001"} 1"#,
             "dlx_proxy_dead_letter_latency_seconds_count 1",
             r#"dlx_proxy_message_age_at_dead_letter_seconds_bucket{le="1"} 0"#,

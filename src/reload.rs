@@ -1,4 +1,4 @@
-//! Config file watching for live reload.
+//! File watching for live reload: the config file, and the TLS certificate, key and CA files.
 //!
 //! Kubernetes mounts a ConfigMap as a directory whose files are symlinks into a `..data`
 //! directory that is swapped atomically on update; the file itself never changes in place.
@@ -8,6 +8,10 @@
 //! cause no reload, and in particular no reload loop when the service logs into that
 //! directory. SIGHUP reloads unconditionally. A subPath mount never sees updates at all
 //! (documented in docs/deploy.md).
+//!
+//! [`watch_files`] does the same for a set of files in one or more directories; TLS
+//! certificate rotation ([`crate::tls::TlsRotation`]) uses it for the certificate, key and CA
+//! files, which usually live in a Secret mounted in a directory of its own.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -56,26 +60,44 @@ pub fn watch_config(
     path: &Path,
     notify_tx: mpsc::Sender<()>,
 ) -> notify::Result<RecommendedWatcher> {
-    let dir = watched_directory(path);
-    let file = path.to_path_buf();
-    let mut tracker = ContentTracker::new(std::fs::read(&file).ok());
+    watch_files(&[path.to_path_buf()], notify_tx)
+}
+
+/// Like [`watch_config`] for several files (a certificate, its key and a CA bundle, possibly
+/// in different directories): every directory holding one is watched, and a `()` is sent
+/// once per burst of events in which the content of at least one of the files changed.
+pub fn watch_files(
+    paths: &[PathBuf],
+    notify_tx: mpsc::Sender<()>,
+) -> notify::Result<RecommendedWatcher> {
+    let mut files: Vec<(PathBuf, ContentTracker)> = paths
+        .iter()
+        .map(|path| (path.clone(), ContentTracker::new(std::fs::read(path).ok())))
+        .collect();
     let (raw_tx, mut raw_rx) = mpsc::unbounded_channel::<()>();
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         if res.is_ok() {
             let _ = raw_tx.send(());
         }
     })?;
-    watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+    let mut directories: Vec<PathBuf> = paths.iter().map(|p| watched_directory(p)).collect();
+    directories.sort();
+    directories.dedup();
+    for dir in &directories {
+        watcher.watch(dir, RecursiveMode::NonRecursive)?;
+    }
     tokio::spawn(async move {
         while raw_rx.recv().await.is_some() {
-            // Debounce: editors and the ConfigMap swap produce bursts of events.
+            // Debounce: editors, the ConfigMap/Secret swap and a certificate written next to
+            // its key produce bursts of events.
             tokio::time::sleep(DEBOUNCE).await;
             while raw_rx.try_recv().is_ok() {}
-            let current = tokio::fs::read(&file).await.ok();
-            if !tracker.changed(current) {
-                continue;
+            let mut changed = false;
+            for (path, tracker) in &mut files {
+                // Every tracker sees the new content, also after a first change was found.
+                changed |= tracker.changed(tokio::fs::read(&*path).await.ok());
             }
-            if notify_tx.send(()).await.is_err() {
+            if changed && notify_tx.send(()).await.is_err() {
                 return;
             }
         }
@@ -145,6 +167,31 @@ mod tests {
         assert!(!notified(&mut rx, Duration::from_millis(800)).await);
         std::fs::write(&config, "a = 2\n").unwrap();
         assert!(notified(&mut rx, Duration::from_secs(5)).await);
+    }
+
+    #[tokio::test]
+    async fn a_change_to_any_of_several_files_in_several_directories_is_seen() {
+        let first = temp_dir("several-a");
+        let second = temp_dir("several-b");
+        let cert = first.0.join("tls.crt");
+        let key = first.0.join("tls.key");
+        let ca = second.0.join("ca.crt");
+        for path in [&cert, &key, &ca] {
+            std::fs::write(path, "one\n").unwrap();
+        }
+        let (tx, mut rx) = mpsc::channel(4);
+        let _watcher = watch_files(&[cert.clone(), key.clone(), ca.clone()], tx).unwrap();
+        // A certificate and its key written one after the other: one notification.
+        std::fs::write(&cert, "two\n").unwrap();
+        std::fs::write(&key, "two\n").unwrap();
+        assert!(notified(&mut rx, Duration::from_secs(5)).await);
+        assert!(!notified(&mut rx, Duration::from_millis(800)).await);
+        std::fs::write(&ca, "two\n").unwrap();
+        assert!(notified(&mut rx, Duration::from_secs(5)).await);
+        // Other files in either directory are no change.
+        std::fs::write(first.0.join("notes.txt"), "x\n").unwrap();
+        std::fs::write(second.0.join("notes.txt"), "x\n").unwrap();
+        assert!(!notified(&mut rx, Duration::from_millis(800)).await);
     }
 
     #[tokio::test]

@@ -1,10 +1,12 @@
 //! Wires a validated [`Config`] into running tasks: the embedded broker or the proxy, the
-//! admin HTTP server, the broker's timer task, configuration reload, and the shutdown signal
-//! threaded through all of them.
+//! admin HTTP server, the broker's timer task, configuration reload, TLS certificate rotation,
+//! and the shutdown signal threaded through all of them.
 //!
 //! [`start`] binds everything and returns a [`RunningService`] handle (used by `main` and by
-//! the integration tests); [`run`] is `start` plus signal handling: SIGHUP or a change of the
-//! config file reloads, SIGTERM/SIGINT shut down gracefully.
+//! the integration tests); it also starts watching the TLS files, so rotated certificates
+//! apply to new connections. [`run`] is `start` plus signal handling: SIGHUP or a change of
+//! the config file reloads (SIGHUP reloads the TLS files too), SIGTERM/SIGINT shut down
+//! gracefully.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -25,6 +27,7 @@ use crate::metrics::Metrics;
 use crate::policy::PolicySet;
 use crate::server::{self, ServerContext};
 use crate::shutdown::ShutdownTrigger;
+use crate::tls::TlsRotation;
 
 /// Where a new policy set goes.
 #[derive(Clone)]
@@ -141,6 +144,9 @@ pub struct RunningService {
     accept_trigger: ShutdownTrigger,
     connections_trigger: ShutdownTrigger,
     tasks: Vec<JoinHandle<()>>,
+    /// The reloadable TLS materials (listener, upstream CA) and the watchers of their files.
+    tls: TlsRotation,
+    _tls_watchers: Vec<notify::RecommendedWatcher>,
 }
 
 impl RunningService {
@@ -195,9 +201,17 @@ impl RunningService {
         }
     }
 
+    /// Re-reads every TLS file (listener certificate, key and client CA; upstream CA), as
+    /// SIGHUP does: new connections use what loaded, a file that does not load is logged and
+    /// counted in `tls_reloads_total{result="failure"}` and the previous material stays.
+    pub fn reload_tls(&self) {
+        self.tls.reload_all();
+    }
+
     /// Applies a new configuration without dropping connections: policies, users, limits.
-    /// Every other setting (listeners, mode, TLS, vhosts, ...) needs a restart; a change to
-    /// one is logged as a warning and the running value stays.
+    /// Every other setting (listeners, mode, TLS file names, vhosts, ...) needs a restart; a
+    /// change to one is logged as a warning and the running value stays. (The content of the
+    /// TLS files is reloaded separately: [`RunningService::reload_tls`].)
     pub fn reload(&self, config: &Config) -> anyhow::Result<()> {
         config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
         let changed = changed_fixed_settings(&self.fixed_settings, config);
@@ -287,8 +301,13 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
     let amqp_addr = amqp.as_ref().and_then(|l| l.local_addr().ok());
     let amqps_addr = amqps.as_ref().and_then(|l| l.local_addr().ok());
     let admin_addr = admin.as_ref().and_then(|l| l.local_addr().ok());
-    let tls_acceptor = match &amqps {
-        Some(_) => Some(crate::tls::acceptor(&config.tls)?),
+    let mut tls = TlsRotation::new(metrics.clone());
+    let tls_server = match &amqps {
+        Some(_) => {
+            let server = Arc::new(crate::tls::server_material(&config.tls)?);
+            tls.add(server.clone());
+            Some(server)
+        }
         None => None,
     };
 
@@ -319,13 +338,13 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     connections_trigger.subscribe(),
                 )));
             }
-            if let (Some(listener), Some(acceptor)) = (amqps, tls_acceptor) {
+            if let (Some(listener), Some(server)) = (amqps, tls_server) {
                 tracing::info!(addr = ?amqps_addr, "AMQPS listener (embedded broker)");
                 let tls_ctx = ctx.clone();
                 let conn_stop = connections_trigger.subscribe();
                 tasks.push(tokio::spawn(crate::tls::serve(
                     listener,
-                    acceptor,
+                    server,
                     accept_trigger.subscribe(),
                     move |stream, peer| {
                         server::spawn_connection(stream, peer, tls_ctx.clone(), conn_stop.clone())
@@ -343,6 +362,9 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 metrics.clone(),
                 &config.proxy.capture_name,
             )?;
+            if let Some(upstream_tls) = proxy.upstream.tls_material() {
+                tls.add(upstream_tls);
+            }
             if let Some(listener) = amqp {
                 tracing::info!(addr = ?amqp_addr, upstream = %config.upstream.url, "AMQP listener (proxy)");
                 let shared = proxy.clone();
@@ -360,13 +382,13 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     },
                 )));
             }
-            if let (Some(listener), Some(acceptor)) = (amqps, tls_acceptor) {
+            if let (Some(listener), Some(server)) = (amqps, tls_server) {
                 tracing::info!(addr = ?amqps_addr, "AMQPS listener (proxy)");
                 let tls_proxy = proxy.clone();
                 let conn_stop = connections_trigger.subscribe();
                 tasks.push(tokio::spawn(crate::tls::serve(
                     listener,
-                    acceptor,
+                    server,
                     accept_trigger.subscribe(),
                     move |stream, peer| {
                         tokio::spawn(crate::proxy::handle_connection(
@@ -415,6 +437,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             }
         }));
     }
+    let tls_watchers = tls.watch();
     Ok(RunningService {
         amqp_addr,
         amqps_addr,
@@ -429,6 +452,8 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         accept_trigger,
         connections_trigger,
         tasks,
+        tls,
+        _tls_watchers: tls_watchers,
     })
 }
 
@@ -479,7 +504,10 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result
                 tracing::info!(signal, "shutting down");
                 break;
             }
-            _ = hup.recv() => reload_from(&service, config_path.as_deref()),
+            _ = hup.recv() => {
+                reload_from(&service, config_path.as_deref());
+                service.reload_tls();
+            }
             Some(()) = watch_rx.recv() => reload_from(&service, config_path.as_deref()),
         }
     }

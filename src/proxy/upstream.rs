@@ -1,5 +1,6 @@
 //! The upstream broker: where it is (parsed once from `upstream.url`) and how to reach it over
-//! TCP or TLS (`amqps://`).
+//! TCP or TLS (`amqps://`). The TLS client configuration comes from [`crate::tls`] and is
+//! taken afresh for each connection, so a rotated CA file applies to the next one.
 //!
 //! Credentials and the vhost in the URL are ignored: every client connection brings its own
 //! SASL exchange and `connection.open`, which pass through unchanged.
@@ -17,9 +18,10 @@ use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::rustls;
-use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use tokio_rustls::rustls::pki_types::ServerName;
 
 use crate::config::UpstreamConfig;
+use crate::tls::Reloadable;
 
 /// Why the upstream settings cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -35,7 +37,8 @@ pub enum UpstreamError {
 pub struct UpstreamTarget {
     pub host: String,
     pub port: u16,
-    tls: Option<(TlsConnector, ServerName<'static>)>,
+    /// The TLS client configuration (reloaded when the CA file changes) and the name to verify.
+    tls: Option<(Arc<Reloadable<rustls::ClientConfig>>, ServerName<'static>)>,
     connect_timeout: Duration,
 }
 
@@ -91,7 +94,8 @@ impl UpstreamTarget {
             tcp.set_nodelay(true)?;
             match &self.tls {
                 None => Ok(UpstreamStream::Tcp(tcp)),
-                Some((connector, name)) => {
+                Some((client, name)) => {
+                    let connector = TlsConnector::from(client.current());
                     let tls = connector.connect(name.clone(), tcp).await?;
                     Ok(UpstreamStream::Tls(Box::new(tls)))
                 }
@@ -108,6 +112,12 @@ impl UpstreamTarget {
                 ),
             )),
         }
+    }
+
+    /// The reloadable TLS client configuration of an `amqps` upstream (for certificate
+    /// rotation); `None` for a plain `amqp` upstream.
+    pub fn tls_material(&self) -> Option<Arc<Reloadable<rustls::ClientConfig>>> {
+        self.tls.as_ref().map(|(client, _)| client.clone())
     }
 
     /// Whether a TCP connection to the upstream opens within `within`.
@@ -131,34 +141,9 @@ fn redact(url: &str) -> String {
 fn tls_client(
     config: &UpstreamConfig,
     host: &str,
-) -> Result<(TlsConnector, ServerName<'static>), UpstreamError> {
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| UpstreamError::Tls(e.to_string()))?;
-    let client = if config.tls_verify {
-        let mut roots = rustls::RootCertStore::empty();
-        if config.tls_ca_file.is_empty() {
-            return Err(UpstreamError::Tls(
-                "upstream.tls_ca_file is required to verify an amqps upstream".into(),
-            ));
-        }
-        let pem = std::fs::read(&config.tls_ca_file)
-            .map_err(|e| UpstreamError::Tls(format!("{}: {e}", config.tls_ca_file)))?;
-        for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
-            let cert =
-                cert.map_err(|e| UpstreamError::Tls(format!("{}: {e}", config.tls_ca_file)))?;
-            roots
-                .add(cert)
-                .map_err(|e| UpstreamError::Tls(format!("{}: {e}", config.tls_ca_file)))?;
-        }
-        builder.with_root_certificates(roots).with_no_client_auth()
-    } else {
-        builder
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(AcceptAnyCertificate { provider }))
-            .with_no_client_auth()
-    };
+) -> Result<(Arc<Reloadable<rustls::ClientConfig>>, ServerName<'static>), UpstreamError> {
+    let client = crate::tls::upstream_material(&config.tls_ca_file, config.tls_verify)
+        .map_err(|e| UpstreamError::Tls(format!("{e:#}")))?;
     let name = if config.tls_server_name.is_empty() {
         host
     } else {
@@ -166,60 +151,7 @@ fn tls_client(
     };
     let server_name = ServerName::try_from(name.to_string())
         .map_err(|e| UpstreamError::Tls(format!("server name {name:?}: {e}")))?;
-    Ok((TlsConnector::from(Arc::new(client)), server_name))
-}
-
-/// `upstream.tls_verify = false`: encryption without authentication of the upstream.
-#[derive(Debug)]
-struct AcceptAnyCertificate {
-    provider: Arc<rustls::crypto::CryptoProvider>,
-}
-
-impl rustls::client::danger::ServerCertVerifier for AcceptAnyCertificate {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        Ok(rustls::client::danger::ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.provider.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.provider
-            .signature_verification_algorithms
-            .supported_schemes()
-    }
+    Ok((Arc::new(client), server_name))
 }
 
 /// A connection to the upstream, plain or TLS.

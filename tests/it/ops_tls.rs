@@ -2,14 +2,25 @@
 //! certificate for "localhost" and client certificates. lapin publishes and consumes over
 //! amqps; client certificates are required when `tls.require_client_cert` is on; and the
 //! upstream connector of `dlx_proxy::tls` completes a handshake against the same listener.
+//!
+//! Certificate rotation without a restart: a certificate and key rewritten in place, or
+//! swapped in as a Kubernetes Secret update (`..data` symlink), are what the next handshake
+//! presents while connections made before keep working; a broken or mismatched pair is
+//! refused, counted in `tls_reloads_total{result="failure"}` (read over HTTP) and the previous
+//! certificate stays in force; a rotated client CA decides the next client-certificate check.
+//! SIGHUP re-reads the files of the real binary even when no watched directory changed.
 
 use crate::common;
 
-use std::path::PathBuf;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::pki::{Pem, TestCa};
-use common::{RawClient, TempDir, TestBroker, start_with, test_config, unique};
+use common::{
+    RawClient, ServiceProcess, TempDir, TestBroker, free_addresses, free_port, metric_value, poll,
+    process_config, scrape, start_with, test_config, unique, wait_metric, wait_metric_at_least,
+};
 use dlx_proxy::amqp::codec::PROTOCOL_HEADER;
 use dlx_proxy::config::Config;
 use futures_util::StreamExt;
@@ -21,6 +32,8 @@ use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, DefaultConnectionBuilder};
 use rcgen::ExtendedKeyUsagePurpose;
+use rustls_pki_types::CertificateDer;
+use rustls_pki_types::pem::PemObject;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -354,4 +367,285 @@ async fn the_service_refuses_to_start_with_unusable_tls_files() {
         text.contains("tls.cert_file") && text.contains("missing.pem"),
         "{text}"
     );
+}
+
+// ------------------------------------------------------------------------------------------
+// Certificate rotation
+// ------------------------------------------------------------------------------------------
+
+const RELOADED: &str = r#"dlx_proxy_tls_reloads_total{result="success"}"#;
+const REJECTED: &str = r#"dlx_proxy_tls_reloads_total{result="failure"}"#;
+
+/// A server certificate for localhost from `ca`, with `common_name` telling it apart.
+fn server_leaf(ca: &TestCa, common_name: &str) -> Pem {
+    ca.leaf(
+        common_name,
+        &["localhost", "127.0.0.1"],
+        ExtendedKeyUsagePurpose::ServerAuth,
+    )
+}
+
+/// The DER of the first certificate of a PEM text.
+fn der(pem: &str) -> Vec<u8> {
+    CertificateDer::from_pem_slice(pem.as_bytes())
+        .expect("a PEM certificate")
+        .to_vec()
+}
+
+/// The leaf certificate a new TLS connection to `addr` is shown (verified against `ca_file`
+/// for the name localhost).
+async fn presented(addr: SocketAddr, ca_file: &str) -> Vec<u8> {
+    let connector = dlx_proxy::tls::connector(ca_file, true).unwrap();
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let tls = dlx_proxy::tls::connect(&connector, tcp, "localhost")
+        .await
+        .expect("TLS handshake");
+    tls.get_ref().1.peer_certificates().expect("a certificate")[0].to_vec()
+}
+
+/// Waits until new connections are shown `certificate` (10 s at most).
+async fn wait_presented(addr: SocketAddr, ca_file: &str, certificate: &str) {
+    let wanted = der(certificate);
+    let shown = poll(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        async || (presented(addr, ca_file).await == wanted).then_some(()),
+    )
+    .await;
+    assert!(
+        shown.is_some(),
+        "the listener never presented the new certificate"
+    );
+}
+
+/// The value of `series` over HTTP, 0 when it does not exist yet.
+async fn metric(admin: SocketAddr, series: &str) -> f64 {
+    metric_value(&scrape(admin).await, series).unwrap_or(0.0)
+}
+
+/// An embedded broker with an amqps listener on `cert_file`/`key_file` and the admin HTTP
+/// listener on.
+async fn rotating_broker(cert_file: &Path, key_file: &Path) -> (TestBroker, SocketAddr) {
+    let mut config = test_config();
+    config.listen.amqps = "127.0.0.1:0".into();
+    config.listen.admin = "127.0.0.1:0".into();
+    config.tls.cert_file = cert_file.display().to_string();
+    config.tls.key_file = key_file.display().to_string();
+    let broker = start_with(config).await;
+    let admin = broker.service.admin_addr.expect("admin listener");
+    (broker, admin)
+}
+
+/// After a rejected reload: the failure was counted over HTTP, new connections are still
+/// shown `in_force`, and `existing` still carries traffic.
+async fn assert_rejected(
+    broker: &TestBroker,
+    admin: SocketAddr,
+    failures_before: f64,
+    pki: &Pki,
+    in_force: &str,
+    existing: &Connection,
+) {
+    let addr = broker.service.amqps_addr.unwrap();
+    wait_metric_at_least(admin, REJECTED, failures_before + 1.0).await;
+    assert_eq!(presented(addr, &pki.path("ca.pem")).await, der(in_force));
+    round_trip(existing).await;
+    let fresh = connect_tls("localhost", addr.port(), pki.client_tls(None))
+        .await
+        .expect("new connections still work with the certificate in force");
+    round_trip(&fresh).await;
+    fresh.close(200, "bye".into()).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_rewritten_in_place_applies_to_new_connections() {
+    let pki = Pki::new();
+    let (cert_file, key_file) = (pki.dir.join("server.pem"), pki.dir.join("server.key"));
+    let first = std::fs::read_to_string(&cert_file).unwrap();
+    let (broker, admin) = rotating_broker(&cert_file, &key_file).await;
+    let addr = broker.service.amqps_addr.unwrap();
+    let ca_file = pki.path("ca.pem");
+    assert_eq!(presented(addr, &ca_file).await, der(&first));
+    let before = connect_tls("localhost", addr.port(), pki.client_tls(None))
+        .await
+        .expect("amqps connection with the first certificate");
+    round_trip(&before).await;
+
+    // An operator (or cert-manager without a Secret volume) overwrites both files.
+    let second = server_leaf(&pki.ca, "rotated");
+    std::fs::write(&cert_file, &second.cert).unwrap();
+    std::fs::write(&key_file, &second.key).unwrap();
+    wait_presented(addr, &ca_file, &second.cert).await;
+    wait_metric_at_least(admin, RELOADED, 1.0).await;
+    // The connection made before the rotation goes on; a new one uses the new certificate.
+    round_trip(&before).await;
+    let after = connect_tls("localhost", addr.port(), pki.client_tls(None))
+        .await
+        .expect("amqps connection with the rotated certificate");
+    round_trip(&after).await;
+    after.close(200, "bye".into()).await.unwrap();
+
+    // A certificate file cut short is refused; the rotated certificate stays in force.
+    let failures = metric(admin, REJECTED).await;
+    std::fs::write(&cert_file, &second.cert[..second.cert.len() / 2]).unwrap();
+    assert_rejected(&broker, admin, failures, &pki, &second.cert, &before).await;
+
+    // So is a certificate that does not match the key in force.
+    let failures = metric(admin, REJECTED).await;
+    std::fs::write(&cert_file, &first).unwrap();
+    assert_rejected(&broker, admin, failures, &pki, &second.cert, &before).await;
+    before.close(200, "bye".into()).await.unwrap();
+}
+
+/// A Kubernetes Secret volume: `tls.crt` and `tls.key` are symlinks into `..data`, itself a
+/// symlink to a timestamped directory that each update replaces atomically.
+struct SecretVolume {
+    dir: TempDir,
+    generation: u32,
+}
+
+impl SecretVolume {
+    fn new(cert: &str, key: &str) -> SecretVolume {
+        let mut volume = SecretVolume {
+            dir: TempDir::new("dlx-proxy-secret"),
+            generation: 0,
+        };
+        volume.update(cert, key);
+        for name in ["tls.crt", "tls.key"] {
+            std::os::unix::fs::symlink(format!("..data/{name}"), volume.dir.join(name)).unwrap();
+        }
+        volume
+    }
+
+    /// What the kubelet does on a Secret update.
+    fn update(&mut self, cert: &str, key: &str) {
+        let old = format!("..2026_01_01_00_00_0{}", self.generation);
+        self.generation += 1;
+        let new = format!("..2026_01_01_00_00_0{}", self.generation);
+        std::fs::create_dir(self.dir.join(&new)).unwrap();
+        std::fs::write(self.dir.join(&new).join("tls.crt"), cert).unwrap();
+        std::fs::write(self.dir.join(&new).join("tls.key"), key).unwrap();
+        std::os::unix::fs::symlink(&new, self.dir.join("..data_tmp")).unwrap();
+        std::fs::rename(self.dir.join("..data_tmp"), self.dir.join("..data")).unwrap();
+        let _ = std::fs::remove_dir_all(self.dir.join(&old));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubernetes_secret_update_applies_to_new_connections() {
+    let pki = Pki::new();
+    let ca_file = pki.path("ca.pem");
+    let first = server_leaf(&pki.ca, "first");
+    let mut secret = SecretVolume::new(&first.cert, &first.key);
+    let (broker, admin) =
+        rotating_broker(&secret.dir.join("tls.crt"), &secret.dir.join("tls.key")).await;
+    let addr = broker.service.amqps_addr.unwrap();
+    assert_eq!(presented(addr, &ca_file).await, der(&first.cert));
+    let before = connect_tls("localhost", addr.port(), pki.client_tls(None))
+        .await
+        .expect("amqps connection with the first certificate");
+
+    let second = server_leaf(&pki.ca, "second");
+    secret.update(&second.cert, &second.key);
+    wait_presented(addr, &ca_file, &second.cert).await;
+    wait_metric_at_least(admin, RELOADED, 1.0).await;
+    round_trip(&before).await;
+
+    // An update whose certificate and key do not belong together is refused.
+    let failures = metric(admin, REJECTED).await;
+    secret.update(&first.cert, &second.key);
+    assert_rejected(&broker, admin, failures, &pki, &second.cert, &before).await;
+    before.close(200, "bye".into()).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_client_ca_decides_the_next_client_certificate_check() {
+    let pki = Pki::new();
+    let client_ca = pki.dir.join("client-ca.pem");
+    std::fs::copy(pki.dir.join("other-ca.pem"), &client_ca).unwrap();
+    let mut config = pki.config(true, true);
+    config.tls.client_ca_file = client_ca.display().to_string();
+    config.listen.admin = "127.0.0.1:0".into();
+    let broker = start_with(config).await;
+    let admin = broker.service.admin_addr.unwrap();
+    let port = amqps_port(&broker);
+    // The listener trusts the other CA: the stranger gets in, the test CA's client does not.
+    let stranger = connect_tls("localhost", port, pki.client_tls(Some(&pki.stranger)))
+        .await
+        .expect("a client of the CA in force connects");
+    let refused = connect_tls("localhost", port, pki.client_tls(Some(&pki.client))).await;
+    assert!(refused.is_err(), "a client of another CA was accepted");
+
+    std::fs::write(&client_ca, &pki.ca.pem).unwrap();
+    let accepted = poll(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        async || {
+            connect_tls("localhost", port, pki.client_tls(Some(&pki.client)))
+                .await
+                .ok()
+        },
+    )
+    .await
+    .expect("the client of the rotated CA is accepted");
+    round_trip(&accepted).await;
+    assert_eq!(metric(admin, RELOADED).await, 1.0);
+    let refused = connect_tls("localhost", port, pki.client_tls(Some(&pki.stranger))).await;
+    assert!(refused.is_err(), "a client of the old CA was accepted");
+    // The stranger's connection was made before the rotation and goes on.
+    round_trip(&stranger).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_certificates_the_watcher_cannot_see() {
+    let pki = Pki::new();
+    let ca_file = pki.path("ca.pem");
+    // The configured files are symlinks into another directory: a change to their targets
+    // makes no event in the watched directory, so only SIGHUP can pick it up.
+    let (store, watched) = (pki.dir.join("store"), pki.dir.join("watched"));
+    std::fs::create_dir(&store).unwrap();
+    std::fs::create_dir(&watched).unwrap();
+    let first = server_leaf(&pki.ca, "first");
+    std::fs::write(store.join("cert.pem"), &first.cert).unwrap();
+    std::fs::write(store.join("key.pem"), &first.key).unwrap();
+    std::os::unix::fs::symlink(store.join("cert.pem"), watched.join("tls.crt")).unwrap();
+    std::os::unix::fs::symlink(store.join("key.pem"), watched.join("tls.key")).unwrap();
+
+    let (amqp, admin) = free_addresses();
+    let amqps = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let config = process_config(amqp, admin, 1)
+        .replace("[listen]\n", &format!("[listen]\namqps = \"{amqps}\"\n"))
+        + &format!(
+            "\n[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+            watched.join("tls.crt").display(),
+            watched.join("tls.key").display()
+        );
+    let config_file = pki.dir.join("config.toml");
+    std::fs::write(&config_file, config).unwrap();
+    let process = ServiceProcess::start(
+        env!("CARGO_BIN_EXE_dlx-proxy"),
+        pki.dir.path(),
+        &config_file,
+        amqp,
+        admin,
+    )
+    .await;
+    assert_eq!(presented(amqps, &ca_file).await, der(&first.cert));
+
+    let second = server_leaf(&pki.ca, "second");
+    std::fs::write(store.join("cert.pem"), &second.cert).unwrap();
+    std::fs::write(store.join("key.pem"), &second.key).unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        presented(amqps, &ca_file).await,
+        der(&first.cert),
+        "reloaded without SIGHUP:\n{}",
+        process.logs()
+    );
+    assert_eq!(metric(admin, RELOADED).await, 0.0);
+
+    process.signal("HUP");
+    wait_presented(amqps, &ca_file, &second.cert).await;
+    wait_metric(admin, RELOADED, 1.0).await;
+    assert_eq!(metric(admin, REJECTED).await, 0.0);
 }

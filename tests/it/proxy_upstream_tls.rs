@@ -1,11 +1,12 @@
-//! Proxy mode with an amqps upstream: the reference RabbitMQ's TLS listener on 127.0.0.1:5674
-//! (`.ci/rabbitmq.sh start` writes a throwaway CA and a server certificate for localhost).
+//! Proxy mode with an amqps upstream: the TLS listener of the RabbitMQ node the tests start
+//! (its certificate for localhost is signed by a CA made at test time).
 //!
 //! Through a proxy that trusts that CA, a client publishes with confirms, consumes, and rejects
 //! a message that the proxy dead-letters itself, over the same TLS connection, with RabbitMQ's
 //! x-death. A proxy that cannot verify the upstream (another CA, another server name) refuses
 //! every client with connection.close 320 naming the certificate problem, and keeps serving;
-//! one without any CA file is not accepted as a configuration.
+//! one without any CA file is not accepted as a configuration. Replacing a wrong CA file with
+//! the right one lets the next client through without a restart.
 
 use crate::common;
 use crate::proxy_support;
@@ -14,7 +15,7 @@ use std::path::Path;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use common::poll;
+use common::{TempDir, poll, wait_metric_at_least};
 use dlx_proxy::amqp::codec::PROTOCOL_HEADER;
 use dlx_proxy::config::{Config, Mode};
 use dlx_proxy::metrics::Metrics;
@@ -215,6 +216,14 @@ async fn assert_refused(proxy: &TestProxy, certificate_problem: &str) {
     );
 }
 
+/// A scratch directory with `ca.pem`, a CA that signed nothing RabbitMQ presents.
+fn unrelated_ca_file() -> (TempDir, std::path::PathBuf) {
+    let dir = TempDir::new("tls-other-ca");
+    let file = dir.join("ca.pem");
+    std::fs::write(&file, unrelated_ca()).unwrap();
+    (dir, file)
+}
+
 /// A PEM CA that signed nothing RabbitMQ presents.
 fn unrelated_ca() -> String {
     crate::common::pki::TestCa::new("an unrelated CA").pem
@@ -222,15 +231,10 @@ fn unrelated_ca() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_signed_by_another_ca_is_refused() {
-    let _ = upstream_tls_ca();
-    let dir = std::env::temp_dir().join(unique("tls-other-ca"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let other_ca = dir.join("other-ca.pem");
-    std::fs::write(&other_ca, unrelated_ca()).unwrap();
+    let (_dir, other_ca) = unrelated_ca_file();
     let proxy = tls_proxy(&other_ca, "").await;
     assert_refused(&proxy, "UnknownIssuer").await;
     proxy.stop().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -261,4 +265,70 @@ async fn an_amqps_upstream_without_a_ca_file_is_not_a_valid_configuration() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("upstream.tls_ca_file is required"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_upstream_ca_file_applies_to_the_next_connection() {
+    let ca = upstream_tls_ca();
+    let (_dir, ca_file) = unrelated_ca_file();
+    let capture = unique("capture");
+    let mut config = Config {
+        mode: Mode::Proxy,
+        ..Config::default()
+    };
+    config.listen.amqp = "127.0.0.1:0".into();
+    config.listen.admin = "127.0.0.1:0".into();
+    config.upstream.url = tls_url();
+    config.upstream.tls_ca_file = ca_file.display().to_string();
+    config.proxy.capture_name = capture.clone();
+    let service = dlx_proxy::service::start(config)
+        .await
+        .expect("the proxy starts");
+    let uri = format!("amqp://guest:guest@{}/%2f", service.amqp_addr.unwrap());
+    let admin = service.admin_addr.unwrap();
+
+    let err = Connection::connect(&uri, ConnectionProperties::default())
+        .await
+        .expect_err("the upstream is not trusted yet");
+    let shown = err.to_string();
+    assert!(
+        shown.contains("CONNECTION_FORCED") && shown.contains("UnknownIssuer"),
+        "lapin error: {shown}"
+    );
+
+    // The CA file is replaced (a Secret update, an operator's copy): the next client gets
+    // through, over a verified TLS upstream connection.
+    std::fs::copy(&ca, &ca_file).unwrap();
+    let name = unique("rotated-ca-client");
+    let properties =
+        || ConnectionProperties::default().with_connection_name(LongString::from(name.as_str()));
+    let conn = poll(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        async || Connection::connect(&uri, properties()).await.ok(),
+    )
+    .await
+    .expect("a client gets through once the CA file is right");
+    wait_metric_at_least(
+        admin,
+        r#"dlx_proxy_tls_reloads_total{result="success"}"#,
+        1.0,
+    )
+    .await;
+    assert_eq!(upstream_ssl_flags(&name), vec!["true".to_string()]);
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("rotated-ca-q");
+    ch.queue_declare(
+        q.as_str().into(),
+        lapin::options::QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_delete(q.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    conn.close(200, "done".into()).await.unwrap();
+    service.shutdown().await;
+    delete_capture(&capture).await;
 }
