@@ -17,6 +17,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::admin::{AdminState, PolicyControl, Readiness};
+use crate::admission::ConnectionSlots;
 use crate::broker::auth::UserDb;
 use crate::broker::{Broker, BrokerOptions};
 use crate::config::{Config, Mode, PolicyConfig};
@@ -135,6 +136,8 @@ pub struct RunningService {
     pub policies: Arc<PolicyHub>,
     pub readiness: Readiness,
     server: Option<Arc<ServerContext>>,
+    /// `limits.max_connections` of either mode (a reload changes the limit).
+    connection_slots: Arc<ConnectionSlots>,
     drain: Duration,
     /// The settings a reload cannot change, as the service started with them.
     fixed_settings: BTreeMap<&'static str, serde_json::Value>,
@@ -185,11 +188,9 @@ impl RunningService {
         for t in self.tasks {
             let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
         }
-        if let Some(ctx) = &self.server {
+        if self.server.is_some() {
             let until = tokio::time::Instant::now() + Duration::from_secs(5);
-            while ctx.connections.load(std::sync::atomic::Ordering::SeqCst) > 0
-                && tokio::time::Instant::now() < until
-            {
+            while self.connection_slots.open() > 0 && tokio::time::Instant::now() < until {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
@@ -221,6 +222,7 @@ impl RunningService {
                 Err(p) => *p.into_inner() = config.limits.clone(),
             }
         }
+        self.connection_slots.set_max(config.limits.max_connections);
         Ok(())
     }
 }
@@ -292,7 +294,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         None => None,
     };
 
-    let (sink, broker_handle, server_ctx) = match config.mode {
+    let (sink, broker_handle, server_ctx, connection_slots) = match config.mode {
         Mode::Embedded => {
             let users = UserDb::from_config(&config.users).map_err(|e| anyhow::anyhow!(e))?;
             let broker = Broker::new(
@@ -333,7 +335,13 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 )));
             }
             readiness.set_ready(true);
-            (PolicySink::Broker(broker.clone()), Some(broker), Some(ctx))
+            let slots = ctx.connections.clone();
+            (
+                PolicySink::Broker(broker.clone()),
+                Some(broker),
+                Some(ctx),
+                slots,
+            )
         }
         Mode::Proxy => {
             let shared_policies = Arc::new(RwLock::new(initial));
@@ -351,12 +359,12 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     listener,
                     accept_trigger.subscribe(),
                     move |stream, peer| {
-                        tokio::spawn(crate::proxy::handle_connection(
+                        crate::proxy::spawn_connection(
                             stream,
                             peer,
                             shared.clone(),
                             conn_stop.clone(),
-                        ));
+                        );
                     },
                 )));
             }
@@ -369,12 +377,12 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     acceptor,
                     accept_trigger.subscribe(),
                     move |stream, peer| {
-                        tokio::spawn(crate::proxy::handle_connection(
+                        crate::proxy::spawn_connection(
                             stream,
                             peer,
                             tls_proxy.clone(),
                             conn_stop.clone(),
-                        ));
+                        );
                     },
                 )));
             }
@@ -391,7 +399,8 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     }
                 }
             }));
-            (PolicySink::Shared(shared_policies), None, None)
+            let slots = proxy.connection_slots().clone();
+            (PolicySink::Shared(shared_policies), None, None, slots)
         }
     };
     let policies = Arc::new(PolicyHub {
@@ -424,6 +433,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         policies,
         readiness,
         server: server_ctx,
+        connection_slots,
         drain: Duration::from_secs(config.shutdown.drain_secs),
         fixed_settings: fixed_settings(&config),
         accept_trigger,

@@ -98,6 +98,7 @@ mod session;
 pub mod upstream;
 pub mod wire;
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -105,6 +106,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 
+use crate::admission::ConnectionSlots;
 use crate::broker::args::{QueueArguments, QueueType};
 use crate::config::Config;
 use crate::deadletter::DeadLetterOptions;
@@ -138,6 +140,13 @@ pub struct ProxyShared {
     pub(crate) busy_poll: Duration,
     /// Frame size accepted before tune (and the fallback when both peers say "no limit").
     pub(crate) handshake_frame_max: u32,
+    /// Highest channel number offered to clients (`limits.channel_max`, lowered further when
+    /// the upstream offers fewer).
+    pub(crate) channel_max: u16,
+    /// Users refused from non-loopback peers (`proxy.loopback_users`).
+    pub(crate) loopback_users: HashSet<String>,
+    /// `limits.max_connections`: each connection task holds a slot.
+    pub(crate) connections: Arc<ConnectionSlots>,
 }
 
 impl std::fmt::Debug for ProxyShared {
@@ -186,7 +195,6 @@ impl ProxyShared {
         Ok(Arc::new(ProxyShared {
             upstream,
             policies,
-            metrics,
             queues: QueueRegistry::new(REGISTRY_CAPACITY.min(limits.max_queues.max(1))),
             dead_letter_options,
             default_delivery_limit: (config.dead_letter.default_delivery_limit > 0)
@@ -199,12 +207,21 @@ impl ProxyShared {
             outbox_bytes: limits.connection_outbox_bytes.max(64 * 1024),
             handshake_timeout: Duration::from_secs(limits.handshake_timeout_secs.max(1)),
             handshake_frame_max: limits.frame_max.max(crate::amqp::codec::FRAME_MIN_SIZE),
+            channel_max: limits.channel_max,
+            loopback_users: config.proxy.loopback_users.iter().cloned().collect(),
+            connections: ConnectionSlots::new(limits.max_connections, metrics.clone()),
+            metrics,
         }))
     }
 
     /// For /readyz: whether a TCP connection to the upstream opens within one second.
     pub async fn upstream_reachable(&self) -> bool {
         self.upstream.reachable(Duration::from_secs(1)).await
+    }
+
+    /// The `limits.max_connections` slots of proxy mode (the service applies reloads to them).
+    pub fn connection_slots(&self) -> &Arc<ConnectionSlots> {
+        &self.connections
     }
 
     /// The name of the capture exchange and queue.
@@ -271,8 +288,10 @@ impl ProxyShared {
     }
 }
 
-/// Serves one client connection (plain TCP or TLS already accepted) until it ends.
-pub async fn handle_connection<S>(
+/// Serves one client connection (plain TCP or TLS already accepted) in its own task, which
+/// holds one of the `limits.max_connections` slots; over the limit the client is refused with
+/// 530 ([`crate::admission`]).
+pub fn spawn_connection<S>(
     client: S,
     peer: SocketAddr,
     shared: Arc<ProxyShared>,
@@ -280,22 +299,18 @@ pub async fn handle_connection<S>(
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let metrics = shared.metrics.clone();
-    metrics.connection_opened();
-    session::run(client, peer, shared, shutdown).await;
-    metrics.connection_closed();
+    let slots = shared.connections.clone();
+    let within = shared.handshake_timeout;
+    slots.spawn(client, peer, within, move |client| {
+        session::run(client, peer, shared, shutdown)
+    });
 }
 
 /// Accepts client connections until shutdown; one task per connection.
 pub async fn serve(listener: TcpListener, shared: Arc<ProxyShared>, shutdown: Shutdown) {
     let connections = shutdown.clone();
     crate::listener::accept_tcp(listener, shutdown, move |stream, peer| {
-        tokio::spawn(handle_connection(
-            stream,
-            peer,
-            shared.clone(),
-            connections.clone(),
-        ));
+        spawn_connection(stream, peer, shared.clone(), connections.clone())
     })
     .await
 }
