@@ -2,7 +2,9 @@
 //! and the proxy applies every dead-letter rule itself, with the policies from the TOML file.
 //!
 //! The handshake (protocol header, SASL, vhost) passes through, so the upstream authenticates
-//! the client and the proxy keeps no credentials. Frames that need no change are forwarded as
+//! the client and the proxy keeps no credentials. The proxy only applies what the upstream
+//! cannot see: `proxy.loopback_users` refused from non-loopback peers ([`handshake`]), and
+//! `limits.max_connections` ([`crate::admission`]). Frames that need no change are forwarded as
 //! the bytes that arrived, in order, with backpressure both ways. The proxy takes over:
 //! - `queue.declare`: client arguments are validated and merged with the policy; the upstream
 //!   queue gets the TTL and length limits and dead-letters into the proxy's capture exchange
@@ -34,7 +36,10 @@
 //! requeued with basic.nack; a captured message after a 1 s pause). A missing dead-letter
 //! exchange (404 on the proxy's channel, which is reopened) or an unroutable dead letter
 //! (basic.return) drops the message and counts it (`no_dlx`, `unroutable`), as RabbitMQ does.
-//! The upstream gone → the client gets `connection.close 320`; the client gone → the proxy's
+//! The upstream gone → the client gets `connection.close 320` (during the handshake, where
+//! RabbitMQ refuses some clients by closing the socket, the client's socket is closed
+//! instead); an upstream connection.close (403, 530, 504, ...) is passed on as it is. The
+//! client gone → the proxy's
 //! own publishes are settled, then the upstream connection is closed and the upstream
 //! requeues the client's unacked deliveries.
 //!
@@ -68,6 +73,10 @@
 //! - the capture queue is consumed by the proxy's connections of a vhost: with no client
 //!   connected there, captured messages wait in it;
 //! - `compat = "4"`: an x-death history on a message is always continued;
+//! - a channel.open numbered above the negotiated channel_max is refused with 530 even while
+//!   fewer channels are open (RabbitMQ counts channels only): those numbers are the proxy's;
+//! - a method of an unknown class or method gets 540 NOT_IMPLEMENTED (RabbitMQ drops the
+//!   connection without a reply);
 //! - a delivery keeps its content (to be dead-lettered or republished by the proxy) only when
 //!   its queue can dead-letter when it is delivered (`ProxyShared::may_take_over`); a
 //!   policy that adds a dead-letter exchange later applies to such a delivery only through
