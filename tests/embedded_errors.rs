@@ -427,13 +427,21 @@ async fn connections_over_max_connections_are_refused_with_530_and_counted() {
     let mut config = test_config();
     config.limits.max_connections = 2;
     config.listen.admin = admin.to_string();
-    let b = start_with(config).await;
+    let b = start_with(config.clone()).await;
     let first = b.connect().await;
     let second = b.connect().await;
     let err = Connection::connect(&b.uri(), ConnectionProperties::default())
         .await
         .expect_err("a third connection is over limits.max_connections");
     assert_over_connection_limit(&err, admin, 2).await;
+    // A reload raises the limit at once...
+    config.limits.max_connections = 3;
+    b.service.reload(&config).unwrap();
+    let extra = b.connect().await;
+    // ...and lowering it closes nothing: the slots go as connections end.
+    config.limits.max_connections = 2;
+    b.service.reload(&config).unwrap();
+    extra.close(200, "bye".into()).await.unwrap();
     // A closed connection frees its slot.
     first.close(200, "bye".into()).await.unwrap();
     let third = poll(
@@ -448,6 +456,10 @@ async fn connections_over_max_connections_are_refused_with_530_and_counted() {
     .await
     .expect("a slot is free again");
     wait_metric(admin, "dlx_proxy_connections", 2.0).await;
+    let err = Connection::connect(&b.uri(), ConnectionProperties::default())
+        .await
+        .expect_err("still at the lowered limit");
+    assert_eq!(amqp_code(&err), Some(530), "{err:?}");
     third.close(200, "bye".into()).await.unwrap();
     second.close(200, "bye".into()).await.unwrap();
 }
