@@ -199,6 +199,10 @@ pub struct ProxyConfig {
     /// Microseconds a connection keeps polling its sockets after its last traffic before its
     /// thread sleeps (0: never). Trades CPU for latency; see docs/deploy.md.
     pub busy_poll_us: u64,
+    /// Users the proxy refuses (403 ACCESS_REFUSED, as RabbitMQ's `loopback_users`) unless
+    /// the client connects from a loopback address; empty: no such rule. The upstream only
+    /// sees the proxy's address, so it cannot apply its own rule to proxied clients.
+    pub loopback_users: Vec<String>,
 }
 
 /// Largest accepted `proxy.busy_poll_us` (10 ms).
@@ -212,6 +216,7 @@ impl Default for ProxyConfig {
             delegate_to_upstream: false,
             capture_name: "dlx-proxy.capture".into(),
             busy_poll_us: 0,
+            loopback_users: vec!["guest".into()],
         }
     }
 }
@@ -822,6 +827,14 @@ impl Config {
                 format!("must be at most {MAX_BUSY_POLL_US} (0 = never poll)"),
             ));
         }
+        for (i, user) in self.proxy.loopback_users.iter().enumerate() {
+            if user.is_empty() {
+                return Err(ConfigError::invalid(
+                    format!("proxy.loopback_users[{i}]"),
+                    "must not be empty",
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -1191,6 +1204,18 @@ mod tests {
             text.contains(".toml: key `listen.amqp`: invalid socket address \"nope\""),
             "{text}"
         );
+    }
+
+    #[test]
+    fn proxy_loopback_users_default_to_guest_and_name_a_bad_entry() {
+        assert_eq!(
+            Config::default().proxy.loopback_users,
+            vec!["guest".to_string()]
+        );
+        let text = error_text("[proxy]\nloopback_users = [\"guest\", \"\"]\n");
+        assert!(text.contains("key `proxy.loopback_users[1]`"), "{text}");
+        let text = error_text("[proxy]\nloopback_users = \"guest\"\n");
+        assert!(text.contains("key `proxy.loopback_users`"), "{text}");
     }
 
     #[test]

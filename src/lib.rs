@@ -7,9 +7,11 @@
 //! - [`broker`] is the embedded broker core (vhosts, exchanges, queues, consumers);
 //! - [`server`] runs one task per client connection for embedded mode;
 //! - [`proxy`] forwards client connections to an upstream broker (proxy mode);
+//! - [`admission`] decides who may connect (connection slots, loopback-only users);
 //! - [`config`], [`metrics`], [`admin`], [`tls`] and [`service`] wire everything together.
 
 pub mod admin;
+pub mod admission;
 pub mod amqp;
 pub mod broker;
 pub mod config;

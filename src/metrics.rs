@@ -35,6 +35,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "messages_acked_total",
     "connections_opened_total",
     "build_info",
+    "connections_refused_total",
     "frames_total",
     "bytes_total",
     "config_reloads_total",
@@ -49,6 +50,19 @@ pub const METRIC_NAMES: &[&str] = &[
     "outbox_bytes",
     "dead_letter_latency_seconds",
     "message_age_at_dead_letter_seconds",
+];
+
+/// The `reason` label of `connections_refused_total` for a connection over
+/// `limits.max_connections`.
+pub const REFUSED_MAX_CONNECTIONS: &str = "max_connections";
+/// ... for a loopback-only user connecting from another address (proxy mode).
+pub const REFUSED_LOOPBACK_ONLY: &str = "loopback_only";
+/// ... for a client whose upstream cannot be reached (proxy mode).
+pub const REFUSED_UPSTREAM_UNREACHABLE: &str = "upstream_unreachable";
+const REFUSAL_REASONS: &[&str] = &[
+    REFUSED_MAX_CONNECTIONS,
+    REFUSED_LOOPBACK_ONLY,
+    REFUSED_UPSTREAM_UNREACHABLE,
 ];
 
 /// Buckets of `dead_letter_latency_seconds`: 100 µs to 60 s.
@@ -138,6 +152,7 @@ pub struct Metrics {
     messages_delivered: IntCounter,
     messages_acked: IntCounter,
     connections_opened_total: IntCounter,
+    connections_refused: IntCounterVec,
     frames: IntCounterVec,
     bytes: IntCounterVec,
     /// The frames and the bytes series of each direction, looked up in the vectors once, at
@@ -258,6 +273,12 @@ impl Metrics {
             )?,
             connections_opened_total: b
                 .counter("connections_opened_total", "Client connections accepted.")?,
+            connections_refused: b.counter_vec(
+                "connections_refused_total",
+                "Client connections refused, by reason (max_connections, loopback_only, \
+                 upstream_unreachable).",
+                &["reason"],
+            )?,
             frames: b.counter_vec("frames_total", "AMQP frames, by direction.", &["direction"])?,
             bytes: b.counter_vec(
                 "bytes_total",
@@ -319,6 +340,10 @@ impl Metrics {
             )?,
             registry,
         };
+        // Every refusal reason is exported from the start (at 0), for alerts on increase().
+        for reason in REFUSAL_REASONS {
+            metrics.connections_refused.with_label_values(&[reason]);
+        }
         metrics.register_process_metrics()?;
         Ok(metrics)
     }
@@ -433,6 +458,11 @@ impl Metrics {
     /// `count` deliveries acknowledged by clients.
     pub fn acked(&self, count: u64) {
         self.messages_acked.inc_by(count);
+    }
+
+    /// A client connection was refused (`reason`: one of the `REFUSED_*` labels).
+    pub fn connection_refused(&self, reason: &str) {
+        self.connections_refused.with_label_values(&[reason]).inc();
     }
 
     /// A client connection was accepted (counts it and raises the open-connections gauge).
@@ -637,6 +667,7 @@ mod tests {
         metrics.connection_opened();
         metrics.connection_opened();
         metrics.connection_closed();
+        metrics.connection_refused(REFUSED_MAX_CONNECTIONS);
         metrics.channel_opened();
         metrics.channel_opened();
         metrics.channel_opened();
@@ -663,6 +694,8 @@ mod tests {
             "dlx_proxy_messages_acked_total 2",
             "dlx_proxy_connections_opened_total 2",
             "dlx_proxy_connections 1",
+            r#"dlx_proxy_connections_refused_total{reason="max_connections"} 1"#,
+            r#"dlx_proxy_connections_refused_total{reason="loopback_only"} 0"#,
             "dlx_proxy_channels 1",
             r#"dlx_proxy_frames_total{direction="client_in"} 3"#,
             r#"dlx_proxy_bytes_total{direction="client_in"} 120"#,

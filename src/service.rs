@@ -19,6 +19,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::admin::{AdminState, PolicyControl, Readiness};
+use crate::admission::ConnectionSlots;
 use crate::broker::auth::UserDb;
 use crate::broker::{Broker, BrokerOptions};
 use crate::config::{Config, Mode, PolicyConfig};
@@ -138,11 +139,15 @@ pub struct RunningService {
     pub policies: Arc<PolicyHub>,
     pub readiness: Readiness,
     server: Option<Arc<ServerContext>>,
+    /// `limits.max_connections` of either mode (a reload changes the limit).
+    connection_slots: Arc<ConnectionSlots>,
     drain: Duration,
     /// The settings a reload cannot change, as the service started with them.
     fixed_settings: BTreeMap<&'static str, serde_json::Value>,
     accept_trigger: ShutdownTrigger,
     connections_trigger: ShutdownTrigger,
+    /// The accept loops: they end (dropping their listeners) when `accept_trigger` fires.
+    listeners: Vec<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
     /// The reloadable TLS materials (listener, upstream CA) and the watchers of their files.
     tls: TlsRotation,
@@ -168,9 +173,14 @@ impl RunningService {
     /// Graceful shutdown: stop accepting, give in-flight work the drain time (clients can
     /// still settle their unacknowledged deliveries), close client connections with 320
     /// CONNECTION_FORCED, and wait for the tasks.
-    pub async fn shutdown(self) {
+    pub async fn shutdown(mut self) {
         self.readiness.set_ready(false);
         self.accept_trigger.trigger();
+        // The listening sockets are closed before any client is told to go, so a client that
+        // reconnects at once is refused here and goes to another instance.
+        for listener in std::mem::take(&mut self.listeners) {
+            let _ = tokio::time::timeout(Duration::from_secs(5), listener).await;
+        }
         let deadline = tokio::time::Instant::now() + self.drain;
         let unsettled = self.unsettled_deliveries();
         if unsettled > 0 {
@@ -191,11 +201,9 @@ impl RunningService {
         for t in self.tasks {
             let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
         }
-        if let Some(ctx) = &self.server {
+        if self.server.is_some() {
             let until = tokio::time::Instant::now() + Duration::from_secs(5);
-            while ctx.connections.load(std::sync::atomic::Ordering::SeqCst) > 0
-                && tokio::time::Instant::now() < until
-            {
+            while self.connection_slots.open() > 0 && tokio::time::Instant::now() < until {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
@@ -235,6 +243,7 @@ impl RunningService {
                 Err(p) => *p.into_inner() = config.limits.clone(),
             }
         }
+        self.connection_slots.set_max(config.limits.max_connections);
         Ok(())
     }
 }
@@ -295,6 +304,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
     let initial = PolicySet::from_configs(&config.policies).map_err(|e| anyhow::anyhow!("{e}"))?;
     let readiness = Readiness::new();
     let mut tasks = Vec::new();
+    let mut listeners = Vec::new();
     let amqp = bind(&config.listen.amqp, "listen.amqp").await?;
     let amqps = bind(&config.listen.amqps, "listen.amqps").await?;
     let admin = bind(&config.listen.admin, "listen.admin").await?;
@@ -311,7 +321,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         None => None,
     };
 
-    let (sink, broker_handle, server_ctx) = match config.mode {
+    let (sink, broker_handle, server_ctx, connection_slots) = match config.mode {
         Mode::Embedded => {
             let users = UserDb::from_config(&config.users).map_err(|e| anyhow::anyhow!(e))?;
             let broker = Broker::new(
@@ -331,7 +341,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             let ctx = ServerContext::new(broker.clone(), users, config.limits.clone());
             if let Some(listener) = amqp {
                 tracing::info!(addr = ?amqp_addr, "AMQP listener (embedded broker)");
-                tasks.push(tokio::spawn(server::serve(
+                listeners.push(tokio::spawn(server::serve(
                     listener,
                     ctx.clone(),
                     accept_trigger.subscribe(),
@@ -342,7 +352,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 tracing::info!(addr = ?amqps_addr, "AMQPS listener (embedded broker)");
                 let tls_ctx = ctx.clone();
                 let conn_stop = connections_trigger.subscribe();
-                tasks.push(tokio::spawn(crate::tls::serve(
+                listeners.push(tokio::spawn(crate::tls::serve(
                     listener,
                     server,
                     accept_trigger.subscribe(),
@@ -352,7 +362,13 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 )));
             }
             readiness.set_ready(true);
-            (PolicySink::Broker(broker.clone()), Some(broker), Some(ctx))
+            let slots = ctx.connections.clone();
+            (
+                PolicySink::Broker(broker.clone()),
+                Some(broker),
+                Some(ctx),
+                slots,
+            )
         }
         Mode::Proxy => {
             let shared_policies = Arc::new(RwLock::new(initial));
@@ -369,16 +385,16 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 tracing::info!(addr = ?amqp_addr, upstream = %config.upstream.url, "AMQP listener (proxy)");
                 let shared = proxy.clone();
                 let conn_stop = connections_trigger.subscribe();
-                tasks.push(tokio::spawn(crate::listener::accept_tcp(
+                listeners.push(tokio::spawn(crate::listener::accept_tcp(
                     listener,
                     accept_trigger.subscribe(),
                     move |stream, peer| {
-                        tokio::spawn(crate::proxy::handle_connection(
+                        crate::proxy::spawn_connection(
                             stream,
                             peer,
                             shared.clone(),
                             conn_stop.clone(),
-                        ));
+                        );
                     },
                 )));
             }
@@ -386,17 +402,17 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 tracing::info!(addr = ?amqps_addr, "AMQPS listener (proxy)");
                 let tls_proxy = proxy.clone();
                 let conn_stop = connections_trigger.subscribe();
-                tasks.push(tokio::spawn(crate::tls::serve(
+                listeners.push(tokio::spawn(crate::tls::serve(
                     listener,
                     server,
                     accept_trigger.subscribe(),
                     move |stream, peer| {
-                        tokio::spawn(crate::proxy::handle_connection(
+                        crate::proxy::spawn_connection(
                             stream,
                             peer,
                             tls_proxy.clone(),
                             conn_stop.clone(),
-                        ));
+                        );
                     },
                 )));
             }
@@ -413,7 +429,8 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     }
                 }
             }));
-            (PolicySink::Shared(shared_policies), None, None)
+            let slots = proxy.connection_slots().clone();
+            (PolicySink::Shared(shared_policies), None, None, slots)
         }
     };
     let policies = Arc::new(PolicyHub {
@@ -447,10 +464,12 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         policies,
         readiness,
         server: server_ctx,
+        connection_slots,
         drain: Duration::from_secs(config.shutdown.drain_secs),
         fixed_settings: fixed_settings(&config),
         accept_trigger,
         connections_trigger,
+        listeners,
         tasks,
         tls,
         _tls_watchers: tls_watchers,

@@ -285,6 +285,53 @@ mod nom_free {
     }
 }
 
+/// Whether (class, method) is a method of AMQP 0-9-1 with RabbitMQ's extensions
+/// (connection.blocked/unblocked and update-secret, basic.nack, confirm.select). A look at the
+/// ids only: the arguments may still not parse.
+pub fn is_known_method(class_id: u16, method_id: u16) -> bool {
+    match class_id {
+        // connection
+        10 => matches!(
+            method_id,
+            10 | 11 | 20 | 21 | 30 | 31 | 40 | 41 | 50 | 51 | 60 | 61 | 70 | 71
+        ),
+        // channel
+        20 => matches!(method_id, 10 | 11 | 20 | 21 | 40 | 41),
+        // access
+        30 => matches!(method_id, 10 | 11),
+        // exchange
+        40 => matches!(method_id, 10 | 11 | 20 | 21 | 30 | 31 | 40 | 51),
+        // queue
+        50 => matches!(method_id, 10 | 11 | 20 | 21 | 30 | 31 | 40 | 41 | 50 | 51),
+        // basic
+        60 => matches!(
+            method_id,
+            10 | 11
+                | 20
+                | 21
+                | 30
+                | 31
+                | 40
+                | 50
+                | 60
+                | 70
+                | 71
+                | 72
+                | 80
+                | 90
+                | 100
+                | 110
+                | 111
+                | 120
+        ),
+        // confirm
+        85 => matches!(method_id, 10 | 11),
+        // tx
+        90 => matches!(method_id, 10 | 11 | 20 | 21 | 30 | 31),
+        _ => false,
+    }
+}
+
 /// The class and method ids at the start of a method payload (for error replies even when the
 /// arguments do not parse).
 pub fn method_ids(payload: &[u8]) -> (u16, u16) {
@@ -300,6 +347,31 @@ pub fn method_ids(payload: &[u8]) -> (u16, u16) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn known_methods_agree_with_amq_protocol() {
+        use amq_protocol::protocol::{basic, confirm, connection, exchange};
+        let ids = |m: AMQPClass| (m.get_amqp_class_id(), m.get_amqp_method_id());
+        for method in [
+            AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack::default())),
+            AMQPClass::Basic(basic::AMQPMethod::RecoverOk(basic::RecoverOk {})),
+            AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})),
+            AMQPClass::Exchange(exchange::AMQPMethod::UnbindOk(exchange::UnbindOk {})),
+            AMQPClass::Connection(connection::AMQPMethod::UpdateSecretOk(
+                connection::UpdateSecretOk {},
+            )),
+        ] {
+            let (class_id, method_id) = ids(method);
+            assert!(
+                is_known_method(class_id, method_id),
+                "{class_id}.{method_id}"
+            );
+        }
+        assert!(!is_known_method(60, 99));
+        assert!(!is_known_method(99, 1));
+        assert!(!is_known_method(0, 0));
+        assert!(!is_known_method(20, 30), "channel.alert of AMQP 0-8");
+    }
     use amq_protocol::protocol::channel;
 
     fn encode(kind: u8, ch: u16, payload: &[u8]) -> BytesMut {

@@ -321,6 +321,26 @@ pub fn hash_password(salt: [u8; 4], password: &str) -> String {
     BASE64.encode(bytes)
 }
 
+/// The detail of RabbitMQ's 403 ACCESS_REFUSED for any refused login (unknown user, wrong
+/// password, loopback-only user from elsewhere): the same text for all, which never says why.
+pub fn login_refused(mechanism: &str) -> String {
+    format!(
+        "Login was refused using authentication mechanism {mechanism}. \
+         For details see the broker logfile."
+    )
+}
+
+/// The user name of a SASL response (PLAIN or AMQPLAIN), `None` for another mechanism or a
+/// response that does not parse. The password is dropped at once.
+pub fn sasl_user(mechanism: &str, response: &[u8]) -> Option<String> {
+    let (user, _password) = match mechanism {
+        "PLAIN" => parse_sasl_plain(response)?,
+        "AMQPLAIN" => parse_amqplain(response)?,
+        _ => return None,
+    };
+    Some(user)
+}
+
 /// Decodes a SASL PLAIN response `authzid \0 authcid \0 password` into (user, password); the
 /// authorisation identity is ignored. `None` unless there are exactly two NUL separators and
 /// both fields are UTF-8.
@@ -698,6 +718,19 @@ mod tests {
         assert!(!db.check("u", "/", Access::Configure, "et"));
         assert!(db.check("u", "/", Access::Write, "çava"));
         assert!(!db.check("u", "/", Access::Write, "ça-va"));
+    }
+
+    #[test]
+    fn sasl_user_names_for_both_mechanisms() {
+        assert_eq!(sasl_user("PLAIN", b"\0guest\0pw").as_deref(), Some("guest"));
+        let amqplain = amqplain_bytes(&[("LOGIN", long("bob")), ("PASSWORD", long("pw"))]);
+        assert_eq!(sasl_user("AMQPLAIN", &amqplain).as_deref(), Some("bob"));
+        assert_eq!(sasl_user("EXTERNAL", b"\0guest\0pw"), None);
+        assert_eq!(sasl_user("PLAIN", b"guest"), None);
+        assert_eq!(
+            login_refused("PLAIN"),
+            "Login was refused using authentication mechanism PLAIN. For details see the broker logfile."
+        );
     }
 
     #[test]

@@ -15,19 +15,23 @@ use super::capture::CaptureConsumer;
 use super::channels::{
     ChannelPhase, ClientChannel, IncomingContent, KeepBuilder, OutgoingContent, Source,
 };
-use super::handshake::{negotiate, tune_for_client};
+use super::handshake::{LoginCheck, check_login, negotiate, tune_for_client};
 use super::inflight::Verb;
 use super::probe::QueueProbe;
 use super::publisher::Publisher;
 use super::session::{Session, Side};
 use super::wire::{WireFrame, content_body_size, header_frame, method_frame};
-use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, decode_method};
+use crate::admission::is_loopback;
+use crate::amqp::codec::{
+    FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, decode_method, is_known_method,
+};
 use crate::amqp::reply;
 
 /// How long the client gets to answer the proxy's closes.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
 // Class and method ids the dispatch looks at.
+const CONNECTION_START_OK: (u16, u16) = (10, 11);
 const CONNECTION_TUNE: (u16, u16) = (10, 30);
 const CONNECTION_TUNE_OK: (u16, u16) = (10, 31);
 const CONNECTION_OPEN: (u16, u16) = (10, 40);
@@ -82,23 +86,50 @@ impl Session {
             self.client_handshake_frame(frame);
             return;
         }
+        if frame.kind == FRAME_METHOD {
+            let (class_id, method_id) = frame.method_ids();
+            if !is_known_method(class_id, method_id) {
+                // RabbitMQ drops the connection without a word; the proxy says why.
+                self.close_client(
+                    reply::NOT_IMPLEMENTED,
+                    &format!(
+                        "NOT_IMPLEMENTED - unknown method class {class_id} method {method_id}"
+                    ),
+                    class_id,
+                    method_id,
+                );
+                return;
+            }
+        }
         if frame.channel == 0 {
             self.client_connection_frame(frame);
             return;
         }
-        if let Some(max) = self
-            .negotiated
-            .and_then(|n| n.publisher_channel.map(|_| n.client_channel_max))
+        if let Some(max) = self.negotiated.map(|n| n.client_channel_max)
             && frame.channel > max
         {
+            self.above_channel_max(&frame, max);
+            return;
+        }
+        if frame.kind == FRAME_METHOD
+            && let Some(content) = self.channels.get(&frame.channel).and_then(|c| c.outgoing)
+        {
+            // A method where the content of a publish was due: RabbitMQ's 505. (Content frames
+            // out of order go upstream, which answers the same.)
+            let expected = match content {
+                OutgoingContent::AwaitingHeader => {
+                    "expected content header for class 60, got non content header frame instead"
+                }
+                OutgoingContent::Body { .. } => {
+                    "expected content body, got non content body frame instead"
+                }
+            };
+            let (class_id, method_id) = BASIC_PUBLISH;
             self.close_client(
-                reply::CHANNEL_ERROR,
-                &format!(
-                    "CHANNEL_ERROR - channel {} is above channel_max {max}",
-                    frame.channel
-                ),
-                0,
-                0,
+                reply::UNEXPECTED_FRAME,
+                &format!("UNEXPECTED_FRAME - {expected}"),
+                class_id,
+                method_id,
             );
             return;
         }
@@ -118,6 +149,40 @@ impl Session {
             FRAME_METHOD => self.client_method(frame),
             FRAME_HEADER | FRAME_BODY => self.client_content(frame),
             _ => self.send_upstream(frame.raw),
+        }
+    }
+
+    /// A frame on a channel number above the negotiated channel_max (the numbers above it are
+    /// the proxy's own upstream). A channel.open gets RabbitMQ's 530 for one channel too many;
+    /// anything else RabbitMQ's 504 for a channel that was never opened.
+    fn above_channel_max(&mut self, frame: &WireFrame, max: u16) {
+        let (class_id, method_id) = if frame.kind == FRAME_METHOD {
+            frame.method_ids()
+        } else {
+            (0, 0)
+        };
+        if (class_id, method_id) == CHANNEL_OPEN {
+            let opened = self.channels.len();
+            let text = if opened >= usize::from(max) {
+                format!(
+                    "NOT_ALLOWED - number of channels opened ({opened}) has reached the \
+                     negotiated channel_max ({max})"
+                )
+            } else {
+                // RabbitMQ counts channels, not numbers; the proxy needs the numbers above.
+                format!(
+                    "NOT_ALLOWED - channel number {} is above the negotiated channel_max ({max})",
+                    frame.channel
+                )
+            };
+            self.close_client(reply::NOT_ALLOWED, &text, 0, 0);
+        } else {
+            self.close_client(
+                reply::CHANNEL_ERROR,
+                "CHANNEL_ERROR - expected 'channel.open'",
+                class_id,
+                method_id,
+            );
         }
     }
 
@@ -167,8 +232,12 @@ impl Session {
                     );
                     return;
                 };
-                let (to_upstream, agreed) =
-                    negotiate(&upstream_tune, &tune_ok, self.shared.handshake_frame_max);
+                let (to_upstream, agreed) = negotiate(
+                    &upstream_tune,
+                    &tune_ok,
+                    self.shared.channel_max,
+                    self.shared.handshake_frame_max,
+                );
                 self.negotiated = Some(agreed);
                 self.frame_max = agreed.frame_max as usize;
                 self.new_frame_max = Some(agreed.frame_max);
@@ -181,6 +250,20 @@ impl Session {
                     0,
                     AMQPClass::Connection(connection::AMQPMethod::TuneOk(to_upstream)),
                 ));
+            }
+            CONNECTION_START_OK => {
+                if let Some(AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok))) =
+                    decode_method(&frame.payload)
+                    && let LoginCheck::Refuse { user, close } = check_login(
+                        &start_ok,
+                        is_loopback(self.peer.ip()),
+                        &self.shared.loopback_users,
+                    )
+                {
+                    self.refuse_login(&user, close);
+                    return;
+                }
+                self.send_upstream(frame.raw);
             }
             CONNECTION_OPEN => {
                 if let Some(AMQPClass::Connection(connection::AMQPMethod::Open(open))) =
@@ -440,6 +523,25 @@ impl Session {
         self.send_upstream(frame.raw);
     }
 
+    /// A loopback-only user from another address: the start-ok (with its credentials) never
+    /// reaches the upstream, which is simply disconnected; the client gets RabbitMQ's 403 when
+    /// it asked for one, else a closed socket.
+    fn refuse_login(&mut self, user: &str, close: Option<reply::AmqpError>) {
+        tracing::warn!(
+            peer = %self.peer,
+            user,
+            "login refused: user may only connect from a loopback address (proxy.loopback_users)"
+        );
+        self.shared
+            .metrics
+            .connection_refused(crate::metrics::REFUSED_LOOPBACK_ONLY);
+        self.upstream_side = Side::Closed;
+        match close {
+            Some(err) => self.close_client(err.code, &err.text, 0, 0),
+            None => self.client_side = Side::Closed,
+        }
+    }
+
     fn syntax_error(&mut self, (class_id, method_id): (u16, u16)) {
         self.close_client(
             reply::SYNTAX_ERROR,
@@ -556,7 +658,7 @@ impl Session {
                     self.upstream_lost("upstream sent a malformed connection.tune");
                     return;
                 };
-                let offered = tune_for_client(&tune);
+                let offered = tune_for_client(&tune, self.shared.channel_max);
                 self.upstream_tune = Some(tune);
                 self.send_client(method_frame(
                     0,

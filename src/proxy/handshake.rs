@@ -3,19 +3,18 @@
 //! is passed on with those added back, and the highest channel numbers of the upstream
 //! connection become the proxy's own (queue probe, dead-letter publisher, capture consumer).
 //! Everything else in the handshake (start, SASL, open) passes through unchanged.
+//! The client is offered no more than `limits.channel_max` channels either.
 //!
-//! Also here: [`refuse_client`], which answers a client whose upstream cannot be reached with
-//! a proper `connection.close 320` instead of a dropped socket.
+//! Also here: [`check_login`], the loopback-only rule for users such as guest, which the
+//! upstream cannot apply to proxied clients (it only sees the proxy's address).
 
-use std::time::Duration;
+use std::collections::HashSet;
 
-use amq_protocol::protocol::{AMQPClass, connection};
-use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use amq_protocol::protocol::connection;
+use amq_protocol::types::AMQPValue;
 
-use super::wire::{FrameReader, method_frame};
-use crate::amqp::codec::{FRAME_METHOD, decode_method};
-use crate::amqp::reply::CONNECTION_FORCED;
+use crate::amqp::reply::AmqpError;
+use crate::broker::auth::{login_refused, sasl_user};
 
 /// Channel numbers the proxy keeps for itself on every upstream connection.
 pub const RESERVED_CHANNELS: u16 = 3;
@@ -42,15 +41,23 @@ fn effective_channel_max(offered: u16) -> u16 {
     if offered == 0 { u16::MAX } else { offered }
 }
 
-/// The tune the client sees: channel_max lowered by [`RESERVED_CHANNELS`] when the upstream
-/// offers enough channels.
-pub fn tune_for_client(upstream: &connection::Tune) -> connection::Tune {
-    let max = effective_channel_max(upstream.channel_max);
-    let channel_max = if max > RESERVED_CHANNELS {
+/// The highest channel number the client is offered: the upstream's lowered by
+/// [`RESERVED_CHANNELS`] when it offers enough channels, and at most `limit`
+/// (`limits.channel_max`, 0 = no limit of the proxy's own).
+fn offered_channel_max(upstream: u16, limit: u16) -> u16 {
+    let max = effective_channel_max(upstream);
+    let offered = if max > RESERVED_CHANNELS {
         max - RESERVED_CHANNELS
     } else {
-        upstream.channel_max
+        max
     };
+    offered.min(effective_channel_max(limit))
+}
+
+/// The tune the client sees: channel_max lowered by [`RESERVED_CHANNELS`] when the upstream
+/// offers enough channels, and to `limit` (`limits.channel_max`).
+pub fn tune_for_client(upstream: &connection::Tune, limit: u16) -> connection::Tune {
+    let channel_max = offered_channel_max(upstream.channel_max, limit);
     connection::Tune {
         channel_max,
         frame_max: upstream.frame_max,
@@ -59,20 +66,16 @@ pub fn tune_for_client(upstream: &connection::Tune) -> connection::Tune {
 }
 
 /// Settles the negotiation from the upstream's tune and the client's tune-ok; returns the
-/// tune-ok to send upstream and what was agreed. `fallback_frame_max` applies when both sides
-/// say "no limit".
+/// tune-ok to send upstream and what was agreed. `limit` is `limits.channel_max`;
+/// `fallback_frame_max` applies when both sides say "no limit".
 pub fn negotiate(
     upstream: &connection::Tune,
     client: &connection::TuneOk,
+    limit: u16,
     fallback_frame_max: u32,
 ) -> (connection::TuneOk, Negotiated) {
-    let max = effective_channel_max(upstream.channel_max);
-    let reserve = max > RESERVED_CHANNELS;
-    let offered = if reserve {
-        max - RESERVED_CHANNELS
-    } else {
-        max
-    };
+    let reserve = effective_channel_max(upstream.channel_max) > RESERVED_CHANNELS;
+    let offered = offered_channel_max(upstream.channel_max, limit);
     let chosen = if client.channel_max == 0 || client.channel_max > offered {
         offered
     } else {
@@ -113,78 +116,56 @@ pub fn negotiate(
     )
 }
 
-/// Plays the server's side of the handshake just far enough to tell the client, with
-/// `connection.close 320`, that the upstream is unreachable. Bounded by `within`.
-pub async fn refuse_client<S>(client: S, reason: &str, within: Duration)
-where
-    S: AsyncRead + AsyncWrite + Unpin,
-{
-    let (reader, mut writer) = tokio::io::split(client);
-    let mut frames = FrameReader::new(reader, crate::amqp::codec::FRAME_MIN_SIZE * 32);
-    let exchange = async {
-        let mut capabilities = FieldTable::default();
-        capabilities.insert(
-            ShortString::from("connection.blocked"),
-            AMQPValue::Boolean(true),
-        );
-        let mut properties = FieldTable::default();
-        properties.insert(
-            ShortString::from("capabilities"),
-            AMQPValue::FieldTable(capabilities),
-        );
-        properties.insert(
-            ShortString::from("product"),
-            AMQPValue::LongString(LongString::from("dlx-proxy")),
-        );
-        let start = AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
-            version_major: 0,
-            version_minor: 9,
-            server_properties: properties,
-            mechanisms: LongString::from("PLAIN AMQPLAIN"),
-            locales: LongString::from("en_US"),
-        }));
-        writer.write_all(&method_frame(0, start)).await?;
-        // Wait for start-ok (or anything that is not a handshake reply), then close.
-        while let Some(frame) = frames.next().await {
-            let frame = frame.map_err(std::io::Error::other)?;
-            if frame.kind == FRAME_METHOD && frame.method_ids() == (10, 11) {
-                break;
-            }
-        }
-        let text = ShortString::try_new(crate::amqp::reply::truncate_str(
-            &format!("CONNECTION_FORCED - {reason}"),
-            255,
-        ))
-        .unwrap_or_else(|_| ShortString::from("CONNECTION_FORCED"));
-        let close = AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
-            reply_code: CONNECTION_FORCED,
-            reply_text: text,
-            class_id: 0,
-            method_id: 0,
-        }));
-        writer.write_all(&method_frame(0, close)).await?;
-        writer.flush().await?;
-        // Give the client a moment to answer close-ok before the socket goes.
-        while let Some(frame) = frames.next().await {
-            let Ok(frame) = frame else { break };
-            if frame.kind == FRAME_METHOD
-                && matches!(
-                    decode_method(&frame.payload),
-                    Some(AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)))
-                )
-            {
-                break;
-            }
-        }
-        Ok::<(), std::io::Error>(())
+/// What the proxy does with a client's `connection.start-ok`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LoginCheck {
+    /// Passed on to the upstream, which authenticates the client.
+    Pass,
+    /// A loopback-only user from another address: refused by the proxy, as RabbitMQ refuses
+    /// it. `close` is the reply for a client that announced the `authentication_failure_close`
+    /// capability; other clients only see the socket close (RabbitMQ does the same).
+    Refuse {
+        user: String,
+        close: Option<AmqpError>,
+    },
+}
+
+/// Applies the loopback-only rule (`proxy.loopback_users`) to a start-ok: the user named in
+/// the SASL response (PLAIN or AMQPLAIN) is refused when the client is not on loopback. A
+/// response the proxy cannot read is passed on (the upstream refuses it if it must).
+pub fn check_login(
+    start_ok: &connection::StartOk,
+    peer_is_loopback: bool,
+    loopback_users: &HashSet<String>,
+) -> LoginCheck {
+    if peer_is_loopback || loopback_users.is_empty() {
+        return LoginCheck::Pass;
+    }
+    let mechanism = start_ok.mechanism.as_str();
+    let Some(user) = sasl_user(mechanism, start_ok.response.as_bytes()) else {
+        return LoginCheck::Pass;
     };
-    let _ = tokio::time::timeout(within, exchange).await;
-    let _ = writer.shutdown().await;
+    if !loopback_users.contains(&user) {
+        return LoginCheck::Pass;
+    }
+    let wants_close = matches!(
+        start_ok.client_properties.inner().get("capabilities"),
+        Some(AMQPValue::FieldTable(capabilities))
+            if matches!(
+                capabilities.inner().get("authentication_failure_close"),
+                Some(AMQPValue::Boolean(true))
+            )
+    );
+    LoginCheck::Refuse {
+        user,
+        close: wants_close.then(|| AmqpError::access_refused(login_refused(mechanism))),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use amq_protocol::types::{FieldTable, LongString};
 
     fn tune(channel_max: u16, frame_max: u32, heartbeat: u16) -> connection::Tune {
         connection::Tune {
@@ -204,32 +185,108 @@ mod tests {
 
     #[test]
     fn client_sees_three_channels_fewer() {
-        assert_eq!(tune_for_client(&tune(2047, 131072, 60)).channel_max, 2044);
-        assert_eq!(tune_for_client(&tune(0, 131072, 60)).channel_max, 65532);
-        assert_eq!(tune_for_client(&tune(3, 131072, 60)).channel_max, 3);
+        assert_eq!(
+            tune_for_client(&tune(2047, 131072, 60), 2047).channel_max,
+            2044
+        );
+        assert_eq!(tune_for_client(&tune(0, 131072, 60), 0).channel_max, 65532);
+        assert_eq!(tune_for_client(&tune(3, 131072, 60), 0).channel_max, 3);
+        // limits.channel_max caps the offer.
+        assert_eq!(
+            tune_for_client(&tune(2047, 131072, 60), 100).channel_max,
+            100
+        );
+        assert_eq!(
+            tune_for_client(&tune(0, 131072, 60), 2047).channel_max,
+            2047
+        );
     }
 
     #[test]
     fn proxy_takes_the_numbers_above_the_client() {
-        let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(0, 131072, 30), 4096);
+        let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(0, 131072, 30), 0, 4096);
         assert_eq!(ok.channel_max, 2047);
         assert_eq!(ok.heartbeat, 30);
         assert_eq!(agreed.client_channel_max, 2044);
         assert_eq!(agreed.probe_channel, Some(2045));
         assert_eq!(agreed.publisher_channel, Some(2046));
         assert_eq!(agreed.capture_channel, Some(2047));
-        let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(10, 0, 0), 65536);
+        let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(10, 0, 0), 0, 65536);
         assert_eq!(ok.channel_max, 13);
         assert_eq!(agreed.publisher_channel, Some(12));
         assert_eq!(agreed.frame_max, 131072);
-        let (_, agreed) = negotiate(&tune(2047, 0, 60), &tune_ok(10, 0, 0), 65536);
+        let (_, agreed) = negotiate(&tune(2047, 0, 60), &tune_ok(10, 0, 0), 0, 65536);
         assert_eq!(agreed.frame_max, 65536);
     }
 
     #[test]
     fn a_tiny_upstream_leaves_no_proxy_channels() {
-        let (ok, agreed) = negotiate(&tune(3, 4096, 0), &tune_ok(3, 4096, 0), 4096);
+        let (ok, agreed) = negotiate(&tune(3, 4096, 0), &tune_ok(3, 4096, 0), 0, 4096);
         assert_eq!(ok.channel_max, 3);
         assert_eq!(agreed.publisher_channel, None);
+    }
+
+    #[test]
+    fn limits_channel_max_caps_what_the_client_may_use() {
+        let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(0, 131072, 0), 5, 4096);
+        assert_eq!(agreed.client_channel_max, 5);
+        assert_eq!(ok.channel_max, 8);
+        assert_eq!(agreed.capture_channel, Some(8));
+        let (_, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(3, 131072, 0), 5, 4096);
+        assert_eq!(agreed.client_channel_max, 3);
+    }
+
+    fn start_ok(mechanism: &str, response: &[u8], failure_close: bool) -> connection::StartOk {
+        let mut properties = FieldTable::default();
+        if failure_close {
+            let mut capabilities = FieldTable::default();
+            capabilities.insert(
+                "authentication_failure_close".into(),
+                AMQPValue::Boolean(true),
+            );
+            properties.insert("capabilities".into(), AMQPValue::FieldTable(capabilities));
+        }
+        connection::StartOk {
+            client_properties: properties,
+            mechanism: mechanism.into(),
+            response: LongString::from(response.to_vec()),
+            locale: "en_US".into(),
+        }
+    }
+
+    #[test]
+    fn loopback_users_are_refused_from_elsewhere_only() {
+        let guest_only: HashSet<String> = ["guest".to_string()].into();
+        let guest = start_ok("PLAIN", b"\0guest\0guest", true);
+        assert_eq!(check_login(&guest, true, &guest_only), LoginCheck::Pass);
+        assert_eq!(
+            check_login(&guest, false, &HashSet::new()),
+            LoginCheck::Pass
+        );
+        let LoginCheck::Refuse { user, close } = check_login(&guest, false, &guest_only) else {
+            panic!("guest from elsewhere must be refused");
+        };
+        assert_eq!(user, "guest");
+        let close = close.expect("the client asked for a close");
+        assert_eq!(close.code, 403);
+        assert_eq!(
+            close.text,
+            "ACCESS_REFUSED - Login was refused using authentication mechanism PLAIN. \
+             For details see the broker logfile."
+        );
+        // Without authentication_failure_close the socket just closes, as RabbitMQ does.
+        let quiet = start_ok("PLAIN", b"\0guest\0wrong", false);
+        assert_eq!(
+            check_login(&quiet, false, &guest_only),
+            LoginCheck::Refuse {
+                user: "guest".into(),
+                close: None
+            }
+        );
+        let other = start_ok("PLAIN", b"\0alice\0pw", true);
+        assert_eq!(check_login(&other, false, &guest_only), LoginCheck::Pass);
+        // An unreadable response is the upstream's to refuse.
+        let garbage = start_ok("PLAIN", b"guest", true);
+        assert_eq!(check_login(&garbage, false, &guest_only), LoginCheck::Pass);
     }
 }

@@ -2,7 +2,9 @@
 //! and the proxy applies every dead-letter rule itself, with the policies from the TOML file.
 //!
 //! The handshake (protocol header, SASL, vhost) passes through, so the upstream authenticates
-//! the client and the proxy keeps no credentials. Frames that need no change are forwarded as
+//! the client and the proxy keeps no credentials. The proxy only applies what the upstream
+//! cannot see: `proxy.loopback_users` refused from non-loopback peers ([`handshake`]), and
+//! `limits.max_connections` ([`crate::admission`]). Frames that need no change are forwarded as
 //! the bytes that arrived, in order, with backpressure both ways. The proxy takes over:
 //! - `queue.declare`: client arguments are validated and merged with the policy; the upstream
 //!   queue gets the TTL and length limits and dead-letters into the proxy's capture exchange
@@ -34,7 +36,10 @@
 //! requeued with basic.nack; a captured message after a 1 s pause). A missing dead-letter
 //! exchange (404 on the proxy's channel, which is reopened) or an unroutable dead letter
 //! (basic.return) drops the message and counts it (`no_dlx`, `unroutable`), as RabbitMQ does.
-//! The upstream gone → the client gets `connection.close 320`; the client gone → the proxy's
+//! The upstream gone → the client gets `connection.close 320` (during the handshake, where
+//! RabbitMQ refuses some clients by closing the socket, the client's socket is closed
+//! instead); an upstream connection.close (403, 530, 504, ...) is passed on as it is. The
+//! client gone → the proxy's
 //! own publishes are settled, then the upstream connection is closed and the upstream
 //! requeues the client's unacked deliveries.
 //!
@@ -68,6 +73,10 @@
 //! - the capture queue is consumed by the proxy's connections of a vhost: with no client
 //!   connected there, captured messages wait in it;
 //! - `compat = "4"`: an x-death history on a message is always continued;
+//! - a channel.open numbered above the negotiated channel_max is refused with 530 even while
+//!   fewer channels are open (RabbitMQ counts channels only): those numbers are the proxy's;
+//! - a method of an unknown class or method gets 540 NOT_IMPLEMENTED (RabbitMQ drops the
+//!   connection without a reply);
 //! - a delivery keeps its content (to be dead-lettered or republished by the proxy) only when
 //!   its queue can dead-letter when it is delivered (`ProxyShared::may_take_over`); a
 //!   policy that adds a dead-letter exchange later applies to such a delivery only through
@@ -98,6 +107,7 @@ mod session;
 pub mod upstream;
 pub mod wire;
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -105,6 +115,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 
+use crate::admission::ConnectionSlots;
 use crate::config::Config;
 use crate::deadletter::DeadLetterOptions;
 use crate::metrics::Metrics;
@@ -138,6 +149,13 @@ pub struct ProxyShared {
     pub(crate) busy_poll: Duration,
     /// Frame size accepted before tune (and the fallback when both peers say "no limit").
     pub(crate) handshake_frame_max: u32,
+    /// Highest channel number offered to clients (`limits.channel_max`, lowered further when
+    /// the upstream offers fewer).
+    pub(crate) channel_max: u16,
+    /// Users refused from non-loopback peers (`proxy.loopback_users`).
+    pub(crate) loopback_users: HashSet<String>,
+    /// `limits.max_connections`: each connection task holds a slot.
+    pub(crate) connections: Arc<ConnectionSlots>,
 }
 
 impl std::fmt::Debug for ProxyShared {
@@ -186,7 +204,6 @@ impl ProxyShared {
         Ok(Arc::new(ProxyShared {
             upstream,
             policies,
-            metrics,
             queues: QueueRegistry::new(REGISTRY_CAPACITY.min(limits.max_queues.max(1))),
             dead_letter_options,
             default_delivery_limit: (config.dead_letter.default_delivery_limit > 0)
@@ -199,12 +216,21 @@ impl ProxyShared {
             outbox_bytes: limits.connection_outbox_bytes.max(64 * 1024),
             handshake_timeout: Duration::from_secs(limits.handshake_timeout_secs.max(1)),
             handshake_frame_max: limits.frame_max.max(crate::amqp::codec::FRAME_MIN_SIZE),
+            channel_max: limits.channel_max,
+            loopback_users: config.proxy.loopback_users.iter().cloned().collect(),
+            connections: ConnectionSlots::new(limits.max_connections, metrics.clone()),
+            metrics,
         }))
     }
 
     /// For /readyz: whether a TCP connection to the upstream opens within one second.
     pub async fn upstream_reachable(&self) -> bool {
         self.upstream.reachable(Duration::from_secs(1)).await
+    }
+
+    /// The `limits.max_connections` slots of proxy mode (the service applies reloads to them).
+    pub fn connection_slots(&self) -> &Arc<ConnectionSlots> {
+        &self.connections
     }
 
     /// The name of the capture exchange and queue.
@@ -271,8 +297,10 @@ impl ProxyShared {
     }
 }
 
-/// Serves one client connection (plain TCP or TLS already accepted) until it ends.
-pub async fn handle_connection<S>(
+/// Serves one client connection (plain TCP or TLS already accepted) in its own task, which
+/// holds one of the `limits.max_connections` slots; over the limit the client is refused with
+/// 530 ([`crate::admission`]).
+pub fn spawn_connection<S>(
     client: S,
     peer: SocketAddr,
     shared: Arc<ProxyShared>,
@@ -280,22 +308,18 @@ pub async fn handle_connection<S>(
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let metrics = shared.metrics.clone();
-    metrics.connection_opened();
-    session::run(client, peer, shared, shutdown).await;
-    metrics.connection_closed();
+    let slots = shared.connections.clone();
+    let within = shared.handshake_timeout;
+    slots.spawn(client, peer, within, move |client| {
+        session::run(client, peer, shared, shutdown)
+    });
 }
 
 /// Accepts client connections until shutdown; one task per connection.
 pub async fn serve(listener: TcpListener, shared: Arc<ProxyShared>, shutdown: Shutdown) {
     let connections = shutdown.clone();
     crate::listener::accept_tcp(listener, shutdown, move |stream, peer| {
-        tokio::spawn(handle_connection(
-            stream,
-            peer,
-            shared.clone(),
-            connections.clone(),
-        ));
+        spawn_connection(stream, peer, shared.clone(), connections.clone())
     })
     .await
 }

@@ -27,15 +27,16 @@ use super::ProxyShared;
 use super::busy_poll::BusyPoll;
 use super::capture::CaptureConsumer;
 use super::channels::ClientChannel;
-use super::handshake::{Negotiated, refuse_client};
+use super::handshake::Negotiated;
 use super::ops::Op;
 use super::outbox::Outbox;
 use super::probe::QueueProbe;
 use super::publisher::{OpId, Publisher};
 use super::wire::{FrameReader, WireFrame, method_frame};
+use crate::admission::refuse_client_after_header;
 use crate::amqp::codec::{FrameError, PROTOCOL_HEADER, put_heartbeat};
-use crate::amqp::reply;
-use crate::metrics::Direction;
+use crate::amqp::reply::{self, AmqpError};
+use crate::metrics::{Direction, REFUSED_UPSTREAM_UNREACHABLE};
 use crate::shutdown::Shutdown;
 
 /// How long a peer gets to answer our connection.close.
@@ -166,8 +167,14 @@ pub(super) async fn run<S>(
         Ok(stream) => stream,
         Err(err) => {
             tracing::warn!(%peer, upstream = %shared.upstream.address(), %err, "upstream unreachable");
-            let reason = format!("upstream {} unreachable: {err}", shared.upstream.address());
-            refuse_client(client, &reason, handshake_timeout).await;
+            shared
+                .metrics
+                .connection_refused(REFUSED_UPSTREAM_UNREACHABLE);
+            let refusal = AmqpError::new(
+                reply::CONNECTION_FORCED,
+                format!("upstream {} unreachable: {err}", shared.upstream.address()),
+            );
+            refuse_client_after_header(client, &refusal, handshake_timeout).await;
             return;
         }
     };
@@ -649,7 +656,8 @@ impl Session {
         }
     }
 
-    /// The upstream is gone: the client gets 320 CONNECTION_FORCED.
+    /// The upstream is gone: the client gets 320 CONNECTION_FORCED (during the handshake, a
+    /// closed socket, as the upstream gave).
     pub(super) fn upstream_lost(&mut self, reason: &str) {
         if self.upstream_side == Side::Closed {
             return;
@@ -670,6 +678,14 @@ impl Session {
                 0,
                 AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
             ));
+            self.client_side = Side::Closed;
+            return;
+        }
+        if self.client_side == Side::Open && !self.running {
+            // Refused during the handshake without a connection.close (RabbitMQ does that for
+            // an unknown mechanism, or a failed login without `authentication_failure_close`):
+            // the client sees the same, its socket closed.
+            tracing::info!(peer = %self.peer, reason, "upstream ended the handshake");
             self.client_side = Side::Closed;
             return;
         }

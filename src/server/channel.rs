@@ -122,14 +122,18 @@ impl ChannelTable {
         if ch == 0 {
             return self.connection_method(method, s, class_id, method_id);
         }
-        if ch > s.channel_max {
-            return Flow::CloseConnection(
-                AmqpError::channel_error(format!("channel {ch} above channel_max"))
-                    .on_method(class_id, method_id),
-            );
-        }
         // Channel lifecycle.
         match (&method, self.channels.get(&ch)) {
+            (AMQPClass::Channel(chan::AMQPMethod::Open(_)), None)
+                if s.channel_max != 0 && self.channels.len() >= usize::from(s.channel_max) =>
+            {
+                // As RabbitMQ: the number of open channels is limited, not their numbers.
+                return Flow::CloseConnection(AmqpError::not_allowed(format!(
+                    "number of channels opened ({}) has reached the negotiated channel_max ({})",
+                    self.channels.len(),
+                    s.channel_max
+                )));
+            }
             (AMQPClass::Channel(chan::AMQPMethod::Open(_)), None) => {
                 self.channels.insert(
                     ch,

@@ -19,12 +19,13 @@ use tokio_util::codec::FramedRead;
 
 use super::ServerContext;
 use super::channel::{ChannelTable, Flow};
+use crate::admission::is_loopback;
 use crate::amqp::codec::{
     FRAME_HEARTBEAT, FRAME_METHOD, FrameCodec, FrameError, PROTOCOL_HEADER, RawFrame,
     decode_method, method_ids, put_heartbeat, put_method,
 };
 use crate::amqp::reply::{self, AmqpError};
-use crate::broker::auth::{parse_amqplain, parse_sasl_plain};
+use crate::broker::auth::{login_refused, parse_amqplain, parse_sasl_plain};
 use crate::broker::outbox::Outbox;
 use crate::metrics::Direction;
 use crate::shutdown::Shutdown;
@@ -231,18 +232,14 @@ async fn handshake<R: AsyncRead + Unpin>(
     };
     let mechanism = start_ok.mechanism.as_str().to_string();
     let Some((user, password)) = credentials else {
-        return fail(AmqpError::access_refused(format!(
-            "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
-        )));
+        return fail(AmqpError::access_refused(login_refused(&mechanism)));
     };
     if let Err(err) = ctx
         .users()
-        .authenticate(&user, &password, peer.ip().is_loopback())
+        .authenticate(&user, &password, is_loopback(peer.ip()))
     {
         tracing::warn!(%peer, %user, %err, "authentication failed");
-        let e = AmqpError::access_refused(format!(
-            "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
-        ));
+        let e = AmqpError::access_refused(login_refused(&mechanism));
         send_close(outbox, &e);
         return None;
     }

@@ -9,12 +9,13 @@ pub mod connection;
 pub mod publish;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 
+use crate::admission::ConnectionSlots;
 use crate::broker::Broker;
 use crate::broker::auth::UserDb;
 use crate::config::LimitsConfig;
@@ -25,16 +26,18 @@ pub struct ServerContext {
     pub broker: Arc<Broker>,
     pub users: RwLock<Arc<UserDb>>,
     pub limits: RwLock<LimitsConfig>,
-    pub connections: AtomicUsize,
+    /// `limits.max_connections`: each connection task holds a slot.
+    pub connections: Arc<ConnectionSlots>,
 }
 
 impl ServerContext {
     pub fn new(broker: Arc<Broker>, users: UserDb, limits: LimitsConfig) -> Arc<Self> {
+        let connections = ConnectionSlots::new(limits.max_connections, broker.metrics.clone());
         Arc::new(ServerContext {
             broker,
             users: RwLock::new(Arc::new(users)),
             limits: RwLock::new(limits),
-            connections: AtomicUsize::new(0),
+            connections,
         })
     }
 
@@ -67,21 +70,16 @@ pub async fn serve(
     .await
 }
 
-/// Runs one client connection (plain TCP or TLS) in a new task.
+/// Runs one client connection (plain TCP or TLS) in a new task that holds one of the
+/// `limits.max_connections` slots; over the limit the client is refused with 530
+/// ([`crate::admission`]).
 pub fn spawn_connection<S>(stream: S, peer: SocketAddr, ctx: Arc<ServerContext>, shutdown: Shutdown)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let max = ctx.limits().max_connections;
-    if ctx.connections.fetch_add(1, Ordering::SeqCst) >= max {
-        ctx.connections.fetch_sub(1, Ordering::SeqCst);
-        tracing::warn!(%peer, max, "connection refused: max_connections reached");
-        return;
-    }
-    tokio::spawn(async move {
-        ctx.broker.metrics.connection_opened();
-        connection::run(stream, peer, ctx.clone(), shutdown).await;
-        ctx.broker.metrics.connection_closed();
-        ctx.connections.fetch_sub(1, Ordering::SeqCst);
+    let within = Duration::from_secs(ctx.limits().handshake_timeout_secs.max(1));
+    let slots = ctx.connections.clone();
+    slots.spawn(stream, peer, within, move |stream| {
+        connection::run(stream, peer, ctx, shutdown)
     });
 }

@@ -3,6 +3,8 @@
 
 use crate::common;
 
+use std::time::Duration;
+
 use amq_protocol::protocol::{AMQPClass, basic, channel, exchange, queue, tx};
 use amq_protocol::types::FieldTable;
 use common::dl::{amqp_code, amqp_text, publish_refused};
@@ -417,4 +419,66 @@ async fn garbage_after_the_handshake_never_panics_the_server() {
     )
     .await
     .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_max_connections_are_refused_with_530_and_counted() {
+    let (_, admin) = free_addresses();
+    let mut config = test_config();
+    config.limits.max_connections = 2;
+    config.listen.admin = admin.to_string();
+    let b = start_with(config.clone()).await;
+    let first = b.connect().await;
+    let second = b.connect().await;
+    let err = Connection::connect(&b.uri(), ConnectionProperties::default())
+        .await
+        .expect_err("a third connection is over limits.max_connections");
+    assert_over_connection_limit(&err, admin, 2).await;
+    // A reload raises the limit at once...
+    config.limits.max_connections = 3;
+    b.service.reload(&config).unwrap();
+    let extra = b.connect().await;
+    // ...and lowering it closes nothing: the slots go as connections end.
+    config.limits.max_connections = 2;
+    b.service.reload(&config).unwrap();
+    extra.close(200, "bye".into()).await.unwrap();
+    // A closed connection frees its slot.
+    first.close(200, "bye".into()).await.unwrap();
+    let third = poll(
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        async || {
+            Connection::connect(&b.uri(), ConnectionProperties::default())
+                .await
+                .ok()
+        },
+    )
+    .await
+    .expect("a slot is free again");
+    wait_metric(admin, "dlx_proxy_connections", 2.0).await;
+    let err = Connection::connect(&b.uri(), ConnectionProperties::default())
+        .await
+        .expect_err("still at the lowered limit");
+    assert_eq!(amqp_code(&err), Some(530), "{err:?}");
+    third.close(200, "bye".into()).await.unwrap();
+    second.close(200, "bye".into()).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_channel_over_the_negotiated_channel_max_is_530_as_rabbitmq() {
+    let b = start().await;
+    let mut c = RawClient::connect_with_channel_max(b.addr, 2).await;
+    // RabbitMQ limits how many channels are open, not their numbers.
+    c.open_channel(1).await;
+    c.open_channel(7).await;
+    c.send_method(
+        3,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    )
+    .await;
+    let text = expect_connection_close(&mut c, 530).await;
+    assert_eq!(
+        text,
+        "NOT_ALLOWED - number of channels opened (2) has reached the negotiated channel_max (2)"
+    );
 }

@@ -34,6 +34,7 @@ mod ops_tls;
 mod proxy_backpressure;
 mod proxy_bcc;
 mod proxy_capture;
+mod proxy_connections;
 mod proxy_deadletter;
 mod proxy_declare;
 mod proxy_delivery_limit;

@@ -6,6 +6,7 @@
 //! proxy-mode helpers on top of this module.
 #![allow(dead_code)]
 
+pub mod netns;
 pub mod pki;
 mod raw_client;
 
@@ -18,7 +19,7 @@ use lapin::{Channel, Connection, ConnectionProperties};
 
 // Not every test binary uses all of it.
 #[allow(unused_imports)]
-pub use raw_client::{RawClient, RawDelivery, encode_method};
+pub use raw_client::{RawClient, RawDelivery, encode_method, with_failure_close};
 
 /// An embedded broker started for one test.
 pub struct TestBroker {
@@ -216,6 +217,29 @@ pub async fn wait_metric(admin: SocketAddr, name_and_labels: &str, value: f64) -
         accept,
     )
     .await
+}
+
+/// Asserts that `err` is the refusal of a connection over `limits.max_connections = limit`
+/// (530 and its text), counted in `connections_refused_total` (exactly once so far) while
+/// `limit` connections are open, as the admin server at `admin` shows.
+pub async fn assert_over_connection_limit(err: &lapin::Error, admin: SocketAddr, limit: usize) {
+    assert_eq!(
+        (dl::amqp_code(err), dl::amqp_text(err)),
+        (
+            Some(530),
+            format!("NOT_ALLOWED - connection limit ({limit}) is reached")
+        )
+    );
+    let text = wait_metric(
+        admin,
+        r#"dlx_proxy_connections_refused_total{reason="max_connections"}"#,
+        1.0,
+    )
+    .await;
+    assert_eq!(
+        metric_value(&text, "dlx_proxy_connections"),
+        Some(limit as f64)
+    );
 }
 
 /// Polls `/metrics` until `name_and_labels` is at least `min`, a series that does not exist

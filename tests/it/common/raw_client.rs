@@ -57,7 +57,7 @@ impl RawClient {
     /// Connects and completes the handshake as guest on vhost "/", without client properties.
     pub async fn connect(addr: SocketAddr) -> RawClient {
         let mut client = Self::connect_no_handshake(addr).await;
-        client.handshake(FieldTable::default()).await;
+        client.handshake(FieldTable::default(), None).await;
         client
     }
 
@@ -65,7 +65,7 @@ impl RawClient {
     /// `connection_name` client property of the proxy's upstream connection).
     pub async fn connect_named(addr: SocketAddr, connection_name: &str) -> RawClient {
         let mut client = Self::connect_no_handshake(addr).await;
-        client.handshake(named(connection_name)).await;
+        client.handshake(named(connection_name), None).await;
         client
     }
 
@@ -82,7 +82,7 @@ impl RawClient {
             .set_recv_buffer_size(receive_buffer)
             .expect("receive buffer size");
         let mut client = Self::over(socket.connect(addr).await.expect("tcp"));
-        client.handshake(named(connection_name)).await;
+        client.handshake(named(connection_name), None).await;
         client
     }
 
@@ -91,7 +91,16 @@ impl RawClient {
         Self::over(TcpStream::connect(addr).await.expect("tcp"))
     }
 
-    fn over(stream: TcpStream) -> RawClient {
+    /// Completes the handshake as guest on vhost "/" over a socket connected elsewhere (from
+    /// another network namespace, for instance).
+    pub async fn connect_over(stream: TcpStream) -> RawClient {
+        let mut client = Self::over(stream);
+        client.handshake(FieldTable::default(), None).await;
+        client
+    }
+
+    /// A client on a connected socket, nothing sent yet.
+    pub fn over(stream: TcpStream) -> RawClient {
         RawClient {
             stream,
             codec: WireCodec::new(FRAME_MAX),
@@ -100,27 +109,19 @@ impl RawClient {
     }
 
     /// Protocol header, start-ok (PLAIN, guest) with these client properties, tune-ok with
-    /// the offered limits and no heartbeats, open "/": each reply must be the next method.
-    async fn handshake(&mut self, client_properties: FieldTable) {
-        self.send_raw(&PROTOCOL_HEADER).await;
-        let start = self.read_method().await;
-        assert!(
-            matches!(
-                start,
-                AMQPClass::Connection(connection::AMQPMethod::Start(_))
-            ),
-            "expected connection.start, got {start:?}"
-        );
-        self.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
-                client_properties,
-                mechanism: "PLAIN".into(),
-                response: LongString::from("\0guest\0guest"),
-                locale: "en_US".into(),
-            })),
-        )
-        .await;
+    /// the offered limits (or `channel_max`) and no heartbeats, open "/": each reply must be the next method.
+    /// Like [`RawClient::connect`], asking for at most `channel_max` channels in tune-ok.
+    pub async fn connect_with_channel_max(addr: SocketAddr, channel_max: u16) -> RawClient {
+        let mut client = Self::connect_no_handshake(addr).await;
+        client
+            .handshake(FieldTable::default(), Some(channel_max))
+            .await;
+        client
+    }
+
+    async fn handshake(&mut self, client_properties: FieldTable, channel_max: Option<u16>) {
+        self.start_ok("PLAIN", b"\0guest\0guest", client_properties)
+            .await;
         let tune = self.read_method().await;
         let AMQPClass::Connection(connection::AMQPMethod::Tune(tune)) = tune else {
             panic!("expected connection.tune, got {tune:?}");
@@ -128,7 +129,7 @@ impl RawClient {
         self.send_method(
             0,
             AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
-                channel_max: tune.channel_max,
+                channel_max: channel_max.unwrap_or(tune.channel_max),
                 frame_max: tune.frame_max,
                 heartbeat: 0,
             })),
@@ -146,6 +147,35 @@ impl RawClient {
             matches!(ok, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_))),
             "expected connection.open-ok, got {ok:?}"
         );
+    }
+
+    /// Protocol header, then (after connection.start) a start-ok with this mechanism, SASL
+    /// response and client properties; what the server answers is the test's to read.
+    pub async fn start_ok(
+        &mut self,
+        mechanism: &str,
+        response: &[u8],
+        client_properties: FieldTable,
+    ) {
+        self.send_raw(&PROTOCOL_HEADER).await;
+        let start = self.read_method().await;
+        assert!(
+            matches!(
+                start,
+                AMQPClass::Connection(connection::AMQPMethod::Start(_))
+            ),
+            "expected connection.start, got {start:?}"
+        );
+        self.send_method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
+                client_properties,
+                mechanism: ShortString::try_new(mechanism).expect("a short mechanism name"),
+                response: LongString::from(response.to_vec()),
+                locale: "en_US".into(),
+            })),
+        )
+        .await;
     }
 
     // ---------------------------------------------------------------------------------------
@@ -371,5 +401,19 @@ fn named(connection_name: &str) -> FieldTable {
         "connection_name".into(),
         AMQPValue::LongString(LongString::from(connection_name)),
     );
+    properties
+}
+
+/// Client properties announcing the `authentication_failure_close` capability (lapin and
+/// most clients do): RabbitMQ then explains a refused login with a 403 connection.close
+/// instead of only closing the socket.
+pub fn with_failure_close() -> FieldTable {
+    let mut capabilities = FieldTable::default();
+    capabilities.insert(
+        "authentication_failure_close".into(),
+        AMQPValue::Boolean(true),
+    );
+    let mut properties = FieldTable::default();
+    properties.insert("capabilities".into(), AMQPValue::FieldTable(capabilities));
     properties
 }

@@ -74,6 +74,16 @@ impl TestProxy {
         policies: Vec<PolicyConfig>,
         tweak: impl FnOnce(&mut Config),
     ) -> TestProxy {
+        Self::start_listening("127.0.0.1:0".parse().unwrap(), policies, tweak).await
+    }
+
+    /// Like [`TestProxy::start_with`], listening on `listen` (an address of a test's own
+    /// network namespace link, for instance).
+    pub async fn start_listening(
+        listen: SocketAddr,
+        policies: Vec<PolicyConfig>,
+        tweak: impl FnOnce(&mut Config),
+    ) -> TestProxy {
         let mut config = Config {
             mode: Mode::Proxy,
             policies: policies.clone(),
@@ -89,7 +99,7 @@ impl TestProxy {
         let shared =
             ProxyShared::with_capture_name(&config, policies.clone(), metrics.clone(), &capture)
                 .expect("proxy settings");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = tokio::net::TcpListener::bind(listen).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let trigger = ShutdownTrigger::new();
         tokio::spawn(serve(listener, shared.clone(), trigger.subscribe()));
