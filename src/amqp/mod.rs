@@ -3,4 +3,5 @@
 
 pub mod codec;
 pub mod content;
+pub mod depth;
 pub mod reply;

@@ -99,9 +99,10 @@ impl Session {
 
     pub(super) fn client_queue_declare(&mut self, frame: WireFrame) {
         let channel = frame.channel;
-        let Some(AMQPClass::Queue(queue::AMQPMethod::Declare(declare))) =
-            decode_method(&frame.payload)
-        else {
+        let Some(method) = self.decode_client_method(&frame) else {
+            return;
+        };
+        let AMQPClass::Queue(queue::AMQPMethod::Declare(declare)) = method else {
             self.close_client(
                 reply::SYNTAX_ERROR,
                 "SYNTAX_ERROR - queue.declare does not parse",
