@@ -227,3 +227,255 @@ async fn max_table_depth_ceiling_is_safe_on_a_worker_stack() {
     }
     proxy.stop().await;
 }
+
+// ------------------------------------------------------------------------------------------
+// Message headers: never refused, carried byte-exact, dead-lettered with the deep entries
+// ------------------------------------------------------------------------------------------
+
+/// Headers with a 10 000-level array, a 10 000-level table and a plain string, and the
+/// property section carrying them.
+struct DeepHeaders {
+    array: Vec<u8>,
+    table: Vec<u8>,
+    properties: Vec<u8>,
+}
+
+impl DeepHeaders {
+    fn new() -> DeepHeaders {
+        let array = deep::nested(b'A', DEEP);
+        let table = deep::nested(b'F', DEEP);
+        let headers = deep::table(&[
+            deep::entry("app", b'S', &[0, 0, 0, 2, b'o', b'k']),
+            deep::entry("deep-array", b'A', &array),
+            deep::entry("deep-table", b'F', &table),
+        ]);
+        DeepHeaders {
+            array,
+            table,
+            properties: deep::headers_properties(&headers),
+        }
+    }
+
+    /// Publishes `body` to `queue` through the default exchange on `channel`.
+    async fn publish(&self, client: &mut RawClient, channel: u16, queue: &str, body: &str) {
+        client
+            .send_raw(&deep::publish(
+                channel,
+                "",
+                queue,
+                &self.properties,
+                body.as_bytes(),
+            ))
+            .await;
+    }
+
+    /// A dead letter's headers: both deep entries byte for byte, "app" kept, and one x-death
+    /// entry for `queue` and `reason` with RabbitMQ's field types.
+    fn assert_dead_letter(&self, properties: &[u8], queue: &str, reason: &str) {
+        use amq_protocol::types::{AMQPValue, FieldArray, LongString};
+        let entries = deep::header_entries(properties);
+        let raw = |key: &str| {
+            entries
+                .iter()
+                .find(|e| e.key == key)
+                .unwrap_or_else(|| panic!("header {key} missing: {entries:?}"))
+        };
+        assert_eq!(raw("deep-array").kind, b'A');
+        assert!(raw("deep-array").value == self.array, "deep-array changed");
+        assert_eq!(raw("deep-table").kind, b'F');
+        assert!(raw("deep-table").value == self.table, "deep-table changed");
+        let headers = deep::decode_entries(&entries, &["deep-array", "deep-table"]);
+        let headers = headers.inner();
+        let s = |v: &str| AMQPValue::LongString(LongString::from(v));
+        assert_eq!(headers.get("app"), Some(&s("ok")));
+        assert_eq!(headers.get("x-first-death-reason"), Some(&s(reason)));
+        assert_eq!(headers.get("x-first-death-queue"), Some(&s(queue)));
+        assert_eq!(headers.get("x-first-death-exchange"), Some(&s("")));
+        let Some(AMQPValue::FieldArray(deaths)) = headers.get("x-death") else {
+            panic!("x-death is not an array: {headers:?}");
+        };
+        let [AMQPValue::FieldTable(death)] = deaths.as_slice() else {
+            panic!("one x-death entry expected: {deaths:?}");
+        };
+        let death = death.inner();
+        assert_eq!(death.get("count"), Some(&AMQPValue::LongLongInt(1)));
+        assert_eq!(death.get("reason"), Some(&s(reason)));
+        assert_eq!(death.get("queue"), Some(&s(queue)));
+        assert_eq!(death.get("exchange"), Some(&s("")));
+        assert_eq!(
+            death.get("routing-keys"),
+            Some(&AMQPValue::FieldArray(FieldArray::from(vec![s(queue)])))
+        );
+        let Some(AMQPValue::Timestamp(time)) = death.get("time") else {
+            panic!("x-death time is not a timestamp: {death:?}");
+        };
+        assert!(time.abs_diff(common::dl::now_secs()) < 60, "time {time}");
+    }
+}
+
+/// basic.reject requeue=false.
+async fn reject(client: &mut RawClient, channel: u16, delivery_tag: u64) {
+    use amq_protocol::protocol::{AMQPClass, basic};
+    client
+        .send_method(
+            channel,
+            AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject {
+                delivery_tag,
+                requeue: false,
+            })),
+        )
+        .await;
+}
+
+/// The next delivery on the raw client must be `body` with exactly the deep properties.
+async fn expect_exact(client: &mut RawClient, headers: &DeepHeaders, body: &str) -> u64 {
+    let delivery = client.next_delivery().await;
+    assert_eq!(delivery.body, body.as_bytes());
+    assert!(
+        delivery.properties[..] == headers.properties[..],
+        "properties not delivered byte for byte"
+    );
+    delivery.delivery_tag
+}
+
+/// Queues that dead-letter to `dlq` through the default exchange: `rejecting` (plain),
+/// `expiring` (x-message-ttl 0 and no consumer), `overflowing` (x-max-length 1).
+async fn dead_lettering_queues(ch: &lapin::Channel, prefix: &str) -> [String; 4] {
+    use common::dl::{dead_letter_to, int};
+    let [dlq, rejecting, expiring, overflowing] =
+        ["dlq", "rejected", "expired", "maxlen"].map(|s| unique(&format!("{prefix}-{s}")));
+    declare(ch, &dlq, FieldTable::default()).await;
+    declare(ch, &rejecting, dead_letter_to(&dlq, &[])).await;
+    declare(
+        ch,
+        &expiring,
+        dead_letter_to(&dlq, &[("x-message-ttl", int(0))]),
+    )
+    .await;
+    declare(
+        ch,
+        &overflowing,
+        dead_letter_to(&dlq, &[("x-max-length", int(1))]),
+    )
+    .await;
+    [dlq, rejecting, expiring, overflowing]
+}
+
+/// Publish → deliver byte-exact; reject, TTL expiry and max-length each dead-letter it with
+/// the deep entries intact. `publisher` and `consumer` are raw clients of the mode under
+/// test (or, for `publisher`, of RabbitMQ itself).
+async fn deep_headers_round_trip(
+    publisher: &mut RawClient,
+    consumer: &mut RawClient,
+    ch: &lapin::Channel,
+    prefix: &str,
+) -> [String; 4] {
+    let headers = DeepHeaders::new();
+    let queues = dead_lettering_queues(ch, prefix).await;
+    let [dlq, rejecting, expiring, overflowing] = &queues;
+    publisher.open_channel(1).await;
+    publisher
+        .send_method(
+            1,
+            amq_protocol::protocol::AMQPClass::Confirm(
+                amq_protocol::protocol::confirm::AMQPMethod::Select(
+                    amq_protocol::protocol::confirm::Select { nowait: false },
+                ),
+            ),
+        )
+        .await;
+    publisher.expect_method(85, 11).await;
+    headers.publish(publisher, 1, rejecting, rejecting).await;
+    headers.publish(publisher, 1, expiring, expiring).await;
+    headers
+        .publish(publisher, 1, overflowing, "pushed out")
+        .await;
+    headers
+        .publish(publisher, 1, overflowing, overflowing)
+        .await;
+    // Every publish confirmed: routed (and the expiry and overflow deaths happened).
+    let mut confirmed = 0;
+    while confirmed < 4 {
+        let ack = publisher.expect_method(60, 80).await;
+        confirmed = u64::from_be_bytes(ack[4..12].try_into().unwrap());
+    }
+
+    consumer.open_channel(1).await;
+    consumer.consume(1, rejecting, false).await;
+    let tag = expect_exact(consumer, &headers, rejecting).await;
+    reject(consumer, 1, tag).await;
+    consumer.consume(1, overflowing, true).await;
+    expect_exact(consumer, &headers, overflowing).await;
+
+    // The dead letters arrive in the order the deaths happened: the expiry and the overflow
+    // at publish, the rejection last.
+    let mut arrived = Vec::new();
+    consumer.open_channel(2).await;
+    consumer.consume(2, dlq, true).await;
+    for _ in 0..3 {
+        let delivery = consumer.next_delivery().await;
+        arrived.push((
+            String::from_utf8(delivery.body).unwrap(),
+            delivery.properties,
+        ));
+    }
+    for (queue, reason, body) in [
+        (rejecting, "rejected", rejecting.as_str()),
+        (expiring, "expired", expiring.as_str()),
+        (overflowing, "maxlen", "pushed out"),
+    ] {
+        let (_, properties) = arrived
+            .iter()
+            .find(|(b, _)| b == body)
+            .unwrap_or_else(|| panic!("no dead letter from {queue}"));
+        headers.assert_dead_letter(properties, queue, reason);
+    }
+    queues
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_deep_headers_are_carried_and_dead_lettered() {
+    let broker = common::start().await;
+    let (_conn, ch) = broker.channel().await;
+    let mut publisher = RawClient::connect(broker.addr).await;
+    let mut consumer = RawClient::connect(broker.addr).await;
+    deep_headers_round_trip(&mut publisher, &mut consumer, &ch, "emb").await;
+    // Nothing was lost on the way: the broker still serves.
+    let q = queue_with_a_message(&ch).await;
+    still_works(&ch, &q).await;
+}
+
+async fn delete_queues(queues: &[String]) {
+    let upstream = upstream_connection().await;
+    let ch = upstream.create_channel().await.unwrap();
+    for q in queues {
+        let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_deep_headers_are_carried_and_dead_lettered() {
+    require_upstream!();
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut publisher = RawClient::connect(proxy.addr).await;
+    let mut consumer = RawClient::connect(proxy.addr).await;
+    let queues = deep_headers_round_trip(&mut publisher, &mut consumer, &ch, "prx").await;
+    delete_queues(&queues).await;
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_dead_letters_deep_headers_published_straight_to_rabbitmq() {
+    require_upstream!();
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let upstream_addr = proxy_support::UPSTREAM_HOST.parse().unwrap();
+    let mut publisher = RawClient::connect(upstream_addr).await;
+    let mut consumer = RawClient::connect(proxy.addr).await;
+    let queues = deep_headers_round_trip(&mut publisher, &mut consumer, &ch, "direct").await;
+    delete_queues(&queues).await;
+    proxy.stop().await;
+}

@@ -4,4 +4,5 @@
 pub mod codec;
 pub mod content;
 pub mod depth;
+pub mod headers;
 pub mod reply;

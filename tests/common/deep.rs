@@ -170,12 +170,12 @@ pub fn header_entries(properties: &[u8]) -> Vec<RawEntry> {
     out
 }
 
-/// The shallow entries of a headers table (everything but `except`), decoded with
+/// The entries of a headers table other than those named in `except`, decoded with
 /// amq-protocol.
-pub fn decode_entries(entries: &[RawEntry], except: &str) -> amq_protocol::types::FieldTable {
+pub fn decode_entries(entries: &[RawEntry], except: &[&str]) -> amq_protocol::types::FieldTable {
     let encoded: Vec<Vec<u8>> = entries
         .iter()
-        .filter(|e| e.key != except)
+        .filter(|e| !except.contains(&e.key.as_str()))
         .map(|e| entry(&e.key, e.kind, &e.value))
         .collect();
     let bytes = table(&encoded);
