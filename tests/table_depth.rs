@@ -187,8 +187,28 @@ async fn every_table_method_at(
         );
         client.send_raw(&consume).await;
         client.expect_method(60, 21).await;
+        // A known argument with a deep value: refused with 406 (its text describes the value),
+        // on a first declaration and on a redeclaration.
+        let bad = deep::table(&[deep::entry(
+            "x-dead-letter-exchange",
+            kind,
+            &deep::nested(kind, depth - 1),
+        )]);
+        client.send_raw(&deep::queue_declare(1, &q, &bad)).await;
+        expect_channel_refusal(client, 406).await;
+        let fresh = format!("{q}-bad");
+        client.send_raw(&deep::queue_declare(1, &fresh, &bad)).await;
+        expect_channel_refusal(client, 406).await;
     }
     (q, x)
+}
+
+/// channel.close with `code` on channel 1: answered, and the channel opened again.
+async fn expect_channel_refusal(client: &mut RawClient, code: u16) {
+    let close = client.expect_method(20, 40).await;
+    assert_eq!(u16::from_be_bytes([close[4], close[5]]), code);
+    client.send_raw(&deep::frame(1, 1, &[0, 20, 0, 41])).await;
+    client.open_channel(1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -478,4 +498,49 @@ async fn proxy_dead_letters_deep_headers_published_straight_to_rabbitmq() {
     let queues = deep_headers_round_trip(&mut publisher, &mut consumer, &ch, "direct").await;
     delete_queues(&queues).await;
     proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_headers_exchange_routes_messages_with_deep_headers() {
+    use lapin::ExchangeKind;
+    use lapin::types::AMQPValue;
+    let broker = common::start().await;
+    let (_conn, ch) = broker.channel().await;
+    let x = unique("deep-headers-x");
+    exchange(&ch, &x, ExchangeKind::Headers).await;
+    // Matches: the shallow header's value and the deep header's presence (a void binding
+    // value). Never matches: a value for the deep header.
+    let [present, valued] = ["present", "valued"].map(|s| unique(&format!("deep-{s}")));
+    declare(&ch, &present, FieldTable::default()).await;
+    declare(&ch, &valued, FieldTable::default()).await;
+    common::dl::bind_with(
+        &ch,
+        &present,
+        &x,
+        "",
+        table(&[("app", ls("ok")), ("deep-array", AMQPValue::Void)]),
+    )
+    .await;
+    common::dl::bind_with(
+        &ch,
+        &valued,
+        &x,
+        "",
+        table(&[("x-match", ls("any")), ("deep-table", ls("ok"))]),
+    )
+    .await;
+
+    let headers = DeepHeaders::new();
+    let mut client = RawClient::connect(broker.addr).await;
+    client.open_channel(1).await;
+    client
+        .send_raw(&deep::publish(1, &x, "", &headers.properties, b"routed"))
+        .await;
+    client.consume(1, &present, true).await;
+    expect_exact(&mut client, &headers, "routed").await;
+    let none = ch
+        .basic_get(valued.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap();
+    assert!(none.is_none(), "an opaque value equals no binding value");
 }

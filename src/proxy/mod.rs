@@ -68,6 +68,9 @@
 //! - the capture queue is consumed by the proxy's connections of a vhost: with no client
 //!   connected there, captured messages wait in it;
 //! - `compat = "4"`: an x-death history on a message is always continued;
+//! - queue.declare and basic.consume whose arguments nest deeper than
+//!   `limits.max_table_depth` are refused by the proxy (501, the client connection closed);
+//!   other methods with tables are forwarded unread, and RabbitMQ accepts them;
 //! - a delivery keeps its content (to be dead-lettered or republished by the proxy) only when
 //!   its queue can dead-letter when it is delivered (`ProxyShared::may_take_over`); a
 //!   policy that adds a dead-letter exchange later applies to such a delivery only through
