@@ -19,8 +19,6 @@
 //! RabbitMQ and amq-protocol read (`t b B s u U I i l L f d D S A T F V x`, where `s` is a
 //! signed 16-bit integer as in RabbitMQ, not the spec's short string).
 
-use std::fmt;
-
 /// Default of `limits.max_table_depth`: far above any real use (RabbitMQ's own x-death is 3
 /// deep, client properties 2) and far below what a task's stack can take.
 pub const DEFAULT_MAX_TABLE_DEPTH: usize = 64;
@@ -44,16 +42,6 @@ pub enum ScanError {
     UnknownType(u8),
     /// Tables and arrays nest deeper than the limit (scanning stopped there).
     TooDeep,
-}
-
-impl fmt::Display for ScanError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ScanError::Truncated => f.write_str("field value is truncated"),
-            ScanError::UnknownType(t) => write!(f, "unknown field type {t:#04x}"),
-            ScanError::TooDeep => f.write_str("field tables nest too deep"),
-        }
-    }
 }
 
 /// Where a field value ends and how deep it nests.
@@ -242,7 +230,7 @@ pub fn check_method(payload: &[u8], max_depth: usize) -> Result<(), ScanError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use amq_protocol::frame::WriteContext;
     use amq_protocol::protocol::{AMQPClass, basic, connection, exchange, queue};
@@ -253,7 +241,7 @@ mod tests {
 
     /// The encoded field table (length first) nesting `depth` levels: tables (`F`) or arrays
     /// (`A`) inside each other, an empty one innermost. Built without recursion.
-    fn nested(kind: u8, depth: usize) -> Vec<u8> {
+    pub(crate) fn nested(kind: u8, depth: usize) -> Vec<u8> {
         // Bytes each level adds inside its parent: [key "k"] tag length.
         let per_level = if kind == b'F' { 7 } else { 5 };
         let mut out = Vec::with_capacity(depth * per_level + 4);

@@ -218,15 +218,7 @@ mod tests {
 
     /// The encoded value of `depth` arrays inside each other (built without recursion).
     fn nested_arrays(depth: usize) -> Vec<u8> {
-        let mut out = Vec::with_capacity(depth * 5);
-        let mut inner = (depth - 1) * 5;
-        out.extend_from_slice(&(inner as u32).to_be_bytes());
-        for _ in 1..depth {
-            out.push(b'A');
-            inner -= 5;
-            out.extend_from_slice(&(inner as u32).to_be_bytes());
-        }
-        out
+        crate::amqp::depth::tests::nested(b'A', depth)
     }
 
     fn entry(key: &str, tag: u8, value: &[u8]) -> Vec<u8> {
