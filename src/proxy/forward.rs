@@ -23,7 +23,8 @@ use super::session::{Session, Side};
 use super::wire::{WireFrame, content_body_size, header_frame, method_frame};
 use crate::admission::is_loopback;
 use crate::amqp::codec::{
-    FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, decode_method, is_known_method,
+    FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, decode_method, decode_method_within,
+    is_known_method,
 };
 use crate::amqp::reply;
 
@@ -439,8 +440,11 @@ impl Session {
                 self.send_upstream(frame.raw);
             }
             BASIC_CONSUME => {
-                match decode_method(&frame.payload) {
-                    Some(AMQPClass::Basic(basic::AMQPMethod::Consume(consume))) => {
+                let Some(method) = self.decode_client_method(&frame) else {
+                    return;
+                };
+                match method {
+                    AMQPClass::Basic(basic::AMQPMethod::Consume(consume)) => {
                         if let Some(ch) = self.channels.get_mut(&channel) {
                             let source = Source::new(
                                 ch.resolve_queue(consume.queue.as_str()),
@@ -539,6 +543,23 @@ impl Session {
         match close {
             Some(err) => self.close_client(err.code, &err.text, 0, 0),
             None => self.client_side = Side::Closed,
+        }
+    }
+
+    /// Decodes a client method whose arguments carry a field table, under
+    /// `limits.max_table_depth`; a method that does not decode closes the client connection
+    /// (501 for tables nested too deep, 502 otherwise) and gives `None`. The upstream
+    /// connection is then closed cleanly once the proxy's own work is settled.
+    pub(super) fn decode_client_method(&mut self, frame: &WireFrame) -> Option<AMQPClass> {
+        match decode_method_within(&frame.payload, self.shared.max_table_depth) {
+            Ok(method) => Some(method),
+            Err(err) => {
+                let (class_id, method_id) = frame.method_ids();
+                let err = err.to_amqp_error(class_id, method_id);
+                tracing::warn!(text = %err.text, "client method refused");
+                self.close_client(err.code, &err.text, class_id, method_id);
+                None
+            }
         }
     }
 

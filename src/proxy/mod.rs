@@ -77,6 +77,9 @@
 //!   fewer channels are open (RabbitMQ counts channels only): those numbers are the proxy's;
 //! - a method of an unknown class or method gets 540 NOT_IMPLEMENTED (RabbitMQ drops the
 //!   connection without a reply);
+//! - queue.declare and basic.consume whose arguments nest deeper than
+//!   `limits.max_table_depth` are refused by the proxy (501, the client connection closed);
+//!   other methods with tables are forwarded unread, and RabbitMQ accepts them;
 //! - a delivery keeps its content (to be dead-lettered or republished by the proxy) only when
 //!   its queue can dead-letter when it is delivered (`ProxyShared::may_take_over`); a
 //!   policy that adds a dead-letter exchange later applies to such a delivery only through
@@ -156,6 +159,8 @@ pub struct ProxyShared {
     pub(crate) loopback_users: HashSet<String>,
     /// `limits.max_connections`: each connection task holds a slot.
     pub(crate) connections: Arc<ConnectionSlots>,
+    /// `limits.max_table_depth`: deepest field tables in the client methods the proxy decodes.
+    pub(crate) max_table_depth: usize,
 }
 
 impl std::fmt::Debug for ProxyShared {
@@ -220,6 +225,7 @@ impl ProxyShared {
             loopback_users: config.proxy.loopback_users.iter().cloned().collect(),
             connections: ConnectionSlots::new(limits.max_connections, metrics.clone()),
             metrics,
+            max_table_depth: limits.max_table_depth,
         }))
     }
 

@@ -42,3 +42,4 @@ mod proxy_fault_close;
 mod proxy_faults;
 mod proxy_forwarding;
 mod proxy_upstream_tls;
+mod table_depth;
