@@ -8,24 +8,33 @@
 //! - `PUT /api/policies/{vhost}/{name}` with `{"pattern", "definition", "priority",
 //!   "apply-to"}` sets a policy, `DELETE` clears it. The vhost is URL-encoded (`%2F` is `/`).
 //!
+//! Reads (`GET`, `HEAD`) are open. Every other method, on every route present or future, goes
+//! through one middleware ([`guard_writes`]) that wants `Authorization: Bearer <token>` with
+//! the configured `admin.token` / `admin.token_file`: without it or with another token the
+//! answer is 401 with `WWW-Authenticate: Bearer`; with no token configured writes are
+//! disabled (403). The token is compared in constant time ([`Secret::matches`]) and swapped on
+//! reload ([`AdminToken::set`]).
+//!
 //! The policy store is behind the [`PolicyControl`] trait, implemented by the service for the
 //! broker or the proxy. [`request`] is a tiny blocking HTTP client for the same API, used by
 //! `dlx-proxy policy` (the conformance harness's policy hook).
 
 use crate::config::PolicyConfig;
 use crate::metrics::Metrics;
+use crate::secret::Secret;
 use crate::shutdown::Shutdown;
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{Path, State};
-use axum::http::{StatusCode, header};
+use axum::extract::{Path, Request, State};
+use axum::http::{Method, StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde::{Deserialize, Deserializer, Serialize};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 /// The runtime policy store the admin API edits.
@@ -57,12 +66,134 @@ impl Readiness {
     }
 }
 
+/// The bearer token write requests must carry (none: writes are disabled). Shared between
+/// the service, which replaces it on reload, and the admin server.
+#[derive(Clone, Debug, Default)]
+pub struct AdminToken(Arc<RwLock<Option<Secret<String>>>>);
+
+impl AdminToken {
+    pub fn new(token: Option<Secret<String>>) -> AdminToken {
+        AdminToken(Arc::new(RwLock::new(token)))
+    }
+
+    /// Replaces the token (a reload).
+    pub fn set(&self, token: Option<Secret<String>>) {
+        match self.0.write() {
+            Ok(mut guard) => *guard = token,
+            Err(poisoned) => *poisoned.into_inner() = token,
+        }
+    }
+
+    /// Whether a token is configured (writes are enabled).
+    pub fn is_set(&self) -> bool {
+        match self.0.read() {
+            Ok(guard) => guard.is_some(),
+            Err(poisoned) => poisoned.into_inner().is_some(),
+        }
+    }
+
+    /// Whether a request with this `Authorization` header value may write.
+    pub fn authorize(&self, authorization: Option<&[u8]>) -> Result<(), Refusal> {
+        match self.0.read() {
+            Ok(guard) => authorize(guard.as_ref(), authorization),
+            Err(poisoned) => authorize(poisoned.into_inner().as_ref(), authorization),
+        }
+    }
+}
+
+/// Why a write request was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// No token is configured: writes are disabled (403).
+    Disabled,
+    /// No `Authorization: Bearer` header (401).
+    Missing,
+    /// A bearer token other than the configured one (401).
+    Invalid,
+}
+
+/// The check itself: `authorization` is the header's value, if any. The scheme is matched
+/// without regard to case (RFC 7235); the token must match exactly.
+pub fn authorize(
+    token: Option<&Secret<String>>,
+    authorization: Option<&[u8]>,
+) -> Result<(), Refusal> {
+    let Some(token) = token else {
+        return Err(Refusal::Disabled);
+    };
+    let presented = authorization.and_then(|value| {
+        let space = value.iter().position(|&b| b == b' ')?;
+        let (scheme, rest) = value.split_at(space);
+        scheme
+            .eq_ignore_ascii_case(b"bearer")
+            .then(|| rest.trim_ascii())
+    });
+    match presented {
+        None => Err(Refusal::Missing),
+        Some(presented) if token.matches(presented) => Ok(()),
+        Some(_) => Err(Refusal::Invalid),
+    }
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        const CHALLENGE: &str = "Bearer realm=\"dlx-proxy\"";
+        match self {
+            Refusal::Disabled => (
+                StatusCode::FORBIDDEN,
+                "admin API writes are disabled: no admin.token or admin.token_file is configured",
+            )
+                .into_response(),
+            Refusal::Missing => (
+                StatusCode::UNAUTHORIZED,
+                [(header::WWW_AUTHENTICATE, CHALLENGE.to_string())],
+                "this request needs an Authorization: Bearer token (admin.token)",
+            )
+                .into_response(),
+            Refusal::Invalid => (
+                StatusCode::UNAUTHORIZED,
+                [(
+                    header::WWW_AUTHENTICATE,
+                    format!("{CHALLENGE}, error=\"invalid_token\""),
+                )],
+                "the bearer token is not the admin token",
+            )
+                .into_response(),
+        }
+    }
+}
+
+/// Lets reads through; every other request must be authorised with the admin token. Applied
+/// to the whole router, so a route added later is guarded without doing anything.
+async fn guard_writes(State(token): State<AdminToken>, request: Request, next: Next) -> Response {
+    if matches!(*request.method(), Method::GET | Method::HEAD) {
+        return next.run(request).await;
+    }
+    let authorization = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|value| value.as_bytes());
+    match token.authorize(authorization) {
+        Ok(()) => next.run(request).await,
+        Err(refusal) => {
+            tracing::warn!(
+                method = %request.method(),
+                path = %request.uri().path(),
+                ?refusal,
+                "admin API write refused"
+            );
+            refusal.into_response()
+        }
+    }
+}
+
 /// What the admin handlers need.
 #[derive(Clone)]
 pub struct AdminState {
     pub metrics: Arc<Metrics>,
     pub readiness: Readiness,
     pub policies: Arc<dyn PolicyControl>,
+    pub token: AdminToken,
 }
 
 /// Serves the admin API on `listener` until `shutdown` fires.
@@ -87,6 +218,10 @@ pub fn router(state: AdminState) -> Router {
             "/api/policies/{vhost}/{name}",
             get(get_policy).put(put_policy).delete(delete_policy),
         )
+        .layer(middleware::from_fn_with_state(
+            state.token.clone(),
+            guard_writes,
+        ))
         .with_state(state)
 }
 
@@ -265,6 +400,18 @@ pub fn request(
     body: Option<&str>,
     timeout: Duration,
 ) -> std::io::Result<(u16, String)> {
+    request_with_token(address, method, path, body, None, timeout)
+}
+
+/// [`request`] with `Authorization: Bearer <token>` when a token is given (writes).
+pub fn request_with_token(
+    address: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    token: Option<&Secret<String>>,
+    timeout: Duration,
+) -> std::io::Result<(u16, String)> {
     use std::io::{Error, ErrorKind};
     use std::net::ToSocketAddrs;
     let socket_address = address
@@ -275,9 +422,13 @@ pub fn request(
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
     let body = body.unwrap_or("");
+    let authorization = match token {
+        Some(token) => format!("Authorization: Bearer {}\r\n", token.expose()),
+        None => String::new(),
+    };
     let request = format!(
         "{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+         {authorization}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     stream.write_all(request.as_bytes())?;
@@ -360,13 +511,21 @@ mod tests {
         task: tokio::task::JoinHandle<std::io::Result<()>>,
     }
 
+    /// The admin token of the test servers.
+    const TOKEN: &str = "t0ken-for-tests";
+
     async fn start() -> Server {
+        start_with_token(Some(TOKEN)).await
+    }
+
+    async fn start_with_token(token: Option<&str>) -> Server {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let state = AdminState {
             metrics: Metrics::new(10),
             readiness: Readiness::new(),
             policies: Arc::new(MemoryPolicies::default()),
+            token: AdminToken::new(token.map(Secret::from)),
         };
         let trigger = ShutdownTrigger::new();
         let task = tokio::spawn(serve(listener, state.clone(), trigger.subscribe()));
@@ -378,17 +537,29 @@ mod tests {
         }
     }
 
-    /// Runs the blocking client off the runtime's worker.
+    /// Runs the blocking client off the runtime's worker, with the test token.
     async fn call(server: &Server, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+        call_as(server, Some(TOKEN), method, path, body).await
+    }
+
+    async fn call_as(
+        server: &Server,
+        token: Option<&str>,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> (u16, String) {
         let (address, method, path) =
             (server.address.clone(), method.to_string(), path.to_string());
         let body = body.map(str::to_string);
+        let token = token.map(Secret::from);
         tokio::task::spawn_blocking(move || {
-            request(
+            request_with_token(
                 &address,
                 &method,
                 &path,
                 body.as_deref(),
+                token.as_ref(),
                 Duration::from_secs(5),
             )
         })
@@ -399,11 +570,16 @@ mod tests {
 
     /// The raw response head, to check headers.
     async fn raw_get(server: &Server, path: &str) -> String {
+        raw_request(server, &format!("GET {path} HTTP/1.1\r\n")).await
+    }
+
+    /// Sends `head` (request line and any headers) and returns the whole raw response.
+    async fn raw_request(server: &Server, head: &str) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut stream = tokio::net::TcpStream::connect(&server.address)
             .await
             .unwrap();
-        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let request = format!("{head}Host: x\r\nConnection: close\r\nContent-Length: 0\r\n\r\n");
         stream.write_all(request.as_bytes()).await.unwrap();
         let mut response = String::new();
         stream.read_to_string(&mut response).await.unwrap();
@@ -524,6 +700,130 @@ mod tests {
             .unwrap()
             .unwrap()
             .unwrap();
+    }
+
+    const POLICY: &str = r#"{"pattern": ".*", "definition": {"max-length": 1}}"#;
+
+    #[tokio::test]
+    async fn writes_need_the_bearer_token_and_reads_do_not() {
+        let server = start().await;
+        let path = "/api/policies/%2F/p";
+        // No header: 401 with the challenge, nothing stored.
+        let response = raw_request(&server, &format!("PUT {path} HTTP/1.1\r\n")).await;
+        assert!(response.starts_with("HTTP/1.1 401"), "{response}");
+        assert!(
+            response
+                .to_ascii_lowercase()
+                .contains("www-authenticate: bearer realm=\"dlx-proxy\"\r\n"),
+            "{response}"
+        );
+        assert_eq!(
+            call_as(&server, None, "PUT", path, Some(POLICY)).await.0,
+            401
+        );
+        // A wrong token, or a prefix of the right one: 401 invalid_token.
+        for wrong in ["t0ken-for-test", "t0ken-for-tests2", "nope"] {
+            let (status, text) = call_as(&server, Some(wrong), "PUT", path, Some(POLICY)).await;
+            assert_eq!(
+                (status, text.as_str()),
+                (401, "the bearer token is not the admin token")
+            );
+        }
+        let response = raw_request(
+            &server,
+            &format!("DELETE {path} HTTP/1.1\r\nAuthorization: Bearer nope\r\n"),
+        )
+        .await;
+        assert!(response.starts_with("HTTP/1.1 401"), "{response}");
+        assert!(response.contains("error=\"invalid_token\""), "{response}");
+        // Another scheme is no bearer token.
+        let response = raw_request(
+            &server,
+            &format!("DELETE {path} HTTP/1.1\r\nAuthorization: Basic {TOKEN}\r\n"),
+        )
+        .await;
+        assert!(response.starts_with("HTTP/1.1 401"), "{response}");
+        assert!(server.state.policies.list_policies().is_empty());
+
+        // The right token, the scheme in any case.
+        let response = raw_request(
+            &server,
+            &format!("DELETE {path} HTTP/1.1\r\nAuthorization: bEaReR {TOKEN}\r\n"),
+        )
+        .await;
+        assert!(response.starts_with("HTTP/1.1 404"), "{response}");
+        assert_eq!(call(&server, "PUT", path, Some(POLICY)).await.0, 204);
+        assert_eq!(server.state.policies.list_policies().len(), 1);
+
+        // Reads stay open.
+        assert_eq!(
+            call_as(&server, None, "GET", "/api/policies", None).await.0,
+            200
+        );
+        assert_eq!(call_as(&server, None, "GET", path, None).await.0, 200);
+        assert_eq!(call_as(&server, None, "GET", "/metrics", None).await.0, 200);
+        assert_eq!(call_as(&server, None, "GET", "/healthz", None).await.0, 200);
+        // Any other method on any path is a write.
+        assert_eq!(
+            call_as(&server, None, "POST", "/api/anything", None)
+                .await
+                .0,
+            401
+        );
+    }
+
+    #[tokio::test]
+    async fn writes_are_disabled_without_a_token_and_follow_a_new_token() {
+        let server = start_with_token(None).await;
+        let path = "/api/policies/%2F/p";
+        let (status, text) = call_as(&server, None, "PUT", path, Some(POLICY)).await;
+        assert_eq!(status, 403);
+        assert!(text.contains("admin.token"), "{text}");
+        assert_eq!(
+            call_as(&server, Some("x"), "DELETE", path, None).await.0,
+            403
+        );
+        assert_eq!(
+            call_as(&server, None, "GET", "/api/policies", None).await.0,
+            200
+        );
+
+        // A reload sets a token, then changes it.
+        server.state.token.set(Some(Secret::from("first")));
+        assert_eq!(
+            call_as(&server, Some("first"), "PUT", path, Some(POLICY))
+                .await
+                .0,
+            204
+        );
+        server.state.token.set(Some(Secret::from("second")));
+        assert_eq!(
+            call_as(&server, Some("first"), "DELETE", path, None)
+                .await
+                .0,
+            401
+        );
+        assert_eq!(
+            call_as(&server, Some("second"), "DELETE", path, None)
+                .await
+                .0,
+            204
+        );
+    }
+
+    #[test]
+    fn authorize_reads_the_bearer_scheme() {
+        let token = Secret::from("abc");
+        let check = |header: Option<&str>| authorize(Some(&token), header.map(str::as_bytes));
+        assert_eq!(check(Some("Bearer abc")), Ok(()));
+        assert_eq!(check(Some("bearer   abc ")), Ok(()));
+        assert_eq!(check(Some("Bearer abd")), Err(Refusal::Invalid));
+        assert_eq!(check(Some("Bearer ")), Err(Refusal::Invalid));
+        assert_eq!(check(Some("Bearer")), Err(Refusal::Missing));
+        assert_eq!(check(Some("Basic abc")), Err(Refusal::Missing));
+        assert_eq!(check(Some("abc")), Err(Refusal::Missing));
+        assert_eq!(check(None), Err(Refusal::Missing));
+        assert_eq!(authorize(None, Some(b"Bearer abc")), Err(Refusal::Disabled));
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! - [`broker`] is the embedded broker core (vhosts, exchanges, queues, consumers);
 //! - [`server`] runs one task per client connection for embedded mode;
 //! - [`proxy`] forwards client connections to an upstream broker (proxy mode);
+//! - [`secret`] keeps passwords and tokens out of every log line;
 //! - [`config`], [`metrics`], [`admin`], [`tls`] and [`service`] wire everything together.
 
 pub mod admin;
@@ -18,6 +19,7 @@ pub mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod reload;
+pub mod secret;
 pub mod server;
 pub mod service;
 pub mod shutdown;

@@ -16,7 +16,7 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::admin::{AdminState, PolicyControl, Readiness};
+use crate::admin::{AdminState, AdminToken, PolicyControl, Readiness};
 use crate::broker::auth::UserDb;
 use crate::broker::{Broker, BrokerOptions};
 use crate::config::{Config, Mode, PolicyConfig};
@@ -134,6 +134,8 @@ pub struct RunningService {
     pub broker: Option<Arc<Broker>>,
     pub policies: Arc<PolicyHub>,
     pub readiness: Readiness,
+    /// The admin API's bearer token, re-read on reload.
+    admin_token: AdminToken,
     server: Option<Arc<ServerContext>>,
     drain: Duration,
     /// The settings a reload cannot change, as the service started with them.
@@ -195,11 +197,15 @@ impl RunningService {
         }
     }
 
-    /// Applies a new configuration without dropping connections: policies, users, limits.
-    /// Every other setting (listeners, mode, TLS, vhosts, ...) needs a restart; a change to
+    /// Applies a new configuration without dropping connections: policies, users, limits and
+    /// the admin token (`admin.token_file` is read again). Every other setting (listeners, mode, TLS, vhosts, ...) needs a restart; a change to
     /// one is logged as a warning and the running value stays.
     pub fn reload(&self, config: &Config) -> anyhow::Result<()> {
         config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let admin_token = config
+            .admin
+            .resolve_token()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         let changed = changed_fixed_settings(&self.fixed_settings, config);
         if !changed.is_empty() {
             tracing::warn!(
@@ -221,6 +227,7 @@ impl RunningService {
                 Err(p) => *p.into_inner() = config.limits.clone(),
             }
         }
+        self.admin_token.set(admin_token);
         Ok(())
     }
 }
@@ -278,6 +285,12 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
     let accept_trigger = ShutdownTrigger::new();
     let connections_trigger = ShutdownTrigger::new();
     let metrics = Metrics::new(config.metrics.max_queue_labels);
+    let admin_token = AdminToken::new(
+        config
+            .admin
+            .resolve_token()
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
+    );
     let initial = PolicySet::from_configs(&config.policies).map_err(|e| anyhow::anyhow!("{e}"))?;
     let readiness = Readiness::new();
     let mut tasks = Vec::new();
@@ -344,7 +357,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 &config.proxy.capture_name,
             )?;
             if let Some(listener) = amqp {
-                tracing::info!(addr = ?amqp_addr, upstream = %config.upstream.url, "AMQP listener (proxy)");
+                tracing::info!(addr = ?amqp_addr, upstream = %config.upstream.url_for_display(), "AMQP listener (proxy)");
                 let shared = proxy.clone();
                 let conn_stop = connections_trigger.subscribe();
                 tasks.push(tokio::spawn(crate::listener::accept_tcp(
@@ -402,11 +415,16 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         sink,
     });
     if let Some(listener) = admin {
-        tracing::info!(addr = ?admin_addr, "admin HTTP listener");
+        tracing::info!(
+            addr = ?admin_addr,
+            writes = if admin_token.is_set() { "bearer token required" } else { "disabled (no admin token)" },
+            "admin HTTP listener"
+        );
         let state = AdminState {
             metrics: metrics.clone(),
             readiness: readiness.clone(),
             policies: policies.clone(),
+            token: admin_token.clone(),
         };
         let stop = connections_trigger.subscribe();
         tasks.push(tokio::spawn(async move {
@@ -423,6 +441,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         broker: broker_handle,
         policies,
         readiness,
+        admin_token,
         server: server_ctx,
         drain: Duration::from_secs(config.shutdown.drain_secs),
         fixed_settings: fixed_settings(&config),
