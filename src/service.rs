@@ -480,18 +480,25 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result
     let mut stop = crate::shutdown::TerminationSignals::install()
         .context("installing the SIGTERM/SIGINT handlers")?;
     let mut hup = crate::shutdown::reload_signals().context("installing the SIGHUP handler")?;
+    // A rotated admin token (a Kubernetes Secret update) reloads like a config change.
+    let token_file =
+        (!config.admin.token_file.is_empty()).then(|| PathBuf::from(&config.admin.token_file));
     let service = start(config).await?;
     let (watch_tx, mut watch_rx) = tokio::sync::mpsc::channel::<()>(1);
-    let _watcher = match &config_path {
-        Some(p) => match crate::reload::watch_config(p, watch_tx) {
-            Ok(w) => Some(w),
-            Err(err) => {
-                tracing::warn!(%err, path = %p.display(), "config file watching unavailable; SIGHUP still reloads");
-                None
-            }
-        },
-        None => None,
+    let watch = |path: &std::path::Path, what: &str| match crate::reload::watch_config(
+        path,
+        watch_tx.clone(),
+    ) {
+        Ok(w) => Some(w),
+        Err(err) => {
+            tracing::warn!(%err, path = %path.display(), "{what} watching unavailable; SIGHUP still reloads");
+            None
+        }
     };
+    let _watcher = config_path.as_deref().and_then(|p| watch(p, "config file"));
+    let _token_watcher = token_file
+        .as_deref()
+        .and_then(|p| watch(p, "admin token file"));
     loop {
         tokio::select! {
             signal = stop.recv() => {
