@@ -781,8 +781,9 @@ pub const MIN_FRAME_MAX: u32 = 4096;
 const MAX_NAME_LEN: usize = 255;
 
 impl Config {
-    /// Checks every setting that can be checked without starting anything (the admin token
-    /// file is read); the first problem found is returned. `run`, `check-config` and reloads
+    /// Checks every setting that can be checked without starting anything (files are read:
+    /// the admin token, TLS certificates, keys and CA bundles); the first problem found is
+    /// returned. `run`, `check-config` and reloads
     /// all call this, so `check-config` accepts exactly what `run` accepts.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.validate_listen()?;
@@ -794,6 +795,7 @@ impl Config {
         self.validate_dead_letter()?;
         self.validate_proxy()?;
         self.validate_tls()?;
+        self.validate_tls_material()?;
         self.log.validate()?;
         if self.runtime.worker_threads > MAX_WORKER_THREADS {
             return Err(ConfigError::invalid(
@@ -948,6 +950,37 @@ impl Config {
                 "tls.client_ca_file",
                 "required when tls.require_client_cert = true",
             ));
+        }
+        Ok(())
+    }
+
+    /// Loads the TLS material the way the service does at start (certificates, keys and CA
+    /// bundles must parse, not only exist), so `check-config` catches what `run` would.
+    fn validate_tls_material(&self) -> Result<(), ConfigError> {
+        if !self.listen.amqps.is_empty() {
+            crate::tls::acceptor(&self.tls).map_err(|error| {
+                let text = format!("{error:#}");
+                let key = text
+                    .split(':')
+                    .next()
+                    .filter(|prefix| prefix.starts_with("tls."))
+                    .unwrap_or("tls.cert_file")
+                    .to_string();
+                ConfigError::invalid(key, text)
+            })?;
+        }
+        if self.mode == Mode::Proxy {
+            use crate::proxy::upstream::{UpstreamError, UpstreamTarget};
+            UpstreamTarget::from_config(&self.upstream).map_err(|error| {
+                let key = match &error {
+                    UpstreamError::BadUrl { .. } => "upstream.url",
+                    UpstreamError::Tls(text) if text.starts_with("server name") => {
+                        "upstream.tls_server_name"
+                    }
+                    UpstreamError::Tls(_) => "upstream.tls_ca_file",
+                };
+                ConfigError::invalid(key, error.to_string())
+            })?;
         }
         Ok(())
     }

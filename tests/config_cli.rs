@@ -232,6 +232,25 @@ fn check_config_and_run_refuse_the_same_policies() {
     assert_eq!(run_briefly(&valid), None, "run refused a valid policy");
 }
 
+/// TLS files that exist but do not hold what they should are refused by both commands (the
+/// certificates are loaded as the service loads them, not only looked up).
+#[test]
+fn check_config_and_run_refuse_unusable_tls_files() {
+    let junk = temp_file("not a PEM file\n");
+    let text = format!(
+        "[listen]\namqps = \"127.0.0.1:0\"\n[tls]\ncert_file = {path:?}\nkey_file = {path:?}\n",
+        path = junk.display().to_string()
+    );
+    let expected = "key `tls.cert_file`: tls.cert_file:";
+    let (code, printed, errors) = check(&text, &[]);
+    assert_eq!(code, 2, "{printed}");
+    assert!(errors.contains(expected), "{errors}");
+    let (code, errors) = run_briefly(&text).expect("run started with a junk certificate");
+    assert_eq!(code, 2);
+    assert!(errors.contains(expected), "{errors}");
+    std::fs::remove_file(&junk).unwrap();
+}
+
 /// Proxy mode has no default upstream: without `upstream.url` both commands refuse it.
 #[test]
 fn proxy_mode_requires_the_upstream_url() {
