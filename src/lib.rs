@@ -10,6 +10,7 @@
 //! - [`config`], [`metrics`], [`admin`], [`tls`] and [`service`] wire everything together.
 
 pub mod admin;
+pub mod admin_auth;
 pub mod amqp;
 pub mod broker;
 pub mod config;
