@@ -325,7 +325,9 @@ pub const MAX_WORKER_THREADS: usize = 1024;
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdminConfig {
-    /// The bearer token for write requests (prefer `token_file`).
+    /// The bearer token for write requests (prefer `token_file`). A number is taken as its
+    /// digits (`DLX_PROXY_ADMIN__TOKEN=123456` reads as one), never quoted in an error.
+    #[serde(deserialize_with = "secret_string_or_number")]
     pub token: Secret<String>,
     /// File holding the token (a mounted Kubernetes Secret); read at start and on every
     /// reload, one trailing newline removed. Exclusive with `token`.
@@ -382,6 +384,7 @@ pub struct UserConfig {
     #[serde(deserialize_with = "secret_string_or_number")]
     pub password: Secret<String>,
     /// RabbitMQ `rabbit_password_hashing_sha256` hash: base64(salt[4] ++ sha256(salt ++ password)).
+    #[serde(deserialize_with = "secret_string_or_number")]
     pub password_hash: Secret<String>,
     /// Only allow this user from loopback addresses (RabbitMQ's rule for guest).
     pub loopback_only: bool,

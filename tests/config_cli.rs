@@ -283,6 +283,12 @@ fn admin_token_and_token_file_are_exclusive() {
     assert_eq!(code, 0, "{errors}");
     assert!(!printed.contains("tok-4d2b9"), "{printed}");
     assert!(printed.contains("token = \"<redacted>\""), "{printed}");
+    // A token of digits in the environment is read as the token, not refused with its value
+    // quoted in the error.
+    let (code, printed, errors) = check("", &[("DLX_PROXY_ADMIN__TOKEN", "918273645")]);
+    assert_eq!(code, 0, "{errors}");
+    assert!(!printed.contains("918273645"), "{printed}");
+    assert!(printed.contains("token = \"<redacted>\""), "{printed}");
 }
 
 #[test]
