@@ -8,17 +8,24 @@
 //! - `PUT /api/policies/{vhost}/{name}` with `{"pattern", "definition", "priority",
 //!   "apply-to"}` sets a policy, `DELETE` clears it. The vhost is URL-encoded (`%2F` is `/`).
 //!
+//! Reads (`GET`, `HEAD`) are open; every other request, on every route present or future,
+//! passes the bearer-token guard of [`crate::admin_auth`] first (401 without the admin token,
+//! 403 while none is configured).
+//!
 //! The policy store is behind the [`PolicyControl`] trait, implemented by the service for the
 //! broker or the proxy. [`request`] is a tiny blocking HTTP client for the same API, used by
 //! `dlx-proxy policy` (the conformance harness's policy hook).
 
+pub use crate::admin_auth::{AdminToken, Refusal};
 use crate::config::PolicyConfig;
 use crate::metrics::Metrics;
+use crate::secret::Secret;
 use crate::shutdown::Shutdown;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde::{Deserialize, Deserializer, Serialize};
@@ -63,6 +70,7 @@ pub struct AdminState {
     pub metrics: Arc<Metrics>,
     pub readiness: Readiness,
     pub policies: Arc<dyn PolicyControl>,
+    pub token: AdminToken,
 }
 
 /// Serves the admin API on `listener` until `shutdown` fires.
@@ -87,6 +95,10 @@ pub fn router(state: AdminState) -> Router {
             "/api/policies/{vhost}/{name}",
             get(get_policy).put(put_policy).delete(delete_policy),
         )
+        .layer(middleware::from_fn_with_state(
+            state.token.clone(),
+            crate::admin_auth::guard_writes,
+        ))
         .with_state(state)
 }
 
@@ -265,6 +277,18 @@ pub fn request(
     body: Option<&str>,
     timeout: Duration,
 ) -> std::io::Result<(u16, String)> {
+    request_with_token(address, method, path, body, None, timeout)
+}
+
+/// [`request`] with `Authorization: Bearer <token>` when a token is given (writes).
+pub fn request_with_token(
+    address: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    token: Option<&Secret<String>>,
+    timeout: Duration,
+) -> std::io::Result<(u16, String)> {
     use std::io::{Error, ErrorKind};
     use std::net::ToSocketAddrs;
     let socket_address = address
@@ -275,9 +299,13 @@ pub fn request(
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
     let body = body.unwrap_or("");
+    let authorization = match token {
+        Some(token) => format!("Authorization: Bearer {}\r\n", token.expose()),
+        None => String::new(),
+    };
     let request = format!(
         "{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+         {authorization}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     stream.write_all(request.as_bytes())?;
@@ -360,13 +388,21 @@ mod tests {
         task: tokio::task::JoinHandle<std::io::Result<()>>,
     }
 
+    /// The admin token of the test servers.
+    const TOKEN: &str = "t0ken-for-tests";
+
     async fn start() -> Server {
+        start_with_token(Some(TOKEN)).await
+    }
+
+    async fn start_with_token(token: Option<&str>) -> Server {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let state = AdminState {
             metrics: Metrics::new(10),
             readiness: Readiness::new(),
             policies: Arc::new(MemoryPolicies::default()),
+            token: AdminToken::new(token.map(Secret::from)),
         };
         let trigger = ShutdownTrigger::new();
         let task = tokio::spawn(serve(listener, state.clone(), trigger.subscribe()));
@@ -378,17 +414,29 @@ mod tests {
         }
     }
 
-    /// Runs the blocking client off the runtime's worker.
+    /// Runs the blocking client off the runtime's worker, with the test token.
     async fn call(server: &Server, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+        call_as(server, Some(TOKEN), method, path, body).await
+    }
+
+    async fn call_as(
+        server: &Server,
+        token: Option<&str>,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> (u16, String) {
         let (address, method, path) =
             (server.address.clone(), method.to_string(), path.to_string());
         let body = body.map(str::to_string);
+        let token = token.map(Secret::from);
         tokio::task::spawn_blocking(move || {
-            request(
+            request_with_token(
                 &address,
                 &method,
                 &path,
                 body.as_deref(),
+                token.as_ref(),
                 Duration::from_secs(5),
             )
         })
@@ -399,11 +447,16 @@ mod tests {
 
     /// The raw response head, to check headers.
     async fn raw_get(server: &Server, path: &str) -> String {
+        raw_request(server, &format!("GET {path} HTTP/1.1\r\n")).await
+    }
+
+    /// Sends `head` (request line and any headers) and returns the whole raw response.
+    async fn raw_request(server: &Server, head: &str) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut stream = tokio::net::TcpStream::connect(&server.address)
             .await
             .unwrap();
-        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let request = format!("{head}Host: x\r\nConnection: close\r\nContent-Length: 0\r\n\r\n");
         stream.write_all(request.as_bytes()).await.unwrap();
         let mut response = String::new();
         stream.read_to_string(&mut response).await.unwrap();
@@ -524,6 +577,115 @@ mod tests {
             .unwrap()
             .unwrap()
             .unwrap();
+    }
+
+    const POLICY: &str = r#"{"pattern": ".*", "definition": {"max-length": 1}}"#;
+
+    #[tokio::test]
+    async fn writes_need_the_bearer_token_and_reads_do_not() {
+        let server = start().await;
+        let path = "/api/policies/%2F/p";
+        // No header: 401 with the challenge, nothing stored.
+        let response = raw_request(&server, &format!("PUT {path} HTTP/1.1\r\n")).await;
+        assert!(response.starts_with("HTTP/1.1 401"), "{response}");
+        assert!(
+            response
+                .to_ascii_lowercase()
+                .contains("www-authenticate: bearer realm=\"dlx-proxy\"\r\n"),
+            "{response}"
+        );
+        assert_eq!(
+            call_as(&server, None, "PUT", path, Some(POLICY)).await.0,
+            401
+        );
+        // A wrong token, or a prefix of the right one: 401 invalid_token.
+        for wrong in ["t0ken-for-test", "t0ken-for-tests2", "nope"] {
+            let (status, text) = call_as(&server, Some(wrong), "PUT", path, Some(POLICY)).await;
+            assert_eq!(
+                (status, text.as_str()),
+                (401, "the bearer token is not the admin token")
+            );
+        }
+        let response = raw_request(
+            &server,
+            &format!("DELETE {path} HTTP/1.1\r\nAuthorization: Bearer nope\r\n"),
+        )
+        .await;
+        assert!(response.starts_with("HTTP/1.1 401"), "{response}");
+        assert!(response.contains("error=\"invalid_token\""), "{response}");
+        // Another scheme is no bearer token.
+        let response = raw_request(
+            &server,
+            &format!("DELETE {path} HTTP/1.1\r\nAuthorization: Basic {TOKEN}\r\n"),
+        )
+        .await;
+        assert!(response.starts_with("HTTP/1.1 401"), "{response}");
+        assert!(server.state.policies.list_policies().is_empty());
+
+        // The right token, the scheme in any case.
+        let response = raw_request(
+            &server,
+            &format!("DELETE {path} HTTP/1.1\r\nAuthorization: bEaReR {TOKEN}\r\n"),
+        )
+        .await;
+        assert!(response.starts_with("HTTP/1.1 404"), "{response}");
+        assert_eq!(call(&server, "PUT", path, Some(POLICY)).await.0, 204);
+        assert_eq!(server.state.policies.list_policies().len(), 1);
+
+        // Reads stay open.
+        assert_eq!(
+            call_as(&server, None, "GET", "/api/policies", None).await.0,
+            200
+        );
+        assert_eq!(call_as(&server, None, "GET", path, None).await.0, 200);
+        assert_eq!(call_as(&server, None, "GET", "/metrics", None).await.0, 200);
+        assert_eq!(call_as(&server, None, "GET", "/healthz", None).await.0, 200);
+        // Any other method on any path is a write.
+        assert_eq!(
+            call_as(&server, None, "POST", "/api/anything", None)
+                .await
+                .0,
+            401
+        );
+    }
+
+    #[tokio::test]
+    async fn writes_are_disabled_without_a_token_and_follow_a_new_token() {
+        let server = start_with_token(None).await;
+        let path = "/api/policies/%2F/p";
+        let (status, text) = call_as(&server, None, "PUT", path, Some(POLICY)).await;
+        assert_eq!(status, 403);
+        assert!(text.contains("admin.token"), "{text}");
+        assert_eq!(
+            call_as(&server, Some("x"), "DELETE", path, None).await.0,
+            403
+        );
+        assert_eq!(
+            call_as(&server, None, "GET", "/api/policies", None).await.0,
+            200
+        );
+
+        // A reload sets a token, then changes it.
+        server.state.token.set(Some(Secret::from("first")));
+        assert_eq!(
+            call_as(&server, Some("first"), "PUT", path, Some(POLICY))
+                .await
+                .0,
+            204
+        );
+        server.state.token.set(Some(Secret::from("second")));
+        assert_eq!(
+            call_as(&server, Some("first"), "DELETE", path, None)
+                .await
+                .0,
+            401
+        );
+        assert_eq!(
+            call_as(&server, Some("second"), "DELETE", path, None)
+                .await
+                .0,
+            204
+        );
     }
 
     #[test]

@@ -6,8 +6,13 @@
 //!
 //! [`load`] merges the layers and runs [`Config::validate`]; every [`ConfigError`] names the
 //! key at fault and, when known, where the value came from (the file, with line and column for
-//! syntax errors, or the environment variable). Policy *definitions* are checked later by
-//! `policy::PolicySet::from_configs`; here only their name, vhost, pattern and apply-to are.
+//! syntax errors, or the environment variable). [`Config::validate`] is the whole check: `run`,
+//! `check-config` and a reload all go through it, and it runs the same policy validation
+//! (`policy::Policy::from_config`) the service builds its policy set with, so nothing `run`
+//! would refuse passes `check-config`.
+//!
+//! Passwords, password hashes and the admin token are [`Secret`]s, and the upstream URL's
+//! password is masked in `Debug`: a configuration can be logged without leaking them.
 
 use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
@@ -15,6 +20,8 @@ use serde::{Deserialize, Deserializer, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+
+use crate::secret::Secret;
 
 /// Which engine serves client connections.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -42,6 +49,7 @@ pub struct Config {
     pub metrics: MetricsConfig,
     pub shutdown: ShutdownConfig,
     pub runtime: RuntimeConfig,
+    pub admin: AdminConfig,
     /// Virtual hosts of the embedded broker.
     pub vhosts: Vec<String>,
     /// Users of the embedded broker.
@@ -64,6 +72,7 @@ impl Default for Config {
             metrics: MetricsConfig::default(),
             shutdown: ShutdownConfig::default(),
             runtime: RuntimeConfig::default(),
+            admin: AdminConfig::default(),
             vhosts: vec!["/".to_string()],
             users: vec![UserConfig::default()],
             policies: Vec::new(),
@@ -91,9 +100,11 @@ impl Default for ListenConfig {
 }
 
 /// The upstream broker (proxy mode).
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct UpstreamConfig {
+    /// amqp:// or amqps:// URL; required in proxy mode. Its credentials are not used (each
+    /// client brings its own) but are masked wherever the URL is shown.
     pub url: String,
     /// Seconds to wait for the upstream TCP/TLS connection.
     pub connect_timeout_secs: u64,
@@ -109,12 +120,31 @@ pub struct UpstreamConfig {
 impl Default for UpstreamConfig {
     fn default() -> Self {
         UpstreamConfig {
-            url: "amqp://127.0.0.1:5673".into(),
+            url: String::new(),
             connect_timeout_secs: 5,
             tls_ca_file: String::new(),
             tls_server_name: String::new(),
             tls_verify: true,
         }
+    }
+}
+
+impl UpstreamConfig {
+    /// The URL with its password masked: the form to log or print.
+    pub fn url_for_display(&self) -> String {
+        redact_url_password(&self.url)
+    }
+}
+
+impl std::fmt::Debug for UpstreamConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamConfig")
+            .field("url", &self.url_for_display())
+            .field("connect_timeout_secs", &self.connect_timeout_secs)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_server_name", &self.tls_server_name)
+            .field("tls_verify", &self.tls_verify)
+            .finish()
     }
 }
 
@@ -299,16 +329,73 @@ pub struct RuntimeConfig {
 /// Most runtime worker threads accepted.
 pub const MAX_WORKER_THREADS: usize = 1024;
 
+/// The admin HTTP API (`listen.admin`). Reading (metrics, health, policies) needs nothing;
+/// changing policies needs `Authorization: Bearer <token>` with this token, and is refused
+/// (403) while no token is set.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// The bearer token for write requests (prefer `token_file`). A number is taken as its
+    /// digits (`DLX_PROXY_ADMIN__TOKEN=123456` reads as one), never quoted in an error.
+    #[serde(deserialize_with = "secret_string_or_number")]
+    pub token: Secret<String>,
+    /// File holding the token (a mounted Kubernetes Secret); read at start and on every
+    /// reload, one trailing newline removed. Exclusive with `token`.
+    pub token_file: String,
+}
+
+impl AdminConfig {
+    /// The token in force: `token`, else the contents of `token_file` (one trailing newline
+    /// removed), else none. Both set, an unreadable or empty file, or a token with characters
+    /// a header cannot carry is an error naming the key.
+    pub fn resolve_token(&self) -> Result<Option<Secret<String>>, ConfigError> {
+        let (key, token) = match (self.token.is_empty(), self.token_file.is_empty()) {
+            (true, true) => return Ok(None),
+            (false, false) => {
+                return Err(ConfigError::invalid(
+                    "admin.token",
+                    "admin.token and admin.token_file are both set; set only one",
+                ));
+            }
+            (false, true) => ("admin.token", self.token.expose().clone()),
+            (true, false) => {
+                let text = std::fs::read_to_string(&self.token_file).map_err(|error| {
+                    ConfigError::invalid(
+                        "admin.token_file",
+                        format!("cannot read {:?}: {error}", self.token_file),
+                    )
+                })?;
+                let token = text
+                    .strip_suffix('\n')
+                    .map(|t| t.strip_suffix('\r').unwrap_or(t))
+                    .unwrap_or(&text);
+                ("admin.token_file", token.to_string())
+            }
+        };
+        if token.is_empty() {
+            return Err(ConfigError::invalid(key, "the token is empty"));
+        }
+        if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(ConfigError::invalid(
+                key,
+                "the token may only hold printable ASCII without spaces",
+            ));
+        }
+        Ok(Some(Secret::new(token)))
+    }
+}
+
 /// A user of the embedded broker.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct UserConfig {
     pub name: String,
     /// Plain-text password (use `password_hash` in production).
-    #[serde(deserialize_with = "string_or_number")]
-    pub password: String,
+    #[serde(deserialize_with = "secret_string_or_number")]
+    pub password: Secret<String>,
     /// RabbitMQ `rabbit_password_hashing_sha256` hash: base64(salt[4] ++ sha256(salt ++ password)).
-    pub password_hash: String,
+    #[serde(deserialize_with = "secret_string_or_number")]
+    pub password_hash: Secret<String>,
     /// Only allow this user from loopback addresses (RabbitMQ's rule for guest).
     pub loopback_only: bool,
     pub permissions: Vec<PermissionConfig>,
@@ -319,7 +406,7 @@ impl Default for UserConfig {
         UserConfig {
             name: "guest".into(),
             password: "guest".into(),
-            password_hash: String::new(),
+            password_hash: Secret::default(),
             loopback_only: true,
             permissions: vec![PermissionConfig::default()],
         }
@@ -393,6 +480,13 @@ fn string_or_number<'de, D: Deserializer<'de>>(deserializer: D) -> Result<String
         StringOrNumber::Signed(n) => n.to_string(),
         StringOrNumber::Float(n) => n.to_string(),
     })
+}
+
+/// [`string_or_number`] for a secret (`password = 1234`).
+fn secret_string_or_number<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Secret<String>, D::Error> {
+    string_or_number(deserializer).map(Secret::new)
 }
 
 // ------------------------------------------------------------------------------------------
@@ -700,17 +794,21 @@ pub const MIN_FRAME_MAX: u32 = 4096;
 const MAX_NAME_LEN: usize = 255;
 
 impl Config {
-    /// Checks every setting that can be checked without starting anything; the first problem
-    /// found is returned. Policy definitions are left to `policy::PolicySet::from_configs`.
+    /// Checks every setting that can be checked without starting anything (files are read:
+    /// the admin token, TLS certificates, keys and CA bundles); the first problem found is
+    /// returned. `run`, `check-config` and reloads
+    /// all call this, so `check-config` accepts exactly what `run` accepts.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.validate_listen()?;
         if self.mode == Mode::Proxy {
             self.validate_upstream()?;
         }
+        self.admin.resolve_token()?;
         self.validate_limits()?;
         self.validate_dead_letter()?;
         self.validate_proxy()?;
         self.validate_tls()?;
+        self.validate_tls_material()?;
         self.log.validate()?;
         if self.runtime.worker_threads > MAX_WORKER_THREADS {
             return Err(ConfigError::invalid(
@@ -744,6 +842,12 @@ impl Config {
 
     fn validate_upstream(&self) -> Result<(), ConfigError> {
         let upstream = &self.upstream;
+        if upstream.url.is_empty() {
+            return Err(ConfigError::invalid(
+                "upstream.url",
+                "required in proxy mode (the amqp:// or amqps:// URL of the upstream broker)",
+            ));
+        }
         let uri = parse_amqp_url("upstream.url", &upstream.url)?;
         if upstream.connect_timeout_secs == 0 {
             return Err(ConfigError::invalid(
@@ -882,6 +986,37 @@ impl Config {
         Ok(())
     }
 
+    /// Loads the TLS material the way the service does at start (certificates, keys and CA
+    /// bundles must parse, not only exist), so `check-config` catches what `run` would.
+    fn validate_tls_material(&self) -> Result<(), ConfigError> {
+        if !self.listen.amqps.is_empty() {
+            crate::tls::acceptor(&self.tls).map_err(|error| {
+                let text = format!("{error:#}");
+                let key = text
+                    .split(':')
+                    .next()
+                    .filter(|prefix| prefix.starts_with("tls."))
+                    .unwrap_or("tls.cert_file")
+                    .to_string();
+                ConfigError::invalid(key, text)
+            })?;
+        }
+        if self.mode == Mode::Proxy {
+            use crate::proxy::upstream::{UpstreamError, UpstreamTarget};
+            UpstreamTarget::from_config(&self.upstream).map_err(|error| {
+                let key = match &error {
+                    UpstreamError::BadUrl { .. } => "upstream.url",
+                    UpstreamError::Tls(text) if text.starts_with("server name") => {
+                        "upstream.tls_server_name"
+                    }
+                    UpstreamError::Tls(_) => "upstream.tls_ca_file",
+                };
+                ConfigError::invalid(key, error.to_string())
+            })?;
+        }
+        Ok(())
+    }
+
     fn validate_vhosts(&self) -> Result<BTreeSet<&str>, ConfigError> {
         if self.vhosts.is_empty() {
             return Err(ConfigError::invalid(
@@ -920,8 +1055,18 @@ impl Config {
                     format!("user {:?} needs a password or a password_hash", user.name),
                 ));
             }
+            if !user.password.is_empty() && !user.password_hash.is_empty() {
+                return Err(ConfigError::invalid(
+                    key("password_hash"),
+                    format!(
+                        "user {:?} has both a password and a password_hash; set only one \
+                         (password defaults to \"guest\": write password = \"\" next to a hash)",
+                        user.name
+                    ),
+                ));
+            }
             if !user.password_hash.is_empty() {
-                check_password_hash(&key("password_hash"), &user.password_hash)?;
+                check_password_hash(&key("password_hash"), user.password_hash.expose())?;
             }
             let mut permitted = BTreeSet::new();
             for (p, permission) in user.permissions.iter().enumerate() {
@@ -982,20 +1127,32 @@ impl Config {
                     ),
                 ));
             }
+            // The definition, exactly as the service builds its policy set from it.
+            crate::policy::Policy::from_config(policy).map_err(|error| {
+                ConfigError::invalid(
+                    key(&error.key),
+                    format!("policy {:?}: {}", policy.name, error.message),
+                )
+            })?;
         }
         Ok(())
     }
 
-    /// A copy with secrets replaced by `"<redacted>"`: user passwords and the upstream URL's
-    /// password. For printing the effective settings.
+    /// A copy with secrets replaced by `"<redacted>"`: user passwords and password hashes,
+    /// the admin token and the upstream URL's password. For printing the effective settings.
     pub fn redacted(&self) -> Config {
+        let redact = |secret: &mut Secret<String>| {
+            if !secret.is_empty() {
+                *secret = Secret::from(REDACTED);
+            }
+        };
         let mut config = self.clone();
         for user in &mut config.users {
-            if !user.password.is_empty() {
-                user.password = REDACTED.to_string();
-            }
+            redact(&mut user.password);
+            redact(&mut user.password_hash);
         }
-        config.upstream.url = redact_url_password(&config.upstream.url);
+        redact(&mut config.admin.token);
+        config.upstream.url = config.upstream.url_for_display();
         config
     }
 
@@ -1024,7 +1181,7 @@ impl LogConfig {
 const REDACTED: &str = "<redacted>";
 
 /// `amqp://user:secret@host/` → `amqp://user:<redacted>@host/`.
-fn redact_url_password(url: &str) -> String {
+pub fn redact_url_password(url: &str) -> String {
     let Some(scheme_end) = url.find("://") else {
         return url.to_string();
     };
@@ -1346,7 +1503,8 @@ mod tests {
         let error = load_text("[[policies]]\nname = \"p\"\npattern = \"(\"\n").unwrap_err();
         assert_eq!(error.key(), "policies[0].pattern");
         let error = load_text(
-            "[[policies]]\nname = \"p\"\npattern = \"a\"\n[[policies]]\nname = \"p\"\npattern = \"b\"\n",
+            "[[policies]]\nname = \"p\"\npattern = \"a\"\ndefinition = { max-length = 1 }\n\
+             [[policies]]\nname = \"p\"\npattern = \"b\"\ndefinition = { max-length = 1 }\n",
         )
         .unwrap_err();
         assert_eq!(error.key(), "policies[1].name");
@@ -1354,6 +1512,159 @@ mod tests {
         assert_eq!(error.key(), "users[0].password");
         let error = load_text("[[users]]\nname = \"app\"\npassword_hash = \"abc=\"\n").unwrap_err();
         assert_eq!(error.key(), "users[0].password_hash");
+    }
+
+    #[test]
+    fn proxy_mode_needs_an_upstream_url() {
+        let error = load_text("mode = \"proxy\"\n").unwrap_err();
+        assert_eq!(error.key(), "upstream.url");
+        assert!(
+            error.to_string().contains("required in proxy mode"),
+            "{error}"
+        );
+        // Embedded mode does not use it.
+        assert_eq!(load_text("").unwrap().upstream.url, "");
+    }
+
+    /// Policy definitions are checked by `validate` with the rules the service applies, so
+    /// `check-config` refuses what `run` refuses, naming the key.
+    #[test]
+    fn policy_definitions_are_validated_with_the_key_named() {
+        let policy = |definition: &str| {
+            format!(
+                "[[policies]]\nname = \"p\"\npattern = \".*\"\ndefinition = {{ {definition} }}\n"
+            )
+        };
+        for (definition, key, message) in [
+            (
+                "message-ttl = -5",
+                "policies[0].definition.message-ttl",
+                "expected a non-negative integer",
+            ),
+            (
+                "overflow = \"explode\"",
+                "policies[0].definition.overflow",
+                "expected 'drop-head'",
+            ),
+            (
+                "message-tll = 5",
+                "policies[0].definition.message-tll",
+                "unknown policy key",
+            ),
+            (
+                "max-length = 1e3",
+                "policies[0].definition.max-length",
+                "expected a non-negative integer",
+            ),
+        ] {
+            let error = load_text(&policy(definition)).unwrap_err();
+            assert_eq!(error.key(), key, "{definition}: {error}");
+            assert!(error.to_string().contains(message), "{definition}: {error}");
+            assert!(
+                error.to_string().contains("policy \"p\""),
+                "{definition}: {error}"
+            );
+        }
+        let error = load_text("[[policies]]\nname = \"p\"\npattern = \".*\"\n").unwrap_err();
+        assert_eq!(error.key(), "policies[0].definition.*");
+        let config = load_text(&policy(
+            "message-ttl = 5, max-length = 1000, overflow = \"reject-publish\"",
+        ))
+        .unwrap();
+        crate::policy::PolicySet::from_configs(&config.policies).unwrap();
+    }
+
+    #[test]
+    fn a_user_has_a_password_or_a_hash_not_both() {
+        use base64::Engine as _;
+        let hash = base64::engine::general_purpose::STANDARD.encode([7u8; 36]);
+        let error = load_text(&format!(
+            "[[users]]\nname = \"app\"\npassword = \"x\"\npassword_hash = \"{hash}\"\n"
+        ))
+        .unwrap_err();
+        assert_eq!(error.key(), "users[0].password_hash");
+    }
+
+    #[test]
+    fn the_admin_token_comes_from_the_setting_or_a_file() {
+        let config = load_text("[admin]\ntoken = \"abc\"\n").unwrap();
+        assert_eq!(
+            config.admin.resolve_token().unwrap().unwrap().expose(),
+            "abc"
+        );
+        assert_eq!(Config::default().admin.resolve_token().unwrap(), None);
+
+        // A mounted Secret: one trailing newline is not part of the token.
+        for (contents, token) in [
+            ("s3cr3t\n", "s3cr3t"),
+            ("s3cr3t\r\n", "s3cr3t"),
+            ("s3cr3t", "s3cr3t"),
+        ] {
+            let file = temp_file(contents);
+            let config = load_text(&format!(
+                "[admin]\ntoken_file = {:?}\n",
+                file.display().to_string()
+            ))
+            .unwrap();
+            assert_eq!(
+                config.admin.resolve_token().unwrap().unwrap().expose(),
+                token
+            );
+            std::fs::remove_file(&file).unwrap();
+        }
+
+        let file = temp_file("abc\n");
+        let both = format!(
+            "[admin]\ntoken = \"abc\"\ntoken_file = {:?}\n",
+            file.display().to_string()
+        );
+        let error = load_text(&both).unwrap_err();
+        assert_eq!(error.key(), "admin.token");
+        assert!(error.to_string().contains("admin.token_file"), "{error}");
+        std::fs::remove_file(&file).unwrap();
+
+        let error = load_text("[admin]\ntoken_file = \"/nonexistent/token\"\n").unwrap_err();
+        assert_eq!(error.key(), "admin.token_file");
+        assert!(error.to_string().contains("/nonexistent/token"), "{error}");
+        for contents in ["", "\n", "two words\n"] {
+            let file = temp_file(contents);
+            let error = load_text(&format!(
+                "[admin]\ntoken_file = {:?}\n",
+                file.display().to_string()
+            ))
+            .unwrap_err();
+            assert_eq!(error.key(), "admin.token_file", "{contents:?}");
+            std::fs::remove_file(&file).unwrap();
+        }
+        let error = load_text("[admin]\ntoken = \"a b\"\n").unwrap_err();
+        assert_eq!(error.key(), "admin.token");
+        assert!(!error.to_string().contains("a b"), "{error}");
+    }
+
+    #[test]
+    fn debug_output_holds_no_secret() {
+        let mut config = Config::default();
+        config.upstream.url = "amqp://user:url-secret@rabbit:5672/".into();
+        config.users[0].password = "user-secret".into();
+        config.users.push(UserConfig {
+            name: "hashed".into(),
+            password: Secret::default(),
+            password_hash: "hash-secret".into(),
+            ..UserConfig::default()
+        });
+        config.admin.token = "token-secret".into();
+        let debug = format!("{config:?} {config:#?}");
+        for secret in ["url-secret", "user-secret", "hash-secret", "token-secret"] {
+            assert!(!debug.contains(secret), "{secret} in {debug}");
+        }
+        assert!(
+            debug.contains("amqp://user:<redacted>@rabbit:5672/"),
+            "{debug}"
+        );
+        let printed = config.to_toml().unwrap();
+        for secret in ["url-secret", "user-secret", "hash-secret", "token-secret"] {
+            assert!(!printed.contains(secret), "{secret} in {printed}");
+        }
     }
 
     #[test]

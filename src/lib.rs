@@ -8,9 +8,11 @@
 //! - [`server`] runs one task per client connection for embedded mode;
 //! - [`proxy`] forwards client connections to an upstream broker (proxy mode);
 //! - [`admission`] decides who may connect (connection slots, loopback-only users);
+//! - [`secret`] keeps passwords and tokens out of every log line;
 //! - [`config`], [`metrics`], [`admin`], [`tls`] and [`service`] wire everything together.
 
 pub mod admin;
+pub mod admin_auth;
 pub mod admission;
 pub mod amqp;
 pub mod broker;
@@ -22,6 +24,7 @@ pub mod policy;
 pub mod proxy;
 pub mod rabbit;
 pub mod reload;
+pub mod secret;
 pub mod server;
 pub mod service;
 pub mod shutdown;

@@ -7,7 +7,9 @@
 //!   and exit 0, or print the error (naming the key) and exit 2.
 //! - `dlx-proxy policy set|clear VHOST NAME [PATTERN DEFINITION PRIORITY APPLY_TO]`: edit the
 //!   runtime policies of a running instance through its admin API (the conformance harness's
-//!   policy hook).
+//!   policy hook). The admin address and token come from the same layered configuration as
+//!   `run` reads (`listen.admin`, `admin.token` / `admin.token_file`); `--admin` overrides
+//!   the address.
 
 use clap::{Parser, Subcommand, ValueEnum};
 use dlx_proxy::admin;
@@ -53,7 +55,8 @@ enum Command {
         /// Admin address (default: listen.admin from the configuration).
         #[arg(long, value_name = "HOST:PORT")]
         admin: Option<String>,
-        /// Configuration file used to find the admin address.
+        /// Configuration file with the admin address and token (default: ./config.toml if it
+        /// exists, else built-in defaults; DLX_PROXY_* variables on top).
         #[arg(long, short = 'c', value_name = "FILE")]
         config: Option<PathBuf>,
         op: PolicyOp,
@@ -202,11 +205,10 @@ struct PolicyArgs {
 
 /// The address to reach the admin server: `--admin`, else `listen.admin` from the
 /// configuration with an unspecified IP (0.0.0.0, ::) replaced by loopback.
-fn admin_address(admin: Option<String>, given: Option<&Path>) -> Result<String, String> {
+fn admin_address(admin: Option<String>, config: &Config) -> Result<String, String> {
     if let Some(admin) = admin {
         return Ok(admin);
     }
-    let (config, _) = load_config(given).map_err(|e| format!("invalid configuration: {e}"))?;
     let address: SocketAddr = config
         .listen
         .admin
@@ -235,7 +237,12 @@ fn send_policy(
     given: Option<&Path>,
     args: PolicyArgs,
 ) -> Result<(), String> {
-    let address = admin_address(admin, given)?;
+    let (config, _) = load_config(given).map_err(|e| format!("invalid configuration: {e}"))?;
+    let address = admin_address(admin, &config)?;
+    let token = config
+        .admin
+        .resolve_token()
+        .map_err(|e| format!("invalid configuration: {e}"))?;
     let path = format!(
         "/api/policies/{}/{}",
         admin::encode_path_segment(&args.vhost),
@@ -245,11 +252,12 @@ fn send_policy(
         PolicyOp::Clear => ("DELETE", None),
         PolicyOp::Set => ("PUT", Some(policy_body(&args)?)),
     };
-    let (status, text) = admin::request(
+    let (status, text) = admin::request_with_token(
         &address,
         method,
         &path,
         body.as_deref(),
+        token.as_ref(),
         Duration::from_secs(10),
     )
     .map_err(|e| format!("{method} http://{address}{path}: {e}"))?;

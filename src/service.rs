@@ -18,7 +18,7 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::admin::{AdminState, PolicyControl, Readiness};
+use crate::admin::{AdminState, AdminToken, PolicyControl, Readiness};
 use crate::admission::ConnectionSlots;
 use crate::broker::auth::UserDb;
 use crate::broker::{Broker, BrokerOptions};
@@ -138,6 +138,8 @@ pub struct RunningService {
     pub broker: Option<Arc<Broker>>,
     pub policies: Arc<PolicyHub>,
     pub readiness: Readiness,
+    /// The admin API's bearer token, re-read on reload.
+    admin_token: AdminToken,
     server: Option<Arc<ServerContext>>,
     /// `limits.max_connections` of either mode (a reload changes the limit).
     connection_slots: Arc<ConnectionSlots>,
@@ -216,12 +218,17 @@ impl RunningService {
         self.tls.reload_all();
     }
 
-    /// Applies a new configuration without dropping connections: policies, users, limits.
-    /// Every other setting (listeners, mode, TLS file names, vhosts, ...) needs a restart; a
-    /// change to one is logged as a warning and the running value stays. (The content of the
-    /// TLS files is reloaded separately: [`RunningService::reload_tls`].)
+    /// Applies a new configuration without dropping connections: policies, users, limits and
+    /// the admin token (`admin.token_file` is read again). Every other setting (listeners,
+    /// mode, TLS file names, vhosts, ...) needs a restart; a change to one is logged as a
+    /// warning and the running value stays. (The content of the TLS files is reloaded
+    /// separately: [`RunningService::reload_tls`].)
     pub fn reload(&self, config: &Config) -> anyhow::Result<()> {
         config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let admin_token = config
+            .admin
+            .resolve_token()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         let changed = changed_fixed_settings(&self.fixed_settings, config);
         if !changed.is_empty() {
             tracing::warn!(
@@ -244,6 +251,7 @@ impl RunningService {
             }
         }
         self.connection_slots.set_max(config.limits.max_connections);
+        self.admin_token.set(admin_token);
         Ok(())
     }
 }
@@ -301,6 +309,12 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
     let accept_trigger = ShutdownTrigger::new();
     let connections_trigger = ShutdownTrigger::new();
     let metrics = Metrics::new(config.metrics.max_queue_labels);
+    let admin_token = AdminToken::new(
+        config
+            .admin
+            .resolve_token()
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
+    );
     let initial = PolicySet::from_configs(&config.policies).map_err(|e| anyhow::anyhow!("{e}"))?;
     let readiness = Readiness::new();
     let mut tasks = Vec::new();
@@ -382,7 +396,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 tls.add(upstream_tls);
             }
             if let Some(listener) = amqp {
-                tracing::info!(addr = ?amqp_addr, upstream = %config.upstream.url, "AMQP listener (proxy)");
+                tracing::info!(addr = ?amqp_addr, upstream = %config.upstream.url_for_display(), "AMQP listener (proxy)");
                 let shared = proxy.clone();
                 let conn_stop = connections_trigger.subscribe();
                 listeners.push(tokio::spawn(crate::listener::accept_tcp(
@@ -441,11 +455,16 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         sink,
     });
     if let Some(listener) = admin {
-        tracing::info!(addr = ?admin_addr, "admin HTTP listener");
+        tracing::info!(
+            addr = ?admin_addr,
+            writes = if admin_token.is_set() { "bearer token required" } else { "disabled (no admin token)" },
+            "admin HTTP listener"
+        );
         let state = AdminState {
             metrics: metrics.clone(),
             readiness: readiness.clone(),
             policies: policies.clone(),
+            token: admin_token.clone(),
         };
         let stop = connections_trigger.subscribe();
         tasks.push(tokio::spawn(async move {
@@ -463,6 +482,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         broker: broker_handle,
         policies,
         readiness,
+        admin_token,
         server: server_ctx,
         connection_slots,
         drain: Duration::from_secs(config.shutdown.drain_secs),
@@ -505,18 +525,25 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result
     let mut stop = crate::shutdown::TerminationSignals::install()
         .context("installing the SIGTERM/SIGINT handlers")?;
     let mut hup = crate::shutdown::reload_signals().context("installing the SIGHUP handler")?;
+    // A rotated admin token (a Kubernetes Secret update) reloads like a config change.
+    let token_file =
+        (!config.admin.token_file.is_empty()).then(|| PathBuf::from(&config.admin.token_file));
     let service = start(config).await?;
     let (watch_tx, mut watch_rx) = tokio::sync::mpsc::channel::<()>(1);
-    let _watcher = match &config_path {
-        Some(p) => match crate::reload::watch_config(p, watch_tx) {
-            Ok(w) => Some(w),
-            Err(err) => {
-                tracing::warn!(%err, path = %p.display(), "config file watching unavailable; SIGHUP still reloads");
-                None
-            }
-        },
-        None => None,
+    let watch = |path: &std::path::Path, what: &str| match crate::reload::watch_config(
+        path,
+        watch_tx.clone(),
+    ) {
+        Ok(w) => Some(w),
+        Err(err) => {
+            tracing::warn!(%err, path = %path.display(), "{what} watching unavailable; SIGHUP still reloads");
+            None
+        }
     };
+    let _watcher = config_path.as_deref().and_then(|p| watch(p, "config file"));
+    let _token_watcher = token_file
+        .as_deref()
+        .and_then(|p| watch(p, "admin token file"));
     loop {
         tokio::select! {
             signal = stop.recv() => {

@@ -40,6 +40,7 @@ use regex::bytes::{Regex, RegexBuilder};
 use sha2::{Digest, Sha256, Sha512};
 
 use crate::config::{PermissionConfig, UserConfig};
+use crate::secret::constant_time_eq;
 
 /// Why a login was refused. The AMQP reply uses one text for all of them (never reveal which);
 /// this is for logs.
@@ -123,8 +124,8 @@ impl UserDb {
                 return Err(format!("{key}.name: duplicate user '{}'", user.name));
             }
             let credential = match (user.password.is_empty(), user.password_hash.is_empty()) {
-                (false, true) => PasswordHash::new(rand::random(), &user.password),
-                (true, false) => PasswordHash::parse(&user.password_hash)
+                (false, true) => PasswordHash::new(rand::random(), user.password.expose()),
+                (true, false) => PasswordHash::parse(user.password_hash.expose())
                     .map_err(|e| format!("{key}.password_hash: {e}"))?,
                 _ => {
                     return Err(format!(
@@ -304,15 +305,6 @@ fn salted_digest(algorithm: HashAlgorithm, salt: &[u8], password: &str) -> Vec<u
     }
 }
 
-/// Compares without an early exit on the first differing byte.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let difference = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
-    std::hint::black_box(difference) == 0
-}
-
 /// RabbitMQ's `rabbit_password_hashing_sha256`: `base64(salt ++ sha256(salt ++ utf8 password))`.
 /// Useful to produce a `password_hash` for the configuration.
 pub fn hash_password(salt: [u8; 4], password: &str) -> String {
@@ -449,7 +441,7 @@ mod tests {
         UserConfig {
             name: name.into(),
             password: password.into(),
-            password_hash: String::new(),
+            password_hash: Default::default(),
             loopback_only: false,
             permissions,
         }
@@ -589,7 +581,7 @@ mod tests {
             "users[0]: set exactly one of password or password_hash"
         );
         let mut both = user("a", "p", vec![]);
-        both.password_hash = hash_password([1, 2, 3, 4], "p");
+        both.password_hash = hash_password([1, 2, 3, 4], "p").into();
         assert_eq!(
             err(&[both]),
             "users[0]: set exactly one of password or password_hash"
@@ -600,11 +592,11 @@ mod tests {
         assert!(err(&[not_base64]).starts_with("users[0].password_hash: invalid base64"));
 
         let mut too_short = user("a", "", vec![]);
-        too_short.password_hash = BASE64.encode([1, 2, 3, 4]);
+        too_short.password_hash = BASE64.encode([1, 2, 3, 4]).into();
         assert!(err(&[too_short]).starts_with("users[0].password_hash: decodes to 4 bytes"));
 
         let mut odd_length = user("a", "", vec![]);
-        odd_length.password_hash = BASE64.encode([7u8; 20]);
+        odd_length.password_hash = BASE64.encode([7u8; 20]).into();
         assert!(err(&[odd_length]).starts_with("users[0].password_hash: decodes to 20 bytes"));
     }
 

@@ -56,13 +56,14 @@ impl UpstreamTarget {
     /// Parses `upstream.url` and prepares the TLS client when the scheme is `amqps`.
     pub fn from_config(config: &UpstreamConfig) -> Result<Self, UpstreamError> {
         let uri = AMQPUri::from_str(&config.url).map_err(|detail| UpstreamError::BadUrl {
-            url: redact(&config.url),
-            detail,
+            url: config.url_for_display(),
+            // The parser's message may quote the URL: never with its password.
+            detail: detail.replace(&config.url, &config.url_for_display()),
         })?;
         let host = uri.authority.host.clone();
         if host.is_empty() {
             return Err(UpstreamError::BadUrl {
-                url: redact(&config.url),
+                url: config.url_for_display(),
                 detail: "no host".into(),
             });
         }
@@ -126,15 +127,6 @@ impl UpstreamTarget {
             tokio::time::timeout(within, TcpStream::connect((self.host.as_str(), self.port))).await,
             Ok(Ok(_))
         )
-    }
-}
-
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme_end), Some(at)) if at > scheme_end => {
-            format!("{}://***{}", &url[..scheme_end], &url[at..])
-        }
-        _ => url.to_string(),
     }
 }
 

@@ -1,10 +1,11 @@
 //! The `dlx-proxy` binary's configuration commands: `check-config` on the repository's
-//! config.toml, on invalid files and with environment overrides; and `policy` against a live
-//! admin server.
+//! config.toml, on invalid files and with environment overrides (and that it refuses exactly
+//! what `run` refuses); and `policy` against a live admin server, with its token.
 
-use dlx_proxy::admin::{self, AdminState, PolicyControl, Readiness};
+use dlx_proxy::admin::{self, AdminState, AdminToken, PolicyControl, Readiness};
 use dlx_proxy::config::{Config, PolicyConfig};
 use dlx_proxy::metrics::Metrics;
+use dlx_proxy::secret::Secret;
 use dlx_proxy::shutdown::ShutdownTrigger;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -139,6 +140,157 @@ fn invalid_values_exit_2_and_name_the_key() {
     }
 }
 
+/// `run` with `text` as its configuration (listeners on free ports through the environment):
+/// (exit code, stderr) if it exits
+/// within 10 s, else it is killed and `None` (it started).
+fn run_briefly(text: &str) -> Option<(i32, String)> {
+    let path = temp_file(text);
+    let mut command = Command::new(BINARY);
+    command
+        .args(["run", "--config", path.to_str().unwrap()])
+        .current_dir(std::env::temp_dir())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    for (name, _) in std::env::vars() {
+        if name.starts_with("DLX_PROXY_") || name == "RUST_LOG" {
+            command.env_remove(name);
+        }
+    }
+    let admin_address = free_address();
+    command
+        .env("DLX_PROXY_LISTEN__AMQP", free_address())
+        .env("DLX_PROXY_LISTEN__ADMIN", &admin_address);
+    let mut child = command.spawn().unwrap();
+    let ready = || {
+        let timeout = std::time::Duration::from_millis(500);
+        matches!(
+            admin::request(&admin_address, "GET", "/readyz", None, timeout),
+            Ok((200, _))
+        )
+    };
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let result = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut errors = String::new();
+            std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut errors).unwrap();
+            break Some((status.code().unwrap_or(-1), errors));
+        }
+        if ready() || std::time::Instant::now() >= until {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    std::fs::remove_file(&path).unwrap();
+    result
+}
+
+fn free_address() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+/// The policy mistakes of issue #11 that `check-config` used to accept while `run` refused
+/// them: both now exit 2 with the same message naming the key; a valid policy passes both.
+#[test]
+fn check_config_and_run_refuse_the_same_policies() {
+    let policy = |definition: &str| {
+        format!("[[policies]]\nname = \"p\"\npattern = \"^q$\"\ndefinition = {{ {definition} }}\n")
+    };
+    for (definition, expected) in [
+        (
+            "message-ttl = -5",
+            "key `policies[0].definition.message-ttl`: policy \"p\": expected a non-negative integer",
+        ),
+        (
+            "overflow = \"explode\"",
+            "key `policies[0].definition.overflow`: policy \"p\": expected 'drop-head', 'reject-publish' or 'reject-publish-dlx'",
+        ),
+        (
+            "message-tll = 60000",
+            "key `policies[0].definition.message-tll`: policy \"p\": unknown policy key",
+        ),
+        (
+            "max-length = 1e3",
+            "key `policies[0].definition.max-length`: policy \"p\": expected a non-negative integer",
+        ),
+    ] {
+        let text = policy(definition);
+        let (code, printed, errors) = check(&text, &[]);
+        assert_eq!(code, 2, "check-config accepted {definition}: {printed}");
+        assert!(errors.contains(expected), "{definition}: {errors}");
+        let (code, errors) =
+            run_briefly(&text).unwrap_or_else(|| panic!("run accepted {definition}"));
+        assert_eq!(code, 2, "{definition}: {errors}");
+        assert!(errors.contains(expected), "{definition}: {errors}");
+    }
+    let valid = policy("message-ttl = 60000, max-length = 1000, overflow = \"reject-publish\"");
+    let (code, printed, errors) = check(&valid, &[]);
+    assert_eq!(code, 0, "{errors}");
+    assert!(printed.contains("max-length = 1000"), "{printed}");
+    assert_eq!(run_briefly(&valid), None, "run refused a valid policy");
+}
+
+/// TLS files that exist but do not hold what they should are refused by both commands (the
+/// certificates are loaded as the service loads them, not only looked up).
+#[test]
+fn check_config_and_run_refuse_unusable_tls_files() {
+    let junk = temp_file("not a PEM file\n");
+    let text = format!(
+        "[listen]\namqps = \"127.0.0.1:0\"\n[tls]\ncert_file = {path:?}\nkey_file = {path:?}\n",
+        path = junk.display().to_string()
+    );
+    let expected = "key `tls.cert_file`: tls.cert_file:";
+    let (code, printed, errors) = check(&text, &[]);
+    assert_eq!(code, 2, "{printed}");
+    assert!(errors.contains(expected), "{errors}");
+    let (code, errors) = run_briefly(&text).expect("run started with a junk certificate");
+    assert_eq!(code, 2);
+    assert!(errors.contains(expected), "{errors}");
+    std::fs::remove_file(&junk).unwrap();
+}
+
+/// Proxy mode has no default upstream: without `upstream.url` both commands refuse it.
+#[test]
+fn proxy_mode_requires_the_upstream_url() {
+    let text = "mode = \"proxy\"\n";
+    let expected = "key `upstream.url`: required in proxy mode";
+    let (code, _, errors) = check(text, &[]);
+    assert_eq!(code, 2);
+    assert!(errors.contains(expected), "{errors}");
+    let (code, errors) = run_briefly(text).expect("run started without upstream.url");
+    assert_eq!(code, 2);
+    assert!(errors.contains(expected), "{errors}");
+}
+
+#[test]
+fn admin_token_and_token_file_are_exclusive() {
+    let token_file = temp_file("from-file\n");
+    let text = format!(
+        "[admin]\ntoken = \"inline\"\ntoken_file = {:?}\n",
+        token_file.display().to_string()
+    );
+    let (code, _, errors) = check(&text, &[]);
+    std::fs::remove_file(&token_file).unwrap();
+    assert_eq!(code, 2);
+    assert!(
+        errors.contains("key `admin.token`: admin.token and admin.token_file are both set"),
+        "{errors}"
+    );
+    // The printed settings never show the token.
+    let (code, printed, errors) = check("[admin]\ntoken = \"tok-4d2b9\"\n", &[]);
+    assert_eq!(code, 0, "{errors}");
+    assert!(!printed.contains("tok-4d2b9"), "{printed}");
+    assert!(printed.contains("token = \"<redacted>\""), "{printed}");
+    // A token of digits in the environment is read as the token, not refused with its value
+    // quoted in the error.
+    let (code, printed, errors) = check("", &[("DLX_PROXY_ADMIN__TOKEN", "918273645")]);
+    assert_eq!(code, 0, "{errors}");
+    assert!(!printed.contains("918273645"), "{printed}");
+    assert!(printed.contains("token = \"<redacted>\""), "{printed}");
+}
+
 #[test]
 fn a_missing_file_is_an_error() {
     let output = dlx_proxy(&["check-config", "/nonexistent/dlx-proxy.toml"], &[]);
@@ -244,6 +396,7 @@ fn config_toml_documents_every_setting_with_its_default() {
                             | "log"
                             | "metrics"
                             | "shutdown"
+                            | "admin"
                     ) {
                         let written: toml::Table = toml::from_str(&line).unwrap();
                         assert_eq!(&written[field], default, "{key}.{field}: {line}");
@@ -296,12 +449,39 @@ fn policy_command_sets_and_clears_through_the_admin_api() {
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .unwrap();
     let address = listener.local_addr().unwrap().to_string();
+    let token_text = "cli-token-7f3e";
     let state = AdminState {
         metrics: Metrics::new(10),
         readiness: Readiness::new(),
         policies: policies.clone(),
+        token: AdminToken::new(Some(Secret::from(token_text))),
     };
     let server = runtime.spawn(admin::serve(listener, state, trigger.subscribe()));
+    // The token as a mounted Secret file, named by the environment (the layered settings).
+    let token_file = temp_file(&format!("{token_text}\n"));
+    let token_path = token_file.display().to_string();
+    let with_token: &[(&str, &str)] = &[("DLX_PROXY_ADMIN__TOKEN_FILE", &token_path)];
+
+    // Without a token, or with another one, the server refuses and the command says so.
+    for env in [&[][..], &[("DLX_PROXY_ADMIN__TOKEN", "not-the-token")][..]] {
+        let refused = dlx_proxy(
+            &[
+                "policy",
+                "--admin",
+                &address,
+                "set",
+                "/",
+                "p",
+                ".*",
+                r#"{"max-length": 1}"#,
+            ],
+            env,
+        );
+        assert_eq!(refused.status.code(), Some(1), "{env:?}");
+        let errors = stderr(&refused);
+        assert!(errors.contains("HTTP 401"), "{env:?}: {errors}");
+    }
+    assert!(policies.list_policies().is_empty());
 
     let set = dlx_proxy(
         &[
@@ -316,7 +496,7 @@ fn policy_command_sets_and_clears_through_the_admin_api() {
             "100",
             "queues",
         ],
-        &[],
+        with_token,
     );
     assert!(set.status.success(), "{}", stderr(&set));
     let stored = policies.list_policies();
@@ -349,7 +529,7 @@ fn policy_command_sets_and_clears_through_the_admin_api() {
             "0",
             "",
         ],
-        &[],
+        with_token,
     );
     assert!(clear.status.success(), "{}", stderr(&clear));
     assert!(policies.list_policies().is_empty());
@@ -362,7 +542,7 @@ fn policy_command_sets_and_clears_through_the_admin_api() {
             "/",
             "pol-dlx.dlxh0a1b",
         ],
-        &[],
+        with_token,
     );
     assert_eq!(again.status.code(), Some(1));
     assert!(stderr(&again).contains("404"), "{}", stderr(&again));
@@ -376,13 +556,26 @@ fn policy_command_sets_and_clears_through_the_admin_api() {
     assert_eq!(bad.status.code(), Some(1));
     assert!(stderr(&bad).contains("DEFINITION"), "{}", stderr(&bad));
 
-    // Without --admin the address comes from the configuration (here via the environment).
+    // Without --admin the address comes from the configuration (here via the environment);
+    // the token from a configuration file.
+    let config_file = temp_file(&format!("[admin]\ntoken_file = {token_path:?}\n"));
     let from_config = dlx_proxy(
-        &["policy", "set", "/", "p", ".*", r#"{"max-length": 1}"#],
+        &[
+            "policy",
+            "--config",
+            config_file.to_str().unwrap(),
+            "set",
+            "/",
+            "p",
+            ".*",
+            r#"{"max-length": 1}"#,
+        ],
         &[("DLX_PROXY_LISTEN__ADMIN", &address)],
     );
     assert!(from_config.status.success(), "{}", stderr(&from_config));
     assert_eq!(policies.list_policies()[0].apply_to, "all");
+    std::fs::remove_file(&config_file).unwrap();
+    std::fs::remove_file(&token_file).unwrap();
 
     trigger.trigger();
     runtime.block_on(server).unwrap().unwrap();

@@ -15,6 +15,10 @@ use std::process::Command;
 const SKIP_UNSPECIFIED: &str =
     "client_xdeath_duplicate_entries,quorum_overflow_reject_publish_dlx,quorum_declare_arguments";
 
+/// The admin token of the service under test; the harness's policy command (`dlx-proxy
+/// policy`) reads it from the environment it inherits.
+const ADMIN_TOKEN: &str = "conformance-harness-admin-token";
+
 /// The harness directory: `$DLX_CONFORMANCE_DIR`, or `../shared/conformance` beside the
 /// repository. Panics when it or python3 with pika is missing.
 fn harness_dir() -> PathBuf {
@@ -48,6 +52,7 @@ fn run_harness(dir: &PathBuf, url: &str, policy_cmd: &str, skip: &str) -> (bool,
     let out = Command::new("python3")
         .current_dir(dir)
         .env("PATH", path)
+        .env("DLX_PROXY_ADMIN__TOKEN", ADMIN_TOKEN)
         .args([
             "dlx_conformance.py",
             "--url",
@@ -82,6 +87,7 @@ async fn conformance_embedded_broker() {
     let dir = harness_dir();
     let mut cfg = common::test_config();
     cfg.listen.admin = "127.0.0.1:0".into();
+    cfg.admin.token = ADMIN_TOKEN.into();
     let b = common::start_with(cfg).await;
     let admin = b.service.admin_addr.expect("admin listener");
     let url = format!("amqp://guest:guest@{}/", b.addr);
@@ -129,6 +135,7 @@ async fn conformance_through_the_proxy() {
     cfg.mode = dlx_proxy::config::Mode::Proxy;
     cfg.upstream.url = format!("amqp://{upstream}");
     cfg.listen.admin = "127.0.0.1:0".into();
+    cfg.admin.token = ADMIN_TOKEN.into();
     cfg.proxy.capture_name = common::unique("conformance.capture");
     let b = common::start_with(cfg).await;
     let admin = b.service.admin_addr.expect("admin listener");

@@ -211,7 +211,7 @@ fn limited_user() -> UserConfig {
     UserConfig {
         name: "limited".into(),
         password: "pw".into(),
-        password_hash: String::new(),
+        password_hash: Default::default(),
         loopback_only: false,
         permissions: vec![PermissionConfig {
             vhost: "/".into(),

@@ -333,7 +333,7 @@ async fn permissions_are_enforced_per_operation() {
     cfg.users.push(dlx_proxy::config::UserConfig {
         name: "limited".into(),
         password: "pw".into(),
-        password_hash: String::new(),
+        password_hash: Default::default(),
         loopback_only: false,
         permissions: vec![dlx_proxy::config::PermissionConfig {
             vhost: "/".into(),

@@ -83,6 +83,15 @@ app.kubernetes.io/part-of: dlx-proxy
 {{- end }}
 {{- end }}
 
+{{/* Name of the Secret holding the admin API token (existing or generated). */}}
+{{- define "dlx-proxy.adminTokenSecretName" -}}
+{{- if .Values.adminToken.existingSecret }}
+{{- .Values.adminToken.existingSecret }}
+{{- else }}
+{{- printf "%s-admin-token" (include "dlx-proxy.fullname" . | trunc 50 | trimSuffix "-") }}
+{{- end }}
+{{- end }}
+
 {{/* Port number of a "host:port" listen address ("" when the listener is off). */}}
 {{- define "dlx-proxy.portOf" -}}
 {{- if . }}
@@ -187,6 +196,10 @@ users = []
 {{ include "dlx-proxy.tomlTable" (list $section (get $config $section)) }}
 {{- end }}
 {{- end }}
+{{- if .Values.adminToken.enabled }}
+
+{{ include "dlx-proxy.tomlTable" (list "admin" (dict "token_file" (printf "%s/%s" .Values.adminToken.mountPath .Values.adminToken.key))) }}
+{{- end }}
 {{- range $user := get $config "users" | default list }}
 
 [[users]]
@@ -288,6 +301,11 @@ startupProbe:
   mountPath: {{ .Values.upstreamTls.mountPath }}
   readOnly: true
 {{- end }}
+{{- if .Values.adminToken.enabled }}
+- name: dlx-proxy-admin-token
+  mountPath: {{ .Values.adminToken.mountPath }}
+  readOnly: true
+{{- end }}
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
@@ -315,6 +333,14 @@ startupProbe:
 - name: dlx-proxy-upstream-ca
   secret:
     secretName: {{ .Values.upstreamTls.caSecretName }}
+{{- end }}
+{{- if .Values.adminToken.enabled }}
+- name: dlx-proxy-admin-token
+  secret:
+    secretName: {{ include "dlx-proxy.adminTokenSecretName" . }}
+    items:
+      - key: {{ .Values.adminToken.key }}
+        path: {{ .Values.adminToken.key }}
 {{- end }}
 {{- end }}
 

@@ -185,13 +185,27 @@ pub fn free_addresses() -> (SocketAddr, SocketAddr) {
 
 /// One HTTP/1.1 request to the admin server: (status, body).
 pub async fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
+    admin_call(addr, method, path, None, None).await
+}
+
+/// One admin request with a JSON `body` and, for writes, the bearer `token`: (status, body).
+pub async fn admin_call(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    token: Option<&str>,
+) -> (u16, String) {
     let (method, path) = (method.to_string(), path.to_string());
+    let body = body.map(str::to_string);
+    let token = token.map(dlx_proxy::secret::Secret::from);
     tokio::task::spawn_blocking(move || {
-        dlx_proxy::admin::request(
+        dlx_proxy::admin::request_with_token(
             &addr.to_string(),
             &method,
             &path,
-            None,
+            body.as_deref(),
+            token.as_ref(),
             Duration::from_secs(5),
         )
     })
