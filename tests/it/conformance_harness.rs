@@ -1,6 +1,7 @@
-//! The differential dead-letter harness (../shared/conformance, Python + pika) run against
-//! the embedded broker, against the reference RabbitMQ node the tests start, and through proxy
-//! mode, each compared with the recorded contract.
+//! The original differential dead-letter harness (../shared/conformance, Python + pika) run
+//! against the embedded broker, against the reference RabbitMQ node the tests start, and
+//! through proxy mode, each compared with the shared recording: an extra CI check beside the
+//! Rust port of the same scenarios in `conformance/`, which a plain `cargo test` runs.
 //!
 //! The harness lives outside this repository, so these tests are ignored by a plain
 //! `cargo test`; `.ci/run` runs them with `--ignored`, where a missing harness, Python or pika

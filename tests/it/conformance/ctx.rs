@@ -1,0 +1,644 @@
+//! The context one scenario runs in: unique names (`<local>.dlxh<10 hex>`), its own
+//! connections, the topology and policies it created (deleted afterwards from a fresh
+//! connection), and the harness's primitives: publish and wait for the confirm, bounded
+//! `basic.get` polling with a quiet window, consume until n deliveries, passive-declare counts,
+//! error capture. What a scenario observes goes into `obs`; `info` keeps notes for a failure
+//! message (full reply texts, policy hook output).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use amq_protocol::types::{AMQPValue, FieldTable};
+use futures_util::{FutureExt, StreamExt};
+use lapin::message::Delivery;
+use lapin::options::*;
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
+use serde_json::{Map, Value, json};
+use tokio::time::Instant;
+
+use super::observe;
+use super::target::Target;
+
+/// How a scenario step failed when it was not expecting to: a lapin error, or a step that
+/// could not go on (a delivery missing, a policy hook failing). Recorded as
+/// `unexpected_error`, which the recording never contains.
+#[derive(Debug)]
+pub enum Failure {
+    Amqp(lapin::Error),
+    Other(String),
+}
+
+impl From<lapin::Error> for Failure {
+    fn from(e: lapin::Error) -> Self {
+        Failure::Amqp(e)
+    }
+}
+
+impl Failure {
+    pub fn observation(&self) -> Value {
+        match self {
+            Failure::Amqp(e) => observe::error(e),
+            Failure::Other(what) => json!({"error": "exception", "type": what}),
+        }
+    }
+}
+
+pub type Outcome = Result<(), Failure>;
+
+/// Seconds as a `Duration`.
+fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s)
+}
+
+/// The poll step of `basic.get` loops.
+const POLL_STEP: Duration = Duration::from_millis(10);
+/// How long a poll waits for the expected messages.
+pub const POLL_LIMIT: f64 = 3.0;
+
+/// How long a scenario has spent in the policy hook, and whether it is in it now.
+#[derive(Default)]
+pub struct HookClock {
+    pub spent_millis: AtomicU64,
+    pub busy: AtomicBool,
+}
+
+pub struct Ctx {
+    pub target: Arc<Target>,
+    /// The random part of every name, `dlxh` + 10 hex digits.
+    pub rand: String,
+    queues: Vec<String>,
+    exchanges: Vec<String>,
+    policies: Vec<String>,
+    conns: Vec<Connection>,
+    main: Option<usize>,
+    consumer_tags: u32,
+    /// Time spent in the policy hook: not counted toward the scenario's time limit, which is
+    /// there to stop a hung server (`rabbitmqctl` starts a VM per call).
+    pub hook: Arc<HookClock>,
+    pub obs: Map<String, Value>,
+    pub info: Vec<String>,
+}
+
+/// A fresh random suffix (no two scenarios of any run share one).
+fn random_suffix() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let seed = format!(
+        "{}-{}-{:?}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed),
+        std::time::SystemTime::now()
+    );
+    format!("dlxh{}", &observe::sha256_hex(seed.as_bytes())[..10])
+}
+
+impl Ctx {
+    pub fn new(target: Arc<Target>) -> Ctx {
+        Ctx {
+            target,
+            rand: random_suffix(),
+            queues: Vec::new(),
+            exchanges: Vec::new(),
+            policies: Vec::new(),
+            conns: Vec::new(),
+            main: None,
+            consumer_tags: 0,
+            hook: Arc::new(HookClock::default()),
+            obs: Map::new(),
+            info: Vec::new(),
+        }
+    }
+
+    // ---- naming and observations --------------------------------------------------------
+
+    /// The scenario's name for a local name: `local.dlxh…`.
+    pub fn n(&self, local: &str) -> String {
+        format!("{local}.{}", self.rand)
+    }
+
+    /// Records an observation.
+    pub fn set(&mut self, key: &str, value: impl Into<Value>) {
+        self.obs.insert(key.to_string(), value.into());
+    }
+
+    /// A delivery as the recording shows it.
+    pub fn msg(&self, d: &Delivery) -> Value {
+        observe::message(d, &self.target.username)
+    }
+
+    /// The same with `"from": queue` (which queue a hop was read from).
+    pub fn msg_from(&self, d: &Delivery, queue: &str) -> Value {
+        let mut v = self.msg(d);
+        v["from"] = json!(queue);
+        v
+    }
+
+    fn note_error(&mut self, e: &lapin::Error) {
+        self.info.push(format!("{e}"));
+    }
+
+    /// `"ok"` on success, else the error observation (noted).
+    pub fn outcome(&mut self, result: Result<(), Failure>) -> Value {
+        match result {
+            Ok(()) => json!("ok"),
+            Err(Failure::Amqp(e)) => {
+                self.note_error(&e);
+                observe::error(&e)
+            }
+            Err(other) => {
+                self.info.push(format!("{other:?}"));
+                other.observation()
+            }
+        }
+    }
+
+    // ---- connections and channels -------------------------------------------------------
+
+    /// A new connection of this scenario (closed when it ends); returns its index.
+    pub async fn connect(&mut self) -> Result<usize, Failure> {
+        let conn = Connection::connect(&self.target.uri, ConnectionProperties::default()).await?;
+        self.conns.push(conn);
+        Ok(self.conns.len() - 1)
+    }
+
+    pub fn connection(&self, index: usize) -> &Connection {
+        &self.conns[index]
+    }
+
+    /// The scenario's main connection (reopened when it was closed).
+    pub async fn main_conn(&mut self) -> Result<usize, Failure> {
+        match self.main {
+            Some(i) if self.conns[i].status().connected() => Ok(i),
+            _ => {
+                let i = self.connect().await?;
+                self.main = Some(i);
+                Ok(i)
+            }
+        }
+    }
+
+    /// A channel on the main connection in confirm mode.
+    pub async fn channel(&mut self) -> Result<Channel, Failure> {
+        let i = self.main_conn().await?;
+        self.channel_on(i, true).await
+    }
+
+    /// A channel on the main connection without confirms.
+    pub async fn plain_channel(&mut self) -> Result<Channel, Failure> {
+        let i = self.main_conn().await?;
+        self.channel_on(i, false).await
+    }
+
+    /// A channel on connection `conn`, in confirm mode when `confirm`.
+    pub async fn channel_on(&mut self, conn: usize, confirm: bool) -> Result<Channel, Failure> {
+        let ch = self.conns[conn].create_channel().await?;
+        if confirm {
+            ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        }
+        Ok(ch)
+    }
+
+    /// The reason the broker closed a channel of connection `conn`, when `e` only says that
+    /// the channel was found closed (lapin reports a close that arrived between two calls
+    /// that way; a client library such as pika reports the broker's reply). `events` must
+    /// have been taken from the connection before the close.
+    pub async fn broker_close(
+        events: &mut (impl futures_util::Stream<Item = lapin::Event> + Unpin),
+        e: lapin::Error,
+    ) -> lapin::Error {
+        if !matches!(e.kind(), lapin::ErrorKind::InvalidChannelState(..)) {
+            return e;
+        }
+        let end = Instant::now() + Duration::from_secs(1);
+        while let Ok(Some(event)) = tokio::time::timeout_at(end, events.next()).await {
+            if let lapin::Event::Error(reason) = event
+                && matches!(reason.kind(), lapin::ErrorKind::ProtocolError(_))
+            {
+                return reason;
+            }
+        }
+        e
+    }
+
+    // ---- topology (tracked for cleanup) -------------------------------------------------
+
+    /// Declares queue `local.dlxh…` (non-durable) with `args`.
+    pub async fn queue(
+        &mut self,
+        ch: &Channel,
+        local: &str,
+        args: FieldTable,
+    ) -> Result<String, Failure> {
+        self.queue_with(ch, local, args, QueueDeclareOptions::default())
+            .await
+    }
+
+    pub async fn queue_with(
+        &mut self,
+        ch: &Channel,
+        local: &str,
+        args: FieldTable,
+        options: QueueDeclareOptions,
+    ) -> Result<String, Failure> {
+        let name = self.n(local);
+        if !self.queues.contains(&name) {
+            self.queues.push(name.clone());
+        }
+        ch.queue_declare(name.as_str().into(), options, args)
+            .await?;
+        Ok(name)
+    }
+
+    /// A quorum queue (durable, `x-queue-type = quorum` plus `args`).
+    pub async fn qq(
+        &mut self,
+        ch: &Channel,
+        local: &str,
+        args: FieldTable,
+    ) -> Result<String, Failure> {
+        let mut all = FieldTable::default();
+        all.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        for (k, v) in args.inner() {
+            all.insert(k.clone(), v.clone());
+        }
+        let options = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        self.queue_with(ch, local, all, options).await
+    }
+
+    /// Declares exchange `local.dlxh…`.
+    pub async fn exchange(
+        &mut self,
+        ch: &Channel,
+        local: &str,
+        kind: ExchangeKind,
+    ) -> Result<String, Failure> {
+        let name = self.n(local);
+        if !self.exchanges.contains(&name) {
+            self.exchanges.push(name.clone());
+        }
+        ch.exchange_declare(
+            name.as_str().into(),
+            kind,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+        Ok(name)
+    }
+
+    pub async fn bind(&mut self, ch: &Channel, queue: &str, exchange: &str, key: &str) -> Outcome {
+        ch.queue_bind(
+            queue.into(),
+            exchange.into(),
+            key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+        Ok(())
+    }
+
+    // ---- publishing ---------------------------------------------------------------------
+
+    /// Publishes on a confirm channel: `"ack"`, `"nack"`, `"returned"` or an error observation.
+    pub async fn publish(&mut self, ch: &Channel, exchange: &str, key: &str, body: &str) -> Value {
+        self.publish_with(
+            ch,
+            exchange,
+            key,
+            body.as_bytes(),
+            BasicProperties::default(),
+        )
+        .await
+    }
+
+    /// The same with properties.
+    pub async fn publish_with(
+        &mut self,
+        ch: &Channel,
+        exchange: &str,
+        key: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> Value {
+        self.publish_full(ch, exchange, key, body, props, false)
+            .await
+            .0
+    }
+
+    /// The same, optionally mandatory; also returns the routing keys of returned messages.
+    pub async fn publish_full(
+        &mut self,
+        ch: &Channel,
+        exchange: &str,
+        key: &str,
+        body: &[u8],
+        props: BasicProperties,
+        mandatory: bool,
+    ) -> (Value, Vec<String>) {
+        let options = BasicPublishOptions {
+            mandatory,
+            immediate: false,
+        };
+        let confirmed = async {
+            ch.basic_publish(exchange.into(), key.into(), options, body, props)
+                .await?
+                .await
+        }
+        .await;
+        match confirmed {
+            Ok(Confirmation::Nack(returned)) => {
+                let keys = returned.iter().map(|r| r.routing_key.to_string()).collect();
+                (json!("nack"), keys)
+            }
+            Ok(Confirmation::Ack(Some(returned))) => {
+                (json!("returned"), vec![returned.routing_key.to_string()])
+            }
+            Ok(Confirmation::Ack(None) | Confirmation::NotRequested) => (json!("ack"), Vec::new()),
+            Err(e) => {
+                self.note_error(&e);
+                (observe::error(&e), Vec::new())
+            }
+        }
+    }
+
+    // ---- receiving ----------------------------------------------------------------------
+
+    /// `basic.get` (auto-ack) until `expect` messages arrived or 3 s passed, then on for a
+    /// quiet window (0.15 s, 0.5 s when nothing is expected) to catch extra messages.
+    pub async fn collect(
+        &self,
+        ch: &Channel,
+        queue: &str,
+        expect: usize,
+    ) -> Result<Value, Failure> {
+        self.collect_with(ch, queue, expect, POLL_LIMIT, None).await
+    }
+
+    /// The same with its own quiet window.
+    pub async fn collect_quiet(
+        &self,
+        ch: &Channel,
+        queue: &str,
+        expect: usize,
+        quiet: f64,
+    ) -> Result<Value, Failure> {
+        self.collect_with(ch, queue, expect, POLL_LIMIT, Some(quiet))
+            .await
+    }
+
+    pub async fn collect_with(
+        &self,
+        ch: &Channel,
+        queue: &str,
+        expect: usize,
+        timeout: f64,
+        quiet: Option<f64>,
+    ) -> Result<Value, Failure> {
+        let quiet = quiet.unwrap_or(if expect == 0 { 0.5 } else { 0.15 });
+        let start = Instant::now();
+        let mut quiet_until: Option<Instant> = None;
+        let mut msgs = Vec::new();
+        loop {
+            let got = ch
+                .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+                .await?;
+            if let Some(m) = got {
+                msgs.push(self.msg(&m.delivery));
+                continue;
+            }
+            let now = Instant::now();
+            if msgs.len() >= expect {
+                let until = *quiet_until.get_or_insert(now + secs(quiet));
+                if now >= until {
+                    break;
+                }
+            } else if now - start >= secs(timeout) {
+                break;
+            }
+            tokio::time::sleep(POLL_STEP).await;
+        }
+        Ok(Value::Array(msgs))
+    }
+
+    /// `basic.get` with manual ack, polling up to 3 s.
+    pub async fn get1(&self, ch: &Channel, queue: &str) -> Result<Option<Delivery>, Failure> {
+        let end = Instant::now() + secs(POLL_LIMIT);
+        loop {
+            let got = ch
+                .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+                .await?;
+            if let Some(m) = got {
+                return Ok(Some(m.delivery));
+            }
+            if Instant::now() >= end {
+                return Ok(None);
+            }
+            tokio::time::sleep(POLL_STEP).await;
+        }
+    }
+
+    /// `basic.consume` until `n` deliveries arrived (3 s at most), then `basic.cancel`; what
+    /// arrived before the cancel-ok is included.
+    pub async fn consume(
+        &mut self,
+        ch: &Channel,
+        queue: &str,
+        n: usize,
+        no_ack: bool,
+    ) -> Result<Vec<Delivery>, Failure> {
+        let (mut got, mut consumer) = self.consume_open(ch, queue, n, no_ack).await?;
+        ch.basic_cancel(consumer.tag(), BasicCancelOptions::default())
+            .await?;
+        while let Some(Some(d)) = consumer.next().now_or_never() {
+            got.push(d?);
+        }
+        Ok(got)
+    }
+
+    /// The same without cancelling: the consumer stays (its deliveries unsettled).
+    pub async fn consume_open(
+        &mut self,
+        ch: &Channel,
+        queue: &str,
+        n: usize,
+        no_ack: bool,
+    ) -> Result<(Vec<Delivery>, lapin::Consumer), Failure> {
+        self.consumer_tags += 1;
+        let tag = format!("conformance-{}", self.consumer_tags);
+        let options = BasicConsumeOptions {
+            no_ack,
+            ..Default::default()
+        };
+        let mut consumer = ch
+            .basic_consume(
+                queue.into(),
+                tag.as_str().into(),
+                options,
+                FieldTable::default(),
+            )
+            .await?;
+        let end = Instant::now() + secs(POLL_LIMIT);
+        let mut got = Vec::new();
+        while got.len() < n {
+            match tokio::time::timeout_at(end, consumer.next()).await {
+                Ok(Some(d)) => got.push(d?),
+                Ok(None) | Err(_) => break,
+            }
+        }
+        Ok((got, consumer))
+    }
+
+    /// The ready count of a queue (passive declare on a throwaway channel), or the error.
+    pub async fn count(&mut self, queue: &str) -> Value {
+        let result = async {
+            let ch = self.plain_channel().await?;
+            let q = ch
+                .queue_declare(
+                    queue.into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await?;
+            ch.close(200, "done".into()).await?;
+            Ok::<_, Failure>(q.message_count())
+        }
+        .await;
+        match result {
+            Ok(n) => json!(n),
+            Err(e) => self.outcome(Err(e)),
+        }
+    }
+
+    /// Polls the ready count (passive declare) until it is `n`; whether it was within `timeout`.
+    pub async fn wait_count(&mut self, queue: &str, n: u32, timeout: f64) -> Result<bool, Failure> {
+        let end = Instant::now() + secs(timeout);
+        let ch = self.plain_channel().await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let reached = loop {
+            let q = ch
+                .queue_declare(queue.into(), passive, FieldTable::default())
+                .await?;
+            if q.message_count() == n {
+                break true;
+            }
+            if Instant::now() >= end {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        if ch.status().connected() {
+            ch.close(200, "done".into()).await?;
+        }
+        Ok(reached)
+    }
+
+    // ---- policies -----------------------------------------------------------------------
+
+    /// Sets policy `pol-<local>.dlxh…` (priority 100, queues) through the target's own means.
+    pub async fn policy(
+        &mut self,
+        local: &str,
+        pattern: &str,
+        definition: Value,
+    ) -> Result<String, Failure> {
+        let name = self.n(&format!("pol-{local}"));
+        if !self.policies.contains(&name) {
+            self.policies.push(name.clone());
+        }
+        let started = Instant::now();
+        self.hook.busy.store(true, Ordering::SeqCst);
+        let result = self.target.set_policy(&name, pattern, definition).await;
+        let spent = started.elapsed().as_millis() as u64;
+        self.hook.spent_millis.fetch_add(spent, Ordering::SeqCst);
+        self.hook.busy.store(false, Ordering::SeqCst);
+        let note = result.map_err(Failure::Other)?;
+        self.info.push(format!("policy set: {note}"));
+        Ok(name)
+    }
+
+    // ---- teardown -----------------------------------------------------------------------
+
+    /// Closes the scenario's connections, then deletes its queues and exchanges from a fresh
+    /// connection and clears its policies. Returns what could not be cleaned up.
+    pub async fn finish(&mut self) -> Vec<String> {
+        for conn in self.conns.drain(..) {
+            if conn.status().connected() {
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(2), conn.close(200, "done".into()))
+                        .await;
+            }
+        }
+        self.main = None;
+        let mut errors = Vec::new();
+        let cleanup =
+            tokio::time::timeout(Duration::from_secs(5), self.delete_topology(&mut errors)).await;
+        if cleanup.is_err() {
+            errors.push("cleanup connection: timed out".into());
+        }
+        for name in std::mem::take(&mut self.policies) {
+            if let Err(e) = self.target.clear_policy(&name).await {
+                errors.push(format!("policy {name}: {e}"));
+            }
+        }
+        errors
+    }
+
+    async fn delete_topology(&self, errors: &mut Vec<String>) {
+        let conn =
+            match Connection::connect(&self.target.uri, ConnectionProperties::default()).await {
+                Ok(conn) => conn,
+                Err(e) => return errors.push(format!("cleanup connection: {e}")),
+            };
+        let mut ch = match conn.create_channel().await {
+            Ok(ch) => ch,
+            Err(e) => return errors.push(format!("cleanup channel: {e}")),
+        };
+        for q in &self.queues {
+            if let Err(e) = ch
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await
+            {
+                errors.push(format!("queue {q}: {e}"));
+                match conn.create_channel().await {
+                    Ok(c) => ch = c,
+                    Err(_) => return,
+                }
+            }
+        }
+        for x in &self.exchanges {
+            if let Err(e) = ch
+                .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+                .await
+            {
+                errors.push(format!("exchange {x}: {e}"));
+                match conn.create_channel().await {
+                    Ok(c) => ch = c,
+                    Err(_) => return,
+                }
+            }
+        }
+        let _ = conn.close(200, "done".into()).await;
+    }
+}
+
+/// The `i`-th item, or a failure naming what is missing (a delivery that did not come).
+pub fn nth<'a, T>(items: &'a [T], i: usize, what: &str) -> Result<&'a T, Failure> {
+    items
+        .get(i)
+        .ok_or_else(|| Failure::Other(format!("IndexError: {what}[{i}] of {}", items.len())))
+}
