@@ -20,6 +20,7 @@ use serde_json::{Map, Value, json};
 use tokio::time::Instant;
 
 use super::observe;
+use super::tap::Tap;
 use super::target::Target;
 
 /// How a scenario step failed when it was not expecting to: a lapin error, or a step that
@@ -65,8 +66,38 @@ pub struct HookClock {
     pub busy: AtomicBool,
 }
 
+/// A channel and the number of the scenario's connection it is on (the tap records
+/// deliveries by connection and channel). Derefs to the lapin channel.
+#[derive(Clone)]
+pub struct Ch {
+    channel: Channel,
+    conn: usize,
+}
+
+impl std::ops::Deref for Ch {
+    type Target = Channel;
+    fn deref(&self) -> &Channel {
+        &self.channel
+    }
+}
+
+/// A delivery and its content header's raw properties (from the tap). Derefs to the delivery.
+pub struct Msg {
+    delivery: Delivery,
+    raw: Option<Vec<u8>>,
+}
+
+impl std::ops::Deref for Msg {
+    type Target = Delivery;
+    fn deref(&self) -> &Delivery {
+        &self.delivery
+    }
+}
+
 pub struct Ctx {
     pub target: Arc<Target>,
+    /// The relay the scenario's connections go through.
+    tap: Tap,
     /// The random part of every name, `dlxh` + 10 hex digits.
     pub rand: String,
     queues: Vec<String>,
@@ -95,9 +126,12 @@ fn random_suffix() -> String {
 }
 
 impl Ctx {
-    pub fn new(target: Arc<Target>) -> Ctx {
+    /// A context whose connections go through `tap` (its own: connections are numbered in
+    /// the order the tap accepts them).
+    pub fn new(target: Arc<Target>, tap: Tap) -> Ctx {
         Ctx {
             target,
+            tap,
             rand: random_suffix(),
             queues: Vec::new(),
             exchanges: Vec::new(),
@@ -123,16 +157,33 @@ impl Ctx {
         self.obs.insert(key.to_string(), value.into());
     }
 
-    /// A delivery as the recording shows it.
-    pub fn msg(&self, d: &Delivery) -> Value {
-        observe::message(d, &self.target.username)
+    /// A delivery as the recording shows it (properties and headers decoded from the wire).
+    pub fn msg(&self, m: &Msg) -> Result<Value, Failure> {
+        let raw = m.raw.as_deref().ok_or_else(|| {
+            Failure::Other(format!(
+                "the tap recorded no content header for delivery {}",
+                m.delivery_tag
+            ))
+        })?;
+        observe::message(m, raw, &self.target.username).map_err(Failure::Other)
     }
 
     /// The same with `"from": queue` (which queue a hop was read from).
-    pub fn msg_from(&self, d: &Delivery, queue: &str) -> Value {
-        let mut v = self.msg(d);
+    pub fn msg_from(&self, m: &Msg, queue: &str) -> Result<Value, Failure> {
+        let mut v = self.msg(m)?;
         v["from"] = json!(queue);
-        v
+        Ok(v)
+    }
+
+    /// [`Ctx::msg`] of a delivery that may not have come (`null` then).
+    pub fn msg_or_null(&self, m: Option<&Msg>) -> Result<Value, Failure> {
+        m.map(|m| self.msg(m)).unwrap_or(Ok(Value::Null))
+    }
+
+    /// Pairs a delivery on `ch` with its raw properties.
+    fn with_raw(&self, ch: &Ch, delivery: Delivery) -> Msg {
+        let raw = self.tap.take(ch.conn, ch.id(), delivery.delivery_tag);
+        Msg { delivery, raw }
     }
 
     fn note_error(&mut self, e: &lapin::Error) {
@@ -158,7 +209,8 @@ impl Ctx {
 
     /// A new connection of this scenario (closed when it ends); returns its index.
     pub async fn connect(&mut self) -> Result<usize, Failure> {
-        let conn = Connection::connect(&self.target.uri, ConnectionProperties::default()).await?;
+        let uri = format!("amqp://guest:guest@{}/%2f", self.tap.addr);
+        let conn = Connection::connect(&uri, ConnectionProperties::default()).await?;
         self.conns.push(conn);
         Ok(self.conns.len() - 1)
     }
@@ -180,24 +232,26 @@ impl Ctx {
     }
 
     /// A channel on the main connection in confirm mode.
-    pub async fn channel(&mut self) -> Result<Channel, Failure> {
+    pub async fn channel(&mut self) -> Result<Ch, Failure> {
         let i = self.main_conn().await?;
         self.channel_on(i, true).await
     }
 
     /// A channel on the main connection without confirms.
-    pub async fn plain_channel(&mut self) -> Result<Channel, Failure> {
+    pub async fn plain_channel(&mut self) -> Result<Ch, Failure> {
         let i = self.main_conn().await?;
         self.channel_on(i, false).await
     }
 
     /// A channel on connection `conn`, in confirm mode when `confirm`.
-    pub async fn channel_on(&mut self, conn: usize, confirm: bool) -> Result<Channel, Failure> {
-        let ch = self.conns[conn].create_channel().await?;
+    pub async fn channel_on(&mut self, conn: usize, confirm: bool) -> Result<Ch, Failure> {
+        let channel = self.conns[conn].create_channel().await?;
         if confirm {
-            ch.confirm_select(ConfirmSelectOptions::default()).await?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
         }
-        Ok(ch)
+        Ok(Ch { channel, conn })
     }
 
     /// The reason the broker closed a channel of connection `conn`, when `e` only says that
@@ -372,21 +426,24 @@ impl Ctx {
 
     // ---- receiving ----------------------------------------------------------------------
 
+    /// One `basic.get`.
+    pub async fn get(&self, ch: &Ch, queue: &str, no_ack: bool) -> Result<Option<Msg>, Failure> {
+        let got = ch
+            .basic_get(queue.into(), BasicGetOptions { no_ack })
+            .await?;
+        Ok(got.map(|m| self.with_raw(ch, m.delivery)))
+    }
+
     /// `basic.get` (auto-ack) until `expect` messages arrived or 3 s passed, then on for a
     /// quiet window (0.15 s, 0.5 s when nothing is expected) to catch extra messages.
-    pub async fn collect(
-        &self,
-        ch: &Channel,
-        queue: &str,
-        expect: usize,
-    ) -> Result<Value, Failure> {
+    pub async fn collect(&self, ch: &Ch, queue: &str, expect: usize) -> Result<Value, Failure> {
         self.collect_with(ch, queue, expect, POLL_LIMIT, None).await
     }
 
     /// The same with its own quiet window.
     pub async fn collect_quiet(
         &self,
-        ch: &Channel,
+        ch: &Ch,
         queue: &str,
         expect: usize,
         quiet: f64,
@@ -397,7 +454,7 @@ impl Ctx {
 
     pub async fn collect_with(
         &self,
-        ch: &Channel,
+        ch: &Ch,
         queue: &str,
         expect: usize,
         timeout: f64,
@@ -408,11 +465,8 @@ impl Ctx {
         let mut quiet_until: Option<Instant> = None;
         let mut msgs = Vec::new();
         loop {
-            let got = ch
-                .basic_get(queue.into(), BasicGetOptions { no_ack: true })
-                .await?;
-            if let Some(m) = got {
-                msgs.push(self.msg(&m.delivery));
+            if let Some(m) = self.get(ch, queue, true).await? {
+                msgs.push(self.msg(&m)?);
                 continue;
             }
             let now = Instant::now();
@@ -430,14 +484,11 @@ impl Ctx {
     }
 
     /// `basic.get` with manual ack, polling up to 3 s.
-    pub async fn get1(&self, ch: &Channel, queue: &str) -> Result<Option<Delivery>, Failure> {
+    pub async fn get1(&self, ch: &Ch, queue: &str) -> Result<Option<Msg>, Failure> {
         let end = Instant::now() + secs(POLL_LIMIT);
         loop {
-            let got = ch
-                .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-                .await?;
-            if let Some(m) = got {
-                return Ok(Some(m.delivery));
+            if let Some(m) = self.get(ch, queue, false).await? {
+                return Ok(Some(m));
             }
             if Instant::now() >= end {
                 return Ok(None);
@@ -450,16 +501,16 @@ impl Ctx {
     /// arrived before the cancel-ok is included.
     pub async fn consume(
         &mut self,
-        ch: &Channel,
+        ch: &Ch,
         queue: &str,
         n: usize,
         no_ack: bool,
-    ) -> Result<Vec<Delivery>, Failure> {
+    ) -> Result<Vec<Msg>, Failure> {
         let (mut got, mut consumer) = self.consume_open(ch, queue, n, no_ack).await?;
         ch.basic_cancel(consumer.tag(), BasicCancelOptions::default())
             .await?;
         while let Some(Some(d)) = consumer.next().now_or_never() {
-            got.push(d?);
+            got.push(self.with_raw(ch, d?));
         }
         Ok(got)
     }
@@ -467,11 +518,11 @@ impl Ctx {
     /// The same without cancelling: the consumer stays (its deliveries unsettled).
     pub async fn consume_open(
         &mut self,
-        ch: &Channel,
+        ch: &Ch,
         queue: &str,
         n: usize,
         no_ack: bool,
-    ) -> Result<(Vec<Delivery>, lapin::Consumer), Failure> {
+    ) -> Result<(Vec<Msg>, lapin::Consumer), Failure> {
         self.consumer_tags += 1;
         let tag = format!("conformance-{}", self.consumer_tags);
         let options = BasicConsumeOptions {
@@ -490,7 +541,7 @@ impl Ctx {
         let mut got = Vec::new();
         while got.len() < n {
             match tokio::time::timeout_at(end, consumer.next()).await {
-                Ok(Some(d)) => got.push(d?),
+                Ok(Some(d)) => got.push(self.with_raw(ch, d?)),
                 Ok(None) | Err(_) => break,
             }
         }

@@ -19,6 +19,7 @@ mod compare;
 mod ctx;
 mod observe;
 mod scenarios;
+mod tap;
 mod target;
 
 use std::collections::VecDeque;
@@ -63,8 +64,12 @@ struct Run {
 }
 
 async fn run_one(scenario: &Scenario, target: Arc<Target>) -> Run {
-    let mut t = ctx::Ctx::new(target);
     let started = Instant::now();
+    let tap = match tap::Tap::start(target.server).await {
+        Ok(tap) => tap,
+        Err(e) => panic!("the tap for {} could not listen: {e}", scenario.name),
+    };
+    let mut t = ctx::Ctx::new(target, tap);
     let hook = t.hook.clone();
     let outcome = {
         let steps = (scenario.run)(&mut t);
@@ -227,6 +232,7 @@ async fn scenarios_against_the_embedded_broker() {
         .map(|_| Target {
             name: "embedded broker",
             uri: uri(broker.addr),
+            server: broker.addr,
             username: "guest".into(),
             policy: PolicyHook::Admin(admin),
         })
@@ -243,6 +249,7 @@ async fn scenarios_against_the_reference_rabbitmq() {
         .map(|_| Target {
             name: "reference RabbitMQ",
             uri: node.uri(),
+            server: node.amqp,
             username: "guest".into(),
             policy: PolicyHook::RabbitMqCtl,
         })
@@ -276,6 +283,7 @@ async fn scenarios_through_the_proxy() {
         targets.push(Target {
             name: "proxy",
             uri: uri(proxy.addr),
+            server: proxy.addr,
             username: "guest".into(),
             policy: PolicyHook::Admin(proxy.service.admin_addr.expect("admin listener")),
         });

@@ -23,6 +23,8 @@ pub struct Target {
     pub name: &'static str,
     /// `amqp://guest:guest@host:port/%2f`
     pub uri: String,
+    /// Its AMQP address (scenario connections reach it through a tap).
+    pub server: SocketAddr,
     /// The user the scenarios log in as (a `user_id` equal to it is recorded as `$USER`).
     pub username: String,
     pub policy: PolicyHook,

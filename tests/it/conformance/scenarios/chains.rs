@@ -76,13 +76,13 @@ async fn same_queue_reason_twice_increments(t: &mut Ctx) -> Outcome {
                 break;
             }
             Some(d) => {
-                hops.push(t.msg_from(&d, q));
+                hops.push(t.msg_from(&d, q)?);
                 reject(&ch, d.delivery_tag).await?;
             }
         }
     }
     if let Some(d) = t.get1(&ch, &qa).await? {
-        hops.push(t.msg_from(&d, &qa));
+        hops.push(t.msg_from(&d, &qa)?);
         ch.basic_ack(d.delivery_tag, BasicAckOptions::default())
             .await?;
     }
@@ -163,7 +163,7 @@ async fn cycle_with_rejection_not_dropped(t: &mut Ctx) -> Outcome {
             rounds.push(Value::Null);
             break;
         };
-        rounds.push(t.msg(&d));
+        rounds.push(t.msg(&d)?);
         if rounds.len() < 3 {
             reject(&ch, d.delivery_tag).await?;
         } else {

@@ -3,7 +3,6 @@
 
 use amq_protocol::types::{AMQPValue, ByteArray, FieldArray};
 use lapin::BasicProperties;
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use super::{
@@ -59,7 +58,7 @@ async fn properties_preserved(t: &mut Ctx) -> Outcome {
         .await;
     t.set("publish", p);
     let g = t.get1(&ch, &s.src).await?;
-    let v = g.as_ref().map(|d| t.msg(d)).unwrap_or(Value::Null);
+    let v = t.msg_or_null(g.as_ref())?;
     t.set("before", v);
     if let Some(d) = &g {
         reject(&ch, d.delivery_tag).await?;

@@ -4,7 +4,7 @@
 use lapin::BasicProperties;
 use serde_json::Value;
 
-use super::{Ctx, Outcome, int, ls, scenarios, standard, table};
+use super::{Ch, Ctx, Outcome, int, ls, scenarios, standard, table};
 
 scenarios! {
     max_length_drop_head: "x-max-length=2 (drop-head): oldest message dead-lettered with reason 'maxlen'",
@@ -15,7 +15,7 @@ scenarios! {
 }
 
 /// Publishes each body to exchange `x` with key `rk`; the list of confirms.
-pub async fn publish_all(t: &mut Ctx, ch: &lapin::Channel, x: &str, bodies: &[&str]) -> Value {
+pub async fn publish_all(t: &mut Ctx, ch: &Ch, x: &str, bodies: &[&str]) -> Value {
     let mut out = Vec::new();
     for b in bodies {
         out.push(t.publish(ch, x, "rk", b).await);

@@ -7,10 +7,11 @@
 
 use amq_protocol::types::{AMQPValue, FieldTable};
 use futures_util::future::BoxFuture;
-use lapin::{Channel, ExchangeKind};
+use lapin::ExchangeKind;
 
-use super::ctx::{Ctx, Failure, Outcome};
+use super::ctx::{Ch, Ctx, Failure, Outcome};
 
+pub use super::ctx::Msg;
 pub use crate::common::dl::{int, ls, ls_array, table};
 
 mod chains;
@@ -87,14 +88,14 @@ pub struct Std {
 
 /// The harness's `std`: direct exchange `x` → queue `src` (key `rk`) dead-lettering to
 /// direct exchange `dlx` → queue `dlq` (key `rk`); `src_args` are added to src's arguments.
-pub async fn standard(t: &mut Ctx, ch: &Channel, src_args: FieldTable) -> Result<Std, Failure> {
+pub async fn standard(t: &mut Ctx, ch: &Ch, src_args: FieldTable) -> Result<Std, Failure> {
     standard_with(t, ch, src_args, &["rk"], "rk", false).await
 }
 
 /// [`standard`] with the dlq's binding keys, src's binding key, and src as a quorum queue.
 pub async fn standard_with(
     t: &mut Ctx,
-    ch: &Channel,
+    ch: &Ch,
     src_args: FieldTable,
     dlq_keys: &[&str],
     src_key: &str,
@@ -120,7 +121,7 @@ pub async fn standard_with(
 }
 
 /// `basic.get` one message from `queue` (polling) and reject it without requeue.
-pub async fn get_and_reject(t: &mut Ctx, ch: &Channel, queue: &str) -> Outcome {
+pub async fn get_and_reject(t: &mut Ctx, ch: &Ch, queue: &str) -> Outcome {
     if let Some(d) = t.get1(ch, queue).await? {
         reject(ch, d.delivery_tag).await?;
     }
@@ -128,7 +129,7 @@ pub async fn get_and_reject(t: &mut Ctx, ch: &Channel, queue: &str) -> Outcome {
 }
 
 /// `basic.reject(requeue = false)`.
-pub async fn reject(ch: &Channel, tag: u64) -> Outcome {
+pub async fn reject(ch: &Ch, tag: u64) -> Outcome {
     ch.basic_reject(tag, lapin::options::BasicRejectOptions { requeue: false })
         .await?;
     Ok(())

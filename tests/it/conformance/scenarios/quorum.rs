@@ -2,13 +2,13 @@
 //! arguments and the at-least-once strategy.
 
 use lapin::BasicProperties;
-use lapin::options::{BasicGetOptions, BasicNackOptions};
+use lapin::options::BasicNackOptions;
 use serde_json::{Value, json};
 use tokio::time::{Duration, Instant};
 
 use super::declare::declare_cases;
 use super::length::publish_all;
-use super::{Ctx, Outcome, get_and_reject, int, ls, none, scenarios, standard_with, table};
+use super::{Ch, Ctx, Outcome, get_and_reject, int, ls, none, scenarios, standard_with, table};
 
 scenarios! {
     quorum_delivery_limit: "quorum queue x-delivery-limit=2 with repeated nack(requeue=true): dead-lettered with reason delivery_limit",
@@ -23,7 +23,7 @@ scenarios! {
 /// The standard topology with a quorum source queue.
 async fn quorum_std(
     t: &mut Ctx,
-    ch: &lapin::Channel,
+    ch: &Ch,
     args: amq_protocol::types::FieldTable,
 ) -> Result<super::Std, super::Failure> {
     standard_with(t, ch, args, &["rk"], "rk", true).await
@@ -38,18 +38,15 @@ async fn quorum_delivery_limit(t: &mut Ctx) -> Outcome {
     let mut dead = Vec::new();
     let end = Instant::now() + Duration::from_secs(6);
     while Instant::now() < end && deliveries.len() < 8 {
-        let got = ch
-            .basic_get(s.src.as_str().into(), BasicGetOptions { no_ack: false })
-            .await?;
-        if let Some(m) = got {
-            let d = t.msg(&m.delivery);
+        if let Some(m) = t.get(&ch, &s.src, false).await? {
+            let d = t.msg(&m)?;
             deliveries.push(json!({
                 "redelivered": d["redelivered"],
                 "headers": d["headers"],
                 "header_types": d["header_types"],
             }));
             ch.basic_nack(
-                m.delivery.delivery_tag,
+                m.delivery_tag,
                 BasicNackOptions {
                     multiple: false,
                     requeue: true,

@@ -2,11 +2,11 @@
 //! direct and default-exchange DLXs, a missing or unbound DLX, a quorum DLQ.
 
 use amq_protocol::types::FieldTable;
-use lapin::{BasicProperties, Channel, ExchangeKind};
+use lapin::{BasicProperties, ExchangeKind};
 
 use super::{
-    Ctx, Failure, Outcome, get_and_reject, ls, ls_array, none, scenarios, standard, standard_with,
-    table,
+    Ch, Ctx, Failure, Outcome, get_and_reject, ls, ls_array, none, scenarios, standard,
+    standard_with, table,
 };
 
 scenarios! {
@@ -61,7 +61,7 @@ struct CcSetup {
     src: String,
 }
 
-async fn cc_setup(t: &mut Ctx, ch: &Channel, src_args: FieldTable) -> Result<CcSetup, Failure> {
+async fn cc_setup(t: &mut Ctx, ch: &Ch, src_args: FieldTable) -> Result<CcSetup, Failure> {
     let x = t.exchange(ch, "x", ExchangeKind::Direct).await?;
     let dlx = t.exchange(ch, "dlx", ExchangeKind::Direct).await?;
     let mut queues = Vec::new();
@@ -80,7 +80,7 @@ async fn cc_setup(t: &mut Ctx, ch: &Channel, src_args: FieldTable) -> Result<CcS
 }
 
 /// Collects `dlq_<k>` for each CC queue, expecting one message in the queues of `full`.
-async fn collect_cc(t: &mut Ctx, ch: &Channel, setup: &CcSetup, full: &[&str]) -> Outcome {
+async fn collect_cc(t: &mut Ctx, ch: &Ch, setup: &CcSetup, full: &[&str]) -> Outcome {
     for (k, q) in &setup.queues {
         let expect = usize::from(full.contains(k));
         let v = t.collect_quiet(ch, q, expect, 0.2).await?;
@@ -105,7 +105,7 @@ async fn cc_case(
     t.set("publish", p);
     let g = t.get1(&ch, &setup.src).await?;
     if record_source {
-        let v = g.as_ref().map(|d| t.msg(d)).unwrap_or_default();
+        let v = t.msg_or_null(g.as_ref())?;
         t.set("source_message", v);
     }
     if let Some(d) = &g {

@@ -5,7 +5,7 @@ use lapin::BasicProperties;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions};
 use serde_json::{Value, json};
 
-use super::{Ctx, Outcome, get_and_reject, ls, none, reject, scenarios, standard, table};
+use super::{Ch, Ctx, Msg, Outcome, get_and_reject, ls, none, reject, scenarios, standard, table};
 use crate::conformance::ctx::nth;
 
 scenarios! {
@@ -20,13 +20,13 @@ scenarios! {
     connection_close_requeues_unacked: "closing the consumer's connection with unacked deliveries requeues them, no dead-lettering",
 }
 
-fn bodies(ds: &[lapin::message::Delivery]) -> Value {
+fn bodies(ds: &[Msg]) -> Value {
     ds.iter()
         .map(|d| json!(String::from_utf8_lossy(&d.data)))
         .collect()
 }
 
-async fn qos(ch: &lapin::Channel, prefetch: u16) -> Outcome {
+async fn qos(ch: &Ch, prefetch: u16) -> Outcome {
     ch.basic_qos(prefetch, BasicQosOptions::default()).await?;
     Ok(())
 }
@@ -40,7 +40,7 @@ async fn reject_requeue_false(t: &mut Ctx) -> Outcome {
     let cch = t.plain_channel().await?;
     qos(&cch, 1).await?;
     let ds = t.consume(&cch, &s.src, 1, false).await?;
-    let delivered: Vec<Value> = ds.iter().map(|d| t.msg(d)).collect();
+    let delivered = ds.iter().map(|d| t.msg(d)).collect::<Result<Vec<_>, _>>()?;
     t.set("delivered", delivered);
     for d in &ds {
         reject(&cch, d.delivery_tag).await?;
@@ -133,7 +133,7 @@ async fn nack_requeue_true_not_dead_lettered(t: &mut Ctx) -> Outcome {
     let v = t.collect(&ch, &s.dlq, 0).await?;
     t.set("dead_lettered_after_requeue", v);
     let g = t.get1(&cch, &s.src).await?;
-    let v = g.as_ref().map(|d| t.msg(d)).unwrap_or(Value::Null);
+    let v = t.msg_or_null(g.as_ref())?;
     t.set("redelivery", v);
     if let Some(d) = &g {
         reject(&cch, d.delivery_tag).await?;
@@ -154,7 +154,7 @@ async fn basic_get_reject(t: &mut Ctx) -> Outcome {
     let p = t.publish(&ch, "", &src, "m1").await;
     t.set("publish", p);
     let g = t.get1(&ch, &src).await?;
-    let v = g.as_ref().map(|d| t.msg(d)).unwrap_or(Value::Null);
+    let v = t.msg_or_null(g.as_ref())?;
     t.set("got", v);
     if let Some(d) = &g {
         reject(&ch, d.delivery_tag).await?;
