@@ -424,6 +424,21 @@ impl Ctx {
         }
     }
 
+    /// Publishes and records the outcome as `publish`.
+    pub async fn record_publish(&mut self, ch: &Channel, exchange: &str, key: &str, body: &str) {
+        let p = self.publish(ch, exchange, key, body).await;
+        self.set("publish", p);
+    }
+
+    /// Publishes each body to `exchange` with key `rk`; records the list as `publish`.
+    pub async fn record_publishes(&mut self, ch: &Channel, exchange: &str, bodies: &[&str]) {
+        let mut out = Vec::new();
+        for b in bodies {
+            out.push(self.publish(ch, exchange, "rk", b).await);
+        }
+        self.set("publish", out);
+    }
+
     // ---- receiving ----------------------------------------------------------------------
 
     /// One `basic.get`.
@@ -481,6 +496,27 @@ impl Ctx {
             tokio::time::sleep(POLL_STEP).await;
         }
         Ok(Value::Array(msgs))
+    }
+
+    /// [`Ctx::collect`], recorded as `key`.
+    pub async fn record(&mut self, key: &str, ch: &Ch, queue: &str, expect: usize) -> Outcome {
+        let v = self.collect(ch, queue, expect).await?;
+        self.set(key, v);
+        Ok(())
+    }
+
+    /// [`Ctx::collect_quiet`], recorded as `key`.
+    pub async fn record_quiet(
+        &mut self,
+        key: &str,
+        ch: &Ch,
+        queue: &str,
+        expect: usize,
+        quiet: f64,
+    ) -> Outcome {
+        let v = self.collect_quiet(ch, queue, expect, quiet).await?;
+        self.set(key, v);
+        Ok(())
     }
 
     /// `basic.get` with manual ack, polling up to 3 s.
@@ -659,24 +695,19 @@ impl Ctx {
             Ok(ch) => ch,
             Err(e) => return errors.push(format!("cleanup channel: {e}")),
         };
-        for q in &self.queues {
-            if let Err(e) = ch
-                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-                .await
-            {
-                errors.push(format!("queue {q}: {e}"));
-                match conn.create_channel().await {
-                    Ok(c) => ch = c,
-                    Err(_) => return,
-                }
-            }
-        }
-        for x in &self.exchanges {
-            if let Err(e) = ch
-                .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
-                .await
-            {
-                errors.push(format!("exchange {x}: {e}"));
+        let queues = self.queues.iter().map(|q| ("queue", q));
+        let exchanges = self.exchanges.iter().map(|x| ("exchange", x));
+        for (kind, name) in queues.chain(exchanges) {
+            let deleted = if kind == "queue" {
+                ch.queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+                    .await
+                    .map(drop)
+            } else {
+                ch.exchange_delete(name.as_str().into(), ExchangeDeleteOptions::default())
+                    .await
+            };
+            if let Err(e) = deleted {
+                errors.push(format!("{kind} {name}: {e}"));
                 match conn.create_channel().await {
                     Ok(c) => ch = c,
                     Err(_) => return,

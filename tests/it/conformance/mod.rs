@@ -18,7 +18,7 @@
 mod compare;
 mod ctx;
 mod observe;
-mod scenarios;
+pub(crate) mod scenarios;
 mod tap;
 mod target;
 
@@ -35,7 +35,7 @@ use scenarios::Scenario;
 use target::{PolicyHook, Target};
 
 /// The recording, in the harness's format (`dlx-conformance/1`).
-const EXPECTED: &str = include_str!("expected.json");
+pub(crate) const EXPECTED: &str = include_str!("expected.json");
 /// The hard limit on one scenario, as in the harness.
 const SCENARIO_TIMEOUT: Duration = Duration::from_secs(10);
 /// How many scenarios run at once.

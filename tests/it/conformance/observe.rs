@@ -73,7 +73,11 @@ pub enum Typed {
 struct Reader<'a> {
     buf: &'a [u8],
     at: usize,
+    depth: usize,
 }
+
+/// How deeply arrays and tables may nest (the decoder recurses once per level).
+const MAX_DEPTH: usize = 64;
 
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
@@ -126,11 +130,7 @@ impl<'a> Reader<'a> {
                 Typed::Bytes(tag, self.take(n)?.to_vec())
             }
             'A' => {
-                let n = self.u32()? as usize;
-                let mut inner = Reader {
-                    buf: self.take(n)?,
-                    at: 0,
-                };
+                let mut inner = self.sized()?;
                 let mut items = Vec::new();
                 while inner.at < inner.buf.len() {
                     items.push(inner.value()?);
@@ -144,17 +144,27 @@ impl<'a> Reader<'a> {
     }
 
     fn table(&mut self) -> Result<Vec<(String, Typed)>, String> {
-        let n = self.u32()? as usize;
-        let mut inner = Reader {
-            buf: self.take(n)?,
-            at: 0,
-        };
+        let mut inner = self.sized()?;
         let mut items = Vec::new();
         while inner.at < inner.buf.len() {
             let key = String::from_utf8_lossy(&inner.shortstr()?).into_owned();
             items.push((key, inner.value()?));
         }
         Ok(items)
+    }
+
+    /// A reader over the next long-size-prefixed block (an array's or a table's), one level
+    /// deeper; nesting past [`MAX_DEPTH`] is an error.
+    fn sized(&mut self) -> Result<Reader<'a>, String> {
+        if self.depth >= MAX_DEPTH {
+            return Err(format!("tables nested deeper than {MAX_DEPTH}"));
+        }
+        let n = self.u32()? as usize;
+        Ok(Reader {
+            buf: self.take(n)?,
+            at: 0,
+            depth: self.depth + 1,
+        })
     }
 }
 
@@ -188,7 +198,11 @@ const PROPERTIES: [&str; 14] = [
 /// Decodes a content header's property flags and list (the bytes after class, weight and
 /// body size): the present properties by name.
 fn decode_properties(raw: &[u8]) -> Result<Vec<(&'static str, Property)>, String> {
-    let mut r = Reader { buf: raw, at: 0 };
+    let mut r = Reader {
+        buf: raw,
+        at: 0,
+        depth: 0,
+    };
     let mut flags: u64 = 0;
     for word in 0..4 {
         let partial = u64::from(r.u16()?);
@@ -453,6 +467,16 @@ mod tests {
     fn truncated_or_unknown_input_is_an_error_not_a_panic() {
         assert!(decode_properties(&[0x20]).is_err());
         assert!(decode_properties(&[0x20, 0x00, 0, 0, 0, 9, 1, b'k']).is_err());
+        let mut deep = vec![b'V'];
+        for _ in 0..100 {
+            let mut outer = vec![b'A'];
+            outer.extend_from_slice(&(deep.len() as u32).to_be_bytes());
+            outer.extend(deep);
+            deep = outer;
+        }
+        let mut raw = 0x2000u16.to_be_bytes().to_vec();
+        raw.extend(table(vec![entry("k", deep)]));
+        assert!(decode_properties(&raw).is_err());
         let unknown = table(vec![entry("k", vec![b'Z'])]);
         let mut raw = 0x2000u16.to_be_bytes().to_vec();
         raw.extend(unknown);

@@ -44,11 +44,9 @@ async fn two_hop_chain(t: &mut Ctx) -> Outcome {
         .queue(&ch, "q1", table(&[("x-dead-letter-exchange", ls(&dlx1))]))
         .await?;
     t.bind(&ch, &q1, &x, "rk").await?;
-    let p = t.publish(&ch, &x, "rk", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &x, "rk", "m1").await;
     get_and_reject(t, &ch, &q1).await?;
-    let v = t.collect(&ch, &q3, 1).await?;
-    t.set("q3", v);
+    t.record("q3", &ch, &q3, 1).await?;
     Ok(())
 }
 
@@ -66,8 +64,7 @@ async fn same_queue_reason_twice_increments(t: &mut Ctx) -> Outcome {
     t.bind(&ch, &qa, &x, "rk").await?;
     t.bind(&ch, &qb, &dlxa, "").await?;
     t.bind(&ch, &qa, &dlxb, "").await?;
-    let p = t.publish(&ch, &x, "rk", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &x, "rk", "m1").await;
     let mut hops = Vec::new();
     for q in [&qa, &qb, &qa, &qb] {
         match t.get1(&ch, q).await? {
@@ -97,14 +94,12 @@ async fn cycle_ttl_self_dropped(t: &mut Ctx) -> Outcome {
         ("x-dead-letter-exchange", ls("")),
     ]);
     let q = t.queue(&ch, "q", args).await?;
-    let p = t.publish(&ch, "", &q, "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, "", &q, "m1").await;
     // Wait (passive declare, which does not consume) until the message left the queue, then
     // make sure it never comes back: a looping implementation would keep re-enqueueing it.
     let left = t.wait_count(&q, 0, 3.0).await?;
     t.set("left_queue", left);
-    let v = t.collect_quiet(&ch, &q, 0, 0.5).await?;
-    t.set("queue_after", v);
+    t.record_quiet("queue_after", &ch, &q, 0, 0.5).await?;
     Ok(())
 }
 
@@ -128,16 +123,11 @@ async fn cycle_ttl_two_queues_dropped(t: &mut Ctx) -> Outcome {
     t.bind(&ch, &o1, &dlx1, "").await?;
     t.bind(&ch, &q1, &dlx2, "").await?;
     t.bind(&ch, &o2, &dlx2, "").await?;
-    let p = t.publish(&ch, "", &q1, "m1").await;
-    t.set("publish", p);
-    let v = t.collect_quiet(&ch, &o1, 1, 0.5).await?;
-    t.set("obs1", v);
-    let v = t.collect_quiet(&ch, &o2, 1, 0.5).await?;
-    t.set("obs2", v);
-    let v = t.collect_quiet(&ch, &q1, 0, 0.1).await?;
-    t.set("q1_after", v);
-    let v = t.collect_quiet(&ch, &q2, 0, 0.1).await?;
-    t.set("q2_after", v);
+    t.record_publish(&ch, "", &q1, "m1").await;
+    t.record_quiet("obs1", &ch, &o1, 1, 0.5).await?;
+    t.record_quiet("obs2", &ch, &o2, 1, 0.5).await?;
+    t.record_quiet("q1_after", &ch, &q1, 0, 0.1).await?;
+    t.record_quiet("q2_after", &ch, &q2, 0, 0.1).await?;
     Ok(())
 }
 
@@ -155,8 +145,7 @@ async fn cycle_with_rejection_not_dropped(t: &mut Ctx) -> Outcome {
         .queue(&ch, "qA", table(&[("x-dead-letter-exchange", ls(&dlxa))]))
         .await?;
     t.bind(&ch, &qb, &dlxa, "").await?;
-    let p = t.publish(&ch, "", &qa, "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, "", &qa, "m1").await;
     let mut rounds = Vec::new();
     for _ in 0..3 {
         let Some(d) = t.get1(&ch, &qa).await? else {
@@ -210,8 +199,7 @@ async fn publish_reject_collect(t: &mut Ctx, headers: impl FnOnce(&str) -> Field
     let p = t.publish_with(&ch, &s.x, "rk", b"m1", props).await;
     t.set("publish", p);
     get_and_reject(t, &ch, &s.src).await?;
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
     Ok(())
 }
 

@@ -63,8 +63,7 @@ async fn properties_preserved(t: &mut Ctx) -> Outcome {
     if let Some(d) = &g {
         reject(&ch, d.delivery_tag).await?;
     }
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
     Ok(())
 }
 

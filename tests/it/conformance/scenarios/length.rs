@@ -2,9 +2,8 @@
 //! reject-publish-dlx.
 
 use lapin::BasicProperties;
-use serde_json::Value;
 
-use super::{Ch, Ctx, Outcome, int, ls, scenarios, standard, table};
+use super::{Ctx, Outcome, int, ls, scenarios, standard, table};
 
 scenarios! {
     max_length_drop_head: "x-max-length=2 (drop-head): oldest message dead-lettered with reason 'maxlen'",
@@ -14,24 +13,12 @@ scenarios! {
     overflow_reject_publish_dlx: "x-overflow=reject-publish-dlx: publisher gets basic.nack AND message dead-lettered as 'maxlen'",
 }
 
-/// Publishes each body to exchange `x` with key `rk`; the list of confirms.
-pub async fn publish_all(t: &mut Ctx, ch: &Ch, x: &str, bodies: &[&str]) -> Value {
-    let mut out = Vec::new();
-    for b in bodies {
-        out.push(t.publish(ch, x, "rk", b).await);
-    }
-    Value::Array(out)
-}
-
 async fn max_length_drop_head(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, table(&[("x-max-length", int(2))])).await?;
-    let p = publish_all(t, &ch, &s.x, &["m1", "m2", "m3"]).await;
-    t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect(&ch, &s.src, 2).await?;
-    t.set("source_after", v);
+    t.record_publishes(&ch, &s.x, &["m1", "m2", "m3"]).await;
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
+    t.record("source_after", &ch, &s.src, 2).await?;
     Ok(())
 }
 
@@ -45,26 +32,21 @@ async fn max_length_bytes(t: &mut Ctx) -> Outcome {
         t.publish(&ch, &s.x, "rk", "cc").await,
     ];
     t.set("publish", p);
-    let v = t.collect_quiet(&ch, &s.dlq, 0, 0.3).await?;
-    t.set("dead_lettered_at_10_bytes", v);
+    t.record_quiet("dead_lettered_at_10_bytes", &ch, &s.dlq, 0, 0.3)
+        .await?;
     let p = t.publish(&ch, &s.x, "rk", "d").await;
     t.set("publish_over", p);
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect(&ch, &s.src, 3).await?;
-    t.set("source_after", v);
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
+    t.record("source_after", &ch, &s.src, 3).await?;
     Ok(())
 }
 
 async fn max_length_zero(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, table(&[("x-max-length", int(0))])).await?;
-    let p = publish_all(t, &ch, &s.x, &["m1", "m2"]).await;
-    t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 2).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect_quiet(&ch, &s.src, 0, 0.1).await?;
-    t.set("source_after", v);
+    t.record_publishes(&ch, &s.x, &["m1", "m2"]).await;
+    t.record("dead_lettered", &ch, &s.dlq, 2).await?;
+    t.record_quiet("source_after", &ch, &s.src, 0, 0.1).await?;
     Ok(())
 }
 
@@ -75,12 +57,9 @@ async fn overflow_reject_publish(t: &mut Ctx) -> Outcome {
         ("x-overflow", ls("reject-publish")),
     ]);
     let s = standard(t, &ch, args).await?;
-    let p = publish_all(t, &ch, &s.x, &["m1", "m2"]).await;
-    t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 0).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect(&ch, &s.src, 1).await?;
-    t.set("source_after", v);
+    t.record_publishes(&ch, &s.x, &["m1", "m2"]).await;
+    t.record("dead_lettered", &ch, &s.dlq, 0).await?;
+    t.record("source_after", &ch, &s.src, 1).await?;
     Ok(())
 }
 
@@ -91,11 +70,8 @@ async fn overflow_reject_publish_dlx(t: &mut Ctx) -> Outcome {
         ("x-overflow", ls("reject-publish-dlx")),
     ]);
     let s = standard(t, &ch, args).await?;
-    let p = publish_all(t, &ch, &s.x, &["m1", "m2"]).await;
-    t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect(&ch, &s.src, 1).await?;
-    t.set("source_after", v);
+    t.record_publishes(&ch, &s.x, &["m1", "m2"]).await;
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
+    t.record("source_after", &ch, &s.src, 1).await?;
     Ok(())
 }

@@ -2,7 +2,6 @@
 
 use lapin::options::{QueueDeleteOptions, QueuePurgeOptions};
 
-use super::length::publish_all;
 use super::{Ctx, Outcome, none, scenarios, standard};
 
 scenarios! {
@@ -13,27 +12,23 @@ scenarios! {
 async fn queue_delete_no_dead_letter(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, none()).await?;
-    let p = publish_all(t, &ch, &s.x, &["m1", "m2"]).await;
-    t.set("publish", p);
+    t.record_publishes(&ch, &s.x, &["m1", "m2"]).await;
     let n = ch
         .queue_delete(s.src.as_str().into(), QueueDeleteOptions::default())
         .await?;
     t.set("delete_message_count", n);
-    let v = t.collect(&ch, &s.dlq, 0).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &s.dlq, 0).await?;
     Ok(())
 }
 
 async fn queue_purge_no_dead_letter(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, none()).await?;
-    let p = publish_all(t, &ch, &s.x, &["m1", "m2"]).await;
-    t.set("publish", p);
+    t.record_publishes(&ch, &s.x, &["m1", "m2"]).await;
     let n = ch
         .queue_purge(s.src.as_str().into(), QueuePurgeOptions::default())
         .await?;
     t.set("purge_message_count", n);
-    let v = t.collect(&ch, &s.dlq, 0).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &s.dlq, 0).await?;
     Ok(())
 }

@@ -120,6 +120,20 @@ pub async fn standard_with(
     Ok(Std { x, dlx, dlq, src })
 }
 
+/// Queue `src` dead-lettering to `dlx`, bound to exchange `x` with `key`.
+pub async fn source(
+    t: &mut Ctx,
+    ch: &Ch,
+    x: &str,
+    dlx: &str,
+    key: &str,
+) -> Result<String, Failure> {
+    let args = table(&[("x-dead-letter-exchange", ls(dlx))]);
+    let src = t.queue(ch, "src", args).await?;
+    t.bind(ch, &src, x, key).await?;
+    Ok(src)
+}
+
 /// `basic.get` one message from `queue` (polling) and reject it without requeue.
 pub async fn get_and_reject(t: &mut Ctx, ch: &Ch, queue: &str) -> Outcome {
     if let Some(d) = t.get1(ch, queue).await? {

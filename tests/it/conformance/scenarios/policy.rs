@@ -5,9 +5,9 @@
 use lapin::ExchangeKind;
 use serde_json::json;
 
-use super::length::publish_all;
 use super::{
-    Ctx, Outcome, exactly, get_and_reject, int, ls, none, re_escape, scenarios, standard, table,
+    Ctx, Outcome, exactly, get_and_reject, int, ls, none, re_escape, scenarios, source, standard,
+    table,
 };
 
 scenarios! {
@@ -29,11 +29,9 @@ async fn policy_dead_letter_exchange(t: &mut Ctx) -> Outcome {
         .await?;
     let src = t.queue(&ch, "src", none()).await?;
     t.bind(&ch, &src, &s.x, "rk").await?;
-    let p = t.publish(&ch, &s.x, "rk", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &s.x, "rk", "m1").await;
     get_and_reject(t, &ch, &src).await?;
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
     Ok(())
 }
 
@@ -49,21 +47,11 @@ async fn policy_vs_argument_dlx(t: &mut Ctx) -> Outcome {
     let q_arg = t.queue(&ch, "dlq-arg", none()).await?;
     t.bind(&ch, &q_pol, &dlx_pol, "").await?;
     t.bind(&ch, &q_arg, &dlx_arg, "").await?;
-    let src = t
-        .queue(
-            &ch,
-            "src",
-            table(&[("x-dead-letter-exchange", ls(&dlx_arg))]),
-        )
-        .await?;
-    t.bind(&ch, &src, &x, "rk").await?;
-    let p = t.publish(&ch, &x, "rk", "m1").await;
-    t.set("publish", p);
+    let src = source(t, &ch, &x, &dlx_arg, "rk").await?;
+    t.record_publish(&ch, &x, "rk", "m1").await;
     get_and_reject(t, &ch, &src).await?;
-    let v = t.collect(&ch, &q_arg, 1).await?;
-    t.set("dlq_arg", v);
-    let v = t.collect_quiet(&ch, &q_pol, 0, 0.2).await?;
-    t.set("dlq_pol", v);
+    t.record("dlq_arg", &ch, &q_arg, 1).await?;
+    t.record_quiet("dlq_pol", &ch, &q_pol, 0, 0.2).await?;
     Ok(())
 }
 
@@ -89,17 +77,13 @@ async fn policy_dead_letter_routing_key(t: &mut Ctx) -> Outcome {
     let src2 = t.queue(&ch, "src2", src2_args).await?;
     t.bind(&ch, &src, &x, "rk").await?;
     t.bind(&ch, &src2, &x, "rk").await?;
-    let p = t.publish(&ch, &x, "rk", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &x, "rk", "m1").await;
     for q in [&src, &src2] {
         get_and_reject(t, &ch, q).await?;
     }
-    let v = t.collect(&ch, &queues[1], 1).await?;
-    t.set("dlq_pol_key", v);
-    let v = t.collect(&ch, &queues[2], 1).await?;
-    t.set("dlq_arg_key", v);
-    let v = t.collect_quiet(&ch, &queues[0], 0, 0.2).await?;
-    t.set("dlq_rk", v);
+    t.record("dlq_pol_key", &ch, &queues[1], 1).await?;
+    t.record("dlq_arg_key", &ch, &queues[2], 1).await?;
+    t.record_quiet("dlq_rk", &ch, &queues[0], 0, 0.2).await?;
     Ok(())
 }
 
@@ -113,10 +97,8 @@ async fn policy_message_ttl_min_wins(t: &mut Ctx) -> Outcome {
     .await?;
     let ch = t.channel().await?;
     let s = standard(t, &ch, table(&[("x-message-ttl", int(60000))])).await?;
-    let p = t.publish(&ch, &s.x, "rk", "m1").await;
-    t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record_publish(&ch, &s.x, "rk", "m1").await;
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
     Ok(())
 }
 
@@ -126,11 +108,8 @@ async fn policy_max_length_min_wins(t: &mut Ctx) -> Outcome {
         .await?;
     let ch = t.channel().await?;
     let s = standard(t, &ch, table(&[("x-max-length", int(5))])).await?;
-    let p = publish_all(t, &ch, &s.x, &["m1", "m2", "m3"]).await;
-    t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 2).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect(&ch, &s.src, 1).await?;
-    t.set("source_after", v);
+    t.record_publishes(&ch, &s.x, &["m1", "m2", "m3"]).await;
+    t.record("dead_lettered", &ch, &s.dlq, 2).await?;
+    t.record("source_after", &ch, &s.src, 1).await?;
     Ok(())
 }

@@ -7,7 +7,6 @@ use serde_json::{Value, json};
 use tokio::time::{Duration, Instant};
 
 use super::declare::declare_cases;
-use super::length::publish_all;
 use super::{Ch, Ctx, Outcome, get_and_reject, int, ls, none, scenarios, standard_with, table};
 
 scenarios! {
@@ -32,8 +31,7 @@ async fn quorum_std(
 async fn quorum_delivery_limit(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = quorum_std(t, &ch, table(&[("x-delivery-limit", int(2))])).await?;
-    let p = t.publish(&ch, &s.x, "rk", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &s.x, "rk", "m1").await;
     let mut deliveries = Vec::new();
     let mut dead = Vec::new();
     let end = Instant::now() + Duration::from_secs(6);
@@ -69,8 +67,7 @@ async fn quorum_delivery_limit(t: &mut Ctx) -> Outcome {
         dead.extend(more);
     }
     t.set("dead_lettered", dead);
-    let v = t.collect_quiet(&ch, &s.src, 0, 0.1).await?;
-    t.set("source_after", v);
+    t.record_quiet("source_after", &ch, &s.src, 0, 0.1).await?;
     Ok(())
 }
 
@@ -81,8 +78,7 @@ async fn quorum_reject(t: &mut Ctx) -> Outcome {
     let p = t.publish_with(&ch, &s.x, "rk", b"m1", props).await;
     t.set("publish", p);
     get_and_reject(t, &ch, &s.src).await?;
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
     Ok(())
 }
 
@@ -95,20 +91,16 @@ async fn quorum_message_ttl(t: &mut Ctx) -> Outcome {
         t.publish_with(&ch, &s.x, "rk", b"m-ttl", expiring).await,
     ];
     t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 2).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &s.dlq, 2).await?;
     Ok(())
 }
 
 async fn quorum_max_length(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = quorum_std(t, &ch, table(&[("x-max-length", int(1))])).await?;
-    let p = publish_all(t, &ch, &s.x, &["m1", "m2"]).await;
-    t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect(&ch, &s.src, 1).await?;
-    t.set("source_after", v);
+    t.record_publishes(&ch, &s.x, &["m1", "m2"]).await;
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
+    t.record("source_after", &ch, &s.src, 1).await?;
     Ok(())
 }
 
@@ -119,12 +111,9 @@ async fn quorum_overflow_reject_publish_dlx(t: &mut Ctx) -> Outcome {
         ("x-overflow", ls("reject-publish-dlx")),
     ]);
     let s = quorum_std(t, &ch, args).await?;
-    let p = publish_all(t, &ch, &s.x, &["m1", "m2", "m3"]).await;
-    t.set("publish", p);
-    let v = t.collect_quiet(&ch, &s.dlq, 0, 0.4).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect(&ch, &s.src, 1).await?;
-    t.set("source_after", v);
+    t.record_publishes(&ch, &s.x, &["m1", "m2", "m3"]).await;
+    t.record_quiet("dead_lettered", &ch, &s.dlq, 0, 0.4).await?;
+    t.record("source_after", &ch, &s.src, 1).await?;
     Ok(())
 }
 
@@ -173,10 +162,8 @@ async fn quorum_at_least_once(t: &mut Ctx) -> Outcome {
         ("x-overflow", ls("reject-publish")),
     ]);
     let s = quorum_std(t, &ch, args).await?;
-    let p = t.publish(&ch, &s.x, "rk", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &s.x, "rk", "m1").await;
     get_and_reject(t, &ch, &s.src).await?;
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
     Ok(())
 }

@@ -5,7 +5,7 @@ use amq_protocol::types::FieldTable;
 use lapin::{BasicProperties, ExchangeKind};
 
 use super::{
-    Ch, Ctx, Failure, Outcome, get_and_reject, ls, ls_array, none, scenarios, standard,
+    Ch, Ctx, Failure, Outcome, get_and_reject, ls, ls_array, none, scenarios, source, standard,
     standard_with, table,
 };
 
@@ -32,24 +32,20 @@ async fn dlrk_overrides_routing_key(t: &mut Ctx) -> Outcome {
     let s = standard_with(t, &ch, args, &["dl-key"], "rk", false).await?;
     let orig = t.queue(&ch, "orig-key-q", none()).await?;
     t.bind(&ch, &orig, &s.dlx, "rk").await?;
-    let p = t.publish(&ch, &s.x, "rk", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &s.x, "rk", "m1").await;
     get_and_reject(t, &ch, &s.src).await?;
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect_quiet(&ch, &orig, 0, 0.2).await?;
-    t.set("queue_bound_to_original_key", v);
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
+    t.record_quiet("queue_bound_to_original_key", &ch, &orig, 0, 0.2)
+        .await?;
     Ok(())
 }
 
 async fn no_dlrk_keeps_routing_key(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard_with(t, &ch, none(), &["orig.key"], "orig.key", false).await?;
-    let p = t.publish(&ch, &s.x, "orig.key", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &s.x, "orig.key", "m1").await;
     get_and_reject(t, &ch, &s.src).await?;
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
     Ok(())
 }
 
@@ -150,18 +146,14 @@ async fn dlx_topic(t: &mut Ctx) -> Outcome {
         t.bind(&ch, &q, &dlx, pattern).await?;
         queues.push((local, q));
     }
-    let src = t
-        .queue(&ch, "src", table(&[("x-dead-letter-exchange", ls(&dlx))]))
-        .await?;
-    t.bind(&ch, &src, &x, "orders.created").await?;
-    let p = t.publish(&ch, &x, "orders.created", "m1").await;
-    t.set("publish", p);
+    let src = source(t, &ch, &x, &dlx, "orders.created").await?;
+    t.record_publish(&ch, &x, "orders.created", "m1").await;
     get_and_reject(t, &ch, &src).await?;
     queues.sort();
     for (local, q) in &queues {
         let expect = usize::from(*local != "miss");
-        let v = t.collect_quiet(&ch, q, expect, 0.2).await?;
-        t.set(&format!("dlq_{local}"), v);
+        t.record_quiet(&format!("dlq_{local}"), &ch, q, expect, 0.2)
+            .await?;
     }
     Ok(())
 }
@@ -174,17 +166,11 @@ async fn dlx_fanout(t: &mut Ctx) -> Outcome {
     let q2 = t.queue(&ch, "dlq2", none()).await?;
     t.bind(&ch, &q1, &dlx, "ignored").await?;
     t.bind(&ch, &q2, &dlx, "").await?;
-    let src = t
-        .queue(&ch, "src", table(&[("x-dead-letter-exchange", ls(&dlx))]))
-        .await?;
-    t.bind(&ch, &src, &x, "rk").await?;
-    let p = t.publish(&ch, &x, "rk", "m1").await;
-    t.set("publish", p);
+    let src = source(t, &ch, &x, &dlx, "rk").await?;
+    t.record_publish(&ch, &x, "rk", "m1").await;
     get_and_reject(t, &ch, &src).await?;
-    let v = t.collect(&ch, &q1, 1).await?;
-    t.set("dlq1", v);
-    let v = t.collect(&ch, &q2, 1).await?;
-    t.set("dlq2", v);
+    t.record("dlq1", &ch, &q1, 1).await?;
+    t.record("dlq2", &ch, &q2, 1).await?;
     Ok(())
 }
 
@@ -195,15 +181,11 @@ async fn dlx_direct(t: &mut Ctx) -> Outcome {
     let other = t.queue(&ch, "other", none()).await?;
     t.bind(&ch, &dlq2, &s.dlx, "rk").await?;
     t.bind(&ch, &other, &s.dlx, "other").await?;
-    let p = t.publish(&ch, &s.x, "rk", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &s.x, "rk", "m1").await;
     get_and_reject(t, &ch, &s.src).await?;
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dlq", v);
-    let v = t.collect(&ch, &dlq2, 1).await?;
-    t.set("dlq2", v);
-    let v = t.collect_quiet(&ch, &other, 0, 0.2).await?;
-    t.set("other", v);
+    t.record("dlq", &ch, &s.dlq, 1).await?;
+    t.record("dlq2", &ch, &dlq2, 1).await?;
+    t.record_quiet("other", &ch, &other, 0, 0.2).await?;
     Ok(())
 }
 
@@ -217,11 +199,9 @@ async fn dlx_default_exchange(t: &mut Ctx) -> Outcome {
     ]);
     let src = t.queue(&ch, "src", args).await?;
     t.bind(&ch, &src, &x, "rk").await?;
-    let p = t.publish(&ch, &x, "rk", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &x, "rk", "m1").await;
     get_and_reject(t, &ch, &src).await?;
-    let v = t.collect(&ch, &dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &dlq, 1).await?;
     Ok(())
 }
 
@@ -229,19 +209,10 @@ async fn dlx_missing_exchange(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let x = t.exchange(&ch, "x", ExchangeKind::Direct).await?;
     let missing = t.n("no-such-dlx");
-    let src = t
-        .queue(
-            &ch,
-            "src",
-            table(&[("x-dead-letter-exchange", ls(&missing))]),
-        )
-        .await?;
-    t.bind(&ch, &src, &x, "rk").await?;
-    let p = t.publish(&ch, &x, "rk", "m1").await;
-    t.set("publish", p);
+    let src = source(t, &ch, &x, &missing, "rk").await?;
+    t.record_publish(&ch, &x, "rk", "m1").await;
     get_and_reject(t, &ch, &src).await?;
-    let v = t.collect_quiet(&ch, &src, 0, 0.3).await?;
-    t.set("source_after", v);
+    t.record_quiet("source_after", &ch, &src, 0, 0.3).await?;
     t.set("channel_open", ch.status().connected());
     let p = t.publish(&ch, &x, "rk", "m2").await;
     t.set("publish_after", p);
@@ -251,8 +222,7 @@ async fn dlx_missing_exchange(t: &mut Ctx) -> Outcome {
     let dlx = t.exchange(&ch, "no-such-dlx", ExchangeKind::Fanout).await?;
     let late = t.queue(&ch, "late", none()).await?;
     t.bind(&ch, &late, &dlx, "").await?;
-    let v = t.collect_quiet(&ch, &late, 0, 0.2).await?;
-    t.set("late_queue", v);
+    t.record_quiet("late_queue", &ch, &late, 0, 0.2).await?;
     Ok(())
 }
 
@@ -260,22 +230,13 @@ async fn dlx_declared_after_queue(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let x = t.exchange(&ch, "x", ExchangeKind::Direct).await?;
     let dlx_name = t.n("dlx");
-    let src = t
-        .queue(
-            &ch,
-            "src",
-            table(&[("x-dead-letter-exchange", ls(&dlx_name))]),
-        )
-        .await?;
-    t.bind(&ch, &src, &x, "rk").await?;
+    let src = source(t, &ch, &x, &dlx_name, "rk").await?;
     let dlx = t.exchange(&ch, "dlx", ExchangeKind::Direct).await?;
     let dlq = t.queue(&ch, "dlq", none()).await?;
     t.bind(&ch, &dlq, &dlx, "rk").await?;
-    let p = t.publish(&ch, &x, "rk", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &x, "rk", "m1").await;
     get_and_reject(t, &ch, &src).await?;
-    let v = t.collect(&ch, &dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &dlq, 1).await?;
     Ok(())
 }
 
@@ -283,10 +244,7 @@ async fn dlx_no_binding_no_return(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let x = t.exchange(&ch, "x", ExchangeKind::Direct).await?;
     let dlx = t.exchange(&ch, "dlx", ExchangeKind::Direct).await?;
-    let src = t
-        .queue(&ch, "src", table(&[("x-dead-letter-exchange", ls(&dlx))]))
-        .await?;
-    t.bind(&ch, &src, &x, "rk").await?;
+    let src = source(t, &ch, &x, &dlx, "rk").await?;
     let pch = t.channel().await?;
     let (p, mut returns) = t
         .publish_full(&pch, &x, "rk", b"m1", BasicProperties::default(), true)
@@ -308,8 +266,7 @@ async fn dlx_no_binding_no_return(t: &mut Ctx) -> Outcome {
         .await;
     returns.extend(late);
     t.set("returns", returns);
-    let v = t.collect_quiet(&ch, &src, 0, 0.1).await?;
-    t.set("source_after", v);
+    t.record_quiet("source_after", &ch, &src, 0, 0.1).await?;
     t.set("publisher_channel_open", pch.status().connected());
     Ok(())
 }
@@ -320,14 +277,9 @@ async fn dlq_is_quorum(t: &mut Ctx) -> Outcome {
     let dlx = t.exchange(&ch, "dlx", ExchangeKind::Direct).await?;
     let dlq = t.qq(&ch, "dlq", none()).await?;
     t.bind(&ch, &dlq, &dlx, "rk").await?;
-    let src = t
-        .queue(&ch, "src", table(&[("x-dead-letter-exchange", ls(&dlx))]))
-        .await?;
-    t.bind(&ch, &src, &x, "rk").await?;
-    let p = t.publish(&ch, &x, "rk", "m1").await;
-    t.set("publish", p);
+    let src = source(t, &ch, &x, &dlx, "rk").await?;
+    t.record_publish(&ch, &x, "rk", "m1").await;
     get_and_reject(t, &ch, &src).await?;
-    let v = t.collect(&ch, &dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &dlq, 1).await?;
     Ok(())
 }

@@ -45,21 +45,15 @@ async fn reject_requeue_false(t: &mut Ctx) -> Outcome {
     for d in &ds {
         reject(&cch, d.delivery_tag).await?;
     }
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect(&ch, &s.src, 0).await?;
-    t.set("source_after", v);
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
+    t.record("source_after", &ch, &s.src, 0).await?;
     Ok(())
 }
 
 async fn nack_requeue_false_single(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, none()).await?;
-    let mut publishes = Vec::new();
-    for b in ["m1", "m2"] {
-        publishes.push(t.publish(&ch, &s.x, "rk", b).await);
-    }
-    t.set("publish", publishes);
+    t.record_publishes(&ch, &s.x, &["m1", "m2"]).await;
     let cch = t.plain_channel().await?;
     qos(&cch, 2).await?;
     let ds = t.consume(&cch, &s.src, 2, false).await?;
@@ -73,23 +67,17 @@ async fn nack_requeue_false_single(t: &mut Ctx) -> Outcome {
         },
     )
     .await?;
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
     let first = nth(&ds, 0, "deliveries")?.delivery_tag;
     cch.basic_ack(first, BasicAckOptions::default()).await?;
-    let v = t.collect(&ch, &s.src, 0).await?;
-    t.set("source_after", v);
+    t.record("source_after", &ch, &s.src, 0).await?;
     Ok(())
 }
 
 async fn nack_multiple_requeue_false(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, none()).await?;
-    let mut publishes = Vec::new();
-    for b in ["m1", "m2", "m3"] {
-        publishes.push(t.publish(&ch, &s.x, "rk", b).await);
-    }
-    t.set("publish", publishes);
+    t.record_publishes(&ch, &s.x, &["m1", "m2", "m3"]).await;
     let cch = t.plain_channel().await?;
     qos(&cch, 3).await?;
     let ds = t.consume(&cch, &s.src, 3, false).await?;
@@ -104,18 +92,15 @@ async fn nack_multiple_requeue_false(t: &mut Ctx) -> Outcome {
         },
     )
     .await?;
-    let v = t.collect(&ch, &s.dlq, 3).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect(&ch, &s.src, 0).await?;
-    t.set("source_after", v);
+    t.record("dead_lettered", &ch, &s.dlq, 3).await?;
+    t.record("source_after", &ch, &s.src, 0).await?;
     Ok(())
 }
 
 async fn nack_requeue_true_not_dead_lettered(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, none()).await?;
-    let p = t.publish(&ch, &s.x, "rk", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &s.x, "rk", "m1").await;
     let cch = t.plain_channel().await?;
     qos(&cch, 1).await?;
     let ds = t.consume(&cch, &s.src, 1, false).await?;
@@ -130,16 +115,16 @@ async fn nack_requeue_true_not_dead_lettered(t: &mut Ctx) -> Outcome {
         },
     )
     .await?;
-    let v = t.collect(&ch, &s.dlq, 0).await?;
-    t.set("dead_lettered_after_requeue", v);
+    t.record("dead_lettered_after_requeue", &ch, &s.dlq, 0)
+        .await?;
     let g = t.get1(&cch, &s.src).await?;
     let v = t.msg_or_null(g.as_ref())?;
     t.set("redelivery", v);
     if let Some(d) = &g {
         reject(&cch, d.delivery_tag).await?;
     }
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered_after_reject", v);
+    t.record("dead_lettered_after_reject", &ch, &s.dlq, 1)
+        .await?;
     Ok(())
 }
 
@@ -151,31 +136,26 @@ async fn basic_get_reject(t: &mut Ctx) -> Outcome {
         .queue(&ch, "src", table(&[("x-dead-letter-exchange", ls(&dlx))]))
         .await?;
     t.bind(&ch, &dlq, &dlx, &src).await?;
-    let p = t.publish(&ch, "", &src, "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, "", &src, "m1").await;
     let g = t.get1(&ch, &src).await?;
     let v = t.msg_or_null(g.as_ref())?;
     t.set("got", v);
     if let Some(d) = &g {
         reject(&ch, d.delivery_tag).await?;
     }
-    let v = t.collect(&ch, &dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &dlq, 1).await?;
     Ok(())
 }
 
 async fn auto_ack_consumer_never_dead_letters(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, none()).await?;
-    let p = t.publish(&ch, &s.x, "rk", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &s.x, "rk", "m1").await;
     let cch = t.plain_channel().await?;
     let ds = t.consume(&cch, &s.src, 1, true).await?;
     t.set("delivered", bodies(&ds));
-    let v = t.collect(&ch, &s.dlq, 0).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect(&ch, &s.src, 0).await?;
-    t.set("source_after", v);
+    t.record("dead_lettered", &ch, &s.dlq, 0).await?;
+    t.record("source_after", &ch, &s.src, 0).await?;
     if let Some(d) = ds.first() {
         let tag = d.delivery_tag;
         let main = t.main_conn().await?;
@@ -194,55 +174,44 @@ async fn auto_ack_consumer_never_dead_letters(t: &mut Ctx) -> Outcome {
         let v = t.outcome(result);
         t.set("reject_auto_acked_tag", v);
     }
-    let v = t.collect_quiet(&ch, &s.dlq, 0, 0.2).await?;
-    t.set("dead_lettered_after_bad_reject", v);
+    t.record_quiet("dead_lettered_after_bad_reject", &ch, &s.dlq, 0, 0.2)
+        .await?;
     Ok(())
 }
 
 async fn no_dlx_reject_discards(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let src = t.queue(&ch, "src", none()).await?;
-    let p = t.publish(&ch, "", &src, "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, "", &src, "m1").await;
     get_and_reject(t, &ch, &src).await?;
-    let v = t.collect(&ch, &src, 0).await?;
-    t.set("source_after", v);
+    t.record("source_after", &ch, &src, 0).await?;
     Ok(())
 }
 
 async fn channel_close_requeues_unacked(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, none()).await?;
-    let mut publishes = Vec::new();
-    for b in ["m1", "m2"] {
-        publishes.push(t.publish(&ch, &s.x, "rk", b).await);
-    }
-    t.set("publish", publishes);
+    t.record_publishes(&ch, &s.x, &["m1", "m2"]).await;
     let cch = t.plain_channel().await?;
     qos(&cch, 2).await?;
     let (got, _consumer) = t.consume_open(&cch, &s.src, 2, false).await?;
     t.set("delivered", bodies(&got));
     cch.close(200, "done".into()).await?;
-    let v = t.collect(&ch, &s.dlq, 0).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect(&ch, &s.src, 2).await?;
-    t.set("source_after", v);
+    t.record("dead_lettered", &ch, &s.dlq, 0).await?;
+    t.record("source_after", &ch, &s.src, 2).await?;
     Ok(())
 }
 
 async fn connection_close_requeues_unacked(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, none()).await?;
-    let p = t.publish(&ch, &s.x, "rk", "m1").await;
-    t.set("publish", p);
+    t.record_publish(&ch, &s.x, "rk", "m1").await;
     let c2 = t.connect().await?;
     let cch = t.channel_on(c2, false).await?;
     let (got, _consumer) = t.consume_open(&cch, &s.src, 1, false).await?;
     t.set("delivered", bodies(&got));
     t.connection(c2).close(200, "done".into()).await?;
-    let v = t.collect(&ch, &s.dlq, 0).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect(&ch, &s.src, 1).await?;
-    t.set("source_after", v);
+    t.record("dead_lettered", &ch, &s.dlq, 0).await?;
+    t.record("source_after", &ch, &s.src, 1).await?;
     Ok(())
 }

@@ -4,7 +4,7 @@
 use lapin::BasicProperties;
 use serde_json::Value;
 
-use super::{Ctx, Outcome, int, none, reject, scenarios, standard, table};
+use super::{Ch, Ctx, Outcome, int, none, reject, scenarios, standard, table};
 
 scenarios! {
     queue_ttl_expiry: "x-message-ttl expiry dead-letters with reason 'expired', no original-expiration",
@@ -16,89 +16,68 @@ scenarios! {
     reject_with_expiration_property: "rejected message that carried an expiration: expiration removed, x-death original-expiration set",
 }
 
-fn expiring(ms: &str) -> BasicProperties {
-    BasicProperties::default().with_expiration(ms.into())
+/// Publishes m1 with an `expiration` of `ms` and records the outcome as `publish`.
+async fn publish_expiring(t: &mut Ctx, ch: &Ch, x: &str, ms: &str) {
+    let props = BasicProperties::default().with_expiration(ms.into());
+    let p = t.publish_with(ch, x, "rk", b"m1", props).await;
+    t.set("publish", p);
 }
 
 async fn queue_ttl_expiry(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, table(&[("x-message-ttl", int(100))])).await?;
-    let p = t.publish(&ch, &s.x, "rk", "m1").await;
-    t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect_quiet(&ch, &s.src, 0, 0.1).await?;
-    t.set("source_after", v);
+    t.record_publish(&ch, &s.x, "rk", "m1").await;
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
+    t.record_quiet("source_after", &ch, &s.src, 0, 0.1).await?;
     Ok(())
 }
 
 async fn per_message_ttl_expiry(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, none()).await?;
-    let p = t
-        .publish_with(&ch, &s.x, "rk", b"m1", expiring("100"))
-        .await;
-    t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect_quiet(&ch, &s.src, 0, 0.1).await?;
-    t.set("source_after", v);
+    publish_expiring(t, &ch, &s.x, "100").await;
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
+    t.record_quiet("source_after", &ch, &s.src, 0, 0.1).await?;
     Ok(())
 }
 
 async fn per_message_ttl_shorter_than_queue_ttl(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, table(&[("x-message-ttl", int(10000))])).await?;
-    let p = t
-        .publish_with(&ch, &s.x, "rk", b"m1", expiring("100"))
-        .await;
-    t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
+    publish_expiring(t, &ch, &s.x, "100").await;
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
     Ok(())
 }
 
 async fn per_message_ttl_longer_than_queue_ttl(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, table(&[("x-message-ttl", int(100))])).await?;
-    let p = t
-        .publish_with(&ch, &s.x, "rk", b"m1", expiring("60000"))
-        .await;
-    t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
+    publish_expiring(t, &ch, &s.x, "60000").await;
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
     Ok(())
 }
 
 async fn expiration_zero_no_consumer(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, none()).await?;
-    let p = t.publish_with(&ch, &s.x, "rk", b"m1", expiring("0")).await;
-    t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
-    let v = t.collect_quiet(&ch, &s.src, 0, 0.1).await?;
-    t.set("source_after", v);
+    publish_expiring(t, &ch, &s.x, "0").await;
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
+    t.record_quiet("source_after", &ch, &s.src, 0, 0.1).await?;
     Ok(())
 }
 
 async fn queue_ttl_zero_no_consumer(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, table(&[("x-message-ttl", int(0))])).await?;
-    let p = t.publish(&ch, &s.x, "rk", "m1").await;
-    t.set("publish", p);
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record_publish(&ch, &s.x, "rk", "m1").await;
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
     Ok(())
 }
 
 async fn reject_with_expiration_property(t: &mut Ctx) -> Outcome {
     let ch = t.channel().await?;
     let s = standard(t, &ch, none()).await?;
-    let p = t
-        .publish_with(&ch, &s.x, "rk", b"m1", expiring("60000"))
-        .await;
-    t.set("publish", p);
+    publish_expiring(t, &ch, &s.x, "60000").await;
     let g = t.get1(&ch, &s.src).await?;
     let expiration = g
         .as_ref()
@@ -109,7 +88,6 @@ async fn reject_with_expiration_property(t: &mut Ctx) -> Outcome {
     if let Some(d) = &g {
         reject(&ch, d.delivery_tag).await?;
     }
-    let v = t.collect(&ch, &s.dlq, 1).await?;
-    t.set("dead_lettered", v);
+    t.record("dead_lettered", &ch, &s.dlq, 1).await?;
     Ok(())
 }
