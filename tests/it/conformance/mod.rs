@@ -19,6 +19,7 @@
 mod compare;
 mod ctx;
 mod observe;
+mod receive;
 mod runner;
 pub(crate) mod scenarios;
 mod tap;
