@@ -12,6 +12,7 @@ mod rabbit;
 
 mod config_cli;
 mod conformance;
+mod conformance_harness;
 mod dead_letter_cycles;
 mod dead_letter_declare;
 mod dead_letter_delivery_limit;

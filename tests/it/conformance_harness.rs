@@ -1,6 +1,7 @@
-//! The differential dead-letter harness (../shared/conformance, Python + pika) run against
-//! the embedded broker, against the reference RabbitMQ node the tests start, and through proxy
-//! mode, each compared with the recorded contract.
+//! The original differential dead-letter harness (../shared/conformance, Python + pika) run
+//! against the embedded broker, against the reference RabbitMQ node the tests start, and
+//! through proxy mode, each compared with the shared recording: an extra CI check beside the
+//! Rust port of the same scenarios in `conformance/`, which a plain `cargo test` runs.
 //!
 //! The harness lives outside this repository, so these tests are ignored by a plain
 //! `cargo test`; `.ci/run` runs them with `--ignored`, where a missing harness, Python or pika
@@ -72,6 +73,49 @@ fn run_harness(dir: &PathBuf, url: &str, policy_cmd: &str, skip: &str) -> (bool,
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), text)
+}
+
+/// The Python harness's scenario names (`--list`, first column).
+fn harness_scenarios(dir: &PathBuf) -> Vec<String> {
+    let out = Command::new("python3")
+        .current_dir(dir)
+        .args(["dlx_conformance.py", "--list"])
+        .output()
+        .expect("run python3");
+    assert!(out.status.success(), "--list failed: {out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+#[ignore = "needs ../shared/conformance and python3 with pika; .ci/run runs it with --ignored"]
+fn conformance_port_matches_the_harness_and_its_recording() {
+    let dir = harness_dir();
+    let mut listed = harness_scenarios(&dir);
+    listed.sort();
+    let mut ported: Vec<String> = crate::conformance::scenarios::all()
+        .iter()
+        .map(|s| s.name.to_string())
+        .collect();
+    ported.sort();
+    assert_eq!(
+        ported, listed,
+        "the port's scenarios vs dlx_conformance.py --list"
+    );
+    let shared: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("expected.json")).expect("read the shared recording"),
+    )
+    .expect("the shared recording is JSON");
+    let ours: serde_json::Value =
+        serde_json::from_str(crate::conformance::EXPECTED).expect("expected.json is JSON");
+    assert!(
+        ours == shared,
+        "tests/it/conformance/expected.json differs from {}; diff them and copy the newer one",
+        dir.join("expected.json").display()
+    );
 }
 
 fn summary(text: &str) -> String {
