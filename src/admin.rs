@@ -14,10 +14,10 @@
 //!
 //! The policy store is behind the [`PolicyControl`] trait, implemented by the service for the
 //! broker or the proxy. [`request`] is a tiny blocking HTTP client for the same API, used by
-//! `dlx-proxy policy` (the conformance harness's policy hook).
+//! `dlx-proxy policy` ([`crate::policy_cli`]).
 
 pub use crate::admin_auth::{AdminToken, Refusal};
-use crate::config::PolicyConfig;
+use crate::config::{DEFAULT_APPLY_TO, PolicyConfig};
 use crate::metrics::Metrics;
 use crate::secret::Secret;
 use crate::shutdown::Shutdown;
@@ -121,16 +121,17 @@ async fn readyz(State(state): State<AdminState>) -> Response {
     }
 }
 
-/// A policy as the API shows it (RabbitMQ's field names).
-#[derive(Debug, Serialize)]
-struct PolicyView {
-    vhost: String,
-    name: String,
-    pattern: String,
+/// A policy as `GET /api/policies` shows it (RabbitMQ's field names); also what
+/// `dlx-proxy policy list` reads back.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PolicyView {
+    pub vhost: String,
+    pub name: String,
+    pub pattern: String,
     #[serde(rename = "apply-to")]
-    apply_to: String,
-    priority: i32,
-    definition: BTreeMap<String, serde_json::Value>,
+    pub apply_to: String,
+    pub priority: i32,
+    pub definition: BTreeMap<String, serde_json::Value>,
 }
 
 impl From<PolicyConfig> for PolicyView {
@@ -179,20 +180,21 @@ fn not_found(vhost: &str, name: &str) -> Response {
         .into_response()
 }
 
-/// The body of `PUT /api/policies/{vhost}/{name}`. `apply-to` defaults to "all" and
-/// `priority` to 0, as in RabbitMQ's API; `priority` may also be a numeric string.
+/// The body of `PUT /api/policies/{vhost}/{name}`. `apply-to` defaults to "queues" (as a
+/// `[[policies]]` entry in TOML does, [`DEFAULT_APPLY_TO`]) and `priority` to 0; `priority`
+/// may also be a numeric string.
 #[derive(Debug, Deserialize)]
 struct PolicyBody {
     pattern: String,
     definition: BTreeMap<String, serde_json::Value>,
     #[serde(default, deserialize_with = "number_or_numeric_string")]
     priority: i32,
-    #[serde(rename = "apply-to", alias = "apply_to", default = "apply_to_all")]
+    #[serde(rename = "apply-to", alias = "apply_to", default = "default_apply_to")]
     apply_to: String,
 }
 
-fn apply_to_all() -> String {
-    "all".to_string()
+fn default_apply_to() -> String {
+    DEFAULT_APPLY_TO.to_string()
 }
 
 fn number_or_numeric_string<'de, D: Deserializer<'de>>(deserializer: D) -> Result<i32, D::Error> {
@@ -546,7 +548,7 @@ mod tests {
                 stored[0].apply_to.as_str(),
                 stored[0].priority
             ),
-            ("v 1", "all", 7)
+            ("v 1", "queues", 7)
         );
     }
 

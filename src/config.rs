@@ -434,6 +434,10 @@ impl Default for PermissionConfig {
     }
 }
 
+/// What a policy applies to when it does not say: queues, in TOML, in the admin API and in
+/// `dlx-proxy policy set` alike (dead-letter keys only act on queues).
+pub const DEFAULT_APPLY_TO: &str = "queues";
+
 /// A policy as written in TOML (validated into a `policy::Policy`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -442,7 +446,7 @@ pub struct PolicyConfig {
     pub vhost: String,
     /// Regex on the queue (or exchange) name, unanchored like RabbitMQ's.
     pub pattern: String,
-    /// "queues", "exchanges" or "all".
+    /// "queues" (the default, [`DEFAULT_APPLY_TO`]), "exchanges" or "all".
     pub apply_to: String,
     pub priority: i32,
     /// RabbitMQ policy keys: dead-letter-exchange, dead-letter-routing-key, message-ttl,
@@ -456,7 +460,7 @@ impl Default for PolicyConfig {
             name: String::new(),
             vhost: "/".into(),
             pattern: String::new(),
-            apply_to: "queues".into(),
+            apply_to: DEFAULT_APPLY_TO.into(),
             priority: 0,
             definition: BTreeMap::new(),
         }

@@ -9,7 +9,8 @@
 //! - [`proxy`] forwards client connections to an upstream broker (proxy mode);
 //! - [`admission`] decides who may connect (connection slots, loopback-only users);
 //! - [`secret`] keeps passwords and tokens out of every log line;
-//! - [`config`], [`metrics`], [`admin`], [`tls`] and [`service`] wire everything together.
+//! - [`config`], [`metrics`], [`admin`], [`tls`] and [`service`] wire everything together;
+//! - [`policy_cli`] is the client side of `dlx-proxy policy set|clear|list`.
 
 pub mod admin;
 pub mod admin_auth;
@@ -21,6 +22,7 @@ pub mod deadletter;
 pub mod listener;
 pub mod metrics;
 pub mod policy;
+pub mod policy_cli;
 pub mod proxy;
 pub mod rabbit;
 pub mod reload;

@@ -3,17 +3,18 @@
 //! - `dlx-proxy run [--config FILE]`: load and validate the configuration (FILE, else
 //!   `./config.toml` if it exists, else the built-in defaults; `DLX_PROXY_*` variables on top),
 //!   start logging and run the service until SIGTERM/SIGINT.
-//! - `dlx-proxy check-config [FILE]`: print the effective settings as TOML (secrets redacted)
-//!   and exit 0, or print the error (naming the key) and exit 2.
-//! - `dlx-proxy policy set|clear VHOST NAME [PATTERN DEFINITION PRIORITY APPLY_TO]`: edit the
-//!   runtime policies of a running instance through its admin API (the conformance harness's
-//!   policy hook). The admin address and token come from the same layered configuration as
-//!   `run` reads (`listen.admin`, `admin.token` / `admin.token_file`); `--admin` overrides
-//!   the address.
+//! - `dlx-proxy check-config [--config FILE | FILE]`: print the effective settings as TOML
+//!   (secrets redacted) and exit 0, or print the error (naming the key) and exit 2.
+//! - `dlx-proxy policy set NAME PATTERN DEFINITION [--vhost V] [--priority N] [--apply-to
+//!   queues|exchanges|all]`, `policy clear NAME [--vhost V]`, `policy list [--vhost V]
+//!   [--format table|json]`: edit or list the runtime policies of a running instance through
+//!   its admin API, with `rabbitmqctl set_policy`'s argument order ([`dlx_proxy::policy_cli`]).
+//!   The admin address and token come from the same layered configuration as `run` reads
+//!   (`listen.admin`, `admin.token` / `admin.token_file`); `--admin` overrides the address.
 
 use clap::{Parser, Subcommand, ValueEnum};
-use dlx_proxy::admin;
 use dlx_proxy::config::{self, Config, ConfigError};
+use dlx_proxy::policy_cli::{self, AdminClient};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -47,68 +48,88 @@ enum Command {
     /// settings; exits 2 if it is invalid.
     CheckConfig {
         /// Configuration file (default: ./config.toml if it exists, else built-in defaults).
+        #[arg(long, short = 'c', value_name = "FILE", conflicts_with = "file")]
+        config: Option<PathBuf>,
+        /// The configuration file, given without --config.
         #[arg(value_name = "FILE")]
         file: Option<PathBuf>,
     },
-    /// Set or clear a runtime policy of a running instance through its admin API.
+    /// Set, clear or list the runtime policies of a running instance through its admin API
+    /// (like rabbitmqctl set_policy, clear_policy and list_policies).
     Policy {
         /// Admin address (default: listen.admin from the configuration).
-        #[arg(long, value_name = "HOST:PORT")]
+        #[arg(long, global = true, value_name = "HOST:PORT")]
         admin: Option<String>,
         /// Configuration file with the admin address and token (default: ./config.toml if it
         /// exists, else built-in defaults; DLX_PROXY_* variables on top).
-        #[arg(long, short = 'c', value_name = "FILE")]
+        #[arg(long, short = 'c', global = true, value_name = "FILE")]
         config: Option<PathBuf>,
-        op: PolicyOp,
-        vhost: String,
+        #[command(subcommand)]
+        action: PolicyAction,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum PolicyAction {
+    /// Add or replace a policy.
+    Set {
+        /// Policy name.
         name: String,
-        /// Regex on queue names (set only).
+        /// Regex on queue (or exchange) names, unanchored.
         #[arg(allow_hyphen_values = true)]
-        pattern: Option<String>,
-        /// JSON object of policy keys, e.g. '{"dead-letter-exchange": "dlx"}' (set only).
+        pattern: String,
+        /// JSON object of policy keys, e.g. '{"dead-letter-exchange": "dlx"}'.
         #[arg(allow_hyphen_values = true)]
-        definition: Option<String>,
-        /// Priority (set only; default 0).
-        #[arg(allow_hyphen_values = true)]
-        priority: Option<String>,
-        /// queues, exchanges or all (set only; default all).
-        apply_to: Option<String>,
+        definition: String,
+        /// Virtual host.
+        #[arg(long, short = 'p', default_value = "/")]
+        vhost: String,
+        /// Among policies matching the same name, the highest priority wins.
+        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        priority: i32,
+        /// What the pattern matches.
+        #[arg(long, value_parser = ["queues", "exchanges", "all"],
+              default_value = config::DEFAULT_APPLY_TO)]
+        apply_to: String,
+    },
+    /// Remove a policy (an error if there is none).
+    Clear {
+        /// Policy name.
+        name: String,
+        /// Virtual host.
+        #[arg(long, short = 'p', default_value = "/")]
+        vhost: String,
+    },
+    /// List the policies in force in a vhost (TOML and runtime ones).
+    List {
+        /// Virtual host.
+        #[arg(long, short = 'p', default_value = "/")]
+        vhost: String,
+        /// A tab-separated table like rabbitmqctl's, or JSON as the admin API returns it.
+        #[arg(long, alias = "formatter", value_enum, default_value_t = ListFormat::Table)]
+        format: ListFormat,
+        /// Leave out the title line of the table.
+        #[arg(long)]
+        no_table_headers: bool,
     },
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
-enum PolicyOp {
-    Set,
-    Clear,
+enum ListFormat {
+    Table,
+    Json,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Run { config } => run(config.as_deref()),
-        Command::CheckConfig { file } => check_config(file.as_deref()),
+        Command::CheckConfig { config, file } => check_config(config.or(file).as_deref()),
         Command::Policy {
             admin,
             config,
-            op,
-            vhost,
-            name,
-            pattern,
-            definition,
-            priority,
-            apply_to,
-        } => {
-            let args = PolicyArgs {
-                op,
-                vhost,
-                name,
-                pattern,
-                definition,
-                priority,
-                apply_to,
-            };
-            policy(admin, config.as_deref(), args)
-        }
+            action,
+        } => policy(admin, config.as_deref(), action),
     }
 }
 
@@ -193,16 +214,6 @@ fn check_config(given: Option<&Path>) -> ExitCode {
     }
 }
 
-struct PolicyArgs {
-    op: PolicyOp,
-    vhost: String,
-    name: String,
-    pattern: Option<String>,
-    definition: Option<String>,
-    priority: Option<String>,
-    apply_to: Option<String>,
-}
-
 /// The address to reach the admin server: `--admin`, else `listen.admin` from the
 /// configuration with an unspecified IP (0.0.0.0, ::) replaced by loopback.
 fn admin_address(admin: Option<String>, config: &Config) -> Result<String, String> {
@@ -222,8 +233,8 @@ fn admin_address(admin: Option<String>, config: &Config) -> Result<String, Strin
     Ok(SocketAddr::new(ip, address.port()).to_string())
 }
 
-fn policy(admin: Option<String>, given: Option<&Path>, args: PolicyArgs) -> ExitCode {
-    match send_policy(admin, given, args) {
+fn policy(admin: Option<String>, given: Option<&Path>, action: PolicyAction) -> ExitCode {
+    match run_policy(admin, given, action) {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
             eprintln!("dlx-proxy policy: {message}");
@@ -232,73 +243,48 @@ fn policy(admin: Option<String>, given: Option<&Path>, args: PolicyArgs) -> Exit
     }
 }
 
-fn send_policy(
+fn run_policy(
     admin: Option<String>,
     given: Option<&Path>,
-    args: PolicyArgs,
+    action: PolicyAction,
 ) -> Result<(), String> {
     let (config, _) = load_config(given).map_err(|e| format!("invalid configuration: {e}"))?;
-    let address = admin_address(admin, &config)?;
-    let token = config
-        .admin
-        .resolve_token()
-        .map_err(|e| format!("invalid configuration: {e}"))?;
-    let path = format!(
-        "/api/policies/{}/{}",
-        admin::encode_path_segment(&args.vhost),
-        admin::encode_path_segment(&args.name)
-    );
-    let (method, body) = match args.op {
-        PolicyOp::Clear => ("DELETE", None),
-        PolicyOp::Set => ("PUT", Some(policy_body(&args)?)),
+    let client = AdminClient {
+        address: admin_address(admin, &config)?,
+        token: config
+            .admin
+            .resolve_token()
+            .map_err(|e| format!("invalid configuration: {e}"))?,
+        timeout: Duration::from_secs(10),
     };
-    let (status, text) = admin::request_with_token(
-        &address,
-        method,
-        &path,
-        body.as_deref(),
-        token.as_ref(),
-        Duration::from_secs(10),
-    )
-    .map_err(|e| format!("{method} http://{address}{path}: {e}"))?;
-    if (200..300).contains(&status) {
-        Ok(())
-    } else {
-        Err(format!(
-            "{method} http://{address}{path}: HTTP {status}: {text}"
-        ))
+    match action {
+        PolicyAction::Set {
+            name,
+            pattern,
+            definition,
+            vhost,
+            priority,
+            apply_to,
+        } => {
+            let body = policy_cli::set_body(&pattern, &definition, priority, &apply_to)?;
+            client.set(&vhost, &name, &body)
+        }
+        PolicyAction::Clear { name, vhost } => client.clear(&vhost, &name),
+        PolicyAction::List {
+            vhost,
+            format,
+            no_table_headers,
+        } => {
+            let policies = client.list(&vhost)?;
+            match format {
+                ListFormat::Table => print!("{}", policy_cli::table(&policies, !no_table_headers)),
+                ListFormat::Json => {
+                    let text =
+                        serde_json::to_string_pretty(&policies).map_err(|e| e.to_string())?;
+                    println!("{text}");
+                }
+            }
+            Ok(())
+        }
     }
-}
-
-fn policy_body(args: &PolicyArgs) -> Result<String, String> {
-    let pattern = args
-        .pattern
-        .clone()
-        .ok_or("set needs PATTERN and DEFINITION")?;
-    let definition_text = args
-        .definition
-        .as_deref()
-        .ok_or("set needs PATTERN and DEFINITION")?;
-    let definition: serde_json::Value = serde_json::from_str(definition_text)
-        .map_err(|e| format!("DEFINITION is not JSON: {e}"))?;
-    if !definition.is_object() {
-        return Err("DEFINITION must be a JSON object".into());
-    }
-    let priority: i32 = match args.priority.as_deref().map(str::trim) {
-        None | Some("") => 0,
-        Some(text) => text
-            .parse()
-            .map_err(|_| format!("PRIORITY {text:?} is not an integer"))?,
-    };
-    let apply_to = match args.apply_to.as_deref() {
-        None | Some("") => "all",
-        Some(apply_to) => apply_to,
-    };
-    let body = serde_json::json!({
-        "pattern": pattern,
-        "definition": definition,
-        "priority": priority,
-        "apply-to": apply_to,
-    });
-    Ok(body.to_string())
 }

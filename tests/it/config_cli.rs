@@ -1,16 +1,13 @@
 //! The `dlx-proxy` binary's configuration commands: `check-config` on the repository's
 //! config.toml, on invalid files and with environment overrides (and that it refuses exactly
-//! what `run` refuses); and `policy` against a live admin server, with its token.
+//! what `run` refuses); and `policy set|list|clear` against a running `dlx-proxy run`, with
+//! its admin token.
 
-use dlx_proxy::admin::{self, AdminState, AdminToken, PolicyControl, Readiness};
+use dlx_proxy::admin;
 use dlx_proxy::config::{Config, PolicyConfig};
-use dlx_proxy::metrics::Metrics;
-use dlx_proxy::secret::Secret;
-use dlx_proxy::shutdown::ShutdownTrigger;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
 
@@ -140,11 +137,10 @@ fn invalid_values_exit_2_and_name_the_key() {
     }
 }
 
-/// `run` with `text` as its configuration (listeners on free ports through the environment):
-/// (exit code, stderr) if it exits
-/// within 10 s, else it is killed and `None` (it started).
-fn run_briefly(text: &str) -> Option<(i32, String)> {
-    let path = temp_file(text);
+/// `dlx-proxy run --config FILE` with no inherited DLX_PROXY_* or RUST_LOG variables, its
+/// listeners on free ports through the environment, `env` on top; the child and the admin
+/// address.
+fn spawn_run(path: &Path, env: &[(&str, &str)]) -> (Child, String) {
     let mut command = Command::new(BINARY);
     command
         .args(["run", "--config", path.to_str().unwrap()])
@@ -159,15 +155,24 @@ fn run_briefly(text: &str) -> Option<(i32, String)> {
     let admin_address = free_address();
     command
         .env("DLX_PROXY_LISTEN__AMQP", free_address())
-        .env("DLX_PROXY_LISTEN__ADMIN", &admin_address);
-    let mut child = command.spawn().unwrap();
-    let ready = || {
-        let timeout = std::time::Duration::from_millis(500);
-        matches!(
-            admin::request(&admin_address, "GET", "/readyz", None, timeout),
-            Ok((200, _))
-        )
-    };
+        .env("DLX_PROXY_LISTEN__ADMIN", &admin_address)
+        .envs(env.iter().copied());
+    (command.spawn().unwrap(), admin_address)
+}
+
+fn is_ready(admin_address: &str) -> bool {
+    let timeout = std::time::Duration::from_millis(500);
+    matches!(
+        admin::request(admin_address, "GET", "/readyz", None, timeout),
+        Ok((200, _))
+    )
+}
+
+/// `run` with `text` as its configuration: (exit code, stderr) if it exits within 10 s, else
+/// it is killed and `None` (it started).
+fn run_briefly(text: &str) -> Option<(i32, String)> {
+    let path = temp_file(text);
+    let (mut child, admin_address) = spawn_run(&path, &[]);
     let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let result = loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -175,7 +180,7 @@ fn run_briefly(text: &str) -> Option<(i32, String)> {
             std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut errors).unwrap();
             break Some((status.code().unwrap_or(-1), errors));
         }
-        if ready() || std::time::Instant::now() >= until {
+        if is_ready(&admin_address) || std::time::Instant::now() >= until {
             child.kill().unwrap();
             child.wait().unwrap();
             break None;
@@ -298,6 +303,33 @@ fn a_missing_file_is_an_error() {
     assert!(stderr(&output).contains("/nonexistent/dlx-proxy.toml"));
 }
 
+/// The file is named with `--config` / `-c` as for `run`, or positionally; not both.
+#[test]
+fn check_config_takes_the_file_by_option_or_position() {
+    let path = temp_file("[limits]\nframe_max = 8192\n");
+    let file = path.to_str().unwrap();
+    let positional = dlx_proxy(&["check-config", file], &[]);
+    assert!(positional.status.success(), "{}", stderr(&positional));
+    assert!(stdout(&positional).contains("frame_max = 8192"));
+    for option in ["--config", "-c"] {
+        let named = dlx_proxy(&["check-config", option, file], &[]);
+        assert!(named.status.success(), "{option}: {}", stderr(&named));
+        assert_eq!(stdout(&named), stdout(&positional), "{option}");
+    }
+    let missing = dlx_proxy(&["check-config", "--config", "/nonexistent/dlx.toml"], &[]);
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(stderr(&missing).contains("/nonexistent/dlx.toml"));
+    let both = dlx_proxy(&["check-config", "--config", file, file], &[]);
+    assert_eq!(both.status.code(), Some(2));
+    assert!(
+        stderr(&both).contains("the argument '--config <FILE>' cannot be used with '[FILE]'"),
+        "{}",
+        stderr(&both)
+    );
+    assert!(stdout(&both).is_empty());
+    std::fs::remove_file(&path).unwrap();
+}
+
 #[test]
 fn environment_overrides_show_in_the_printed_settings() {
     let (code, printed, errors) = check(
@@ -415,168 +447,259 @@ fn config_toml_documents_every_setting_with_its_default() {
     }
 }
 
-/// An in-memory policy store for the admin server.
-#[derive(Default)]
-struct MemoryPolicies(Mutex<Vec<PolicyConfig>>);
+/// A `dlx-proxy run` child, killed (and its files removed) on drop.
+struct RunningService {
+    child: Child,
+    admin: String,
+    files: Vec<PathBuf>,
+}
 
-impl PolicyControl for MemoryPolicies {
-    fn set_policy(&self, cfg: PolicyConfig) -> Result<(), String> {
-        let mut policies = self.0.lock().unwrap();
-        policies.retain(|p| !(p.vhost == cfg.vhost && p.name == cfg.name));
-        policies.push(cfg);
-        Ok(())
-    }
-
-    fn clear_policy(&self, vhost: &str, name: &str) -> bool {
-        let mut policies = self.0.lock().unwrap();
-        let before = policies.len();
-        policies.retain(|p| !(p.vhost == vhost && p.name == name));
-        before != policies.len()
-    }
-
-    fn list_policies(&self) -> Vec<PolicyConfig> {
-        self.0.lock().unwrap().clone()
+impl RunningService {
+    /// Starts `run` on `text` (with `env`) and waits until it is ready.
+    fn start(text: &str, env: &[(&str, &str)], mut files: Vec<PathBuf>) -> RunningService {
+        let path = temp_file(text);
+        files.push(path.clone());
+        let (child, admin) = spawn_run(&path, env);
+        let mut service = RunningService {
+            child,
+            admin,
+            files,
+        };
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while !is_ready(&service.admin) {
+            if let Some(status) = service.child.try_wait().unwrap() {
+                let mut errors = String::new();
+                std::io::Read::read_to_string(
+                    &mut service.child.stderr.take().unwrap(),
+                    &mut errors,
+                )
+                .unwrap();
+                panic!("dlx-proxy run exited ({status}): {errors}");
+            }
+            assert!(
+                std::time::Instant::now() < until,
+                "dlx-proxy run never got ready"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        service
     }
 }
 
-/// `dlx-proxy policy set|clear` as the conformance harness's hook calls it.
-#[test]
-fn policy_command_sets_and_clears_through_the_admin_api() {
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-    let policies = Arc::new(MemoryPolicies::default());
-    let trigger = ShutdownTrigger::new();
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let address = listener.local_addr().unwrap().to_string();
-    let token_text = "cli-token-7f3e";
-    let state = AdminState {
-        metrics: Metrics::new(10),
-        readiness: Readiness::new(),
-        policies: policies.clone(),
-        token: AdminToken::new(Some(Secret::from(token_text))),
-    };
-    let server = runtime.spawn(admin::serve(listener, state, trigger.subscribe()));
-    // The token as a mounted Secret file, named by the environment (the layered settings).
-    let token_file = temp_file(&format!("{token_text}\n"));
-    let token_path = token_file.display().to_string();
-    let with_token: &[(&str, &str)] = &[("DLX_PROXY_ADMIN__TOKEN_FILE", &token_path)];
+impl Drop for RunningService {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for file in &self.files {
+            let _ = std::fs::remove_file(file);
+        }
+    }
+}
 
-    // Without a token, or with another one, the server refuses and the command says so.
+/// `dlx-proxy policy ARGS` against `service` (address from `--admin`), the token given to the
+/// command as a mounted Secret file named by the environment (the layered settings).
+fn policy_cmd(service: &RunningService, token_file: &str, args: &[&str]) -> Output {
+    let mut all = vec!["policy", "--admin", &service.admin];
+    all.extend_from_slice(args);
+    dlx_proxy(&all, &[("DLX_PROXY_ADMIN__TOKEN_FILE", token_file)])
+}
+
+/// `policy set`, `list` and `clear` with rabbitmqctl's argument order against a running
+/// service: the token is required, the defaults (vhost "/", priority 0, apply-to "queues")
+/// show in `list` next to the TOML policies, bad definitions are refused naming the problem.
+#[test]
+fn policy_set_list_and_clear_against_a_running_service() {
+    let token = "cli-token-7f3e";
+    let token_file = temp_file(&format!("{token}\n"));
+    let token_path = token_file.display().to_string();
+    let service = RunningService::start(
+        "[[policies]]\nname = \"from-toml\"\npattern = \"^t$\"\ndefinition = { max-length = 5 }\n",
+        &[("DLX_PROXY_ADMIN__TOKEN", token)],
+        vec![token_file],
+    );
+    let set_args = [
+        "set",
+        "pol-dlx.dlxh0a1b",
+        "^src\\.dlxh0a1b$",
+        r#"{"dead-letter-exchange": "dlx.dlxh0a1b"}"#,
+    ];
+
+    // Without a token, or with another one, the service refuses and the command says so.
     for env in [&[][..], &[("DLX_PROXY_ADMIN__TOKEN", "not-the-token")][..]] {
-        let refused = dlx_proxy(
-            &[
-                "policy",
-                "--admin",
-                &address,
-                "set",
-                "/",
-                "p",
-                ".*",
-                r#"{"max-length": 1}"#,
-            ],
-            env,
-        );
+        let mut args = vec!["policy", "--admin", &service.admin];
+        args.extend_from_slice(&set_args);
+        let refused = dlx_proxy(&args, env);
         assert_eq!(refused.status.code(), Some(1), "{env:?}");
         let errors = stderr(&refused);
         assert!(errors.contains("HTTP 401"), "{env:?}: {errors}");
     }
-    assert!(policies.list_policies().is_empty());
 
+    // Defaults: vhost "/", priority 0, apply-to "queues".
+    let set = policy_cmd(&service, &token_path, &set_args);
+    assert!(set.status.success(), "{}", stderr(&set));
+    // Every option, negative priority and a pattern starting with '-'.
+    let set = policy_cmd(
+        &service,
+        &token_path,
+        &[
+            "set",
+            "all-of-them",
+            "-x$",
+            r#"{"max-length": 1, "overflow": "reject-publish"}"#,
+            "--vhost",
+            "/",
+            "--priority",
+            "-5",
+            "--apply-to",
+            "all",
+        ],
+    );
+    assert!(set.status.success(), "{}", stderr(&set));
+
+    let list = policy_cmd(&service, &token_path, &["list"]);
+    assert!(list.status.success(), "{}", stderr(&list));
+    let printed = stdout(&list);
+    let mut lines: Vec<&str> = printed.lines().collect();
+    assert_eq!(
+        lines.remove(0),
+        "vhost\tname\tpattern\tapply-to\tdefinition\tpriority"
+    );
+    lines.sort();
+    assert_eq!(
+        lines,
+        [
+            "/\tall-of-them\t-x$\tall\t{\"max-length\":1,\"overflow\":\"reject-publish\"}\t-5",
+            "/\tfrom-toml\t^t$\tqueues\t{\"max-length\":5}\t0",
+            "/\tpol-dlx.dlxh0a1b\t^src\\.dlxh0a1b$\tqueues\t{\"dead-letter-exchange\":\"dlx.dlxh0a1b\"}\t0",
+        ]
+    );
+    // Reads need no token; without --admin the address comes from the configuration.
+    let json = dlx_proxy(
+        &["policy", "list", "--format", "json", "--vhost", "/"],
+        &[("DLX_PROXY_LISTEN__ADMIN", &service.admin)],
+    );
+    assert!(json.status.success(), "{}", stderr(&json));
+    let listed: serde_json::Value = serde_json::from_str(&stdout(&json)).unwrap();
+    let dlx = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "pol-dlx.dlxh0a1b")
+        .unwrap_or_else(|| panic!("{listed}"));
+    assert_eq!(
+        dlx,
+        &serde_json::json!({"vhost": "/", "name": "pol-dlx.dlxh0a1b",
+            "pattern": "^src\\.dlxh0a1b$", "apply-to": "queues", "priority": 0,
+            "definition": {"dead-letter-exchange": "dlx.dlxh0a1b"}})
+    );
+    let other = policy_cmd(
+        &service,
+        &token_path,
+        &["list", "-p", "other", "--no-table-headers"],
+    );
+    assert!(other.status.success(), "{}", stderr(&other));
+    assert_eq!(stdout(&other), "");
+
+    // Bad definitions and options, each refused naming the problem; nothing changes.
+    for (args, code, expected) in [
+        (
+            vec!["set", "p", ".*", "{oops"],
+            1,
+            "dlx-proxy policy: DEFINITION is not valid JSON: key must be a string",
+        ),
+        (
+            vec!["set", "p", ".*", "[1]"],
+            1,
+            "dlx-proxy policy: DEFINITION must be a JSON object",
+        ),
+        (
+            vec!["set", "p", ".*", r#"{"message-tll": 60000}"#],
+            1,
+            "HTTP 400: policy 'p': key 'definition.message-tll': unknown policy key",
+        ),
+        (
+            vec!["set", "p", ".*", r#"{"message-ttl": -5}"#],
+            1,
+            "HTTP 400: policy 'p': key 'definition.message-ttl': expected a non-negative integer",
+        ),
+        (
+            vec!["set", "p", ".*", "{}", "--apply-to", "bindings"],
+            2,
+            "invalid value 'bindings' for '--apply-to <APPLY_TO>'",
+        ),
+        (
+            vec!["set", "p", ".*", "{}", "--priority", "high"],
+            2,
+            "invalid value 'high' for '--priority <PRIORITY>'",
+        ),
+    ] {
+        let refused = policy_cmd(&service, &token_path, &args);
+        assert_eq!(refused.status.code(), Some(code), "{args:?}");
+        assert!(
+            stderr(&refused).contains(expected),
+            "{args:?}: {}",
+            stderr(&refused)
+        );
+    }
+    assert_eq!(
+        stdout(&policy_cmd(&service, &token_path, &["list"])),
+        printed
+    );
+
+    let clear = policy_cmd(&service, &token_path, &["clear", "pol-dlx.dlxh0a1b"]);
+    assert!(clear.status.success(), "{}", stderr(&clear));
+    let clear = policy_cmd(
+        &service,
+        &token_path,
+        &["clear", "all-of-them", "--vhost", "/"],
+    );
+    assert!(clear.status.success(), "{}", stderr(&clear));
+    assert_eq!(
+        stdout(&policy_cmd(
+            &service,
+            &token_path,
+            &["list", "--no-table-headers"]
+        )),
+        "/\tfrom-toml\t^t$\tqueues\t{\"max-length\":5}\t0\n"
+    );
+    let again = policy_cmd(&service, &token_path, &["clear", "pol-dlx.dlxh0a1b"]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(
+        stderr(&again).contains("HTTP 404: no policy \"pol-dlx.dlxh0a1b\" in vhost \"/\""),
+        "{}",
+        stderr(&again)
+    );
+}
+
+/// The policy command reads the admin address and token from a configuration file.
+#[test]
+fn policy_reads_address_and_token_from_the_configuration_file() {
+    let token = "file-token-19ce";
+    let service = RunningService::start("", &[("DLX_PROXY_ADMIN__TOKEN", token)], vec![]);
+    let config_file = temp_file(&format!(
+        "[listen]\nadmin = {:?}\n[admin]\ntoken = {token:?}\n",
+        service.admin
+    ));
+    let config = config_file.to_str().unwrap();
     let set = dlx_proxy(
         &[
             "policy",
-            "--admin",
-            &address,
             "set",
-            "/",
-            "pol-dlx.dlxh0a1b",
-            "^src\\.dlxh0a1b$",
-            r#"{"dead-letter-exchange": "dlx.dlxh0a1b"}"#,
-            "100",
-            "queues",
-        ],
-        with_token,
-    );
-    assert!(set.status.success(), "{}", stderr(&set));
-    let stored = policies.list_policies();
-    assert_eq!(stored.len(), 1);
-    assert_eq!(
-        (
-            stored[0].vhost.as_str(),
-            stored[0].name.as_str(),
-            stored[0].pattern.as_str()
-        ),
-        ("/", "pol-dlx.dlxh0a1b", "^src\\.dlxh0a1b$")
-    );
-    assert_eq!(
-        (stored[0].priority, stored[0].apply_to.as_str()),
-        (100, "queues")
-    );
-    assert_eq!(stored[0].definition["dead-letter-exchange"], "dlx.dlxh0a1b");
-
-    // The harness passes empty placeholders to clear.
-    let clear = dlx_proxy(
-        &[
-            "policy",
-            "--admin",
-            &address,
-            "clear",
-            "/",
-            "pol-dlx.dlxh0a1b",
-            "",
-            "",
-            "0",
-            "",
-        ],
-        with_token,
-    );
-    assert!(clear.status.success(), "{}", stderr(&clear));
-    assert!(policies.list_policies().is_empty());
-    let again = dlx_proxy(
-        &[
-            "policy",
-            "--admin",
-            &address,
-            "clear",
-            "/",
-            "pol-dlx.dlxh0a1b",
-        ],
-        with_token,
-    );
-    assert_eq!(again.status.code(), Some(1));
-    assert!(stderr(&again).contains("404"), "{}", stderr(&again));
-
-    let bad = dlx_proxy(
-        &[
-            "policy", "--admin", &address, "set", "/", "p", ".*", "{oops",
+            "p",
+            ".*",
+            r#"{"max-length": 2}"#,
+            "--config",
+            config,
         ],
         &[],
     );
-    assert_eq!(bad.status.code(), Some(1));
-    assert!(stderr(&bad).contains("DEFINITION"), "{}", stderr(&bad));
-
-    // Without --admin the address comes from the configuration (here via the environment);
-    // the token from a configuration file.
-    let config_file = temp_file(&format!("[admin]\ntoken_file = {token_path:?}\n"));
-    let from_config = dlx_proxy(
-        &[
-            "policy",
-            "--config",
-            config_file.to_str().unwrap(),
-            "set",
-            "/",
-            "p",
-            ".*",
-            r#"{"max-length": 1}"#,
-        ],
-        &[("DLX_PROXY_LISTEN__ADMIN", &address)],
+    assert!(set.status.success(), "{}", stderr(&set));
+    let list = dlx_proxy(&["policy", "-c", config, "list", "--no-table-headers"], &[]);
+    assert_eq!(
+        stdout(&list),
+        "/\tp\t.*\tqueues\t{\"max-length\":2}\t0\n",
+        "{}",
+        stderr(&list)
     );
-    assert!(from_config.status.success(), "{}", stderr(&from_config));
-    assert_eq!(policies.list_policies()[0].apply_to, "all");
     std::fs::remove_file(&config_file).unwrap();
-    std::fs::remove_file(&token_file).unwrap();
-
-    trigger.trigger();
-    runtime.block_on(server).unwrap().unwrap();
 }

@@ -43,6 +43,23 @@ fn harness_dir() -> PathBuf {
     dir
 }
 
+/// The harness's `--policy-cmd` for `dlx-proxy policy` at `admin`. The harness fills every
+/// placeholder for both ops (shell-quoted) and runs the line with `sh -c`; a `case` on the op
+/// passes `clear` only the name and vhost, so each subcommand gets exactly its own arguments.
+fn policy_cmd(admin: std::net::SocketAddr) -> String {
+    let program = format!(
+        "'{}' policy --admin {admin}",
+        env!("CARGO_BIN_EXE_dlx-proxy").replace('\'', r"'\''")
+    );
+    format!(
+        "case {{op}} in \
+         set) {program} set {{name}} {{pattern}} {{definition}} --vhost {{vhost}} \
+         --priority {{priority}} --apply-to {{apply_to}} ;; \
+         clear) {program} clear {{name}} --vhost {{vhost}} ;; \
+         *) echo \"unknown policy op {{op}}\" >&2; exit 2 ;; esac"
+    )
+}
+
 /// Runs the harness; returns its output and whether it passed.
 fn run_harness(dir: &PathBuf, url: &str, policy_cmd: &str, skip: &str) -> (bool, String) {
     // The "rabbitmqctl" policy preset calls `rabbitmqctl` from PATH: the reference node's own.
@@ -135,10 +152,7 @@ async fn conformance_embedded_broker() {
     let b = common::start_with(cfg).await;
     let admin = b.service.admin_addr.expect("admin listener");
     let url = format!("amqp://guest:guest@{}/", b.addr);
-    let policy_cmd = format!(
-        "{} policy --admin {admin} {{op}} {{vhost}} {{name}} {{pattern}} {{definition}} {{priority}} {{apply_to}}",
-        env!("CARGO_BIN_EXE_dlx-proxy")
-    );
+    let policy_cmd = policy_cmd(admin);
     let (ok, text) =
         tokio::task::spawn_blocking(move || run_harness(&dir, &url, &policy_cmd, SKIP_UNSPECIFIED))
             .await
@@ -184,10 +198,7 @@ async fn conformance_through_the_proxy() {
     let b = common::start_with(cfg).await;
     let admin = b.service.admin_addr.expect("admin listener");
     let url = format!("amqp://guest:guest@{}/", b.addr);
-    let policy_cmd = format!(
-        "{} policy --admin {admin} {{op}} {{vhost}} {{name}} {{pattern}} {{definition}} {{priority}} {{apply_to}}",
-        env!("CARGO_BIN_EXE_dlx-proxy")
-    );
+    let policy_cmd = policy_cmd(admin);
     let (ok, text) =
         tokio::task::spawn_blocking(move || run_harness(&dir, &url, &policy_cmd, SKIP_UNSPECIFIED))
             .await
