@@ -5,6 +5,7 @@
 //! - [`deadletter`] and [`policy`] hold the pure dead-letter rules and policy matching;
 //! - [`broker`] is the embedded broker core (vhosts, exchanges, queues, consumers);
 //! - [`server`] runs one task per client connection for embedded mode;
+//! - [`memory`] is the embedded broker's memory high watermark (publishers blocked above it);
 //! - [`proxy`] forwards client connections to an upstream broker (proxy mode);
 //! - [`config`], [`metrics`], [`admin`], [`tls`] and [`service`] wire everything together.
 
@@ -14,6 +15,7 @@ pub mod broker;
 pub mod config;
 pub mod deadletter;
 pub mod listener;
+pub mod memory;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;

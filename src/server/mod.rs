@@ -1,9 +1,11 @@
 //! The embedded-mode AMQP server: an accept loop and one task per client connection.
 //!
 //! [`connection`] runs the handshake and the frame loop, [`channel`] turns methods into broker
-//! operations, [`publish`] assembles published content into messages. Bytes go out through
+//! operations, [`publish`] assembles published content into messages, [`blocking`] holds
+//! publishers while the memory alarm is raised. Bytes go out through
 //! the connection's [`crate::broker::outbox::Outbox`], drained by a writer task.
 
+pub mod blocking;
 pub mod channel;
 pub mod connection;
 pub mod publish;
@@ -14,6 +16,7 @@ use std::sync::{Arc, RwLock};
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 
 use crate::broker::Broker;
 use crate::broker::auth::UserDb;
@@ -26,6 +29,9 @@ pub struct ServerContext {
     pub users: RwLock<Arc<UserDb>>,
     pub limits: RwLock<LimitsConfig>,
     pub connections: AtomicUsize,
+    /// The memory alarm (true = raised), set by [`crate::memory::monitor`]; publishing
+    /// connections block while it is raised ([`blocking`]).
+    pub memory_alarm: watch::Sender<bool>,
 }
 
 impl ServerContext {
@@ -35,6 +41,7 @@ impl ServerContext {
             users: RwLock::new(Arc::new(users)),
             limits: RwLock::new(limits),
             connections: AtomicUsize::new(0),
+            memory_alarm: watch::Sender::new(false),
         })
     }
 

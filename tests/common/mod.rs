@@ -17,7 +17,7 @@ use lapin::{Channel, Connection, ConnectionProperties};
 
 // Not every test binary uses all of it.
 #[allow(unused_imports)]
-pub use raw_client::{RawClient, RawDelivery, encode_method};
+pub use raw_client::{RawClient, RawDelivery, capabilities, encode_method};
 
 /// An embedded broker started for one test.
 pub struct TestBroker {
