@@ -74,18 +74,47 @@ impl Monitor {
         })
     }
 
-    /// Takes one sample at `now` with the current `watermark`; `None` when used memory cannot
-    /// be read.
+    /// Takes one sample at `now` with the current `watermark`, releasing free memory on this
+    /// thread when due; `None` when used memory cannot be read.
     pub fn sample(&mut self, now: Instant, watermark: Watermark) -> Option<Option<AlarmChange>> {
+        let (due, before) = self.prepare(now, watermark)?;
+        let release = due.then(timed_release);
+        self.finish(now, before, release)
+    }
+
+    /// First half of a sample: applies the watermark, reads used memory; whether a release of
+    /// free memory is due, and the used memory read.
+    fn prepare(&mut self, now: Instant, watermark: Watermark) -> Option<(bool, u64)> {
         self.alarm.set_watermark(watermark.bytes(self.limit));
-        let mut used = self.sources.used()?;
+        let used = self.sources.used()?;
         let pressed = self.alarm.is_raised() || used > self.alarm.watermark();
-        if self.schedule.due(now, used, pressed) {
-            if release_free_memory() {
+        Some((self.schedule.due(now, pressed), used))
+    }
+
+    /// Second half: notes the release made since [`prepare`](Self::prepare) (whether it gave
+    /// memory back and how long it took; `before` is the used memory `prepare` read), reads
+    /// used memory again and raises or clears the alarm.
+    fn finish(
+        &mut self,
+        now: Instant,
+        before: u64,
+        release: Option<(bool, Duration)>,
+    ) -> Option<Option<AlarmChange>> {
+        let used = match release {
+            Some(_) => self.sources.used()?,
+            None => before,
+        };
+        if let Some((released, took)) = release {
+            self.schedule.released(now);
+            if released {
                 self.metrics.memory_released();
-                used = self.sources.used().unwrap_or(used);
+                tracing::debug!(
+                    before,
+                    after = used,
+                    micros = took.as_micros() as u64,
+                    "free memory handed back to the operating system"
+                );
             }
-            self.schedule.released(now, used);
         }
         let change = self.alarm.observe(used);
         self.metrics
@@ -113,7 +142,8 @@ impl Monitor {
     }
 
     /// Samples every `settings().interval` until shutdown (or until used memory cannot be
-    /// read, which is logged); the alarm is cleared when it ends.
+    /// read, which is logged); the alarm is cleared when it ends. A release runs on the
+    /// blocking pool: handing back a gigabyte takes glibc most of a second.
     pub async fn run(
         mut self,
         settings: impl Fn() -> MonitorSettings + Send,
@@ -121,7 +151,19 @@ impl Monitor {
     ) {
         loop {
             let current = settings();
-            if self.sample(Instant::now(), current.watermark).is_none() {
+            let now = Instant::now();
+            let sampled = match self.prepare(now, current.watermark) {
+                None => None,
+                Some((due, before)) => {
+                    let release = if due {
+                        tokio::task::spawn_blocking(timed_release).await.ok()
+                    } else {
+                        None
+                    };
+                    self.finish(now, before, release)
+                }
+            };
+            if sampled.is_none() {
                 tracing::warn!(
                     "cannot read this process's resident memory; the memory alarm is off"
                 );
@@ -135,6 +177,13 @@ impl Monitor {
         self.signal.send_replace(false);
         self.metrics.set_memory_alarm(false);
     }
+}
+
+/// Releases free memory: whether any was given back, and how long it took.
+fn timed_release() -> (bool, Duration) {
+    let started = Instant::now();
+    let released = release_free_memory();
+    (released, started.elapsed())
 }
 
 #[cfg(test)]

@@ -6,44 +6,36 @@
 //! resident size stayed near its peak (BENCHMARKS.md, "Memory after queues are emptied").
 //! `malloc_trim(0)` walks every arena and releases the free pages inside them too.
 //!
-//! [`ReleaseSchedule`] decides when (pure, takes `now`): on every sample while the memory
-//! alarm is raised, so blocked publishers resume as soon as consumers have freed memory, and
-//! otherwise at most once per [`RELEASE_EVERY`], after used memory was seen above what it was
-//! at the previous release (something was allocated that may since have been freed).
+//! [`ReleaseSchedule`] decides when (pure, takes `now`): on every sample while used memory
+//! is above the watermark or the alarm is raised, so blocked publishers resume as soon as
+//! consumers have freed memory, and otherwise once per [`RELEASE_EVERY`]. Frees cannot be
+//! seen in the resident size before the release itself, so there is no cheaper trigger; a
+//! release that finds nothing to give back costs well under a millisecond (BENCHMARKS.md).
 
 use std::time::{Duration, Instant};
 
-/// Shortest time between two releases while the alarm is not raised.
+/// Time between two releases while memory is below the watermark.
 pub const RELEASE_EVERY: Duration = Duration::from_secs(10);
 
 /// When to release free memory.
 #[derive(Clone, Debug, Default)]
 pub struct ReleaseSchedule {
     last: Option<Instant>,
-    /// Used memory just after the last release.
-    floor: u64,
-    /// Highest used memory seen since the last release.
-    peak: u64,
 }
 
 impl ReleaseSchedule {
-    /// Takes a sample (`used` bytes, the alarm state); whether to release now.
-    pub fn due(&mut self, now: Instant, used: u64, alarm_raised: bool) -> bool {
-        self.peak = self.peak.max(used);
-        if alarm_raised {
-            return true;
-        }
-        let waited = self
-            .last
-            .is_none_or(|last| now.duration_since(last) >= RELEASE_EVERY);
-        waited && self.peak > self.floor
+    /// Whether to release at `now`; `pressed`: used memory is above the watermark or the
+    /// alarm is raised.
+    pub fn due(&self, now: Instant, pressed: bool) -> bool {
+        pressed
+            || self
+                .last
+                .is_none_or(|last| now.duration_since(last) >= RELEASE_EVERY)
     }
 
-    /// A release was made at `now`; `used` is the used memory after it.
-    pub fn released(&mut self, now: Instant, used: u64) {
+    /// A release was made at `now`.
+    pub fn released(&mut self, now: Instant) {
         self.last = Some(now);
-        self.floor = used;
-        self.peak = used;
     }
 }
 
@@ -65,29 +57,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_sample_while_the_alarm_is_raised() {
+    fn every_sample_under_pressure_otherwise_every_ten_seconds() {
         let mut schedule = ReleaseSchedule::default();
         let t0 = Instant::now();
-        assert!(schedule.due(t0, 100, true));
-        schedule.released(t0, 100);
-        assert!(schedule.due(t0 + Duration::from_millis(1), 100, true));
-    }
-
-    #[test]
-    fn otherwise_after_growth_and_at_most_every_ten_seconds() {
-        let mut schedule = ReleaseSchedule::default();
-        let t0 = Instant::now();
-        assert!(schedule.due(t0, 100, false), "first sample");
-        schedule.released(t0, 80);
-        // Grew, but too soon.
-        assert!(!schedule.due(t0 + Duration::from_secs(1), 500, false));
-        // Back down before the ten seconds: the peak in between still counts.
-        assert!(schedule.due(t0 + RELEASE_EVERY, 90, false));
-        schedule.released(t0 + RELEASE_EVERY, 70);
-        // No growth since: nothing to release, however long it waits.
-        assert!(!schedule.due(t0 + RELEASE_EVERY * 5, 70, false));
-        assert!(!schedule.due(t0 + RELEASE_EVERY * 5, 60, false));
-        assert!(schedule.due(t0 + RELEASE_EVERY * 5, 71, false));
+        assert!(schedule.due(t0, false), "first sample");
+        schedule.released(t0);
+        assert!(!schedule.due(t0 + Duration::from_secs(1), false));
+        assert!(schedule.due(t0 + Duration::from_millis(1), true));
+        schedule.released(t0 + Duration::from_millis(1));
+        assert!(!schedule.due(t0 + RELEASE_EVERY, false));
+        assert!(schedule.due(t0 + RELEASE_EVERY + Duration::from_millis(1), false));
     }
 
     #[test]
