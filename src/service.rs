@@ -1,6 +1,6 @@
 //! Wires a validated [`Config`] into running tasks: the embedded broker (with its memory
-//! monitor) or the proxy, the admin HTTP server, the broker's timer task, configuration reload, and the shutdown signal
-//! threaded through all of them.
+//! monitor) or the proxy, the admin HTTP server, the broker's timer task, configuration
+//! reload, and the shutdown signal threaded through all of them.
 //!
 //! [`start`] binds everything and returns a [`RunningService`] handle (used by `main` and by
 //! the integration tests); [`run`] is `start` plus signal handling: SIGHUP or a change of the
