@@ -172,6 +172,13 @@ pub struct LimitsConfig {
     /// exchange declare, bind, consume, client properties); a deeper method closes the
     /// connection with 501. Message headers are never refused (see `amqp::headers`).
     pub max_table_depth: usize,
+    /// Used memory above which connections that publish are blocked (embedded mode): bytes
+    /// (536870912, "512MiB", "1GB") or a fraction 0 < f < 1 of the memory limit (the cgroup's,
+    /// else the total RAM). See `memory::watermark`.
+    #[serde(deserialize_with = "string_or_number")]
+    pub memory_high_watermark: String,
+    /// Milliseconds between two samples of used memory (embedded mode).
+    pub memory_check_interval_ms: u64,
 }
 
 impl Default for LimitsConfig {
@@ -186,6 +193,8 @@ impl Default for LimitsConfig {
             connection_outbox_bytes: 4 * 1024 * 1024,
             handshake_timeout_secs: 10,
             max_table_depth: crate::amqp::depth::DEFAULT_MAX_TABLE_DEPTH,
+            memory_high_watermark: "0.4".into(),
+            memory_check_interval_ms: 250,
         }
     }
 }
@@ -797,6 +806,10 @@ pub const MIN_FRAME_MAX: u32 = 4096;
 /// Longest vhost, user and policy name (an AMQP short string).
 const MAX_NAME_LEN: usize = 255;
 
+/// Bounds of `limits.memory_check_interval_ms`.
+const MIN_MEMORY_CHECK_MS: u64 = 10;
+const MAX_MEMORY_CHECK_MS: u64 = 60_000;
+
 impl Config {
     /// Checks every setting that can be checked without starting anything (files are read:
     /// the admin token, TLS certificates, keys and CA bundles); the first problem found is
@@ -911,6 +924,14 @@ impl Config {
                      the task decoding them)",
                     limits.max_table_depth
                 ),
+            ));
+        }
+        crate::memory::Watermark::parse(&limits.memory_high_watermark)
+            .map_err(|message| ConfigError::invalid("limits.memory_high_watermark", message))?;
+        if !(MIN_MEMORY_CHECK_MS..=MAX_MEMORY_CHECK_MS).contains(&limits.memory_check_interval_ms) {
+            return Err(ConfigError::invalid(
+                "limits.memory_check_interval_ms",
+                format!("must be {MIN_MEMORY_CHECK_MS} to {MAX_MEMORY_CHECK_MS}"),
             ));
         }
         Ok(())
@@ -1459,11 +1480,47 @@ mod tests {
                 "[proxy]\nconfirm_timeout_secs = 0\n",
                 "proxy.confirm_timeout_secs",
             ),
+            (
+                "[limits]\nmemory_high_watermark = 1.5\n",
+                "limits.memory_high_watermark",
+            ),
+            (
+                "[limits]\nmemory_high_watermark = \"12 parsecs\"\n",
+                "limits.memory_high_watermark",
+            ),
+            (
+                "[limits]\nmemory_high_watermark = 0\n",
+                "limits.memory_high_watermark",
+            ),
+            (
+                "[limits]\nmemory_check_interval_ms = 0\n",
+                "limits.memory_check_interval_ms",
+            ),
         ];
         for (text, key) in cases {
             let error = load_text(text).unwrap_err();
             assert_eq!(error.key(), key, "{text}: {error}");
         }
+    }
+
+    #[test]
+    fn memory_watermark_takes_sizes_and_fractions() {
+        for (value, expected) in [
+            ("0.6", "0.6"),
+            ("536870912", "536870912"),
+            ("\"512MiB\"", "512MiB"),
+        ] {
+            let text = format!("[limits]\nmemory_high_watermark = {value}\n");
+            let config = load_text(&text).unwrap();
+            assert_eq!(config.limits.memory_high_watermark, expected);
+        }
+        assert_eq!(Config::default().limits.memory_high_watermark, "0.4");
+        let error = error_text("[limits]\nmemory_high_watermark = 1.5\n");
+        assert!(
+            error.contains("key `limits.memory_high_watermark`")
+                && error.contains("strictly between 0 and 1"),
+            "{error}"
+        );
     }
 
     #[test]

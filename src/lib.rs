@@ -6,6 +6,7 @@
 //! - [`deadletter`] and [`policy`] hold the pure dead-letter rules and policy matching;
 //! - [`broker`] is the embedded broker core (vhosts, exchanges, queues, consumers);
 //! - [`server`] runs one task per client connection for embedded mode;
+//! - [`memory`] is the embedded broker's memory high watermark (publishers blocked above it);
 //! - [`proxy`] forwards client connections to an upstream broker (proxy mode);
 //! - [`admission`] decides who may connect (connection slots, loopback-only users);
 //! - [`secret`] keeps passwords and tokens out of every log line;
@@ -20,6 +21,7 @@ pub mod broker;
 pub mod config;
 pub mod deadletter;
 pub mod listener;
+pub mod memory;
 pub mod metrics;
 pub mod policy;
 pub mod policy_cli;

@@ -48,6 +48,13 @@ pub const METRIC_NAMES: &[&str] = &[
     "inflight_deliveries",
     "inflight_bytes",
     "outbox_bytes",
+    "memory_alarm",
+    "memory_used_bytes",
+    "memory_limit_bytes",
+    "memory_high_watermark_bytes",
+    "blocked_connections",
+    "connection_blocks_total",
+    "memory_releases_total",
     "dead_letter_latency_seconds",
     "message_age_at_dead_letter_seconds",
 ];
@@ -169,6 +176,13 @@ pub struct Metrics {
     inflight_deliveries: IntGauge,
     inflight_bytes: IntGauge,
     outbox_bytes: IntGauge,
+    memory_alarm: IntGauge,
+    memory_used: IntGauge,
+    memory_limit: IntGauge,
+    memory_watermark: IntGauge,
+    blocked_connections: IntGauge,
+    connection_blocks: IntCounter,
+    memory_releases: IntCounter,
     dead_letter_latency: Histogram,
     message_age_at_dead_letter: Histogram,
 }
@@ -326,6 +340,37 @@ impl Metrics {
             outbox_bytes: b.gauge(
                 "outbox_bytes",
                 "Encoded bytes waiting to be written to client sockets.",
+            )?,
+            memory_alarm: b.gauge(
+                "memory_alarm",
+                "1 while the memory alarm is raised (used memory above the high watermark: \
+                 publishing connections are blocked), else 0 (embedded mode).",
+            )?,
+            memory_used: b.gauge(
+                "memory_used_bytes",
+                "Resident memory of the process as the memory alarm last sampled it.",
+            )?,
+            memory_limit: b.gauge(
+                "memory_limit_bytes",
+                "Memory available to the process: its cgroup limit, or the total RAM.",
+            )?,
+            memory_watermark: b.gauge(
+                "memory_high_watermark_bytes",
+                "Used memory above which the memory alarm is raised \
+                 (limits.memory_high_watermark).",
+            )?,
+            blocked_connections: b.gauge(
+                "blocked_connections",
+                "Client connections not being read because they published while the memory \
+                 alarm was raised.",
+            )?,
+            connection_blocks: b.counter(
+                "connection_blocks_total",
+                "Times a client connection was blocked by the memory alarm.",
+            )?,
+            memory_releases: b.counter(
+                "memory_releases_total",
+                "Times free allocator memory was handed back to the operating system.",
             )?,
             dead_letter_latency: b.histogram(
                 "dead_letter_latency_seconds",
@@ -568,6 +613,34 @@ impl Metrics {
         self.outbox_bytes.add(delta);
     }
 
+    /// The memory alarm was raised (`true`) or cleared.
+    pub fn set_memory_alarm(&self, raised: bool) {
+        self.memory_alarm.set(i64::from(raised));
+    }
+
+    /// The latest memory sample: used bytes, the limit and the high watermark.
+    pub fn set_memory(&self, used: u64, limit: u64, watermark: u64) {
+        self.memory_used.set(saturating_i64(used));
+        self.memory_limit.set(saturating_i64(limit));
+        self.memory_watermark.set(saturating_i64(watermark));
+    }
+
+    /// A client connection was blocked by the memory alarm.
+    pub fn connection_blocked(&self) {
+        self.connection_blocks.inc();
+        self.blocked_connections.inc();
+    }
+
+    /// A blocked client connection was unblocked (or ended).
+    pub fn connection_unblocked(&self) {
+        self.blocked_connections.dec();
+    }
+
+    /// Free allocator memory was handed back to the operating system.
+    pub fn memory_released(&self) {
+        self.memory_releases.inc();
+    }
+
     /// A configuration reload finished (`succeeded` or not).
     pub fn config_reloaded(&self, succeeded: bool) {
         let result = if succeeded { "success" } else { "failure" };
@@ -678,6 +751,12 @@ mod tests {
         metrics.add_inflight(4, 400);
         metrics.add_inflight(-1, -100);
         metrics.add_outbox_bytes(64);
+        metrics.set_memory_alarm(true);
+        metrics.set_memory(300, 1000, 400);
+        metrics.connection_blocked();
+        metrics.connection_blocked();
+        metrics.connection_unblocked();
+        metrics.memory_released();
         metrics.config_reloaded(false);
         metrics.tls_reloaded(false);
         metrics.tls_reloaded(false);
@@ -705,6 +784,13 @@ mod tests {
             "dlx_proxy_inflight_deliveries 3",
             "dlx_proxy_inflight_bytes 300",
             "dlx_proxy_outbox_bytes 64",
+            "dlx_proxy_memory_alarm 1",
+            "dlx_proxy_memory_used_bytes 300",
+            "dlx_proxy_memory_limit_bytes 1000",
+            "dlx_proxy_memory_high_watermark_bytes 400",
+            "dlx_proxy_blocked_connections 1",
+            "dlx_proxy_connection_blocks_total 2",
+            "dlx_proxy_memory_releases_total 1",
             r#"dlx_proxy_config_reloads_total{result="failure"} 1"#,
             r#"dlx_proxy_tls_reloads_total{result="failure"} 2"#,
             r#"dlx_proxy_tls_reloads_total{result="success"} 1"#,

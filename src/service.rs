@@ -1,6 +1,6 @@
-//! Wires a validated [`Config`] into running tasks: the embedded broker or the proxy, the
-//! admin HTTP server, the broker's timer task, configuration reload, TLS certificate rotation,
-//! and the shutdown signal threaded through all of them.
+//! Wires a validated [`Config`] into running tasks: the embedded broker (with its memory
+//! monitor) or the proxy, the admin HTTP server, the broker's timer task, configuration
+//! reload, TLS certificate rotation, and the shutdown signal threaded through all of them.
 //!
 //! [`start`] binds everything and returns a [`RunningService`] handle (used by `main` and by
 //! the integration tests); it also starts watching the TLS files, so rotated certificates
@@ -24,6 +24,8 @@ use crate::broker::auth::UserDb;
 use crate::broker::{Broker, BrokerOptions};
 use crate::config::{Config, Mode, PolicyConfig};
 use crate::deadletter::DeadLetterOptions;
+use crate::memory::monitor::{Monitor, MonitorSettings};
+use crate::memory::{MemorySources, Watermark};
 use crate::metrics::Metrics;
 use crate::policy::PolicySet;
 use crate::server::{self, ServerContext};
@@ -304,6 +306,36 @@ async fn bind(addr: &str, key: &str) -> anyhow::Result<Option<TcpListener>> {
     Ok(Some(l))
 }
 
+/// The memory monitor's settings from the limits in force.
+fn memory_settings(limits: &crate::config::LimitsConfig) -> Option<MonitorSettings> {
+    Some(MonitorSettings {
+        watermark: Watermark::parse(&limits.memory_high_watermark).ok()?,
+        interval: Duration::from_millis(limits.memory_check_interval_ms),
+    })
+}
+
+/// Starts the memory monitor of the embedded broker; it re-reads the watermark and interval
+/// from the limits in force before each sample, so a reload changes them.
+fn spawn_memory_monitor(
+    ctx: &Arc<ServerContext>,
+    metrics: &Arc<Metrics>,
+    stop: crate::shutdown::Shutdown,
+) -> anyhow::Result<JoinHandle<()>> {
+    let key = "limits.memory_high_watermark";
+    let initial = memory_settings(&ctx.limits())
+        .ok_or_else(|| anyhow::anyhow!("key `{key}`: invalid (validate the config first)"))?;
+    let monitor = Monitor::new(
+        MemorySources::default(),
+        initial.watermark,
+        metrics.clone(),
+        ctx.memory_alarm.clone(),
+    )
+    .map_err(|message| anyhow::anyhow!("key `{key}`: {message}"))?;
+    let ctx = ctx.clone();
+    let settings = move || memory_settings(&ctx.limits()).unwrap_or(initial);
+    Ok(tokio::spawn(monitor.run(settings, stop)))
+}
+
 /// Binds the listeners and starts every task.
 pub async fn start(config: Config) -> anyhow::Result<RunningService> {
     let accept_trigger = ShutdownTrigger::new();
@@ -353,6 +385,11 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 broker.clone().timer_loop(connections_trigger.subscribe()),
             ));
             let ctx = ServerContext::new(broker.clone(), users, config.limits.clone());
+            tasks.push(spawn_memory_monitor(
+                &ctx,
+                &metrics,
+                connections_trigger.subscribe(),
+            )?);
             if let Some(listener) = amqp {
                 tracing::info!(addr = ?amqp_addr, "AMQP listener (embedded broker)");
                 listeners.push(tokio::spawn(server::serve(

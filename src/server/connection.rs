@@ -18,6 +18,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_util::codec::FramedRead;
 
 use super::ServerContext;
+use super::blocking::{Throttle, wants_blocked_notifications};
 use super::channel::{ChannelTable, Flow};
 use crate::admission::is_loopback;
 use crate::amqp::codec::{
@@ -40,6 +41,8 @@ pub struct Session {
     /// Negotiated heartbeat interval in seconds (0 = off).
     pub heartbeat: u64,
     pub outbox: Arc<Outbox>,
+    /// The client announced the `connection.blocked` capability.
+    pub blocked_notifications: bool,
 }
 
 fn short(s: &str) -> ShortString {
@@ -231,6 +234,7 @@ async fn handshake<R: AsyncRead + Unpin>(
         }
     };
     let mechanism = start_ok.mechanism.as_str().to_string();
+    let blocked_notifications = wants_blocked_notifications(&start_ok.client_properties);
     let Some((user, password)) = credentials else {
         return fail(AmqpError::access_refused(login_refused(&mechanism)));
     };
@@ -311,6 +315,7 @@ async fn handshake<R: AsyncRead + Unpin>(
         channel_max,
         heartbeat: tune_ok.heartbeat as u64,
         outbox: outbox.clone(),
+        blocked_notifications,
     })
 }
 
@@ -352,15 +357,13 @@ async fn frame_loop<R: AsyncRead + Unpin>(
     let timeout = (heartbeat > 0).then(|| Duration::from_secs(heartbeat * 2));
     let mut channels = ChannelTable::new(&ctx.limits());
     let mut traffic = TrafficCounter::new(ctx.clone(), Direction::ClientIn);
+    let mut throttle = Throttle::new(ctx.memory_alarm.subscribe(), session.blocked_notifications);
     // The loop ends with the error to close the connection with, or None when the peer is
     // gone or closed it.
     let close_with = loop {
         let frame = tokio::select! {
             f = next_frame(frames, timeout) => f,
-            _ = shutdown.recv() => break Some(AmqpError::new(
-                reply::CONNECTION_FORCED,
-                "broker forced connection closure with reason 'shutdown'",
-            )),
+            _ = shutdown.recv() => break Some(shutdown_error()),
         };
         let frame = match frame {
             Ok(Some(f)) => f,
@@ -372,10 +375,19 @@ async fn frame_loop<R: AsyncRead + Unpin>(
             Err(err) => break Some(AmqpError::frame_error(err.to_string())),
         };
         traffic.add(1, frame.wire_len() as u64);
+        let blocks = throttle.must_block(&frame);
         match channels.handle(frame, session, ctx) {
             Flow::Continue => {}
             Flow::CloseConnection(err) => break Some(err),
             Flow::Closed => break None,
+        }
+        // A publish while the memory alarm is raised: stop reading until it clears.
+        if blocks
+            && !throttle
+                .wait_until_clear(&session.outbox, &ctx.broker.metrics, &mut shutdown)
+                .await
+        {
+            break Some(shutdown_error());
         }
     };
     ctx.broker
@@ -386,6 +398,14 @@ async fn frame_loop<R: AsyncRead + Unpin>(
         send_close(&session.outbox, &err);
         await_close_ok(frames).await;
     }
+}
+
+/// The close sent to clients when the service shuts down.
+fn shutdown_error() -> AmqpError {
+    AmqpError::new(
+        reply::CONNECTION_FORCED,
+        "broker forced connection closure with reason 'shutdown'",
+    )
 }
 
 /// Frame and byte counts kept locally and added to the metrics every 64 frames and when the

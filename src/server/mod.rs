@@ -1,9 +1,11 @@
 //! The embedded-mode AMQP server: an accept loop and one task per client connection.
 //!
 //! [`connection`] runs the handshake and the frame loop, [`channel`] turns methods into broker
-//! operations, [`publish`] assembles published content into messages. Bytes go out through
+//! operations, [`publish`] assembles published content into messages, [`blocking`] holds
+//! publishers while the memory alarm is raised. Bytes go out through
 //! the connection's [`crate::broker::outbox::Outbox`], drained by a writer task.
 
+pub mod blocking;
 pub mod channel;
 pub mod connection;
 pub mod publish;
@@ -14,6 +16,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 
 use crate::admission::ConnectionSlots;
 use crate::broker::Broker;
@@ -28,6 +31,9 @@ pub struct ServerContext {
     pub limits: RwLock<LimitsConfig>,
     /// `limits.max_connections`: each connection task holds a slot.
     pub connections: Arc<ConnectionSlots>,
+    /// The memory alarm (true = raised), set by [`crate::memory::monitor`]; publishing
+    /// connections block while it is raised ([`blocking`]).
+    pub memory_alarm: watch::Sender<bool>,
 }
 
 impl ServerContext {
@@ -38,6 +44,7 @@ impl ServerContext {
             users: RwLock::new(Arc::new(users)),
             limits: RwLock::new(limits),
             connections,
+            memory_alarm: watch::Sender::new(false),
         })
     }
 

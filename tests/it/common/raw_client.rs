@@ -10,7 +10,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use amq_protocol::frame::{AMQPFrame, WriteContext, gen_frame};
+use amq_protocol::frame::{AMQPContentHeader, AMQPFrame, WriteContext, gen_frame};
 use amq_protocol::protocol::{AMQPClass, basic, channel, connection};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 use bytes::{Bytes, BytesMut};
@@ -31,10 +31,25 @@ const BYTES_WAIT: Duration = Duration::from_secs(5);
 
 /// The encoded method frame (independent of the crate's own encoder).
 pub fn encode_method(channel: u16, method: AMQPClass) -> Vec<u8> {
-    let frame = AMQPFrame::Method(channel, method);
-    gen_frame(&frame)(WriteContext::from(Vec::new()))
+    encode_frame(&AMQPFrame::Method(channel, method))
+}
+
+fn encode_frame(frame: &AMQPFrame) -> Vec<u8> {
+    gen_frame(frame)(WriteContext::from(Vec::new()))
         .expect("encode")
         .write
+}
+
+/// Client properties whose `capabilities` table sets each of `names` to true (as RabbitMQ's
+/// clients announce `connection.blocked`).
+pub fn capabilities(names: &[&str]) -> FieldTable {
+    let mut capabilities = FieldTable::default();
+    for name in names {
+        capabilities.insert((*name).into(), AMQPValue::Boolean(true));
+    }
+    let mut properties = FieldTable::default();
+    properties.insert("capabilities".into(), AMQPValue::FieldTable(capabilities));
+    properties
 }
 
 /// One delivery read by [`RawClient::next_delivery`].
@@ -88,6 +103,16 @@ impl RawClient {
         client
     }
 
+    /// Like [`RawClient::connect`], with these client properties (see [`capabilities`]).
+    pub async fn connect_with_properties(
+        addr: SocketAddr,
+        client_properties: FieldTable,
+    ) -> RawClient {
+        let mut client = Self::connect_no_handshake(addr).await;
+        client.handshake(client_properties, None).await;
+        client
+    }
+
     /// A TCP connection and nothing sent yet (not even the protocol header).
     pub async fn connect_no_handshake(addr: SocketAddr) -> RawClient {
         Self::over(TcpStream::connect(addr).await.expect("tcp"))
@@ -110,8 +135,6 @@ impl RawClient {
         }
     }
 
-    /// Protocol header, start-ok (PLAIN, guest) with these client properties, tune-ok with
-    /// the offered limits (or `channel_max`) and no heartbeats, open "/": each reply must be the next method.
     /// Like [`RawClient::connect`], asking for at most `channel_max` channels in tune-ok.
     pub async fn connect_with_channel_max(addr: SocketAddr, channel_max: u16) -> RawClient {
         let mut client = Self::connect_no_handshake(addr).await;
@@ -121,6 +144,9 @@ impl RawClient {
         client
     }
 
+    /// Protocol header, start-ok (PLAIN, guest) with these client properties, tune-ok with
+    /// the offered limits (or `channel_max`) and no heartbeats, open "/": each reply must be
+    /// the next method.
     async fn handshake(&mut self, client_properties: FieldTable, channel_max: Option<u16>) {
         self.start_ok("PLAIN", b"\0guest\0guest", client_properties)
             .await;
@@ -234,6 +260,32 @@ impl RawClient {
         self.expect_method(60, 21).await;
     }
 
+    /// Sends basic.publish, its content header (no properties) and the body in frames of at
+    /// most [`FRAME_MAX`] bytes, all in one write.
+    pub async fn publish(&mut self, channel: u16, exchange: &str, routing_key: &str, body: &[u8]) {
+        let mut bytes = encode_method(
+            channel,
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: ShortString::try_new(exchange).expect("an exchange name"),
+                routing_key: ShortString::try_new(routing_key).expect("a routing key"),
+                mandatory: false,
+                immediate: false,
+            })),
+        );
+        bytes.extend(encode_frame(&AMQPFrame::Header(
+            channel,
+            AMQPContentHeader {
+                class_id: 60,
+                body_size: body.len() as u64,
+                properties: Default::default(),
+            },
+        )));
+        for chunk in body.chunks(FRAME_MAX as usize - 8) {
+            bytes.extend(encode_frame(&AMQPFrame::Body(channel, chunk.to_vec())));
+        }
+        self.send_raw(&bytes).await;
+    }
+
     pub async fn ack(&mut self, channel: u16, delivery_tag: u64, multiple: bool) {
         self.send_method(
             channel,
@@ -252,7 +304,11 @@ impl RawClient {
     /// The next frame of any kind: `Ok(None)` at a clean end of the stream, `Err` on an
     /// invalid frame, a read error, an end in the middle of a frame or after [`FRAME_WAIT`].
     async fn receive(&mut self) -> Result<Option<WireFrame>, String> {
-        let deadline = tokio::time::Instant::now() + FRAME_WAIT;
+        self.receive_within(FRAME_WAIT).await
+    }
+
+    async fn receive_within(&mut self, wait: Duration) -> Result<Option<WireFrame>, String> {
+        let deadline = tokio::time::Instant::now() + wait;
         loop {
             match self.codec.decode(&mut self.buffer) {
                 Ok(Some(frame)) => return Ok(Some(frame)),
@@ -261,7 +317,7 @@ impl RawClient {
             }
             self.buffer.reserve(64 * 1024);
             match tokio::time::timeout_at(deadline, self.stream.read_buf(&mut self.buffer)).await {
-                Err(_) => return Err(format!("no frame within {FRAME_WAIT:?}")),
+                Err(_) => return Err(format!("no frame within {wait:?}")),
                 Ok(Err(err)) => return Err(format!("read: {err}")),
                 Ok(Ok(0)) if self.buffer.is_empty() => return Ok(None),
                 Ok(Ok(0)) => return Err("the connection closed in the middle of a frame".into()),
@@ -288,6 +344,30 @@ impl RawClient {
                 Ok(Some(frame)) if frame.is_heartbeat() => continue,
                 Ok(frame) => return frame,
                 Err(_) => return None,
+            }
+        }
+    }
+
+    /// The next method frame that arrives within `wait` (heartbeats skipped), decoded; `None`
+    /// when nothing but heartbeats came in that time. Panics on any other frame, an invalid
+    /// frame or the end of the stream.
+    pub async fn method_within(&mut self, wait: Duration) -> Option<(u16, AMQPClass)> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match self.receive_within(left).await {
+                Ok(Some(frame)) if frame.is_heartbeat() => continue,
+                Ok(Some(frame)) => {
+                    assert_eq!(
+                        frame.kind, FRAME_METHOD,
+                        "expected a method frame, got {frame:?}"
+                    );
+                    let method = decode_method(&frame.payload).expect("decodable method");
+                    return Some((frame.channel, method));
+                }
+                Ok(None) => panic!("the connection closed while a method was awaited"),
+                Err(err) if err.starts_with("no frame within") => return None,
+                Err(err) => panic!("{err}"),
             }
         }
     }

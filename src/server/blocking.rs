@@ -1,0 +1,254 @@
+//! Publisher blocking under the memory alarm (embedded mode), as RabbitMQ's reader does it.
+//!
+//! While the alarm is raised (see [`crate::memory`]), a connection that sends a
+//! `basic.publish` is blocked right after that method frame: it gets `connection.blocked`
+//! ("low on memory") if it announced the `connection.blocked` capability, and its task stops
+//! reading the socket, so TCP backpressure holds the publisher (the message's content waits in
+//! the socket). Its writer keeps running: deliveries and heartbeats still go out. When the
+//! alarm clears, `connection.unblocked` is sent and reading resumes. Connections that do not
+//! publish while the alarm is raised are never blocked, so consumers keep draining queues.
+
+use amq_protocol::protocol::{AMQPClass, connection};
+use amq_protocol::types::{AMQPValue, FieldTable};
+use tokio::sync::watch;
+
+use crate::amqp::codec::{FRAME_METHOD, RawFrame, method_ids, put_method};
+use crate::broker::outbox::Outbox;
+use crate::metrics::Metrics;
+use crate::shutdown::Shutdown;
+
+/// RabbitMQ's reason text for a memory alarm.
+pub const LOW_ON_MEMORY: &str = "low on memory";
+
+/// basic.publish.
+const BASIC_PUBLISH: (u16, u16) = (60, 40);
+
+/// Whether the client properties announce the `connection.blocked` capability.
+pub fn wants_blocked_notifications(client_properties: &FieldTable) -> bool {
+    let capabilities = client_properties
+        .inner()
+        .iter()
+        .find(|(key, _)| key.as_str() == "capabilities");
+    let Some((_, AMQPValue::FieldTable(capabilities))) = capabilities else {
+        return false;
+    };
+    capabilities.inner().iter().any(|(key, value)| {
+        key.as_str() == "connection.blocked" && matches!(value, AMQPValue::Boolean(true))
+    })
+}
+
+/// One connection's view of the memory alarm.
+pub struct Throttle {
+    alarm: watch::Receiver<bool>,
+    notify: bool,
+}
+
+/// Counts a connection as blocked until dropped.
+struct BlockedGauge<'a>(&'a Metrics);
+
+impl<'a> BlockedGauge<'a> {
+    fn new(metrics: &'a Metrics) -> Self {
+        metrics.connection_blocked();
+        BlockedGauge(metrics)
+    }
+}
+
+impl Drop for BlockedGauge<'_> {
+    fn drop(&mut self) {
+        self.0.connection_unblocked();
+    }
+}
+
+impl Throttle {
+    /// `alarm` is the alarm state (true = raised); `notify`: the client wants
+    /// `connection.blocked` / `connection.unblocked`.
+    pub fn new(alarm: watch::Receiver<bool>, notify: bool) -> Throttle {
+        Throttle { alarm, notify }
+    }
+
+    /// Whether `frame`, just handled, is a publish that blocks the connection now.
+    pub fn must_block(&self, frame: &RawFrame) -> bool {
+        frame.kind == FRAME_METHOD
+            && frame.channel != 0
+            && method_ids(&frame.payload) == BASIC_PUBLISH
+            && *self.alarm.borrow()
+    }
+
+    /// Holds the connection until the alarm clears; `false` when shutdown fired first (the
+    /// caller closes the connection).
+    pub async fn wait_until_clear(
+        &mut self,
+        outbox: &Outbox,
+        metrics: &Metrics,
+        shutdown: &mut Shutdown,
+    ) -> bool {
+        let _blocked = BlockedGauge::new(metrics);
+        if self.notify {
+            outbox.push(|out| {
+                put_method(
+                    out,
+                    0,
+                    AMQPClass::Connection(connection::AMQPMethod::Blocked(connection::Blocked {
+                        reason: LOW_ON_MEMORY.into(),
+                    })),
+                )
+            });
+        }
+        let cleared = tokio::select! {
+            // An error means the alarm's sender is gone (the service is stopping): stop
+            // holding the connection either way.
+            result = self.alarm.wait_for(|raised| !raised) => result.is_ok(),
+            _ = shutdown.recv() => false,
+        };
+        if cleared && self.notify {
+            outbox.push(|out| {
+                put_method(
+                    out,
+                    0,
+                    AMQPClass::Connection(connection::AMQPMethod::Unblocked(
+                        connection::Unblocked {},
+                    )),
+                )
+            });
+        }
+        cleared
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use amq_protocol::types::ShortString;
+
+    fn properties(capability: Option<AMQPValue>) -> FieldTable {
+        let mut capabilities = FieldTable::default();
+        if let Some(value) = capability {
+            capabilities.insert(ShortString::from("connection.blocked"), value);
+        }
+        let mut properties = FieldTable::default();
+        properties.insert(
+            ShortString::from("capabilities"),
+            AMQPValue::FieldTable(capabilities),
+        );
+        properties
+    }
+
+    fn method(channel: u16, class_id: u16, method_id: u16) -> RawFrame {
+        let mut payload = Vec::new();
+        payload.extend_from_slice(&class_id.to_be_bytes());
+        payload.extend_from_slice(&method_id.to_be_bytes());
+        payload.extend_from_slice(&[0; 8]);
+        RawFrame {
+            kind: FRAME_METHOD,
+            channel,
+            payload: payload.into(),
+        }
+    }
+
+    #[test]
+    fn only_a_publish_while_the_alarm_is_raised_blocks() {
+        let alarm = watch::Sender::new(false);
+        let throttle = Throttle::new(alarm.subscribe(), true);
+        let publish = method(1, 60, 40);
+        assert!(!throttle.must_block(&publish), "alarm cleared");
+        alarm.send_replace(true);
+        assert!(throttle.must_block(&publish));
+        assert!(!throttle.must_block(&method(1, 60, 80)), "basic.ack");
+        assert!(!throttle.must_block(&method(1, 50, 10)), "queue.declare");
+        assert!(!throttle.must_block(&method(0, 60, 40)), "channel 0");
+        let body = RawFrame {
+            kind: crate::amqp::codec::FRAME_BODY,
+            channel: 1,
+            payload: method(1, 60, 40).payload,
+        };
+        assert!(
+            !throttle.must_block(&body),
+            "a body that looks like a publish"
+        );
+    }
+
+    #[tokio::test]
+    async fn blocked_until_the_alarm_clears_with_notifications() {
+        let alarm = watch::Sender::new(true);
+        let metrics = Metrics::new(10);
+        let outbox = Outbox::new(1 << 20);
+        let trigger = crate::shutdown::ShutdownTrigger::new();
+        let mut shutdown = trigger.subscribe();
+        let mut throttle = Throttle::new(alarm.subscribe(), true);
+        let wait = throttle.wait_until_clear(&outbox, &metrics, &mut shutdown);
+        tokio::pin!(wait);
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(50), &mut wait)
+                .await
+                .is_err(),
+            "held while raised"
+        );
+        assert!(metrics.encode().contains("dlx_proxy_blocked_connections 1"));
+        alarm.send_replace(false);
+        assert!(wait.await);
+        let text = metrics.encode();
+        assert!(text.contains("dlx_proxy_blocked_connections 0"), "{text}");
+        assert!(
+            text.contains("dlx_proxy_connection_blocks_total 1"),
+            "{text}"
+        );
+        // connection.blocked("low on memory") then connection.unblocked, on channel 0.
+        let bytes = outbox.try_batch();
+        let mut frames = Vec::new();
+        let mut at = 0;
+        while at + 7 <= bytes.len() {
+            let size =
+                u32::from_be_bytes([bytes[at + 3], bytes[at + 4], bytes[at + 5], bytes[at + 6]]);
+            let payload = &bytes[at + 7..at + 7 + size as usize];
+            assert_eq!(u16::from_be_bytes([bytes[at + 1], bytes[at + 2]]), 0);
+            frames.push(crate::amqp::codec::decode_method(payload).expect("a method"));
+            at += size as usize + 8;
+        }
+        match frames.as_slice() {
+            [
+                AMQPClass::Connection(connection::AMQPMethod::Blocked(blocked)),
+                AMQPClass::Connection(connection::AMQPMethod::Unblocked(_)),
+            ] => assert_eq!(blocked.reason.as_str(), LOW_ON_MEMORY),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn shutdown_ends_a_block_and_no_notification_without_the_capability() {
+        let alarm = watch::Sender::new(true);
+        let metrics = Metrics::new(10);
+        let outbox = Outbox::new(1 << 20);
+        let trigger = crate::shutdown::ShutdownTrigger::new();
+        let mut shutdown = trigger.subscribe();
+        let mut throttle = Throttle::new(alarm.subscribe(), false);
+        trigger.trigger();
+        assert!(
+            !throttle
+                .wait_until_clear(&outbox, &metrics, &mut shutdown)
+                .await
+        );
+        assert!(outbox.try_batch().is_empty());
+        assert!(metrics.encode().contains("dlx_proxy_blocked_connections 0"));
+    }
+
+    #[test]
+    fn only_a_true_capability_asks_for_notifications() {
+        assert!(wants_blocked_notifications(&properties(Some(
+            AMQPValue::Boolean(true)
+        ))));
+        assert!(!wants_blocked_notifications(&properties(Some(
+            AMQPValue::Boolean(false)
+        ))));
+        assert!(!wants_blocked_notifications(&properties(Some(
+            AMQPValue::LongString("true".into())
+        ))));
+        assert!(!wants_blocked_notifications(&properties(None)));
+        assert!(!wants_blocked_notifications(&FieldTable::default()));
+        let mut flat = FieldTable::default();
+        flat.insert(
+            ShortString::from("connection.blocked"),
+            AMQPValue::Boolean(true),
+        );
+        assert!(!wants_blocked_notifications(&flat), "not in capabilities");
+    }
+}
