@@ -138,6 +138,10 @@ pub struct LimitsConfig {
     pub connection_outbox_bytes: usize,
     /// Seconds a client has to finish the handshake.
     pub handshake_timeout_secs: u64,
+    /// Deepest nesting of field tables and arrays accepted in method arguments (queue and
+    /// exchange declare, bind, consume, client properties); a deeper method closes the
+    /// connection with 501. Message headers are never refused (see `amqp::headers`).
+    pub max_table_depth: usize,
 }
 
 impl Default for LimitsConfig {
@@ -151,6 +155,7 @@ impl Default for LimitsConfig {
             max_queues: 100_000,
             connection_outbox_bytes: 4 * 1024 * 1024,
             handshake_timeout_secs: 10,
+            max_table_depth: crate::amqp::depth::DEFAULT_MAX_TABLE_DEPTH,
         }
     }
 }
@@ -784,6 +789,17 @@ impl Config {
                 return Err(ConfigError::invalid(key, "must be at least 1"));
             }
         }
+        let ceiling = crate::amqp::depth::MAX_TABLE_DEPTH_CEILING;
+        if !(1..=ceiling).contains(&limits.max_table_depth) {
+            return Err(ConfigError::invalid(
+                "limits.max_table_depth",
+                format!(
+                    "{} is not between 1 and {ceiling} (deeper tables would risk the stack of \
+                     the task decoding them)",
+                    limits.max_table_depth
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -1239,6 +1255,11 @@ mod tests {
     fn limits_and_switches_are_checked() {
         let cases = [
             ("[limits]\nframe_max = 1024\n", "limits.frame_max"),
+            ("[limits]\nmax_table_depth = 0\n", "limits.max_table_depth"),
+            (
+                "[limits]\nmax_table_depth = 129\n",
+                "limits.max_table_depth",
+            ),
             ("[dead_letter]\ncompat = \"5\"\n", "dead_letter.compat"),
             ("[log]\nformat = \"xml\"\n", "log.format"),
             ("[log]\nfilter = \"info,[[\"\n", "log.filter"),

@@ -267,10 +267,56 @@ pub fn put_heartbeat(dst: &mut BytesMut) {
     put_raw_frame(dst, FRAME_HEARTBEAT, 0, &[]);
 }
 
-/// Decodes a method frame's payload.
+/// Why a method payload was not decoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MethodError {
+    /// The payload is not a method amq-protocol can read (unknown ids, bad or missing fields).
+    Malformed,
+    /// A field table in its arguments nests deeper than `limit` levels; it was never handed to
+    /// amq-protocol's recursive parser.
+    TooDeep { limit: usize },
+}
+
+impl MethodError {
+    /// The connection error this answers, for a method with these ids.
+    ///
+    /// RabbitMQ answers a method whose fields it cannot decode from
+    /// `rabbit_framing_amqp_0_9_1:decode_method_fields/2`'s catch-all clause, which calls
+    /// `rabbit_misc:frame_error(MethodName, BinaryFields)` = `protocol_error(frame_error,
+    /// "cannot decode ~w", [BinaryFields], MethodName)`: 501 FRAME_ERROR, "FRAME_ERROR - cannot
+    /// decode <<...>>" naming the method. A table too deep to decode here is that case, with a
+    /// readable reason instead of the binary dump. (Other malformed methods keep the
+    /// established 502 SYNTAX_ERROR answer.)
+    pub fn to_amqp_error(self, class_id: u16, method_id: u16) -> crate::amqp::reply::AmqpError {
+        use crate::amqp::reply::AmqpError;
+        match self {
+            MethodError::Malformed => AmqpError::syntax_error("malformed method frame"),
+            MethodError::TooDeep { limit } => AmqpError::frame_error(format!(
+                "cannot decode method {class_id}/{method_id}: field tables nest deeper than \
+                 limits.max_table_depth ({limit})"
+            )),
+        }
+        .on_method(class_id, method_id)
+    }
+}
+
+/// Decodes a method frame's payload whose field tables nest at most `max_depth` levels
+/// (checked on the raw bytes first, see [`crate::amqp::depth`]).
+pub fn decode_method_within(payload: &[u8], max_depth: usize) -> Result<AMQPClass, MethodError> {
+    use crate::amqp::depth::{ScanError, check_method};
+    match check_method(payload, max_depth) {
+        Ok(()) => nom_free::parse_class_all(payload).ok_or(MethodError::Malformed),
+        Err(ScanError::TooDeep) => Err(MethodError::TooDeep { limit: max_depth }),
+        Err(ScanError::Truncated | ScanError::UnknownType(_)) => Err(MethodError::Malformed),
+    }
+}
+
+/// Decodes a method frame's payload, for methods whose tables need no configured limit (the
+/// upstream's replies, the proxy's own channels). Tables nested deeper than
+/// [`MAX_TABLE_DEPTH_CEILING`](crate::amqp::depth::MAX_TABLE_DEPTH_CEILING) are refused like
+/// any malformed method.
 pub fn decode_method(payload: &[u8]) -> Option<AMQPClass> {
-    use nom_free::parse_class_all;
-    parse_class_all(payload)
+    decode_method_within(payload, crate::amqp::depth::MAX_TABLE_DEPTH_CEILING).ok()
 }
 
 mod nom_free {

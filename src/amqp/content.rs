@@ -5,7 +5,8 @@
 //! for byte as published (amq-protocol re-sorts tables and folds some type tags when it
 //! re-encodes). They are decoded where the broker needs to look inside (expiration, CC/BCC,
 //! headers-exchange routing) and re-encoded only when a rule rewrites them (dead-lettering,
-//! BCC removal).
+//! BCC removal); header entries nested too deep to decode are carried as their bytes
+//! ([`super::headers`]).
 
 use amq_protocol::frame::WriteContext;
 use amq_protocol::protocol::BasicProperties;
@@ -62,11 +63,31 @@ pub fn parse_content_header(payload: &Bytes) -> Result<ContentHeader, ContentErr
     })
 }
 
-/// Decodes a raw property section (flags + list).
+/// Decodes a raw property section (flags + list). Header entries nested deeper than
+/// [`HEADER_DECODE_DEPTH`](super::headers::HEADER_DECODE_DEPTH) are never decoded: they read
+/// as void values, and [`encode_properties_from`] puts their bytes back (see
+/// [`super::headers`]).
 pub fn decode_properties(raw: &[u8]) -> Result<BasicProperties, ContentError> {
-    match parse_properties(raw) {
+    let shallow =
+        super::headers::shallow_properties(raw).map_err(|_| ContentError::BadProperties)?;
+    match parse_properties(&shallow[..]) {
         Ok(([], props)) => Ok(props),
         _ => Err(ContentError::BadProperties),
+    }
+}
+
+/// Encodes properties decoded from `original` (and possibly rewritten), with the header
+/// entries too deep to decode restored byte for byte from `original`.
+pub fn encode_properties_from(props: &BasicProperties, original: &[u8]) -> Bytes {
+    keep_opaque_headers(encode_properties(props), original)
+}
+
+/// `encoded` with the opaque header entries of `original` restored (see
+/// [`super::headers::restore_opaque`]); no copy when there are none.
+pub fn keep_opaque_headers(encoded: Bytes, original: &[u8]) -> Bytes {
+    match super::headers::restore_opaque(&encoded, original) {
+        std::borrow::Cow::Borrowed(_) => encoded,
+        std::borrow::Cow::Owned(restored) => Bytes::from(restored),
     }
 }
 

@@ -3,4 +3,6 @@
 
 pub mod codec;
 pub mod content;
+pub mod depth;
+pub mod headers;
 pub mod reply;

@@ -403,20 +403,11 @@ impl<'a> TableReader<'a> {
     }
 
     fn skip_value(&mut self, tag: u8) -> Option<()> {
-        let fixed = match tag {
-            b'V' => 0,
-            b't' | b'b' | b'B' => 1,
-            b's' | b'U' | b'u' => 2,
-            b'I' | b'i' | b'f' => 4,
-            b'D' => 5,
-            b'l' | b'L' | b'd' | b'T' => 8,
-            b'S' | b'A' | b'F' | b'x' => {
-                self.long_bytes()?;
-                return Some(());
-            }
-            _ => return None,
-        };
-        self.take(fixed).map(|_| ())
+        match crate::amqp::depth::fixed_size(tag) {
+            Some(fixed) => self.take(fixed).map(|_| ()),
+            None if matches!(tag, b'S' | b'A' | b'F' | b'x') => self.long_bytes().map(|_| ()),
+            None => None,
+        }
     }
 }
 

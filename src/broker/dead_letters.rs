@@ -12,7 +12,7 @@ use std::sync::Arc;
 use super::message::Message;
 use super::queue::{Death, PublishOutcome};
 use super::{Broker, State};
-use crate::amqp::content::encode_properties;
+use crate::amqp::content::encode_properties_from;
 use crate::deadletter::{DeadLetterDrop, DeadLetterTarget, DeathEvent, dead_letter, is_cycle};
 
 impl Broker {
@@ -113,7 +113,7 @@ impl Broker {
         let new_message = Arc::new(Message::new(
             &rewritten.exchange,
             &rewritten.routing_keys,
-            &encode_properties(&rewritten.properties),
+            &encode_properties_from(&rewritten.properties, message.raw_properties()),
             message.body(),
             None,
             true,

@@ -6,7 +6,7 @@ use bytes::{Bytes, BytesMut};
 
 use super::message::QueuedMessage;
 use crate::amqp::codec::{put_basic_deliver, put_basic_get_ok};
-use crate::amqp::content::{decode_properties, encode_properties, put_content};
+use crate::amqp::content::{decode_properties, encode_properties_from, put_content};
 
 /// A short string from a name the broker already validated (cut at 255 bytes, never panics).
 pub fn short(s: &str) -> ShortString {
@@ -26,7 +26,10 @@ pub fn delivery_properties(entry: &QueuedMessage, with_count: bool) -> Option<By
         short("x-delivery-count"),
         AMQPValue::LongLongInt(entry.delivery_count as i64),
     );
-    Some(encode_properties(&props.with_headers(headers)))
+    Some(encode_properties_from(
+        &props.with_headers(headers),
+        entry.message.raw_properties(),
+    ))
 }
 
 /// Writes basic.deliver and the content.

@@ -21,7 +21,7 @@ use amq_protocol::protocol::BasicProperties;
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::amqp::content::{decode_properties, encode_properties};
+use crate::amqp::content::{decode_properties, encode_properties_from};
 use crate::deadletter::HEADER_BCC;
 
 /// The header in which the proxy keeps a message's BCC keys.
@@ -73,7 +73,10 @@ pub fn kept_bcc_keys(props: &BasicProperties) -> Vec<String> {
 }
 
 fn with_headers(payload: &[u8], props: BasicProperties, headers: FieldTable) -> Bytes {
-    let properties = encode_properties(&props.with_headers(headers));
+    let properties = encode_properties_from(
+        &props.with_headers(headers),
+        &payload[CONTENT_HEADER_PREFIX..],
+    );
     let mut out = BytesMut::with_capacity(CONTENT_HEADER_PREFIX + properties.len());
     out.put_slice(&payload[..CONTENT_HEADER_PREFIX]);
     out.put_slice(&properties);
@@ -124,6 +127,7 @@ pub fn delivered_header(payload: &[u8]) -> Option<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::amqp::content::encode_properties;
     use crate::deadletter::HEADER_CC;
 
     fn payload_of(props: &BasicProperties) -> Vec<u8> {

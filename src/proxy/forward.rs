@@ -21,7 +21,9 @@ use super::probe::QueueProbe;
 use super::publisher::Publisher;
 use super::session::{Session, Side};
 use super::wire::{WireFrame, content_body_size, header_frame, method_frame};
-use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, decode_method};
+use crate::amqp::codec::{
+    FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, decode_method, decode_method_within,
+};
 use crate::amqp::reply;
 
 /// How long the client gets to answer the proxy's closes.
@@ -356,8 +358,11 @@ impl Session {
                 self.send_upstream(frame.raw);
             }
             BASIC_CONSUME => {
-                match decode_method(&frame.payload) {
-                    Some(AMQPClass::Basic(basic::AMQPMethod::Consume(consume))) => {
+                let Some(method) = self.decode_client_method(&frame) else {
+                    return;
+                };
+                match method {
+                    AMQPClass::Basic(basic::AMQPMethod::Consume(consume)) => {
                         if let Some(ch) = self.channels.get_mut(&channel) {
                             let source = Source::new(
                                 ch.resolve_queue(consume.queue.as_str()),
@@ -438,6 +443,23 @@ impl Session {
             self.shared.metrics.channel_opened();
         }
         self.send_upstream(frame.raw);
+    }
+
+    /// Decodes a client method whose arguments carry a field table, under
+    /// `limits.max_table_depth`; a method that does not decode closes the client connection
+    /// (501 for tables nested too deep, 502 otherwise) and gives `None`. The upstream
+    /// connection is then closed cleanly once the proxy's own work is settled.
+    pub(super) fn decode_client_method(&mut self, frame: &WireFrame) -> Option<AMQPClass> {
+        match decode_method_within(&frame.payload, self.shared.max_table_depth) {
+            Ok(method) => Some(method),
+            Err(err) => {
+                let (class_id, method_id) = frame.method_ids();
+                let err = err.to_amqp_error(class_id, method_id);
+                tracing::warn!(text = %err.text, "client method refused");
+                self.close_client(err.code, &err.text, class_id, method_id);
+                None
+            }
+        }
     }
 
     fn syntax_error(&mut self, (class_id, method_id): (u16, u16)) {

@@ -28,7 +28,7 @@ use super::publisher::{OpId, Outcome, OutgoingMessage};
 use super::session::Session;
 use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::decode_method;
-use crate::amqp::content::decode_properties;
+use crate::amqp::content::{decode_properties, keep_opaque_headers};
 use crate::amqp::reply;
 use crate::broker::args::ArgumentError;
 use crate::deadletter::{DeadLetterReason, DeadLetterTarget, DeathEvent, dead_letter};
@@ -86,6 +86,8 @@ struct Death {
     queue: Arc<str>,
     reason: DeadLetterReason,
     before: BasicProperties,
+    /// The raw properties `before` was decoded from (the source of its opaque headers).
+    raw_before: Bytes,
     exchange: String,
     routing_keys: Vec<String>,
     time: u64,
@@ -99,9 +101,10 @@ impl Session {
 
     pub(super) fn client_queue_declare(&mut self, frame: WireFrame) {
         let channel = frame.channel;
-        let Some(AMQPClass::Queue(queue::AMQPMethod::Declare(declare))) =
-            decode_method(&frame.payload)
-        else {
+        let Some(method) = self.decode_client_method(&frame) else {
+            return;
+        };
+        let AMQPClass::Queue(queue::AMQPMethod::Declare(declare)) = method else {
             self.close_client(
                 reply::SYNTAX_ERROR,
                 "SYNTAX_ERROR - queue.declare does not parse",
@@ -380,7 +383,9 @@ impl Session {
                 .delivery_limit
                 .map_or(i64::MAX, |l| i64::try_from(l).unwrap_or(i64::MAX));
             if count <= limit {
-                let message = requeue_publish(&props, &delivery.queue, count, delivery.body);
+                let mut message = requeue_publish(&props, &delivery.queue, count, delivery.body);
+                message.raw_properties =
+                    keep_opaque_headers(message.raw_properties, &delivery.raw_properties);
                 self.publish_op(origin, Purpose::Requeue, delivery.queue, message);
                 return;
             }
@@ -388,6 +393,7 @@ impl Session {
                 queue: delivery.queue,
                 reason: DeadLetterReason::DeliveryLimit,
                 before: props,
+                raw_before: delivery.raw_properties,
                 exchange: delivery.exchange,
                 routing_keys,
                 time: now_secs(),
@@ -400,6 +406,7 @@ impl Session {
             queue: delivery.queue,
             reason: DeadLetterReason::Rejected,
             before: props,
+            raw_before: delivery.raw_properties,
             exchange: delivery.exchange,
             routing_keys,
             time: now_secs(),
@@ -456,7 +463,8 @@ impl Session {
             self.settle_origin(origin, Settlement::Ack);
             return;
         }
-        let publish = dead_letter_publish(&message, &keys, death.body);
+        let mut publish = dead_letter_publish(&message, &keys, death.body);
+        publish.raw_properties = keep_opaque_headers(publish.raw_properties, &death.raw_before);
         self.publish_op(
             origin,
             Purpose::DeadLetter(death.reason),
@@ -712,6 +720,7 @@ impl Session {
             queue: Arc::from(death.queue.as_str()),
             reason,
             before,
+            raw_before: message.raw_properties,
             exchange: death.exchange,
             routing_keys,
             time,

@@ -138,6 +138,8 @@ pub struct ProxyShared {
     pub(crate) busy_poll: Duration,
     /// Frame size accepted before tune (and the fallback when both peers say "no limit").
     pub(crate) handshake_frame_max: u32,
+    /// `limits.max_table_depth`: deepest field tables in the client methods the proxy decodes.
+    pub(crate) max_table_depth: usize,
 }
 
 impl std::fmt::Debug for ProxyShared {
@@ -199,6 +201,7 @@ impl ProxyShared {
             outbox_bytes: limits.connection_outbox_bytes.max(64 * 1024),
             handshake_timeout: Duration::from_secs(limits.handshake_timeout_secs.max(1)),
             handshake_frame_max: limits.frame_max.max(crate::amqp::codec::FRAME_MIN_SIZE),
+            max_table_depth: limits.max_table_depth,
         }))
     }
 

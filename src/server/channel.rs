@@ -15,8 +15,8 @@ use super::ServerContext;
 use super::connection::Session;
 use super::publish::{PendingPublish, prepare};
 use crate::amqp::codec::{
-    FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, RawFrame, decode_method, method_ids,
-    put_basic_ack, put_basic_nack, put_method,
+    FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, MethodError, RawFrame,
+    decode_method_within, method_ids, put_basic_ack, put_basic_nack, put_method,
 };
 use crate::amqp::content::{BodyCollector, parse_content_header};
 use crate::amqp::reply::AmqpError;
@@ -62,6 +62,7 @@ struct ChannelLocal {
 pub struct ChannelTable {
     channels: HashMap<u16, ChannelLocal>,
     max_message_size: u64,
+    max_table_depth: usize,
 }
 
 fn method_frame(out: &mut BytesMut, channel: u16, m: AMQPClass) {
@@ -74,10 +75,13 @@ fn exchange_resource(name: &str) -> &str {
 }
 
 impl ChannelTable {
-    pub fn new(max_message_size: u64) -> Self {
+    /// Channels of a connection with these limits (`limits.max_message_size` and
+    /// `limits.max_table_depth`).
+    pub fn new(limits: &crate::config::LimitsConfig) -> Self {
         ChannelTable {
             channels: HashMap::new(),
-            max_message_size,
+            max_message_size: limits.max_message_size,
+            max_table_depth: limits.max_table_depth,
         }
     }
 
@@ -108,15 +112,19 @@ impl ChannelTable {
 
     fn handle_method(&mut self, frame: RawFrame, s: &Session, ctx: &ServerContext) -> Flow {
         let (class_id, method_id) = method_ids(&frame.payload);
-        let Some(method) = decode_method(&frame.payload) else {
-            let err = if matches!(class_id, 10 | 20 | 30 | 40 | 50 | 60 | 85 | 90) {
-                AmqpError::syntax_error("malformed method frame")
-            } else {
-                AmqpError::not_implemented(format!(
-                    "unknown method class {class_id} method {method_id}"
-                ))
-            };
-            return Flow::CloseConnection(err.on_method(class_id, method_id));
+        let method = match decode_method_within(&frame.payload, self.max_table_depth) {
+            Ok(method) => method,
+            Err(MethodError::Malformed)
+                if !matches!(class_id, 10 | 20 | 30 | 40 | 50 | 60 | 85 | 90) =>
+            {
+                return Flow::CloseConnection(
+                    AmqpError::not_implemented(format!(
+                        "unknown method class {class_id} method {method_id}"
+                    ))
+                    .on_method(class_id, method_id),
+                );
+            }
+            Err(err) => return Flow::CloseConnection(err.to_amqp_error(class_id, method_id)),
         };
         let ch = frame.channel;
         if ch == 0 {

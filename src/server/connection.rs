@@ -21,7 +21,7 @@ use super::ServerContext;
 use super::channel::{ChannelTable, Flow};
 use crate::amqp::codec::{
     FRAME_HEARTBEAT, FRAME_METHOD, FrameCodec, FrameError, PROTOCOL_HEADER, RawFrame,
-    decode_method, method_ids, put_heartbeat, put_method,
+    decode_method, decode_method_within, method_ids, put_heartbeat, put_method,
 };
 use crate::amqp::reply::{self, AmqpError};
 use crate::broker::auth::{parse_amqplain, parse_sasl_plain};
@@ -214,7 +214,7 @@ async fn handshake<R: AsyncRead + Unpin>(
         None::<Session>
     };
     // start-ok
-    let start_ok = match expect_method(frames, timeout).await {
+    let start_ok = match expect_method(frames, timeout, limits.max_table_depth).await {
         Ok(AMQPClass::Connection(connection::AMQPMethod::StartOk(s))) => s,
         Ok(_) => return fail(AmqpError::command_invalid("expected connection.start-ok")),
         Err(None) => return None,
@@ -258,7 +258,7 @@ async fn handshake<R: AsyncRead + Unpin>(
             })),
         )
     });
-    let tune_ok = match expect_method(frames, timeout).await {
+    let tune_ok = match expect_method(frames, timeout, limits.max_table_depth).await {
         Ok(AMQPClass::Connection(connection::AMQPMethod::TuneOk(t))) => t,
         Ok(_) => return fail(AmqpError::command_invalid("expected connection.tune-ok")),
         Err(None) => return None,
@@ -279,7 +279,7 @@ async fn handshake<R: AsyncRead + Unpin>(
         c => c.min(limits.channel_max),
     };
     // open
-    let open = match expect_method(frames, timeout).await {
+    let open = match expect_method(frames, timeout, limits.max_table_depth).await {
         Ok(AMQPClass::Connection(connection::AMQPMethod::Open(o))) => o,
         Ok(_) => return fail(AmqpError::command_invalid("expected connection.open")),
         Err(None) => return None,
@@ -321,6 +321,7 @@ async fn handshake<R: AsyncRead + Unpin>(
 async fn expect_method<R: AsyncRead + Unpin>(
     frames: &mut FramedRead<R, FrameCodec>,
     timeout: Option<Duration>,
+    max_table_depth: usize,
 ) -> Result<AMQPClass, Option<AmqpError>> {
     loop {
         let frame = match next_frame(frames, timeout).await {
@@ -337,9 +338,9 @@ async fn expect_method<R: AsyncRead + Unpin>(
                 "expected a method frame on channel 0 during the handshake",
             )));
         }
-        return decode_method(&frame.payload).ok_or_else(|| {
+        return decode_method_within(&frame.payload, max_table_depth).map_err(|err| {
             let (c, m) = method_ids(&frame.payload);
-            Some(AmqpError::syntax_error("malformed method frame").on_method(c, m))
+            Some(err.to_amqp_error(c, m))
         });
     }
 }
@@ -352,7 +353,7 @@ async fn frame_loop<R: AsyncRead + Unpin>(
     heartbeat: u64,
 ) {
     let timeout = (heartbeat > 0).then(|| Duration::from_secs(heartbeat * 2));
-    let mut channels = ChannelTable::new(ctx.limits().max_message_size);
+    let mut channels = ChannelTable::new(&ctx.limits());
     let mut traffic = TrafficCounter::new(ctx.clone(), Direction::ClientIn);
     // The loop ends with the error to close the connection with, or None when the peer is
     // gone or closed it.

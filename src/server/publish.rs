@@ -5,7 +5,7 @@ use amq_protocol::protocol::BasicProperties;
 use amq_protocol::types::FieldTable;
 use bytes::Bytes;
 
-use crate::amqp::content::{ContentHeader, encode_properties};
+use crate::amqp::content::{ContentHeader, encode_properties_from};
 use crate::amqp::reply::AmqpError;
 use crate::broker::args::parse_expiration;
 use crate::broker::delivery::header_keys;
@@ -65,7 +65,9 @@ pub fn prepare(
                     without.insert(k.clone(), v.clone());
                 }
             }
-            raw = encode_properties(&rebuild_with_headers(&props, without.clone()));
+            let rewritten =
+                encode_properties_from(&rebuild_with_headers(&props, without.clone()), &raw);
+            raw = rewritten;
             headers = Some(without);
         }
     }

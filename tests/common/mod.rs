@@ -1,11 +1,13 @@
 //! Shared test support, compiled into every integration test binary that says `mod common;`:
 //! start the embedded broker in-process on free ports and connect lapin to it; unique names,
 //! polling and metric parsing; the raw AMQP client ([`raw_client`]); free ports, admin HTTP
-//! and the real binary as a child process for the operations tests; and, in [`dl`] and
-//! [`dl_policy`], the helpers of the dead-letter suites. `tests/proxy_support` builds the
-//! proxy-mode helpers on top of this module.
+//! and the real binary as a child process for the operations tests; frames with tables nested
+//! thousands of levels deep ([`deep`]); and, in [`dl`] and [`dl_policy`], the helpers of the
+//! dead-letter suites. `tests/proxy_support` builds the proxy-mode helpers on top of this
+//! module.
 #![allow(dead_code)]
 
+pub mod deep;
 mod raw_client;
 
 use std::net::SocketAddr;

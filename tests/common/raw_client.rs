@@ -43,6 +43,8 @@ pub struct RawDelivery {
     pub channel: u16,
     pub delivery_tag: u64,
     pub redelivered: bool,
+    /// The property flags and list exactly as received.
+    pub properties: Bytes,
     pub body: Vec<u8>,
 }
 
@@ -346,6 +348,7 @@ impl RawClient {
             channel,
             delivery_tag: deliver.delivery_tag,
             redelivered: deliver.redelivered,
+            properties: header.payload.slice(12..),
             body,
         }
     }

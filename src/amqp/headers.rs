@@ -1,0 +1,406 @@
+//! Message headers of any depth, carried without decoding the deep parts.
+//!
+//! RabbitMQ accepts and dead-letters messages whose headers nest tables or arrays tens of
+//! thousands of levels deep. amq-protocol (and every walk of a decoded table) recurses, so a
+//! header like that must never be decoded whole. Refusing it is not an option either: a
+//! message RabbitMQ carries must be carried. So the headers table is split by its top-level
+//! entries, on the raw bytes:
+//!
+//! - an entry whose value nests at most [`HEADER_DECODE_DEPTH`] levels (the headers table
+//!   counted) is decoded by amq-protocol as always;
+//! - a deeper entry is **opaque**: the decoder sees it as a void value under its key
+//!   ([`shallow_properties`]), so it is present (a headers-exchange binding of type void
+//!   matches it) but equals no binding value; when properties that came from such a message
+//!   are encoded again, each opaque entry still present as a void is replaced by its original
+//!   bytes ([`restore_opaque`]), so it leaves byte for byte as it arrived (amq-protocol sorts
+//!   table entries by key; the opaque entry stands where its key sorts).
+//!
+//! The keys dead-lettering reads or writes ([`is_rule_key`]: x-death, x-first-death-*,
+//! x-last-death-*, x-death-total, CC, BCC, x-delivery-count, the proxy's x-dlx-proxy-bcc) are
+//! never opaque. Such a value nested deeper than the limit is malformed the way a value of the
+//! wrong type is: it reads as void and a rewrite treats it as the rules treat a value of the
+//! wrong type (an x-death that is not an array is replaced by a fresh history, CC/BCC that are
+//! not arrays give no routing keys, x-first-death-* and x-last-death-* are overwritten or kept
+//! as the void value). Only a rewrite changes it; a message that is only delivered keeps its
+//! exact bytes.
+
+use std::borrow::Cow;
+
+use super::depth::{ScanError, skip_value};
+
+/// The deepest a decoded header entry nests, the headers table counted (so its value nests at
+/// most one level less). Deeper entries are opaque. Fixed, not `limits.max_table_depth`:
+/// headers are never refused, so this only decides which entries the broker can look inside,
+/// and it is well below [`MAX_TABLE_DEPTH_CEILING`](super::depth::MAX_TABLE_DEPTH_CEILING).
+pub const HEADER_DECODE_DEPTH: usize = super::depth::DEFAULT_MAX_TABLE_DEPTH;
+
+/// Property flag bits before and of `headers` (content-type, content-encoding, headers).
+const CONTENT_TYPE_FLAG: u16 = 0x8000;
+const CONTENT_ENCODING_FLAG: u16 = 0x4000;
+const HEADERS_FLAG: u16 = 0x2000;
+
+/// Whether dead-lettering reads or writes this header (never opaque).
+pub fn is_rule_key(key: &[u8]) -> bool {
+    matches!(
+        key,
+        b"x-death" | b"x-death-total" | b"CC" | b"BCC" | b"x-delivery-count" | b"x-dlx-proxy-bcc"
+    ) || key.starts_with(b"x-first-death-")
+        || key.starts_with(b"x-last-death-")
+}
+
+/// Where the headers table sits in a property section: the offset of its 32-bit length and
+/// the offset just past it. `None` when the flags announce no headers.
+fn headers_table(raw: &[u8]) -> Result<Option<(usize, usize)>, ScanError> {
+    let flags = raw.get(..2).ok_or(ScanError::Truncated)?;
+    let flags = u16::from_be_bytes([flags[0], flags[1]]);
+    if flags & HEADERS_FLAG == 0 {
+        return Ok(None);
+    }
+    let mut pos = 2;
+    for flag in [CONTENT_TYPE_FLAG, CONTENT_ENCODING_FLAG] {
+        if flags & flag != 0 {
+            pos += 1 + *raw.get(pos).ok_or(ScanError::Truncated)? as usize;
+        }
+    }
+    let len = raw.get(pos..pos + 4).ok_or(ScanError::Truncated)?;
+    let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
+    let end = (pos + 4)
+        .checked_add(len)
+        .filter(|end| *end <= raw.len())
+        .ok_or(ScanError::Truncated)?;
+    Ok(Some((pos, end)))
+}
+
+/// One top-level entry of a headers table.
+struct Entry {
+    /// Offset of the key's length octet (the entry's first byte).
+    start: usize,
+    key: (usize, usize),
+    /// Offset of the type octet.
+    tag_at: usize,
+    end: usize,
+    /// Its value nests deeper than [`HEADER_DECODE_DEPTH`] allows.
+    deep: bool,
+}
+
+/// The top-level entries of the table whose contents run from `from` to `to`.
+fn entries(raw: &[u8], from: usize, to: usize) -> Result<Vec<Entry>, ScanError> {
+    let table = raw.get(..to).ok_or(ScanError::Truncated)?;
+    let mut out = Vec::new();
+    let mut pos = from;
+    while pos < to {
+        let start = pos;
+        let key_len = *table.get(pos).ok_or(ScanError::Truncated)? as usize;
+        let key = (pos + 1, pos + 1 + key_len);
+        let tag_at = key.1;
+        let tag = *table.get(tag_at).ok_or(ScanError::Truncated)?;
+        let (end, deep) = match skip_value(table, tag, tag_at + 1, HEADER_DECODE_DEPTH - 1) {
+            Ok(skipped) => (skipped.end, false),
+            Err(ScanError::TooDeep) => {
+                // Only a table or an array nests: skip it whole by its length (what is inside
+                // stays unread).
+                let len = table
+                    .get(tag_at + 1..tag_at + 5)
+                    .ok_or(ScanError::Truncated)?;
+                let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
+                let end = (tag_at + 5)
+                    .checked_add(len)
+                    .filter(|end| *end <= to)
+                    .ok_or(ScanError::Truncated)?;
+                (end, true)
+            }
+            Err(other) => return Err(other),
+        };
+        out.push(Entry {
+            start,
+            key,
+            tag_at,
+            end,
+            deep,
+        });
+        pos = end;
+    }
+    Ok(out)
+}
+
+/// Copies `raw` with the headers table's contents replaced by `contents` (length fixed).
+fn with_table_contents(raw: &[u8], (len_at, end): (usize, usize), contents: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(raw.len() - (end - len_at) + contents.len() + 4);
+    out.extend_from_slice(&raw[..len_at]);
+    out.extend_from_slice(&(contents.len() as u32).to_be_bytes());
+    out.extend_from_slice(contents);
+    out.extend_from_slice(&raw[end..]);
+    out
+}
+
+/// The property section to hand to amq-protocol: `raw` itself when no header entry nests
+/// deeper than [`HEADER_DECODE_DEPTH`], else a copy in which each such entry's value is void.
+/// `Err` when the headers table is malformed.
+pub fn shallow_properties(raw: &[u8]) -> Result<Cow<'_, [u8]>, ScanError> {
+    let Some(table) = headers_table(raw)? else {
+        return Ok(Cow::Borrowed(raw));
+    };
+    let entries = entries(raw, table.0 + 4, table.1)?;
+    if !entries.iter().any(|e| e.deep) {
+        return Ok(Cow::Borrowed(raw));
+    }
+    let mut contents = Vec::with_capacity(table.1 - table.0);
+    for entry in &entries {
+        if entry.deep {
+            contents.extend_from_slice(&raw[entry.start..entry.tag_at]);
+            contents.push(b'V');
+        } else {
+            contents.extend_from_slice(&raw[entry.start..entry.end]);
+        }
+    }
+    Ok(Cow::Owned(with_table_contents(raw, table, &contents)))
+}
+
+/// `encoded` (properties encoded from ones decoded out of `original`) with every opaque
+/// header entry of `original` that `encoded` still has as a void value put back as its
+/// original bytes. Rule keys are never put back ([`is_rule_key`]); a key the rewrite removed
+/// stays removed; of two entries with one key the last one counts, as in decoding.
+pub fn restore_opaque<'a>(encoded: &'a [u8], original: &[u8]) -> Cow<'a, [u8]> {
+    let opaque = match opaque_entries(original) {
+        Some(found) if !found.is_empty() => found,
+        _ => return Cow::Borrowed(encoded),
+    };
+    let Ok(Some(table)) = headers_table(encoded) else {
+        return Cow::Borrowed(encoded);
+    };
+    let Ok(current) = entries(encoded, table.0 + 4, table.1) else {
+        return Cow::Borrowed(encoded);
+    };
+    let mut contents =
+        Vec::with_capacity(table.1 - table.0 + opaque.iter().map(|o| o.len()).sum::<usize>());
+    let mut restored = false;
+    for entry in &current {
+        let key = &encoded[entry.key.0..entry.key.1];
+        let placeholder = encoded[entry.tag_at] == b'V';
+        let original_entry = opaque.iter().find(|o| &o[1..1 + o[0] as usize] == key);
+        match original_entry {
+            Some(bytes) if placeholder => {
+                contents.extend_from_slice(bytes);
+                restored = true;
+            }
+            _ => contents.extend_from_slice(&encoded[entry.start..entry.end]),
+        }
+    }
+    if !restored {
+        return Cow::Borrowed(encoded);
+    }
+    Cow::Owned(with_table_contents(encoded, table, &contents))
+}
+
+/// The raw bytes of the opaque entries of `original`'s headers whose key is not a rule key
+/// and is not repeated later in the table by a decoded entry; `None` when its headers are
+/// malformed.
+fn opaque_entries(original: &[u8]) -> Option<Vec<&[u8]>> {
+    let table = headers_table(original).ok()??;
+    let entries = entries(original, table.0 + 4, table.1).ok()?;
+    // The last entry of each key decides, as in decoding.
+    let mut last: Vec<(&[u8], Option<&[u8]>)> = Vec::new();
+    for e in &entries {
+        let key = &original[e.key.0..e.key.1];
+        last.retain(|(k, _)| *k != key);
+        let opaque = e.deep && !is_rule_key(key);
+        last.push((key, opaque.then(|| &original[e.start..e.end])));
+    }
+    Some(last.into_iter().filter_map(|(_, bytes)| bytes).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::amqp::content::{decode_properties, encode_properties, encode_properties_from};
+    use amq_protocol::protocol::BasicProperties;
+    use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
+
+    /// The encoded value of `depth` arrays inside each other (built without recursion).
+    fn nested_arrays(depth: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(depth * 5);
+        let mut inner = (depth - 1) * 5;
+        out.extend_from_slice(&(inner as u32).to_be_bytes());
+        for _ in 1..depth {
+            out.push(b'A');
+            inner -= 5;
+            out.extend_from_slice(&(inner as u32).to_be_bytes());
+        }
+        out
+    }
+
+    fn entry(key: &str, tag: u8, value: &[u8]) -> Vec<u8> {
+        let mut out = vec![key.len() as u8];
+        out.extend_from_slice(key.as_bytes());
+        out.push(tag);
+        out.extend_from_slice(value);
+        out
+    }
+
+    /// A property section: content-type "text/plain", then headers made of `entries`, then
+    /// priority 3.
+    fn properties(entries: &[Vec<u8>]) -> Vec<u8> {
+        let contents: Vec<u8> = entries.concat();
+        // content-type, headers and priority.
+        let mut out = vec![0xA8, 0x00];
+        out.push(10);
+        out.extend_from_slice(b"text/plain");
+        out.extend_from_slice(&(contents.len() as u32).to_be_bytes());
+        out.extend_from_slice(&contents);
+        out.push(3);
+        out
+    }
+
+    fn long(s: &str) -> Vec<u8> {
+        let mut out = (s.len() as u32).to_be_bytes().to_vec();
+        out.extend_from_slice(s.as_bytes());
+        out
+    }
+
+    fn header<'a>(props: &'a BasicProperties, key: &str) -> Option<&'a AMQPValue> {
+        props.headers().as_ref().and_then(|h| h.inner().get(key))
+    }
+
+    #[test]
+    fn shallow_headers_are_left_as_they_are() {
+        let raw = properties(&[
+            entry("a", b'S', &long("x")),
+            entry("n", b'A', &nested_arrays(63)),
+        ]);
+        assert!(matches!(shallow_properties(&raw), Ok(Cow::Borrowed(_))));
+        let props = decode_properties(&raw).unwrap();
+        assert!(matches!(
+            header(&props, "n"),
+            Some(AMQPValue::FieldArray(_))
+        ));
+        let encoded = encode_properties(&props);
+        assert!(matches!(restore_opaque(&encoded, &raw), Cow::Borrowed(_)));
+        // No headers at all.
+        assert!(matches!(shallow_properties(&[0, 0]), Ok(Cow::Borrowed(_))));
+    }
+
+    #[test]
+    fn an_entry_one_level_past_the_limit_is_opaque_and_comes_back_byte_exact() {
+        // 63 arrays + the headers table = 64 levels: decoded; 64 arrays: opaque.
+        let deep = entry("deep", b'A', &nested_arrays(HEADER_DECODE_DEPTH));
+        let raw = properties(&[
+            entry("a", b'S', &long("x")),
+            deep.clone(),
+            entry("z", b'I', &[0, 0, 0, 7]),
+        ]);
+        let props = decode_properties(&raw).unwrap();
+        assert_eq!(header(&props, "deep"), Some(&AMQPValue::Void));
+        assert_eq!(
+            header(&props, "a"),
+            Some(&AMQPValue::LongString(LongString::from("x")))
+        );
+        assert_eq!(
+            props.content_type().as_ref().map(|c| c.as_str()),
+            Some("text/plain")
+        );
+
+        // A rewrite adds and removes other headers; the opaque one is put back.
+        let mut headers = props.headers().clone().unwrap().inner().clone();
+        headers.remove("z");
+        headers.insert(ShortString::from("x-death"), AMQPValue::LongLongInt(1));
+        let rewritten = props.clone().with_headers(FieldTable::from(headers));
+        let encoded = encode_properties_from(&rewritten, &raw);
+        let found = encoded
+            .windows(deep.len())
+            .filter(|w| *w == &deep[..])
+            .count();
+        assert_eq!(found, 1, "the deep entry, byte for byte");
+        let again = decode_properties(&encoded).unwrap();
+        assert_eq!(header(&again, "deep"), Some(&AMQPValue::Void));
+        assert_eq!(header(&again, "x-death"), Some(&AMQPValue::LongLongInt(1)));
+        assert_eq!(header(&again, "z"), None);
+        assert_eq!(header(&again, "a"), header(&props, "a"));
+        // Encoding again from the rewritten bytes keeps it too.
+        let twice = encode_properties_from(&again, &encoded);
+        assert_eq!(twice, encoded);
+    }
+
+    #[test]
+    fn ten_thousand_levels_never_reach_a_recursive_decoder() {
+        let deep = entry("deep", b'A', &nested_arrays(10_000));
+        let raw = properties(std::slice::from_ref(&deep));
+        let handle = std::thread::Builder::new()
+            .stack_size(256 * 1024)
+            .spawn(move || {
+                let props = decode_properties(&raw).unwrap();
+                let encoded = encode_properties_from(&props, &raw);
+                (props, encoded.to_vec(), raw)
+            })
+            .unwrap();
+        let (props, encoded, raw) = handle.join().unwrap();
+        assert_eq!(header(&props, "deep"), Some(&AMQPValue::Void));
+        assert_eq!(encoded, raw);
+    }
+
+    #[test]
+    fn rule_keys_nested_too_deep_read_as_void_and_are_not_restored() {
+        let deep = nested_arrays(HEADER_DECODE_DEPTH);
+        for key in [
+            "x-death",
+            "CC",
+            "BCC",
+            "x-first-death-queue",
+            "x-dlx-proxy-bcc",
+        ] {
+            assert!(is_rule_key(key.as_bytes()));
+            let raw = properties(&[entry(key, b'A', &deep)]);
+            let props = decode_properties(&raw).unwrap();
+            assert_eq!(header(&props, key), Some(&AMQPValue::Void), "{key}");
+            let encoded = encode_properties_from(&props, &raw);
+            assert_eq!(encoded, encode_properties(&props), "{key} stays void");
+        }
+        assert!(!is_rule_key(b"x-deaths"));
+    }
+
+    #[test]
+    fn a_removed_or_replaced_opaque_key_stays_as_the_rewrite_left_it() {
+        let raw = properties(&[entry("deep", b'A', &nested_arrays(100))]);
+        let props = decode_properties(&raw).unwrap();
+        let removed = props.clone().with_headers(FieldTable::default());
+        assert_eq!(
+            encode_properties_from(&removed, &raw),
+            encode_properties(&removed)
+        );
+        let mut replaced = FieldTable::default();
+        replaced.insert(ShortString::from("deep"), AMQPValue::Boolean(true));
+        let replaced = props.with_headers(replaced);
+        assert_eq!(
+            encode_properties_from(&replaced, &raw),
+            encode_properties(&replaced)
+        );
+    }
+
+    #[test]
+    fn the_last_entry_of_a_repeated_key_decides() {
+        let deep = entry("k", b'A', &nested_arrays(100));
+        let shallow = entry("k", b'V', &[]);
+        // Deep first, a (genuine) void later: the void counts, nothing is restored.
+        let raw = properties(&[deep.clone(), shallow.clone()]);
+        let props = decode_properties(&raw).unwrap();
+        assert_eq!(
+            encode_properties_from(&props, &raw),
+            encode_properties(&props)
+        );
+        // Void first, deep later: the deep one counts.
+        let raw = properties(&[shallow, deep.clone()]);
+        let props = decode_properties(&raw).unwrap();
+        let encoded = encode_properties_from(&props, &raw);
+        assert!(encoded.windows(deep.len()).any(|w| w == &deep[..]));
+    }
+
+    #[test]
+    fn malformed_headers_do_not_decode() {
+        let mut raw = properties(&[entry("deep", b'A', &nested_arrays(100))]);
+        // The deep value claims more bytes than its table holds.
+        let at = raw.len() - 1 - 100 * 5 + 3;
+        raw[at] = 0xff;
+        assert!(decode_properties(&raw).is_err());
+        assert!(decode_properties(&properties(&[entry("a", b'?', &[])])).is_err());
+        assert!(decode_properties(&[0x20, 0, 0, 0]).is_err());
+    }
+}
