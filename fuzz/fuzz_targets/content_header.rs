@@ -3,12 +3,14 @@
 //! expiration checks, CC/BCC keys, BCC removal) and to the dead-letter readers.
 //!
 //! Checks: no panic; the raw properties are kept byte for byte; properties re-encode to
-//! bytes that decode and re-encode identically; a prepared message carries no BCC header and
+//! bytes that decode and re-encode identically; re-encoding with the opaque (too deep to
+//! decode) header entries restored from the original gives a section that decodes and is a
+//! fixed point of the same re-encoding; a prepared message carries no BCC header and
 //! an expiration only when `parse_expiration` accepted it.
 #![no_main]
 
 use bytes::Bytes;
-use dlx_proxy::amqp::content::parse_content_header;
+use dlx_proxy::amqp::content::{decode_properties, encode_properties_from, parse_content_header};
 use dlx_proxy::broker::args::{MAX_EXPIRY_MS, parse_expiration};
 use dlx_proxy::deadletter::{HEADER_BCC, HEADER_CC, routing_key_list, x_death_entries};
 use dlx_proxy::server::publish::prepare;
@@ -23,6 +25,9 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(&header.raw_properties[..], &data[12..]);
     let props = header.properties.clone();
     assert_properties_round_trip(&props);
+    let restored = encode_properties_from(&props, &data[12..]);
+    let decoded = decode_properties(&restored).expect("restored properties must decode");
+    assert_eq!(encode_properties_from(&decoded, &restored), restored);
 
     let _ = x_death_entries(&props);
     if let Some(headers) = props.headers() {
