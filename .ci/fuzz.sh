@@ -2,7 +2,7 @@
 # Runs every cargo-fuzz target in fuzz/ for a bounded time and fails on the first crash,
 # printing the reproducer. Called by .ci/run after the tests; runs on its own too.
 #
-#   FUZZ_SECONDS   seconds per target (default 30)
+#   FUZZ_SECONDS   seconds per target (default 20; six targets take about 2.5 min)
 #   FUZZ_MAX_LEN   largest input libFuzzer tries, in bytes (default 8192)
 #   FUZZ_TARGETS   space-separated targets to run (default: every target)
 #   FUZZ_SANITIZER address (default) or none
@@ -10,12 +10,12 @@
 # cargo-fuzz passes nightly-only compiler flags (-Zsanitizer, sancov passes);
 # RUSTC_BOOTSTRAP=1 lets the stable toolchain accept them. Builds go to fuzz/target.
 # A crash leaves its input in fuzz/artifacts/<target>/; replay it with
-#   RUSTC_BOOTSTRAP=1 cargo fuzz run <target> fuzz/artifacts/<target>/<file>
+#   RUSTC_BOOTSTRAP=1 cargo fuzz run --codegen-units 16 <target> fuzz/artifacts/<target>/<file>
 # and turn it into a regression test (tests/fuzz_regressions.rs or a unit test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-FUZZ_SECONDS=${FUZZ_SECONDS:-30}
+FUZZ_SECONDS=${FUZZ_SECONDS:-20}
 FUZZ_MAX_LEN=${FUZZ_MAX_LEN:-8192}
 FUZZ_SANITIZER=${FUZZ_SANITIZER:-address}
 export RUSTC_BOOTSTRAP=1
@@ -54,7 +54,7 @@ for target in $targets; do
         tail -n 60 "$log"
         reproducer=$(grep -o "Test unit written to .*" "$log" | sed 's/Test unit written to //' | tail -n 1)
         echo "!! $target failed; reproducer: ${reproducer:-none written (see the log above)}"
-        echo "!! replay: RUSTC_BOOTSTRAP=1 cargo fuzz run $target ${reproducer:-<input>}"
+        echo "!! replay: RUSTC_BOOTSTRAP=1 cargo fuzz run ${build_flags[*]} $target ${reproducer:-<input>}"
         failed+=("$target")
     fi
 done
