@@ -5,13 +5,15 @@
 //! in, the rest is the stream. Checks: no panic; feeding the stream in pieces gives the same
 //! frames and the same verdict as feeding it at once; every frame is within `frame_max` and
 //! re-encodes to exactly the bytes it was read from; a decoded method re-encodes to bytes
-//! that decode to the same encoding again.
+//! that decode to the same encoding again; the configured depth limit
+//! (`decode_method_within`, limit = byte 0 % 8) only refuses what is too deep: a method it
+//! accepts or finds malformed gets the same answer under the ceiling (`decode_method`).
 #![no_main]
 
 use bytes::BytesMut;
 use dlx_proxy::amqp::codec::{
-    FRAME_HEADER, FRAME_METHOD, FRAME_MIN_SIZE, FrameCodec, RawFrame, decode_method, method_ids,
-    put_method, put_raw_frame,
+    FRAME_HEADER, FRAME_METHOD, FRAME_MIN_SIZE, FrameCodec, MethodError, RawFrame, decode_method,
+    decode_method_within, method_ids, put_method, put_raw_frame,
 };
 use dlx_proxy::amqp::content::parse_content_header;
 use libfuzzer_sys::fuzz_target;
@@ -59,6 +61,12 @@ fuzz_target!(|data: &[u8]| {
         match frame.kind {
             FRAME_METHOD => {
                 let _ = method_ids(&frame.payload);
+                let within = decode_method_within(&frame.payload, usize::from(*max_step % 8));
+                match within {
+                    Ok(_) => assert!(decode_method(&frame.payload).is_some()),
+                    Err(MethodError::Malformed) => assert!(decode_method(&frame.payload).is_none()),
+                    Err(MethodError::TooDeep { .. }) => {}
+                }
                 if let Some(method) = decode_method(&frame.payload) {
                     let mut once = BytesMut::new();
                     put_method(&mut once, frame.channel, method);
