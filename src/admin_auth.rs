@@ -61,6 +61,17 @@ pub enum Refusal {
     Invalid,
 }
 
+impl Refusal {
+    /// The reason as a log field value.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Refusal::Disabled => "disabled",
+            Refusal::Missing => "missing_token",
+            Refusal::Invalid => "invalid_token",
+        }
+    }
+}
+
 /// The check itself: `authorization` is the header's value, if any. The scheme is matched
 /// without regard to case (RFC 7235); the token must match exactly.
 pub fn authorize(
@@ -132,7 +143,7 @@ pub async fn guard_writes(
             tracing::warn!(
                 method = %request.method(),
                 path = %request.uri().path(),
-                ?refusal,
+                refusal = refusal.as_str(),
                 "admin API write refused"
             );
             refusal.into_response()

@@ -34,6 +34,16 @@ pub enum Mode {
     Proxy,
 }
 
+impl std::fmt::Display for Mode {
+    /// As written in the config file: `embedded` or `proxy`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mode::Embedded => "embedded",
+            Mode::Proxy => "proxy",
+        })
+    }
+}
+
 /// The whole configuration.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

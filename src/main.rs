@@ -160,7 +160,7 @@ fn run(given: Option<&Path>) -> ExitCode {
     }
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
-        mode = ?config.mode,
+        mode = %config.mode,
         config_file = %path.as_deref().map_or("(built-in defaults)".into(), |p| p.display().to_string()),
         "starting dlx-proxy"
     );

@@ -391,7 +391,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 connections_trigger.subscribe(),
             )?);
             if let Some(listener) = amqp {
-                tracing::info!(addr = ?amqp_addr, "AMQP listener (embedded broker)");
+                tracing::info!(addr = %ListenAddr(amqp_addr), "AMQP listener (embedded broker)");
                 listeners.push(tokio::spawn(server::serve(
                     listener,
                     ctx.clone(),
@@ -400,7 +400,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 )));
             }
             if let (Some(listener), Some(server)) = (amqps, tls_server) {
-                tracing::info!(addr = ?amqps_addr, "AMQPS listener (embedded broker)");
+                tracing::info!(addr = %ListenAddr(amqps_addr), "AMQPS listener (embedded broker)");
                 let tls_ctx = ctx.clone();
                 let conn_stop = connections_trigger.subscribe();
                 listeners.push(tokio::spawn(crate::tls::serve(
@@ -433,7 +433,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 tls.add(upstream_tls);
             }
             if let Some(listener) = amqp {
-                tracing::info!(addr = ?amqp_addr, upstream = %config.upstream.url_for_display(), "AMQP listener (proxy)");
+                tracing::info!(addr = %ListenAddr(amqp_addr), upstream = %config.upstream.url_for_display(), "AMQP listener (proxy)");
                 let shared = proxy.clone();
                 let conn_stop = connections_trigger.subscribe();
                 listeners.push(tokio::spawn(crate::listener::accept_tcp(
@@ -450,7 +450,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 )));
             }
             if let (Some(listener), Some(server)) = (amqps, tls_server) {
-                tracing::info!(addr = ?amqps_addr, "AMQPS listener (proxy)");
+                tracing::info!(addr = %ListenAddr(amqps_addr), "AMQPS listener (proxy)");
                 let tls_proxy = proxy.clone();
                 let conn_stop = connections_trigger.subscribe();
                 listeners.push(tokio::spawn(crate::tls::serve(
@@ -493,7 +493,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
     });
     if let Some(listener) = admin {
         tracing::info!(
-            addr = ?admin_addr,
+            addr = %ListenAddr(admin_addr),
             writes = if admin_token.is_set() { "bearer token required" } else { "disabled (no admin token)" },
             "admin HTTP listener"
         );
@@ -602,6 +602,19 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result
         }
     }
     Ok(())
+}
+
+/// A listener address in a log line: `127.0.0.1:5672`, or `off` when not listening (rather
+/// than a Debug rendering such as `Some(127.0.0.1:5672)`).
+struct ListenAddr(Option<std::net::SocketAddr>);
+
+impl std::fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(addr) => addr.fmt(f),
+            None => f.write_str("off"),
+        }
+    }
 }
 
 #[cfg(test)]
