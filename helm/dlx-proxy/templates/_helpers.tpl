@@ -92,6 +92,22 @@ app.kubernetes.io/part-of: dlx-proxy
 {{- end }}
 {{- end }}
 
+{{/* "true" when the application user (appUser) is rendered: enabled, in embedded mode. */}}
+{{- define "dlx-proxy.appUserEnabled" -}}
+{{- if and .Values.appUser.enabled (eq (toString .Values.config.mode) "embedded") }}
+{{- "true" }}
+{{- end }}
+{{- end }}
+
+{{/* Name of the Secret holding the application user's password (existing or generated). */}}
+{{- define "dlx-proxy.appUserSecretName" -}}
+{{- if .Values.appUser.existingSecret }}
+{{- .Values.appUser.existingSecret }}
+{{- else }}
+{{- printf "%s-app-user" (include "dlx-proxy.fullname" . | trunc 50 | trimSuffix "-") }}
+{{- end }}
+{{- end }}
+
 {{/* Port number of a "host:port" listen address ("" when the listener is off). */}}
 {{- define "dlx-proxy.portOf" -}}
 {{- if . }}
@@ -175,7 +191,8 @@ mode = {{ include "dlx-proxy.tomlValue" (get $config "mode" | default "embedded"
 {{- if kindIs "slice" (get $config "vhosts") }}
 vhosts = {{ include "dlx-proxy.tomlValue" (get $config "vhosts") }}
 {{- end }}
-{{- if and (kindIs "slice" (get $config "users")) (not (get $config "users")) }}
+{{- $appUser := include "dlx-proxy.appUserEnabled" . }}
+{{- if and (kindIs "slice" (get $config "users")) (not (get $config "users")) (not $appUser) }}
 users = []
 {{- end }}
 
@@ -217,6 +234,29 @@ users = []
 {{- if not (kindIs "invalid" $value) }}
 {{ $key }} = {{ include "dlx-proxy.tomlValue" $value }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if $appUser }}
+{{- $app := .Values.appUser }}
+{{- range $user := get $config "users" | default list }}
+{{- if eq (toString (get $user "name")) (toString $app.name) }}
+{{- fail (printf "appUser.name %q is also in config.users; rename one of them" $app.name) }}
+{{- end }}
+{{- end }}
+
+# The application's user (chart value appUser): its password is the mounted Secret
+# {{ include "dlx-proxy.appUserSecretName" . }}, key {{ $app.key }}.
+[[users]]
+loopback_only = false
+name = {{ include "dlx-proxy.tomlValue" (toString $app.name) }}
+password = ""
+password_file = {{ include "dlx-proxy.tomlValue" (printf "%s/%s" $app.mountPath $app.key) }}
+{{- range $permission := $app.permissions }}
+
+[[users.permissions]]
+{{- range $key := keys $permission | sortAlpha }}
+{{ $key }} = {{ include "dlx-proxy.tomlValue" (get $permission $key) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -306,6 +346,11 @@ startupProbe:
   mountPath: {{ .Values.adminToken.mountPath }}
   readOnly: true
 {{- end }}
+{{- if include "dlx-proxy.appUserEnabled" . }}
+- name: dlx-proxy-app-user
+  mountPath: {{ .Values.appUser.mountPath }}
+  readOnly: true
+{{- end }}
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
@@ -341,6 +386,14 @@ startupProbe:
     items:
       - key: {{ .Values.adminToken.key }}
         path: {{ .Values.adminToken.key }}
+{{- end }}
+{{- if include "dlx-proxy.appUserEnabled" . }}
+- name: dlx-proxy-app-user
+  secret:
+    secretName: {{ include "dlx-proxy.appUserSecretName" . }}
+    items:
+      - key: {{ .Values.appUser.key }}
+        path: {{ .Values.appUser.key }}
 {{- end }}
 {{- end }}
 
