@@ -39,6 +39,27 @@ app.kubernetes.io/name: {{ include "dlx-proxy.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/*
+Selector labels of the application pods (app.enabled): not the standalone
+selector labels, so the chart's Service never picks them.
+*/}}
+{{- define "dlx-proxy.appSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "dlx-proxy.name" . }}-app
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: app-with-sidecar
+{{- end }}
+
+{{/* Labels of the application Deployment and its pods. */}}
+{{- define "dlx-proxy.appLabels" -}}
+helm.sh/chart: {{ include "dlx-proxy.chart" . }}
+{{ include "dlx-proxy.appSelectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service | default "Helm" }}
+app.kubernetes.io/part-of: dlx-proxy
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
 {{/* Labels on every resource. */}}
 {{- define "dlx-proxy.labels" -}}
 helm.sh/chart: {{ include "dlx-proxy.chart" . }}
