@@ -399,6 +399,10 @@ if [ -n "$renderer" ]; then
     validate_manifests "$RENDER"/*.yaml
     grep -q 'restartPolicy: Always' "$RENDER/example-sidecar.yaml" \
         || fail "the example sidecar is not a native sidecar"
+    grep -q 'restartPolicy: Always' "$RENDER/app-with-sidecar.yaml" \
+        || fail "the application Deployment (app.enabled) has no native sidecar"
+    grep -q 'kind: Deployment' "$RENDER/app-with-sidecar.yaml" \
+        || fail "app.enabled renders no Deployment"
     if grep -n 'subPath' "$RENDER"/*.yaml; then
         fail "rendered manifests use subPath: the config reload never sees subPath mounts change"
     fi

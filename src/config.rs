@@ -377,19 +377,10 @@ impl AdminConfig {
                 ));
             }
             (false, true) => ("admin.token", self.token.expose().clone()),
-            (true, false) => {
-                let text = std::fs::read_to_string(&self.token_file).map_err(|error| {
-                    ConfigError::invalid(
-                        "admin.token_file",
-                        format!("cannot read {:?}: {error}", self.token_file),
-                    )
-                })?;
-                let token = text
-                    .strip_suffix('\n')
-                    .map(|t| t.strip_suffix('\r').unwrap_or(t))
-                    .unwrap_or(&text);
-                ("admin.token_file", token.to_string())
-            }
+            (true, false) => (
+                "admin.token_file",
+                read_secret_file("admin.token_file", &self.token_file)?,
+            ),
         };
         if token.is_empty() {
             return Err(ConfigError::invalid(key, "the token is empty"));
@@ -404,6 +395,18 @@ impl AdminConfig {
     }
 }
 
+/// The contents of a secret file (a mounted Kubernetes Secret) with one trailing newline
+/// (`\n` or `\r\n`) removed; an unreadable file is an error naming `key`.
+fn read_secret_file(key: &str, path: &str) -> Result<String, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|error| ConfigError::invalid(key, format!("cannot read {path:?}: {error}")))?;
+    let trimmed = text
+        .strip_suffix('\n')
+        .map(|t| t.strip_suffix('\r').unwrap_or(t))
+        .unwrap_or(&text);
+    Ok(trimmed.to_string())
+}
+
 /// A user of the embedded broker.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -415,6 +418,9 @@ pub struct UserConfig {
     /// RabbitMQ `rabbit_password_hashing_sha256` hash: base64(salt[4] ++ sha256(salt ++ password)).
     #[serde(deserialize_with = "secret_string_or_number")]
     pub password_hash: Secret<String>,
+    /// File holding the plain-text password (a mounted Kubernetes Secret); read at start and
+    /// on every reload, one trailing newline removed.
+    pub password_file: String,
     /// Only allow this user from loopback addresses (RabbitMQ's rule for guest).
     pub loopback_only: bool,
     pub permissions: Vec<PermissionConfig>,
@@ -426,8 +432,65 @@ impl Default for UserConfig {
             name: "guest".into(),
             password: "guest".into(),
             password_hash: Secret::default(),
+            password_file: String::new(),
             loopback_only: true,
             permissions: vec![PermissionConfig::default()],
+        }
+    }
+}
+
+/// How a user's password is configured, once `password`, `password_hash` and
+/// `password_file` are resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Credential {
+    /// A plain-text password, from `password` or read from `password_file`.
+    Plain(Secret<String>),
+    /// A RabbitMQ password hash (`password_hash`), not yet decoded.
+    Hash(Secret<String>),
+}
+
+impl UserConfig {
+    /// The credential in force for `users[index]`: exactly one of `password`,
+    /// `password_hash` and `password_file` must be set (`password` defaults to "guest":
+    /// write `password = ""` next to the others). The file is read now, so a reload picks
+    /// up a rotated Secret; an unreadable or empty file is an error naming the key.
+    pub fn credential(&self, index: usize) -> Result<Credential, ConfigError> {
+        let key = |field: &str| format!("users[{index}].{field}");
+        let set = [
+            ("password", !self.password.is_empty()),
+            ("password_hash", !self.password_hash.is_empty()),
+            ("password_file", !self.password_file.is_empty()),
+        ];
+        let given: Vec<&str> = set.iter().filter(|(_, on)| *on).map(|(k, _)| *k).collect();
+        match given.as_slice() {
+            ["password"] => Ok(Credential::Plain(self.password.clone())),
+            ["password_hash"] => Ok(Credential::Hash(self.password_hash.clone())),
+            ["password_file"] => {
+                let password = read_secret_file(&key("password_file"), &self.password_file)?;
+                if password.is_empty() {
+                    return Err(ConfigError::invalid(
+                        key("password_file"),
+                        format!("{:?} holds an empty password", self.password_file),
+                    ));
+                }
+                Ok(Credential::Plain(Secret::new(password)))
+            }
+            [] => Err(ConfigError::invalid(
+                key("password"),
+                format!(
+                    "user {:?} needs a password, a password_hash or a password_file",
+                    self.name
+                ),
+            )),
+            [.., last] => Err(ConfigError::invalid(
+                key(last),
+                format!(
+                    "user {:?} has {}; set exactly one (password defaults to \"guest\": \
+                     write password = \"\" next to a password_hash or password_file)",
+                    self.name,
+                    given.join(" and ")
+                ),
+            )),
         }
     }
 }
@@ -1084,24 +1147,8 @@ impl Config {
                     format!("user {:?} is listed twice", user.name),
                 ));
             }
-            if user.password.is_empty() && user.password_hash.is_empty() {
-                return Err(ConfigError::invalid(
-                    key("password"),
-                    format!("user {:?} needs a password or a password_hash", user.name),
-                ));
-            }
-            if !user.password.is_empty() && !user.password_hash.is_empty() {
-                return Err(ConfigError::invalid(
-                    key("password_hash"),
-                    format!(
-                        "user {:?} has both a password and a password_hash; set only one \
-                         (password defaults to \"guest\": write password = \"\" next to a hash)",
-                        user.name
-                    ),
-                ));
-            }
-            if !user.password_hash.is_empty() {
-                check_password_hash(&key("password_hash"), user.password_hash.expose())?;
+            if let Credential::Hash(hash) = user.credential(index)? {
+                check_password_hash(&key("password_hash"), hash.expose())?;
             }
             let mut permitted = BTreeSet::new();
             for (p, permission) in user.permissions.iter().enumerate() {
@@ -1710,6 +1757,86 @@ mod tests {
         let error = load_text("[admin]\ntoken = \"a b\"\n").unwrap_err();
         assert_eq!(error.key(), "admin.token");
         assert!(!error.to_string().contains("a b"), "{error}");
+    }
+
+    #[test]
+    fn a_user_password_can_come_from_a_file() {
+        let user = |file: &std::path::Path| {
+            format!(
+                "[[users]]\nname = \"app\"\npassword = \"\"\npassword_file = {:?}\n",
+                file.display().to_string()
+            )
+        };
+        // A mounted Secret: one trailing newline is not part of the password; inner spaces are.
+        for (contents, password) in [
+            ("pa ss\n", "pa ss"),
+            ("pa ss\r\n", "pa ss"),
+            ("pa ss", "pa ss"),
+            ("pa ss\n\n", "pa ss\n"),
+        ] {
+            let file = temp_file(contents);
+            let config = load_text(&user(&file)).unwrap();
+            assert_eq!(
+                config.users[0].credential(0).unwrap(),
+                Credential::Plain(Secret::from(password)),
+                "{contents:?}"
+            );
+            // The file is read again each time: a rotated Secret is seen on reload.
+            std::fs::write(&file, "rotated\n").unwrap();
+            assert_eq!(
+                config.users[0].credential(0).unwrap(),
+                Credential::Plain(Secret::from("rotated"))
+            );
+            // Never shown: neither in Debug nor in the printed settings.
+            let shown = format!("{config:?} {}", config.to_toml().unwrap());
+            assert!(
+                !shown.contains("rotated") && !shown.contains("pa ss"),
+                "{shown}"
+            );
+            std::fs::remove_file(&file).unwrap();
+        }
+
+        for contents in ["", "\n"] {
+            let file = temp_file(contents);
+            let error = load_text(&user(&file)).unwrap_err();
+            assert_eq!(error.key(), "users[0].password_file", "{contents:?}");
+            assert!(error.to_string().contains("empty password"), "{error}");
+            std::fs::remove_file(&file).unwrap();
+        }
+        let error = load_text(
+            "[[users]]\nname = \"app\"\npassword = \"\"\npassword_file = \"/nonexistent/pw\"\n",
+        )
+        .unwrap_err();
+        assert_eq!(error.key(), "users[0].password_file");
+        assert!(error.to_string().contains("/nonexistent/pw"), "{error}");
+    }
+
+    #[test]
+    fn a_password_file_excludes_password_and_password_hash() {
+        let file = temp_file("secret\n");
+        let path = file.display().to_string();
+        let hash = crate::broker::auth::hash_password([1, 2, 3, 4], "x");
+        // password defaults to "guest", so leaving it out next to a file is "both".
+        for (extra, listed) in [
+            (String::new(), "password and password_file"),
+            (
+                "password = \"x\"\n".to_string(),
+                "password and password_file",
+            ),
+            (
+                format!("password = \"\"\npassword_hash = \"{hash}\"\n"),
+                "password_hash and password_file",
+            ),
+        ] {
+            let error = load_text(&format!(
+                "[[users]]\nname = \"app\"\n{extra}password_file = {path:?}\n"
+            ))
+            .unwrap_err();
+            assert_eq!(error.key(), "users[0].password_file", "{extra}");
+            assert!(error.to_string().contains(listed), "{error}");
+            assert!(!error.to_string().contains("secret\n"), "{error}");
+        }
+        std::fs::remove_file(&file).unwrap();
     }
 
     #[test]

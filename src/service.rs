@@ -220,8 +220,9 @@ impl RunningService {
         self.tls.reload_all();
     }
 
-    /// Applies a new configuration without dropping connections: policies, users, limits and
-    /// the admin token (`admin.token_file` is read again). Every other setting (listeners,
+    /// Applies a new configuration without dropping connections: policies, users (each
+    /// `password_file` is read again), limits and the admin token (`admin.token_file` is read
+    /// again). Every other setting (listeners,
     /// mode, TLS file names, vhosts, ...) needs a restart; a change to one is logged as a
     /// warning and the running value stays. (The content of the TLS files is reloaded
     /// separately: [`RunningService::reload_tls`].)
@@ -562,9 +563,13 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result
     let mut stop = crate::shutdown::TerminationSignals::install()
         .context("installing the SIGTERM/SIGINT handlers")?;
     let mut hup = crate::shutdown::reload_signals().context("installing the SIGHUP handler")?;
-    // A rotated admin token (a Kubernetes Secret update) reloads like a config change.
-    let token_file =
-        (!config.admin.token_file.is_empty()).then(|| PathBuf::from(&config.admin.token_file));
+    // A rotated admin token or user password (a Kubernetes Secret update) reloads like a
+    // config change.
+    let secret_files: Vec<PathBuf> = std::iter::once(&config.admin.token_file)
+        .chain(config.users.iter().map(|user| &user.password_file))
+        .filter(|path| !path.is_empty())
+        .map(PathBuf::from)
+        .collect();
     let service = start(config).await?;
     let (watch_tx, mut watch_rx) = tokio::sync::mpsc::channel::<()>(1);
     let watch = |path: &std::path::Path, what: &str| match crate::reload::watch_config(
@@ -578,9 +583,15 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result
         }
     };
     let _watcher = config_path.as_deref().and_then(|p| watch(p, "config file"));
-    let _token_watcher = token_file
-        .as_deref()
-        .and_then(|p| watch(p, "admin token file"));
+    let _secret_watcher = (!secret_files.is_empty())
+        .then(|| crate::reload::watch_files(&secret_files, watch_tx.clone()))
+        .and_then(|watcher| match watcher {
+            Ok(w) => Some(w),
+            Err(err) => {
+                tracing::warn!(%err, "admin token / password file watching unavailable; SIGHUP still reloads");
+                None
+            }
+        });
     loop {
         tokio::select! {
             signal = stop.recv() => {

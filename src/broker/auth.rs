@@ -10,7 +10,7 @@
 //! - **Passwords** are stored as `rabbit_password_hashing_sha256` hashes:
 //!   `base64(salt[4] ++ sha256(salt ++ utf8 password))` ([`hash_password`]). Hashes made with
 //!   `rabbit_password_hashing_sha512` (68 decoded bytes) are accepted too. A plain `password`
-//!   from the configuration is hashed with a random salt when loaded. Comparison is constant
+//!   (or one read from `password_file`) is hashed with a random salt when loaded. Comparison is constant
 //!   time; an unknown user costs the same hashing work as a known one.
 //! - **Loopback-only users** (RabbitMQ's `loopback_users`, `guest` by default) are refused
 //!   from other addresses, checked after the password, as `rabbit_access_control` does.
@@ -39,7 +39,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use regex::bytes::{Regex, RegexBuilder};
 use sha2::{Digest, Sha256, Sha512};
 
-use crate::config::{PermissionConfig, UserConfig};
+use crate::config::{Credential, PermissionConfig, UserConfig};
 use crate::secret::constant_time_eq;
 
 /// Why a login was refused. The AMQP reply uses one text for all of them (never reveal which);
@@ -123,15 +123,10 @@ impl UserDb {
             if db.contains_key(&user.name) {
                 return Err(format!("{key}.name: duplicate user '{}'", user.name));
             }
-            let credential = match (user.password.is_empty(), user.password_hash.is_empty()) {
-                (false, true) => PasswordHash::new(rand::random(), user.password.expose()),
-                (true, false) => PasswordHash::parse(user.password_hash.expose())
+            let credential = match user.credential(i).map_err(|e| e.to_string())? {
+                Credential::Plain(password) => PasswordHash::new(rand::random(), password.expose()),
+                Credential::Hash(hash) => PasswordHash::parse(hash.expose())
                     .map_err(|e| format!("{key}.password_hash: {e}"))?,
-                _ => {
-                    return Err(format!(
-                        "{key}: set exactly one of password or password_hash"
-                    ));
-                }
             };
             let mut permissions = HashMap::with_capacity(user.permissions.len());
             for (j, permission) in user.permissions.iter().enumerate() {
@@ -442,6 +437,7 @@ mod tests {
             name: name.into(),
             password: password.into(),
             password_hash: Default::default(),
+            password_file: String::new(),
             loopback_only: false,
             permissions,
         }
@@ -578,13 +574,15 @@ mod tests {
 
         assert_eq!(
             err(&[user("a", "", vec![])]),
-            "users[0]: set exactly one of password or password_hash"
+            "key `users[0].password`: user \"a\" needs a password, a password_hash or a password_file"
         );
         let mut both = user("a", "p", vec![]);
         both.password_hash = hash_password([1, 2, 3, 4], "p").into();
         assert_eq!(
             err(&[both]),
-            "users[0]: set exactly one of password or password_hash"
+            "key `users[0].password_hash`: user \"a\" has password and password_hash; set exactly \
+             one (password defaults to \"guest\": write password = \"\" next to a password_hash \
+             or password_file)"
         );
 
         let mut not_base64 = user("a", "", vec![]);

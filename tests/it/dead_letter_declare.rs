@@ -212,6 +212,7 @@ fn limited_user() -> UserConfig {
         name: "limited".into(),
         password: "pw".into(),
         password_hash: Default::default(),
+        password_file: String::new(),
         loopback_only: false,
         permissions: vec![PermissionConfig {
             vhost: "/".into(),

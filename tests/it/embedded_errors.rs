@@ -334,6 +334,7 @@ async fn permissions_are_enforced_per_operation() {
         name: "limited".into(),
         password: "pw".into(),
         password_hash: Default::default(),
+        password_file: String::new(),
         loopback_only: false,
         permissions: vec![dlx_proxy::config::PermissionConfig {
             vhost: "/".into(),

@@ -27,6 +27,7 @@ mod dead_letter_ttl;
 mod embedded_basic;
 mod embedded_errors;
 mod embedded_memory;
+mod embedded_password_file;
 mod embedded_protocol;
 mod ops_admin_token;
 mod ops_logs;

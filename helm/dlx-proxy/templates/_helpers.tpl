@@ -39,6 +39,27 @@ app.kubernetes.io/name: {{ include "dlx-proxy.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/*
+Selector labels of the application pods (app.enabled): not the standalone
+selector labels, so the chart's Service never picks them.
+*/}}
+{{- define "dlx-proxy.appSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "dlx-proxy.name" . }}-app
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: app-with-sidecar
+{{- end }}
+
+{{/* Labels of the application Deployment and its pods. */}}
+{{- define "dlx-proxy.appLabels" -}}
+helm.sh/chart: {{ include "dlx-proxy.chart" . }}
+{{ include "dlx-proxy.appSelectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service | default "Helm" }}
+app.kubernetes.io/part-of: dlx-proxy
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
 {{/* Labels on every resource. */}}
 {{- define "dlx-proxy.labels" -}}
 helm.sh/chart: {{ include "dlx-proxy.chart" . }}
@@ -89,6 +110,22 @@ app.kubernetes.io/part-of: dlx-proxy
 {{- .Values.adminToken.existingSecret }}
 {{- else }}
 {{- printf "%s-admin-token" (include "dlx-proxy.fullname" . | trunc 50 | trimSuffix "-") }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the application user (appUser) is rendered: enabled, in embedded mode. */}}
+{{- define "dlx-proxy.appUserEnabled" -}}
+{{- if and .Values.appUser.enabled (eq (toString .Values.config.mode) "embedded") }}
+{{- "true" }}
+{{- end }}
+{{- end }}
+
+{{/* Name of the Secret holding the application user's password (existing or generated). */}}
+{{- define "dlx-proxy.appUserSecretName" -}}
+{{- if .Values.appUser.existingSecret }}
+{{- .Values.appUser.existingSecret }}
+{{- else }}
+{{- printf "%s-app-user" (include "dlx-proxy.fullname" . | trunc 50 | trimSuffix "-") }}
 {{- end }}
 {{- end }}
 
@@ -175,7 +212,8 @@ mode = {{ include "dlx-proxy.tomlValue" (get $config "mode" | default "embedded"
 {{- if kindIs "slice" (get $config "vhosts") }}
 vhosts = {{ include "dlx-proxy.tomlValue" (get $config "vhosts") }}
 {{- end }}
-{{- if and (kindIs "slice" (get $config "users")) (not (get $config "users")) }}
+{{- $appUser := include "dlx-proxy.appUserEnabled" . }}
+{{- if and (kindIs "slice" (get $config "users")) (not (get $config "users")) (not $appUser) }}
 users = []
 {{- end }}
 
@@ -217,6 +255,29 @@ users = []
 {{- if not (kindIs "invalid" $value) }}
 {{ $key }} = {{ include "dlx-proxy.tomlValue" $value }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if $appUser }}
+{{- $app := .Values.appUser }}
+{{- range $user := get $config "users" | default list }}
+{{- if eq (toString (get $user "name")) (toString $app.name) }}
+{{- fail (printf "appUser.name %q is also in config.users; rename one of them" $app.name) }}
+{{- end }}
+{{- end }}
+
+# The application's user (chart value appUser): its password is the mounted Secret
+# {{ include "dlx-proxy.appUserSecretName" . }}, key {{ $app.key }}.
+[[users]]
+loopback_only = false
+name = {{ include "dlx-proxy.tomlValue" (toString $app.name) }}
+password = ""
+password_file = {{ include "dlx-proxy.tomlValue" (printf "%s/%s" $app.mountPath $app.key) }}
+{{- range $permission := $app.permissions }}
+
+[[users.permissions]]
+{{- range $key := keys $permission | sortAlpha }}
+{{ $key }} = {{ include "dlx-proxy.tomlValue" (get $permission $key) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -306,6 +367,11 @@ startupProbe:
   mountPath: {{ .Values.adminToken.mountPath }}
   readOnly: true
 {{- end }}
+{{- if include "dlx-proxy.appUserEnabled" . }}
+- name: dlx-proxy-app-user
+  mountPath: {{ .Values.appUser.mountPath }}
+  readOnly: true
+{{- end }}
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
@@ -341,6 +407,14 @@ startupProbe:
     items:
       - key: {{ .Values.adminToken.key }}
         path: {{ .Values.adminToken.key }}
+{{- end }}
+{{- if include "dlx-proxy.appUserEnabled" . }}
+- name: dlx-proxy-app-user
+  secret:
+    secretName: {{ include "dlx-proxy.appUserSecretName" . }}
+    items:
+      - key: {{ .Values.appUser.key }}
+        path: {{ .Values.appUser.key }}
 {{- end }}
 {{- end }}
 
