@@ -29,6 +29,7 @@ mod embedded_errors;
 mod embedded_memory;
 mod embedded_password_file;
 mod embedded_protocol;
+mod fleet_cluster;
 mod ops_admin_token;
 mod ops_logs;
 mod ops_metrics;
