@@ -8,6 +8,8 @@
 //! proxy test's one import of helpers.
 #![allow(dead_code)]
 
+pub mod fleet;
+
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
