@@ -1159,6 +1159,7 @@ impl Config {
             UpstreamTarget::all_from_config(&self.upstream).map_err(|error| {
                 let key = match &error {
                     UpstreamError::BadUrl { key, .. } => key.as_str(),
+                    UpstreamError::NoUrl => "upstream.urls",
                     UpstreamError::Tls(text) if text.starts_with("server name") => {
                         "upstream.tls_server_name"
                     }

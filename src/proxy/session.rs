@@ -164,7 +164,10 @@ pub(super) async fn run<S>(
         _ => return,
     }
     let upstream = match shared.upstream.connect().await {
-        Ok((stream, _target)) => stream,
+        Ok((stream, target)) => {
+            tracing::debug!(%peer, upstream = %target.address(), "upstream connected");
+            stream
+        }
         Err(err) => {
             tracing::warn!(%peer, %err, "no upstream reachable: client refused");
             shared

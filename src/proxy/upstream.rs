@@ -54,6 +54,8 @@ pub enum UpstreamError {
         url: String,
         detail: String,
     },
+    #[error("upstream.urls: no upstream URL given (upstream.urls or upstream.url)")]
+    NoUrl,
     #[error("upstream TLS setup: {0}")]
     Tls(String),
 }
@@ -84,11 +86,7 @@ impl UpstreamTarget {
     pub fn all_from_config(config: &UpstreamConfig) -> Result<Vec<UpstreamTarget>, UpstreamError> {
         let urls = config.targets();
         if urls.is_empty() {
-            return Err(UpstreamError::BadUrl {
-                key: "upstream.urls".into(),
-                url: String::new(),
-                detail: "no upstream URL given".into(),
-            });
+            return Err(UpstreamError::NoUrl);
         }
         let mut tls = None;
         let mut targets = Vec::with_capacity(urls.len());
@@ -506,7 +504,7 @@ mod tests {
         assert!(text.starts_with("upstream.urls[1] "), "{text}");
         assert!(!text.contains("hidden"), "{text}");
         let err = UpstreamTarget::all_from_config(&UpstreamConfig::default()).unwrap_err();
-        assert!(err.to_string().starts_with("upstream.urls "), "{err}");
+        assert!(matches!(err, UpstreamError::NoUrl), "{err}");
     }
 
     #[tokio::test]
