@@ -30,7 +30,7 @@ pub enum Mode {
     /// The process is the broker.
     #[default]
     Embedded,
-    /// Each client connection is forwarded to `upstream.url`.
+    /// Each client connection is forwarded to an upstream node (`upstream.urls`).
     Proxy,
 }
 
@@ -113,9 +113,12 @@ impl Default for ListenConfig {
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct UpstreamConfig {
-    /// amqp:// or amqps:// URL; required in proxy mode. Its credentials are not used (each
-    /// client brings its own) but are masked wherever the URL is shown.
+    /// One amqp:// or amqps:// URL: the same as `urls` with one entry (give one of the two).
     pub url: String,
+    /// amqp:// or amqps:// URLs of the upstream nodes, tried in order (from the last one that
+    /// worked) until one accepts; in proxy mode, this or `url` is required. Their credentials
+    /// are not used (each client brings its own) but are masked wherever a URL is shown.
+    pub urls: Vec<String>,
     /// Seconds to wait for the upstream TCP/TLS connection.
     pub connect_timeout_secs: u64,
     /// PEM file with CA certificates for amqps upstreams (empty: the system's roots are not used;
@@ -131,6 +134,7 @@ impl Default for UpstreamConfig {
     fn default() -> Self {
         UpstreamConfig {
             url: String::new(),
+            urls: Vec::new(),
             connect_timeout_secs: 5,
             tls_ca_file: String::new(),
             tls_server_name: String::new(),
@@ -144,12 +148,46 @@ impl UpstreamConfig {
     pub fn url_for_display(&self) -> String {
         redact_url_password(&self.url)
     }
+
+    /// The upstream URLs in the order they are tried, each with the key that names it:
+    /// `upstream.urls[i]`, else `upstream.url` alone; empty when neither is set.
+    pub fn targets(&self) -> Vec<(String, &str)> {
+        if !self.urls.is_empty() {
+            return self
+                .urls
+                .iter()
+                .enumerate()
+                .map(|(index, url)| (format!("upstream.urls[{index}]"), url.as_str()))
+                .collect();
+        }
+        if self.url.is_empty() {
+            return Vec::new();
+        }
+        vec![("upstream.url".to_string(), self.url.as_str())]
+    }
+
+    /// The upstream URLs with their passwords masked, comma-separated: the form to log.
+    pub fn urls_for_display(&self) -> String {
+        self.targets()
+            .iter()
+            .map(|(_, url)| redact_url_password(url))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 impl std::fmt::Debug for UpstreamConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UpstreamConfig")
             .field("url", &self.url_for_display())
+            .field(
+                "urls",
+                &self
+                    .urls
+                    .iter()
+                    .map(|url| redact_url_password(url))
+                    .collect::<Vec<_>>(),
+            )
             .field("connect_timeout_secs", &self.connect_timeout_secs)
             .field("tls_ca_file", &self.tls_ca_file)
             .field("tls_server_name", &self.tls_server_name)
@@ -932,13 +970,33 @@ impl Config {
 
     fn validate_upstream(&self) -> Result<(), ConfigError> {
         let upstream = &self.upstream;
-        if upstream.url.is_empty() {
+        if !upstream.url.is_empty() && !upstream.urls.is_empty() {
             return Err(ConfigError::invalid(
-                "upstream.url",
-                "required in proxy mode (the amqp:// or amqps:// URL of the upstream broker)",
+                "upstream.urls",
+                "upstream.url and upstream.urls are both set: give the addresses in \
+                 upstream.urls only",
             ));
         }
-        let uri = parse_amqp_url("upstream.url", &upstream.url)?;
+        let targets = upstream.targets();
+        if targets.is_empty() {
+            return Err(ConfigError::invalid(
+                "upstream.urls",
+                "required in proxy mode (the amqp:// or amqps:// URLs of the upstream broker's \
+                 nodes; upstream.url for a single one)",
+            ));
+        }
+        let mut seen = BTreeSet::new();
+        let mut any_tls = false;
+        for (key, url) in &targets {
+            let uri = parse_amqp_url(key, url)?;
+            if !seen.insert((uri.authority.host.clone(), uri.authority.port)) {
+                return Err(ConfigError::invalid(
+                    key.as_str(),
+                    format!("{:?} names a node listed before", redact_url_password(url)),
+                ));
+            }
+            any_tls |= uri.scheme == amq_protocol::uri::AMQPScheme::AMQPS;
+        }
         if upstream.connect_timeout_secs == 0 {
             return Err(ConfigError::invalid(
                 "upstream.connect_timeout_secs",
@@ -948,10 +1006,7 @@ impl Config {
         if !upstream.tls_ca_file.is_empty() {
             require_file("upstream.tls_ca_file", &upstream.tls_ca_file)?;
         }
-        if uri.scheme == amq_protocol::uri::AMQPScheme::AMQPS
-            && upstream.tls_verify
-            && upstream.tls_ca_file.is_empty()
-        {
+        if any_tls && upstream.tls_verify && upstream.tls_ca_file.is_empty() {
             return Err(ConfigError::invalid(
                 "upstream.tls_ca_file",
                 "an amqps:// upstream with tls_verify = true needs a CA file",
@@ -1101,9 +1156,10 @@ impl Config {
         }
         if self.mode == Mode::Proxy {
             use crate::proxy::upstream::{UpstreamError, UpstreamTarget};
-            UpstreamTarget::from_config(&self.upstream).map_err(|error| {
+            UpstreamTarget::all_from_config(&self.upstream).map_err(|error| {
                 let key = match &error {
-                    UpstreamError::BadUrl { .. } => "upstream.url",
+                    UpstreamError::BadUrl { key, .. } => key.as_str(),
+                    UpstreamError::NoUrl => "upstream.urls",
                     UpstreamError::Tls(text) if text.starts_with("server name") => {
                         "upstream.tls_server_name"
                     }
@@ -1235,6 +1291,9 @@ impl Config {
         }
         redact(&mut config.admin.token);
         config.upstream.url = config.upstream.url_for_display();
+        for url in &mut config.upstream.urls {
+            *url = redact_url_password(url);
+        }
         config
     }
 
@@ -1633,9 +1692,79 @@ mod tests {
     }
 
     #[test]
+    fn upstream_urls_are_a_list_each_checked_under_its_own_key() {
+        let config = load_text(
+            "mode = \"proxy\"\n[upstream]\nurls = [\"amqp://a:5672\", \"amqp://u:pw@b:5673/%2f\"]\n",
+        )
+        .unwrap();
+        let targets: Vec<(String, &str)> = config.upstream.targets();
+        assert_eq!(
+            targets,
+            [
+                ("upstream.urls[0]".to_string(), "amqp://a:5672"),
+                ("upstream.urls[1]".to_string(), "amqp://u:pw@b:5673/%2f"),
+            ]
+        );
+        assert_eq!(
+            config.upstream.urls_for_display(),
+            "amqp://a:5672, amqp://u:<redacted>@b:5673/%2f"
+        );
+        // `url` alone is a list of one.
+        let config = load_text("mode = \"proxy\"\n[upstream]\nurl = \"amqp://a\"\n").unwrap();
+        assert_eq!(
+            config.upstream.targets(),
+            [("upstream.url".to_string(), "amqp://a")]
+        );
+        for (upstream, key, words) in [
+            (
+                "url = \"amqp://a\"\nurls = [\"amqp://b\"]",
+                "upstream.urls",
+                "upstream.url and upstream.urls are both set",
+            ),
+            ("urls = []", "upstream.urls", "required in proxy mode"),
+            (
+                "urls = [\"amqp://a\", \"http://u:secret@b\"]",
+                "upstream.urls[1]",
+                "is not an amqp:// or amqps:// URL",
+            ),
+            (
+                "urls = [\"amqp://a\", \"amqp://u:secret@b:1:2\"]",
+                "upstream.urls[1]",
+                "invalid URL",
+            ),
+            (
+                "urls = [\"amqp://a:5672\", \"amqp://u:secret@a\"]",
+                "upstream.urls[1]",
+                "names a node listed before",
+            ),
+            (
+                "urls = [\"amqp://a\", \"amqps://b\"]",
+                "upstream.tls_ca_file",
+                "needs a CA file",
+            ),
+        ] {
+            let text = format!("mode = \"proxy\"\n[upstream]\n{upstream}\n");
+            let error = load_text(&text).unwrap_err();
+            assert_eq!(error.key(), key, "{text}: {error}");
+            let shown = error.to_string();
+            assert!(shown.contains(words), "{text}: {shown}");
+            assert!(!shown.contains("secret"), "{shown}");
+        }
+        // Passwords are masked in Debug and in the printed settings.
+        let mut config = Config::default();
+        config.upstream.urls = vec!["amqp://u:list-secret@a".into(), "amqp://b".into()];
+        let debug = format!("{config:?}");
+        assert!(!debug.contains("list-secret"), "{debug}");
+        assert!(debug.contains("amqp://u:<redacted>@a"), "{debug}");
+        let printed = config.to_toml().unwrap();
+        assert!(!printed.contains("list-secret"), "{printed}");
+        assert!(printed.contains("amqp://u:<redacted>@a"), "{printed}");
+    }
+
+    #[test]
     fn proxy_mode_needs_an_upstream_url() {
         let error = load_text("mode = \"proxy\"\n").unwrap_err();
-        assert_eq!(error.key(), "upstream.url");
+        assert_eq!(error.key(), "upstream.urls");
         assert!(
             error.to_string().contains("required in proxy mode"),
             "{error}"

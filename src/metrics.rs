@@ -57,6 +57,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "memory_releases_total",
     "dead_letter_latency_seconds",
     "message_age_at_dead_letter_seconds",
+    "upstream_connect_attempts_total",
+    "upstream_reachable",
 ];
 
 /// The `reason` label of `connections_refused_total` for a connection over
@@ -185,6 +187,8 @@ pub struct Metrics {
     memory_releases: IntCounter,
     dead_letter_latency: Histogram,
     message_age_at_dead_letter: Histogram,
+    upstream_connect_attempts: IntCounterVec,
+    upstream_reachable: IntGauge,
 }
 
 /// Creates and registers metrics on one registry.
@@ -383,6 +387,18 @@ impl Metrics {
                 "Time a message spent in its queue before it was dead-lettered.",
                 AGE_BUCKETS,
             )?,
+            upstream_connect_attempts: b.counter_vec(
+                "upstream_connect_attempts_total",
+                "Connections the proxy tried to open to an upstream node (host:port of \
+                 upstream.urls), by result (success, failure); reachability checks are not \
+                 counted.",
+                &["upstream", "result"],
+            )?,
+            upstream_reachable: b.gauge(
+                "upstream_reachable",
+                "1 while some upstream node accepted the last connection or check, else 0 \
+                 (proxy mode; /readyz answers 503 while it is 0).",
+            )?,
             registry,
         };
         // Every refusal reason is exported from the start (at 0), for alerts on increase().
@@ -508,6 +524,28 @@ impl Metrics {
     /// A client connection was refused (`reason`: one of the `REFUSED_*` labels).
     pub fn connection_refused(&self, reason: &str) {
         self.connections_refused.with_label_values(&[reason]).inc();
+    }
+
+    /// Exports both series of one upstream node at 0 (the label set is bounded by
+    /// `upstream.urls`).
+    pub fn upstream_target(&self, address: &str) {
+        for result in ["success", "failure"] {
+            self.upstream_connect_attempts
+                .with_label_values(&[address, result]);
+        }
+    }
+
+    /// One connection attempt to the upstream node `address` (`host:port`).
+    pub fn upstream_connect_attempt(&self, address: &str, succeeded: bool) {
+        let result = if succeeded { "success" } else { "failure" };
+        self.upstream_connect_attempts
+            .with_label_values(&[address, result])
+            .inc();
+    }
+
+    /// Whether some upstream node is reachable (last known state).
+    pub fn set_upstream_reachable(&self, reachable: bool) {
+        self.upstream_reachable.set(i64::from(reachable));
     }
 
     /// A client connection was accepted (counts it and raises the open-connections gauge).
@@ -691,6 +729,7 @@ mod tests {
         metrics.config_reloaded(true);
         metrics.tls_reloaded(true);
         metrics.set_queue_depth("/", "q", 1, 1);
+        metrics.upstream_target("rabbit:5672");
         let text = metrics.encode();
         for name in METRIC_NAMES {
             assert!(
@@ -763,6 +802,11 @@ mod tests {
         metrics.tls_reloaded(true);
         metrics.observe_dead_letter_latency(Duration::from_micros(50));
         metrics.observe_message_age_at_dead_letter(Duration::from_secs(2));
+        metrics.upstream_target("a:5672");
+        metrics.upstream_connect_attempt("a:5672", false);
+        metrics.upstream_connect_attempt("a:5672", false);
+        metrics.upstream_connect_attempt("b:5672", true);
+        metrics.set_upstream_reachable(true);
         let text = metrics.encode();
         for line in [
             r#"dlx_proxy_dead_lettered_total{queue="orders",reason="expired",vhost="/"} 2"#,
@@ -800,6 +844,10 @@ mod tests {
             r#"dlx_proxy_message_age_at_dead_letter_seconds_bucket{le="5"} 1"#,
             r#"dlx_proxy_message_age_at_dead_letter_seconds_bucket{le="86400"} 1"#,
             "dlx_proxy_metric_labels_folded_total 0",
+            r#"dlx_proxy_upstream_connect_attempts_total{result="failure",upstream="a:5672"} 2"#,
+            r#"dlx_proxy_upstream_connect_attempts_total{result="success",upstream="a:5672"} 0"#,
+            r#"dlx_proxy_upstream_connect_attempts_total{result="success",upstream="b:5672"} 1"#,
+            "dlx_proxy_upstream_reachable 1",
         ] {
             assert!(has_line(&text, line), "missing {line:?} in:\n{text}");
         }

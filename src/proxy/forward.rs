@@ -694,6 +694,15 @@ impl Session {
             CONNECTION_CLOSE => {
                 // Forwarded as is (e.g. 320 from the broker, 403 on a failed login); the
                 // client's close-ok goes back upstream.
+                let reply_code = frame
+                    .payload
+                    .get(4..6)
+                    .map(|code| u16::from_be_bytes([code[0], code[1]]));
+                if reply_code == Some(reply::CONNECTION_FORCED) {
+                    // A node shutting down closes its connections so: have the
+                    // reachability check look.
+                    self.shared.upstream.report_lost();
+                }
                 self.send_client(frame.raw);
                 let deadline = Instant::now() + CLOSE_GRACE;
                 self.client_side = Side::Closing {

@@ -38,7 +38,8 @@
 //! (basic.return) drops the message and counts it (`no_dlx`, `unroutable`), as RabbitMQ does.
 //! The upstream gone → the client gets `connection.close 320` (during the handshake, where
 //! RabbitMQ refuses some clients by closing the socket, the client's socket is closed
-//! instead); an upstream connection.close (403, 530, 504, ...) is passed on as it is. The
+//! instead), and can reconnect at once: its new connection is dialled to the next reachable
+//! node of `upstream.urls` ([`upstream::UpstreamPool`]); an upstream connection.close (403, 530, 504, ...) is passed on as it is. The
 //! client gone → the proxy's
 //! own publishes are settled, then the upstream connection is closed and the upstream
 //! requeues the client's unacked deliveries.
@@ -87,7 +88,8 @@
 //!
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
 //! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`bcc`], [`publisher`],
-//! [`capture`], [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
+//! [`capture`], [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (the upstream
+//! nodes, failover between them, TCP/TLS),
 //! [`outbox`] (socket writes), [`wire`] (frames and adaptive reads), [`busy_poll`] (polling
 //! before sleeping), [`channels`], [`ops`], [`registry`].
 
@@ -128,14 +130,15 @@ use crate::shutdown::Shutdown;
 
 pub use capture::DEFAULT_CAPTURE_NAME;
 use registry::QueueRegistry;
-use upstream::UpstreamTarget;
+use upstream::UpstreamPool;
 
 /// Most queues whose declared arguments are remembered.
 const REGISTRY_CAPACITY: usize = 100_000;
 
 /// What every connection of the proxy shares.
 pub struct ProxyShared {
-    pub(crate) upstream: UpstreamTarget,
+    /// The upstream nodes: every upstream connection is dialled through it.
+    pub(crate) upstream: Arc<UpstreamPool>,
     pub(crate) policies: Arc<RwLock<PolicySet>>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) queues: QueueRegistry,
@@ -202,7 +205,10 @@ impl ProxyShared {
         if capture_name.is_empty() || capture_name.len() > 255 {
             anyhow::bail!("capture name must be 1 to 255 bytes");
         }
-        let upstream = UpstreamTarget::from_config(&config.upstream)?;
+        let upstream = Arc::new(UpstreamPool::from_config(
+            &config.upstream,
+            metrics.clone(),
+        )?);
         let dead_letter_options = DeadLetterOptions::from_config(&config.dead_letter)
             .map_err(|e| anyhow::anyhow!("dead_letter.compat: {e}"))?;
         let limits = &config.limits;
@@ -229,9 +235,15 @@ impl ProxyShared {
         }))
     }
 
-    /// For /readyz: whether a TCP connection to the upstream opens within one second.
+    /// Whether some upstream node accepts a connection now (dials them in order; see
+    /// [`UpstreamPool::check_now`]).
     pub async fn upstream_reachable(&self) -> bool {
-        self.upstream.reachable(Duration::from_secs(1)).await
+        self.upstream.check_now().await
+    }
+
+    /// The upstream nodes (the reachability check and `/readyz` follow it).
+    pub fn upstream(&self) -> &Arc<UpstreamPool> {
+        &self.upstream
     }
 
     /// The `limits.max_connections` slots of proxy mode (the service applies reloads to them).

@@ -164,16 +164,16 @@ pub(super) async fn run<S>(
         _ => return,
     }
     let upstream = match shared.upstream.connect().await {
-        Ok(stream) => stream,
+        Ok((stream, target)) => {
+            tracing::debug!(%peer, upstream = %target.address(), "upstream connected");
+            stream
+        }
         Err(err) => {
-            tracing::warn!(%peer, upstream = %shared.upstream.address(), %err, "upstream unreachable");
+            tracing::warn!(%peer, %err, "no upstream reachable: client refused");
             shared
                 .metrics
                 .connection_refused(REFUSED_UPSTREAM_UNREACHABLE);
-            let refusal = AmqpError::new(
-                reply::CONNECTION_FORCED,
-                format!("upstream {} unreachable: {err}", shared.upstream.address()),
-            );
+            let refusal = AmqpError::new(reply::CONNECTION_FORCED, err.to_string());
             refuse_client_after_header(client, &refusal, handshake_timeout).await;
             return;
         }
@@ -672,6 +672,10 @@ impl Session {
         );
         self.upstream_side = Side::Closed;
         self.fail_all_ops();
+        if self.running && !was_closing {
+            // The node may be down: have the reachability check look.
+            self.shared.upstream.report_lost();
+        }
         if client_awaits_close_ok && self.client_side != Side::Closed {
             // The client asked to close and the upstream went away first: confirm it ourselves.
             self.client_out.send(method_frame(

@@ -45,6 +45,7 @@ mod proxy_connections;
 mod proxy_deadletter;
 mod proxy_declare;
 mod proxy_delivery_limit;
+mod proxy_failover;
 mod proxy_fault_close;
 mod proxy_faults;
 mod proxy_forwarding;
