@@ -30,6 +30,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "dead_lettered_total",
     "dead_letter_dropped_total",
     "dead_letter_publish_failures_total",
+    "dead_letter_retries_total",
+    "dead_letters_held",
     "messages_published_total",
     "messages_delivered_total",
     "messages_acked_total",
@@ -66,6 +68,10 @@ pub const REFUSED_MAX_CONNECTIONS: &str = "max_connections";
 pub const REFUSED_LOOPBACK_ONLY: &str = "loopback_only";
 /// ... for a client whose upstream cannot be reached (proxy mode).
 pub const REFUSED_UPSTREAM_UNREACHABLE: &str = "upstream_unreachable";
+/// `dead_letter_retries_total{reason}` labels (proxy mode): why a held dead letter is
+/// published again.
+pub const RETRY_REASONS: &[&str] = &["nacked", "timeout", "channel_lost", "access_refused"];
+
 const REFUSAL_REASONS: &[&str] = &[
     REFUSED_MAX_CONNECTIONS,
     REFUSED_LOOPBACK_ONLY,
@@ -155,6 +161,8 @@ pub struct Metrics {
     dead_lettered: IntCounterVec,
     dead_letter_dropped: IntCounterVec,
     dead_letter_publish_failures: IntCounterVec,
+    dead_letter_retries: IntCounterVec,
+    dead_letters_held: IntGauge,
     messages_published: IntCounter,
     messages_delivered: IntCounter,
     messages_acked: IntCounter,
@@ -266,14 +274,27 @@ impl Metrics {
             dead_letter_dropped: b.counter_vec(
                 "dead_letter_dropped_total",
                 "Messages that died but were not dead-lettered, by source queue and cause \
-                 (cycle, no_dlx, unroutable, hop_limit).",
+                 (cycle, no_dlx, unroutable, hop_limit, target_full, unpublishable, \
+                 undecodable).",
                 &["vhost", "queue", "cause"],
             )?,
             dead_letter_publish_failures: b.counter_vec(
                 "dead_letter_publish_failures_total",
-                "Dead-letter publishes to the upstream that failed, by cause (nack, timeout); \
-                 the message stays with the upstream and is retried.",
+                "Dead-letter publishes to the upstream that failed, by cause (nack, timeout, \
+                 channel closed, access_refused); the original stays unacked upstream, held by \
+                 the proxy, and the publish is retried.",
                 &["cause"],
+            )?,
+            dead_letter_retries: b.counter_vec(
+                "dead_letter_retries_total",
+                "Refused dead-letter publishes (proxy mode) scheduled to be published again \
+                 with backoff, by reason (nacked, timeout, channel_lost, access_refused).",
+                &["reason"],
+            )?,
+            dead_letters_held: b.gauge(
+                "dead_letters_held",
+                "Dead letters (proxy mode) whose publish was refused, held unacked upstream \
+                 while the proxy retries them; counted in inflight_deliveries/bytes too.",
             )?,
             messages_published: b
                 .counter("messages_published_total", "Messages published by clients.")?,
@@ -389,6 +410,9 @@ impl Metrics {
         for reason in REFUSAL_REASONS {
             metrics.connections_refused.with_label_values(&[reason]);
         }
+        for reason in RETRY_REASONS {
+            metrics.dead_letter_retries.with_label_values(&[reason]);
+        }
         metrics.register_process_metrics()?;
         Ok(metrics)
     }
@@ -460,7 +484,7 @@ impl Metrics {
     }
 
     /// One message that died in `queue` but was dropped instead of dead-lettered, for `cause`
-    /// (cycle, no_dlx, unroutable, hop_limit).
+    /// (docs/semantics.md lists every cause).
     pub fn dropped(&self, vhost: &str, queue: &str, cause: &str) {
         let own = self.queue_label(vhost, queue, |s| {
             if !s.causes.contains(cause) {
@@ -478,6 +502,22 @@ impl Metrics {
         self.dead_letter_publish_failures
             .with_label_values(&[cause])
             .inc();
+    }
+
+    /// A refused dead-letter publish is held and will be retried (`reason`: one of
+    /// [`RETRY_REASONS`]).
+    pub fn dead_letter_retry(&self, reason: &str) {
+        self.dead_letter_retries.with_label_values(&[reason]).inc();
+    }
+
+    /// Held dead letters went up or down by `delta`.
+    pub fn add_held_dead_letters(&self, delta: i64) {
+        self.dead_letters_held.add(delta);
+    }
+
+    /// Held dead letters now (all proxy connections).
+    pub fn held_dead_letters(&self) -> i64 {
+        self.dead_letters_held.get()
     }
 
     /// Time from a message's death to its confirmed republish.

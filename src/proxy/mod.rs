@@ -106,6 +106,7 @@ pub mod outgoing;
 pub mod probe;
 pub mod publisher;
 pub mod registry;
+pub mod retry;
 mod session;
 pub mod upstream;
 pub mod wire;
@@ -143,6 +144,9 @@ pub struct ProxyShared {
     pub(crate) default_delivery_limit: Option<u64>,
     pub(crate) max_inflight_bytes: usize,
     pub(crate) confirm_timeout: Duration,
+    /// Delays between publishes of a held dead letter (`proxy.retry_initial_ms`,
+    /// `proxy.retry_max_ms`).
+    pub(crate) retry_backoff: retry::Backoff,
     pub(crate) delegate_to_upstream: bool,
     pub(crate) capture_name: String,
     pub(crate) outbox_bytes: usize,
@@ -215,6 +219,10 @@ impl ProxyShared {
                 .then_some(u64::from(config.dead_letter.default_delivery_limit)),
             max_inflight_bytes: config.proxy.max_inflight_bytes.max(1),
             confirm_timeout: Duration::from_secs(config.proxy.confirm_timeout_secs.max(1)),
+            retry_backoff: retry::Backoff::new(
+                Duration::from_millis(config.proxy.retry_initial_ms),
+                Duration::from_millis(config.proxy.retry_max_ms),
+            ),
             busy_poll: Duration::from_micros(config.proxy.busy_poll_us),
             delegate_to_upstream: config.proxy.delegate_to_upstream,
             capture_name: capture_name.to_string(),
