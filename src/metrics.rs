@@ -515,11 +515,6 @@ impl Metrics {
         self.dead_letters_held.add(delta);
     }
 
-    /// Held dead letters now (all proxy connections).
-    pub fn held_dead_letters(&self) -> i64 {
-        self.dead_letters_held.get()
-    }
-
     /// Time from a message's death to its confirmed republish.
     pub fn observe_dead_letter_latency(&self, latency: Duration) {
         self.dead_letter_latency.observe(latency.as_secs_f64());
@@ -803,6 +798,11 @@ mod tests {
         metrics.tls_reloaded(true);
         metrics.observe_dead_letter_latency(Duration::from_micros(50));
         metrics.observe_message_age_at_dead_letter(Duration::from_secs(2));
+        metrics.dead_letter_retry("nacked");
+        metrics.dead_letter_retry("nacked");
+        metrics.dead_letter_retry("timeout");
+        metrics.add_held_dead_letters(2);
+        metrics.add_held_dead_letters(-1);
         let text = metrics.encode();
         for line in [
             r#"dlx_proxy_dead_lettered_total{queue="orders",reason="expired",vhost="/"} 2"#,
@@ -840,6 +840,11 @@ mod tests {
             r#"dlx_proxy_message_age_at_dead_letter_seconds_bucket{le="5"} 1"#,
             r#"dlx_proxy_message_age_at_dead_letter_seconds_bucket{le="86400"} 1"#,
             "dlx_proxy_metric_labels_folded_total 0",
+            r#"dlx_proxy_dead_letter_retries_total{reason="nacked"} 2"#,
+            r#"dlx_proxy_dead_letter_retries_total{reason="timeout"} 1"#,
+            r#"dlx_proxy_dead_letter_retries_total{reason="channel_lost"} 0"#,
+            r#"dlx_proxy_dead_letter_retries_total{reason="access_refused"} 0"#,
+            "dlx_proxy_dead_letters_held 1",
         ] {
             assert!(has_line(&text, line), "missing {line:?} in:\n{text}");
         }

@@ -37,7 +37,7 @@ pub enum RetryReason {
 }
 
 impl RetryReason {
-    /// The metric label.
+    /// The metric label (one of [`crate::metrics::RETRY_REASONS`]).
     pub fn as_str(self) -> &'static str {
         match self {
             RetryReason::Nacked => "nacked",
@@ -46,14 +46,6 @@ impl RetryReason {
             RetryReason::AccessRefused => "access_refused",
         }
     }
-
-    /// Every label, for exporting the series at 0.
-    pub const ALL: [RetryReason; 4] = [
-        RetryReason::Nacked,
-        RetryReason::Timeout,
-        RetryReason::ChannelLost,
-        RetryReason::AccessRefused,
-    ];
 
     /// Why this outcome is retried; `None` for outcomes that end the publish (confirmed, or
     /// dropped as RabbitMQ drops: unroutable, missing exchange).
@@ -256,10 +248,14 @@ mod tests {
             RetryReason::of(&Outcome::AccessRefused),
             Some(RetryReason::AccessRefused)
         );
-        let labels: Vec<_> = RetryReason::ALL.iter().map(|r| r.as_str()).collect();
-        assert_eq!(
-            labels,
-            vec!["nacked", "timeout", "channel_lost", "access_refused"]
-        );
+        // Every reason is exported (at 0 from the start).
+        let labels = [
+            RetryReason::Nacked,
+            RetryReason::Timeout,
+            RetryReason::ChannelLost,
+            RetryReason::AccessRefused,
+        ]
+        .map(RetryReason::as_str);
+        assert_eq!(labels.as_slice(), crate::metrics::RETRY_REASONS);
     }
 }

@@ -20,14 +20,14 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 /// A TCP relay that can be cut, to make a peer vanish without a goodbye.
-struct Relay {
-    addr: std::net::SocketAddr,
+pub(crate) struct Relay {
+    pub(crate) addr: std::net::SocketAddr,
     tasks: Arc<Mutex<Vec<JoinHandle<()>>>>,
     accept: JoinHandle<()>,
 }
 
 impl Relay {
-    async fn start(listen: &str, target: String) -> Relay {
+    pub(crate) async fn start(listen: &str, target: String) -> Relay {
         let listener = TcpListener::bind(listen).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let tasks: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
@@ -50,7 +50,7 @@ impl Relay {
         }
     }
 
-    fn cut(self) {
+    pub(crate) fn cut(self) {
         self.accept.abort();
         for task in self.tasks.lock().unwrap().drain(..) {
             task.abort();

@@ -9,10 +9,11 @@ use crate::proxy_support;
 
 use std::time::Duration;
 
+use crate::proxy_faults::Relay;
 use lapin::options::{
     BasicConsumeOptions, BasicRejectOptions, ConfirmSelectOptions, QueuePurgeOptions,
 };
-use lapin::types::AMQPValue;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection};
 use proxy_support::*;
 
@@ -57,7 +58,11 @@ async fn full_dlq_topology(conn: &Connection, extra: &[(&str, AMQPValue)]) -> (S
 /// it; its dead letter is held (the DLQ is full). Returns (proxy, connection, channel, source,
 /// dlq).
 async fn rejected_and_held() -> (TestProxy, Connection, Channel, String, String) {
-    let proxy = TestProxy::start(vec![]).await;
+    held_behind(TestProxy::start(vec![]).await).await
+}
+
+/// [`rejected_and_held`] through `proxy`.
+async fn held_behind(proxy: TestProxy) -> (TestProxy, Connection, Channel, String, String) {
     let conn = proxy.connect().await;
     let (q, dlq) = full_dlq_topology(&conn, &[]).await;
     let ch = conn.create_channel().await.unwrap();
@@ -260,5 +265,84 @@ async fn closing_the_channel_of_a_held_dead_letter_requeues_the_original() {
     assert!(back.redelivered);
     assert_eq!(message_count(&other, &dlq).await, 1);
     delete_upstream(&other, &[&q, &dlq], &[]).await;
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_lost_while_a_dead_letter_is_held_requeues_the_original() {
+    let relay = Relay::start("127.0.0.1:0", upstream_host()).await;
+    let relay_addr = relay.addr;
+    let proxy = TestProxy::start_with(vec![], |config| {
+        config.upstream.url = format!("amqp://{relay_addr}");
+    })
+    .await;
+    let (proxy, _conn, ch, q, dlq) = held_behind(proxy).await;
+    relay.cut();
+    // The client is told (320) and the hold ends; the upstream requeues the original, which
+    // the proxy never acked.
+    wait_held(&proxy, 0.0).await;
+    assert!(
+        ch.basic_get(q.as_str().into(), Default::default())
+            .await
+            .is_err()
+    );
+    let upstream = upstream_connection().await;
+    let uch = upstream.create_channel().await.unwrap();
+    wait_count(&uch, &q, 1).await;
+    let back = get(&uch, &q).await;
+    assert_eq!(payload(&back), "m");
+    assert!(back.redelivered);
+    assert_eq!(message_count(&uch, &dlq).await, 1);
+    assert_eq!(proxy.counter("inflight_deliveries", &[]), 0.0);
+    delete_upstream(&uch, &[&q, &dlq], &[]).await;
+    let _ = upstream.close(200, "done".into()).await;
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_dead_letters_fill_the_inflight_bound_and_pause_deliveries() {
+    // One held 2 KB dead letter fills a 1 KiB bound; retries no sooner than 2 s.
+    let proxy = TestProxy::start_with(vec![], |config| {
+        config.proxy.max_inflight_bytes = 1024;
+        config.proxy.retry_initial_ms = 4000;
+        config.proxy.retry_max_ms = 4000;
+    })
+    .await;
+    let conn = proxy.connect().await;
+    let (q, dlq) = full_dlq_topology(&conn, &[]).await;
+    let ch = conn.create_channel().await.unwrap();
+    let plain = unique("held-plain");
+    declare(&ch, &plain, FieldTable::default()).await;
+    let mut plain_rx = consume(&ch, &plain, BasicConsumeOptions::default()).await;
+    let big = "b".repeat(2000);
+    crate::common::dl::publish(&ch, &q, &[&big]).await;
+    let mut rx = consume(&ch, &q, BasicConsumeOptions::default()).await;
+    next(&mut rx)
+        .await
+        .acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    wait_held(&proxy, 1.0).await;
+    assert!(proxy.counter("inflight_bytes", &[]) >= 2000.0);
+
+    // At the bound: a message for the other consumer is not read from the upstream.
+    let upstream = upstream_connection().await;
+    let uch = upstream.create_channel().await.unwrap();
+    crate::common::dl::publish(&uch, &plain, &["x"]).await;
+    assert!(
+        tokio::time::timeout(Duration::from_millis(1500), plain_rx.recv())
+            .await
+            .is_err(),
+        "delivered while held dead letters fill the inflight bound"
+    );
+
+    // The DLQ drains, the retry lands, the hold ends and deliveries resume.
+    purge(&uch, &dlq).await;
+    assert_eq!(payload(&next(&mut plain_rx).await), "x");
+    landed(&uch, &dlq, &big, &q, "rejected").await;
+    wait_held(&proxy, 0.0).await;
+    delete_upstream(&uch, &[&q, &dlq, &plain], &[]).await;
+    let _ = upstream.close(200, "done".into()).await;
     proxy.stop().await;
 }
