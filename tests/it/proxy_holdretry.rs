@@ -66,14 +66,20 @@ async fn held_behind(proxy: TestProxy) -> (TestProxy, Connection, Channel, Strin
     let conn = proxy.connect().await;
     let (q, dlq) = full_dlq_topology(&conn, &[]).await;
     let ch = conn.create_channel().await.unwrap();
-    crate::common::dl::publish(&ch, &q, &["m"]).await;
-    let d = get(&ch, &q).await;
-    d.acker
+    reject_and_hold(&proxy, &ch, &q, "m").await;
+    (proxy, conn, ch, q, dlq)
+}
+
+/// Publishes `body` to `queue`, gets and rejects it, and waits until its dead letter is held.
+async fn reject_and_hold(proxy: &TestProxy, ch: &Channel, queue: &str, body: &str) {
+    crate::common::dl::publish(ch, queue, &[body]).await;
+    get(ch, queue)
+        .await
+        .acker
         .reject(BasicRejectOptions { requeue: false })
         .await
         .unwrap();
-    wait_held(&proxy, 1.0).await;
-    (proxy, conn, ch, q, dlq)
+    wait_held(proxy, 1.0).await;
 }
 
 fn held(proxy: &TestProxy) -> f64 {
@@ -315,15 +321,7 @@ async fn held_dead_letters_fill_the_inflight_bound_and_pause_deliveries() {
     declare(&ch, &plain, FieldTable::default()).await;
     let mut plain_rx = consume(&ch, &plain, BasicConsumeOptions::default()).await;
     let big = "b".repeat(2000);
-    crate::common::dl::publish(&ch, &q, &[&big]).await;
-    let mut rx = consume(&ch, &q, BasicConsumeOptions::default()).await;
-    next(&mut rx)
-        .await
-        .acker
-        .reject(BasicRejectOptions { requeue: false })
-        .await
-        .unwrap();
-    wait_held(&proxy, 1.0).await;
+    reject_and_hold(&proxy, &ch, &q, &big).await;
     assert!(proxy.counter("inflight_bytes", &[]) >= 2000.0);
 
     // At the bound: a message for the other consumer is not read from the upstream.
@@ -343,6 +341,57 @@ async fn held_dead_letters_fill_the_inflight_bound_and_pause_deliveries() {
     landed(&uch, &dlq, &big, &q, "rejected").await;
     wait_held(&proxy, 0.0).await;
     delete_upstream(&uch, &[&q, &dlq, &plain], &[]).await;
+    let _ = upstream.close(200, "done".into()).await;
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_exchange_refused_to_the_user_is_held_until_access_is_granted() {
+    // RabbitMQ dead-letters without checking the user's permissions; the proxy publishes with
+    // the client's, so a 403 is held (not dropped) until an operator grants write access.
+    let user = unique("held-user");
+    let password = unique("held-pw");
+    let rabbit_user = RabbitUser::create_with(&user, &password, "^(?!t-locked-)");
+    let proxy = TestProxy::start(vec![]).await;
+    let upstream = upstream_connection().await;
+    let uch = upstream.create_channel().await.unwrap();
+    // `unique` names start with "t-": the user may write anything but this exchange.
+    let locked = unique("locked-dlx");
+    assert!(locked.starts_with("t-locked-"));
+    let dlq = unique("held-dlq");
+    declare_dlx(&uch, &locked, &dlq).await;
+    let conn = lapin::Connection::connect(
+        &format!("amqp://{user}:{password}@{}/%2f", proxy.addr),
+        lapin::ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("held-src");
+    declare_dead_lettering(&ch, &q, &locked, &dlq).await;
+    reject_and_hold(&proxy, &ch, &q, "m").await;
+    proxy
+        .wait_counter(
+            "dead_letter_retries_total",
+            &[("reason", "access_refused")],
+            2.0,
+        )
+        .await;
+    assert_eq!(message_count(&uch, &dlq).await, 0);
+    assert_eq!(message_count(&uch, &q).await, 0);
+    assert_eq!(
+        proxy.counter(
+            "dead_letter_dropped_total",
+            &[("cause", "no_dlx"), ("queue", &q), ("vhost", "/")]
+        ),
+        0.0
+    );
+
+    rabbit_user.set_write(".*");
+    landed(&uch, &dlq, "m", &q, "rejected").await;
+    wait_held(&proxy, 0.0).await;
+    delete_upstream(&uch, &[&q, &dlq], &[&locked]).await;
+    let _ = conn.close(200, "done".into()).await;
     let _ = upstream.close(200, "done".into()).await;
     proxy.stop().await;
 }
