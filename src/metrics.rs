@@ -352,11 +352,13 @@ impl Metrics {
             )?,
             inflight_deliveries: b.gauge(
                 "inflight_deliveries",
-                "Deliveries sent to clients and not yet settled.",
+                "Deliveries sent to clients and not yet settled, and held dead letters \
+                 (proxy mode).",
             )?,
             inflight_bytes: b.gauge(
                 "inflight_bytes",
-                "Body bytes of the deliveries sent to clients and not yet settled.",
+                "Body bytes of the deliveries sent to clients and not yet settled, and of \
+                 held dead letters (proxy mode).",
             )?,
             outbox_bytes: b.gauge(
                 "outbox_bytes",

@@ -802,10 +802,9 @@ impl Session {
             Ok(props) => props,
             Err(err) => {
                 tracing::warn!(%err, "captured message properties do not decode; dropped");
-                let capture = self.shared.capture_name.clone();
                 self.shared
                     .metrics
-                    .dropped(&self.vhost, &capture, "undecodable");
+                    .dropped(&self.vhost, &self.shared.capture_name, "undecodable");
                 self.settle_origin(origin, Settlement::Ack);
                 return;
             }
@@ -815,10 +814,11 @@ impl Session {
             Ok(found) => found,
             Err(err) => {
                 tracing::warn!(%err, "captured message without a death record; dropped");
-                let capture = self.shared.capture_name.clone();
-                self.shared
-                    .metrics
-                    .dropped(&self.vhost, &capture, "no_death_record");
+                self.shared.metrics.dropped(
+                    &self.vhost,
+                    &self.shared.capture_name,
+                    "no_death_record",
+                );
                 self.settle_origin(origin, Settlement::Ack);
                 return;
             }

@@ -2,6 +2,7 @@
 //! in time, lost with the proxy's channel) is not given back to its queue, where it would be
 //! delivered again at once and refused again (a hot loop). The original stays unacked upstream,
 //! held by the proxy, and the same publish is retried after a backoff until it is confirmed.
+//! The same holds for the republish of a requeue counted against a delivery limit.
 //!
 //! Pure pieces, no sockets, time passed in:
 //! - [`Backoff`]: the delay before each retry, exponential from `proxy.retry_initial_ms`
