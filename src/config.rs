@@ -283,6 +283,12 @@ pub struct ProxyConfig {
     pub max_inflight_bytes: usize,
     /// Seconds to wait for the upstream confirm of a dead-letter publish.
     pub confirm_timeout_secs: u64,
+    /// Milliseconds before the first retry of a dead-letter publish the upstream refused
+    /// (nack, confirm timeout, channel lost); the original is held unacked meanwhile.
+    pub retry_initial_ms: u64,
+    /// Longest delay in milliseconds between retries (the delay doubles up to it; each delay
+    /// is jittered into its upper half).
+    pub retry_max_ms: u64,
     /// Let the upstream broker dead-letter on its own (do not take the DLX arguments over).
     pub delegate_to_upstream: bool,
     /// Name of the upstream exchange and queue the proxy owns to capture TTL and length
@@ -297,6 +303,9 @@ pub struct ProxyConfig {
     pub loopback_users: Vec<String>,
 }
 
+/// Largest accepted `proxy.retry_max_ms` (10 minutes).
+pub const MAX_RETRY_MS: u64 = 600_000;
+
 /// Largest accepted `proxy.busy_poll_us` (10 ms).
 pub const MAX_BUSY_POLL_US: u64 = 10_000;
 
@@ -305,6 +314,8 @@ impl Default for ProxyConfig {
         ProxyConfig {
             max_inflight_bytes: 64 * 1024 * 1024,
             confirm_timeout_secs: 30,
+            retry_initial_ms: 100,
+            retry_max_ms: 5000,
             delegate_to_upstream: false,
             capture_name: "dlx-proxy.capture".into(),
             busy_poll_us: 0,
@@ -1088,6 +1099,23 @@ impl Config {
                 "must be at least 1",
             ));
         }
+        if self.proxy.retry_initial_ms == 0 {
+            return Err(ConfigError::invalid(
+                "proxy.retry_initial_ms",
+                "must be at least 1",
+            ));
+        }
+        if self.proxy.retry_max_ms < self.proxy.retry_initial_ms
+            || self.proxy.retry_max_ms > MAX_RETRY_MS
+        {
+            return Err(ConfigError::invalid(
+                "proxy.retry_max_ms",
+                format!(
+                    "must be between proxy.retry_initial_ms ({}) and {MAX_RETRY_MS}",
+                    self.proxy.retry_initial_ms
+                ),
+            ));
+        }
         if self.proxy.capture_name.is_empty() || self.proxy.capture_name.len() > 255 {
             return Err(ConfigError::invalid(
                 "proxy.capture_name",
@@ -1596,6 +1624,12 @@ mod tests {
                 "[proxy]\nconfirm_timeout_secs = 0\n",
                 "proxy.confirm_timeout_secs",
             ),
+            ("[proxy]\nretry_initial_ms = 0\n", "proxy.retry_initial_ms"),
+            (
+                "[proxy]\nretry_initial_ms = 500\nretry_max_ms = 100\n",
+                "proxy.retry_max_ms",
+            ),
+            ("[proxy]\nretry_max_ms = 600001\n", "proxy.retry_max_ms"),
             (
                 "[limits]\nmemory_high_watermark = 1.5\n",
                 "limits.memory_high_watermark",

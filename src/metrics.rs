@@ -30,6 +30,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "dead_lettered_total",
     "dead_letter_dropped_total",
     "dead_letter_publish_failures_total",
+    "dead_letter_retries_total",
+    "dead_letters_held",
     "messages_published_total",
     "messages_delivered_total",
     "messages_acked_total",
@@ -68,6 +70,10 @@ pub const REFUSED_MAX_CONNECTIONS: &str = "max_connections";
 pub const REFUSED_LOOPBACK_ONLY: &str = "loopback_only";
 /// ... for a client whose upstream cannot be reached (proxy mode).
 pub const REFUSED_UPSTREAM_UNREACHABLE: &str = "upstream_unreachable";
+/// `dead_letter_retries_total{reason}` labels (proxy mode): why a held dead letter is
+/// published again.
+pub const RETRY_REASONS: &[&str] = &["nacked", "timeout", "channel_lost", "access_refused"];
+
 const REFUSAL_REASONS: &[&str] = &[
     REFUSED_MAX_CONNECTIONS,
     REFUSED_LOOPBACK_ONLY,
@@ -157,6 +163,8 @@ pub struct Metrics {
     dead_lettered: IntCounterVec,
     dead_letter_dropped: IntCounterVec,
     dead_letter_publish_failures: IntCounterVec,
+    dead_letter_retries: IntCounterVec,
+    dead_letters_held: IntGauge,
     messages_published: IntCounter,
     messages_delivered: IntCounter,
     messages_acked: IntCounter,
@@ -270,14 +278,27 @@ impl Metrics {
             dead_letter_dropped: b.counter_vec(
                 "dead_letter_dropped_total",
                 "Messages that died but were not dead-lettered, by source queue and cause \
-                 (cycle, no_dlx, unroutable, hop_limit).",
+                 (cycle, no_dlx, unroutable, hop_limit, target_full, unpublishable, \
+                 undecodable).",
                 &["vhost", "queue", "cause"],
             )?,
             dead_letter_publish_failures: b.counter_vec(
                 "dead_letter_publish_failures_total",
-                "Dead-letter publishes to the upstream that failed, by cause (nack, timeout); \
-                 the message stays with the upstream and is retried.",
+                "Dead-letter publishes to the upstream that failed, by cause (nack, timeout, \
+                 channel closed, access_refused); the original stays unacked upstream, held by \
+                 the proxy, and the publish is retried.",
                 &["cause"],
+            )?,
+            dead_letter_retries: b.counter_vec(
+                "dead_letter_retries_total",
+                "Refused dead-letter publishes (proxy mode) scheduled to be published again \
+                 with backoff, by reason (nacked, timeout, channel_lost, access_refused).",
+                &["reason"],
+            )?,
+            dead_letters_held: b.gauge(
+                "dead_letters_held",
+                "Dead letters (proxy mode) whose publish was refused, held unacked upstream \
+                 while the proxy retries them; counted in inflight_deliveries/bytes too.",
             )?,
             messages_published: b
                 .counter("messages_published_total", "Messages published by clients.")?,
@@ -335,11 +356,13 @@ impl Metrics {
             )?,
             inflight_deliveries: b.gauge(
                 "inflight_deliveries",
-                "Deliveries sent to clients and not yet settled.",
+                "Deliveries sent to clients and not yet settled, and held dead letters \
+                 (proxy mode).",
             )?,
             inflight_bytes: b.gauge(
                 "inflight_bytes",
-                "Body bytes of the deliveries sent to clients and not yet settled.",
+                "Body bytes of the deliveries sent to clients and not yet settled, and of \
+                 held dead letters (proxy mode).",
             )?,
             outbox_bytes: b.gauge(
                 "outbox_bytes",
@@ -404,6 +427,9 @@ impl Metrics {
         // Every refusal reason is exported from the start (at 0), for alerts on increase().
         for reason in REFUSAL_REASONS {
             metrics.connections_refused.with_label_values(&[reason]);
+        }
+        for reason in RETRY_REASONS {
+            metrics.dead_letter_retries.with_label_values(&[reason]);
         }
         metrics.register_process_metrics()?;
         Ok(metrics)
@@ -476,7 +502,7 @@ impl Metrics {
     }
 
     /// One message that died in `queue` but was dropped instead of dead-lettered, for `cause`
-    /// (cycle, no_dlx, unroutable, hop_limit).
+    /// (docs/semantics.md lists every cause).
     pub fn dropped(&self, vhost: &str, queue: &str, cause: &str) {
         let own = self.queue_label(vhost, queue, |s| {
             if !s.causes.contains(cause) {
@@ -494,6 +520,17 @@ impl Metrics {
         self.dead_letter_publish_failures
             .with_label_values(&[cause])
             .inc();
+    }
+
+    /// A refused dead-letter publish is held and will be retried (`reason`: one of
+    /// [`RETRY_REASONS`]).
+    pub fn dead_letter_retry(&self, reason: &str) {
+        self.dead_letter_retries.with_label_values(&[reason]).inc();
+    }
+
+    /// Held dead letters went up or down by `delta`.
+    pub fn add_held_dead_letters(&self, delta: i64) {
+        self.dead_letters_held.add(delta);
     }
 
     /// Time from a message's death to its confirmed republish.
@@ -807,6 +844,11 @@ mod tests {
         metrics.upstream_connect_attempt("a:5672", false);
         metrics.upstream_connect_attempt("b:5672", true);
         metrics.set_upstream_reachable(true);
+        metrics.dead_letter_retry("nacked");
+        metrics.dead_letter_retry("nacked");
+        metrics.dead_letter_retry("timeout");
+        metrics.add_held_dead_letters(2);
+        metrics.add_held_dead_letters(-1);
         let text = metrics.encode();
         for line in [
             r#"dlx_proxy_dead_lettered_total{queue="orders",reason="expired",vhost="/"} 2"#,
@@ -848,6 +890,11 @@ mod tests {
             r#"dlx_proxy_upstream_connect_attempts_total{result="success",upstream="a:5672"} 0"#,
             r#"dlx_proxy_upstream_connect_attempts_total{result="success",upstream="b:5672"} 1"#,
             "dlx_proxy_upstream_reachable 1",
+            r#"dlx_proxy_dead_letter_retries_total{reason="nacked"} 2"#,
+            r#"dlx_proxy_dead_letter_retries_total{reason="timeout"} 1"#,
+            r#"dlx_proxy_dead_letter_retries_total{reason="channel_lost"} 0"#,
+            r#"dlx_proxy_dead_letter_retries_total{reason="access_refused"} 0"#,
+            "dlx_proxy_dead_letters_held 1",
         ] {
             assert!(has_line(&text, line), "missing {line:?} in:\n{text}");
         }

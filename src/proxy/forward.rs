@@ -17,6 +17,7 @@ use super::channels::{
 };
 use super::handshake::{LoginCheck, check_login, negotiate, tune_for_client};
 use super::inflight::Verb;
+use super::ops::Origin;
 use super::probe::QueueProbe;
 use super::publisher::Publisher;
 use super::session::{Session, Side};
@@ -484,6 +485,7 @@ impl Session {
             BASIC_RECOVER | BASIC_RECOVER_ASYNC => {
                 // Every unacked delivery of the channel goes back: forget them, and let the
                 // proxy's pending work on them settle nothing.
+                self.let_go_held_of_channel(channel);
                 if let Some(ch) = self.channels.get_mut(&channel) {
                     let (count, bytes) = ch.deliveries.clear();
                     ch.id = {
@@ -519,6 +521,7 @@ impl Session {
         let channel = frame.channel;
         let id = self.next_channel_id;
         self.next_channel_id += 1;
+        self.let_go_held_of_channel(channel);
         if let Some(old) = self.channels.insert(channel, ClientChannel::new(id)) {
             self.release_channel_state(old);
         } else {
@@ -586,7 +589,14 @@ impl Session {
             }
             _ => {
                 ch.phase = ChannelPhase::ClosingByClient;
-                if ch.ops > 0 {
+                let ops = ch.ops;
+                // Held dead letters are let go: closing the channel upstream requeues their
+                // originals. Publishes awaiting their confirm are waited for.
+                self.let_go_held_of_channel(channel);
+                if ops > 0 {
+                    let Some(ch) = self.channels.get_mut(&channel) else {
+                        return;
+                    };
                     ch.parked_close = Some(frame.raw);
                 } else {
                     self.forward_channel_close(channel, frame.raw);
@@ -779,7 +789,14 @@ impl Session {
         let Some(capture) = self.capture.as_mut() else {
             return;
         };
+        let epoch = capture.epoch();
         let step = capture.on_frame(&frame);
+        if capture.epoch() != epoch {
+            // The capture channel closed: its deliveries went back to the capture queue.
+            self.let_go_held(
+                |op| matches!(op.origin, Origin::Capture { epoch: e, .. } if e == epoch),
+            );
+        }
         if let Some(write) = step.write {
             self.send_upstream(write);
         }
@@ -964,6 +981,7 @@ impl Session {
             }
             return;
         }
+        self.let_go_held_of_channel(channel);
         if let Some(ch) = self.channels.get_mut(&channel) {
             ch.phase = ChannelPhase::ClosingByUpstream;
             ch.ops = 0;
@@ -1077,6 +1095,7 @@ impl Session {
 
     /// Forgets a channel entirely.
     pub(super) fn remove_channel(&mut self, channel: u16) {
+        self.let_go_held_of_channel(channel);
         if let Some(old) = self.channels.remove(&channel) {
             self.release_channel_state(old);
             self.shared.metrics.channels_closed(1);
@@ -1103,6 +1122,7 @@ impl Session {
                 method_id,
             })),
         );
+        self.let_go_held_of_channel(channel);
         if let Some(ch) = self.channels.get_mut(&channel) {
             ch.phase = ChannelPhase::ClosedByProxy;
             ch.ops = 0;

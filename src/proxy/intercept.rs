@@ -1,7 +1,8 @@
 //! What the proxy changes: queue.declare (policy merge, dead-letter arguments taken over),
 //! client settlements (reject/nack dead-lettered by the proxy, requeues counted against
 //! delivery limits), captured messages (dead-lettered as their original queue would have),
-//! and the end of each operation (the original is settled only after the confirm).
+//! and the end of each operation (the original is settled only after the confirm; a refused
+//! publish is held and retried, see [`super::retry`]).
 
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -25,6 +26,7 @@ use super::outgoing::{
 };
 use super::probe::ProbeAnswer;
 use super::publisher::{OpId, Outcome, OutgoingMessage};
+use super::retry::RetryReason;
 use super::session::Session;
 use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::decode_method;
@@ -369,6 +371,9 @@ impl Session {
                 let settlement = if verb.requeues() {
                     Settlement::Requeue
                 } else {
+                    self.shared
+                        .metrics
+                        .dropped(&self.vhost, &delivery.queue, "undecodable");
                     Settlement::Ack
                 };
                 self.settle_origin(origin, settlement);
@@ -480,11 +485,15 @@ impl Session {
         queue: Arc<str>,
         message: OutgoingMessage,
     ) {
+        self.start_op(Op::new(origin, purpose, queue, message, Instant::now()));
+    }
+
+    /// Publishes an operation's message (first time or retry) and tracks it until its confirm.
+    fn start_op(&mut self, op: Op) {
         let op_id = self.next_op;
         self.next_op += 1;
-        let now = Instant::now();
         let published = match self.publisher.as_mut() {
-            Some(publisher) => publisher.publish(op_id, &message, now),
+            Some(publisher) => publisher.publish(op_id, &op.message, self.now),
             None => Err("no publisher channel"),
         };
         match published {
@@ -494,30 +503,31 @@ impl Session {
                     channel,
                     channel_id,
                     ..
-                } = origin
+                } = op.origin
                     && let Some(ch) = self.channels.get_mut(&channel)
                     && ch.id == channel_id
                 {
                     ch.ops += 1;
                 }
-                self.ops.insert(
-                    op_id,
-                    Op {
-                        origin,
-                        purpose,
-                        queue,
-                        started: now,
-                    },
-                );
+                if op.refusals > 0 {
+                    self.retrying += 1;
+                }
+                self.ops.insert(op_id, op);
             }
             Err(why) => {
+                // A name that is not a short string (a dead-letter routing key taken from a
+                // long CC entry): no publish can ever carry it, so retrying would loop.
                 tracing::warn!(
-                    queue = &*queue,
+                    queue = &*op.queue,
                     why,
-                    "cannot publish; the message is requeued"
+                    "cannot publish the dead letter; dropped"
                 );
                 self.shared.metrics.dead_letter_publish_failed("invalid");
-                self.settle_origin(origin, Settlement::Requeue);
+                self.shared
+                    .metrics
+                    .dropped(&self.vhost, &op.queue, "unpublishable");
+                self.release_held(&op);
+                self.settle_origin(op.origin, Settlement::Ack);
             }
         }
     }
@@ -526,11 +536,17 @@ impl Session {
     // The end of an operation
     // ------------------------------------------------------------------------------------
 
-    /// A publish of the proxy's channel ended: settle the original accordingly.
+    /// A publish of the proxy's channel ended: settle the original accordingly, or hold it
+    /// for a retry when the publish was refused.
     pub(super) fn complete_op(&mut self, op_id: OpId, outcome: Outcome) {
-        let Some(op) = self.ops.remove(&op_id) else {
+        let Some(op) = self.take_op(op_id) else {
             return;
         };
+        if let Some(reason) = RetryReason::of(&outcome) {
+            self.refused(op, &outcome, reason);
+            return;
+        }
+        self.release_held(&op);
         let metrics = self.shared.metrics.clone();
         let settlement = match (op.purpose, &outcome) {
             (Purpose::DeadLetter(reason), Outcome::Confirmed) => {
@@ -546,43 +562,149 @@ impl Session {
                 metrics.dropped(&self.vhost, &op.queue, "no_dlx");
                 Settlement::Ack
             }
-            (Purpose::Requeue, Outcome::Confirmed)
-            | (Purpose::Requeue, Outcome::Unroutable)
-            | (Purpose::Requeue, Outcome::ExchangeMissing) => Settlement::Ack,
-            (_, Outcome::Failed(cause)) => {
-                tracing::warn!(
-                    queue = &*op.queue,
-                    cause,
-                    "publish not confirmed; the message is requeued"
-                );
-                metrics.dead_letter_publish_failed(cause);
-                Settlement::Requeue
+            (Purpose::Requeue, Outcome::Unroutable | Outcome::ExchangeMissing) => {
+                // The queue itself is gone (deleted while its message was out).
+                Settlement::Ack
             }
-            (_, Outcome::TimedOut) => {
-                tracing::warn!(
-                    queue = &*op.queue,
-                    "publish confirm timed out; the message is requeued"
-                );
-                metrics.dead_letter_publish_failed("timeout");
-                Settlement::Requeue
-            }
+            (Purpose::Requeue, Outcome::Confirmed) => Settlement::Ack,
+            // Refusals were held above.
+            (_, Outcome::Failed(_) | Outcome::TimedOut | Outcome::AccessRefused) => return,
         };
         self.settle_origin(op.origin, settlement);
         self.op_finished(op.origin);
     }
 
+    /// Removes an operation from the ones awaiting a confirm.
+    fn take_op(&mut self, op_id: OpId) -> Option<Op> {
+        let op = self.ops.remove(&op_id)?;
+        if op.refusals > 0 {
+            self.retrying = self.retrying.saturating_sub(1);
+        }
+        Some(op)
+    }
+
+    /// The upstream refused a publish: the original stays unacked upstream, held (charged
+    /// against the inflight bound) until a later publish of the same message is confirmed.
+    /// Not while the connection or the original's channel is going away: the upstream
+    /// requeues the original then, so nothing is lost and nothing is held.
+    fn refused(&mut self, mut op: Op, outcome: &Outcome, reason: RetryReason) {
+        let metrics = self.shared.metrics.clone();
+        metrics.dead_letter_publish_failed(match outcome {
+            Outcome::Failed(cause) => cause,
+            Outcome::TimedOut => "timeout",
+            _ => reason.as_str(),
+        });
+        let origin = op.origin;
+        if !self.can_hold(origin) {
+            self.release_held(&op);
+            self.op_finished(origin);
+            return;
+        }
+        metrics.dead_letter_retry(reason.as_str());
+        if op.held_charge == 0 {
+            op.held_charge = op.charge();
+            self.inflight_bytes += op.held_charge;
+            self.inflight_count += 1;
+            metrics.add_inflight(1, op.held_charge as i64);
+            metrics.add_held_dead_letters(1);
+        }
+        op.refusals = op.refusals.saturating_add(1);
+        if op.refusals == 1 {
+            tracing::warn!(
+                queue = &*op.queue,
+                exchange = %op.message.exchange,
+                reason = reason.as_str(),
+                "dead-letter publish refused; the message is held and retried"
+            );
+        } else {
+            tracing::debug!(
+                queue = &*op.queue,
+                reason = reason.as_str(),
+                refusals = op.refusals,
+                "dead-letter publish refused again"
+            );
+        }
+        let attempt = op.refusals;
+        self.held
+            .schedule(self.now, attempt, rand::random::<f64>(), op);
+        self.op_finished(origin);
+    }
+
+    /// Whether a refused publish may be held for a retry: both sides are open and the
+    /// original's channel (client channel or capture consumer) is the one it came on.
+    fn can_hold(&self, origin: Origin) -> bool {
+        if self.client_side != super::session::Side::Open
+            || self.upstream_side != super::session::Side::Open
+            || self.publisher.is_none()
+        {
+            return false;
+        }
+        match origin {
+            Origin::Client {
+                channel,
+                channel_id,
+                ..
+            } => self.channels.get(&channel).is_some_and(|ch| {
+                ch.id == channel_id && ch.phase == super::channels::ChannelPhase::Open
+            }),
+            Origin::Capture { epoch, .. } => self
+                .capture
+                .as_ref()
+                .is_some_and(|c| c.is_on() && c.epoch() == epoch),
+        }
+    }
+
+    /// Publishes again the held messages whose backoff is over (those whose channel went
+    /// away meanwhile are let go: the upstream requeued their originals).
+    pub(super) fn retry_due(&mut self, now: Instant) {
+        for op in self.held.take_due(now) {
+            if self.can_hold(op.origin) {
+                self.start_op(op);
+            } else {
+                self.release_held(&op);
+            }
+        }
+    }
+
+    /// Lets go of held messages `gone` selects, without settling them (their channel or
+    /// connection is going away and the upstream requeues the originals).
+    pub(super) fn let_go_held(&mut self, gone: impl FnMut(&Op) -> bool) {
+        for op in self.held.take_where(gone) {
+            self.release_held(&op);
+        }
+    }
+
+    /// Lets go of the held messages of a client channel.
+    pub(super) fn let_go_held_of_channel(&mut self, channel: u16) {
+        self.let_go_held(
+            |op| matches!(op.origin, Origin::Client { channel: c, .. } if c == channel),
+        );
+    }
+
+    /// Ends an operation's hold: its charge leaves the inflight bound and the held gauge.
+    fn release_held(&mut self, op: &Op) {
+        if op.held_charge > 0 {
+            self.release_inflight(1, op.held_charge);
+            self.shared.metrics.add_held_dead_letters(-1);
+        }
+    }
+
     /// Forgets an operation without settling anything (the connection or channel is gone, so
     /// the upstream requeues the original itself).
     pub(super) fn abandon_op(&mut self, op_id: OpId) {
-        if let Some(op) = self.ops.remove(&op_id) {
+        if let Some(op) = self.take_op(op_id) {
+            self.release_held(&op);
             self.op_finished(op.origin);
         }
     }
 
+    /// Every operation, in flight or held, ends without settling its original (the
+    /// connection is going away, so the upstream requeues the originals itself).
     pub(super) fn abandon_all_ops(&mut self) {
         if let Some(publisher) = self.publisher.as_mut() {
             publisher.fail_all();
         }
+        self.let_go_held(|_| true);
         let ops: Vec<OpId> = self.ops.keys().copied().collect();
         for op in ops {
             self.abandon_op(op);
@@ -654,13 +776,12 @@ impl Session {
                 let Some(capture) = self.capture.as_mut() else {
                     return;
                 };
-                match settlement {
-                    Settlement::Ack => {
-                        if let Some(frame) = capture.ack(tag, epoch) {
-                            self.send_upstream(frame);
-                        }
-                    }
-                    Settlement::Requeue => capture.retry_later(tag, epoch, Instant::now()),
+                let frame = match settlement {
+                    Settlement::Ack => capture.ack(tag, epoch),
+                    Settlement::Requeue => capture.requeue(tag, epoch),
+                };
+                if let Some(frame) = frame {
+                    self.send_upstream(frame);
                 }
             }
         }
@@ -681,6 +802,9 @@ impl Session {
             Ok(props) => props,
             Err(err) => {
                 tracing::warn!(%err, "captured message properties do not decode; dropped");
+                self.shared
+                    .metrics
+                    .dropped(&self.vhost, &self.shared.capture_name, "undecodable");
                 self.settle_origin(origin, Settlement::Ack);
                 return;
             }
@@ -690,12 +814,20 @@ impl Session {
             Ok(found) => found,
             Err(err) => {
                 tracing::warn!(%err, "captured message without a death record; dropped");
+                self.shared.metrics.dropped(
+                    &self.vhost,
+                    &self.shared.capture_name,
+                    "no_death_record",
+                );
                 self.settle_origin(origin, Settlement::Ack);
                 return;
             }
         };
         let Ok(reason) = death.reason.parse::<DeadLetterReason>() else {
             tracing::warn!(reason = %death.reason, "captured message with an unknown death reason; dropped");
+            self.shared
+                .metrics
+                .dropped(&self.vhost, &death.queue, "unknown_reason");
             self.settle_origin(origin, Settlement::Ack);
             return;
         };

@@ -2,7 +2,7 @@
 //! and the connection's life and death.
 //!
 //! A single task reads frames from both sockets (each read only when the opposite outbox has
-//! room, and upstream reads also only while kept deliveries are under
+//! room, and upstream reads also only while kept deliveries and held dead letters are under
 //! `proxy.max_inflight_bytes`), decides what each frame means ([`super::forward`],
 //! [`super::intercept`]) and queues bytes in two outboxes ([`super::outbox`]), which it writes
 //! to the sockets as they accept them. It never blocks on a socket write, so a slow peer only
@@ -32,6 +32,7 @@ use super::ops::Op;
 use super::outbox::Outbox;
 use super::probe::QueueProbe;
 use super::publisher::{OpId, Publisher};
+use super::retry::RetrySchedule;
 use super::wire::{FrameReader, WireFrame, method_frame};
 use crate::admission::refuse_client_after_header;
 use crate::amqp::codec::{FrameError, PROTOCOL_HEADER, put_heartbeat};
@@ -126,6 +127,10 @@ pub(super) struct Session {
     pub(super) held_channel_open: Option<WireFrame>,
     pub(super) ops: HashMap<OpId, Op>,
     pub(super) next_op: OpId,
+    /// Operations whose publish was refused, waiting for their retry ([`super::retry`]).
+    pub(super) held: RetrySchedule<Op>,
+    /// Operations in `ops` that are retries of held messages.
+    pub(super) retrying: usize,
     /// The client's connection.close, held until the proxy's own work is settled.
     pub(super) parked_connection_close: Option<Bytes>,
     pub(super) shutdown_seen: bool,
@@ -201,6 +206,7 @@ pub(super) async fn run<S>(
     let mut client_reader = FrameReader::new(client_read, shared.handshake_frame_max);
     let mut upstream_reader = FrameReader::new(upstream_read, shared.handshake_frame_max);
     let now = Instant::now();
+    let backoff = shared.retry_backoff;
     let mut session = Session {
         shared,
         peer,
@@ -232,6 +238,8 @@ pub(super) async fn run<S>(
         held_channel_open: None,
         ops: HashMap::new(),
         next_op: 1,
+        held: RetrySchedule::new(backoff),
+        retrying: 0,
         parked_connection_close: None,
         shutdown_seen: false,
         client_in: Tally::default(),
@@ -408,10 +416,13 @@ impl Session {
         }
         // At the bound, finish the content in progress, then pause until settlements free room.
         // Not while client reads wait for an upstream answer: the client cannot settle anything
-        // then, so pausing here would wait forever.
+        // then, so pausing here would wait forever. Nor while the retry of a held dead letter
+        // awaits its confirm: held messages count against the bound, and only that confirm
+        // frees them (what the upstream delivers meanwhile is kept above the bound).
         self.inflight_bytes < self.shared.max_inflight_bytes
             || self.incoming_in_progress > 0
             || self.awaits_upstream_answer()
+            || self.retrying > 0
     }
 
     fn next_deadline(&mut self) -> Option<Instant> {
@@ -438,9 +449,7 @@ impl Session {
         if let Some(publisher) = self.publisher.as_mut() {
             consider(publisher.next_deadline());
         }
-        if let Some(capture) = self.capture.as_ref() {
-            consider(capture.next_deadline());
-        }
+        consider(self.held.next_deadline());
         if let Some(interval) = self.heartbeat {
             if self.client_side == Side::Open {
                 consider(Some(self.last_client_rx + interval * 2));
@@ -538,11 +547,7 @@ impl Session {
                 self.complete_op(settled.op, settled.outcome);
             }
         }
-        if let Some(capture) = self.capture.as_mut()
-            && let Some(frames) = capture.due_retries(now)
-        {
-            self.send_upstream(frames);
-        }
+        self.retry_due(now);
         if let Some(interval) = self.heartbeat {
             if self.client_side == Side::Open && now >= self.last_client_rx + interval * 2 {
                 tracing::info!(peer = %self.peer, "client missed heartbeats");
@@ -717,18 +722,13 @@ impl Session {
     /// Every operation ends without settling its original (the connection is going away, so
     /// the upstream requeues the originals itself).
     fn fail_all_ops(&mut self) {
-        if let Some(publisher) = self.publisher.as_mut() {
-            publisher.fail_all();
-        }
-        let ops: Vec<OpId> = self.ops.keys().copied().collect();
-        for op in ops {
-            self.abandon_op(op);
-        }
+        self.abandon_all_ops();
     }
 
     /// Releases everything the connection still holds (gauges).
     fn finish(&mut self) {
         self.flush_traffic();
+        self.let_go_held(|_| true);
         let channels: Vec<u16> = self.channels.keys().copied().collect();
         for channel in channels {
             self.remove_channel(channel);
