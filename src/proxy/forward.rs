@@ -17,7 +17,7 @@ use super::channels::{
 };
 use super::handshake::{LoginCheck, check_login, negotiate, tune_for_client};
 use super::inflight::Verb;
-use super::probe::QueueProbe;
+use super::probe::CheckChannel;
 use super::publisher::Publisher;
 use super::session::{Session, Side};
 use super::wire::{WireFrame, content_body_size, header_frame, method_frame};
@@ -281,6 +281,11 @@ impl Session {
 
     fn client_connection_frame(&mut self, frame: WireFrame) {
         if frame.kind == FRAME_METHOD && frame.method_ids() == CONNECTION_CLOSE {
+            // Deliveries the client leaves unsettled count against delivery limits.
+            let channels: Vec<u16> = self.channels.keys().copied().collect();
+            for channel in channels {
+                self.count_returns(channel);
+            }
             if self.ops.is_empty() {
                 self.forward_client_connection_close(frame.raw);
             } else {
@@ -586,10 +591,12 @@ impl Session {
             }
             _ => {
                 ch.phase = ChannelPhase::ClosingByClient;
-                if ch.ops > 0 {
-                    ch.parked_close = Some(frame.raw);
-                } else {
-                    self.forward_channel_close(channel, frame.raw);
+                // Deliveries the client leaves unsettled count against delivery limits.
+                self.count_returns(channel);
+                let busy = self.channels.get(&channel).is_some_and(|ch| ch.ops > 0);
+                match self.channels.get_mut(&channel) {
+                    Some(ch) if busy => ch.parked_close = Some(frame.raw),
+                    _ => self.forward_channel_close(channel, frame.raw),
                 }
             }
         }
@@ -619,7 +626,7 @@ impl Session {
                 return;
             }
             if Some(frame.channel) == agreed.probe_channel && frame.channel != 0 {
-                self.probe_frame(frame);
+                self.check_frame(frame);
                 return;
             }
         }
@@ -719,9 +726,8 @@ impl Session {
             return;
         }
         if let Some(channel) = agreed.probe_channel {
-            let probe = QueueProbe::new(channel);
-            self.send_upstream(probe.open_frames());
-            self.probe = Some(probe);
+            // Opened for each declare check only.
+            self.check = Some(CheckChannel::new(channel));
         }
         if let Some(channel) = agreed.publisher_channel {
             let publisher = Publisher::new(channel, self.frame_max, self.shared.confirm_timeout);
@@ -753,16 +759,16 @@ impl Session {
         }
     }
 
-    fn probe_frame(&mut self, frame: WireFrame) {
-        let Some(probe) = self.probe.as_mut() else {
+    fn check_frame(&mut self, frame: WireFrame) {
+        let Some(check) = self.check.as_mut() else {
             return;
         };
-        let step = probe.on_frame(&frame);
+        let step = check.on_frame(&frame);
         if let Some(write) = step.write {
             self.send_upstream(write);
         }
         if let Some(answer) = step.answer {
-            self.on_probe_answer(answer);
+            self.on_check_answer(answer);
         }
     }
 

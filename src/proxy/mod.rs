@@ -91,6 +91,7 @@
 //! [`outbox`] (socket writes), [`wire`] (frames and adaptive reads), [`busy_poll`] (polling
 //! before sleeping), [`channels`], [`ops`], [`registry`].
 
+pub mod arbiter;
 pub mod bcc;
 pub mod busy_poll;
 pub mod capture;
@@ -130,7 +131,7 @@ pub use capture::DEFAULT_CAPTURE_NAME;
 use registry::QueueRegistry;
 use upstream::UpstreamTarget;
 
-/// Most queues whose declared arguments are remembered.
+/// Most queues whose verified settings are cached.
 const REGISTRY_CAPACITY: usize = 100_000;
 
 /// What every connection of the proxy shares.
@@ -209,7 +210,10 @@ impl ProxyShared {
         Ok(Arc::new(ProxyShared {
             upstream,
             policies,
-            queues: QueueRegistry::new(REGISTRY_CAPACITY.min(limits.max_queues.max(1))),
+            queues: QueueRegistry::new(
+                REGISTRY_CAPACITY.min(limits.max_queues.max(1)),
+                metrics.clone(),
+            ),
             dead_letter_options,
             default_delivery_limit: (config.dead_letter.default_delivery_limit > 0)
                 .then_some(u64::from(config.dead_letter.default_delivery_limit)),
@@ -244,22 +248,14 @@ impl ProxyShared {
         &self.capture_name
     }
 
-    /// The settings a queue has now: its declared arguments (`arguments`, else what this proxy
-    /// saw declared) merged with the current policy.
+    /// The settings a queue with these (client) arguments has now, merged with the current
+    /// policy.
     pub(crate) fn queue_view(
         &self,
         vhost: &str,
         queue: &str,
-        arguments: Option<&QueueArguments>,
+        arguments: &QueueArguments,
     ) -> QueueView {
-        let registered;
-        let arguments = match arguments {
-            Some(arguments) => arguments,
-            None => {
-                registered = self.queues.lookup(vhost, queue).unwrap_or_default();
-                &registered
-            }
-        };
         let policies = self.policies.read().unwrap_or_else(|e| e.into_inner());
         let settings = effective_settings_with_policy(
             arguments,
@@ -272,6 +268,14 @@ impl ProxyShared {
                 && !self.delegate_to_upstream,
             settings,
         }
+    }
+
+    /// The settings of a queue whose declaration this instance verified with the upstream;
+    /// `None` for a queue it has not verified or that is upstream-owned (the upstream decides
+    /// its dead letters).
+    pub(crate) fn verified_view(&self, vhost: &str, queue: &str) -> Option<QueueView> {
+        let arguments = self.queues.proxied(vhost, queue)?;
+        Some(self.queue_view(vhost, queue, &arguments))
     }
 }
 
@@ -298,8 +302,9 @@ impl ProxyShared {
     /// must keep their content. Other deliveries are settled natively: what the upstream
     /// dead-letters of them still reaches the proxy through the capture queue.
     pub(crate) fn may_take_over(&self, vhost: &str, queue: &str) -> bool {
-        let view = self.queue_view(vhost, queue, None);
-        view.settings.dead_letter_exchange.is_some() || view.proxy_delivery_limit
+        self.verified_view(vhost, queue).is_some_and(|view| {
+            view.settings.dead_letter_exchange.is_some() || view.proxy_delivery_limit
+        })
     }
 }
 
