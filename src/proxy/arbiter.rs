@@ -289,7 +289,7 @@ fn only(table: &FieldTable, keys: &[&str]) -> FieldTable {
 }
 
 /// `table` without `key`.
-fn without(table: &FieldTable, key: &str) -> FieldTable {
+pub(crate) fn without(table: &FieldTable, key: &str) -> FieldTable {
     let mut out = FieldTable::default();
     for (k, value) in table {
         if k.as_str() != key {

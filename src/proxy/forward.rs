@@ -382,6 +382,32 @@ impl Session {
     }
 
     fn client_method(&mut self, frame: WireFrame) {
+        if matches!(frame.method_ids(), BASIC_CONSUME | BASIC_GET) {
+            // A queue this instance has not verified is read back from the upstream first.
+            // Bounded like every client method with a table; a frame that does not decode is
+            // refused by the dispatch below.
+            let queue = match decode_method_within(&frame.payload, self.shared.max_table_depth) {
+                Ok(AMQPClass::Basic(basic::AMQPMethod::Consume(m))) => Some(m.queue),
+                Ok(AMQPClass::Basic(basic::AMQPMethod::Get(m))) => Some(m.queue),
+                _ => None,
+            };
+            let queue = queue.and_then(|q| {
+                let ch = self.channels.get(&frame.channel)?;
+                ch.is_open().then(|| ch.resolve_queue(q.as_str()))
+            });
+            if let Some(queue) = queue {
+                match self.read_back(frame, queue) {
+                    Some(frame) => self.client_method_now(frame),
+                    None => return,
+                }
+                return;
+            }
+        }
+        self.client_method_now(frame);
+    }
+
+    /// Dispatches a client method (after any read-back it needed).
+    pub(super) fn client_method_now(&mut self, frame: WireFrame) {
         let channel = frame.channel;
         let ids = frame.method_ids();
         match ids {
@@ -768,7 +794,7 @@ impl Session {
             self.send_upstream(write);
         }
         if let Some(answer) = step.answer {
-            self.on_check_answer(answer);
+            self.on_check_channel_answer(answer);
         }
     }
 

@@ -25,6 +25,7 @@ use super::outgoing::{
 };
 use super::probe::CheckAnswer;
 use super::publisher::{OpId, Outcome, OutgoingMessage};
+use super::readback::{ReadBack, ReadNext, ReadOutcome};
 use super::registry::VerifiedQueue;
 use super::session::Session;
 use super::wire::{WireFrame, method_frame};
@@ -85,6 +86,15 @@ pub(super) struct PendingCheck {
     /// The computed upstream arguments (declared for the client when the check cannot tell).
     upstream_arguments: FieldTable,
     check: DeclareCheck,
+}
+
+/// A basic.consume or basic.get held while its queue's arguments are read back
+/// ([`super::readback`]).
+#[derive(Debug)]
+pub(super) struct PendingRead {
+    frame: WireFrame,
+    queue: Arc<str>,
+    read: ReadBack,
 }
 
 /// Everything `dead_letter_message` needs to know about the message that died.
@@ -184,15 +194,13 @@ impl Session {
 
     /// The check channel answered: declare again, or settle the client's declare by the
     /// verdict ([`super::arbiter`]).
-    pub(super) fn on_check_answer(&mut self, answer: CheckAnswer) {
+    fn on_check_answer(&mut self, answer: CheckAnswer) {
         let Some(mut pending) = self.pending_check.take() else {
             return;
         };
         let verdict = match answer {
             CheckAnswer::DeclareOk => {
-                if let Some(bytes) = self.check.as_mut().and_then(|c| c.close()) {
-                    self.send_upstream(bytes);
-                }
+                self.close_check();
                 pending.check.on_declare_ok()
             }
             CheckAnswer::Refused { code, text } => match pending.check.on_close(code, &text) {
@@ -225,18 +233,96 @@ impl Session {
                 self.close_channel_by_proxy(channel, code, &text, 50, 10);
             }
             Verdict::UpstreamOwned => {
+                // RabbitMQ judges the client's own declare; its declare-ok confirms the
+                // arguments it compares.
                 let arguments = declare.arguments.clone();
-                self.forward_declare(
-                    channel,
-                    &declare,
-                    arguments,
-                    Some(VerifiedQueue::UpstreamOwned),
-                );
+                let record = VerifiedQueue::UpstreamOwned(pending.client_arguments);
+                self.forward_declare(channel, &declare, arguments, Some(record));
             }
             Verdict::Undecided => {
                 let record = VerifiedQueue::Proxied(pending.client_arguments);
                 self.forward_declare(channel, &declare, pending.upstream_arguments, Some(record));
             }
+        }
+    }
+
+    /// Starts reading back the arguments of `queue`, which a client consumes from or gets
+    /// from, when this instance has nothing verified about it: the client's `frame` waits
+    /// (client reads pause) and `None` is returned. Otherwise the frame is given back.
+    pub(super) fn read_back(&mut self, frame: WireFrame, queue: Arc<str>) -> Option<WireFrame> {
+        let wanted = self.publisher.is_some()
+            && self.pending_check.is_none()
+            && self.pending_read.is_none()
+            && !queue.is_empty()
+            && *queue != *self.shared.capture_name
+            && self.shared.queues.lookup(&self.vhost, &queue).is_none();
+        let read = wanted
+            .then(|| ReadBack::new(&queue, &self.vhost, &self.shared.capture_name))
+            .flatten();
+        let Some(read) = read.filter(|_| self.check.is_some()) else {
+            return Some(frame);
+        };
+        self.check_declare(read.request());
+        self.pending_read = Some(PendingRead { frame, queue, read });
+        None
+    }
+
+    /// The check channel answered a read-back: ask again, or cache what was learned and let
+    /// the client's method go.
+    fn on_read_answer(&mut self, answer: CheckAnswer) {
+        let Some(mut pending) = self.pending_read.take() else {
+            return;
+        };
+        let next = match answer {
+            CheckAnswer::DeclareOk => pending.read.on_declare_ok(),
+            CheckAnswer::Refused { code, text } => pending.read.on_close(code, &text),
+        };
+        let outcome = match next {
+            ReadNext::Declare(again) => {
+                self.check_declare(again);
+                self.pending_read = Some(pending);
+                return;
+            }
+            ReadNext::Done(outcome) => outcome,
+        };
+        self.close_check();
+        match outcome {
+            ReadOutcome::Learned(verified) => {
+                self.shared
+                    .queues
+                    .record(&self.vhost, &pending.queue, verified)
+            }
+            ReadOutcome::Missing => self.shared.queues.forget(&self.vhost, &pending.queue),
+            ReadOutcome::Unknown => {
+                tracing::debug!(queue = &*pending.queue, "queue arguments not readable");
+            }
+        }
+        let channel = pending.frame.channel;
+        if self.channels.get(&channel).is_some_and(|ch| ch.is_open()) {
+            self.client_method_now(pending.frame);
+        }
+    }
+
+    /// An answer on the check channel: for the declare check or the read-back in flight.
+    pub(super) fn on_check_channel_answer(&mut self, answer: CheckAnswer) {
+        if self.pending_check.is_some() {
+            self.on_check_answer(answer);
+        } else {
+            self.on_read_answer(answer);
+        }
+    }
+
+    /// Sends a declare on the check channel (opening it, or once its close is answered).
+    fn check_declare(&mut self, declare: queue::Declare) {
+        if let Some(bytes) = self.check.as_mut().and_then(|c| c.declare(declare)) {
+            self.send_upstream(bytes);
+        }
+    }
+
+    /// Closes the check channel after a check.
+    fn close_check(&mut self) {
+        if let Some(bytes) = self.check.as_mut().and_then(|c| c.close()) {
+            self.send_upstream(bytes);
         }
     }
 

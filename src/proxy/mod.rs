@@ -6,15 +6,22 @@
 //! cannot see: `proxy.loopback_users` refused from non-loopback peers ([`handshake`]), and
 //! `limits.max_connections` ([`crate::admission`]). Frames that need no change are forwarded as
 //! the bytes that arrived, in order, with backpressure both ways. The proxy takes over:
-//! - `queue.declare`: client arguments are validated and merged with the policy; the upstream
-//!   queue gets the TTL and length limits and dead-letters into the proxy's capture exchange
-//!   ([`declare`], [`capture`]);
-//! - `basic.reject` / `basic.nack` with `requeue=false` on a queue with a dead-letter
-//!   exchange: the proxy publishes the rewritten message to the DLX on its own channel with
-//!   publisher confirms and only then acks the original ([`intercept`], [`publisher`],
-//!   [`outgoing`]): at-least-once;
-//! - requeues on queues with a delivery limit: republished with `x-delivery-count`, and
-//!   dead-lettered as `delivery_limit` past the limit;
+//! - `queue.declare`: client arguments are validated; the upstream queue gets every client
+//!   argument natively (policy values fill the ones the client did not send) and dead-letters
+//!   into the proxy's capture exchange, with the client's dead-letter arguments (and a classic
+//!   queue's delivery limit) in its dead-letter routing key ([`declare`], [`capture`]). The
+//!   upstream queue is the truth: RabbitMQ judges every declare, checked first on a proxy
+//!   channel, and its refusals are given to the client in the client's terms ([`arbiter`]);
+//!   the instance only caches what RabbitMQ confirmed ([`registry`]);
+//! - `basic.reject` / `basic.nack` with `requeue=false` on a queue with verified settings and
+//!   a dead-letter exchange: the proxy publishes the rewritten message to the DLX on its own
+//!   channel with publisher confirms and only then acks the original ([`intercept`],
+//!   [`publisher`], [`outgoing`]): at-least-once. Without verified settings the rejection is
+//!   passed through and the upstream dead-letters it into the capture exchange;
+//! - requeues on classic queues with a delivery limit (verified settings): republished with
+//!   `x-delivery-count`, and dead-lettered as `delivery_limit` past the limit; the same for
+//!   the deliveries a client leaves unsettled when it closes a channel or its connection, or
+//!   dies (quorum queues count all of these upstream);
 //! - messages that expire or overflow upstream come back through the capture queue and are
 //!   dead-lettered as their original queue would have;
 //! - BCC keys ([`bcc`]): the upstream strips `BCC` at publish, yet RabbitMQ routes a dead
@@ -26,8 +33,8 @@
 //!   Other publishes stay untouched bytes.
 //!
 //! The proxy uses the three highest channel numbers of each upstream connection (the client is
-//! offered three fewer in connection.tune): one to probe whether a declared queue exists, one
-//! for its publishes (with confirms), one for the capture consumer. Client channel numbers,
+//! offered three fewer in connection.tune): one to check declares (open only while a check
+//! runs), one for its publishes (with confirms), one for the capture consumer. Client channel numbers,
 //! delivery tags and confirm sequence numbers are untouched; the proxy's settlements of client
 //! deliveries go on the client's channel with the upstream's own delivery tags.
 //!
@@ -40,8 +47,8 @@
 //! RabbitMQ refuses some clients by closing the socket, the client's socket is closed
 //! instead); an upstream connection.close (403, 530, 504, ...) is passed on as it is. The
 //! client gone → the proxy's
-//! own publishes are settled, then the upstream connection is closed and the upstream
-//! requeues the client's unacked deliveries.
+//! own publishes are settled (and its unacked deliveries of delivery-limited classic queues
+//! counted), then the upstream connection is closed and the upstream requeues the rest.
 //!
 //! Where proxy mode differs from a broker doing it itself (documented limits):
 //! - a dead letter whose rewritten properties (x-death grows with every death) no longer fit
@@ -52,18 +59,24 @@
 //! - a requeue counted against a delivery limit puts the message at the queue's tail (classic
 //!   queues requeue at the head), with `redelivered = false`, exchange `""` and the queue name
 //!   as routing key; its `CC` header is removed so the copy reaches only that queue;
-//! - TTL and length limits (from arguments or policies) are set on the upstream queue when it
-//!   is first declared through the proxy; later policy changes to them need the queue to be
+//! - TTL and length limits from policies are set on the upstream queue when it is first
+//!   declared through the proxy, for the arguments the client did not give; a client argument
+//!   goes upstream as sent, so a lower policy value does not shorten it upstream (the proxy's
+//!   own decisions use the lower one); later policy changes to them need the queue to be
 //!   recreated. Dead-letter target and delivery-limit policy changes apply at once;
-//! - a queue that already exists upstream is declared passively (no capture exchange added):
-//!   its rejections follow the policies, but its own expiries and overflows stay the
-//!   upstream's;
-//! - a redeclare is checked for equivalence (durable, exclusive, auto-delete and the
-//!   x-arguments RabbitMQ compares, with the embedded broker's 406 texts) against the
-//!   declaration this proxy instance remembers ([`registry`]). A queue this instance has not
-//!   seen declared (after a restart, or declared through another instance) takes the first
-//!   declaration it sees as that reference: AMQP cannot read a queue's arguments back, and
-//!   RabbitMQ compares none the proxy could carry them in;
+//! - a queue that was not declared through a proxy (another dead-letter exchange, or none) is
+//!   upstream-owned: a client's declare goes upstream as sent and RabbitMQ judges it, and its
+//!   rejections, expiries and overflows follow RabbitMQ's own rules (the TOML policies do not
+//!   apply to it);
+//! - a redeclare that names the queue's dead-letter arguments differently gets RabbitMQ's 406
+//!   text rebuilt in the client's terms; when RabbitMQ cut its text at 255 bytes (very long
+//!   queue, exchange or routing-key names) the proxy cannot read it back and passes it on as
+//!   it is, naming the proxy's capture arguments. A classic queue's `x-delivery-limit` is
+//!   compared too (RabbitMQ ignores it on classic queues; the proxy enforces it);
+//! - rejections and requeues on a queue this instance has not verified (its client did not
+//!   declare it through this instance since it started) are passed through: rejections still
+//!   reach the dead-letter exchange through the capture, but requeues on a classic queue are
+//!   not counted against its delivery limit there;
 //! - the cycle rule on a DLX other than the default exchange catches a loop one lap later
 //!   than RabbitMQ (see [`outgoing`]);
 //! - when a missing DLX closes the proxy's channel, other dead letters still unconfirmed on
@@ -81,13 +94,14 @@
 //!   `limits.max_table_depth` are refused by the proxy (501, the client connection closed);
 //!   other methods with tables are forwarded unread, and RabbitMQ accepts them;
 //! - a delivery keeps its content (to be dead-lettered or republished by the proxy) only when
-//!   its queue can dead-letter when it is delivered (`ProxyShared::may_take_over`); a
-//!   policy that adds a dead-letter exchange later applies to such a delivery only through
-//!   the capture queue (queues declared through the proxy), see docs/semantics.md.
+//!   its queue has verified settings and can dead-letter when it is delivered
+//!   (`ProxyShared::may_take_over`); a policy that adds a dead-letter exchange later applies
+//!   to such a delivery only through the capture queue (queues declared through the proxy),
+//!   see docs/semantics.md.
 //!
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
 //! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`bcc`], [`publisher`],
-//! [`capture`], [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
+//! [`capture`], [`declare`], [`arbiter`] (the declare check), [`probe`] (its channel), [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
 //! [`outbox`] (socket writes), [`wire`] (frames and adaptive reads), [`busy_poll`] (polling
 //! before sleeping), [`channels`], [`ops`], [`registry`].
 
@@ -106,6 +120,7 @@ pub mod outbox;
 pub mod outgoing;
 pub mod probe;
 pub mod publisher;
+pub mod readback;
 pub mod registry;
 mod session;
 pub mod upstream;
@@ -270,11 +285,11 @@ impl ProxyShared {
         }
     }
 
-    /// The settings of a queue whose declaration this instance verified with the upstream;
-    /// `None` for a queue it has not verified or that is upstream-owned (the upstream decides
-    /// its dead letters).
+    /// The settings of a queue whose arguments this instance verified with the upstream;
+    /// `None` for a queue it has not verified or whose own dead-letter exchange RabbitMQ
+    /// applies (upstream-owned): the upstream decides its dead letters.
     pub(crate) fn verified_view(&self, vhost: &str, queue: &str) -> Option<QueueView> {
-        let arguments = self.queues.proxied(vhost, queue)?;
+        let arguments = self.queues.decided_by_proxy(vhost, queue)?;
         Some(self.queue_view(vhost, queue, &arguments))
     }
 }

@@ -25,8 +25,10 @@ use crate::rabbit::args::QueueArguments;
 pub enum VerifiedQueue {
     /// Declared through a proxy: the client arguments its upstream arguments stand for.
     Proxied(QueueArguments),
-    /// Not declared through a proxy: RabbitMQ's own arguments and rules apply.
-    UpstreamOwned,
+    /// Not declared through a proxy: RabbitMQ's own arguments (as RabbitMQ confirmed them)
+    /// and rules apply; the proxy only adds what a policy gives a queue without a
+    /// dead-letter exchange of its own.
+    UpstreamOwned(QueueArguments),
 }
 
 /// Verified settings by (vhost, queue).
@@ -87,6 +89,19 @@ impl QueueRegistry {
         }
     }
 
+    /// The verified arguments the proxy decides a queue's dead letters with: a proxy queue's,
+    /// or an upstream-owned queue's without a dead-letter exchange of its own (a policy may
+    /// give it one). `None`: the upstream decides.
+    pub fn decided_by_proxy(&self, vhost: &str, queue: &str) -> Option<QueueArguments> {
+        match self.lookup(vhost, queue)? {
+            VerifiedQueue::Proxied(arguments) => Some(arguments),
+            VerifiedQueue::UpstreamOwned(arguments) => arguments
+                .dead_letter_exchange
+                .is_none()
+                .then_some(arguments),
+        }
+    }
+
     pub fn forget(&self, vhost: &str, queue: &str) {
         let mut queues = self.queues.write().unwrap_or_else(|e| e.into_inner());
         self.generation.fetch_add(1, Ordering::Release);
@@ -134,8 +149,22 @@ mod tests {
             registry.proxied("/", "q").unwrap().dead_letter_exchange,
             Some("b".into())
         );
-        registry.record("/", "own", VerifiedQueue::UpstreamOwned);
-        assert_eq!(registry.proxied("/", "own"), None);
+        registry.record(
+            "/",
+            "plain",
+            VerifiedQueue::UpstreamOwned(QueueArguments::default()),
+        );
+        assert_eq!(registry.proxied("/", "plain"), None);
+        assert_eq!(
+            registry.decided_by_proxy("/", "plain"),
+            Some(QueueArguments::default())
+        );
+        registry.record("/", "own", with_dlx("own"));
+        let VerifiedQueue::Proxied(own) = with_dlx("own") else {
+            unreachable!()
+        };
+        registry.record("/", "own", VerifiedQueue::UpstreamOwned(own));
+        assert_eq!(registry.decided_by_proxy("/", "own"), None);
         assert_eq!(registry.lookup("other", "q"), None);
         assert_eq!(metrics.verified_queues(), 2);
         registry.forget("/", "q");
@@ -147,7 +176,7 @@ mod tests {
     fn stays_within_capacity() {
         let (registry, metrics) = registry(2);
         for name in ["a", "b", "c"] {
-            registry.record("/", name, VerifiedQueue::UpstreamOwned);
+            registry.record("/", name, with_dlx(name));
         }
         assert_eq!(registry.len(), 2);
         assert_eq!(metrics.verified_queues(), 2);

@@ -123,6 +123,9 @@ pub(super) struct Session {
     pub(super) check: Option<CheckChannel>,
     /// A queue.declare waiting for the check's verdict (client reads pause meanwhile).
     pub(super) pending_check: Option<super::intercept::PendingCheck>,
+    /// A basic.consume or basic.get waiting for its queue's arguments to be read back (client
+    /// reads pause meanwhile).
+    pub(super) pending_read: Option<super::intercept::PendingRead>,
     /// A client's channel.open for a channel number the proxy closed upstream whose close-ok
     /// has not come back yet (client reads pause meanwhile; see `forward`).
     pub(super) held_channel_open: Option<WireFrame>,
@@ -231,6 +234,7 @@ pub(super) async fn run<S>(
         capture: None,
         check: None,
         pending_check: None,
+        pending_read: None,
         held_channel_open: None,
         ops: HashMap::new(),
         next_op: 1,
@@ -392,10 +396,12 @@ impl Session {
         }
     }
 
-    /// Whether client reads wait for an answer from the upstream (a declare check's, or the
-    /// close-ok that frees a channel number the client is reopening).
+    /// Whether client reads wait for an answer from the upstream (a declare check's, a
+    /// read-back's, or the close-ok that frees a channel number the client is reopening).
     fn awaits_upstream_answer(&self) -> bool {
-        self.pending_check.is_some() || self.held_channel_open.is_some()
+        self.pending_check.is_some()
+            || self.pending_read.is_some()
+            || self.held_channel_open.is_some()
     }
 
     fn wants_upstream_frames(&self) -> bool {

@@ -41,6 +41,7 @@ mod proxy_bcc;
 mod proxy_capture;
 mod proxy_connections;
 mod proxy_deadletter;
+mod proxy_decisions;
 mod proxy_declare;
 mod proxy_delivery_limit;
 mod proxy_fault_close;
