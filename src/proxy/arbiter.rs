@@ -549,12 +549,31 @@ mod tests {
             panic!("not repeated");
         };
         assert!(again.arguments.inner().get(ARG_MESSAGE_TTL).is_none());
-        // A value the client sent itself is RabbitMQ's to judge: passed on.
+        // A lower policy value replaces the client's: the queue's value is taken too.
         let mut check = check_with(
             args(&[(ARG_MESSAGE_TTL, AMQPValue::LongInt(2000))]),
             Some(&policy),
         );
-        let text = "PRECONDITION_FAILED - inequivalent arg 'x-message-ttl' for queue 'q' in vhost '/': received '2000' but current is '1000'";
+        let Next::Declare(again) = check.on_close(
+            406,
+            "PRECONDITION_FAILED - inequivalent arg 'x-message-ttl' for queue 'q' in vhost '/': received '500' but current is '1000'",
+        ) else {
+            panic!("not repeated");
+        };
+        assert_eq!(
+            again.arguments.inner().get(ARG_MESSAGE_TTL),
+            Some(&AMQPValue::LongLongInt(1000))
+        );
+        // A value the client sent itself (lower than the policy's) is RabbitMQ's to judge.
+        let mut check = check_with(
+            args(&[(ARG_MESSAGE_TTL, AMQPValue::LongInt(200))]),
+            Some(&policy),
+        );
+        assert_eq!(
+            check.request().arguments.inner().get(ARG_MESSAGE_TTL),
+            Some(&AMQPValue::LongInt(200))
+        );
+        let text = "PRECONDITION_FAILED - inequivalent arg 'x-message-ttl' for queue 'q' in vhost '/': received '200' but current is '1000'";
         assert_eq!(refused(check.on_close(406, text)), text);
     }
 

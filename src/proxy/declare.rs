@@ -12,8 +12,9 @@
 //! RabbitMQ stores it and compares it on every redeclare, so the upstream queue itself is the
 //! truth every instance reads ([`super::arbiter`] turns RabbitMQ's verdict on it back into
 //! the client's terms). Arguments the client did not send are filled from the policy (TTL,
-//! expiry, lengths, overflow, a quorum queue's delivery limit), so they reach the upstream
-//! queue; a redeclare does not compare them ([`DeclareRewrite::filled`]).
+//! expiry, lengths, overflow, a quorum queue's delivery limit), and a policy value lower than
+//! the client's replaces it (the lower one applies, as RabbitMQ applies a policy), so they
+//! reach the upstream queue; a redeclare does not compare them ([`DeclareRewrite::filled`]).
 //!
 //! With `proxy.delegate_to_upstream` the merged dead-letter settings are given to the upstream
 //! instead and it dead-letters on its own.
@@ -125,8 +126,9 @@ pub struct DeclareRewrite {
     pub effective: EffectiveQueueSettings,
     /// The arguments to declare the upstream queue with.
     pub upstream_arguments: FieldTable,
-    /// Keys the proxy filled in from the policy (the client did not send them): RabbitMQ
-    /// never compares policy values, so a redeclare takes the queue's current value for them.
+    /// Keys whose value is the policy's (the client did not send them, or a lower policy value
+    /// replaced the client's): RabbitMQ never compares policy values, so a redeclare takes the
+    /// queue's current value for them.
     pub filled: Vec<&'static str>,
     /// Whether the proxy emulates the delivery limit (classic queues) rather than leaving it to
     /// the upstream (quorum queues count deliveries natively).
@@ -157,27 +159,53 @@ pub fn rewrite_declare(
             upstream.insert(key.clone(), value.clone());
         }
     }
+    // The policy's values: for the arguments the client did not give, and where a policy
+    // value is lower than the client's (the lower one applies, as with a RabbitMQ policy).
     let mut filled = Vec::new();
-    let mut fill = |upstream: &mut FieldTable, key: &'static str, value: Option<u64>| {
-        if client.inner().contains_key(key) {
-            return;
-        }
-        if let Some(value) = value {
+    let mut fill =
+        |upstream: &mut FieldTable, key: &'static str, given: Option<u64>, value: Option<u64>| {
+            let Some(value) = value else {
+                return;
+            };
+            let sent = client.inner().contains_key(key);
+            if sent && given.is_some_and(|given| given <= value) {
+                return;
+            }
             let number = i64::try_from(value).unwrap_or(i64::MAX);
             upstream.insert(ShortString::from(key), AMQPValue::LongLongInt(number));
             filled.push(key);
-        }
-    };
-    fill(&mut upstream, ARG_MESSAGE_TTL, effective.message_ttl);
-    fill(&mut upstream, ARG_EXPIRES, effective.expires);
-    fill(&mut upstream, ARG_MAX_LENGTH, effective.max_length);
+        };
+    fill(
+        &mut upstream,
+        ARG_MESSAGE_TTL,
+        parsed.message_ttl,
+        effective.message_ttl,
+    );
+    fill(
+        &mut upstream,
+        ARG_EXPIRES,
+        parsed.expires,
+        effective.expires,
+    );
+    fill(
+        &mut upstream,
+        ARG_MAX_LENGTH,
+        parsed.max_length,
+        effective.max_length,
+    );
     fill(
         &mut upstream,
         ARG_MAX_LENGTH_BYTES,
+        parsed.max_length_bytes,
         effective.max_length_bytes,
     );
     if quorum {
-        fill(&mut upstream, ARG_DELIVERY_LIMIT, effective.delivery_limit);
+        fill(
+            &mut upstream,
+            ARG_DELIVERY_LIMIT,
+            parsed.delivery_limit,
+            effective.delivery_limit,
+        );
     }
     if !client.inner().contains_key(ARG_OVERFLOW) && policy.is_some_and(|p| p.overflow.is_some()) {
         put_text(&mut upstream, ARG_OVERFLOW, effective.overflow.as_str());
@@ -280,25 +308,32 @@ mod tests {
     }
 
     #[test]
-    fn client_arguments_go_natively_and_the_policy_fills_the_rest() {
+    fn client_arguments_go_natively_and_the_policy_fills_or_lowers_the_rest() {
         let policy = PolicyDefinition {
             dead_letter_exchange: Some("pdlx".into()),
             message_ttl: Some(500),
             max_length: Some(10),
+            expires: Some(90_000),
             overflow: Some(Overflow::RejectPublishDlx),
             ..PolicyDefinition::default()
         };
-        let client = args(&[(ARG_MESSAGE_TTL, AMQPValue::LongInt(1000))]);
+        let client = args(&[
+            (ARG_MESSAGE_TTL, AMQPValue::LongInt(1000)),
+            (ARG_EXPIRES, AMQPValue::LongInt(60_000)),
+        ]);
         let rewrite = rewrite_declare(&client, Some(&policy), None, &capture()).unwrap();
         let up = rewrite.upstream_arguments.inner();
-        // The client's own value, as sent (RabbitMQ compares it on redeclares).
-        assert_eq!(up.get(ARG_MESSAGE_TTL), Some(&AMQPValue::LongInt(1000)));
+        // The lower policy TTL applies; the client's lower expiry goes as sent.
+        assert_eq!(up.get(ARG_MESSAGE_TTL), Some(&AMQPValue::LongLongInt(500)));
+        assert_eq!(up.get(ARG_EXPIRES), Some(&AMQPValue::LongInt(60_000)));
         assert_eq!(up.get(ARG_MAX_LENGTH), Some(&AMQPValue::LongLongInt(10)));
         assert_eq!(up.get(ARG_OVERFLOW), Some(&text("reject-publish-dlx")));
-        assert_eq!(rewrite.filled, vec![ARG_MAX_LENGTH, ARG_OVERFLOW]);
+        assert_eq!(
+            rewrite.filled,
+            vec![ARG_MESSAGE_TTL, ARG_MAX_LENGTH, ARG_OVERFLOW]
+        );
         // No client dead-letter arguments: no tag, the policy is read when a message dies.
         assert!(up.get(ARG_DEAD_LETTER_ROUTING_KEY).is_none());
-        assert_eq!(rewrite.effective.message_ttl, Some(500));
         assert_eq!(
             rewrite.effective.dead_letter_exchange.as_deref(),
             Some("pdlx")

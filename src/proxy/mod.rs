@@ -7,7 +7,8 @@
 //! `limits.max_connections` ([`crate::admission`]). Frames that need no change are forwarded as
 //! the bytes that arrived, in order, with backpressure both ways. The proxy takes over:
 //! - `queue.declare`: client arguments are validated; the upstream queue gets every client
-//!   argument natively (policy values fill the ones the client did not send) and dead-letters
+//!   argument natively (policy values fill the ones the client did not send, or replace a
+//!   higher TTL or length limit) and dead-letters
 //!   into the proxy's capture exchange, with the client's dead-letter arguments (and a classic
 //!   queue's delivery limit) in its dead-letter routing key ([`declare`], [`capture`]). The
 //!   upstream queue is the truth: RabbitMQ judges every declare, checked first on a proxy
@@ -60,10 +61,11 @@
 //!   queues requeue at the head), with `redelivered = false`, exchange `""` and the queue name
 //!   as routing key; its `CC` header is removed so the copy reaches only that queue;
 //! - TTL and length limits from policies are set on the upstream queue when it is first
-//!   declared through the proxy, for the arguments the client did not give; a client argument
-//!   goes upstream as sent, so a lower policy value does not shorten it upstream (the proxy's
-//!   own decisions use the lower one); later policy changes to them need the queue to be
-//!   recreated. Dead-letter target and delivery-limit policy changes apply at once;
+//!   declared through the proxy (for the arguments the client did not give, and where the
+//!   policy's value is lower than the client's); later policy changes to them need the queue
+//!   to be recreated. Dead-letter target and delivery-limit policy changes apply at once. A
+//!   redeclare is not compared on an argument whose upstream value is a policy's: a client
+//!   TTL of 60000 against a queue declared with 30000 under a policy of 100 is accepted;
 //! - a queue that was not declared through a proxy (another dead-letter exchange, or none) is
 //!   upstream-owned: a client's declare goes upstream as sent and RabbitMQ judges it, and its
 //!   rejections, expiries and overflows follow RabbitMQ's own rules (the TOML policies do not
@@ -73,10 +75,17 @@
 //!   queue, exchange or routing-key names) the proxy cannot read it back and passes it on as
 //!   it is, naming the proxy's capture arguments. A classic queue's `x-delivery-limit` is
 //!   compared too (RabbitMQ ignores it on classic queues; the proxy enforces it);
-//! - rejections and requeues on a queue this instance has not verified (its client did not
-//!   declare it through this instance since it started) are passed through: rejections still
-//!   reach the dead-letter exchange through the capture, but requeues on a classic queue are
-//!   not counted against its delivery limit there;
+//! - a queue this instance has not verified (its clients did not declare it through this
+//!   instance since it started) is read back from the upstream at the first basic.consume or
+//!   basic.get on it ([`readback`]): a passive declare, then one non-passive declare per
+//!   argument RabbitMQ names, a round trip each. A queue that cannot be read (a reply cut at
+//!   255 bytes, exclusive to another connection, no configure permission) is tried again at
+//!   the next consume or get; meanwhile its rejections are passed through (they still reach
+//!   the dead-letter exchange through the capture) and its requeues are not counted against a
+//!   classic queue's delivery limit. A queue deleted in the round trip between the passive
+//!   and the first non-passive declare would be created again by the latter;
+//! - deliveries the upstream requeues itself (a channel it closes, basic.recover) are not
+//!   counted against a classic queue's delivery limit;
 //! - the cycle rule on a DLX other than the default exchange catches a loop one lap later
 //!   than RabbitMQ (see [`outgoing`]);
 //! - when a missing DLX closes the proxy's channel, other dead letters still unconfirmed on
@@ -101,7 +110,8 @@
 //!
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
 //! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`bcc`], [`publisher`],
-//! [`capture`], [`declare`], [`arbiter`] (the declare check), [`probe`] (its channel), [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
+//! [`capture`], [`declare`], [`arbiter`] (the declare check), [`readback`], [`probe`] (the
+//! check channel), [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
 //! [`outbox`] (socket writes), [`wire`] (frames and adaptive reads), [`busy_poll`] (polling
 //! before sleeping), [`channels`], [`ops`], [`registry`].
 

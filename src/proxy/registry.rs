@@ -3,13 +3,16 @@
 //! The truth about a queue is the upstream queue's own arguments ([`super::declare`]); an
 //! instance only caches what the upstream confirmed: a declare that RabbitMQ accepted with the
 //! proxy's upstream arguments ([`super::arbiter`]) records the client's arguments it stands
-//! for, and a queue found not to be declared through a proxy is recorded as upstream-owned.
+//! for, and a queue found not to be declared through a proxy is recorded as upstream-owned;
+//! a queue a client consumes from or gets from unverified is read back from the upstream
+//! ([`super::readback`]).
 //! A delivery only names its queue, so when a client rejects it the proxy looks the queue up
 //! here: with verified settings it dead-letters (or counts the requeue) itself, the fast path;
 //! without them (never verified by this instance, evicted, upstream-owned) the settlement is
 //! passed through and the upstream decides (through the capture exchange for proxy queues).
 //!
-//! An entry is replaced by every verified declare, and dropped on queue.delete. The cache is
+//! An entry is replaced by every verified declare or read-back, and dropped on queue.delete
+//! and when a read-back finds the queue missing. The cache is
 //! bounded (entries are evicted at random past the capacity) and its size is the
 //! `verified_queues` gauge.
 
@@ -141,7 +144,7 @@ mod tests {
 
     #[test]
     fn records_replaces_looks_up_and_forgets() {
-        let (registry, metrics) = registry(2);
+        let (registry, metrics) = registry(3);
         registry.record("/", "q", with_dlx("a"));
         registry.record("/", "q", with_dlx("b"));
         assert_eq!(registry.lookup("/", "q"), Some(with_dlx("b")));
@@ -166,10 +169,10 @@ mod tests {
         registry.record("/", "own", VerifiedQueue::UpstreamOwned(own));
         assert_eq!(registry.decided_by_proxy("/", "own"), None);
         assert_eq!(registry.lookup("other", "q"), None);
-        assert_eq!(metrics.verified_queues(), 2);
+        assert_eq!(metrics.verified_queues(), 3);
         registry.forget("/", "q");
-        assert_eq!(registry.len(), 1);
-        assert_eq!(metrics.verified_queues(), 1);
+        assert_eq!(registry.len(), 2);
+        assert_eq!(metrics.verified_queues(), 2);
     }
 
     #[test]

@@ -138,9 +138,13 @@ async fn ttl_and_target_from_a_toml_policy() {
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
     declare_dlx(&ch, &dlx, &dlq).await;
-    // The client gives no TTL: the policy's is set on the upstream queue (a client's own TTL
-    // would go upstream as sent; see the proxy's documented limits).
-    declare(&ch, &q, FieldTable::default()).await;
+    // The client's own TTL is higher: the lower one (the policy's) applies.
+    declare(
+        &ch,
+        &q,
+        table(&[("x-message-ttl", AMQPValue::LongInt(600_000))]),
+    )
+    .await;
     publish(&ch, &q, "p", AMQPProperties::default()).await;
     let dead = get(&ch, &dlq).await;
     assert_eq!(field(&x_death(&dead)[0], "reason"), &ls("expired"));
