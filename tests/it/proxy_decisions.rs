@@ -384,3 +384,54 @@ async fn brownfield_queues_are_judged_and_dead_lettered_by_rabbitmq() {
     let _ = upstream.close(200, "bye".into()).await;
     proxy.stop().await;
 }
+
+/// The channels RabbitMQ counts on the upstream connection of the client named `name`.
+fn upstream_channels(name: &str) -> Option<u32> {
+    let listing = rabbitmqctl(&["list_connections", "-q", "channels", "client_properties"]);
+    let text = String::from_utf8_lossy(&listing.stdout);
+    let line = text.lines().find(|l| l.contains(name))?;
+    line.split_whitespace().next()?.parse().ok()
+}
+
+/// The declare check opens the proxy's check channel only while it runs: after a checked
+/// declare the upstream connection has the client's channel and the proxy's publisher and
+/// capture channels, no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_check_channel_is_closed_after_the_check() {
+    use lapin::protocol::{AMQPClass, queue};
+    let proxy = TestProxy::start(vec![]).await;
+    let name = unique("check-channel");
+    let mut client = RawClient::connect_named(proxy.addr, &name).await;
+    client.open_channel(1).await;
+    let q = unique("checked");
+    client
+        .send_method(
+            1,
+            AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+                queue: q.as_str().into(),
+                passive: false,
+                durable: false,
+                exclusive: false,
+                auto_delete: false,
+                nowait: false,
+                arguments: table(&[("x-dead-letter-exchange", ls("dlx"))]),
+            })),
+        )
+        .await;
+    client.expect_method(50, 11).await;
+    let settled = crate::common::poll(
+        std::time::Duration::from_secs(15),
+        std::time::Duration::from_millis(100),
+        async || (upstream_channels(&name) == Some(3)).then_some(()),
+    )
+    .await;
+    assert!(
+        settled.is_some(),
+        "upstream channels: {:?}",
+        upstream_channels(&name)
+    );
+    let upstream = upstream_connection().await;
+    delete_upstream(&upstream.create_channel().await.unwrap(), &[&q], &[]).await;
+    let _ = upstream.close(200, "bye".into()).await;
+    proxy.stop().await;
+}
