@@ -49,6 +49,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "queue_bytes",
     "inflight_deliveries",
     "inflight_bytes",
+    "verified_queues",
     "outbox_bytes",
     "memory_alarm",
     "memory_used_bytes",
@@ -185,6 +186,7 @@ pub struct Metrics {
     queue_bytes: IntGaugeVec,
     inflight_deliveries: IntGauge,
     inflight_bytes: IntGauge,
+    verified_queues: IntGauge,
     outbox_bytes: IntGauge,
     memory_alarm: IntGauge,
     memory_used: IntGauge,
@@ -363,6 +365,11 @@ impl Metrics {
                 "inflight_bytes",
                 "Body bytes of the deliveries sent to clients and not yet settled, and of \
                  held dead letters (proxy mode).",
+            )?,
+            verified_queues: b.gauge(
+                "verified_queues",
+                "Proxy mode: queues whose settings the upstream confirmed to this instance \
+                 (the bounded cache of verified declarations).",
             )?,
             outbox_bytes: b.gauge(
                 "outbox_bytes",
@@ -676,6 +683,16 @@ impl Metrics {
     /// Deliveries the proxy keeps until they are settled (the drain waits for zero).
     pub fn inflight_deliveries(&self) -> i64 {
         self.inflight_deliveries.get()
+    }
+
+    /// Sets the size of proxy mode's verified-settings cache.
+    pub fn set_verified_queues(&self, queues: usize) {
+        self.verified_queues
+            .set(i64::try_from(queues).unwrap_or(i64::MAX));
+    }
+
+    pub fn verified_queues(&self) -> i64 {
+        self.verified_queues.get()
     }
 
     pub fn add_inflight(&self, deliveries: i64, bytes: i64) {

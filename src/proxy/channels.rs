@@ -65,16 +65,8 @@ impl Source {
 /// A queue.declare waiting for its declare-ok.
 #[derive(Clone, Debug, Default)]
 pub struct PendingDeclare {
-    /// What to remember about the queue (None: nothing, e.g. a passive declare).
-    pub record: Option<DeclareRecord>,
-}
-
-/// A declaration to remember once the upstream confirms it.
-#[derive(Clone, Debug)]
-pub struct DeclareRecord {
-    pub declared: super::declare::DeclaredQueue,
-    /// Replace what is remembered (the queue is new), or only fill a gap (it existed).
-    pub replace: bool,
+    /// What the declare-ok confirms about the queue (None: nothing, e.g. a passive declare).
+    pub record: Option<super::registry::VerifiedQueue>,
 }
 
 /// Content (method + header + bodies) arriving from the upstream on a client channel.

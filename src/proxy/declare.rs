@@ -1,18 +1,23 @@
 //! `queue.declare` in proxy mode: validate the client's x-arguments the way the embedded broker
-//! does, merge them with the TOML policy key by key, and compute the arguments the upstream
-//! queue is declared with.
+//! does and compute the arguments the upstream queue is declared with, a deterministic function
+//! of the client's arguments and the TOML policy, so every proxy instance computes the same.
 //!
-//! The upstream queue gets the effective TTL and length limits, but never the real dead-letter
+//! The upstream queue carries every client x-argument natively (TTL, expiry, lengths,
+//! overflow, type, priority, `x-delivery-limit` on quorum queues, ...), except the dead-letter
 //! target: its dead-letter exchange is the proxy's capture exchange, so everything that dies
-//! upstream (expired, maxlen, and rejections the proxy did not see) reaches the proxy, which
-//! dead-letters it with the real settings. Dead-letter arguments the client gave travel in the
-//! upstream queue's dead-letter routing key as a [`CaptureTag`], so any proxy instance that
-//! consumes the capture queue knows them. With `proxy.delegate_to_upstream` the merged
-//! dead-letter settings are given to the upstream instead and it dead-letters on its own.
+//! upstream (expired, maxlen, and rejections the proxy passed through) reaches the proxy, which
+//! dead-letters it with the real settings. The client's dead-letter exchange and routing key,
+//! and the delivery limit of a classic queue (RabbitMQ 3.10 refuses `x-delivery-limit` on a new
+//! classic queue), travel in the upstream queue's dead-letter routing key as a [`CaptureTag`].
+//! RabbitMQ stores it and compares it on every redeclare, so the upstream queue itself is the
+//! truth every instance reads ([`super::arbiter`] turns RabbitMQ's verdict on it back into
+//! the client's terms). Arguments the client did not send are filled from the policy (TTL,
+//! expiry, lengths, overflow, a quorum queue's delivery limit), and a policy value lower than
+//! the client's replaces it (the lower one applies, as RabbitMQ applies a policy), so they
+//! reach the upstream queue; a redeclare does not compare them ([`DeclareRewrite::filled`]).
 //!
-//! Because the upstream queue carries the proxy's arguments, not the client's, the upstream
-//! cannot tell whether a redeclare is equivalent: the proxy does, with the embedded broker's
-//! check, against the [`DeclaredQueue`] it remembered (see [`super::registry`]).
+//! With `proxy.delegate_to_upstream` the merged dead-letter settings are given to the upstream
+//! instead and it dead-letters on its own.
 
 use amq_protocol::protocol::queue;
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -21,31 +26,41 @@ use crate::policy::{EffectiveQueueSettings, PolicyDefinition, effective_settings
 use crate::rabbit::args::{
     ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY, ARG_DEAD_LETTER_STRATEGY,
     ARG_DELIVERY_LIMIT, ARG_EXPIRES, ARG_MAX_LENGTH, ARG_MAX_LENGTH_BYTES, ARG_MESSAGE_TTL,
-    ARG_OVERFLOW, ArgumentError, EQUIVALENCE_ARGUMENTS, QueueArguments, QueueType, amqp_integer,
-    check_equivalent, parse_queue_arguments,
+    ARG_OVERFLOW, ArgumentError, QueueArguments, QueueType, parse_queue_arguments,
 };
 
 /// Prefix of a capture tag in an upstream queue's dead-letter routing key.
 pub const CAPTURE_TAG_PREFIX: &str = "dlx-proxy:";
 
-/// The client's own dead-letter arguments, carried through the upstream.
+/// The client's own dead-letter arguments (and a classic queue's delivery limit), carried
+/// through the upstream in the dead-letter routing key.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CaptureTag {
     #[serde(rename = "x", default, skip_serializing_if = "Option::is_none")]
     pub dead_letter_exchange: Option<String>,
     #[serde(rename = "k", default, skip_serializing_if = "Option::is_none")]
     pub dead_letter_routing_key: Option<String>,
+    /// `x-delivery-limit` of a classic queue (quorum queues carry it natively).
+    #[serde(rename = "l", default, skip_serializing_if = "Option::is_none")]
+    pub delivery_limit: Option<u64>,
 }
 
 impl CaptureTag {
-    /// The tag for these arguments; `None` when the client gave no dead-letter arguments.
+    /// The tag for these arguments; `None` when there is nothing to carry.
     pub fn from_arguments(args: &QueueArguments) -> Option<CaptureTag> {
-        if args.dead_letter_exchange.is_none() && args.dead_letter_routing_key.is_none() {
+        let delivery_limit = args
+            .delivery_limit
+            .filter(|_| args.queue_type != QueueType::Quorum);
+        if args.dead_letter_exchange.is_none()
+            && args.dead_letter_routing_key.is_none()
+            && delivery_limit.is_none()
+        {
             return None;
         }
         Some(CaptureTag {
             dead_letter_exchange: args.dead_letter_exchange.clone(),
             dead_letter_routing_key: args.dead_letter_routing_key.clone(),
+            delivery_limit,
         })
     }
 
@@ -62,63 +77,34 @@ impl CaptureTag {
         serde_json::from_str(json).ok()
     }
 
-    /// The queue arguments it stands for (only the dead-letter ones are known).
+    /// The queue arguments it stands for (only the ones it carries are known).
     pub fn to_arguments(&self) -> QueueArguments {
         QueueArguments {
             dead_letter_exchange: self.dead_letter_exchange.clone(),
             dead_letter_routing_key: self.dead_letter_routing_key.clone(),
+            delivery_limit: self.delivery_limit,
             ..QueueArguments::default()
         }
     }
-}
 
-/// How a client declared a queue: what the dead-letter rules read, and what a redeclare is
-/// compared with.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct DeclaredQueue {
-    /// The client's arguments, parsed.
-    pub arguments: QueueArguments,
-    /// The client's x-arguments a redeclare is compared on (RabbitMQ's list), as sent.
-    pub compared: FieldTable,
-    pub durable: bool,
-    pub exclusive: bool,
-    pub auto_delete: bool,
-}
-
-impl DeclaredQueue {
-    /// What to remember of a valid declare.
-    pub fn new(declare: &queue::Declare, arguments: QueueArguments) -> DeclaredQueue {
-        let mut compared = FieldTable::default();
-        for (key, value) in &declare.arguments {
-            if EQUIVALENCE_ARGUMENTS.contains(&key.as_str()) {
-                compared.insert(key.clone(), value.clone());
-            }
+    /// The client x-arguments it stands for, as RabbitMQ would have stored them (strings as
+    /// longstr, the limit as a signed 32-bit integer when it fits).
+    pub fn to_field_table(&self) -> FieldTable {
+        let mut table = FieldTable::default();
+        if let Some(dlx) = &self.dead_letter_exchange {
+            put_text(&mut table, ARG_DEAD_LETTER_EXCHANGE, dlx);
         }
-        DeclaredQueue {
-            arguments,
-            compared,
-            durable: declare.durable,
-            exclusive: declare.exclusive,
-            auto_delete: declare.auto_delete,
+        if let Some(key) = &self.dead_letter_routing_key {
+            put_text(&mut table, ARG_DEAD_LETTER_ROUTING_KEY, key);
         }
-    }
-
-    /// The embedded broker's redeclare check, in its order: durable, exclusive, auto-delete,
-    /// then the x-arguments ([`check_equivalent`]). `Err` holds the reply text after
-    /// `PRECONDITION_FAILED - `.
-    pub fn check_redeclare(&self, declare: &queue::Declare, vhost: &str) -> Result<(), String> {
-        let name = declare.queue.as_str();
-        let flags = [
-            ("durable", declare.durable, self.durable),
-            ("exclusive", declare.exclusive, self.exclusive),
-            ("auto_delete", declare.auto_delete, self.auto_delete),
-        ];
-        if let Some((flag, received, current)) = flags.into_iter().find(|(_, r, c)| r != c) {
-            return Err(format!(
-                "inequivalent arg '{flag}' for queue '{name}' in vhost '{vhost}': received '{received}' but current is '{current}'"
-            ));
+        if let Some(limit) = self.delivery_limit {
+            let value = match i32::try_from(limit) {
+                Ok(small) => AMQPValue::LongInt(small),
+                Err(_) => AMQPValue::LongLongInt(i64::try_from(limit).unwrap_or(i64::MAX)),
+            };
+            table.insert(ShortString::from(ARG_DELIVERY_LIMIT), value);
         }
-        check_equivalent(&self.compared, &declare.arguments, name, vhost)
+        table
     }
 }
 
@@ -140,6 +126,10 @@ pub struct DeclareRewrite {
     pub effective: EffectiveQueueSettings,
     /// The arguments to declare the upstream queue with.
     pub upstream_arguments: FieldTable,
+    /// Keys whose value is the policy's (the client did not send them, or a lower policy value
+    /// replaced the client's): RabbitMQ never compares policy values, so a redeclare takes the
+    /// queue's current value for them.
+    pub filled: Vec<&'static str>,
     /// Whether the proxy emulates the delivery limit (classic queues) rather than leaving it to
     /// the upstream (quorum queues count deliveries natively).
     pub proxy_delivery_limit: bool,
@@ -154,49 +144,72 @@ pub fn rewrite_declare(
 ) -> Result<DeclareRewrite, ArgumentError> {
     let parsed = parse_queue_arguments(client)?;
     let effective = effective_settings(&parsed, policy, default_delivery_limit);
+    let quorum = parsed.queue_type == QueueType::Quorum;
     let mut upstream = FieldTable::default();
     for (key, value) in client {
-        if matches!(
-            key.as_str(),
-            ARG_DEAD_LETTER_EXCHANGE
-                | ARG_DEAD_LETTER_ROUTING_KEY
-                | ARG_DEAD_LETTER_STRATEGY
-                | ARG_DELIVERY_LIMIT
-                | ARG_MESSAGE_TTL
-                | ARG_EXPIRES
-                | ARG_MAX_LENGTH
-                | ARG_MAX_LENGTH_BYTES
-                | ARG_OVERFLOW
-        ) {
-            continue;
+        let proxy_owned = match key.as_str() {
+            ARG_DEAD_LETTER_EXCHANGE | ARG_DEAD_LETTER_ROUTING_KEY => true,
+            // RabbitMQ 3.10 refuses it on a new classic queue: it goes into the tag.
+            ARG_DELIVERY_LIMIT => !quorum,
+            // Only quorum queues accept it; the proxy dead-letters anyway.
+            ARG_DEAD_LETTER_STRATEGY => *handling != DeadLetterHandling::Delegate && !quorum,
+            _ => false,
+        };
+        if !proxy_owned {
+            upstream.insert(key.clone(), value.clone());
         }
-        upstream.insert(key.clone(), value.clone());
     }
-    put_number(
+    // The policy's values: for the arguments the client did not give, and where a policy
+    // value is lower than the client's (the lower one applies, as with a RabbitMQ policy).
+    let mut filled = Vec::new();
+    let mut fill =
+        |upstream: &mut FieldTable, key: &'static str, given: Option<u64>, value: Option<u64>| {
+            let Some(value) = value else {
+                return;
+            };
+            let sent = client.inner().contains_key(key);
+            if sent && given.is_some_and(|given| given <= value) {
+                return;
+            }
+            let number = i64::try_from(value).unwrap_or(i64::MAX);
+            upstream.insert(ShortString::from(key), AMQPValue::LongLongInt(number));
+            filled.push(key);
+        };
+    fill(
         &mut upstream,
-        client,
         ARG_MESSAGE_TTL,
+        parsed.message_ttl,
         effective.message_ttl,
     );
-    put_number(&mut upstream, client, ARG_EXPIRES, effective.expires);
-    put_number(&mut upstream, client, ARG_MAX_LENGTH, effective.max_length);
-    put_number(
+    fill(
         &mut upstream,
-        client,
+        ARG_EXPIRES,
+        parsed.expires,
+        effective.expires,
+    );
+    fill(
+        &mut upstream,
+        ARG_MAX_LENGTH,
+        parsed.max_length,
+        effective.max_length,
+    );
+    fill(
+        &mut upstream,
         ARG_MAX_LENGTH_BYTES,
+        parsed.max_length_bytes,
         effective.max_length_bytes,
     );
-    if parsed.overflow.is_some() || policy.is_some_and(|p| p.overflow.is_some()) {
-        put_text(&mut upstream, ARG_OVERFLOW, effective.overflow.as_str());
-    }
-    let quorum = parsed.queue_type == QueueType::Quorum;
     if quorum {
-        put_number(
+        fill(
             &mut upstream,
-            client,
             ARG_DELIVERY_LIMIT,
+            parsed.delivery_limit,
             effective.delivery_limit,
         );
+    }
+    if !client.inner().contains_key(ARG_OVERFLOW) && policy.is_some_and(|p| p.overflow.is_some()) {
+        put_text(&mut upstream, ARG_OVERFLOW, effective.overflow.as_str());
+        filled.push(ARG_OVERFLOW);
     }
     match handling {
         DeadLetterHandling::Capture { exchange } => {
@@ -212,12 +225,6 @@ pub fn rewrite_declare(
                     put_text(&mut upstream, ARG_DEAD_LETTER_ROUTING_KEY, key);
                 }
             }
-            if let Some(strategy) = client.inner().get(ARG_DEAD_LETTER_STRATEGY) {
-                upstream.insert(
-                    ShortString::from(ARG_DEAD_LETTER_STRATEGY),
-                    strategy.clone(),
-                );
-            }
         }
     }
     let proxy_delivery_limit =
@@ -226,24 +233,17 @@ pub fn rewrite_declare(
         client_arguments: parsed,
         effective,
         upstream_arguments: upstream,
+        filled,
         proxy_delivery_limit,
     })
 }
 
-/// Sets a numeric argument, keeping the client's own value (and type) when it is the effective
-/// one, so redeclares stay equivalent.
-fn put_number(upstream: &mut FieldTable, client: &FieldTable, key: &str, value: Option<u64>) {
-    let Some(value) = value else {
-        return;
-    };
-    if let Some(original) = client.inner().get(key)
-        && amqp_integer(original) == i64::try_from(value).ok()
-    {
-        upstream.insert(ShortString::from(key), original.clone());
-        return;
+/// The upstream declare for a client's declare: the client's flags with other arguments.
+pub fn upstream_declare(client: &queue::Declare, arguments: FieldTable) -> queue::Declare {
+    queue::Declare {
+        arguments,
+        ..client.clone()
     }
-    let number = i64::try_from(value).unwrap_or(i64::MAX);
-    upstream.insert(ShortString::from(key), AMQPValue::LongLongInt(number));
 }
 
 fn put_text(upstream: &mut FieldTable, key: &str, value: &str) {
@@ -308,20 +308,30 @@ mod tests {
     }
 
     #[test]
-    fn policy_limits_reach_the_upstream_and_the_lower_wins() {
+    fn client_arguments_go_natively_and_the_policy_fills_or_lowers_the_rest() {
         let policy = PolicyDefinition {
             dead_letter_exchange: Some("pdlx".into()),
             message_ttl: Some(500),
             max_length: Some(10),
+            expires: Some(90_000),
             overflow: Some(Overflow::RejectPublishDlx),
             ..PolicyDefinition::default()
         };
-        let client = args(&[(ARG_MESSAGE_TTL, AMQPValue::LongInt(1000))]);
+        let client = args(&[
+            (ARG_MESSAGE_TTL, AMQPValue::LongInt(1000)),
+            (ARG_EXPIRES, AMQPValue::LongInt(60_000)),
+        ]);
         let rewrite = rewrite_declare(&client, Some(&policy), None, &capture()).unwrap();
         let up = rewrite.upstream_arguments.inner();
+        // The lower policy TTL applies; the client's lower expiry goes as sent.
         assert_eq!(up.get(ARG_MESSAGE_TTL), Some(&AMQPValue::LongLongInt(500)));
+        assert_eq!(up.get(ARG_EXPIRES), Some(&AMQPValue::LongInt(60_000)));
         assert_eq!(up.get(ARG_MAX_LENGTH), Some(&AMQPValue::LongLongInt(10)));
         assert_eq!(up.get(ARG_OVERFLOW), Some(&text("reject-publish-dlx")));
+        assert_eq!(
+            rewrite.filled,
+            vec![ARG_MESSAGE_TTL, ARG_MAX_LENGTH, ARG_OVERFLOW]
+        );
         // No client dead-letter arguments: no tag, the policy is read when a message dies.
         assert!(up.get(ARG_DEAD_LETTER_ROUTING_KEY).is_none());
         assert_eq!(
@@ -331,16 +341,21 @@ mod tests {
     }
 
     #[test]
-    fn delivery_limit_is_emulated_on_classic_and_native_on_quorum() {
+    fn delivery_limit_is_in_the_tag_on_classic_and_native_on_quorum() {
         let client = args(&[(ARG_DELIVERY_LIMIT, AMQPValue::LongInt(2))]);
         let rewrite = rewrite_declare(&client, None, None, &capture()).unwrap();
         assert!(rewrite.proxy_delivery_limit);
-        assert!(
-            rewrite
-                .upstream_arguments
-                .inner()
-                .get(ARG_DELIVERY_LIMIT)
-                .is_none()
+        let up = rewrite.upstream_arguments.inner();
+        assert!(up.get(ARG_DELIVERY_LIMIT).is_none());
+        let Some(AMQPValue::LongString(tag)) = up.get(ARG_DEAD_LETTER_ROUTING_KEY) else {
+            panic!("no tag");
+        };
+        let tag = CaptureTag::decode(&String::from_utf8_lossy(tag.as_bytes())).unwrap();
+        assert_eq!(tag.delivery_limit, Some(2));
+        assert_eq!(tag.dead_letter_exchange, None);
+        assert_eq!(
+            tag.to_field_table(),
+            args(&[(ARG_DELIVERY_LIMIT, AMQPValue::LongInt(2))])
         );
         let client = args(&[
             (ARG_DELIVERY_LIMIT, AMQPValue::LongInt(2)),
@@ -352,8 +367,23 @@ mod tests {
             rewrite.upstream_arguments.inner().get(ARG_DELIVERY_LIMIT),
             Some(&AMQPValue::LongInt(2))
         );
+        assert!(
+            rewrite
+                .upstream_arguments
+                .inner()
+                .get(ARG_DEAD_LETTER_ROUTING_KEY)
+                .is_none()
+        );
+        // A default limit is the proxy's configuration, not the queue's: no tag.
         let rewrite = rewrite_declare(&FieldTable::default(), None, Some(3), &capture()).unwrap();
         assert!(rewrite.proxy_delivery_limit);
+        assert!(
+            rewrite
+                .upstream_arguments
+                .inner()
+                .get(ARG_DEAD_LETTER_ROUTING_KEY)
+                .is_none()
+        );
     }
 
     #[test]
@@ -386,119 +416,17 @@ mod tests {
         );
     }
 
-    fn declare_of(name: &str, arguments: FieldTable) -> queue::Declare {
-        queue::Declare {
-            queue: ShortString::from(name),
-            passive: false,
-            durable: true,
-            exclusive: false,
-            auto_delete: false,
-            nowait: false,
-            arguments,
-        }
-    }
-
-    fn declared(arguments: FieldTable) -> DeclaredQueue {
-        let declare = declare_of("src", arguments);
-        let parsed = parse_queue_arguments(&declare.arguments).unwrap();
-        DeclaredQueue::new(&declare, parsed)
-    }
-
-    #[test]
-    fn a_declared_queue_keeps_only_the_compared_arguments_as_sent() {
-        let queue = declared(args(&[
-            (ARG_DEAD_LETTER_EXCHANGE, text("dlx")),
-            (ARG_MESSAGE_TTL, AMQPValue::LongInt(1000)),
-            ("x-single-active-consumer", AMQPValue::Boolean(true)),
-            ("x-custom", text("v")),
-        ]));
-        assert_eq!(
-            queue.compared,
-            args(&[
-                (ARG_DEAD_LETTER_EXCHANGE, text("dlx")),
-                (ARG_MESSAGE_TTL, AMQPValue::LongInt(1000)),
-            ])
-        );
-        assert_eq!(queue.arguments.message_ttl, Some(1000));
-        assert!(queue.durable && !queue.exclusive && !queue.auto_delete);
-    }
-
-    #[test]
-    fn redeclares_are_compared_like_the_embedded_broker() {
-        let original = args(&[
-            (ARG_DEAD_LETTER_EXCHANGE, text("dlxA")),
-            (ARG_MESSAGE_TTL, AMQPValue::LongInt(1000)),
-        ]);
-        let queue = declared(original.clone());
-        let check =
-            |arguments: FieldTable| queue.check_redeclare(&declare_of("src", arguments), "/");
-        assert_eq!(check(original.clone()), Ok(()));
-        // An int64 TTL equals an int32 one; arguments RabbitMQ does not compare are ignored.
-        assert_eq!(
-            check(args(&[
-                (ARG_DEAD_LETTER_EXCHANGE, text("dlxA")),
-                (ARG_MESSAGE_TTL, AMQPValue::LongLongInt(1000)),
-                ("x-custom", text("v")),
-            ])),
-            Ok(())
-        );
-        assert_eq!(
-            check(args(&[
-                (ARG_DEAD_LETTER_EXCHANGE, text("dlxB")),
-                (ARG_MESSAGE_TTL, AMQPValue::LongInt(1000)),
-            ])),
-            Err("inequivalent arg 'x-dead-letter-exchange' for queue 'src' in vhost '/': received 'dlxB' but current is 'dlxA'".into())
-        );
-        assert_eq!(
-            check(args(&[(ARG_MESSAGE_TTL, AMQPValue::LongInt(1000))])),
-            Err("inequivalent arg 'x-dead-letter-exchange' for queue 'src' in vhost '/': received none but current is the value 'dlxA' of type 'longstr'".into())
-        );
-        assert_eq!(
-            check(FieldTable::default()),
-            Err("inequivalent arg 'x-message-ttl' for queue 'src' in vhost '/': received none but current is the value '1000' of type 'signedint'".into())
-        );
-        let mut with_key = original.clone();
-        with_key.insert(ARG_DEAD_LETTER_ROUTING_KEY.into(), text("k"));
-        assert_eq!(
-            check(with_key),
-            Err("inequivalent arg 'x-dead-letter-routing-key' for queue 'src' in vhost '/': received the value 'k' of type 'longstr' but current is none".into())
-        );
-        assert_eq!(
-            check(args(&[
-                (ARG_DEAD_LETTER_EXCHANGE, text("dlxA")),
-                (ARG_MESSAGE_TTL, AMQPValue::LongInt(2000)),
-            ])),
-            Err("inequivalent arg 'x-message-ttl' for queue 'src' in vhost '/': received '2000' but current is '1000'".into())
-        );
-    }
-
-    #[test]
-    fn redeclares_compare_the_flags_first() {
-        let queue = declared(args(&[(ARG_MESSAGE_TTL, AMQPValue::LongInt(1000))]));
-        let mut declare = declare_of("src", FieldTable::default());
-        declare.durable = false;
-        assert_eq!(
-            queue.check_redeclare(&declare, "v"),
-            Err("inequivalent arg 'durable' for queue 'src' in vhost 'v': received 'false' but current is 'true'".into())
-        );
-        let mut declare = declare_of("src", args(&[(ARG_MESSAGE_TTL, AMQPValue::LongInt(1000))]));
-        declare.auto_delete = true;
-        assert_eq!(
-            queue.check_redeclare(&declare, "v"),
-            Err("inequivalent arg 'auto_delete' for queue 'src' in vhost 'v': received 'true' but current is 'false'".into())
-        );
-    }
-
     #[test]
     fn long_tags_do_not_fit() {
         let tag = CaptureTag {
             dead_letter_exchange: Some("x".repeat(250)),
-            dead_letter_routing_key: None,
+            ..CaptureTag::default()
         };
         assert!(tag.encode().is_none());
         let short = CaptureTag {
             dead_letter_exchange: Some(String::new()),
             dead_letter_routing_key: Some("q\"1".into()),
+            delivery_limit: Some(2),
         };
         assert_eq!(CaptureTag::decode(&short.encode().unwrap()), Some(short));
         assert_eq!(CaptureTag::decode("plain-key"), None);

@@ -18,7 +18,7 @@ use super::channels::{
 use super::handshake::{LoginCheck, check_login, negotiate, tune_for_client};
 use super::inflight::Verb;
 use super::ops::Origin;
-use super::probe::QueueProbe;
+use super::probe::CheckChannel;
 use super::publisher::Publisher;
 use super::session::{Session, Side};
 use super::wire::{WireFrame, content_body_size, header_frame, method_frame};
@@ -282,6 +282,11 @@ impl Session {
 
     fn client_connection_frame(&mut self, frame: WireFrame) {
         if frame.kind == FRAME_METHOD && frame.method_ids() == CONNECTION_CLOSE {
+            // Deliveries the client leaves unsettled count against delivery limits.
+            let channels: Vec<u16> = self.channels.keys().copied().collect();
+            for channel in channels {
+                self.count_returns(channel);
+            }
             if self.ops.is_empty() {
                 self.forward_client_connection_close(frame.raw);
             } else {
@@ -378,6 +383,32 @@ impl Session {
     }
 
     fn client_method(&mut self, frame: WireFrame) {
+        if matches!(frame.method_ids(), BASIC_CONSUME | BASIC_GET) {
+            // A queue this instance has not verified is read back from the upstream first.
+            // Bounded like every client method with a table; a frame that does not decode is
+            // refused by the dispatch below.
+            let queue = match decode_method_within(&frame.payload, self.shared.max_table_depth) {
+                Ok(AMQPClass::Basic(basic::AMQPMethod::Consume(m))) => Some(m.queue),
+                Ok(AMQPClass::Basic(basic::AMQPMethod::Get(m))) => Some(m.queue),
+                _ => None,
+            };
+            let queue = queue.and_then(|q| {
+                let ch = self.channels.get(&frame.channel)?;
+                ch.is_open().then(|| ch.resolve_queue(q.as_str()))
+            });
+            if let Some(queue) = queue {
+                match self.read_back(frame, queue) {
+                    Some(frame) => self.client_method_now(frame),
+                    None => return,
+                }
+                return;
+            }
+        }
+        self.client_method_now(frame);
+    }
+
+    /// Dispatches a client method (after any read-back it needed).
+    pub(super) fn client_method_now(&mut self, frame: WireFrame) {
         let channel = frame.channel;
         let ids = frame.method_ids();
         match ids {
@@ -589,17 +620,15 @@ impl Session {
             }
             _ => {
                 ch.phase = ChannelPhase::ClosingByClient;
-                let ops = ch.ops;
+                // Deliveries the client leaves unsettled count against delivery limits.
+                self.count_returns(channel);
                 // Held dead letters are let go: closing the channel upstream requeues their
                 // originals. Publishes awaiting their confirm are waited for.
                 self.let_go_held_of_channel(channel);
-                if ops > 0 {
-                    let Some(ch) = self.channels.get_mut(&channel) else {
-                        return;
-                    };
-                    ch.parked_close = Some(frame.raw);
-                } else {
-                    self.forward_channel_close(channel, frame.raw);
+                let busy = self.channels.get(&channel).is_some_and(|ch| ch.ops > 0);
+                match self.channels.get_mut(&channel) {
+                    Some(ch) if busy => ch.parked_close = Some(frame.raw),
+                    _ => self.forward_channel_close(channel, frame.raw),
                 }
             }
         }
@@ -629,7 +658,7 @@ impl Session {
                 return;
             }
             if Some(frame.channel) == agreed.probe_channel && frame.channel != 0 {
-                self.probe_frame(frame);
+                self.check_frame(frame);
                 return;
             }
         }
@@ -738,9 +767,8 @@ impl Session {
             return;
         }
         if let Some(channel) = agreed.probe_channel {
-            let probe = QueueProbe::new(channel);
-            self.send_upstream(probe.open_frames());
-            self.probe = Some(probe);
+            // Opened for each declare check only.
+            self.check = Some(CheckChannel::new(channel));
         }
         if let Some(channel) = agreed.publisher_channel {
             let publisher = Publisher::new(channel, self.frame_max, self.shared.confirm_timeout);
@@ -772,16 +800,16 @@ impl Session {
         }
     }
 
-    fn probe_frame(&mut self, frame: WireFrame) {
-        let Some(probe) = self.probe.as_mut() else {
+    fn check_frame(&mut self, frame: WireFrame) {
+        let Some(check) = self.check.as_mut() else {
             return;
         };
-        let step = probe.on_frame(&frame);
+        let step = check.on_frame(&frame);
         if let Some(write) = step.write {
             self.send_upstream(write);
         }
         if let Some(answer) = step.answer {
-            self.on_probe_answer(answer);
+            self.on_check_channel_answer(answer);
         }
     }
 

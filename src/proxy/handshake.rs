@@ -1,7 +1,7 @@
 //! Connection negotiation seen from the middle: the upstream's `connection.tune` is shown to the
 //! client with [`RESERVED_CHANNELS`] channel numbers fewer, the client's `connection.tune-ok`
 //! is passed on with those added back, and the highest channel numbers of the upstream
-//! connection become the proxy's own (queue probe, dead-letter publisher, capture consumer).
+//! connection become the proxy's own (declare checks, dead-letter publisher, capture consumer).
 //! Everything else in the handshake (start, SASL, open) passes through unchanged.
 //! The client is offered no more than `limits.channel_max` channels either.
 //!
@@ -24,7 +24,7 @@ pub const RESERVED_CHANNELS: u16 = 3;
 pub struct Negotiated {
     /// Highest channel number the client may use.
     pub client_channel_max: u16,
-    /// The proxy's queue-probe channel (None when the upstream offers too few channels).
+    /// The proxy's declare-check channel (None when the upstream offers too few channels).
     pub probe_channel: Option<u16>,
     /// The proxy's dead-letter publisher channel.
     pub publisher_channel: Option<u16>,

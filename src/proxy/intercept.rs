@@ -11,21 +11,23 @@ use amq_protocol::protocol::{AMQPClass, BasicProperties, basic, queue};
 use amq_protocol::types::FieldTable;
 use bytes::Bytes;
 
+use super::ProxyShared;
 use super::QueueView;
+use super::arbiter::{DeclareCheck, Next, Verdict};
 use super::bcc::kept_bcc_keys;
 use super::capture::{CapturedMessage, reconstruct};
-use super::channels::{DeclareRecord, PendingDeclare};
-use super::declare::{
-    CaptureTag, DeadLetterHandling, DeclareRewrite, DeclaredQueue, rewrite_declare,
-};
+use super::channels::PendingDeclare;
+use super::declare::{CaptureTag, DeadLetterHandling, rewrite_declare, upstream_declare};
 use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{
     dead_letter_publish, delivery_count, delivery_routing_keys, keys_after_cycle_rule,
     requeue_publish,
 };
-use super::probe::ProbeAnswer;
+use super::probe::CheckAnswer;
 use super::publisher::{OpId, Outcome, OutgoingMessage};
+use super::readback::{ReadBack, ReadNext, ReadOutcome};
+use super::registry::VerifiedQueue;
 use super::retry::RetryReason;
 use super::session::Session;
 use super::wire::{WireFrame, method_frame};
@@ -33,13 +35,28 @@ use crate::amqp::codec::decode_method;
 use crate::amqp::content::{decode_properties, keep_opaque_headers};
 use crate::amqp::reply;
 use crate::deadletter::{DeadLetterReason, DeadLetterTarget, DeathEvent, dead_letter};
-use crate::rabbit::args::ArgumentError;
+use crate::rabbit::args::{ArgumentError, QueueArguments};
 
 fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+/// The verified view of `queue`, looked up once per settlement.
+fn cached_view(
+    views: &mut Vec<(Arc<str>, Option<QueueView>)>,
+    shared: &ProxyShared,
+    vhost: &str,
+    queue: &Arc<str>,
+) -> Option<QueueView> {
+    if let Some((_, view)) = views.iter().find(|(q, _)| q == queue) {
+        return view.clone();
+    }
+    let view = shared.verified_view(vhost, queue);
+    views.push((queue.clone(), view.clone()));
+    view
 }
 
 /// The frame for a native settlement.
@@ -62,25 +79,24 @@ fn settle_frame(channel: u16, settle: NativeSettle) -> Bytes {
     method_frame(channel, AMQPClass::Basic(method))
 }
 
-/// A queue.declare held until the probe says whether the queue exists.
+/// A queue.declare held while the check channel asks the upstream ([`super::arbiter`]).
 #[derive(Debug)]
-pub(super) struct PendingProbe {
+pub(super) struct PendingCheck {
     channel: u16,
     declare: queue::Declare,
-    /// The validated rewrite, or why the arguments are refused (an existing queue is compared
-    /// before its arguments are validated, as RabbitMQ does).
-    rewrite: Result<DeclareRewrite, ArgumentError>,
+    client_arguments: QueueArguments,
+    /// The computed upstream arguments (declared for the client when the check cannot tell).
+    upstream_arguments: FieldTable,
+    check: DeclareCheck,
 }
 
-/// How a declare goes upstream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum UpstreamDeclare {
-    /// The queue is new (or the upstream decides): declared with the proxy's arguments, and
-    /// the client's declaration replaces what was remembered.
-    Create,
-    /// The queue exists: declared passively; the client's declaration is remembered only if
-    /// nothing was (`remember`).
-    Existing { remember: bool },
+/// A basic.consume or basic.get held while its queue's arguments are read back
+/// ([`super::readback`]).
+#[derive(Debug)]
+pub(super) struct PendingRead {
+    frame: WireFrame,
+    queue: Arc<str>,
+    read: ReadBack,
 }
 
 /// Everything `dead_letter_message` needs to know about the message that died.
@@ -142,39 +158,63 @@ impl Session {
             .unwrap_or_else(|e| e.into_inner())
             .for_queue(&self.vhost, &name)
             .map(|p| p.definition.clone());
-        let rewrite = rewrite_declare(
+        let rewrite = match rewrite_declare(
             &declare.arguments,
             policy.as_ref(),
             self.shared.default_delivery_limit,
             &handling,
-        );
-        let question = if name.is_empty() {
-            None
-        } else {
-            self.probe.as_mut().and_then(|p| p.ask(&declare.queue))
+        ) {
+            Ok(rewrite) => rewrite,
+            Err(err) => {
+                self.refuse_declare(channel, &name, &err);
+                return;
+            }
         };
-        match (question, rewrite) {
-            (Some(bytes), rewrite) => {
-                self.send_upstream(bytes);
-                self.pending_probe = Some(PendingProbe {
-                    channel,
-                    declare,
-                    rewrite,
-                });
-            }
-            (None, Err(err)) => self.refuse_declare(channel, &name, &err),
-            (None, Ok(rewrite)) => {
-                self.forward_declare(channel, declare, rewrite, UpstreamDeclare::Create)
-            }
+        // Server-named and exclusive queues belong to this connection: nobody else declares
+        // them, so they are declared for the client directly.
+        let checked = !name.is_empty()
+            && !declare.exclusive
+            && matches!(handling, DeadLetterHandling::Capture { .. })
+            && self.check.is_some();
+        if !checked {
+            let record = VerifiedQueue::Proxied(rewrite.client_arguments);
+            self.forward_declare(channel, &declare, rewrite.upstream_arguments, Some(record));
+            return;
         }
+        let check = DeclareCheck::new(&declare, &self.vhost, &rewrite, &self.shared.capture_name);
+        if let Some(bytes) = self.check.as_mut().and_then(|c| c.declare(check.request())) {
+            self.send_upstream(bytes);
+        }
+        self.pending_check = Some(PendingCheck {
+            channel,
+            declare,
+            client_arguments: rewrite.client_arguments,
+            upstream_arguments: rewrite.upstream_arguments,
+            check,
+        });
     }
 
-    /// The probe answered. An existing queue is compared with the declaration remembered for
-    /// it (406 when inequivalent) and declared passively; a missing one is created with the
-    /// proxy's upstream arguments.
-    pub(super) fn on_probe_answer(&mut self, answer: ProbeAnswer) {
-        let Some(pending) = self.pending_probe.take() else {
+    /// The check channel answered: declare again, or settle the client's declare by the
+    /// verdict ([`super::arbiter`]).
+    fn on_check_answer(&mut self, answer: CheckAnswer) {
+        let Some(mut pending) = self.pending_check.take() else {
             return;
+        };
+        let verdict = match answer {
+            CheckAnswer::DeclareOk => {
+                self.close_check();
+                pending.check.on_declare_ok()
+            }
+            CheckAnswer::Refused { code, text } => match pending.check.on_close(code, &text) {
+                Next::Declare(again) => {
+                    if let Some(bytes) = self.check.as_mut().and_then(|c| c.declare(again)) {
+                        self.send_upstream(bytes);
+                    }
+                    self.pending_check = Some(pending);
+                    return;
+                }
+                Next::Done(verdict) => verdict,
+            },
         };
         let open = self
             .channels
@@ -183,35 +223,108 @@ impl Session {
         if !open {
             return;
         }
-        let name = pending.declare.queue.as_str().to_string();
-        let how = match answer {
-            ProbeAnswer::Exists => match self.shared.queues.lookup_declared(&self.vhost, &name) {
-                Some(known) => {
-                    if let Err(text) = known.check_redeclare(&pending.declare, &self.vhost) {
-                        tracing::debug!(peer = %self.peer, %text, "queue.declare refused");
-                        self.close_channel_by_proxy(
-                            pending.channel,
-                            reply::PRECONDITION_FAILED,
-                            &format!("PRECONDITION_FAILED - {text}"),
-                            50,
-                            10,
-                        );
-                        return;
-                    }
-                    UpstreamDeclare::Existing { remember: false }
-                }
-                None => UpstreamDeclare::Existing { remember: true },
-            },
-            ProbeAnswer::Missing => {
-                // Whatever was remembered belongs to a queue that is gone.
-                self.shared.queues.forget(&self.vhost, &name);
-                UpstreamDeclare::Create
+        let channel = pending.channel;
+        let declare = pending.declare;
+        match verdict {
+            Verdict::Verified(arguments) => {
+                let record = VerifiedQueue::Proxied(pending.client_arguments);
+                self.forward_declare(channel, &declare, arguments, Some(record));
             }
-            ProbeAnswer::Unknown => UpstreamDeclare::Create,
+            Verdict::Refused { code, text } => {
+                tracing::debug!(peer = %self.peer, %text, "queue.declare refused");
+                self.close_channel_by_proxy(channel, code, &text, 50, 10);
+            }
+            Verdict::UpstreamOwned => {
+                // RabbitMQ judges the client's own declare; its declare-ok confirms the
+                // arguments it compares.
+                let arguments = declare.arguments.clone();
+                let record = VerifiedQueue::UpstreamOwned(pending.client_arguments);
+                self.forward_declare(channel, &declare, arguments, Some(record));
+            }
+            Verdict::Undecided => {
+                let record = VerifiedQueue::Proxied(pending.client_arguments);
+                self.forward_declare(channel, &declare, pending.upstream_arguments, Some(record));
+            }
+        }
+    }
+
+    /// Starts reading back the arguments of `queue`, which a client consumes from or gets
+    /// from, when this instance has nothing verified about it: the client's `frame` waits
+    /// (client reads pause) and `None` is returned. Otherwise the frame is given back.
+    pub(super) fn read_back(&mut self, frame: WireFrame, queue: Arc<str>) -> Option<WireFrame> {
+        let wanted = self.publisher.is_some()
+            && self.pending_check.is_none()
+            && self.pending_read.is_none()
+            && !queue.is_empty()
+            && *queue != *self.shared.capture_name
+            && self.shared.queues.lookup(&self.vhost, &queue).is_none();
+        let read = wanted
+            .then(|| ReadBack::new(&queue, &self.vhost, &self.shared.capture_name))
+            .flatten();
+        let Some(read) = read.filter(|_| self.check.is_some()) else {
+            return Some(frame);
         };
-        match pending.rewrite {
-            Ok(rewrite) => self.forward_declare(pending.channel, pending.declare, rewrite, how),
-            Err(err) => self.refuse_declare(pending.channel, &name, &err),
+        self.check_declare(read.request());
+        self.pending_read = Some(PendingRead { frame, queue, read });
+        None
+    }
+
+    /// The check channel answered a read-back: ask again, or cache what was learned and let
+    /// the client's method go.
+    fn on_read_answer(&mut self, answer: CheckAnswer) {
+        let Some(mut pending) = self.pending_read.take() else {
+            return;
+        };
+        let next = match answer {
+            CheckAnswer::DeclareOk => pending.read.on_declare_ok(),
+            CheckAnswer::Refused { code, text } => pending.read.on_close(code, &text),
+        };
+        let outcome = match next {
+            ReadNext::Declare(again) => {
+                self.check_declare(again);
+                self.pending_read = Some(pending);
+                return;
+            }
+            ReadNext::Done(outcome) => outcome,
+        };
+        self.close_check();
+        match outcome {
+            ReadOutcome::Learned(verified) => {
+                self.shared
+                    .queues
+                    .record(&self.vhost, &pending.queue, verified)
+            }
+            ReadOutcome::Missing => self.shared.queues.forget(&self.vhost, &pending.queue),
+            ReadOutcome::Unknown => {
+                tracing::debug!(queue = &*pending.queue, "queue arguments not readable");
+            }
+        }
+        let channel = pending.frame.channel;
+        if self.channels.get(&channel).is_some_and(|ch| ch.is_open()) {
+            self.client_method_now(pending.frame);
+        }
+    }
+
+    /// An answer on the check channel: for the declare check or the read-back in flight.
+    pub(super) fn on_check_channel_answer(&mut self, answer: CheckAnswer) {
+        if self.pending_check.is_some() {
+            self.on_check_answer(answer);
+        } else {
+            self.on_read_answer(answer);
+        }
+    }
+
+    /// Sends a declare on the check channel (opening it, or once its close is answered).
+    fn check_declare(&mut self, declare: queue::Declare) {
+        if let Some(bytes) = self.check.as_mut().and_then(|c| c.declare(declare)) {
+            self.send_upstream(bytes);
+        }
+    }
+
+    /// Closes the check channel after a check.
+    fn close_check(&mut self) {
+        if let Some(bytes) = self.check.as_mut().and_then(|c| c.close()) {
+            self.send_upstream(bytes);
         }
     }
 
@@ -222,35 +335,21 @@ impl Session {
         self.close_channel_by_proxy(channel, err.reply_code(), &text, 50, 10);
     }
 
+    /// Sends the client's declare upstream with `arguments`; its declare-ok records `record`
+    /// (the upstream accepted those arguments for the queue).
     fn forward_declare(
         &mut self,
         channel: u16,
-        declare: queue::Declare,
-        rewrite: DeclareRewrite,
-        how: UpstreamDeclare,
+        declare: &queue::Declare,
+        arguments: FieldTable,
+        record: Option<VerifiedQueue>,
     ) {
         let name = declare.queue.as_str().to_string();
-        let mut upstream = declare.clone();
-        let record = match how {
-            UpstreamDeclare::Existing { remember } => {
-                upstream.passive = true;
-                upstream.arguments = FieldTable::default();
-                remember.then_some(false)
-            }
-            UpstreamDeclare::Create => {
-                upstream.arguments = rewrite.upstream_arguments;
-                Some(true)
-            }
-        }
-        .map(|replace| DeclareRecord {
-            declared: DeclaredQueue::new(&declare, rewrite.client_arguments),
-            replace,
-        });
         if let Some(ch) = self.channels.get_mut(&channel) {
             if declare.nowait {
                 ch.last_queue = Some(Arc::from(name.as_str()));
-                if let Some(record) = record {
-                    self.remember_declare(&name, record);
+                if let Some(record) = record.filter(|_| !name.is_empty()) {
+                    self.shared.queues.record(&self.vhost, &name, record);
                 }
             } else {
                 ch.pending_declares.push_back(PendingDeclare { record });
@@ -258,20 +357,10 @@ impl Session {
         }
         self.send_upstream(method_frame(
             channel,
-            AMQPClass::Queue(queue::AMQPMethod::Declare(upstream)),
+            AMQPClass::Queue(queue::AMQPMethod::Declare(upstream_declare(
+                declare, arguments,
+            ))),
         ));
-    }
-
-    fn remember_declare(&self, queue: &str, record: DeclareRecord) {
-        if record.replace {
-            self.shared
-                .queues
-                .record(&self.vhost, queue, record.declared);
-        } else {
-            self.shared
-                .queues
-                .record_if_absent(&self.vhost, queue, record.declared);
-        }
     }
 
     pub(super) fn upstream_declare_ok(&mut self, frame: &WireFrame) {
@@ -289,7 +378,7 @@ impl Session {
             record: Some(record),
         }) = ch.pending_declares.pop_front()
         {
-            self.remember_declare(name, record);
+            self.shared.queues.record(&self.vhost, name, record);
         }
     }
 
@@ -308,18 +397,14 @@ impl Session {
         };
         let channel_id = ch.id;
         let kept_before = ch.deliveries.kept_len();
-        let mut views: Vec<(Arc<str>, QueueView)> = Vec::new();
+        let mut views: Vec<(Arc<str>, Option<QueueView>)> = Vec::new();
         let (plan, released_bytes) = ch.deliveries.plan_settlement(verb, tag, multiple, |d| {
             if !proxy_active || !verb.is_negative() || !d.with_content {
                 return false;
             }
-            let view = match views.iter().find(|(q, _)| *q == d.queue) {
-                Some((_, view)) => view.clone(),
-                None => {
-                    let view = shared.queue_view(&vhost, &d.queue, None);
-                    views.push((d.queue.clone(), view.clone()));
-                    view
-                }
+            // Only verified settings are acted on; otherwise the upstream decides.
+            let Some(view) = cached_view(&mut views, &shared, &vhost, &d.queue) else {
+                return false;
             };
             if verb.requeues() {
                 view.proxy_delivery_limit
@@ -347,19 +432,69 @@ impl Session {
                 self.send_upstream(settle_frame(channel, *native));
             }
         }
-        for (delivery_tag, delivery) in plan.taken_over {
-            let view = views
-                .iter()
-                .find(|(q, _)| *q == delivery.queue)
-                .map(|(_, v)| v.clone())
-                .unwrap_or_else(|| self.shared.queue_view(&self.vhost, &delivery.queue, None));
+        self.take_over_all(channel, channel_id, verb, plan.taken_over, &mut views);
+    }
+
+    /// Takes over deliveries planned for it with the views their plan was made with.
+    fn take_over_all(
+        &mut self,
+        channel: u16,
+        channel_id: u64,
+        verb: Verb,
+        taken_over: Vec<(u64, KeptDelivery)>,
+        views: &mut Vec<(Arc<str>, Option<QueueView>)>,
+    ) {
+        let shared = self.shared.clone();
+        for (delivery_tag, delivery) in taken_over {
             let origin = Origin::Client {
                 channel,
                 channel_id,
                 tag: delivery_tag,
             };
-            self.take_over(origin, verb, delivery, &view);
+            match cached_view(views, &shared, &self.vhost, &delivery.queue) {
+                Some(view) => self.take_over(origin, verb, delivery, &view),
+                // Not planned without a view; given back to be safe.
+                None => self.settle_origin(origin, Settlement::Requeue),
+            }
         }
+    }
+
+    /// The client leaves a channel (channel.close, connection.close, connection lost) holding
+    /// unsettled deliveries. RabbitMQ requeues them without counting on a classic queue, so
+    /// each one of a queue whose delivery limit the proxy counts is republished with its count
+    /// plus one (or dead-lettered past the limit) and the original acked, as if the client had
+    /// requeued it; the channel or connection is closed once those are settled. Quorum queues
+    /// count the return themselves.
+    pub(super) fn count_returns(&mut self, channel: u16) {
+        if self.publisher.is_none() {
+            return;
+        }
+        let shared = self.shared.clone();
+        let vhost = self.vhost.clone();
+        let Some(ch) = self.channels.get_mut(&channel) else {
+            return;
+        };
+        if !matches!(
+            ch.phase,
+            super::channels::ChannelPhase::Open | super::channels::ChannelPhase::ClosingByClient
+        ) || ch.deliveries.kept_len() == 0
+        {
+            return;
+        }
+        let channel_id = ch.id;
+        let verb = Verb::Nack { requeue: true };
+        let mut views: Vec<(Arc<str>, Option<QueueView>)> = Vec::new();
+        let kept_before = ch.deliveries.kept_len();
+        // Every kept delivery leaves the kept set; the ones not taken over go back with the
+        // channel (the plan's native frames are not needed).
+        let (plan, released_bytes) = ch.deliveries.plan_settlement(verb, 0, true, |d| {
+            d.with_content
+                && cached_view(&mut views, &shared, &vhost, &d.queue)
+                    .is_some_and(|view| view.proxy_delivery_limit)
+        });
+        let released_count = kept_before - ch.deliveries.kept_len();
+        self.release_inflight(released_count, released_bytes);
+        self.take_over_all(channel, channel_id, verb, plan.taken_over, &mut views);
     }
 
     /// Dead-letters a rejected delivery, or republishes a requeued one with its delivery count.
@@ -831,14 +966,15 @@ impl Session {
             self.settle_origin(origin, Settlement::Ack);
             return;
         };
-        let arguments = self
-            .shared
-            .queues
-            .lookup(&self.vhost, &death.queue)
-            .or_else(|| tag.map(|t| t.to_arguments()));
+        // The tag is the queue's own record of its dead-letter arguments (the upstream's truth);
+        // without one (none given, or too long for a tag) the cached ones or the policy.
+        let arguments = tag
+            .map(|t| t.to_arguments())
+            .or_else(|| self.shared.queues.proxied(&self.vhost, &death.queue))
+            .unwrap_or_default();
         let view = self
             .shared
-            .queue_view(&self.vhost, &death.queue, arguments.as_ref());
+            .queue_view(&self.vhost, &death.queue, &arguments);
         let time = if death.time == 0 {
             now_secs()
         } else {

@@ -6,15 +6,23 @@
 //! cannot see: `proxy.loopback_users` refused from non-loopback peers ([`handshake`]), and
 //! `limits.max_connections` ([`crate::admission`]). Frames that need no change are forwarded as
 //! the bytes that arrived, in order, with backpressure both ways. The proxy takes over:
-//! - `queue.declare`: client arguments are validated and merged with the policy; the upstream
-//!   queue gets the TTL and length limits and dead-letters into the proxy's capture exchange
-//!   ([`declare`], [`capture`]);
-//! - `basic.reject` / `basic.nack` with `requeue=false` on a queue with a dead-letter
-//!   exchange: the proxy publishes the rewritten message to the DLX on its own channel with
-//!   publisher confirms and only then acks the original ([`intercept`], [`publisher`],
-//!   [`outgoing`]): at-least-once;
-//! - requeues on queues with a delivery limit: republished with `x-delivery-count`, and
-//!   dead-lettered as `delivery_limit` past the limit;
+//! - `queue.declare`: client arguments are validated; the upstream queue gets every client
+//!   argument natively (policy values fill the ones the client did not send, or replace a
+//!   higher TTL or length limit) and dead-letters
+//!   into the proxy's capture exchange, with the client's dead-letter arguments (and a classic
+//!   queue's delivery limit) in its dead-letter routing key ([`declare`], [`capture`]). The
+//!   upstream queue is the truth: RabbitMQ judges every declare, checked first on a proxy
+//!   channel, and its refusals are given to the client in the client's terms ([`arbiter`]);
+//!   the instance only caches what RabbitMQ confirmed ([`registry`]);
+//! - `basic.reject` / `basic.nack` with `requeue=false` on a queue with verified settings and
+//!   a dead-letter exchange: the proxy publishes the rewritten message to the DLX on its own
+//!   channel with publisher confirms and only then acks the original ([`intercept`],
+//!   [`publisher`], [`outgoing`]): at-least-once. Without verified settings the rejection is
+//!   passed through and the upstream dead-letters it into the capture exchange;
+//! - requeues on classic queues with a delivery limit (verified settings): republished with
+//!   `x-delivery-count`, and dead-lettered as `delivery_limit` past the limit; the same for
+//!   the deliveries a client leaves unsettled when it closes a channel or its connection, or
+//!   dies (quorum queues count all of these upstream);
 //! - messages that expire or overflow upstream come back through the capture queue and are
 //!   dead-lettered as their original queue would have;
 //! - BCC keys ([`bcc`]): the upstream strips `BCC` at publish, yet RabbitMQ routes a dead
@@ -26,8 +34,8 @@
 //!   Other publishes stay untouched bytes.
 //!
 //! The proxy uses the three highest channel numbers of each upstream connection (the client is
-//! offered three fewer in connection.tune): one to probe whether a declared queue exists, one
-//! for its publishes (with confirms), one for the capture consumer. Client channel numbers,
+//! offered three fewer in connection.tune): one to check declares (open only while a check
+//! runs), one for its publishes (with confirms), one for the capture consumer. Client channel numbers,
 //! delivery tags and confirm sequence numbers are untouched; the proxy's settlements of client
 //! deliveries go on the client's channel with the upstream's own delivery tags.
 //!
@@ -50,8 +58,8 @@
 //! instead), and can reconnect at once: its new connection is dialled to the next reachable
 //! node of `upstream.urls` ([`upstream::UpstreamPool`]); an upstream connection.close (403, 530, 504, ...) is passed on as it is. The
 //! client gone → the proxy's
-//! own publishes are settled, then the upstream connection is closed and the upstream
-//! requeues the client's unacked deliveries.
+//! own publishes are settled (and its unacked deliveries of delivery-limited classic queues
+//! counted), then the upstream connection is closed and the upstream requeues the rest.
 //!
 //! Where proxy mode differs from a broker doing it itself (documented limits):
 //! - a dead letter whose rewritten properties (x-death grows with every death) no longer fit
@@ -62,18 +70,32 @@
 //! - a requeue counted against a delivery limit puts the message at the queue's tail (classic
 //!   queues requeue at the head), with `redelivered = false`, exchange `""` and the queue name
 //!   as routing key; its `CC` header is removed so the copy reaches only that queue;
-//! - TTL and length limits (from arguments or policies) are set on the upstream queue when it
-//!   is first declared through the proxy; later policy changes to them need the queue to be
-//!   recreated. Dead-letter target and delivery-limit policy changes apply at once;
-//! - a queue that already exists upstream is declared passively (no capture exchange added):
-//!   its rejections follow the policies, but its own expiries and overflows stay the
-//!   upstream's;
-//! - a redeclare is checked for equivalence (durable, exclusive, auto-delete and the
-//!   x-arguments RabbitMQ compares, with the embedded broker's 406 texts) against the
-//!   declaration this proxy instance remembers ([`registry`]). A queue this instance has not
-//!   seen declared (after a restart, or declared through another instance) takes the first
-//!   declaration it sees as that reference: AMQP cannot read a queue's arguments back, and
-//!   RabbitMQ compares none the proxy could carry them in;
+//! - TTL and length limits from policies are set on the upstream queue when it is first
+//!   declared through the proxy (for the arguments the client did not give, and where the
+//!   policy's value is lower than the client's); later policy changes to them need the queue
+//!   to be recreated. Dead-letter target and delivery-limit policy changes apply at once. A
+//!   redeclare is not compared on an argument whose upstream value is a policy's: a client
+//!   TTL of 60000 against a queue declared with 30000 under a policy of 100 is accepted;
+//! - a queue that was not declared through a proxy (another dead-letter exchange, or none) is
+//!   upstream-owned: a client's declare goes upstream as sent and RabbitMQ judges it, and its
+//!   rejections, expiries and overflows follow RabbitMQ's own rules (the TOML policies do not
+//!   apply to it);
+//! - a redeclare that names the queue's dead-letter arguments differently gets RabbitMQ's 406
+//!   text rebuilt in the client's terms; when RabbitMQ cut its text at 255 bytes (very long
+//!   queue, exchange or routing-key names) the proxy cannot read it back and passes it on as
+//!   it is, naming the proxy's capture arguments. A classic queue's `x-delivery-limit` is
+//!   compared too (RabbitMQ ignores it on classic queues; the proxy enforces it);
+//! - a queue this instance has not verified (its clients did not declare it through this
+//!   instance since it started) is read back from the upstream at the first basic.consume or
+//!   basic.get on it ([`readback`]): a passive declare, then one non-passive declare per
+//!   argument RabbitMQ names, a round trip each. A queue that cannot be read (a reply cut at
+//!   255 bytes, exclusive to another connection, no configure permission) is tried again at
+//!   the next consume or get; meanwhile its rejections are passed through (they still reach
+//!   the dead-letter exchange through the capture) and its requeues are not counted against a
+//!   classic queue's delivery limit. A queue deleted in the round trip between the passive
+//!   and the first non-passive declare would be created again by the latter;
+//! - deliveries the upstream requeues itself (a channel it closes, basic.recover) are not
+//!   counted against a classic queue's delivery limit;
 //! - the cycle rule on a DLX other than the default exchange catches a loop one lap later
 //!   than RabbitMQ (see [`outgoing`]);
 //! - when a missing DLX closes the proxy's channel, other dead letters still unconfirmed on
@@ -98,18 +120,20 @@
 //!   `limits.max_table_depth` are refused by the proxy (501, the client connection closed);
 //!   other methods with tables are forwarded unread, and RabbitMQ accepts them;
 //! - a delivery keeps its content (to be dead-lettered or republished by the proxy) only when
-//!   its queue can dead-letter when it is delivered (`ProxyShared::may_take_over`); a
-//!   policy that adds a dead-letter exchange later applies to such a delivery only through
-//!   the capture queue (queues declared through the proxy), see docs/semantics.md.
+//!   its queue has verified settings and can dead-letter when it is delivered
+//!   (`ProxyShared::may_take_over`); a policy that adds a dead-letter exchange later applies
+//!   to such a delivery only through the capture queue (queues declared through the proxy),
+//!   see docs/semantics.md.
 //!
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
 //! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`retry`] (held dead
-//! letters and their backoff), [`bcc`], [`publisher`], [`capture`], [`declare`], [`probe`],
-//! [`outgoing`], [`handshake`], [`upstream`] (the upstream nodes, failover between them,
-//! TCP/TLS),
+//! letters and their backoff), [`bcc`], [`publisher`], [`capture`], [`declare`], [`arbiter`]
+//! (the declare check), [`readback`], [`probe`] (the check channel), [`outgoing`],
+//! [`handshake`], [`upstream`] (the upstream nodes, failover between them, TCP/TLS),
 //! [`outbox`] (socket writes), [`wire`] (frames and adaptive reads), [`busy_poll`] (polling
 //! before sleeping), [`channels`], [`ops`], [`registry`].
 
+pub mod arbiter;
 pub mod bcc;
 pub mod busy_poll;
 pub mod capture;
@@ -124,6 +148,7 @@ pub mod outbox;
 pub mod outgoing;
 pub mod probe;
 pub mod publisher;
+pub mod readback;
 pub mod registry;
 pub mod retry;
 mod session;
@@ -150,7 +175,7 @@ pub use capture::DEFAULT_CAPTURE_NAME;
 use registry::QueueRegistry;
 use upstream::UpstreamPool;
 
-/// Most queues whose declared arguments are remembered.
+/// Most queues whose verified settings are cached.
 const REGISTRY_CAPACITY: usize = 100_000;
 
 /// What every connection of the proxy shares.
@@ -236,7 +261,10 @@ impl ProxyShared {
         Ok(Arc::new(ProxyShared {
             upstream,
             policies,
-            queues: QueueRegistry::new(REGISTRY_CAPACITY.min(limits.max_queues.max(1))),
+            queues: QueueRegistry::new(
+                REGISTRY_CAPACITY.min(limits.max_queues.max(1)),
+                metrics.clone(),
+            ),
             dead_letter_options,
             default_delivery_limit: (config.dead_letter.default_delivery_limit > 0)
                 .then_some(u64::from(config.dead_letter.default_delivery_limit)),
@@ -281,22 +309,14 @@ impl ProxyShared {
         &self.capture_name
     }
 
-    /// The settings a queue has now: its declared arguments (`arguments`, else what this proxy
-    /// saw declared) merged with the current policy.
+    /// The settings a queue with these (client) arguments has now, merged with the current
+    /// policy.
     pub(crate) fn queue_view(
         &self,
         vhost: &str,
         queue: &str,
-        arguments: Option<&QueueArguments>,
+        arguments: &QueueArguments,
     ) -> QueueView {
-        let registered;
-        let arguments = match arguments {
-            Some(arguments) => arguments,
-            None => {
-                registered = self.queues.lookup(vhost, queue).unwrap_or_default();
-                &registered
-            }
-        };
         let policies = self.policies.read().unwrap_or_else(|e| e.into_inner());
         let settings = effective_settings_with_policy(
             arguments,
@@ -309,6 +329,14 @@ impl ProxyShared {
                 && !self.delegate_to_upstream,
             settings,
         }
+    }
+
+    /// The settings of a queue whose arguments this instance verified with the upstream;
+    /// `None` for a queue it has not verified or whose own dead-letter exchange RabbitMQ
+    /// applies (upstream-owned): the upstream decides its dead letters.
+    pub(crate) fn verified_view(&self, vhost: &str, queue: &str) -> Option<QueueView> {
+        let arguments = self.queues.decided_by_proxy(vhost, queue)?;
+        Some(self.queue_view(vhost, queue, &arguments))
     }
 }
 
@@ -335,8 +363,9 @@ impl ProxyShared {
     /// must keep their content. Other deliveries are settled natively: what the upstream
     /// dead-letters of them still reaches the proxy through the capture queue.
     pub(crate) fn may_take_over(&self, vhost: &str, queue: &str) -> bool {
-        let view = self.queue_view(vhost, queue, None);
-        view.settings.dead_letter_exchange.is_some() || view.proxy_delivery_limit
+        self.verified_view(vhost, queue).is_some_and(|view| {
+            view.settings.dead_letter_exchange.is_some() || view.proxy_delivery_limit
+        })
     }
 }
 

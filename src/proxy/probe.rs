@@ -1,51 +1,67 @@
-//! The queue probe: before the proxy declares a queue with its own upstream arguments it asks,
-//! on a channel of its own, whether the queue already exists (a passive declare).
+//! The check channel: the proxy channel on which a client's queue.declare is first declared
+//! with the proxy's upstream arguments, so RabbitMQ judges it ([`super::arbiter`]) before the
+//! client's own channel is involved (a refusal closes the channel it happens on).
 //!
-//! Why: the upstream queue of a queue declared through the proxy carries the proxy's
-//! arguments (the capture exchange, merged limits). A queue that already exists upstream,
-//! declared before the proxy was deployed or with other arguments, would refuse that declare
-//! as inequivalent (406). An existing queue is therefore declared passively for the client:
-//! it gets its declare-ok with the message and consumer counts, as from RabbitMQ, after the
-//! proxy compared the declare with the one it remembers for the queue (see
-//! [`super::declare::DeclaredQueue`]). A passive declare of a missing queue closes the channel
-//! (404), so the probe has a channel of its own, reopened after every "no".
+//! It is open only while a check runs: opened with the first declare (the open and the declare
+//! go out together), closed by the upstream with a refusal (the proxy answers close-ok and may
+//! open it again at once for the next round), or closed by the proxy after a declare-ok. A
+//! declare asked for while the proxy's own channel.close is unanswered waits for the close-ok,
+//! since RabbitMQ refuses a channel.open on a channel it is still closing. So a client
+//! connection costs no upstream channel for this outside a check. One check at a time (client
+//! reads pause while one runs).
 
 use amq_protocol::protocol::{AMQPClass, channel, queue};
-use amq_protocol::types::{FieldTable, ShortString};
+use amq_protocol::types::ShortString;
 use bytes::{Bytes, BytesMut};
 
 use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::{FRAME_METHOD, decode_method};
-use crate::amqp::reply::NOT_FOUND;
+use crate::amqp::reply;
 
-/// What the probe found out.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ProbeAnswer {
-    Exists,
-    Missing,
-    /// The upstream refused the question (e.g. permissions): declare as usual.
-    Unknown,
+/// What the check channel heard about the declare in flight.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CheckAnswer {
+    DeclareOk,
+    /// The upstream closed the channel (the declare was refused).
+    Refused {
+        code: u16,
+        text: String,
+    },
 }
 
-/// What a probe-channel frame asks of the session.
+/// What a check-channel frame asks of the session.
 #[derive(Debug, Default)]
-pub struct ProbeStep {
+pub struct CheckStep {
     pub write: Option<Bytes>,
-    pub answer: Option<ProbeAnswer>,
+    pub answer: Option<CheckAnswer>,
 }
 
-/// The probe channel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Closed,
+    /// Open (or opening) with a declare in flight.
+    Declaring,
+    /// Open, nothing in flight (only between a declare-ok and the proxy's close).
+    Idle,
+    /// The proxy's channel.close is out.
+    Closing,
+}
+
+/// The check channel of one upstream connection.
 #[derive(Debug)]
-pub struct QueueProbe {
+pub struct CheckChannel {
     channel: u16,
-    busy: bool,
+    state: State,
+    /// A declare waiting for the close-ok of the previous check's channel.
+    queued: Option<queue::Declare>,
 }
 
-impl QueueProbe {
+impl CheckChannel {
     pub fn new(channel: u16) -> Self {
-        QueueProbe {
+        CheckChannel {
             channel,
-            busy: false,
+            state: State::Closed,
+            queued: None,
         }
     }
 
@@ -53,63 +69,107 @@ impl QueueProbe {
         self.channel
     }
 
-    pub fn open_frames(&self) -> Bytes {
-        method_frame(
-            self.channel,
-            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
-        )
+    /// Whether a declare is in flight or waiting.
+    pub fn busy(&self) -> bool {
+        self.state == State::Declaring || self.queued.is_some()
     }
 
-    /// The passive declare for `queue`, unless a question is already out.
-    pub fn ask(&mut self, queue: &ShortString) -> Option<Bytes> {
-        if self.busy {
+    /// Sends `declare` (opening the channel first); `None` when it waits for a close-ok.
+    pub fn declare(&mut self, declare: queue::Declare) -> Option<Bytes> {
+        match self.state {
+            State::Closing => {
+                self.queued = Some(declare);
+                None
+            }
+            State::Closed => {
+                self.state = State::Declaring;
+                let mut out = BytesMut::new();
+                out.extend_from_slice(&method_frame(
+                    self.channel,
+                    AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+                ));
+                out.extend_from_slice(&self.declare_frame(declare));
+                Some(out.freeze())
+            }
+            State::Idle | State::Declaring => {
+                self.state = State::Declaring;
+                Some(self.declare_frame(declare))
+            }
+        }
+    }
+
+    /// Closes the channel when nothing is in flight (after a check).
+    pub fn close(&mut self) -> Option<Bytes> {
+        if self.state != State::Idle {
             return None;
         }
-        self.busy = true;
+        self.state = State::Closing;
         Some(method_frame(
             self.channel,
-            AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
-                queue: queue.clone(),
-                passive: true,
-                durable: false,
-                exclusive: false,
-                auto_delete: false,
-                nowait: false,
-                arguments: FieldTable::default(),
+            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: reply::REPLY_SUCCESS,
+                reply_text: ShortString::from("declare checked"),
+                class_id: 0,
+                method_id: 0,
             })),
         ))
     }
 
-    pub fn on_frame(&mut self, frame: &WireFrame) -> ProbeStep {
-        let mut step = ProbeStep::default();
+    fn declare_frame(&self, declare: queue::Declare) -> Bytes {
+        method_frame(
+            self.channel,
+            AMQPClass::Queue(queue::AMQPMethod::Declare(declare)),
+        )
+    }
+
+    pub fn on_frame(&mut self, frame: &WireFrame) -> CheckStep {
+        let mut step = CheckStep::default();
         if frame.kind != FRAME_METHOD {
             return step;
         }
         match decode_method(&frame.payload) {
-            Some(AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_))) if self.busy => {
-                self.busy = false;
-                step.answer = Some(ProbeAnswer::Exists);
+            Some(AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_)))
+                if self.state == State::Declaring =>
+            {
+                self.state = State::Idle;
+                step.answer = Some(CheckAnswer::DeclareOk);
             }
             Some(AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
-                let mut out = BytesMut::new();
-                out.extend_from_slice(&method_frame(
+                step.write = Some(method_frame(
                     self.channel,
                     AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
                 ));
-                out.extend_from_slice(&self.open_frames());
-                step.write = Some(out.freeze());
-                if self.busy {
-                    self.busy = false;
-                    step.answer = Some(if close.reply_code == NOT_FOUND {
-                        ProbeAnswer::Missing
-                    } else {
-                        ProbeAnswer::Unknown
+                if self.state == State::Declaring {
+                    step.answer = Some(CheckAnswer::Refused {
+                        code: close.reply_code,
+                        text: close.reply_text.as_str().to_string(),
                     });
                 }
+                self.state = State::Closed;
+                self.send_queued(&mut step);
+            }
+            Some(AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)))
+                if self.state == State::Closing =>
+            {
+                self.state = State::Closed;
+                self.send_queued(&mut step);
             }
             _ => {}
         }
         step
+    }
+
+    fn send_queued(&mut self, step: &mut CheckStep) {
+        if let Some(declare) = self.queued.take()
+            && let Some(bytes) = self.declare(declare)
+        {
+            let mut out = BytesMut::new();
+            if let Some(first) = step.write.take() {
+                out.extend_from_slice(&first);
+            }
+            out.extend_from_slice(&bytes);
+            step.write = Some(out.freeze());
+        }
     }
 }
 
@@ -117,6 +177,7 @@ impl QueueProbe {
 mod tests {
     use super::*;
     use crate::proxy::wire::WireCodec;
+    use amq_protocol::types::FieldTable;
     use tokio_util::codec::Decoder;
 
     fn frame(bytes: Bytes) -> WireFrame {
@@ -124,40 +185,87 @@ mod tests {
         WireCodec::new(4096).decode(&mut buf).unwrap().unwrap()
     }
 
+    fn ids(bytes: &Bytes) -> Vec<(u16, (u16, u16))> {
+        let mut buf = BytesMut::from(&bytes[..]);
+        let mut codec = WireCodec::new(4096);
+        std::iter::from_fn(|| codec.decode(&mut buf).unwrap())
+            .map(|f| (f.channel, f.method_ids()))
+            .collect()
+    }
+
+    fn declare() -> queue::Declare {
+        queue::Declare {
+            queue: ShortString::from("q"),
+            passive: false,
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            nowait: false,
+            arguments: FieldTable::default(),
+        }
+    }
+
+    fn upstream(method: AMQPClass) -> WireFrame {
+        frame(method_frame(7, method))
+    }
+
     #[test]
-    fn answers_exists_missing_and_reopens_after_a_no() {
-        let mut probe = QueueProbe::new(7);
-        let q = ShortString::from("q");
-        assert!(probe.ask(&q).is_some());
-        assert!(probe.ask(&q).is_none(), "one question at a time");
-        let ok = frame(method_frame(
-            7,
-            AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
-                queue: q.clone(),
+    fn opens_for_a_check_and_closes_after_it() {
+        let mut check = CheckChannel::new(7);
+        let out = check.declare(declare()).unwrap();
+        assert_eq!(ids(&out), vec![(7, (20, 10)), (7, (50, 10))]);
+        assert!(check.busy());
+        let open_ok = upstream(AMQPClass::Channel(channel::AMQPMethod::OpenOk(
+            channel::OpenOk {},
+        )));
+        assert!(check.on_frame(&open_ok).answer.is_none());
+        let ok = upstream(AMQPClass::Queue(queue::AMQPMethod::DeclareOk(
+            queue::DeclareOk {
+                queue: ShortString::from("q"),
                 message_count: 0,
                 consumer_count: 0,
-            })),
-        ));
-        assert_eq!(probe.on_frame(&ok).answer, Some(ProbeAnswer::Exists));
-        probe.ask(&q).unwrap();
-        let close = frame(method_frame(
-            7,
-            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
-                reply_code: 404,
-                reply_text: ShortString::from("NOT_FOUND - no queue 'q' in vhost '/'"),
+            },
+        )));
+        assert_eq!(check.on_frame(&ok).answer, Some(CheckAnswer::DeclareOk));
+        let close = check.close().unwrap();
+        assert_eq!(ids(&close), vec![(7, (20, 40))]);
+        // The next check waits for the close-ok, then reopens.
+        assert!(check.declare(declare()).is_none());
+        assert!(check.busy());
+        let close_ok = upstream(AMQPClass::Channel(channel::AMQPMethod::CloseOk(
+            channel::CloseOk {},
+        )));
+        let step = check.on_frame(&close_ok);
+        assert_eq!(
+            ids(&step.write.unwrap()),
+            vec![(7, (20, 10)), (7, (50, 10))]
+        );
+    }
+
+    #[test]
+    fn a_refusal_is_answered_and_the_next_round_reopens_at_once() {
+        let mut check = CheckChannel::new(7);
+        check.declare(declare()).unwrap();
+        let close = upstream(AMQPClass::Channel(channel::AMQPMethod::Close(
+            channel::Close {
+                reply_code: 406,
+                reply_text: ShortString::from("PRECONDITION_FAILED - x"),
                 class_id: 50,
                 method_id: 10,
-            })),
-        ));
-        let step = probe.on_frame(&close);
-        assert_eq!(step.answer, Some(ProbeAnswer::Missing));
-        let write = step.write.unwrap();
-        let mut buf = BytesMut::from(&write[..]);
-        let mut codec = WireCodec::new(4096);
-        let ids: Vec<_> = std::iter::from_fn(|| codec.decode(&mut buf).unwrap())
-            .map(|f| f.method_ids())
-            .collect();
-        assert_eq!(ids, vec![(20, 41), (20, 10)]);
-        assert!(probe.ask(&q).is_some());
+            },
+        )));
+        let step = check.on_frame(&close);
+        assert_eq!(
+            step.answer,
+            Some(CheckAnswer::Refused {
+                code: 406,
+                text: "PRECONDITION_FAILED - x".into()
+            })
+        );
+        assert_eq!(ids(&step.write.unwrap()), vec![(7, (20, 41))]);
+        assert!(!check.busy());
+        assert!(check.close().is_none(), "already closed");
+        let again = check.declare(declare()).unwrap();
+        assert_eq!(ids(&again), vec![(7, (20, 10)), (7, (50, 10))]);
     }
 }

@@ -1,94 +1,118 @@
-//! How clients declared their queues, shared by all connections of one proxy instance.
+//! The verified-settings cache, shared by all connections of one proxy instance.
 //!
-//! A delivery only names its queue, so when a client rejects it the proxy looks the queue's
-//! own dead-letter arguments up here and merges them with the current policy; a redeclare is
-//! checked for equivalence against the declaration remembered here (the upstream queue carries
-//! the proxy's arguments, so the upstream cannot check it).
+//! The truth about a queue is the upstream queue's own arguments ([`super::declare`]); an
+//! instance only caches what the upstream confirmed: a declare that RabbitMQ accepted with the
+//! proxy's upstream arguments ([`super::arbiter`]) records the client's arguments it stands
+//! for, and a queue found not to be declared through a proxy is recorded as upstream-owned;
+//! a queue a client consumes from or gets from unverified is read back from the upstream
+//! ([`super::readback`]).
+//! A delivery only names its queue, so when a client rejects it the proxy looks the queue up
+//! here: with verified settings it dead-letters (or counts the requeue) itself, the fast path;
+//! without them (never verified by this instance, evicted, upstream-owned) the settlement is
+//! passed through and the upstream decides (through the capture exchange for proxy queues).
 //!
-//! The registry is what this instance saw. A queue it does not know (declared before a
-//! restart, through another instance, or directly on the upstream) gets its entry from the
-//! first declaration this instance sees of it: AMQP 0-9-1 has no way to read a queue's
-//! arguments back (a passive declare returns only counts) and RabbitMQ compares no argument
-//! the proxy could carry them in, so that first declaration is taken as the reference. Until
-//! then only the policy applies to rejections, while expiries and overflows still carry the
-//! client's dead-letter arguments through the capture tag (see [`super::declare`]).
+//! An entry is replaced by every verified declare or read-back, and dropped on queue.delete
+//! and when a read-back finds the queue missing. The cache is
+//! bounded (entries are evicted at random past the capacity) and its size is the
+//! `verified_queues` gauge.
 
 use std::collections::HashMap;
-use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 
-use super::declare::DeclaredQueue;
+use crate::metrics::Metrics;
 use crate::rabbit::args::QueueArguments;
 
-/// Declarations by (vhost, queue).
-#[derive(Debug)]
+/// What the upstream confirmed about a queue.
+#[derive(Clone, Debug, PartialEq)]
+pub enum VerifiedQueue {
+    /// Declared through a proxy: the client arguments its upstream arguments stand for.
+    Proxied(QueueArguments),
+    /// Not declared through a proxy: RabbitMQ's own arguments (as RabbitMQ confirmed them)
+    /// and rules apply; the proxy only adds what a policy gives a queue without a
+    /// dead-letter exchange of its own.
+    UpstreamOwned(QueueArguments),
+}
+
+/// Verified settings by (vhost, queue).
 pub struct QueueRegistry {
-    queues: RwLock<HashMap<(String, String), DeclaredQueue>>,
+    queues: RwLock<HashMap<(String, String), VerifiedQueue>>,
     capacity: usize,
     /// Counts changes, so decisions cached from the registry can be checked for staleness.
     generation: AtomicU64,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for QueueRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueueRegistry")
+            .field("len", &self.len())
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
 }
 
 impl QueueRegistry {
-    /// A registry holding at most `capacity` queues (older entries are evicted at random).
-    pub fn new(capacity: usize) -> Self {
+    /// A cache holding at most `capacity` queues.
+    pub fn new(capacity: usize, metrics: Arc<Metrics>) -> Self {
         QueueRegistry {
             queues: RwLock::new(HashMap::new()),
             capacity: capacity.max(1),
             generation: AtomicU64::new(0),
+            metrics,
         }
     }
 
-    /// Remembers a declaration, replacing any earlier one (the queue was created with it).
-    pub fn record(&self, vhost: &str, queue: &str, declared: DeclaredQueue) {
-        self.insert(vhost, queue, declared, true);
-    }
-
-    /// Remembers a declaration unless the queue is known already (an existing queue: the
-    /// declaration it was created with stays the reference).
-    pub fn record_if_absent(&self, vhost: &str, queue: &str, declared: DeclaredQueue) {
-        self.insert(vhost, queue, declared, false);
-    }
-
-    fn insert(&self, vhost: &str, queue: &str, declared: DeclaredQueue, replace: bool) {
+    /// Records what the upstream just confirmed, replacing any earlier entry.
+    pub fn record(&self, vhost: &str, queue: &str, verified: VerifiedQueue) {
         let mut queues = self.queues.write().unwrap_or_else(|e| e.into_inner());
         self.generation.fetch_add(1, Ordering::Release);
         let key = (vhost.to_string(), queue.to_string());
-        if let Some(known) = queues.get_mut(&key) {
-            if replace {
-                *known = declared;
-            }
-            return;
-        }
-        if queues.len() >= self.capacity
+        if !queues.contains_key(&key)
+            && queues.len() >= self.capacity
             && let Some(victim) = queues.keys().next().cloned()
         {
             queues.remove(&victim);
         }
-        queues.insert(key, declared);
+        queues.insert(key, verified);
+        self.metrics.set_verified_queues(queues.len());
     }
 
-    /// The declared arguments of a queue.
-    pub fn lookup(&self, vhost: &str, queue: &str) -> Option<QueueArguments> {
-        let queues = self.queues.read().unwrap_or_else(|e| e.into_inner());
-        queues
-            .get(&(vhost.to_string(), queue.to_string()))
-            .map(|d| d.arguments.clone())
-    }
-
-    /// The whole declaration of a queue.
-    pub fn lookup_declared(&self, vhost: &str, queue: &str) -> Option<DeclaredQueue> {
+    /// What is verified about a queue.
+    pub fn lookup(&self, vhost: &str, queue: &str) -> Option<VerifiedQueue> {
         let queues = self.queues.read().unwrap_or_else(|e| e.into_inner());
         queues.get(&(vhost.to_string(), queue.to_string())).cloned()
+    }
+
+    /// The client arguments of a queue declared through a proxy.
+    pub fn proxied(&self, vhost: &str, queue: &str) -> Option<QueueArguments> {
+        match self.lookup(vhost, queue) {
+            Some(VerifiedQueue::Proxied(arguments)) => Some(arguments),
+            _ => None,
+        }
+    }
+
+    /// The verified arguments the proxy decides a queue's dead letters with: a proxy queue's,
+    /// or an upstream-owned queue's without a dead-letter exchange of its own (a policy may
+    /// give it one). `None`: the upstream decides.
+    pub fn decided_by_proxy(&self, vhost: &str, queue: &str) -> Option<QueueArguments> {
+        match self.lookup(vhost, queue)? {
+            VerifiedQueue::Proxied(arguments) => Some(arguments),
+            VerifiedQueue::UpstreamOwned(arguments) => arguments
+                .dead_letter_exchange
+                .is_none()
+                .then_some(arguments),
+        }
     }
 
     pub fn forget(&self, vhost: &str, queue: &str) {
         let mut queues = self.queues.write().unwrap_or_else(|e| e.into_inner());
         self.generation.fetch_add(1, Ordering::Release);
         queues.remove(&(vhost.to_string(), queue.to_string()));
+        self.metrics.set_verified_queues(queues.len());
     }
 
-    /// Changes whenever a declaration is remembered, replaced or forgotten.
+    /// Changes whenever an entry is recorded or forgotten.
     pub fn generation(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
     }
@@ -106,60 +130,59 @@ impl QueueRegistry {
 mod tests {
     use super::*;
 
-    fn with_dlx(dlx: &str) -> DeclaredQueue {
-        DeclaredQueue {
-            arguments: QueueArguments {
-                dead_letter_exchange: Some(dlx.into()),
-                ..QueueArguments::default()
-            },
-            ..DeclaredQueue::default()
-        }
+    fn with_dlx(dlx: &str) -> VerifiedQueue {
+        VerifiedQueue::Proxied(QueueArguments {
+            dead_letter_exchange: Some(dlx.into()),
+            ..QueueArguments::default()
+        })
+    }
+
+    fn registry(capacity: usize) -> (QueueRegistry, Arc<Metrics>) {
+        let metrics = Metrics::new(10);
+        (QueueRegistry::new(capacity, metrics.clone()), metrics)
     }
 
     #[test]
-    fn records_looks_up_and_forgets() {
-        let registry = QueueRegistry::new(2);
-        let declared = with_dlx("dlx");
-        registry.record("/", "q", declared.clone());
-        assert_eq!(registry.lookup("/", "q"), Some(declared.arguments.clone()));
-        assert_eq!(registry.lookup_declared("/", "q"), Some(declared));
+    fn records_replaces_looks_up_and_forgets() {
+        let (registry, metrics) = registry(3);
+        registry.record("/", "q", with_dlx("a"));
+        registry.record("/", "q", with_dlx("b"));
+        assert_eq!(registry.lookup("/", "q"), Some(with_dlx("b")));
+        assert_eq!(
+            registry.proxied("/", "q").unwrap().dead_letter_exchange,
+            Some("b".into())
+        );
+        registry.record(
+            "/",
+            "plain",
+            VerifiedQueue::UpstreamOwned(QueueArguments::default()),
+        );
+        assert_eq!(registry.proxied("/", "plain"), None);
+        assert_eq!(
+            registry.decided_by_proxy("/", "plain"),
+            Some(QueueArguments::default())
+        );
+        registry.record("/", "own", with_dlx("own"));
+        let VerifiedQueue::Proxied(own) = with_dlx("own") else {
+            unreachable!()
+        };
+        registry.record("/", "own", VerifiedQueue::UpstreamOwned(own));
+        assert_eq!(registry.decided_by_proxy("/", "own"), None);
         assert_eq!(registry.lookup("other", "q"), None);
+        assert_eq!(metrics.verified_queues(), 3);
         registry.forget("/", "q");
-        assert!(registry.is_empty());
-    }
-
-    #[test]
-    fn the_first_declaration_of_an_existing_queue_stays_the_reference() {
-        let registry = QueueRegistry::new(2);
-        registry.record_if_absent("/", "q", with_dlx("a"));
-        registry.record_if_absent("/", "q", with_dlx("b"));
-        assert_eq!(
-            registry
-                .lookup("/", "q")
-                .unwrap()
-                .dead_letter_exchange
-                .as_deref(),
-            Some("a")
-        );
-        // A queue created anew replaces it.
-        registry.record("/", "q", with_dlx("c"));
-        assert_eq!(
-            registry
-                .lookup("/", "q")
-                .unwrap()
-                .dead_letter_exchange
-                .as_deref(),
-            Some("c")
-        );
+        assert_eq!(registry.len(), 2);
+        assert_eq!(metrics.verified_queues(), 2);
     }
 
     #[test]
     fn stays_within_capacity() {
-        let registry = QueueRegistry::new(2);
+        let (registry, metrics) = registry(2);
         for name in ["a", "b", "c"] {
-            registry.record("/", name, DeclaredQueue::default());
+            registry.record("/", name, with_dlx(name));
         }
         assert_eq!(registry.len(), 2);
+        assert_eq!(metrics.verified_queues(), 2);
         assert!(registry.lookup("/", "c").is_some());
     }
 }

@@ -8,9 +8,10 @@
 //! to the sockets as they accept them. It never blocks on a socket write, so a slow peer only
 //! slows the other side's reads.
 //!
-//! Each side is `Open`, `Draining` (upstream only: the client is gone, the proxy's publishes
-//! are settled before the upstream connection is closed so nothing the client rejected is
-//! lost), `Closing` (a connection.close is out, waiting for close-ok, with a deadline) or
+//! Each side is `Open`, `Draining` (upstream only: the client is gone; the deliveries it held
+//! of queues whose delivery limit the proxy counts are republished with their count, and the
+//! proxy's publishes are settled before the upstream connection is closed so nothing the
+//! client rejected is lost), `Closing` (a connection.close is out, waiting for close-ok, with a deadline) or
 //! `Closed`. The task ends when both sides are closed.
 
 use std::collections::HashMap;
@@ -30,7 +31,7 @@ use super::channels::ClientChannel;
 use super::handshake::Negotiated;
 use super::ops::Op;
 use super::outbox::Outbox;
-use super::probe::QueueProbe;
+use super::probe::CheckChannel;
 use super::publisher::{OpId, Publisher};
 use super::retry::RetrySchedule;
 use super::wire::{FrameReader, WireFrame, method_frame};
@@ -119,9 +120,13 @@ pub(super) struct Session {
     pub(super) incoming_in_progress: usize,
     pub(super) publisher: Option<Publisher>,
     pub(super) capture: Option<CaptureConsumer>,
-    pub(super) probe: Option<QueueProbe>,
-    /// A queue.declare waiting for the probe's answer (client reads pause meanwhile).
-    pub(super) pending_probe: Option<super::intercept::PendingProbe>,
+    /// The channel on which declares are checked with the upstream (open only during a check).
+    pub(super) check: Option<CheckChannel>,
+    /// A queue.declare waiting for the check's verdict (client reads pause meanwhile).
+    pub(super) pending_check: Option<super::intercept::PendingCheck>,
+    /// A basic.consume or basic.get waiting for its queue's arguments to be read back (client
+    /// reads pause meanwhile).
+    pub(super) pending_read: Option<super::intercept::PendingRead>,
     /// A client's channel.open for a channel number the proxy closed upstream whose close-ok
     /// has not come back yet (client reads pause meanwhile; see `forward`).
     pub(super) held_channel_open: Option<WireFrame>,
@@ -233,8 +238,9 @@ pub(super) async fn run<S>(
         incoming_in_progress: 0,
         publisher: None,
         capture: None,
-        probe: None,
-        pending_probe: None,
+        check: None,
+        pending_check: None,
+        pending_read: None,
         held_channel_open: None,
         ops: HashMap::new(),
         next_op: 1,
@@ -398,10 +404,12 @@ impl Session {
         }
     }
 
-    /// Whether client reads wait for an answer from the upstream (the probe's, or the close-ok
-    /// that frees a channel number the client is reopening).
+    /// Whether client reads wait for an answer from the upstream (a declare check's, a
+    /// read-back's, or the close-ok that frees a channel number the client is reopening).
     fn awaits_upstream_answer(&self) -> bool {
-        self.pending_probe.is_some() || self.held_channel_open.is_some()
+        self.pending_check.is_some()
+            || self.pending_read.is_some()
+            || self.held_channel_open.is_some()
     }
 
     fn wants_upstream_frames(&self) -> bool {
@@ -622,9 +630,15 @@ impl Session {
         self.drain_upstream();
     }
 
-    /// Starts closing the upstream once no proxy publish is unsettled.
+    /// Starts closing the upstream once no proxy publish is unsettled. The client's unsettled
+    /// deliveries of queues whose delivery limit the proxy counts are counted first
+    /// ([`Session::count_returns`]).
     fn drain_upstream(&mut self) {
         if self.upstream_side == Side::Open {
+            let channels: Vec<u16> = self.channels.keys().copied().collect();
+            for channel in channels {
+                self.count_returns(channel);
+            }
             let deadline = Instant::now() + self.shared.confirm_timeout + Duration::from_secs(1);
             self.upstream_side = Side::Draining { deadline };
         }

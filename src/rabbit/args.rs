@@ -581,7 +581,7 @@ fn erlang_float(f: f64) -> String {
 }
 
 /// RabbitMQ's `val/1` for one side of a presence mismatch.
-fn describe_presence(value: Option<&AMQPValue>) -> String {
+pub(crate) fn describe_presence(value: Option<&AMQPValue>) -> String {
     match value {
         None => "none".to_string(),
         Some(v) => {
@@ -595,7 +595,7 @@ fn describe_presence(value: Option<&AMQPValue>) -> String {
 }
 
 /// RabbitMQ's `val/1` for one side of a value mismatch.
-fn describe_value(value: &AMQPValue) -> String {
+pub(crate) fn describe_value(value: &AMQPValue) -> String {
     match value {
         AMQPValue::LongString(s) => format!("'{}'", String::from_utf8_lossy(s.as_bytes())),
         other => format!("'{}'", erlang_term(other)),

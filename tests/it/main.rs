@@ -43,6 +43,7 @@ mod proxy_bcc;
 mod proxy_capture;
 mod proxy_connections;
 mod proxy_deadletter;
+mod proxy_decisions;
 mod proxy_declare;
 mod proxy_delivery_limit;
 mod proxy_failover;

@@ -86,6 +86,23 @@ impl TestProxy {
         policies: Vec<PolicyConfig>,
         tweak: impl FnOnce(&mut Config),
     ) -> TestProxy {
+        Self::launch(listen, policies, &unique("capture"), tweak).await
+    }
+
+    /// Another instance of the same proxy deployment as `first` (the same capture exchange
+    /// and queue, the same policies): what a second pod, or `first` after a restart, is.
+    pub async fn instance_of(first: &TestProxy, policies: Vec<PolicyConfig>) -> TestProxy {
+        let listen = "127.0.0.1:0".parse().unwrap();
+        Self::launch(listen, policies, &first.capture, |_| {}).await
+    }
+
+    async fn launch(
+        listen: SocketAddr,
+        policies: Vec<PolicyConfig>,
+        capture: &str,
+        tweak: impl FnOnce(&mut Config),
+    ) -> TestProxy {
+        let capture = capture.to_string();
         let mut config = Config {
             mode: Mode::Proxy,
             policies: policies.clone(),
@@ -96,7 +113,6 @@ impl TestProxy {
         tweak(&mut config);
         let set = PolicySet::from_configs(&config.policies).expect("valid policies");
         let metrics = Metrics::new(1000);
-        let capture = unique("capture");
         let policies = Arc::new(RwLock::new(set));
         let shared =
             ProxyShared::with_capture_name(&config, policies.clone(), metrics.clone(), &capture)
@@ -163,6 +179,12 @@ impl TestProxy {
     pub async fn stop(self) {
         self.trigger.trigger();
         delete_capture(&self.capture).await;
+    }
+
+    /// Stops this instance only: the deployment's capture exchange and queue stay for its
+    /// other instances ([`TestProxy::instance_of`]).
+    pub fn stop_instance(self) {
+        self.trigger.trigger();
     }
 }
 
