@@ -145,9 +145,15 @@ async fn fleet_dead_lettered(fleet: &Fleet, queue: &str, reason: &'static str) -
 // Finding 1: the capture queue is a single point of failure
 // ------------------------------------------------------------------------------------------
 
-#[tokio::test]
-#[ignore = "fleet: finding 1 (capture queue on one node) — fixed by part 3 (capture)"]
-async fn f1_ttl_deaths_survive_the_loss_of_the_capture_queues_node() {
+/// The node hosting the capture queue dies while `published` confirmed persistent messages
+/// die (`reason`, from the queue argument `limit`) on a quorum queue living elsewhere; once the
+/// node is back, every death is in the DLQ and `remain` messages are still in the queue.
+async fn deaths_while_the_capture_node_is_down(
+    limit: (&str, AMQPValue),
+    reason: &'static str,
+    published: usize,
+    remain: u32,
+) {
     let cluster = cluster();
     let mut outage = cluster.exclusive().await;
     let fleet = Fleet::in_front_of_cluster(2, &[], "").await;
@@ -166,21 +172,38 @@ async fn f1_ttl_deaths_survive_the_loss_of_the_capture_queues_node() {
     crate::common::dl::exchange(&ch, &dlx, lapin::ExchangeKind::Direct).await;
     declare_durable(&ch, &dlq, table(&[quorum()])).await;
     crate::common::dl::bind(&ch, &dlq, &dlx, &dlq).await;
-    let ttl = ("x-message-ttl", AMQPValue::LongInt(1000));
-    declare_durable(&ch, &queue, dead_lettering(&dlx, &dlq, &[quorum(), ttl])).await;
+    declare_durable(&ch, &queue, dead_lettering(&dlx, &dlq, &[quorum(), limit])).await;
     confirm_select(&ch).await;
 
     outage.kill(home);
-    publish_confirmed(&ch, &queue, 20).await;
+    publish_confirmed(&ch, &queue, published).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     outage.restart(home);
 
-    assert_upstream_count(&dlq, 20, "0 of 20 confirmed TTL messages lost").await;
-    assert_upstream_count(&queue, 0, "every message expired").await;
-    assert_dead_letter(&dlq, "m0", &queue, "expired").await;
-    assert_eq!(fleet_dead_lettered(&fleet, &queue, "expired").await, 20.0);
+    let dead = (published - remain as usize) as u32;
+    assert_upstream_count(&dlq, dead, "0 confirmed messages lost").await;
+    assert_upstream_count(&queue, remain, "the queue keeps the rest").await;
+    assert_dead_letter(&dlq, "m0", &queue, reason).await;
+    assert_eq!(
+        fleet_dead_lettered(&fleet, &queue, reason).await,
+        dead as f64
+    );
     fleet.stop_deleting(&[&queue, &dlq], &[&dlx]).await;
     outage.restore();
+}
+
+#[tokio::test]
+#[ignore = "fleet: finding 1 (capture queue on one node) — fixed by part 3 (capture)"]
+async fn f1_ttl_deaths_survive_the_loss_of_the_capture_queues_node() {
+    let ttl = ("x-message-ttl", AMQPValue::LongInt(1000));
+    deaths_while_the_capture_node_is_down(ttl, "expired", 20, 0).await;
+}
+
+#[tokio::test]
+#[ignore = "fleet: finding 1 (capture queue on one node) — fixed by part 3 (capture)"]
+async fn f1_max_length_deaths_survive_the_loss_of_the_capture_queues_node() {
+    let max_length = ("x-max-length", AMQPValue::LongInt(5));
+    deaths_while_the_capture_node_is_down(max_length, "maxlen", 25, 5).await;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -468,4 +491,90 @@ async fn f7_expired_messages_are_dead_lettered_with_no_client_connected() {
     assert_dead_letter(&dlq, "m0", &queue, "expired").await;
     assert_eq!(fleet_dead_lettered(&fleet, &queue, "expired").await, 5.0);
     fleet.stop_deleting(&[&queue, &dlq], &[&dlx]).await;
+}
+
+// ------------------------------------------------------------------------------------------
+// The failure scenarios beyond the findings
+// ------------------------------------------------------------------------------------------
+
+/// Waits until RabbitMQ reports at least `count` messages in `queue` (duplicates are allowed:
+/// dead-lettering is at least once); returns the count.
+async fn wait_at_least(queue: &str, count: u32, what: &str) -> u32 {
+    let reached = poll(LAND, Duration::from_millis(200), async || {
+        crate::proxy_support::fleet::count_at(&direct_uri(), queue)
+            .await
+            .filter(|n| *n >= count)
+    })
+    .await;
+    reached.unwrap_or_else(|| panic!("{what}: {queue} never held {count} messages"))
+}
+
+#[tokio::test]
+async fn killing_a_proxy_with_a_capture_backlog_loses_no_dead_letter() {
+    let _steady = cluster().steady().await;
+    let mut fleet = Fleet::in_front_of_cluster(2, &[], "").await;
+    // An application stays connected to proxy B throughout.
+    let (_b, _ch_b) = open(&fleet, 1).await;
+    let (_a, ch_a) = open(&fleet, 0).await;
+    let ttl = ("x-message-ttl", AMQPValue::LongInt(2000));
+    let (queue, dlx, dlq) = dead_letter_setup(&ch_a, "backlog-q", &[ttl]).await;
+    confirm_select(&ch_a).await;
+    publish_confirmed(&ch_a, &queue, 200).await;
+    // The messages expire into the capture together; proxy A dies while they are handled.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    fleet.proxy_mut(0).kill();
+    let landed = wait_at_least(&dlq, 200, "0 of 200 dead letters lost").await;
+    assert_upstream_count(&queue, 0, "every message expired").await;
+    assert_upstream_count(&fleet.capture, 0, "the capture backlog is worked off").await;
+    assert!(
+        landed <= 200 + 64,
+        "{landed} dead letters: more than a prefetch duplicated"
+    );
+    fleet.stop_deleting(&[&queue, &dlq], &[&dlx]).await;
+}
+
+#[tokio::test]
+#[ignore = "fleet: node loss under a confirmed publisher — fixed by part 2 (failover)"]
+async fn killing_the_node_under_a_proxy_loses_no_confirmed_message() {
+    let cluster = cluster();
+    let mut outage = cluster.exclusive().await;
+    // Proxy 0 lists node 0 first: that is the node it uses.
+    let fleet = Fleet::in_front_of_cluster(1, &[], "").await;
+    let queue = unique("node-loss-q");
+    let (_conn, ch) = open(&fleet, 0).await;
+    declare_durable(&ch, &queue, table(&[quorum()])).await;
+    confirm_select(&ch).await;
+    publish_confirmed(&ch, &queue, 50).await;
+
+    outage.kill(0);
+    // The client's connection ends; it reconnects through the same proxy at once and goes on.
+    let again = poll(
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        async || {
+            let conn = lapin::Connection::connect(&fleet.proxy(0).uri(), Default::default())
+                .await
+                .ok()?;
+            let ch = conn.create_channel().await.ok()?;
+            Some((conn, ch))
+        },
+    )
+    .await;
+    let (_again, ch) = again.expect("a new connection through the proxy within 10 s");
+    confirm_select(&ch).await;
+    for i in 50..100 {
+        let confirm = publish_to(
+            &ch,
+            "",
+            &queue,
+            format!("m{i}").as_bytes(),
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await;
+        assert!(confirm.is_ack(), "publish m{i}: {confirm:?}");
+    }
+    outage.restart(0);
+    assert_upstream_count(&queue, 100, "0 of 100 confirmed messages lost").await;
+    fleet.stop_deleting(&[&queue], &[]).await;
+    outage.restore();
 }

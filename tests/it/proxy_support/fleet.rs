@@ -31,12 +31,15 @@ pub fn fleet_toml(
     overrides: &str,
 ) -> String {
     let first = upstreams.first().expect("at least one upstream URL");
+    // joined with failover at merge: `urls = [...]` (every entry of `upstreams`, in order)
+    // replaces `url = first` once `upstream.urls` exists.
+    // joined with capture at merge: the service identity (`[upstream] user`, `password`) goes
+    // into `[upstream]` here.
     let base = format!(
         "mode = \"proxy\"\n\n\
          [upstream]\n\
          url = {first:?}\n\
-         # joined with failover at merge: `urls = [...]` (every entry of `upstreams`) replaces\n\
-         # `url` once `upstream.urls` exists.\n\n\
+         \n\
          [proxy]\n\
          capture_name = {capture_name:?}\n\
          confirm_timeout_secs = 5\n\n\
