@@ -349,18 +349,16 @@ async fn f3_the_limit_survives_a_restart_of_the_instance_that_saw_the_declare() 
 // Finding 4: a consumer that dies holding the message is never counted
 // ------------------------------------------------------------------------------------------
 
-#[tokio::test]
-#[ignore = "fleet: finding 4 (crashed consumers not counted) — fixed by part 4 (decisions)"]
-async fn f4_consumers_that_die_holding_the_message_count_against_the_limit() {
-    let _steady = cluster().steady().await;
-    let fleet = Fleet::in_front_of_cluster(2, &[], "").await;
-    let names = limited_queue(&fleet, "f4-crash").await;
+/// Consumers through the fleet's proxies in turn take the message of `queue` and crash (the
+/// socket closes, nothing is settled) until it stops coming (or 10 times); returns how often
+/// it was delivered.
+async fn crash_until_gone(fleet: &Fleet, queue: &str) -> usize {
     let mut deliveries = 0;
     while deliveries < 10 {
-        // A pod that takes the message and crashes: the socket closes, nothing is settled.
-        let mut client = RawClient::connect(fleet.proxy(deliveries % 2).amqp).await;
+        let proxy = fleet.proxy(deliveries % fleet.proxies.len());
+        let mut client = RawClient::connect(proxy.amqp).await;
         client.open_channel(1).await;
-        client.consume(1, &names.0, false).await;
+        client.consume(1, queue, false).await;
         let delivered = tokio::time::timeout(Duration::from_secs(3), client.next_delivery()).await;
         drop(client);
         match delivered {
@@ -369,7 +367,42 @@ async fn f4_consumers_that_die_holding_the_message_count_against_the_limit() {
         }
         deliveries += 1;
     }
+    deliveries
+}
+
+#[tokio::test]
+#[ignore = "fleet: finding 4 (crashed consumers not counted) — fixed by part 4 (decisions)"]
+async fn f4_consumers_that_die_holding_the_message_count_against_the_limit() {
+    let _steady = cluster().steady().await;
+    let fleet = Fleet::in_front_of_cluster(2, &[], "").await;
+    let names = limited_queue(&fleet, "f4-crash").await;
+    let deliveries = crash_until_gone(&fleet, &names.0).await;
     assert_died_of_the_limit(fleet, deliveries, names).await;
+}
+
+#[tokio::test]
+#[ignore = "fleet: finding 4 (crashed consumers not counted) — fixed by part 4 (decisions)"]
+async fn f4_consumers_that_die_count_against_a_policy_delivery_limit() {
+    let _steady = cluster().steady().await;
+    let queue = unique("f4-policy");
+    let (dlx, dlq) = (format!("{queue}-dlx"), format!("{queue}-dlq"));
+    let limit = crate::proxy_support::policy(
+        "f4-limit",
+        &format!("^{queue}$"),
+        serde_json::json!({
+            "delivery-limit": 2,
+            "dead-letter-exchange": dlx,
+            "dead-letter-routing-key": dlq,
+        }),
+    );
+    let fleet = Fleet::in_front_of_cluster(2, &[limit], "").await;
+    let (_a, ch) = open(&fleet, 0).await;
+    declare_dlx(&ch, &dlx, &dlq).await;
+    crate::common::dl::declare(&ch, &queue, table(&[])).await;
+    confirm_select(&ch).await;
+    publish_confirmed(&ch, &queue, 1).await;
+    let deliveries = crash_until_gone(&fleet, &queue).await;
+    assert_died_of_the_limit(fleet, deliveries, (queue, dlx, dlq)).await;
 }
 
 // ------------------------------------------------------------------------------------------
