@@ -107,7 +107,6 @@ async fn killed_leader_node_restarts_and_the_quorum_queue_keeps_its_messages() {
 
     let home = cluster.queue_home("/", &queue).expect("leader");
     outage.kill(home);
-    assert!(!cluster.node(home).uri().is_empty());
     assert_eq!(count_at(&cluster.node(home).uri(), &queue).await, None);
     let survivor = cluster.node((home + 1) % 3);
     // The two remaining members elect a leader and still hold every confirmed message.
