@@ -448,8 +448,9 @@ async fn f4_consumers_that_die_count_against_a_policy_delivery_limit() {
 // Finding 5: intermittent silent loss right after the capture was created
 // ------------------------------------------------------------------------------------------
 
+// Not reproduced here (0 lost in 10 attempts, twice, also with proxy B connected before the
+// capture existed): it runs as a guard, and part 3 (capture) owns the cause.
 #[tokio::test]
-#[ignore = "fleet: finding 5 (intermittent loss) — fixed by part 3 (capture)"]
 async fn f5_a_reject_passed_through_right_after_the_capture_was_created_is_never_lost() {
     let _steady = cluster().steady().await;
     const ATTEMPTS: usize = 10;
