@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Proxy mode against RabbitMQ directly, side by side (see BENCHMARKS.md, "Proxy mode"):
+# Proxy mode against RabbitMQ directly and against HAProxy in TCP mode (the plain forwarder a
+# user would otherwise deploy), side by side in one run (see BENCHMARKS.md, "Proxy mode"):
 # throughput (1 producer / 1 consumer, 100 B and 4 KiB, confirms off and on, lapin and raw
-# clients) and single-message round trips (ping), with the CPU time of the proxy and of
-# RabbitMQ per message.
+# clients) and single-message round trips (ping), with the CPU time per message of each path
+# (RabbitMQ's for direct, the forwarder's otherwise) and the ratios proxy / HAProxy.
+# HAProxy (Debian package `haproxy`) is installed with apt-get when absent.
 #
 #   scripts/bench-proxy.sh                 # everything shares the machine's cores
 #   scripts/bench-proxy.sh --pinned        # proxy on core 1; RabbitMQ and the client on core 0
@@ -17,6 +19,7 @@
 # `.ci/rabbitmq.sh start` runs) and RABBIT_PID (default: the first `pgrep -x beam.smp`).
 # --pinned moves RabbitMQ's threads with taskset (needs the right to) and puts them back after.
 # Results: BENCH_OUT (default target/bench-proxy-<time>/): results.jsonl and table.txt.
+# A smoke run: PINGS=200 scripts/bench-proxy.sh --rounds 1 -n 2000
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,7 +38,7 @@ while [ $# -gt 0 ]; do
     --worker-threads) WORKERS="$2"; shift ;;
     --busy-poll) BUSY_POLL="$2"; shift ;;
     --floor) FLOOR=1 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -46,6 +49,18 @@ RABBIT_PID=${RABBIT_PID:-$(pgrep -x beam.smp | head -1 || true)}
 if [ -z "$RABBIT_PID" ]; then
   echo "no RabbitMQ process found; start one (sudo bash .ci/rabbitmq.sh start) or set RABBIT_PID" >&2
   exit 2
+fi
+
+# HAProxy: the Debian package, installed when absent (its service is not started).
+HAPROXY=$(command -v haproxy || true)
+if [ -z "$HAPROXY" ] && [ -x /usr/sbin/haproxy ]; then HAPROXY=/usr/sbin/haproxy; fi
+if [ -z "$HAPROXY" ]; then
+  echo "== installing haproxy (apt-get)"
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq haproxy > /dev/null
+  HAPROXY=/usr/sbin/haproxy
 fi
 
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
@@ -78,11 +93,37 @@ worker_threads = $WORKERS
 EOF
 PROXY_URL="amqp://guest:guest@127.0.0.1:$port/%2f"
 
+# HAProxy in TCP mode in front of the same RabbitMQ, with as many threads as the proxy's
+# runtime (0 = HAProxy's default, one per core).
+haproxy_port=$(free_port)
+haproxy_threads=""
+if [ "$WORKERS" != 0 ]; then haproxy_threads="  nbthread $WORKERS"; fi
+cat > "$OUT/config/haproxy.cfg" <<EOF
+global
+  # Each connection takes two descriptors; keep within the usual hard limit.
+  maxconn 4096
+$haproxy_threads
+defaults
+  mode tcp
+  timeout connect 5s
+  timeout client 1h
+  timeout server 1h
+frontend amqp
+  bind 127.0.0.1:$haproxy_port
+  default_backend rabbitmq
+backend rabbitmq
+  server rabbitmq ${upstream#*://}
+EOF
+"$HAPROXY" -c -q -f "$OUT/config/haproxy.cfg"
+
 # Forwarders in front of RabbitMQ: who -> "pid url".
 declare -A TARGET
 "$BIN/dlx-proxy" run --config "$OUT/config/proxy.toml" > "$OUT/proxy.log" 2>&1 &
 TARGET[proxy]="$! $PROXY_URL"
-wait_ports=("$port")
+# -db: stay in the foreground (no daemon), so that $! is HAProxy's own process.
+"$HAPROXY" -db -f "$OUT/config/haproxy.cfg" > "$OUT/haproxy.log" 2>&1 &
+TARGET[haproxy]="$! amqp://guest:guest@127.0.0.1:$haproxy_port/%2f"
+wait_ports=("$port" "$haproxy_port")
 FLOORS=()
 if [ "$FLOOR" = 1 ]; then
   rabbit_addr=${upstream#*://}
@@ -112,8 +153,14 @@ for p in "${wait_ports[@]}"; do
     sleep 0.1
   done
 done
+for who in "${!TARGET[@]}"; do
+  if ! kill -0 "${TARGET[$who]%% *}" 2>/dev/null; then
+    echo "$who did not start; see $OUT/$who.log" >&2
+    exit 1
+  fi
+done
 
-# One run: who (direct, proxy or a floor-* forwarder), then dlx-bench arguments.
+# One run: who (direct, haproxy, proxy or a floor-* forwarder), then dlx-bench arguments.
 run() {
   local round=$1 who=$2; shift 2
   local url=$RABBIT_URL pid=$RABBIT_PID
@@ -129,7 +176,7 @@ run() {
 for round in $(seq 1 "$ROUNDS"); do
   echo "== round $round"
   for client in lapin raw; do
-    whos=(direct proxy)
+    whos=(direct haproxy proxy)
     if [ "$client" = raw ]; then whos+=("${FLOORS[@]}"); fi
     for size in 100 4096; do
       for confirms in off on; do
@@ -141,7 +188,7 @@ for round in $(seq 1 "$ROUNDS"); do
   done
   for size in 100 4096; do
     for confirms in off on; do
-      for who in direct proxy "${FLOORS[@]}"; do
+      for who in direct haproxy proxy "${FLOORS[@]}"; do
         run "$round" "$who" ping -n "$PINGS" --size "$size" --confirms "$confirms"
       done
     done
@@ -157,8 +204,10 @@ for r in rows:
     groups[key][r["who"]].append(r)
 failed = [r for r in rows if not r.get("ok", False)]
 med = lambda rs, k: statistics.median(r[k] for r in rs)
-print(f"{'scenario':<46} {'through':<14} {'direct':>9} {'through':>9} {'vs direct':>10} {'CPU / RabbitMQ':>15}")
-order = ["proxy", "floor-epoll", "floor-uring", "floor-threads"]
+# CPU time comes in clock ticks: a short run can measure 0 (the ratio is then nan).
+div = lambda a, b: a / b if b else float("nan")
+print(f"{'scenario':<46} {'through':<14} {'direct':>9} {'through':>9} {'vs direct':>10} {'CPU us/msg':>11} {'CPU / RabbitMQ':>15}")
+order = ["haproxy", "proxy", "floor-epoll", "floor-uring", "floor-threads"]
 for (scenario, client, size, confirms), by in sorted(groups.items()):
     d = by.get("direct")
     if not d:
@@ -166,13 +215,28 @@ for (scenario, client, size, confirms), by in sorted(groups.items()):
     name = f"{scenario} {client} {size} B confirms {confirms}"
     for who in sorted((w for w in by if w != "direct"), key=lambda w: (w not in order, order.index(w) if w in order else 0, w)):
         p = by[who]
-        cpu = med(p, "broker_cpu_us_per_msg") / med(d, "broker_cpu_us_per_msg")
+        us = med(p, "broker_cpu_us_per_msg")
+        cpu = div(us, med(d, "broker_cpu_us_per_msg"))
         if scenario == "ping":
             dv, pv = med(d, "rtt_p50_us"), med(p, "rtt_p50_us")
-            print(f"{name + ' p50 us':<46} {who:<14} {dv:>9.0f} {pv:>9.0f} {'+%.0f us' % (pv - dv):>10} {cpu:>15.0%}")
+            print(f"{name + ' p50 us':<46} {who:<14} {dv:>9.0f} {pv:>9.0f} {'+%.0f us' % (pv - dv):>10} {us:>11.1f} {cpu:>15.0%}")
         else:
             dv, pv = med(d, "rate_msg_s"), med(p, "rate_msg_s")
-            print(f"{name + ' msg/s':<46} {who:<14} {dv:>9.0f} {pv:>9.0f} {pv / dv:>10.0%} {cpu:>15.0%}")
+            print(f"{name + ' msg/s':<46} {who:<14} {dv:>9.0f} {pv:>9.0f} {div(pv, dv):>10.0%} {us:>11.1f} {cpu:>15.0%}")
+# The proxy against HAProxy (issue targets: >= 1.0x its msg/s, <= 1.1x its CPU per message).
+print()
+print(f"{'proxy / HAProxy':<46} {'speed':>9} {'CPU/msg':>9}   (proxy msg/s or p50 us, CPU us/msg | HAProxy's)")
+for (scenario, client, size, confirms), by in sorted(groups.items()):
+    p, h = by.get("proxy"), by.get("haproxy")
+    if not p or not h:
+        continue
+    name = f"{scenario} {client} {size} B confirms {confirms}"
+    pc, hc = med(p, "broker_cpu_us_per_msg"), med(h, "broker_cpu_us_per_msg")
+    key = "rtt_p50_us" if scenario == "ping" else "rate_msg_s"
+    pv, hv = med(p, key), med(h, key)
+    # Round trips: lower is better, so the speed ratio is HAProxy's p50 over the proxy's.
+    speed = div(hv, pv) if scenario == "ping" else div(pv, hv)
+    print(f"{name:<46} {speed:>8.2f}x {div(pc, hc):>8.2f}x   ({pv:.0f}, {pc:.1f} | {hv:.0f}, {hc:.1f})")
 print(f"{len(rows)} runs, {len(failed)} failed (lost, duplicated or reordered messages)")
 sys.exit(1 if failed else 0)
 EOF

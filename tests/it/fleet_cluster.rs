@@ -6,6 +6,7 @@ use lapin::{Channel, Connection, ConnectionProperties};
 
 use crate::common::dl::{confirm_select, declare_durable, ls, table};
 use crate::common::{poll, unique};
+use crate::proxy_support::fleet::{count_at, wait_count_at};
 use crate::proxy_support::{get, publish_acked};
 use crate::rabbit::{RabbitNode, cluster};
 
@@ -20,39 +21,14 @@ async fn channel_on(node: &RabbitNode) -> (Connection, Channel) {
     (conn, ch)
 }
 
-/// The message count of `queue` as `node` reports it (a passive declare on a fresh
-/// connection); `None` while the node cannot answer (down, or the queue has no leader).
-async fn count_on(node: &RabbitNode, queue: &str) -> Option<u32> {
-    let conn = Connection::connect(&node.uri(), ConnectionProperties::default())
-        .await
-        .ok()?;
-    let ch = conn.create_channel().await.ok()?;
-    let declared = ch
-        .queue_declare(
-            queue.into(),
-            lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            Default::default(),
-        )
-        .await;
-    let _ = conn.close(200, "done".into()).await;
-    declared.ok().map(|q| q.message_count())
-}
-
 /// Waits until `node` reports `count` messages in `queue`.
 async fn wait_count_on(node: &RabbitNode, queue: &str, count: u32) {
-    let reached = poll(WAIT, EVERY, async || {
-        (count_on(node, queue).await == Some(count)).then_some(())
-    })
-    .await;
-    assert!(
-        reached.is_some(),
-        "{} reports {:?} messages in {queue}, expected {count}",
-        node.name,
-        count_on(node, queue).await
-    );
+    if let Err(last) = wait_count_at(&node.uri(), queue, count, WAIT).await {
+        panic!(
+            "{} reports {last:?} messages in {queue}, expected {count}",
+            node.name
+        );
+    }
 }
 
 /// Takes every message of `queue` with basic.get and acks it; returns the bodies.
@@ -131,8 +107,7 @@ async fn killed_leader_node_restarts_and_the_quorum_queue_keeps_its_messages() {
 
     let home = cluster.queue_home("/", &queue).expect("leader");
     outage.kill(home);
-    assert!(!cluster.node(home).uri().is_empty());
-    assert_eq!(count_on(cluster.node(home), &queue).await, None);
+    assert_eq!(count_at(&cluster.node(home).uri(), &queue).await, None);
     let survivor = cluster.node((home + 1) % 3);
     // The two remaining members elect a leader and still hold every confirmed message.
     wait_count_on(survivor, &queue, 10).await;

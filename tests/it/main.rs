@@ -30,6 +30,7 @@ mod embedded_memory;
 mod embedded_password_file;
 mod embedded_protocol;
 mod fleet_cluster;
+mod fleet_findings;
 mod fleet_proxies;
 mod ops_admin_token;
 mod ops_logs;

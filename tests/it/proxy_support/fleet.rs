@@ -31,12 +31,15 @@ pub fn fleet_toml(
     overrides: &str,
 ) -> String {
     let first = upstreams.first().expect("at least one upstream URL");
+    // joined with failover at merge: `urls = [...]` (every entry of `upstreams`, in order)
+    // replaces `url = first` once `upstream.urls` exists.
+    // joined with capture at merge: the service identity (`[upstream] user`, `password`) goes
+    // into `[upstream]` here.
     let base = format!(
         "mode = \"proxy\"\n\n\
          [upstream]\n\
          url = {first:?}\n\
-         # joined with failover at merge: `urls = [...]` (every entry of `upstreams`) replaces\n\
-         # `url` once `upstream.urls` exists.\n\n\
+         \n\
          [proxy]\n\
          capture_name = {capture_name:?}\n\
          confirm_timeout_secs = 5\n\n\
@@ -212,7 +215,8 @@ impl ProxyProcess {
 }
 
 /// `n` proxies sharing one configuration: the same capture name and policies, in front of the
-/// same upstreams.
+/// same upstreams. Proxy `i` lists the upstreams starting at the `i`-th (round), so that a
+/// fleet in front of a cluster spreads over its nodes: proxy 0 on node 0, proxy 1 on node 1.
 pub struct Fleet {
     pub proxies: Vec<ProxyProcess>,
     /// The capture exchange and queue the fleet shares (unique per fleet).
@@ -230,9 +234,13 @@ impl Fleet {
         overrides: &str,
     ) -> Fleet {
         let capture = crate::common::unique("fleet-capture");
-        let config = fleet_toml(upstreams, policies, &capture, overrides);
-        let mut proxies: Vec<ProxyProcess> =
-            (0..n).map(|_| ProxyProcess::launch(&config)).collect();
+        let mut proxies: Vec<ProxyProcess> = (0..n)
+            .map(|i| {
+                let mut list = upstreams.to_vec();
+                list.rotate_left(i % upstreams.len().max(1));
+                ProxyProcess::launch(&fleet_toml(&list, policies, &capture, overrides))
+            })
+            .collect();
         for proxy in &mut proxies {
             proxy.process.wait_ready().await;
         }
@@ -260,6 +268,15 @@ impl Fleet {
         &mut self.proxies[i]
     }
 
+    /// The sum of a counter over the fleet's proxies (see [`ProxyProcess::counter`]).
+    pub async fn counter_sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let mut sum = 0.0;
+        for proxy in &self.proxies {
+            sum += proxy.counter(name, labels).await;
+        }
+        sum
+    }
+
     /// Kills every proxy and removes the fleet's capture exchange and queue from the upstream
     /// (best effort).
     pub async fn stop(self) {
@@ -285,5 +302,45 @@ impl Fleet {
             return;
         }
         panic!("no upstream of the fleet answers: {:?}", self.upstreams);
+    }
+}
+
+/// The message count of `queue` as the broker at `uri` reports it (a passive declare on a
+/// connection of its own, straight to the broker); `None` while it cannot answer (node down,
+/// no such queue, a quorum queue without a leader).
+pub async fn count_at(uri: &str, queue: &str) -> Option<u32> {
+    let conn = Connection::connect(uri, ConnectionProperties::default())
+        .await
+        .ok()?;
+    let ch = conn.create_channel().await.ok()?;
+    let declared = ch
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            Default::default(),
+        )
+        .await;
+    let _ = conn.close(200, "done".into()).await;
+    declared.ok().map(|q| q.message_count())
+}
+
+/// Waits up to `limit` until the broker at `uri` reports `count` messages in `queue`; the
+/// last count seen otherwise.
+pub async fn wait_count_at(
+    uri: &str,
+    queue: &str,
+    count: u32,
+    limit: Duration,
+) -> Result<(), Option<u32>> {
+    let reached = poll(limit, Duration::from_millis(200), async || {
+        (count_at(uri, queue).await == Some(count)).then_some(())
+    })
+    .await;
+    match reached {
+        Some(()) => Ok(()),
+        None => Err(count_at(uri, queue).await),
     }
 }
