@@ -235,7 +235,6 @@ async fn f1_max_length_deaths_survive_the_loss_of_the_capture_queues_node() {
 // ------------------------------------------------------------------------------------------
 
 #[tokio::test]
-#[ignore = "fleet: finding 2 (instance-local declare truth) — fixed by part 4 (decisions)"]
 async fn f2_a_contradicting_redeclare_gets_406_from_every_instance() {
     let _steady = cluster().steady().await;
     let fleet = Fleet::in_front_of_cluster(2, &[], "").await;
@@ -277,7 +276,6 @@ async fn f2_a_contradicting_redeclare_gets_406_from_every_instance() {
 }
 
 #[tokio::test]
-#[ignore = "fleet: finding 2 (instance-local declare truth) — fixed by part 4 (decisions)"]
 async fn f2_every_reject_through_an_instance_that_was_told_no_dlx_is_dead_lettered() {
     let _steady = cluster().steady().await;
     let fleet = Fleet::in_front_of_cluster(2, &[], "").await;
@@ -349,7 +347,6 @@ async fn assert_died_of_the_limit(
 }
 
 #[tokio::test]
-#[ignore = "fleet: finding 3 (delivery limit per instance) — fixed by part 4 (decisions)"]
 async fn f3_requeues_through_alternating_instances_count_against_the_limit() {
     let _steady = cluster().steady().await;
     let fleet = Fleet::in_front_of_cluster(2, &[], "").await;
@@ -361,7 +358,6 @@ async fn f3_requeues_through_alternating_instances_count_against_the_limit() {
 }
 
 #[tokio::test]
-#[ignore = "fleet: finding 3 (delivery limit per instance) — fixed by part 4 (decisions)"]
 async fn f3_an_instance_that_did_not_see_the_declare_applies_the_limit() {
     let _steady = cluster().steady().await;
     let fleet = Fleet::in_front_of_cluster(2, &[], "").await;
@@ -372,7 +368,6 @@ async fn f3_an_instance_that_did_not_see_the_declare_applies_the_limit() {
 }
 
 #[tokio::test]
-#[ignore = "fleet: finding 3 (delivery limit per instance) — fixed by part 4 (decisions)"]
 async fn f3_the_limit_survives_a_restart_of_the_instance_that_saw_the_declare() {
     let _steady = cluster().steady().await;
     let mut fleet = Fleet::in_front_of_cluster(1, &[], "").await;
@@ -410,7 +405,6 @@ async fn crash_until_gone(fleet: &Fleet, queue: &str) -> usize {
 }
 
 #[tokio::test]
-#[ignore = "fleet: finding 4 (crashed consumers not counted) — fixed by part 4 (decisions)"]
 async fn f4_consumers_that_die_holding_the_message_count_against_the_limit() {
     let _steady = cluster().steady().await;
     let fleet = Fleet::in_front_of_cluster(2, &[], "").await;
@@ -420,7 +414,6 @@ async fn f4_consumers_that_die_holding_the_message_count_against_the_limit() {
 }
 
 #[tokio::test]
-#[ignore = "fleet: finding 4 (crashed consumers not counted) — fixed by part 4 (decisions)"]
 async fn f4_consumers_that_die_count_against_a_policy_delivery_limit() {
     let _steady = cluster().steady().await;
     let queue = unique("f4-policy");
@@ -483,7 +476,6 @@ async fn f5_a_reject_passed_through_right_after_the_capture_was_created_is_never
 // ------------------------------------------------------------------------------------------
 
 #[tokio::test]
-#[ignore = "fleet: finding 6 (hot loop on a refusing DLQ) — fixed by part 5 (holdretry)"]
 async fn f6_a_dead_letter_the_dlq_refuses_is_held_then_lands_when_the_dlq_drains() {
     let _steady = cluster().steady().await;
     let fleet = Fleet::in_front_of_cluster(1, &[], "").await;
@@ -613,7 +605,6 @@ async fn killing_a_proxy_with_a_capture_backlog_loses_no_dead_letter() {
 }
 
 #[tokio::test]
-#[ignore = "fleet: node loss under a confirmed publisher — fixed by part 2 (failover)"]
 async fn killing_the_node_under_a_proxy_loses_no_confirmed_message() {
     let cluster = cluster();
     let mut outage = cluster.exclusive().await;

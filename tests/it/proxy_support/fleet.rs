@@ -30,15 +30,13 @@ pub fn fleet_toml(
     capture_name: &str,
     overrides: &str,
 ) -> String {
-    let first = upstreams.first().expect("at least one upstream URL");
-    // joined with failover at merge: `urls = [...]` (every entry of `upstreams`, in order)
-    // replaces `url = first` once `upstream.urls` exists.
+    assert!(!upstreams.is_empty(), "at least one upstream URL");
     // joined with capture at merge: the service identity (`[upstream] user`, `password`) goes
     // into `[upstream]` here.
     let base = format!(
         "mode = \"proxy\"\n\n\
          [upstream]\n\
-         url = {first:?}\n\
+         urls = {upstreams:?}\n\
          \n\
          [proxy]\n\
          capture_name = {capture_name:?}\n\
