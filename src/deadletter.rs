@@ -5,7 +5,7 @@
 //! Both modes call these: the embedded broker when a queue rejects, expires or overflows a
 //! message, the proxy when it takes over dead-lettering from the upstream broker. The caller
 //! routes the rewritten message through the DLX, runs [`is_cycle`] for each target queue and
-//! publishes to the others.
+//! publishes to the others (in embedded mode: [`crate::broker::dead_letter_routing`]).
 //!
 //! The semantics are RabbitMQ 3.10–3.12's ([`Compat::V3`], the default) without 3.10.8's
 //! ordering bug: `x-death` stays newest first and the other entries keep their order.

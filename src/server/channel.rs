@@ -12,7 +12,7 @@ use amq_protocol::protocol::{
 use bytes::BytesMut;
 
 use super::ServerContext;
-use super::connection::Session;
+use super::connection_context::ConnectionContext;
 use super::publish::{PendingPublish, prepare};
 use crate::amqp::codec::{
     FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, MethodError, RawFrame,
@@ -22,7 +22,7 @@ use crate::amqp::content::{BodyCollector, parse_content_header};
 use crate::amqp::reply::AmqpError;
 use crate::broker::auth::Access;
 use crate::broker::delivery::short;
-use crate::broker::ops::{ExchangeDeclare, QueueDeclare};
+use crate::broker::methods::{ExchangeDeclare, QueueDeclare};
 use crate::broker::routing::Destination;
 
 /// What the connection loop does next.
@@ -94,7 +94,7 @@ impl ChannelTable {
     }
 
     /// Handles one frame.
-    pub fn handle(&mut self, frame: RawFrame, s: &Session, ctx: &ServerContext) -> Flow {
+    pub fn handle(&mut self, frame: RawFrame, s: &ConnectionContext, ctx: &ServerContext) -> Flow {
         match frame.kind {
             FRAME_HEARTBEAT => {
                 if frame.channel != 0 {
@@ -110,7 +110,12 @@ impl ChannelTable {
         }
     }
 
-    fn handle_method(&mut self, frame: RawFrame, s: &Session, ctx: &ServerContext) -> Flow {
+    fn handle_method(
+        &mut self,
+        frame: RawFrame,
+        s: &ConnectionContext,
+        ctx: &ServerContext,
+    ) -> Flow {
         let (class_id, method_id) = method_ids(&frame.payload);
         let method = match decode_method_within(&frame.payload, self.max_table_depth) {
             Ok(method) => method,
@@ -154,7 +159,7 @@ impl ChannelTable {
                 );
                 ctx.broker.open_channel(s.conn_id, ch);
                 ctx.broker.metrics.channel_opened();
-                s.outbox.push(|o| {
+                s.write_queue.push(|o| {
                     method_frame(
                         o,
                         ch,
@@ -185,7 +190,7 @@ impl ChannelTable {
                 self.channels.remove(&ch);
                 ctx.broker.close_channel(s.conn_id, ch);
                 ctx.broker.metrics.channels_closed(1);
-                s.outbox.push(|o| {
+                s.write_queue.push(|o| {
                     method_frame(
                         o,
                         ch,
@@ -212,7 +217,13 @@ impl ChannelTable {
     }
 
     /// Applies an error: a channel error closes the channel, others the connection.
-    fn fail(&mut self, ch: u16, err: AmqpError, s: &Session, ctx: &ServerContext) -> Flow {
+    fn fail(
+        &mut self,
+        ch: u16,
+        err: AmqpError,
+        s: &ConnectionContext,
+        ctx: &ServerContext,
+    ) -> Flow {
         if err.is_connection_error() {
             return Flow::CloseConnection(err);
         }
@@ -222,7 +233,7 @@ impl ChannelTable {
         }
         ctx.broker.close_channel(s.conn_id, ch);
         ctx.broker.metrics.channels_closed(1);
-        s.outbox.push(|o| {
+        s.write_queue.push(|o| {
             method_frame(
                 o,
                 ch,
@@ -237,10 +248,10 @@ impl ChannelTable {
         Flow::Continue
     }
 
-    fn connection_method(&mut self, m: AMQPClass, s: &Session, c: u16, mid: u16) -> Flow {
+    fn connection_method(&mut self, m: AMQPClass, s: &ConnectionContext, c: u16, mid: u16) -> Flow {
         match m {
             AMQPClass::Connection(connection::AMQPMethod::Close(_)) => {
-                s.outbox.push(|o| {
+                s.write_queue.push(|o| {
                     method_frame(
                         o,
                         0,
@@ -253,7 +264,7 @@ impl ChannelTable {
             }
             AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => Flow::Closed,
             AMQPClass::Connection(connection::AMQPMethod::UpdateSecret(_)) => {
-                s.outbox.push(|o| {
+                s.write_queue.push(|o| {
                     method_frame(
                         o,
                         0,
@@ -275,7 +286,7 @@ impl ChannelTable {
     fn check(
         &self,
         ctx: &ServerContext,
-        s: &Session,
+        s: &ConnectionContext,
         access: Access,
         kind: &str,
         name: &str,
@@ -297,7 +308,7 @@ impl ChannelTable {
     fn change_binding(
         &self,
         ctx: &ServerContext,
-        s: &Session,
+        s: &ConnectionContext,
         ch: u16,
         change: BindingChange<'_>,
         ok: Option<AMQPClass>,
@@ -341,15 +352,15 @@ impl ChannelTable {
         Ok(())
     }
 
-    fn reply(s: &Session, ch: u16, m: AMQPClass) {
-        s.outbox.push(|o| method_frame(o, ch, m));
+    fn reply(s: &ConnectionContext, ch: u16, m: AMQPClass) {
+        s.write_queue.push(|o| method_frame(o, ch, m));
     }
 
     fn channel_method(
         &mut self,
         method: AMQPClass,
         ch: u16,
-        s: &Session,
+        s: &ConnectionContext,
         ctx: &ServerContext,
     ) -> Result<(), AmqpError> {
         let broker = &ctx.broker;
@@ -646,7 +657,12 @@ impl ChannelTable {
         Ok(())
     }
 
-    fn handle_content(&mut self, frame: RawFrame, s: &Session, ctx: &ServerContext) -> Flow {
+    fn handle_content(
+        &mut self,
+        frame: RawFrame,
+        s: &ConnectionContext,
+        ctx: &ServerContext,
+    ) -> Flow {
         let ch = frame.channel;
         let Some(local) = self.channels.get_mut(&ch) else {
             return Flow::CloseConnection(AmqpError::channel_error(format!(
@@ -709,7 +725,7 @@ impl ChannelTable {
         &mut self,
         ch: u16,
         p: PendingPublish,
-        s: &Session,
+        s: &ConnectionContext,
         ctx: &ServerContext,
     ) -> Flow {
         let (Some(header), Some(body)) = (p.header, p.body) else {
@@ -740,7 +756,7 @@ impl ChannelTable {
             && let Some(returned) = returnable
         {
             let frame_max = s.frame_max;
-            s.outbox.push(|o| {
+            s.write_queue.push(|o| {
                 method_frame(
                     o,
                     ch,
@@ -761,7 +777,7 @@ impl ChannelTable {
             });
         }
         if let Some(seq) = confirm_seq {
-            s.outbox.push(|o| {
+            s.write_queue.push(|o| {
                 if result.rejected {
                     put_basic_nack(o, ch, seq, false, false)
                 } else {

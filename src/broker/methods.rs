@@ -1,8 +1,9 @@
-//! Broker operations, one per AMQP method family: exchanges, queues, bindings, publish,
-//! consume, get, settle, and channel/connection teardown.
+//! The client's AMQP methods as operations on the broker state, one per method family:
+//! exchanges, queues, bindings, publish, consume, get, settle, and channel/connection
+//! teardown. (Proxy mode's `proxy::ops` is something else: its publishes awaiting a confirm.)
 //!
 //! Each public method takes the broker lock once, validates like RabbitMQ (same reply codes
-//! and texts), changes state, and writes any resulting deliveries into the outboxes.
+//! and texts), changes state, and writes any resulting deliveries into the write queues.
 //! Permission checks happen in the server layer before these are called.
 
 use std::collections::BTreeMap;
@@ -23,7 +24,7 @@ use crate::deadletter::DeadLetterReason;
 use crate::policy::{EffectiveQueueSettings, effective_settings};
 use crate::rabbit::args::{self, QueueType};
 
-use super::outbox::Outbox;
+use super::write_queue::WriteQueue;
 
 /// Result of a publish, for confirms and mandatory returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -158,8 +159,8 @@ fn pick_consumer(
         let Some(conn) = connections.get(&c.conn) else {
             continue;
         };
-        if conn.outbox.is_full() {
-            conn.outbox.mark_starved();
+        if conn.write_queue.is_full() {
+            conn.write_queue.mark_starved();
             continue;
         }
         if !c.no_ack {
@@ -203,7 +204,7 @@ fn deliver_to(
         .as_deref()
         .unwrap_or_else(|| entry.message.raw_properties());
     let frame_max = conn.frame_max;
-    conn.outbox.push(|out| {
+    conn.write_queue.push(|out| {
         write_deliver(out, c.channel, &c.tag, tag, &entry, props, frame_max);
     });
     if !c.no_ack {
@@ -230,7 +231,7 @@ impl Broker {
     /// Registers a connection after connection.open; returns its id.
     pub fn open_connection(
         &self,
-        outbox: Arc<Outbox>,
+        write_queue: Arc<WriteQueue>,
         frame_max: usize,
         user: &str,
         vhost: &str,
@@ -246,7 +247,7 @@ impl Broker {
         st.connections.insert(
             id,
             ConnectionState {
-                outbox,
+                write_queue,
                 frame_max,
                 user: user.to_string(),
                 vhost: vhost.to_string(),
@@ -329,7 +330,7 @@ impl Broker {
         }
     }
 
-    /// The writer drained a full outbox: resume dispatch to this connection's consumers.
+    /// The writer drained a full write queue: resume dispatch to this connection's consumers.
     pub fn resume_connection(&self, conn: u64) {
         let now = self.now();
         let mut st = self.lock();
@@ -728,7 +729,7 @@ impl Broker {
                 ch.consumers.remove(&c.tag);
             }
             if let Some(conn) = connections.get(&c.conn) {
-                conn.outbox.push(|out| {
+                conn.write_queue.push(|out| {
                     put_method(
                         out,
                         c.channel,
@@ -897,7 +898,7 @@ impl Broker {
             ch.consumers.insert(tag.clone(), queue.to_string());
         }
         if !nowait && let Some(c) = st.connections.get(&conn) {
-            c.outbox.push(|out| {
+            c.write_queue.push(|out| {
                 put_method(
                     out,
                     channel,
@@ -1015,7 +1016,7 @@ impl Broker {
                         .unwrap_or_else(|| entry.message.raw_properties());
                     let remaining = q.state.len() as u32;
                     let frame_max = conn_state.frame_max;
-                    conn_state.outbox.push(|out| {
+                    conn_state.write_queue.push(|out| {
                         write_get_ok(out, channel, tag, &entry, props, remaining, frame_max)
                     });
                     if !no_ack {
@@ -1034,7 +1035,7 @@ impl Broker {
                     true
                 }
                 None => {
-                    conn_state.outbox.push(|out| {
+                    conn_state.write_queue.push(|out| {
                         put_method(
                             out,
                             channel,
