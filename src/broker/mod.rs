@@ -195,6 +195,13 @@ impl Broker {
 }
 
 impl State {
+    /// Queue `queue` of vhost `vhost`, if both exist.
+    pub fn queue_mut(&mut self, vhost: &str, queue: &str) -> Option<&mut vhost::Queue> {
+        self.vhosts
+            .get_mut(vhost)
+            .and_then(|v| v.queues.get_mut(queue))
+    }
+
     pub fn next_id(&mut self) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
