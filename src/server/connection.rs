@@ -116,11 +116,12 @@ where
     frames.decoder_mut().set_frame_max(conn.frame_max as u32);
     let heartbeat = conn.heartbeat;
     heartbeat_secs.store(heartbeat, Ordering::SeqCst);
-    tracing::debug!(%peer, user = %conn.user, vhost = %conn.vhost, "connection open");
+    tracing::debug!(%peer, conn = conn.conn_id, user = %conn.user, vhost = %conn.vhost, "connection open");
 
     frame_loop(&mut frames, &conn, &ctx, shutdown, heartbeat).await;
 
     ctx.broker.close_connection(conn.conn_id);
+    tracing::debug!(%peer, conn = conn.conn_id, "connection closed");
     write_queue.close();
     let _ = tokio::time::timeout(Duration::from_secs(5), writer_task).await;
 }
@@ -296,6 +297,7 @@ async fn handshake<R: AsyncRead + Unpin>(
     });
     Some(ConnectionContext {
         conn_id,
+        peer,
         user,
         vhost,
         frame_max: frame_max as usize,
@@ -356,7 +358,7 @@ async fn frame_loop<R: AsyncRead + Unpin>(
             Ok(Some(f)) => f,
             Ok(None) => break None,
             Err(FrameError::Io(err)) => {
-                tracing::debug!(conn = conn.conn_id, %err, "connection read ended");
+                tracing::debug!(peer = %conn.peer, conn = conn.conn_id, %err, "connection read ended");
                 break None;
             }
             Err(err) => break Some(AmqpError::frame_error(err.to_string())),
@@ -381,7 +383,7 @@ async fn frame_loop<R: AsyncRead + Unpin>(
         .metrics
         .channels_closed(channels.open_channels() as u64);
     if let Some(err) = close_with {
-        tracing::debug!(conn = conn.conn_id, %err, "closing connection");
+        tracing::debug!(peer = %conn.peer, conn = conn.conn_id, code = err.code, %err, "closing connection");
         send_close(&conn.write_queue, &err);
         await_close_ok(frames).await;
     }

@@ -5,6 +5,7 @@
 //! handshake and [`super::channel`] reads it, so neither of those two needs the other's
 //! internals.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use crate::broker::write_queue::WriteQueue;
@@ -12,6 +13,8 @@ use crate::broker::write_queue::WriteQueue;
 /// Connection-level facts the channel handlers need.
 pub struct ConnectionContext {
     pub conn_id: u64,
+    /// The client's address (in every log line about the connection).
+    pub peer: SocketAddr,
     pub user: String,
     pub vhost: String,
     pub frame_max: usize,
