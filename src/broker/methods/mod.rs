@@ -7,7 +7,8 @@
 //! Each public method takes the broker lock once, validates like RabbitMQ (same reply codes
 //! and texts), changes state, and writes any resulting deliveries into the write queues.
 //! Permission checks happen in the server layer before these are called. The unit tests drive
-//! a [`Broker`] directly and read what it wrote into a connection's write queue (no sockets).
+//! a [`crate::broker::Broker`] directly and read what it wrote into a connection's write
+//! queue (no sockets).
 
 mod declare;
 mod deliver;
