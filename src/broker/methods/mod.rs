@@ -16,7 +16,7 @@ mod lifecycle;
 mod publish;
 mod settle;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 mod upkeep;
 
 pub use declare::{DeclaredQueue, ExchangeDeclare, QueueDeclare};

@@ -1,5 +1,5 @@
-//! A broker for the unit tests of the method families: vhost `/`, and connections whose write
-//! queues the tests read back as decoded frames (no sockets).
+//! A broker for the unit tests of the method families (and of `server::channel`): vhost `/`,
+//! and connections whose write queues the tests read back as decoded frames (no sockets).
 
 use std::sync::Arc;
 
@@ -9,7 +9,7 @@ use bytes::BytesMut;
 use tokio_util::codec::Decoder;
 
 use super::{PublishResult, QueueDeclare};
-use crate::amqp::codec::{FRAME_METHOD, FrameCodec, decode_method};
+use crate::amqp::codec::{FRAME_METHOD, FrameCodec, RawFrame, decode_method};
 use crate::amqp::content::encode_properties;
 use crate::broker::delivery::short;
 use crate::broker::message::Message;
@@ -19,7 +19,7 @@ use crate::metrics::Metrics;
 use crate::policy::PolicySet;
 
 /// A broker with one vhost `/` (at most 8 queues) and no policies.
-pub(super) fn broker() -> Arc<Broker> {
+pub(crate) fn broker() -> Arc<Broker> {
     let options = BrokerOptions {
         dead_letter: Default::default(),
         default_delivery_limit: None,
@@ -53,17 +53,31 @@ impl Client {
     /// The methods written to the connection since the last call, with their channel
     /// (content header and body frames skipped).
     pub fn methods(&self) -> Vec<(u16, AMQPClass)> {
-        let mut bytes: BytesMut = self.out.try_batch();
-        let mut codec = FrameCodec::new(131_072);
-        let mut methods = Vec::new();
-        while let Some(frame) = codec.decode(&mut bytes).expect("well-formed frames") {
-            if frame.kind == FRAME_METHOD {
-                let method = decode_method(&frame.payload).expect("a known method");
-                methods.push((frame.channel, method));
-            }
-        }
-        methods
+        sent_methods(&self.out)
     }
+}
+
+/// The methods written to `out` since the last call, with their channel (content header and
+/// body frames skipped).
+pub(crate) fn sent_methods(out: &WriteQueue) -> Vec<(u16, AMQPClass)> {
+    read_frames(out.try_batch())
+        .into_iter()
+        .filter(|frame| frame.kind == FRAME_METHOD)
+        .map(|frame| {
+            let method = decode_method(&frame.payload).expect("a known method");
+            (frame.channel, method)
+        })
+        .collect()
+}
+
+/// The frames in `bytes`, as the frame codec reads them.
+pub(crate) fn read_frames(mut bytes: BytesMut) -> Vec<RawFrame> {
+    let mut codec = FrameCodec::new(131_072);
+    let mut frames = Vec::new();
+    while let Some(frame) = codec.decode(&mut bytes).expect("well-formed frames") {
+        frames.push(frame);
+    }
+    frames
 }
 
 /// A field table of these entries (queue arguments).

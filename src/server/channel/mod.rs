@@ -355,3 +355,6 @@ impl ChannelTable {
 fn not_from_client() -> AmqpError {
     AmqpError::command_invalid("method not allowed from a client")
 }
+
+#[cfg(test)]
+mod tests;
