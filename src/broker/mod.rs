@@ -3,20 +3,20 @@
 //!
 //! All broker state sits behind one mutex ([`Broker::state`]); a connection task parses a
 //! method, takes the lock, runs the operation and releases it. Deliveries are written into the
-//! consumer connection's [`outbox::Outbox`] under the lock, so publish → route → enqueue →
+//! consumer connection's [`write_queue::WriteQueue`] under the lock, so publish → route → enqueue →
 //! deliver happens in one step with no hand-off. Messages that die (rejected, expired, over a
 //! length or delivery limit) are collected as [`queue::Death`]s and handed to
-//! [`dead_letters`], which rewrites and re-routes them.
+//! [`dead_letter_routing`], which rewrites and re-routes them.
 
 pub mod auth;
-pub mod dead_letters;
+pub mod dead_letter_routing;
 pub mod delivery;
 pub mod message;
-pub mod ops;
-pub mod outbox;
+pub mod methods;
 pub mod queue;
 pub mod routing;
 pub mod vhost;
+pub mod write_queue;
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
@@ -29,8 +29,8 @@ use crate::deadletter::DeadLetterOptions;
 use crate::metrics::Metrics;
 use crate::policy::PolicySet;
 use message::QueuedMessage;
-use outbox::Outbox;
 use vhost::VHost;
+use write_queue::WriteQueue;
 
 /// Settings the broker takes from the configuration.
 #[derive(Clone, Debug)]
@@ -69,7 +69,7 @@ pub struct ChannelState {
 /// A connection as the broker sees it.
 #[derive(Debug)]
 pub struct ConnectionState {
-    pub outbox: Arc<Outbox>,
+    pub write_queue: Arc<WriteQueue>,
     pub frame_max: usize,
     pub user: String,
     pub vhost: String,
@@ -164,7 +164,7 @@ impl Broker {
             }
         }
         for (vhost, queue, id) in due {
-            ops::on_timer(self, &mut st, &vhost, &queue, id, now);
+            methods::on_timer(self, &mut st, &vhost, &queue, id, now);
         }
         st.timers.peek().map(|Reverse((at, _, _, _))| *at)
     }
@@ -195,6 +195,13 @@ impl Broker {
 }
 
 impl State {
+    /// Queue `queue` of vhost `vhost`, if both exist.
+    pub fn queue_mut(&mut self, vhost: &str, queue: &str) -> Option<&mut vhost::Queue> {
+        self.vhosts
+            .get_mut(vhost)
+            .and_then(|v| v.queues.get_mut(queue))
+    }
+
     pub fn next_id(&mut self) -> u64 {
         let id = self.next_id;
         self.next_id += 1;

@@ -13,7 +13,7 @@ use amq_protocol::types::{AMQPValue, FieldTable};
 use tokio::sync::watch;
 
 use crate::amqp::codec::{FRAME_METHOD, RawFrame, method_ids, put_method};
-use crate::broker::outbox::Outbox;
+use crate::broker::write_queue::WriteQueue;
 use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
 
@@ -78,13 +78,13 @@ impl Throttle {
     /// caller closes the connection).
     pub async fn wait_until_clear(
         &mut self,
-        outbox: &Outbox,
+        write_queue: &WriteQueue,
         metrics: &Metrics,
         shutdown: &mut Shutdown,
     ) -> bool {
         let _blocked = BlockedGauge::new(metrics);
         if self.notify {
-            outbox.push(|out| {
+            write_queue.push(|out| {
                 put_method(
                     out,
                     0,
@@ -101,7 +101,7 @@ impl Throttle {
             _ = shutdown.recv() => false,
         };
         if cleared && self.notify {
-            outbox.push(|out| {
+            write_queue.push(|out| {
                 put_method(
                     out,
                     0,
@@ -171,11 +171,11 @@ mod tests {
     async fn blocked_until_the_alarm_clears_with_notifications() {
         let alarm = watch::Sender::new(true);
         let metrics = Metrics::new(10);
-        let outbox = Outbox::new(1 << 20);
+        let write_queue = WriteQueue::new(1 << 20);
         let trigger = crate::shutdown::ShutdownTrigger::new();
         let mut shutdown = trigger.subscribe();
         let mut throttle = Throttle::new(alarm.subscribe(), true);
-        let wait = throttle.wait_until_clear(&outbox, &metrics, &mut shutdown);
+        let wait = throttle.wait_until_clear(&write_queue, &metrics, &mut shutdown);
         tokio::pin!(wait);
         assert!(
             tokio::time::timeout(std::time::Duration::from_millis(50), &mut wait)
@@ -193,7 +193,7 @@ mod tests {
             "{text}"
         );
         // connection.blocked("low on memory") then connection.unblocked, on channel 0.
-        let bytes = outbox.try_batch();
+        let bytes = write_queue.try_batch();
         let mut frames = Vec::new();
         let mut at = 0;
         while at + 7 <= bytes.len() {
@@ -217,17 +217,17 @@ mod tests {
     async fn shutdown_ends_a_block_and_no_notification_without_the_capability() {
         let alarm = watch::Sender::new(true);
         let metrics = Metrics::new(10);
-        let outbox = Outbox::new(1 << 20);
+        let write_queue = WriteQueue::new(1 << 20);
         let trigger = crate::shutdown::ShutdownTrigger::new();
         let mut shutdown = trigger.subscribe();
         let mut throttle = Throttle::new(alarm.subscribe(), false);
         trigger.trigger();
         assert!(
             !throttle
-                .wait_until_clear(&outbox, &metrics, &mut shutdown)
+                .wait_until_clear(&write_queue, &metrics, &mut shutdown)
                 .await
         );
-        assert!(outbox.try_batch().is_empty());
+        assert!(write_queue.try_batch().is_empty());
         assert!(metrics.encode().contains("dlx_proxy_blocked_connections 0"));
     }
 

@@ -2,7 +2,7 @@
 //! then the frame loop, heartbeats and an orderly close.
 //!
 //! Reading happens here; writing happens in a separate writer task that drains the
-//! connection's outbox, so a delivery written by another connection's publish never waits on
+//! connection's write queue, so a delivery written by another connection's publish never waits on
 //! this task.
 
 use std::net::SocketAddr;
@@ -20,6 +20,7 @@ use tokio_util::codec::FramedRead;
 use super::ServerContext;
 use super::blocking::{Throttle, wants_blocked_notifications};
 use super::channel::{ChannelTable, Flow};
+use super::connection_context::ConnectionContext;
 use crate::admission::is_loopback;
 use crate::amqp::codec::{
     FRAME_HEARTBEAT, FRAME_METHOD, FrameCodec, FrameError, PROTOCOL_HEADER, RawFrame,
@@ -27,23 +28,9 @@ use crate::amqp::codec::{
 };
 use crate::amqp::reply::{self, AmqpError};
 use crate::broker::auth::{login_refused, parse_amqplain, parse_sasl_plain};
-use crate::broker::outbox::Outbox;
+use crate::broker::write_queue::WriteQueue;
 use crate::metrics::Direction;
 use crate::shutdown::Shutdown;
-
-/// Connection-level facts the channel handlers need.
-pub struct Session {
-    pub conn_id: u64,
-    pub user: String,
-    pub vhost: String,
-    pub frame_max: usize,
-    pub channel_max: u16,
-    /// Negotiated heartbeat interval in seconds (0 = off).
-    pub heartbeat: u64,
-    pub outbox: Arc<Outbox>,
-    /// The client announced the `connection.blocked` capability.
-    pub blocked_notifications: bool,
-}
 
 fn short(s: &str) -> ShortString {
     crate::broker::delivery::short(s)
@@ -105,36 +92,37 @@ where
         return;
     }
 
-    let outbox = Arc::new(Outbox::new(limits.connection_outbox_bytes));
+    let write_queue = Arc::new(WriteQueue::new(limits.connection_outbox_bytes));
     let conn_id = Arc::new(AtomicU64::new(0));
     let heartbeat_secs = Arc::new(AtomicU64::new(0));
     let writer_task = tokio::spawn(write_loop(
         writer,
-        outbox.clone(),
+        write_queue.clone(),
         ctx.clone(),
         conn_id.clone(),
         heartbeat_secs.clone(),
     ));
 
     let mut frames = FramedRead::new(reader, FrameCodec::new(limits.frame_max));
-    let session = match handshake(&mut frames, &outbox, &ctx, peer, &limits).await {
+    let conn = match handshake(&mut frames, &write_queue, &ctx, peer, &limits).await {
         Some(s) => s,
         None => {
-            outbox.close();
+            write_queue.close();
             let _ = writer_task.await;
             return;
         }
     };
-    conn_id.store(session.conn_id, Ordering::SeqCst);
-    frames.decoder_mut().set_frame_max(session.frame_max as u32);
-    let heartbeat = session.heartbeat;
+    conn_id.store(conn.conn_id, Ordering::SeqCst);
+    frames.decoder_mut().set_frame_max(conn.frame_max as u32);
+    let heartbeat = conn.heartbeat;
     heartbeat_secs.store(heartbeat, Ordering::SeqCst);
-    tracing::debug!(%peer, user = %session.user, vhost = %session.vhost, "connection open");
+    tracing::debug!(%peer, conn = conn.conn_id, user = %conn.user, vhost = %conn.vhost, "connection open");
 
-    frame_loop(&mut frames, &session, &ctx, shutdown, heartbeat).await;
+    frame_loop(&mut frames, &conn, &ctx, shutdown, heartbeat).await;
 
-    ctx.broker.close_connection(session.conn_id);
-    outbox.close();
+    ctx.broker.close_connection(conn.conn_id);
+    tracing::debug!(%peer, conn = conn.conn_id, "connection closed");
+    write_queue.close();
     let _ = tokio::time::timeout(Duration::from_secs(5), writer_task).await;
 }
 
@@ -158,8 +146,8 @@ async fn next_frame<R: AsyncRead + Unpin>(
     next.transpose()
 }
 
-fn send_close(outbox: &Outbox, err: &AmqpError) {
-    outbox.push(|out| {
+fn send_close(write_queue: &WriteQueue, err: &AmqpError) {
+    write_queue.push(|out| {
         put_method(
             out,
             0,
@@ -194,13 +182,13 @@ async fn await_close_ok<R: AsyncRead + Unpin>(frames: &mut FramedRead<R, FrameCo
 
 async fn handshake<R: AsyncRead + Unpin>(
     frames: &mut FramedRead<R, FrameCodec>,
-    outbox: &Arc<Outbox>,
+    write_queue: &Arc<WriteQueue>,
     ctx: &Arc<ServerContext>,
     peer: SocketAddr,
     limits: &crate::config::LimitsConfig,
-) -> Option<Session> {
+) -> Option<ConnectionContext> {
     let timeout = Some(Duration::from_secs(limits.handshake_timeout_secs.max(1)));
-    outbox.push(|out| {
+    write_queue.push(|out| {
         put_method(
             out,
             0,
@@ -214,8 +202,8 @@ async fn handshake<R: AsyncRead + Unpin>(
         )
     });
     let fail = |err: AmqpError| {
-        send_close(outbox, &err);
-        None::<Session>
+        send_close(write_queue, &err);
+        None::<ConnectionContext>
     };
     // start-ok
     let start_ok = match expect_method(frames, timeout, limits.max_table_depth).await {
@@ -244,11 +232,11 @@ async fn handshake<R: AsyncRead + Unpin>(
     {
         tracing::warn!(%peer, %user, %err, "authentication failed");
         let e = AmqpError::access_refused(login_refused(&mechanism));
-        send_close(outbox, &e);
+        send_close(write_queue, &e);
         return None;
     }
     // tune
-    outbox.push(|out| {
+    write_queue.push(|out| {
         put_method(
             out,
             0,
@@ -295,26 +283,27 @@ async fn handshake<R: AsyncRead + Unpin>(
     let conn_id =
         match ctx
             .broker
-            .open_connection(outbox.clone(), frame_max as usize, &user, &vhost)
+            .open_connection(write_queue.clone(), frame_max as usize, &user, &vhost)
         {
             Ok(id) => id,
             Err(e) => return fail(e),
         };
-    outbox.push(|out| {
+    write_queue.push(|out| {
         put_method(
             out,
             0,
             AMQPClass::Connection(connection::AMQPMethod::OpenOk(connection::OpenOk {})),
         )
     });
-    Some(Session {
+    Some(ConnectionContext {
         conn_id,
+        peer,
         user,
         vhost,
         frame_max: frame_max as usize,
         channel_max,
         heartbeat: tune_ok.heartbeat as u64,
-        outbox: outbox.clone(),
+        write_queue: write_queue.clone(),
         blocked_notifications,
     })
 }
@@ -349,7 +338,7 @@ async fn expect_method<R: AsyncRead + Unpin>(
 
 async fn frame_loop<R: AsyncRead + Unpin>(
     frames: &mut FramedRead<R, FrameCodec>,
-    session: &Session,
+    conn: &ConnectionContext,
     ctx: &Arc<ServerContext>,
     mut shutdown: Shutdown,
     heartbeat: u64,
@@ -357,7 +346,7 @@ async fn frame_loop<R: AsyncRead + Unpin>(
     let timeout = (heartbeat > 0).then(|| Duration::from_secs(heartbeat * 2));
     let mut channels = ChannelTable::new(&ctx.limits());
     let mut traffic = TrafficCounter::new(ctx.clone(), Direction::ClientIn);
-    let mut throttle = Throttle::new(ctx.memory_alarm.subscribe(), session.blocked_notifications);
+    let mut throttle = Throttle::new(ctx.memory_alarm.subscribe(), conn.blocked_notifications);
     // The loop ends with the error to close the connection with, or None when the peer is
     // gone or closed it.
     let close_with = loop {
@@ -369,14 +358,14 @@ async fn frame_loop<R: AsyncRead + Unpin>(
             Ok(Some(f)) => f,
             Ok(None) => break None,
             Err(FrameError::Io(err)) => {
-                tracing::debug!(conn = session.conn_id, %err, "connection read ended");
+                tracing::debug!(peer = %conn.peer, conn = conn.conn_id, %err, "connection read ended");
                 break None;
             }
             Err(err) => break Some(AmqpError::frame_error(err.to_string())),
         };
         traffic.add(1, frame.wire_len() as u64);
         let blocks = throttle.must_block(&frame);
-        match channels.handle(frame, session, ctx) {
+        match channels.handle(frame, conn, ctx) {
             Flow::Continue => {}
             Flow::CloseConnection(err) => break Some(err),
             Flow::Closed => break None,
@@ -384,7 +373,7 @@ async fn frame_loop<R: AsyncRead + Unpin>(
         // A publish while the memory alarm is raised: stop reading until it clears.
         if blocks
             && !throttle
-                .wait_until_clear(&session.outbox, &ctx.broker.metrics, &mut shutdown)
+                .wait_until_clear(&conn.write_queue, &ctx.broker.metrics, &mut shutdown)
                 .await
         {
             break Some(shutdown_error());
@@ -394,8 +383,8 @@ async fn frame_loop<R: AsyncRead + Unpin>(
         .metrics
         .channels_closed(channels.open_channels() as u64);
     if let Some(err) = close_with {
-        tracing::debug!(conn = session.conn_id, %err, "closing connection");
-        send_close(&session.outbox, &err);
+        tracing::debug!(peer = %conn.peer, conn = conn.conn_id, code = err.code, %err, "closing connection");
+        send_close(&conn.write_queue, &err);
         await_close_ok(frames).await;
     }
 }
@@ -465,11 +454,11 @@ fn count_frames(batch: &[u8]) -> u64 {
     n
 }
 
-/// Drains the outbox to the socket, sends heartbeats, and resumes dispatch after the outbox
+/// Drains the write queue to the socket, sends heartbeats, and resumes dispatch after the queue
 /// was too full to take deliveries.
 async fn write_loop<W: AsyncWrite + Unpin>(
     mut writer: W,
-    outbox: Arc<Outbox>,
+    write_queue: Arc<WriteQueue>,
     ctx: Arc<ServerContext>,
     conn_id: Arc<AtomicU64>,
     heartbeat_secs: Arc<AtomicU64>,
@@ -479,7 +468,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     let mut traffic = TrafficCounter::new(ctx.clone(), Direction::ClientOut);
     loop {
         let batch: BytesMut = tokio::select! {
-            b = outbox.next_batch() => b,
+            b = write_queue.next_batch() => b,
             _ = tick.tick() => {
                 let hb = heartbeat_secs.load(Ordering::Relaxed);
                 idle_secs += 1;
@@ -494,7 +483,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         };
         if batch.is_empty() {
             // Closed: flush whatever is left and stop.
-            let rest = outbox.try_batch();
+            let rest = write_queue.try_batch();
             let _ = writer.write_all(&rest).await;
             let _ = writer.flush().await;
             let _ = writer.shutdown().await;
@@ -503,12 +492,12 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         idle_secs = 0;
         let n = batch.len();
         if writer.write_all(&batch).await.is_err() {
-            outbox.close();
+            write_queue.close();
             return;
         }
-        outbox.written(n);
+        write_queue.written(n);
         traffic.add(count_frames(&batch), n as u64);
-        if !outbox.is_full() && outbox.take_starved() {
+        if !write_queue.is_full() && write_queue.take_starved() {
             let id = conn_id.load(Ordering::SeqCst);
             if id != 0 {
                 ctx.broker.resume_connection(id);

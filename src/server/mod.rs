@@ -1,13 +1,16 @@
 //! The embedded-mode AMQP server: an accept loop and one task per client connection.
 //!
-//! [`connection`] runs the handshake and the frame loop, [`channel`] turns methods into broker
-//! operations, [`publish`] assembles published content into messages, [`blocking`] holds
-//! publishers while the memory alarm is raised. Bytes go out through
-//! the connection's [`crate::broker::outbox::Outbox`], drained by a writer task.
+//! [`connection`] runs the handshake and the frame loop and hands each channel frame to
+//! [`channel`], which turns methods into broker operations; both share the
+//! [`connection_context::ConnectionContext`] the handshake produced. [`publish`] assembles
+//! published content into messages, [`blocking`] holds publishers while the memory alarm is
+//! raised. Bytes go out through the connection's [`crate::broker::write_queue::WriteQueue`],
+//! drained by a writer task.
 
 pub mod blocking;
 pub mod channel;
 pub mod connection;
+pub mod connection_context;
 pub mod publish;
 
 use std::net::SocketAddr;

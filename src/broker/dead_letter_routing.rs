@@ -1,6 +1,7 @@
-//! Dead-lettering inside the embedded broker: takes the [`Death`]s a queue produced, rewrites
-//! each message with the pure rules of [`crate::deadletter`], routes it through the queue's
-//! dead-letter exchange and enqueues it in every target that is not a cycle.
+//! Dead-letter routing inside the embedded broker: takes the [`Death`]s a queue produced,
+//! rewrites each message with the pure rules of [`crate::deadletter`] (which knows nothing of
+//! exchanges or queues), routes it through the queue's dead-letter exchange and enqueues it in
+//! every target that is not a cycle.
 //!
 //! Targets can overflow or expire in turn, so deaths are processed from a work list rather
 //! than by recursion. Every message that is not delivered anywhere is counted by cause

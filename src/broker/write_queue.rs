@@ -1,11 +1,14 @@
-//! The per-connection outbox: encoded frames waiting for the connection's socket.
+//! A connection's write queue (its "outbox", `limits.connection_outbox_bytes`): encoded frames
+//! waiting for the connection's socket, shared between threads.
 //!
-//! The broker writes deliveries straight into the consumer connection's outbox (under the
-//! broker lock, no allocation per message beyond the frame bytes) and the connection's writer
-//! task drains it in large writes. The outbox has a byte budget: while it is over budget the
-//! dispatcher skips that connection's consumers, and the writer asks the broker to resume
-//! dispatching once it has drained. So a slow consumer holds messages in its queue (where the
-//! queue limits apply), never in an ever-growing socket buffer.
+//! Any connection task writes into it: the broker writes deliveries straight into the consumer
+//! connection's write queue (under the broker lock, no allocation per message beyond the frame
+//! bytes) and the connection's own writer task drains it in large writes. (Proxy mode's
+//! `proxy::outbox` is different: single-task socket buffers, no lock.) The write queue has a
+//! byte budget: while it is over budget the dispatcher skips that connection's consumers, and
+//! the writer asks the broker to resume dispatching once it has drained. So a slow consumer
+//! holds messages in its queue (where the queue limits apply), never in an ever-growing socket
+//! buffer.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -13,20 +16,21 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use bytes::BytesMut;
 use tokio::sync::Notify;
 
+/// Encoded frames for one connection's socket, with a byte budget.
 #[derive(Debug)]
-pub struct Outbox {
+pub struct WriteQueue {
     buf: Mutex<BytesMut>,
     notify: Notify,
     pending: AtomicUsize,
     budget: usize,
     closed: AtomicBool,
-    /// Set when the dispatcher skipped a consumer because the outbox was over budget.
+    /// Set when the dispatcher skipped a consumer because the queue was over budget.
     starved: AtomicBool,
 }
 
-impl Outbox {
+impl WriteQueue {
     pub fn new(budget: usize) -> Self {
-        Outbox {
+        WriteQueue {
             buf: Mutex::new(BytesMut::with_capacity(16 * 1024)),
             notify: Notify::new(),
             pending: AtomicUsize::new(0),
@@ -124,7 +128,7 @@ mod tests {
 
     #[tokio::test]
     async fn batches_and_budget() {
-        let o = Outbox::new(10);
+        let o = WriteQueue::new(10);
         o.push(|b| b.extend_from_slice(b"hello"));
         assert!(!o.is_full());
         o.push(|b| b.extend_from_slice(b"world!"));

@@ -1,0 +1,190 @@
+//! basic.publish on the broker: route from the exchange, then enqueue in each target queue
+//! (straight to a waiting consumer when the queue is empty, else under the queue's limits).
+
+use std::sync::Arc;
+
+use amq_protocol::types::FieldTable;
+
+use super::deliver::{deliver_to, pick_consumer};
+use super::{no_exchange, no_vhost};
+use crate::amqp::reply::AmqpError;
+use crate::broker::message::Message;
+use crate::broker::queue::{Death, PublishOutcome};
+use crate::broker::{Broker, State};
+
+/// Result of a publish, for confirms and mandatory returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PublishResult {
+    /// At least one queue received the message.
+    pub routed: bool,
+    /// A queue refused it (reject-publish): the publisher gets basic.nack.
+    pub rejected: bool,
+}
+
+impl Broker {
+    /// Routes a message from `exchange` and enqueues it in every queue it reaches.
+    pub fn publish(
+        &self,
+        vhost: &str,
+        exchange: &str,
+        message: Arc<Message>,
+        headers: Option<&FieldTable>,
+    ) -> Result<PublishResult, AmqpError> {
+        let now = self.now();
+        let mut st = self.lock();
+        let v = st.vhosts.get(vhost).ok_or_else(|| no_vhost(vhost))?;
+        match v.exchanges.get(exchange) {
+            None => return Err(no_exchange(exchange, vhost)),
+            Some(x) if x.internal => {
+                return Err(AmqpError::access_refused(format!(
+                    "cannot publish to internal exchange '{exchange}' in vhost '{vhost}'"
+                )));
+            }
+            Some(_) => {}
+        }
+        let keys: Vec<&str> = message.routing_keys().collect();
+        let targets = v.route(exchange, &keys, headers);
+        let mut result = PublishResult {
+            routed: !targets.is_empty(),
+            rejected: false,
+        };
+        let mut deaths = Vec::new();
+        for q in &targets {
+            if self
+                .enqueue(&mut st, vhost, q, message.clone(), now, &mut deaths)
+                .is_some_and(PublishOutcome::is_rejected)
+            {
+                result.rejected = true;
+            }
+        }
+        self.metrics.published(1);
+        for (q, d) in deaths {
+            self.process_deaths(&mut st, vhost, &q, d, now);
+        }
+        for q in &targets {
+            self.reschedule(&mut st, vhost, q);
+            self.update_depth(&mut st, vhost, q);
+        }
+        Ok(result)
+    }
+
+    /// Puts a message into one queue: straight to a waiting consumer when the queue is empty,
+    /// else at the tail under the queue's limits.
+    pub(crate) fn enqueue(
+        &self,
+        st: &mut State,
+        vhost: &str,
+        queue: &str,
+        message: Arc<Message>,
+        now: u64,
+        deaths: &mut Vec<(String, Vec<Death>)>,
+    ) -> Option<PublishOutcome> {
+        let State {
+            vhosts,
+            channels,
+            connections,
+            ..
+        } = st;
+        let q = vhosts.get_mut(vhost)?.queues.get_mut(queue)?;
+        let entry = q.state.admit(message, now);
+        // As RabbitMQ: reject-publish(-dlx) refuses first; otherwise a waiting consumer gets
+        // the message before drop-head or TTL look at it (even with x-max-length = 0).
+        if q.state.is_empty()
+            && !q.consumers.is_empty()
+            && !q.state.refuses(&entry)
+            && let Some(idx) = pick_consumer(q, channels, connections)
+        {
+            deliver_to(q, idx, entry, channels, connections, &self.metrics);
+            self.metrics.delivered(1);
+            return Some(PublishOutcome::Accepted);
+        }
+        let mut died = Vec::new();
+        let outcome = q.state.publish(entry, now, &mut died);
+        if !died.is_empty() {
+            deaths.push((queue.to_string(), died));
+        }
+        Some(outcome)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use amq_protocol::protocol::{AMQPClass, basic};
+    use amq_protocol::types::FieldTable;
+
+    use super::super::test_support::{
+        Client, bodies, broker, dead_letter_target, declare, exchange, long, message, publish_to,
+        ready, table, text, with_queue,
+    };
+    use crate::amqp::reply;
+
+    #[test]
+    fn unroutable_and_missing_or_internal_exchanges() {
+        let b = broker();
+        let none = FieldTable::default();
+        let result = publish_to(&b, "nowhere", b"1");
+        assert!(!result.routed && !result.rejected);
+        let err = b
+            .publish("/", "nope", message("nope", "k", b""), None)
+            .unwrap_err();
+        assert_eq!(err.text, "NOT_FOUND - no exchange 'nope' in vhost '/'");
+        let mut internal = exchange("inside", "fanout", &none);
+        internal.internal = true;
+        b.exchange_declare("/", &internal).unwrap();
+        let err = b
+            .publish("/", "inside", message("inside", "", b""), None)
+            .unwrap_err();
+        assert_eq!(err.code, reply::ACCESS_REFUSED);
+        assert_eq!(
+            err.text,
+            "ACCESS_REFUSED - cannot publish to internal exchange 'inside' in vhost '/'"
+        );
+    }
+
+    #[test]
+    fn reject_publish_refuses_the_message_over_the_limit() {
+        let b = broker();
+        let c = Client::connect(&b);
+        let args = table(&[
+            ("x-max-length", long(1)),
+            ("x-overflow", text("reject-publish")),
+        ]);
+        b.queue_declare(c.conn, "/", &declare("q", &args)).unwrap();
+        let first = publish_to(&b, "q", b"1");
+        assert!(first.routed && !first.rejected);
+        let second = publish_to(&b, "q", b"2");
+        assert!(second.routed && second.rejected);
+        assert_eq!(bodies(&b, "q"), vec![b"1".to_vec()]);
+    }
+
+    #[test]
+    fn drop_head_dead_letters_the_oldest_message() {
+        let b = broker();
+        let c = Client::connect(&b);
+        dead_letter_target(&b, c.conn);
+        let args = table(&[
+            ("x-max-length", long(1)),
+            ("x-dead-letter-exchange", text("dlx")),
+        ]);
+        b.queue_declare(c.conn, "/", &declare("q", &args)).unwrap();
+        publish_to(&b, "q", b"1");
+        let second = publish_to(&b, "q", b"2");
+        assert!(second.routed && !second.rejected);
+        assert_eq!(bodies(&b, "q"), vec![b"2".to_vec()]);
+        assert_eq!(bodies(&b, "dead"), vec![b"1".to_vec()]);
+    }
+
+    #[test]
+    fn a_waiting_consumer_gets_the_message_without_queueing() {
+        let (b, c) = with_queue(&FieldTable::default(), &[]);
+        b.consume(c.conn, 1, "/", "q", "t", true, false, 0, true)
+            .unwrap();
+        publish_to(&b, "q", b"1");
+        assert_eq!(ready(&b, "q"), 0);
+        let sent = c.methods();
+        assert!(
+            matches!(&sent[..], [(1, AMQPClass::Basic(basic::AMQPMethod::Deliver(d)))] if d.delivery_tag == 1 && d.routing_key.as_str() == "q"),
+            "{sent:?}"
+        );
+    }
+}

@@ -1,0 +1,159 @@
+//! What keeps queues in shape between client methods: the timer deadline of each queue
+//! (message and queue expiry), its depth gauges, and re-applying policies when they change.
+
+use super::queue_limits;
+use crate::broker::queue::Death;
+use crate::broker::{Broker, State};
+use crate::policy::effective_settings;
+
+impl Broker {
+    /// After `queue` changed: dead-letters what died, schedules its next deadline and updates
+    /// its depth gauges.
+    pub(super) fn after_queue_change(
+        &self,
+        st: &mut State,
+        vhost: &str,
+        queue: &str,
+        deaths: Vec<Death>,
+        now: u64,
+    ) {
+        if !deaths.is_empty() {
+            self.process_deaths(st, vhost, queue, deaths, now);
+        }
+        self.reschedule(st, vhost, queue);
+        self.update_depth(st, vhost, queue);
+    }
+
+    /// Makes sure the timer heap holds this queue's next deadline.
+    pub(crate) fn reschedule(&self, st: &mut State, vhost: &str, queue: &str) {
+        let Some(q) = st.queue_mut(vhost, queue) else {
+            return;
+        };
+        let Some(at) = q.next_deadline() else {
+            return;
+        };
+        if q.timer_at.is_some_and(|t| t <= at) {
+            return;
+        }
+        q.timer_at = Some(at);
+        let id = q.id;
+        if st.schedule(at, vhost, queue, id) {
+            self.wake_timers();
+        }
+    }
+
+    pub(super) fn update_depth(&self, st: &mut State, vhost: &str, queue: &str) {
+        if let Some(q) = st.queue_mut(vhost, queue) {
+            if q.depth_gauges.is_none() {
+                q.depth_gauges = self.metrics.queue_depth_gauges(vhost, queue);
+            }
+            if let Some(g) = &q.depth_gauges {
+                g.set(q.state.len() as u64, q.state.bytes());
+            }
+        }
+    }
+
+    /// Policy set changed: recompute every queue's effective settings and enforce them.
+    pub fn apply_policies(&self, policies: crate::policy::PolicySet) {
+        let now = self.now();
+        let mut st = self.lock();
+        st.policies = policies;
+        let names: Vec<(String, String)> = st
+            .vhosts
+            .iter()
+            .flat_map(|(v, vh)| vh.queues.keys().map(move |q| (v.clone(), q.clone())))
+            .collect();
+        for (v, qn) in names {
+            let default_limit = st.options.default_delivery_limit;
+            let policy_def = st.policies.for_queue(&v, &qn).map(|p| p.definition.clone());
+            let mut deaths = Vec::new();
+            if let Some(q) = st.vhosts.get_mut(&v).and_then(|vh| vh.queues.get_mut(&qn)) {
+                let settings = effective_settings(&q.args, policy_def.as_ref(), default_limit);
+                if settings != q.settings {
+                    q.state
+                        .set_limits(queue_limits(&settings), now, &mut deaths);
+                    q.settings = settings;
+                    q.timer_at = None;
+                }
+            }
+            self.after_queue_change(&mut st, &v, &qn, deaths, now);
+        }
+    }
+}
+
+/// Called by [`Broker::run_timers`] for a due queue deadline.
+pub(crate) fn on_timer(b: &Broker, st: &mut State, vhost: &str, queue: &str, id: u64, now: u64) {
+    let mut deaths = Vec::new();
+    let expire_queue = {
+        let Some(q) = st.queue_mut(vhost, queue) else {
+            return;
+        };
+        if q.id != id {
+            return;
+        }
+        q.timer_at = None;
+        if q.expiry_deadline().is_some_and(|at| at <= now) {
+            true
+        } else {
+            q.state.expire(now, &mut deaths);
+            false
+        }
+    };
+    if expire_queue {
+        b.delete_queue_locked(st, vhost, queue);
+        return;
+    }
+    b.after_queue_change(st, vhost, queue, deaths, now);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use amq_protocol::types::FieldTable;
+
+    use super::super::test_support::{
+        Client, bodies, broker, dead_letter_target, declare, long, publish_to, ready, table, text,
+    };
+    use crate::config::PolicyConfig;
+    use crate::policy::PolicySet;
+
+    #[test]
+    fn a_new_policy_is_enforced_on_existing_queues_at_once() {
+        let b = broker();
+        let c = Client::connect(&b);
+        b.queue_declare(c.conn, "/", &declare("q", &FieldTable::default()))
+            .unwrap();
+        for body in [b"1", b"2", b"3"] {
+            publish_to(&b, "q", body);
+        }
+        let policy = PolicyConfig {
+            name: "short".into(),
+            vhost: "/".into(),
+            pattern: "^q$".into(),
+            apply_to: "queues".into(),
+            priority: 0,
+            definition: BTreeMap::from([("max-length".to_string(), serde_json::json!(1))]),
+        };
+        b.apply_policies(PolicySet::from_configs(&[policy]).unwrap());
+        assert_eq!(bodies(&b, "q"), vec![b"3".to_vec()]);
+        assert_eq!(b.queue_settings("/", "q").unwrap().max_length, Some(1));
+    }
+
+    #[test]
+    fn the_timer_expires_the_head_and_dead_letters_it() {
+        let b = broker();
+        let c = Client::connect(&b);
+        dead_letter_target(&b, c.conn);
+        let args = table(&[
+            ("x-message-ttl", long(1)),
+            ("x-dead-letter-exchange", text("dlx")),
+        ]);
+        b.queue_declare(c.conn, "/", &declare("q", &args)).unwrap();
+        publish_to(&b, "q", b"1");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        b.run_timers();
+        assert_eq!(ready(&b, "q"), 0);
+        assert_eq!(bodies(&b, "dead"), vec![b"1".to_vec()]);
+    }
+}
