@@ -468,13 +468,24 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     },
                 )));
             }
-            // Readiness follows upstream reachability (liveness never does).
+            // The service connections (capture objects and consumers) run until the
+            // connections are closed, after the drain.
+            if !config.proxy.delegate_to_upstream
+                && let Some(identity) = config
+                    .upstream
+                    .service_identity()
+                    .map_err(|e| anyhow::anyhow!("{e}"))?
+            {
+                tasks.push(proxy.start_services(identity, connections_trigger.subscribe()));
+            }
+            // Readiness follows upstream reachability and the capture consumers of
+            // proxy.vhosts (liveness never does).
             let ready = readiness.clone();
             let mut stop = accept_trigger.subscribe();
             let probe = proxy.clone();
             tasks.push(tokio::spawn(async move {
                 loop {
-                    ready.set_ready(probe.upstream_reachable().await);
+                    ready.set_ready(probe.upstream_reachable().await && probe.capture_consuming());
                     tokio::select! {
                         _ = tokio::time::sleep(Duration::from_secs(2)) => {}
                         _ = stop.recv() => return,

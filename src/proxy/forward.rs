@@ -11,7 +11,6 @@ use amq_protocol::protocol::{AMQPClass, basic, channel, connection, queue};
 use bytes::Bytes;
 
 use super::bcc;
-use super::capture::CaptureConsumer;
 use super::channels::{
     ChannelPhase, ClientChannel, IncomingContent, KeepBuilder, OutgoingContent, Source,
 };
@@ -614,10 +613,6 @@ impl Session {
                 self.publisher_frame(frame);
                 return;
             }
-            if Some(frame.channel) == agreed.capture_channel && frame.channel != 0 {
-                self.capture_frame(frame);
-                return;
-            }
             if Some(frame.channel) == agreed.probe_channel && frame.channel != 0 {
                 self.probe_frame(frame);
                 return;
@@ -727,11 +722,9 @@ impl Session {
             let publisher = Publisher::new(channel, self.frame_max, self.shared.confirm_timeout);
             self.send_upstream(publisher.open_frames());
             self.publisher = Some(publisher);
-        }
-        if let Some(channel) = agreed.capture_channel {
-            let capture = CaptureConsumer::new(channel, &self.shared.capture_name);
-            self.send_upstream(capture.start_frames());
-            self.capture = Some(capture);
+            // The vhost's service connection owns the capture objects (started now if this
+            // is the first client of the vhost).
+            self.capture_status = self.shared.services.ensure(&self.vhost);
         } else {
             tracing::warn!(
                 peer = %self.peer,
@@ -763,19 +756,6 @@ impl Session {
         }
         if let Some(answer) = step.answer {
             self.on_probe_answer(answer);
-        }
-    }
-
-    fn capture_frame(&mut self, frame: WireFrame) {
-        let Some(capture) = self.capture.as_mut() else {
-            return;
-        };
-        let step = capture.on_frame(&frame);
-        if let Some(write) = step.write {
-            self.send_upstream(write);
-        }
-        if let Some(message) = step.message {
-            self.on_captured(message);
         }
     }
 

@@ -1,28 +1,23 @@
-//! What the proxy changes: queue.declare (policy merge, dead-letter arguments taken over),
-//! client settlements (reject/nack dead-lettered by the proxy, requeues counted against
-//! delivery limits), captured messages (dead-lettered as their original queue would have),
-//! and the end of each operation (the original is settled only after the confirm).
+//! What the proxy changes on a client connection: queue.declare (policy merge, dead-letter
+//! arguments taken over, held until the vhost's capture objects exist), client settlements
+//! (reject/nack dead-lettered by the proxy, requeues counted against delivery limits), and the
+//! end of each operation (the original is settled only after the confirm). Captured messages
+//! are the service connection's ([`super::service`]).
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
-use amq_protocol::protocol::{AMQPClass, BasicProperties, basic, queue};
+use amq_protocol::protocol::{AMQPClass, basic, queue};
 use amq_protocol::types::FieldTable;
 use bytes::Bytes;
 
 use super::QueueView;
-use super::bcc::kept_bcc_keys;
-use super::capture::{CapturedMessage, reconstruct};
 use super::channels::{DeclareRecord, PendingDeclare};
-use super::declare::{
-    CaptureTag, DeadLetterHandling, DeclareRewrite, DeclaredQueue, rewrite_declare,
-};
+use super::death::{Death, Plan, now_secs, plan, settle};
+use super::declare::{DeadLetterHandling, DeclareRewrite, DeclaredQueue, rewrite_declare};
 use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
-use super::outgoing::{
-    dead_letter_publish, delivery_count, delivery_routing_keys, keys_after_cycle_rule,
-    requeue_publish,
-};
+use super::outgoing::{delivery_count, delivery_routing_keys, requeue_publish};
 use super::probe::ProbeAnswer;
 use super::publisher::{OpId, Outcome, OutgoingMessage};
 use super::session::Session;
@@ -30,15 +25,8 @@ use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::decode_method;
 use crate::amqp::content::{decode_properties, keep_opaque_headers};
 use crate::amqp::reply;
-use crate::deadletter::{DeadLetterReason, DeadLetterTarget, DeathEvent, dead_letter};
+use crate::deadletter::DeadLetterReason;
 use crate::rabbit::args::ArgumentError;
-
-fn now_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
 
 /// The frame for a native settlement.
 fn settle_frame(channel: u16, settle: NativeSettle) -> Bytes {
@@ -70,6 +58,13 @@ pub(super) struct PendingProbe {
     rewrite: Result<DeclareRewrite, ArgumentError>,
 }
 
+/// A queue.declare held until the vhost's capture objects exist.
+#[derive(Debug)]
+pub(super) struct HeldDeclare {
+    frame: WireFrame,
+    pub(super) deadline: Instant,
+}
+
 /// How a declare goes upstream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum UpstreamDeclare {
@@ -79,19 +74,6 @@ enum UpstreamDeclare {
     /// The queue exists: declared passively; the client's declaration is remembered only if
     /// nothing was (`remember`).
     Existing { remember: bool },
-}
-
-/// Everything `dead_letter_message` needs to know about the message that died.
-struct Death {
-    queue: Arc<str>,
-    reason: DeadLetterReason,
-    before: BasicProperties,
-    /// The raw properties `before` was decoded from (the source of its opaque headers).
-    raw_before: Bytes,
-    exchange: String,
-    routing_keys: Vec<String>,
-    time: u64,
-    body: Bytes,
 }
 
 impl Session {
@@ -133,6 +115,12 @@ impl Session {
                 exchange: self.shared.capture_name.clone(),
             }
         };
+        if matches!(handling, DeadLetterHandling::Capture { .. }) && !self.capture_declared() {
+            // The upstream queue will dead-letter into the capture exchange: it must exist
+            // first, or RabbitMQ drops those dead letters silently (see `service`).
+            self.hold_for_capture(frame);
+            return;
+        }
         let policy = self
             .shared
             .policies
@@ -165,6 +153,65 @@ impl Session {
                 self.forward_declare(channel, declare, rewrite, UpstreamDeclare::Create)
             }
         }
+    }
+
+    /// Whether this vhost's capture exchange, queue and binding exist.
+    fn capture_declared(&self) -> bool {
+        self.capture_status
+            .as_ref()
+            .is_some_and(|status| status.borrow().declared)
+    }
+
+    /// Holds a queue.declare (client reads pause) until the vhost's service connection has
+    /// declared the capture objects, at most `proxy.capture_ready_timeout_secs`. With no
+    /// service connection for the vhost (over `proxy.max_service_vhosts`) it is refused at
+    /// once.
+    fn hold_for_capture(&mut self, frame: WireFrame) {
+        if self.capture_status.is_none() {
+            self.refuse_capture_not_ready(
+                "it has no service connection (proxy.max_service_vhosts)",
+            );
+            return;
+        }
+        self.held_for_capture = Some(HeldDeclare {
+            frame,
+            deadline: self.now + self.shared.capture_ready_timeout,
+        });
+    }
+
+    /// The capture objects exist now: the held declare goes on.
+    pub(super) fn resume_held_declare(&mut self) {
+        if self.capture_declared()
+            && let Some(held) = self.held_for_capture.take()
+        {
+            self.client_queue_declare(held.frame);
+        }
+    }
+
+    /// The held declare waited too long: the client connection is closed with 320
+    /// CONNECTION_FORCED (a client reconnects, perhaps through another instance), so no queue
+    /// is ever created whose dead letters would have nowhere to go.
+    pub(super) fn capture_wait_expired(&mut self, now: Instant) {
+        if self
+            .held_for_capture
+            .as_ref()
+            .is_some_and(|held| now >= held.deadline)
+        {
+            self.held_for_capture = None;
+            self.refuse_capture_not_ready(
+                "its service connection is not ready (upstream unreachable?)",
+            );
+        }
+    }
+
+    fn refuse_capture_not_ready(&mut self, why: &str) {
+        let text = format!(
+            "CONNECTION_FORCED - dead-letter capture for vhost '{}' is unavailable: {why}; \
+             reconnect and retry",
+            self.vhost
+        );
+        tracing::warn!(peer = %self.peer, vhost = %self.vhost, why, "queue.declare refused: capture not ready");
+        self.close_client(reply::CONNECTION_FORCED, &text, 50, 10);
     }
 
     /// The probe answered. An existing queue is compared with the declaration remembered for
@@ -418,59 +465,16 @@ impl Session {
     /// Rewrites a dead message with the pure rules and publishes it to its dead-letter
     /// exchange; drops (and counts) it when there is nowhere to go.
     fn dead_letter_message(&mut self, origin: Origin, death: Death, view: &QueueView) {
-        let Some(dlx) = view.settings.dead_letter_exchange.as_deref() else {
-            // No dead-letter exchange: the message is discarded, as RabbitMQ does.
-            self.settle_origin(origin, Settlement::Ack);
-            return;
-        };
-        let event = DeathEvent {
-            queue: &death.queue,
-            reason: death.reason,
-            exchange: &death.exchange,
-            routing_keys: &death.routing_keys,
-            now_secs: death.time,
-            trust_existing_history: true,
-        };
-        let target = DeadLetterTarget {
-            exchange: dlx,
-            routing_key: view.settings.dead_letter_routing_key.as_deref(),
-        };
-        let message = match dead_letter(
-            &death.before,
-            &event,
-            &target,
-            &self.shared.dead_letter_options,
-        ) {
-            Ok(message) => message,
-            Err(drop) => {
-                self.shared
-                    .metrics
-                    .dropped(&self.vhost, &death.queue, drop.cause());
+        let queue = death.queue.clone();
+        let purpose = Purpose::DeadLetter(death.reason);
+        match plan(death, view, &self.shared.dead_letter_options) {
+            Plan::Discard => self.settle_origin(origin, Settlement::Ack),
+            Plan::Drop(cause) => {
+                self.shared.metrics.dropped(&self.vhost, &queue, cause);
                 self.settle_origin(origin, Settlement::Ack);
-                return;
             }
-        };
-        let keys = keys_after_cycle_rule(death.reason, &message, &death.before, &death.queue);
-        if keys.is_empty() {
-            tracing::debug!(
-                queue = &*death.queue,
-                reason = death.reason.as_str(),
-                "message dropped: dead-letter cycle"
-            );
-            self.shared
-                .metrics
-                .dropped(&self.vhost, &death.queue, "cycle");
-            self.settle_origin(origin, Settlement::Ack);
-            return;
+            Plan::Publish(publish) => self.publish_op(origin, purpose, queue, publish),
         }
-        let mut publish = dead_letter_publish(&message, &keys, death.body);
-        publish.raw_properties = keep_opaque_headers(publish.raw_properties, &death.raw_before);
-        self.publish_op(
-            origin,
-            Purpose::DeadLetter(death.reason),
-            death.queue,
-            publish,
-        );
     }
 
     fn publish_op(
@@ -531,42 +535,7 @@ impl Session {
         let Some(op) = self.ops.remove(&op_id) else {
             return;
         };
-        let metrics = self.shared.metrics.clone();
-        let settlement = match (op.purpose, &outcome) {
-            (Purpose::DeadLetter(reason), Outcome::Confirmed) => {
-                metrics.dead_lettered(&self.vhost, &op.queue, reason.as_str());
-                metrics.observe_dead_letter_latency(op.started.elapsed());
-                Settlement::Ack
-            }
-            (Purpose::DeadLetter(_), Outcome::Unroutable) => {
-                metrics.dropped(&self.vhost, &op.queue, "unroutable");
-                Settlement::Ack
-            }
-            (Purpose::DeadLetter(_), Outcome::ExchangeMissing) => {
-                metrics.dropped(&self.vhost, &op.queue, "no_dlx");
-                Settlement::Ack
-            }
-            (Purpose::Requeue, Outcome::Confirmed)
-            | (Purpose::Requeue, Outcome::Unroutable)
-            | (Purpose::Requeue, Outcome::ExchangeMissing) => Settlement::Ack,
-            (_, Outcome::Failed(cause)) => {
-                tracing::warn!(
-                    queue = &*op.queue,
-                    cause,
-                    "publish not confirmed; the message is requeued"
-                );
-                metrics.dead_letter_publish_failed(cause);
-                Settlement::Requeue
-            }
-            (_, Outcome::TimedOut) => {
-                tracing::warn!(
-                    queue = &*op.queue,
-                    "publish confirm timed out; the message is requeued"
-                );
-                metrics.dead_letter_publish_failed("timeout");
-                Settlement::Requeue
-            }
-        };
+        let settlement = settle(&self.shared.metrics, &self.vhost, &op, &outcome);
         self.settle_origin(op.origin, settlement);
         self.op_finished(op.origin);
     }
@@ -650,82 +619,8 @@ impl Session {
                 );
                 self.inject_upstream(channel, frame);
             }
-            Origin::Capture { tag, epoch } => {
-                let Some(capture) = self.capture.as_mut() else {
-                    return;
-                };
-                match settlement {
-                    Settlement::Ack => {
-                        if let Some(frame) = capture.ack(tag, epoch) {
-                            self.send_upstream(frame);
-                        }
-                    }
-                    Settlement::Requeue => capture.retry_later(tag, epoch, Instant::now()),
-                }
-            }
+            // Capture deliveries are settled by the service connection, never here.
+            Origin::Capture { .. } => {}
         }
-    }
-
-    // ------------------------------------------------------------------------------------
-    // Captured messages
-    // ------------------------------------------------------------------------------------
-
-    /// A message died upstream (TTL, length limit, a rejection the proxy did not see):
-    /// dead-letter it as its original queue would have.
-    pub(super) fn on_captured(&mut self, message: CapturedMessage) {
-        let origin = Origin::Capture {
-            tag: message.delivery_tag,
-            epoch: message.epoch,
-        };
-        let props = match decode_properties(&message.raw_properties) {
-            Ok(props) => props,
-            Err(err) => {
-                tracing::warn!(%err, "captured message properties do not decode; dropped");
-                self.settle_origin(origin, Settlement::Ack);
-                return;
-            }
-        };
-        let tag = CaptureTag::decode(&message.routing_key);
-        let (before, death) = match reconstruct(&props, tag.is_some()) {
-            Ok(found) => found,
-            Err(err) => {
-                tracing::warn!(%err, "captured message without a death record; dropped");
-                self.settle_origin(origin, Settlement::Ack);
-                return;
-            }
-        };
-        let Ok(reason) = death.reason.parse::<DeadLetterReason>() else {
-            tracing::warn!(reason = %death.reason, "captured message with an unknown death reason; dropped");
-            self.settle_origin(origin, Settlement::Ack);
-            return;
-        };
-        let arguments = self
-            .shared
-            .queues
-            .lookup(&self.vhost, &death.queue)
-            .or_else(|| tag.map(|t| t.to_arguments()));
-        let view = self
-            .shared
-            .queue_view(&self.vhost, &death.queue, arguments.as_ref());
-        let time = if death.time == 0 {
-            now_secs()
-        } else {
-            death.time
-        };
-        // The upstream recorded the publish key and the CC keys; the BCC keys come from the
-        // proxy's private header.
-        let mut routing_keys = death.routing_keys;
-        routing_keys.extend(kept_bcc_keys(&before));
-        let death = Death {
-            queue: Arc::from(death.queue.as_str()),
-            reason,
-            before,
-            raw_before: message.raw_properties,
-            exchange: death.exchange,
-            routing_keys,
-            time,
-            body: message.body,
-        };
-        self.dead_letter_message(origin, death, &view);
     }
 }

@@ -95,6 +95,7 @@ pub mod bcc;
 pub mod busy_poll;
 pub mod capture;
 pub mod channels;
+mod death;
 pub mod declare;
 mod forward;
 pub mod handshake;
@@ -106,6 +107,7 @@ pub mod outgoing;
 pub mod probe;
 pub mod publisher;
 pub mod registry;
+pub mod service;
 mod session;
 pub mod upstream;
 pub mod wire;
@@ -128,6 +130,7 @@ use crate::shutdown::Shutdown;
 
 pub use capture::DEFAULT_CAPTURE_NAME;
 use registry::QueueRegistry;
+use service::ServiceRegistry;
 use upstream::UpstreamTarget;
 
 /// Most queues whose declared arguments are remembered.
@@ -161,6 +164,11 @@ pub struct ProxyShared {
     pub(crate) connections: Arc<ConnectionSlots>,
     /// `limits.max_table_depth`: deepest field tables in the client methods the proxy decodes.
     pub(crate) max_table_depth: usize,
+    /// The service connection of each vhost (capture objects and consumer).
+    pub(crate) services: ServiceRegistry,
+    /// `proxy.capture_ready_timeout_secs`: how long a declare naming the capture exchange
+    /// waits for the vhost's capture objects.
+    pub(crate) capture_ready_timeout: Duration,
 }
 
 impl std::fmt::Debug for ProxyShared {
@@ -224,6 +232,14 @@ impl ProxyShared {
             channel_max: limits.channel_max,
             loopback_users: config.proxy.loopback_users.iter().cloned().collect(),
             connections: ConnectionSlots::new(limits.max_connections, metrics.clone()),
+            services: ServiceRegistry::new(
+                config.proxy.vhosts.clone(),
+                config.proxy.max_service_vhosts,
+                metrics.clone(),
+            ),
+            capture_ready_timeout: Duration::from_secs(
+                config.proxy.capture_ready_timeout_secs.max(1),
+            ),
             metrics,
             max_table_depth: limits.max_table_depth,
         }))
@@ -232,6 +248,17 @@ impl ProxyShared {
     /// For /readyz: whether a TCP connection to the upstream opens within one second.
     pub async fn upstream_reachable(&self) -> bool {
         self.upstream.reachable(Duration::from_secs(1)).await
+    }
+
+    /// For /readyz: whether every vhost of `proxy.vhosts` has its capture consumer running
+    /// (always true when dead-lettering is left to the upstream).
+    pub fn capture_consuming(&self) -> bool {
+        self.delegate_to_upstream || self.services.configured_consuming()
+    }
+
+    /// The status of a vhost's service connection (`None`: it has none).
+    pub fn service_status(&self, vhost: &str) -> Option<service::Status> {
+        self.services.status(vhost)
     }
 
     /// The `limits.max_connections` slots of proxy mode (the service applies reloads to them).

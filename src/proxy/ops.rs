@@ -16,7 +16,8 @@ pub enum Origin {
         channel_id: u64,
         tag: u64,
     },
-    /// A capture delivery (settled on the capture channel of that epoch).
+    /// A capture delivery on a service connection (settled on its capture channel, if the
+    /// consumer is still the one of that epoch).
     Capture { tag: u64, epoch: u64 },
 }
 

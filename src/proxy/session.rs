@@ -22,16 +22,17 @@ use amq_protocol::protocol::{AMQPClass, connection};
 use amq_protocol::types::ShortString;
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::watch;
 
 use super::ProxyShared;
 use super::busy_poll::BusyPoll;
-use super::capture::CaptureConsumer;
 use super::channels::ClientChannel;
 use super::handshake::Negotiated;
 use super::ops::Op;
 use super::outbox::Outbox;
 use super::probe::QueueProbe;
 use super::publisher::{OpId, Publisher};
+use super::service::Status;
 use super::wire::{FrameReader, WireFrame, method_frame};
 use crate::admission::refuse_client_after_header;
 use crate::amqp::codec::{FrameError, PROTOCOL_HEADER, put_heartbeat};
@@ -83,6 +84,8 @@ enum Event {
     Wrote,
     Timer,
     Shutdown,
+    /// The vhost's capture objects were declared (a held queue.declare may go on).
+    CaptureDeclared,
     /// Nothing was ready; the task yielded instead of sleeping.
     Polled,
 }
@@ -117,10 +120,15 @@ pub(super) struct Session {
     /// Client channels with upstream content in progress.
     pub(super) incoming_in_progress: usize,
     pub(super) publisher: Option<Publisher>,
-    pub(super) capture: Option<CaptureConsumer>,
     pub(super) probe: Option<QueueProbe>,
     /// A queue.declare waiting for the probe's answer (client reads pause meanwhile).
     pub(super) pending_probe: Option<super::intercept::PendingProbe>,
+    /// The status of this vhost's service connection (known once the connection is open;
+    /// `None` when the vhost has none).
+    pub(super) capture_status: Option<watch::Receiver<Status>>,
+    /// A queue.declare naming the capture exchange, waiting for the capture objects to exist
+    /// (client reads pause meanwhile).
+    pub(super) held_for_capture: Option<super::intercept::HeldDeclare>,
     /// A client's channel.open for a channel number the proxy closed upstream whose close-ok
     /// has not come back yet (client reads pause meanwhile; see `forward`).
     pub(super) held_channel_open: Option<WireFrame>,
@@ -226,9 +234,10 @@ pub(super) async fn run<S>(
         inflight_count: 0,
         incoming_in_progress: 0,
         publisher: None,
-        capture: None,
         probe: None,
         pending_probe: None,
+        capture_status: None,
+        held_for_capture: None,
         held_channel_open: None,
         ops: HashMap::new(),
         next_op: 1,
@@ -276,7 +285,9 @@ pub(super) async fn run<S>(
             timer.as_mut().reset(deadline);
         }
         let poll_again = busy_poll.should_poll(now);
+        let held = session.held_for_capture.is_some();
         let event = tokio::select! {
+            _ = capture_declared(&mut session.capture_status), if held => Event::CaptureDeclared,
             frame = client_reader.next(), if read_client => Event::Client(frame),
             frame = upstream_reader.next(), if read_upstream => Event::Upstream(frame),
             _ = session.client_out.write_some(), if write_client => Event::Wrote,
@@ -301,6 +312,7 @@ pub(super) async fn run<S>(
             Event::Wrote => busy_poll.traffic(session.now),
             Event::Timer => session.on_timer(session.now),
             Event::Shutdown => session.on_shutdown(),
+            Event::CaptureDeclared => session.resume_held_declare(),
             Event::Polled => {}
         }
     }
@@ -311,6 +323,17 @@ pub(super) async fn run<S>(
         session.client_out.close(grace),
         session.upstream_out.close(grace)
     );
+}
+
+/// Resolves once the capture objects are declared; never when there is no service
+/// connection, or it stopped (the held declare's deadline ends the wait then).
+async fn capture_declared(status: &mut Option<watch::Receiver<Status>>) {
+    if let Some(status) = status.as_mut()
+        && status.wait_for(|s| s.declared).await.is_ok()
+    {
+        return;
+    }
+    std::future::pending::<()>().await
 }
 
 impl Session {
@@ -393,7 +416,9 @@ impl Session {
     /// Whether client reads wait for an answer from the upstream (the probe's, or the close-ok
     /// that frees a channel number the client is reopening).
     fn awaits_upstream_answer(&self) -> bool {
-        self.pending_probe.is_some() || self.held_channel_open.is_some()
+        self.pending_probe.is_some()
+            || self.held_channel_open.is_some()
+            || self.held_for_capture.is_some()
     }
 
     fn wants_upstream_frames(&self) -> bool {
@@ -438,9 +463,7 @@ impl Session {
         if let Some(publisher) = self.publisher.as_mut() {
             consider(publisher.next_deadline());
         }
-        if let Some(capture) = self.capture.as_ref() {
-            consider(capture.next_deadline());
-        }
+        consider(self.held_for_capture.as_ref().map(|held| held.deadline));
         if let Some(interval) = self.heartbeat {
             if self.client_side == Side::Open {
                 consider(Some(self.last_client_rx + interval * 2));
@@ -532,16 +555,12 @@ impl Session {
             self.upstream_side = Side::Closed;
             return;
         }
+        self.capture_wait_expired(now);
         if let Some(publisher) = self.publisher.as_mut() {
             let expired = publisher.expire(now);
             for settled in expired {
                 self.complete_op(settled.op, settled.outcome);
             }
-        }
-        if let Some(capture) = self.capture.as_mut()
-            && let Some(frames) = capture.due_retries(now)
-        {
-            self.send_upstream(frames);
         }
         if let Some(interval) = self.heartbeat {
             if self.client_side == Side::Open && now >= self.last_client_rx + interval * 2 {

@@ -46,5 +46,6 @@ mod proxy_delivery_limit;
 mod proxy_fault_close;
 mod proxy_faults;
 mod proxy_forwarding;
+mod proxy_service;
 mod proxy_upstream_tls;
 mod table_depth;

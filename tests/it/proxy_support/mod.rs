@@ -90,6 +90,9 @@ impl TestProxy {
             ..Config::default()
         };
         config.upstream.url = format!("amqp://{}", upstream_host());
+        // The reference node's administrator is the proxy's service identity.
+        config.upstream.user = "guest".into();
+        config.upstream.password = "guest".into();
         config.proxy.confirm_timeout_secs = 5;
         tweak(&mut config);
         let set = PolicySet::from_configs(&config.policies).expect("valid policies");
@@ -102,6 +105,14 @@ impl TestProxy {
         let listener = tokio::net::TcpListener::bind(listen).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let trigger = ShutdownTrigger::new();
+        if !config.proxy.delegate_to_upstream {
+            let identity = config
+                .upstream
+                .service_identity()
+                .expect("service identity")
+                .expect("a service user");
+            shared.start_services(identity, trigger.subscribe());
+        }
         tokio::spawn(serve(listener, shared.clone(), trigger.subscribe()));
         TestProxy {
             addr,
