@@ -418,8 +418,8 @@ impl Metrics {
             )?,
             service_reconnects: b.counter_vec(
                 "service_reconnects_total",
-                "Proxy mode: service connections opened again after the connection or its \
-                 capture consumer was lost, by vhost.",
+                "Proxy mode: attempts to open a vhost's service connection again after it or \
+                 its capture consumer was lost (or an attempt failed), by vhost.",
                 &["vhost"],
             )?,
             captured: b.counter_vec(

@@ -2,7 +2,7 @@
 //! and the proxy applies every dead-letter rule itself, with the policies from the TOML file.
 //!
 //! The handshake (protocol header, SASL, vhost) passes through, so the upstream authenticates
-//! the client and the proxy keeps no credentials. The proxy only applies what the upstream
+//! the client and the proxy keeps no client credentials. The proxy only applies what the upstream
 //! cannot see: `proxy.loopback_users` refused from non-loopback peers ([`handshake`]), and
 //! `limits.max_connections` ([`crate::admission`]). Frames that need no change are forwarded as
 //! the bytes that arrived, in order, with backpressure both ways. The proxy takes over:
@@ -16,7 +16,14 @@
 //! - requeues on queues with a delivery limit: republished with `x-delivery-count`, and
 //!   dead-lettered as `delivery_limit` past the limit;
 //! - messages that expire or overflow upstream come back through the capture queue and are
-//!   dead-lettered as their original queue would have;
+//!   dead-lettered as their original queue would have, by the vhost's *service connection*
+//!   ([`service`]): the proxy's own upstream connection, logged in as its own user
+//!   (`upstream.user`), which declares the capture exchange and the capture queue (a durable
+//!   quorum queue), consumes it whether or not any client is connected, and reconnects with
+//!   backoff after any loss. A client's queue.declare naming the capture exchange is forwarded
+//!   only once the capture objects exist (RabbitMQ drops dead letters to a missing exchange
+//!   silently); after `proxy.capture_ready_timeout_secs` the client connection is closed with
+//!   320;
 //! - BCC keys ([`bcc`]): the upstream strips `BCC` at publish, yet RabbitMQ routes a dead
 //!   letter (without a dead-letter routing key) with them. A client publish whose content
 //!   header carries `BCC` gets the keys copied into the private header `x-dlx-proxy-bcc`
@@ -25,15 +32,16 @@
 //!   client, and drops a client's own. Consumers connected straight to the upstream do see it.
 //!   Other publishes stay untouched bytes.
 //!
-//! The proxy uses the three highest channel numbers of each upstream connection (the client is
-//! offered three fewer in connection.tune): one to probe whether a declared queue exists, one
-//! for its publishes (with confirms), one for the capture consumer. Client channel numbers,
+//! The proxy uses the two highest channel numbers of each client's upstream connection (the
+//! client is offered two fewer in connection.tune): one to probe whether a declared queue
+//! exists, one for its publishes (with confirms). Client channel numbers,
 //! delivery tags and confirm sequence numbers are untouched; the proxy's settlements of client
 //! deliveries go on the client's channel with the upstream's own delivery tags.
 //!
 //! Failures: a dead-letter publish that is nacked, times out (`proxy.confirm_timeout_secs`)
 //! or is lost with the proxy's channel leaves the original to be delivered again (it is
-//! requeued with basic.nack; a captured message after a 1 s pause). A missing dead-letter
+//! requeued with basic.nack; a captured message after a 1 s pause, or when its service
+//! connection is lost). A missing dead-letter
 //! exchange (404 on the proxy's channel, which is reopened) or an unroutable dead letter
 //! (basic.return) drops the message and counts it (`no_dlx`, `unroutable`), as RabbitMQ does.
 //! The upstream gone → the client gets `connection.close 320` (during the handshake, where
@@ -70,8 +78,8 @@
 //!   it are requeued and delivered again;
 //! - a client settling a tag it already rejected is ignored (RabbitMQ closes the channel with
 //!   406); acks the proxy sends on a transactional channel join the client's transaction;
-//! - the capture queue is consumed by the proxy's connections of a vhost: with no client
-//!   connected there, captured messages wait in it;
+//! - a vhost past `proxy.max_service_vhosts` has no service connection: declares there that
+//!   would dead-letter into the capture exchange are refused (320);
 //! - `compat = "4"`: an x-death history on a message is always continued;
 //! - a channel.open numbered above the negotiated channel_max is refused with 530 even while
 //!   fewer channels are open (RabbitMQ counts channels only): those numbers are the proxy's;
@@ -87,7 +95,8 @@
 //!
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
 //! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`bcc`], [`publisher`],
-//! [`capture`], [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
+//! [`capture`], [`death`] (what becomes of a dead message), [`service`] (the service
+//! connections), [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
 //! [`outbox`] (socket writes), [`wire`] (frames and adaptive reads), [`busy_poll`] (polling
 //! before sleeping), [`channels`], [`ops`], [`registry`].
 

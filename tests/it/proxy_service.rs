@@ -295,3 +295,64 @@ async fn a_client_connection_uses_two_extra_upstream_channels() {
     drop(client);
     proxy.stop().await;
 }
+
+/// `/readyz` waits for the capture consumer of every vhost in `proxy.vhosts`: a vhost the
+/// service user cannot open yet keeps the proxy not ready (the service connection retries
+/// with backoff, counted), and it becomes ready once the vhost exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_waits_for_the_capture_consumers_of_configured_vhosts() {
+    use dlx_proxy::config::{Config, Mode};
+    let vhost = unique("ready-vhost");
+    let capture = unique("ready-capture");
+    let (amqp, admin) = crate::common::free_addresses();
+    let mut config = Config {
+        mode: Mode::Proxy,
+        ..Config::default()
+    };
+    config.listen.amqp = amqp.to_string();
+    config.listen.admin = admin.to_string();
+    config.upstream.url = format!("amqp://{}", upstream_host());
+    config.upstream.user = "guest".into();
+    config.upstream.password = "guest".into();
+    config.proxy.capture_name = capture.clone();
+    config.proxy.vhosts = vec!["/".into(), vhost.clone()];
+    let service = dlx_proxy::service::start(config)
+        .await
+        .expect("proxy starts");
+    let retried = format!("dlx_proxy_service_reconnects_total{{vhost=\"{vhost}\"}}");
+    crate::common::wait_metric_at_least(admin, &retried, 2.0).await;
+    assert_eq!(
+        crate::common::http(admin, "GET", "/readyz").await.0,
+        503,
+        "not ready while {vhost} has no capture consumer"
+    );
+    let consuming = |v: &str| format!("dlx_proxy_capture_consumers{{vhost=\"{v}\"}}");
+    crate::common::wait_metric(admin, &consuming("/"), 1.0).await;
+    assert_eq!(
+        crate::common::metric_value(&crate::common::scrape(admin).await, &consuming(&vhost)),
+        Some(0.0)
+    );
+    let ctl = |args: &[&str]| {
+        let out = rabbitmqctl(args);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+    };
+    ctl(&["add_vhost", &vhost]);
+    ctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
+    // The next attempt comes within the backoff cap (5 s).
+    crate::common::wait_until(
+        "the new vhost's capture consumer",
+        Duration::from_secs(15),
+        async || {
+            let text = crate::common::scrape(admin).await;
+            crate::common::metric_value(&text, &consuming(&vhost)) == Some(1.0)
+        },
+    )
+    .await;
+    crate::common::wait_until("/readyz 200", Duration::from_secs(10), async || {
+        crate::common::http(admin, "GET", "/readyz").await.0 == 200
+    })
+    .await;
+    service.shutdown().await;
+    ctl(&["delete_vhost", &vhost]);
+    delete_capture(&capture).await;
+}

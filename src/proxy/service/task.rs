@@ -219,7 +219,12 @@ impl Connection<'_> {
                 wake = wake.min(at);
             }
             if let Some(interval) = self.heartbeat {
-                wake = wake.min(last_rx + interval * 2).min(last_tx + interval / 2);
+                wake = wake.min(last_rx + interval * 2);
+                // A heartbeat is due only when nothing else waits to be written (a blocked
+                // socket must not turn the timer into a busy loop).
+                if self.out.is_empty() {
+                    wake = wake.min(last_tx + interval / 2);
+                }
             }
             if let Some(deadline) = stopping {
                 wake = wake.min(deadline);
