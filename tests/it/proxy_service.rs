@@ -10,9 +10,10 @@ use std::time::Duration;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::protocol::basic::AMQPProperties;
 use lapin::protocol::{AMQPClass, channel, queue};
-use lapin::types::AMQPValue;
+use lapin::types::{AMQPValue, FieldTable};
 use proxy_support::*;
 
+use crate::common::dl::{amqp_code, amqp_text, try_declare};
 use crate::common::encode_method;
 
 /// Publishes one persistent message to `queue` and waits for its confirm.
@@ -355,4 +356,62 @@ async fn readiness_waits_for_the_capture_consumers_of_configured_vhosts() {
     service.shutdown().await;
     ctl(&["delete_vhost", &vhost]);
     delete_capture(&capture).await;
+}
+
+/// A service user that cannot open the vhost never gets the capture objects declared: a
+/// client's declare (every queue declared through the proxy dead-letters into the capture
+/// exchange upstream) waits `proxy.capture_ready_timeout_secs`, then the client connection is
+/// closed with 320; no queue is created whose dead letters would be dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declare_is_refused_with_320_while_capture_cannot_get_ready() {
+    let user = unique("no-perm-service");
+    let created = rabbitmqctl(&["add_user", &user, "pw"]);
+    assert!(created.status.success(), "add_user: {created:?}");
+    let service_user = user.clone();
+    let proxy = TestProxy::start_with(vec![], move |config| {
+        config.upstream.user = service_user;
+        config.upstream.password = "pw".into();
+        config.proxy.capture_ready_timeout_secs = 1;
+    })
+    .await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("held");
+    let started = std::time::Instant::now();
+    let err = try_declare(
+        &ch,
+        &q,
+        table(&[("x-dead-letter-exchange", ls("some-dlx"))]),
+    )
+    .await
+    .expect_err("refused");
+    let waited = started.elapsed();
+    assert_eq!(amqp_code(&err), Some(320), "{err:?}");
+    let text = amqp_text(&err);
+    assert!(
+        text.starts_with("CONNECTION_FORCED - dead-letter capture for vhost '/' is unavailable"),
+        "{text}"
+    );
+    assert!(waited >= Duration::from_secs(1), "{waited:?}");
+    assert!(
+        proxy.counter("service_reconnects_total", &[("vhost", "/")]) >= 1.0,
+        "the service connection keeps trying"
+    );
+    // The held queue was never declared upstream.
+    let upstream = upstream_connection().await;
+    let admin = upstream.create_channel().await.unwrap();
+    let probe = admin
+        .queue_declare(
+            q.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    assert!(probe.is_err(), "{q} must not exist upstream");
+    let _ = upstream.close(200, "done".into()).await;
+    proxy.stop().await;
+    let _ = rabbitmqctl(&["delete_user", &user]);
 }

@@ -214,3 +214,35 @@ impl ProxyShared {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vhosts_past_the_limit_get_no_service_connection_and_are_counted() {
+        let metrics = Metrics::new(10);
+        let registry = ServiceRegistry::new(vec!["/".into()], 2, metrics.clone());
+        // Not started yet: entries are kept for the start, nothing is spawned.
+        let root = registry.ensure("/").expect("configured vhost");
+        assert_eq!(*root.borrow(), Status::default());
+        assert!(registry.ensure("orders").is_some());
+        assert!(
+            registry.ensure("/").is_some(),
+            "known vhosts are not counted twice"
+        );
+        assert!(registry.ensure("billing").is_none());
+        let text = metrics.encode();
+        assert!(text.contains("dlx_proxy_service_vhosts 2"), "{text}");
+        assert!(
+            text.contains("dlx_proxy_service_vhosts_refused_total 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("dlx_proxy_capture_consumers{vhost=\"orders\"} 0"),
+            "{text}"
+        );
+        assert!(!registry.configured_consuming());
+        assert_eq!(registry.status("billing"), None);
+    }
+}
