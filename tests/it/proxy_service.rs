@@ -415,3 +415,67 @@ async fn a_declare_is_refused_with_320_while_capture_cannot_get_ready() {
     proxy.stop().await;
     let _ = rabbitmqctl(&["delete_user", &user]);
 }
+
+/// A captured message keeps its `user_id`: the service user republishes it as a dead letter,
+/// which RabbitMQ allows for another user's id only with the `impersonator` tag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_user_id_is_kept_by_an_impersonating_service_user() {
+    let user = unique("impersonator-service");
+    let ctl = |args: &[&str]| {
+        let out = rabbitmqctl(args);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+    };
+    ctl(&["add_user", &user, "pw"]);
+    ctl(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
+    ctl(&["set_user_tags", &user, "impersonator"]);
+    let service_user = user.clone();
+    let proxy = TestProxy::start_with(vec![], move |config| {
+        config.upstream.user = service_user;
+        config.upstream.password = "pw".into();
+    })
+    .await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("uid");
+    let dlx = unique("uid-dlx");
+    let dlq = unique("uid-dlq");
+    declare_dlx(&ch, &dlx, &dlq).await;
+    declare(
+        &ch,
+        &q,
+        table(&[
+            ("x-dead-letter-exchange", ls(&dlx)),
+            ("x-dead-letter-routing-key", ls(&dlq)),
+            ("x-message-ttl", AMQPValue::LongInt(0)),
+        ]),
+    )
+    .await;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    // The client (guest) stamps its own user id; RabbitMQ checks it against guest.
+    let confirm = ch
+        .basic_publish(
+            "".into(),
+            q.as_str().into(),
+            BasicPublishOptions::default(),
+            b"stamped",
+            AMQPProperties::default().with_user_id("guest".into()),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack());
+    let dead = get(&ch, &dlq).await;
+    assert_eq!(payload(&dead), "stamped");
+    assert_eq!(
+        dead.properties.user_id().as_ref().map(|u| u.as_str()),
+        Some("guest")
+    );
+    assert_eq!(field(&x_death(&dead)[0], "reason"), &ls("expired"));
+    delete_upstream(&ch, &[&q, &dlq], &[&dlx]).await;
+    let _ = conn.close(200, "done".into()).await;
+    proxy.stop().await;
+    let _ = rabbitmqctl(&["delete_user", &user]);
+}
