@@ -479,3 +479,60 @@ async fn a_captured_user_id_is_kept_by_an_impersonating_service_user() {
     proxy.stop().await;
     let _ = rabbitmqctl(&["delete_user", &user]);
 }
+
+/// A quorum queue declared with at-least-once dead-lettering keeps that strategy upstream
+/// (RabbitMQ then dead-letters into the capture exchange with confirms and retries), and its
+/// expired messages reach the client's dead-letter queue through the capture path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_least_once_quorum_queues_keep_their_strategy_upstream() {
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("alo");
+    let dlx = unique("alo-dlx");
+    let dlq = unique("alo-dlq");
+    declare_dlx(&ch, &dlx, &dlq).await;
+    crate::common::dl::declare_durable(
+        &ch,
+        &q,
+        table(&[
+            ("x-queue-type", ls("quorum")),
+            ("x-dead-letter-exchange", ls(&dlx)),
+            ("x-dead-letter-routing-key", ls(&dlq)),
+            ("x-dead-letter-strategy", ls("at-least-once")),
+            ("x-overflow", ls("reject-publish")),
+            ("x-message-ttl", AMQPValue::LongInt(50)),
+        ]),
+    )
+    .await;
+    let listing = rabbitmqctl(&[
+        "list_queues",
+        "-q",
+        "--no-table-headers",
+        "name",
+        "arguments",
+    ]);
+    let text = String::from_utf8_lossy(&listing.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(q.as_str()))
+        .unwrap_or_else(|| panic!("{q} not listed:\n{text}"));
+    assert!(line.contains("at-least-once"), "{line}");
+    assert!(line.contains(&proxy.capture), "{line}");
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for i in 0..3 {
+        publish_confirmed(&ch, &q, &format!("alo{i}")).await;
+    }
+    wait_count(&ch, &dlq, 3).await;
+    let dead = get(&ch, &dlq).await;
+    let deaths = x_death(&dead);
+    assert_eq!(field(&deaths[0], "reason"), &ls("expired"));
+    assert_eq!(field(&deaths[0], "queue"), &ls(&q));
+    // Everything expired out of the source queue and was dead-lettered.
+    wait_count(&ch, &q, 0).await;
+    delete_upstream(&ch, &[&q, &dlq], &[&dlx]).await;
+    let _ = conn.close(200, "done".into()).await;
+    proxy.stop().await;
+}
