@@ -3,7 +3,8 @@
 //! Routes (axum):
 //! - `GET /metrics`: every metric, Prometheus text format 0.0.4;
 //! - `GET /healthz`: `200 ok` while the process runs;
-//! - `GET /readyz`: `200 ready` once the service accepts clients, else `503 not ready`;
+//! - `GET /readyz`: `200 ready` once the service accepts clients, else `503 not ready`; in
+//!   proxy mode also `503` while no upstream node is reachable;
 //! - `GET /api/policies`: the runtime policies as JSON (RabbitMQ's HTTP API shape);
 //! - `PUT /api/policies/{vhost}/{name}` with `{"pattern", "definition", "priority",
 //!   "apply-to"}` sets a policy, `DELETE` clears it. The vhost is URL-encoded (`%2F` is `/`).
@@ -31,8 +32,8 @@ use axum::routing::get;
 use serde::{Deserialize, Deserializer, Serialize};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// The runtime policy store the admin API edits.
@@ -45,9 +46,21 @@ pub trait PolicyControl: Send + Sync {
     fn list_policies(&self) -> Vec<PolicyConfig>;
 }
 
-/// Whether the service is ready for clients (shared between the service and `/readyz`).
+/// Whether the service is ready for clients (shared between the service and `/readyz`): the
+/// service's own switch (on once it accepts clients, off while draining) and, in proxy mode,
+/// the upstream pool's reachability ([`crate::proxy::upstream::UpstreamPool`]) and the capture
+/// consumers of `proxy.vhosts` ([`crate::proxy::service`]).
 #[derive(Clone, Debug, Default)]
-pub struct Readiness(Arc<AtomicBool>);
+pub struct Readiness(Arc<ReadinessState>);
+
+#[derive(Debug, Default)]
+struct ReadinessState {
+    ready: AtomicBool,
+    /// A condition that must also hold, set once: whether some upstream is reachable.
+    upstream: OnceLock<Arc<AtomicBool>>,
+    /// Another, set once: whether the capture consumers of `proxy.vhosts` run.
+    capture: OnceLock<Arc<AtomicBool>>,
+}
 
 impl Readiness {
     /// Not ready.
@@ -56,11 +69,26 @@ impl Readiness {
     }
 
     pub fn set_ready(&self, ready: bool) {
-        self.0.store(ready, Ordering::Release);
+        self.0.ready.store(ready, Ordering::Release);
+    }
+
+    /// From now on, ready also requires `reachable` to be true (the first call wins).
+    pub fn require_upstream(&self, reachable: Arc<AtomicBool>) {
+        let _ = self.0.upstream.set(reachable);
+    }
+
+    /// From now on, ready also requires `consuming` to be true (the first call wins).
+    pub fn require_capture(&self, consuming: Arc<AtomicBool>) {
+        let _ = self.0.capture.set(consuming);
     }
 
     pub fn is_ready(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        let holds = |condition: &OnceLock<Arc<AtomicBool>>| {
+            condition
+                .get()
+                .is_none_or(|flag| flag.load(Ordering::Acquire))
+        };
+        self.0.ready.load(Ordering::Acquire) && holds(&self.0.upstream) && holds(&self.0.capture)
     }
 }
 
@@ -463,6 +491,24 @@ mod tests {
         let mut response = String::new();
         stream.read_to_string(&mut response).await.unwrap();
         response
+    }
+
+    #[test]
+    fn readiness_needs_the_switch_and_a_reachable_upstream() {
+        let readiness = Readiness::new();
+        assert!(!readiness.is_ready());
+        readiness.set_ready(true);
+        assert!(readiness.is_ready(), "embedded mode: the switch alone");
+        let reachable = Arc::new(AtomicBool::new(false));
+        readiness.require_upstream(reachable.clone());
+        assert!(!readiness.is_ready(), "no upstream reachable");
+        reachable.store(true, Ordering::Release);
+        assert!(readiness.is_ready());
+        readiness.set_ready(false);
+        assert!(
+            !readiness.is_ready(),
+            "draining wins over a reachable upstream"
+        );
     }
 
     #[tokio::test]

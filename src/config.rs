@@ -30,7 +30,7 @@ pub enum Mode {
     /// The process is the broker.
     #[default]
     Embedded,
-    /// Each client connection is forwarded to `upstream.url`.
+    /// Each client connection is forwarded to an upstream node (`upstream.urls`).
     Proxy,
 }
 
@@ -113,9 +113,12 @@ impl Default for ListenConfig {
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct UpstreamConfig {
-    /// amqp:// or amqps:// URL; required in proxy mode. Its credentials are not used (each
-    /// client brings its own) but are masked wherever the URL is shown.
+    /// One amqp:// or amqps:// URL: the same as `urls` with one entry (give one of the two).
     pub url: String,
+    /// amqp:// or amqps:// URLs of the upstream nodes, tried in order (from the last one that
+    /// worked) until one accepts; in proxy mode, this or `url` is required. Their credentials
+    /// are not used (each client brings its own) but are masked wherever a URL is shown.
+    pub urls: Vec<String>,
     /// Seconds to wait for the upstream TCP/TLS connection.
     pub connect_timeout_secs: u64,
     /// PEM file with CA certificates for amqps upstreams (empty: the system's roots are not used;
@@ -141,6 +144,7 @@ impl Default for UpstreamConfig {
     fn default() -> Self {
         UpstreamConfig {
             url: String::new(),
+            urls: Vec::new(),
             connect_timeout_secs: 5,
             tls_ca_file: String::new(),
             tls_server_name: String::new(),
@@ -213,12 +217,46 @@ impl UpstreamConfig {
             password,
         }))
     }
+
+    /// The upstream URLs in the order they are tried, each with the key that names it:
+    /// `upstream.urls[i]`, else `upstream.url` alone; empty when neither is set.
+    pub fn targets(&self) -> Vec<(String, &str)> {
+        if !self.urls.is_empty() {
+            return self
+                .urls
+                .iter()
+                .enumerate()
+                .map(|(index, url)| (format!("upstream.urls[{index}]"), url.as_str()))
+                .collect();
+        }
+        if self.url.is_empty() {
+            return Vec::new();
+        }
+        vec![("upstream.url".to_string(), self.url.as_str())]
+    }
+
+    /// The upstream URLs with their passwords masked, comma-separated: the form to log.
+    pub fn urls_for_display(&self) -> String {
+        self.targets()
+            .iter()
+            .map(|(_, url)| redact_url_password(url))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 impl std::fmt::Debug for UpstreamConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UpstreamConfig")
             .field("url", &self.url_for_display())
+            .field(
+                "urls",
+                &self
+                    .urls
+                    .iter()
+                    .map(|url| redact_url_password(url))
+                    .collect::<Vec<_>>(),
+            )
             .field("connect_timeout_secs", &self.connect_timeout_secs)
             .field("tls_ca_file", &self.tls_ca_file)
             .field("tls_server_name", &self.tls_server_name)
@@ -317,6 +355,12 @@ pub struct ProxyConfig {
     pub max_inflight_bytes: usize,
     /// Seconds to wait for the upstream confirm of a dead-letter publish.
     pub confirm_timeout_secs: u64,
+    /// Milliseconds before the first retry of a dead-letter publish the upstream refused
+    /// (nack, confirm timeout, channel lost); the original is held unacked meanwhile.
+    pub retry_initial_ms: u64,
+    /// Longest delay in milliseconds between retries (the delay doubles up to it; each delay
+    /// is jittered into its upper half).
+    pub retry_max_ms: u64,
     /// Let the upstream broker dead-letter on its own (do not take the DLX arguments over).
     pub delegate_to_upstream: bool,
     /// Name of the upstream exchange and queue the proxy owns to capture TTL and length
@@ -339,6 +383,9 @@ pub struct ProxyConfig {
     pub capture_ready_timeout_secs: u64,
 }
 
+/// Largest accepted `proxy.retry_max_ms` (10 minutes).
+pub const MAX_RETRY_MS: u64 = 600_000;
+
 /// Largest accepted `proxy.busy_poll_us` (10 ms).
 pub const MAX_BUSY_POLL_US: u64 = 10_000;
 
@@ -347,6 +394,8 @@ impl Default for ProxyConfig {
         ProxyConfig {
             max_inflight_bytes: 64 * 1024 * 1024,
             confirm_timeout_secs: 30,
+            retry_initial_ms: 100,
+            retry_max_ms: 5000,
             delegate_to_upstream: false,
             capture_name: "dlx-proxy.capture".into(),
             busy_poll_us: 0,
@@ -1015,14 +1064,33 @@ impl Config {
 
     fn validate_upstream(&self) -> Result<(), ConfigError> {
         let upstream = &self.upstream;
-        if upstream.url.is_empty() {
+        if !upstream.url.is_empty() && !upstream.urls.is_empty() {
             return Err(ConfigError::invalid(
-                "upstream.url",
-                "required in proxy mode (the amqp:// or amqps:// URL of the upstream broker)",
+                "upstream.urls",
+                "upstream.url and upstream.urls are both set: give the addresses in \
+                 upstream.urls only",
             ));
         }
-        let uri = parse_amqp_url("upstream.url", &upstream.url)?;
-
+        let targets = upstream.targets();
+        if targets.is_empty() {
+            return Err(ConfigError::invalid(
+                "upstream.urls",
+                "required in proxy mode (the amqp:// or amqps:// URLs of the upstream broker's \
+                 nodes; upstream.url for a single one)",
+            ));
+        }
+        let mut seen = BTreeSet::new();
+        let mut any_tls = false;
+        for (key, url) in &targets {
+            let uri = parse_amqp_url(key, url)?;
+            if !seen.insert((uri.authority.host.clone(), uri.authority.port)) {
+                return Err(ConfigError::invalid(
+                    key.as_str(),
+                    format!("{:?} names a node listed before", redact_url_password(url)),
+                ));
+            }
+            any_tls |= uri.scheme == amq_protocol::uri::AMQPScheme::AMQPS;
+        }
         if upstream.connect_timeout_secs == 0 {
             return Err(ConfigError::invalid(
                 "upstream.connect_timeout_secs",
@@ -1032,10 +1100,7 @@ impl Config {
         if !upstream.tls_ca_file.is_empty() {
             require_file("upstream.tls_ca_file", &upstream.tls_ca_file)?;
         }
-        if uri.scheme == amq_protocol::uri::AMQPScheme::AMQPS
-            && upstream.tls_verify
-            && upstream.tls_ca_file.is_empty()
-        {
+        if any_tls && upstream.tls_verify && upstream.tls_ca_file.is_empty() {
             return Err(ConfigError::invalid(
                 "upstream.tls_ca_file",
                 "an amqps:// upstream with tls_verify = true needs a CA file",
@@ -1123,6 +1188,23 @@ impl Config {
             return Err(ConfigError::invalid(
                 "proxy.confirm_timeout_secs",
                 "must be at least 1",
+            ));
+        }
+        if self.proxy.retry_initial_ms == 0 {
+            return Err(ConfigError::invalid(
+                "proxy.retry_initial_ms",
+                "must be at least 1",
+            ));
+        }
+        if self.proxy.retry_max_ms < self.proxy.retry_initial_ms
+            || self.proxy.retry_max_ms > MAX_RETRY_MS
+        {
+            return Err(ConfigError::invalid(
+                "proxy.retry_max_ms",
+                format!(
+                    "must be between proxy.retry_initial_ms ({}) and {MAX_RETRY_MS}",
+                    self.proxy.retry_initial_ms
+                ),
             ));
         }
         if self.proxy.capture_name.is_empty() || self.proxy.capture_name.len() > 255 {
@@ -1216,9 +1298,10 @@ impl Config {
         }
         if self.mode == Mode::Proxy {
             use crate::proxy::upstream::{UpstreamError, UpstreamTarget};
-            UpstreamTarget::from_config(&self.upstream).map_err(|error| {
+            UpstreamTarget::all_from_config(&self.upstream).map_err(|error| {
                 let key = match &error {
-                    UpstreamError::BadUrl { .. } => "upstream.url",
+                    UpstreamError::BadUrl { key, .. } => key.as_str(),
+                    UpstreamError::NoUrl => "upstream.urls",
                     UpstreamError::Tls(text) if text.starts_with("server name") => {
                         "upstream.tls_server_name"
                     }
@@ -1351,6 +1434,9 @@ impl Config {
         redact(&mut config.admin.token);
         redact(&mut config.upstream.password);
         config.upstream.url = config.upstream.url_for_display();
+        for url in &mut config.upstream.urls {
+            *url = redact_url_password(url);
+        }
         config
     }
 
@@ -1655,6 +1741,12 @@ mod tests {
                 "[proxy]\nconfirm_timeout_secs = 0\n",
                 "proxy.confirm_timeout_secs",
             ),
+            ("[proxy]\nretry_initial_ms = 0\n", "proxy.retry_initial_ms"),
+            (
+                "[proxy]\nretry_initial_ms = 500\nretry_max_ms = 100\n",
+                "proxy.retry_max_ms",
+            ),
+            ("[proxy]\nretry_max_ms = 600001\n", "proxy.retry_max_ms"),
             (
                 "[limits]\nmemory_high_watermark = 1.5\n",
                 "limits.memory_high_watermark",
@@ -1805,9 +1897,83 @@ mod tests {
     }
 
     #[test]
+    fn upstream_urls_are_a_list_each_checked_under_its_own_key() {
+        let config = load_text(
+            "mode = \"proxy\"\n[upstream]\nuser = \"svc\"\npassword = \"pw\"\n\
+             urls = [\"amqp://a:5672\", \"amqp://u:pw@b:5673/%2f\"]\n",
+        )
+        .unwrap();
+        let targets: Vec<(String, &str)> = config.upstream.targets();
+        assert_eq!(
+            targets,
+            [
+                ("upstream.urls[0]".to_string(), "amqp://a:5672"),
+                ("upstream.urls[1]".to_string(), "amqp://u:pw@b:5673/%2f"),
+            ]
+        );
+        assert_eq!(
+            config.upstream.urls_for_display(),
+            "amqp://a:5672, amqp://u:<redacted>@b:5673/%2f"
+        );
+        // `url` alone is a list of one.
+        let config = load_text(
+            "mode = \"proxy\"\n[upstream]\nurl = \"amqp://a\"\nuser = \"svc\"\npassword = \"pw\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.upstream.targets(),
+            [("upstream.url".to_string(), "amqp://a")]
+        );
+        for (upstream, key, words) in [
+            (
+                "url = \"amqp://a\"\nurls = [\"amqp://b\"]",
+                "upstream.urls",
+                "upstream.url and upstream.urls are both set",
+            ),
+            ("urls = []", "upstream.urls", "required in proxy mode"),
+            (
+                "urls = [\"amqp://a\", \"http://u:secret@b\"]",
+                "upstream.urls[1]",
+                "is not an amqp:// or amqps:// URL",
+            ),
+            (
+                "urls = [\"amqp://a\", \"amqp://u:secret@b:1:2\"]",
+                "upstream.urls[1]",
+                "invalid URL",
+            ),
+            (
+                "urls = [\"amqp://a:5672\", \"amqp://u:secret@a\"]",
+                "upstream.urls[1]",
+                "names a node listed before",
+            ),
+            (
+                "urls = [\"amqp://a\", \"amqps://b\"]",
+                "upstream.tls_ca_file",
+                "needs a CA file",
+            ),
+        ] {
+            let text = format!("mode = \"proxy\"\n[upstream]\n{upstream}\n");
+            let error = load_text(&text).unwrap_err();
+            assert_eq!(error.key(), key, "{text}: {error}");
+            let shown = error.to_string();
+            assert!(shown.contains(words), "{text}: {shown}");
+            assert!(!shown.contains("secret"), "{shown}");
+        }
+        // Passwords are masked in Debug and in the printed settings.
+        let mut config = Config::default();
+        config.upstream.urls = vec!["amqp://u:list-secret@a".into(), "amqp://b".into()];
+        let debug = format!("{config:?}");
+        assert!(!debug.contains("list-secret"), "{debug}");
+        assert!(debug.contains("amqp://u:<redacted>@a"), "{debug}");
+        let printed = config.to_toml().unwrap();
+        assert!(!printed.contains("list-secret"), "{printed}");
+        assert!(printed.contains("amqp://u:<redacted>@a"), "{printed}");
+    }
+
+    #[test]
     fn proxy_mode_needs_an_upstream_url() {
         let error = load_text("mode = \"proxy\"\n").unwrap_err();
-        assert_eq!(error.key(), "upstream.url");
+        assert_eq!(error.key(), "upstream.urls");
         assert!(
             error.to_string().contains("required in proxy mode"),
             "{error}"

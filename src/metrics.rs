@@ -30,6 +30,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "dead_lettered_total",
     "dead_letter_dropped_total",
     "dead_letter_publish_failures_total",
+    "dead_letter_retries_total",
+    "dead_letters_held",
     "messages_published_total",
     "messages_delivered_total",
     "messages_acked_total",
@@ -57,6 +59,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "memory_releases_total",
     "dead_letter_latency_seconds",
     "message_age_at_dead_letter_seconds",
+    "upstream_connect_attempts_total",
+    "upstream_reachable",
     "capture_consumers",
     "service_reconnects_total",
     "captured_total",
@@ -72,7 +76,8 @@ pub const CAPTURED_DISCARDED: &str = "discarded";
 /// ... dropped, counted by cause in `dead_letter_dropped_total` (cycle, no_dlx, unroutable,
 /// hop_limit) or unreadable (no death record, properties that do not decode).
 pub const CAPTURED_DROPPED: &str = "dropped";
-/// ... given back to the capture queue to be tried again (publish nacked, timed out, lost).
+/// ... refused (publish nacked, timed out, lost with the channel, 403): held unacked and
+/// published again after the backoff of `proxy.retry_initial_ms` (counted at each refusal).
 pub const CAPTURED_RETRIED: &str = "retried";
 const CAPTURED_OUTCOMES: &[&str] = &[
     CAPTURED_DEAD_LETTERED,
@@ -88,6 +93,10 @@ pub const REFUSED_MAX_CONNECTIONS: &str = "max_connections";
 pub const REFUSED_LOOPBACK_ONLY: &str = "loopback_only";
 /// ... for a client whose upstream cannot be reached (proxy mode).
 pub const REFUSED_UPSTREAM_UNREACHABLE: &str = "upstream_unreachable";
+/// `dead_letter_retries_total{reason}` labels (proxy mode): why a held dead letter is
+/// published again.
+pub const RETRY_REASONS: &[&str] = &["nacked", "timeout", "channel_lost", "access_refused"];
+
 const REFUSAL_REASONS: &[&str] = &[
     REFUSED_MAX_CONNECTIONS,
     REFUSED_LOOPBACK_ONLY,
@@ -177,6 +186,8 @@ pub struct Metrics {
     dead_lettered: IntCounterVec,
     dead_letter_dropped: IntCounterVec,
     dead_letter_publish_failures: IntCounterVec,
+    dead_letter_retries: IntCounterVec,
+    dead_letters_held: IntGauge,
     messages_published: IntCounter,
     messages_delivered: IntCounter,
     messages_acked: IntCounter,
@@ -212,6 +223,8 @@ pub struct Metrics {
     captured: IntCounterVec,
     service_vhosts: IntGauge,
     service_vhosts_refused: IntCounter,
+    upstream_connect_attempts: IntCounterVec,
+    upstream_reachable: IntGauge,
 }
 
 /// Creates and registers metrics on one registry.
@@ -293,14 +306,27 @@ impl Metrics {
             dead_letter_dropped: b.counter_vec(
                 "dead_letter_dropped_total",
                 "Messages that died but were not dead-lettered, by source queue and cause \
-                 (cycle, no_dlx, unroutable, hop_limit).",
+                 (cycle, no_dlx, unroutable, hop_limit, target_full, unpublishable, \
+                 undecodable).",
                 &["vhost", "queue", "cause"],
             )?,
             dead_letter_publish_failures: b.counter_vec(
                 "dead_letter_publish_failures_total",
-                "Dead-letter publishes to the upstream that failed, by cause (nack, timeout); \
-                 the message stays with the upstream and is retried.",
+                "Dead-letter publishes to the upstream that failed, by cause (nack, timeout, \
+                 channel closed, access_refused); the original stays unacked upstream, held by \
+                 the proxy, and the publish is retried.",
                 &["cause"],
+            )?,
+            dead_letter_retries: b.counter_vec(
+                "dead_letter_retries_total",
+                "Refused dead-letter publishes (proxy mode) scheduled to be published again \
+                 with backoff, by reason (nacked, timeout, channel_lost, access_refused).",
+                &["reason"],
+            )?,
+            dead_letters_held: b.gauge(
+                "dead_letters_held",
+                "Dead letters (proxy mode) whose publish was refused, held unacked upstream \
+                 while the proxy retries them; counted in inflight_deliveries/bytes too.",
             )?,
             messages_published: b
                 .counter("messages_published_total", "Messages published by clients.")?,
@@ -358,11 +384,13 @@ impl Metrics {
             )?,
             inflight_deliveries: b.gauge(
                 "inflight_deliveries",
-                "Deliveries sent to clients and not yet settled.",
+                "Deliveries sent to clients and not yet settled, and held dead letters \
+                 (proxy mode).",
             )?,
             inflight_bytes: b.gauge(
                 "inflight_bytes",
-                "Body bytes of the deliveries sent to clients and not yet settled.",
+                "Body bytes of the deliveries sent to clients and not yet settled, and of \
+                 held dead letters (proxy mode).",
             )?,
             outbox_bytes: b.gauge(
                 "outbox_bytes",
@@ -425,7 +453,8 @@ impl Metrics {
             captured: b.counter_vec(
                 "captured_total",
                 "Proxy mode: messages taken from the capture queue, by vhost and outcome \
-                 (dead_lettered, discarded, dropped, retried).",
+                 (dead_lettered, discarded, dropped; retried: its dead letter was refused and is \
+                 held for another publish).",
                 &["vhost", "outcome"],
             )?,
             service_vhosts: b.gauge(
@@ -438,11 +467,26 @@ impl Metrics {
                 "Proxy mode: vhosts opened by clients that got no service connection because \
                  proxy.max_service_vhosts was reached.",
             )?,
+            upstream_connect_attempts: b.counter_vec(
+                "upstream_connect_attempts_total",
+                "Connections the proxy tried to open to an upstream node (host:port of \
+                 upstream.urls), by result (success, failure); reachability checks are not \
+                 counted.",
+                &["upstream", "result"],
+            )?,
+            upstream_reachable: b.gauge(
+                "upstream_reachable",
+                "1 while some upstream node accepted the last connection or check, else 0 \
+                 (proxy mode; /readyz answers 503 while it is 0).",
+            )?,
             registry,
         };
         // Every refusal reason is exported from the start (at 0), for alerts on increase().
         for reason in REFUSAL_REASONS {
             metrics.connections_refused.with_label_values(&[reason]);
+        }
+        for reason in RETRY_REASONS {
+            metrics.dead_letter_retries.with_label_values(&[reason]);
         }
         metrics.register_process_metrics()?;
         Ok(metrics)
@@ -515,7 +559,7 @@ impl Metrics {
     }
 
     /// One message that died in `queue` but was dropped instead of dead-lettered, for `cause`
-    /// (cycle, no_dlx, unroutable, hop_limit).
+    /// (docs/semantics.md lists every cause).
     pub fn dropped(&self, vhost: &str, queue: &str, cause: &str) {
         let own = self.queue_label(vhost, queue, |s| {
             if !s.causes.contains(cause) {
@@ -567,6 +611,17 @@ impl Metrics {
         self.captured.with_label_values(&[vhost, outcome]).inc();
     }
 
+    /// A refused dead-letter publish is held and will be retried (`reason`: one of
+    /// [`RETRY_REASONS`]).
+    pub fn dead_letter_retry(&self, reason: &str) {
+        self.dead_letter_retries.with_label_values(&[reason]).inc();
+    }
+
+    /// Held dead letters went up or down by `delta`.
+    pub fn add_held_dead_letters(&self, delta: i64) {
+        self.dead_letters_held.add(delta);
+    }
+
     /// Time from a message's death to its confirmed republish.
     pub fn observe_dead_letter_latency(&self, latency: Duration) {
         self.dead_letter_latency.observe(latency.as_secs_f64());
@@ -595,6 +650,28 @@ impl Metrics {
     /// A client connection was refused (`reason`: one of the `REFUSED_*` labels).
     pub fn connection_refused(&self, reason: &str) {
         self.connections_refused.with_label_values(&[reason]).inc();
+    }
+
+    /// Exports both series of one upstream node at 0 (the label set is bounded by
+    /// `upstream.urls`).
+    pub fn upstream_target(&self, address: &str) {
+        for result in ["success", "failure"] {
+            self.upstream_connect_attempts
+                .with_label_values(&[address, result]);
+        }
+    }
+
+    /// One connection attempt to the upstream node `address` (`host:port`).
+    pub fn upstream_connect_attempt(&self, address: &str, succeeded: bool) {
+        let result = if succeeded { "success" } else { "failure" };
+        self.upstream_connect_attempts
+            .with_label_values(&[address, result])
+            .inc();
+    }
+
+    /// Whether some upstream node is reachable (last known state).
+    pub fn set_upstream_reachable(&self, reachable: bool) {
+        self.upstream_reachable.set(i64::from(reachable));
     }
 
     /// A client connection was accepted (counts it and raises the open-connections gauge).
@@ -779,6 +856,7 @@ mod tests {
         metrics.tls_reloaded(true);
         metrics.set_queue_depth("/", "q", 1, 1);
         metrics.service_started("/");
+        metrics.upstream_target("rabbit:5672");
         let text = metrics.encode();
         for name in METRIC_NAMES {
             assert!(
@@ -851,6 +929,16 @@ mod tests {
         metrics.tls_reloaded(true);
         metrics.observe_dead_letter_latency(Duration::from_micros(50));
         metrics.observe_message_age_at_dead_letter(Duration::from_secs(2));
+        metrics.upstream_target("a:5672");
+        metrics.upstream_connect_attempt("a:5672", false);
+        metrics.upstream_connect_attempt("a:5672", false);
+        metrics.upstream_connect_attempt("b:5672", true);
+        metrics.set_upstream_reachable(true);
+        metrics.dead_letter_retry("nacked");
+        metrics.dead_letter_retry("nacked");
+        metrics.dead_letter_retry("timeout");
+        metrics.add_held_dead_letters(2);
+        metrics.add_held_dead_letters(-1);
         let text = metrics.encode();
         for line in [
             r#"dlx_proxy_dead_lettered_total{queue="orders",reason="expired",vhost="/"} 2"#,
@@ -888,6 +976,15 @@ mod tests {
             r#"dlx_proxy_message_age_at_dead_letter_seconds_bucket{le="5"} 1"#,
             r#"dlx_proxy_message_age_at_dead_letter_seconds_bucket{le="86400"} 1"#,
             "dlx_proxy_metric_labels_folded_total 0",
+            r#"dlx_proxy_upstream_connect_attempts_total{result="failure",upstream="a:5672"} 2"#,
+            r#"dlx_proxy_upstream_connect_attempts_total{result="success",upstream="a:5672"} 0"#,
+            r#"dlx_proxy_upstream_connect_attempts_total{result="success",upstream="b:5672"} 1"#,
+            "dlx_proxy_upstream_reachable 1",
+            r#"dlx_proxy_dead_letter_retries_total{reason="nacked"} 2"#,
+            r#"dlx_proxy_dead_letter_retries_total{reason="timeout"} 1"#,
+            r#"dlx_proxy_dead_letter_retries_total{reason="channel_lost"} 0"#,
+            r#"dlx_proxy_dead_letter_retries_total{reason="access_refused"} 0"#,
+            "dlx_proxy_dead_letters_held 1",
         ] {
             assert!(has_line(&text, line), "missing {line:?} in:\n{text}");
         }

@@ -430,11 +430,11 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 metrics.clone(),
                 &config.proxy.capture_name,
             )?;
-            if let Some(upstream_tls) = proxy.upstream.tls_material() {
+            if let Some(upstream_tls) = proxy.upstream().tls_material() {
                 tls.add(upstream_tls);
             }
             if let Some(listener) = amqp {
-                tracing::info!(addr = %ListenAddr(amqp_addr), upstream = %config.upstream.url_for_display(), "AMQP listener (proxy)");
+                tracing::info!(addr = %ListenAddr(amqp_addr), upstream = %config.upstream.urls_for_display(), "AMQP listener (proxy)");
                 let shared = proxy.clone();
                 let conn_stop = connections_trigger.subscribe();
                 listeners.push(tokio::spawn(crate::listener::accept_tcp(
@@ -478,20 +478,15 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             {
                 tasks.push(proxy.start_services(identity, connections_trigger.subscribe()));
             }
-            // Readiness follows upstream reachability and the capture consumers of
-            // proxy.vhosts (liveness never does).
-            let ready = readiness.clone();
-            let mut stop = accept_trigger.subscribe();
-            let probe = proxy.clone();
-            tasks.push(tokio::spawn(async move {
-                loop {
-                    ready.set_ready(probe.upstream_reachable().await && probe.capture_consuming());
-                    tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_secs(2)) => {}
-                        _ = stop.recv() => return,
-                    }
-                }
-            }));
+            // Readiness follows upstream reachability (the pool's check runs until the
+            // shutdown signal) and the capture consumers of proxy.vhosts (liveness never
+            // does).
+            readiness.require_upstream(proxy.upstream().reachability());
+            readiness.require_capture(proxy.capture_readiness());
+            readiness.set_ready(true);
+            tasks.push(tokio::spawn(
+                proxy.upstream().clone().watch(accept_trigger.subscribe()),
+            ));
             let slots = proxy.connection_slots().clone();
             (PolicySink::Shared(shared_policies), None, None, slots)
         }

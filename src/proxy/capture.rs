@@ -31,9 +31,6 @@
 //! still carries them (see [`super::bcc`]). Not recoverable: a `CC` header on a message that
 //! died twice for the same (queue, reason) under a capture tag.
 
-use std::collections::VecDeque;
-use std::time::{Duration, Instant};
-
 use amq_protocol::protocol::basic::AMQPProperties;
 use amq_protocol::protocol::{AMQPClass, basic, channel, exchange, queue};
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
@@ -52,9 +49,6 @@ pub const CAPTURE_PREFETCH: u16 = 64;
 
 /// Consumer tag of the capture consumer.
 const CAPTURE_CONSUMER_TAG: &str = "dlx-proxy-capture";
-
-/// How long a capture delivery whose dead-letter publish failed waits before it is requeued.
-pub const RETRY_DELAY: Duration = Duration::from_secs(1);
 
 /// The death the upstream recorded, read from the newest x-death entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -231,7 +225,6 @@ pub struct CaptureConsumer {
     state: ConsumerState,
     epoch: u64,
     incoming: Option<Incoming>,
-    retries: VecDeque<(Instant, u64, u64)>,
     /// Capture deliveries taken and not yet settled.
     outstanding: usize,
 }
@@ -244,7 +237,6 @@ impl CaptureConsumer {
             state: ConsumerState::Starting,
             epoch: 1,
             incoming: None,
-            retries: VecDeque::new(),
             outstanding: 0,
         }
     }
@@ -259,6 +251,12 @@ impl CaptureConsumer {
 
     pub fn is_on(&self) -> bool {
         self.state != ConsumerState::Off
+    }
+
+    /// Whether a delivery of `epoch` is still held unacked by this consumer (so it can be
+    /// settled later).
+    pub fn holds(&self, epoch: u64) -> bool {
+        self.is_on() && self.epoch == epoch
     }
 
     /// Whether the consumer is running (consume-ok seen, not cancelled).
@@ -435,7 +433,6 @@ impl CaptureConsumer {
         self.state = ConsumerState::Off;
         self.incoming = None;
         self.outstanding = 0;
-        self.retries.clear();
         self.epoch += 1;
     }
 
@@ -455,53 +452,35 @@ impl CaptureConsumer {
 
     /// The ack for a capture delivery, if its epoch is current.
     pub fn ack(&mut self, delivery_tag: u64, epoch: u64) -> Option<Bytes> {
+        self.settle(
+            epoch,
+            basic::AMQPMethod::Ack(basic::Ack {
+                delivery_tag,
+                multiple: false,
+            }),
+        )
+    }
+
+    /// The requeue (basic.nack) for a capture delivery, if its epoch is current. A refused
+    /// dead-letter publish does not come here: the delivery stays unacked while the proxy
+    /// holds and retries it ([`super::retry`]).
+    pub fn requeue(&mut self, delivery_tag: u64, epoch: u64) -> Option<Bytes> {
+        self.settle(
+            epoch,
+            basic::AMQPMethod::Nack(basic::Nack {
+                delivery_tag,
+                multiple: false,
+                requeue: true,
+            }),
+        )
+    }
+
+    fn settle(&mut self, epoch: u64, method: basic::AMQPMethod) -> Option<Bytes> {
         if epoch != self.epoch || self.state == ConsumerState::Off {
             return None;
         }
         self.outstanding = self.outstanding.saturating_sub(1);
-        Some(method_frame(
-            self.channel,
-            AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
-                delivery_tag,
-                multiple: false,
-            })),
-        ))
-    }
-
-    /// Schedules a requeue after [`RETRY_DELAY`] (the dead-letter publish failed).
-    pub fn retry_later(&mut self, delivery_tag: u64, epoch: u64, now: Instant) {
-        if epoch == self.epoch {
-            self.retries
-                .push_back((now + RETRY_DELAY, delivery_tag, epoch));
-        }
-    }
-
-    pub fn next_deadline(&self) -> Option<Instant> {
-        self.retries.front().map(|(at, _, _)| *at)
-    }
-
-    /// The requeues that are due.
-    pub fn due_retries(&mut self, now: Instant) -> Option<Bytes> {
-        let mut out = BytesMut::new();
-        while let Some(&(at, tag, epoch)) = self.retries.front() {
-            if at > now {
-                break;
-            }
-            self.retries.pop_front();
-            if epoch != self.epoch || self.state == ConsumerState::Off {
-                continue;
-            }
-            self.outstanding = self.outstanding.saturating_sub(1);
-            out.extend_from_slice(&method_frame(
-                self.channel,
-                AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
-                    delivery_tag: tag,
-                    multiple: false,
-                    requeue: true,
-                })),
-            ));
-        }
-        (!out.is_empty()).then(|| out.freeze())
+        Some(method_frame(self.channel, AMQPClass::Basic(method)))
     }
 }
 
@@ -674,9 +653,9 @@ mod tests {
         assert_eq!(consumer.outstanding(), 1);
         assert!(consumer.ack(4, message.epoch + 1).is_none());
         assert!(consumer.ack(4, message.epoch).is_some());
-        let now = Instant::now();
-        consumer.retry_later(5, message.epoch, now);
-        assert!(consumer.due_retries(now).is_none());
-        assert!(consumer.due_retries(now + RETRY_DELAY).is_some());
+        assert_eq!(consumer.outstanding(), 0);
+        assert!(consumer.requeue(5, message.epoch + 1).is_none());
+        let nack = frames(&consumer.requeue(5, message.epoch).unwrap());
+        assert_eq!(nack[0].method_ids(), (60, 120));
     }
 }

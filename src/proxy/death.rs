@@ -106,6 +106,17 @@ pub(crate) enum Unreadable {
     UnknownReason(String),
 }
 
+impl Unreadable {
+    /// The cause it is counted under in `dead_letter_dropped_total`.
+    pub(crate) fn cause(&self) -> &'static str {
+        match self {
+            Unreadable::Properties(_) => "undecodable",
+            Unreadable::NoDeathRecord(_) => "no_death_record",
+            Unreadable::UnknownReason(_) => "unknown_reason",
+        }
+    }
+}
+
 impl std::fmt::Display for Unreadable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -155,9 +166,15 @@ pub(crate) fn from_capture(
 }
 
 /// How the original of a finished publish is settled, with the publish counted in the
-/// metrics (dead-lettered, dropped, failed).
-pub(crate) fn settle(metrics: &Metrics, vhost: &str, op: &Op, outcome: &Outcome) -> Settlement {
-    match (op.purpose, outcome) {
+/// metrics (dead-lettered, dropped); `None` for a refused publish (nacked, timed out, lost,
+/// 403), which the caller holds and retries ([`super::retry`]).
+pub(crate) fn settle(
+    metrics: &Metrics,
+    vhost: &str,
+    op: &Op,
+    outcome: &Outcome,
+) -> Option<Settlement> {
+    Some(match (op.purpose, outcome) {
         (Purpose::DeadLetter(reason), Outcome::Confirmed) => {
             metrics.dead_lettered(vhost, &op.queue, reason.as_str());
             metrics.observe_dead_letter_latency(op.started.elapsed());
@@ -171,25 +188,18 @@ pub(crate) fn settle(metrics: &Metrics, vhost: &str, op: &Op, outcome: &Outcome)
             metrics.dropped(vhost, &op.queue, "no_dlx");
             Settlement::Ack
         }
-        (Purpose::Requeue, Outcome::Confirmed)
-        | (Purpose::Requeue, Outcome::Unroutable)
-        | (Purpose::Requeue, Outcome::ExchangeMissing) => Settlement::Ack,
-        (_, Outcome::Failed(cause)) => {
-            tracing::warn!(
-                queue = &*op.queue,
-                cause,
-                "publish not confirmed; the message is requeued"
-            );
-            metrics.dead_letter_publish_failed(cause);
-            Settlement::Requeue
-        }
-        (_, Outcome::TimedOut) => {
-            tracing::warn!(
-                queue = &*op.queue,
-                "publish confirm timed out; the message is requeued"
-            );
-            metrics.dead_letter_publish_failed("timeout");
-            Settlement::Requeue
-        }
-    }
+        // The queue itself is gone (deleted while its message was out).
+        (Purpose::Requeue, Outcome::Unroutable | Outcome::ExchangeMissing) => Settlement::Ack,
+        (Purpose::Requeue, Outcome::Confirmed) => Settlement::Ack,
+        (_, Outcome::Failed(_) | Outcome::TimedOut | Outcome::AccessRefused) => return None,
+    })
+}
+
+/// A dead letter no publish can carry (a name that is not a short string, such as a
+/// dead-letter routing key taken from a long CC entry): dropped and counted, since retrying
+/// would loop. The caller settles the original.
+pub(crate) fn drop_unpublishable(metrics: &Metrics, vhost: &str, queue: &str, why: &str) {
+    tracing::warn!(queue, why, "cannot publish the dead letter; dropped");
+    metrics.dead_letter_publish_failed("invalid");
+    metrics.dropped(vhost, queue, "unpublishable");
 }

@@ -483,6 +483,7 @@ impl Session {
             BASIC_RECOVER | BASIC_RECOVER_ASYNC => {
                 // Every unacked delivery of the channel goes back: forget them, and let the
                 // proxy's pending work on them settle nothing.
+                self.let_go_held_of_channel(channel);
                 if let Some(ch) = self.channels.get_mut(&channel) {
                     let (count, bytes) = ch.deliveries.clear();
                     ch.id = {
@@ -518,6 +519,7 @@ impl Session {
         let channel = frame.channel;
         let id = self.next_channel_id;
         self.next_channel_id += 1;
+        self.let_go_held_of_channel(channel);
         if let Some(old) = self.channels.insert(channel, ClientChannel::new(id)) {
             self.release_channel_state(old);
         } else {
@@ -585,7 +587,14 @@ impl Session {
             }
             _ => {
                 ch.phase = ChannelPhase::ClosingByClient;
-                if ch.ops > 0 {
+                let ops = ch.ops;
+                // Held dead letters are let go: closing the channel upstream requeues their
+                // originals. Publishes awaiting their confirm are waited for.
+                self.let_go_held_of_channel(channel);
+                if ops > 0 {
+                    let Some(ch) = self.channels.get_mut(&channel) else {
+                        return;
+                    };
                     ch.parked_close = Some(frame.raw);
                 } else {
                     self.forward_channel_close(channel, frame.raw);
@@ -689,6 +698,15 @@ impl Session {
             CONNECTION_CLOSE => {
                 // Forwarded as is (e.g. 320 from the broker, 403 on a failed login); the
                 // client's close-ok goes back upstream.
+                let reply_code = frame
+                    .payload
+                    .get(4..6)
+                    .map(|code| u16::from_be_bytes([code[0], code[1]]));
+                if reply_code == Some(reply::CONNECTION_FORCED) {
+                    // A node shutting down closes its connections so: have the
+                    // reachability check look.
+                    self.shared.upstream.report_lost();
+                }
                 self.send_client(frame.raw);
                 let deadline = Instant::now() + CLOSE_GRACE;
                 self.client_side = Side::Closing {
@@ -935,6 +953,7 @@ impl Session {
             }
             return;
         }
+        self.let_go_held_of_channel(channel);
         if let Some(ch) = self.channels.get_mut(&channel) {
             ch.phase = ChannelPhase::ClosingByUpstream;
             ch.ops = 0;
@@ -1048,6 +1067,7 @@ impl Session {
 
     /// Forgets a channel entirely.
     pub(super) fn remove_channel(&mut self, channel: u16) {
+        self.let_go_held_of_channel(channel);
         if let Some(old) = self.channels.remove(&channel) {
             self.release_channel_state(old);
             self.shared.metrics.channels_closed(1);
@@ -1074,6 +1094,7 @@ impl Session {
                 method_id,
             })),
         );
+        self.let_go_held_of_channel(channel);
         if let Some(ch) = self.channels.get_mut(&channel) {
             ch.phase = ChannelPhase::ClosedByProxy;
             ch.ops = 0;

@@ -1,8 +1,9 @@
 //! What the proxy changes on a client connection: queue.declare (policy merge, dead-letter
 //! arguments taken over, held until the vhost's capture objects exist), client settlements
 //! (reject/nack dead-lettered by the proxy, requeues counted against delivery limits), and the
-//! end of each operation (the original is settled only after the confirm). Captured messages
-//! are the service connection's ([`super::service`]).
+//! end of each operation (the original is settled only after the confirm; a refused publish
+//! is held and retried, see [`super::retry`]). Captured messages are the service
+//! connection's ([`super::service`]).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,13 +14,14 @@ use bytes::Bytes;
 
 use super::QueueView;
 use super::channels::{DeclareRecord, PendingDeclare};
-use super::death::{Death, Plan, now_secs, plan, settle};
+use super::death::{Death, Plan, drop_unpublishable, now_secs, plan, settle};
 use super::declare::{DeadLetterHandling, DeclareRewrite, DeclaredQueue, rewrite_declare};
 use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{delivery_count, delivery_routing_keys, requeue_publish};
 use super::probe::ProbeAnswer;
 use super::publisher::{OpId, Outcome, OutgoingMessage};
+use super::retry::RetryReason;
 use super::session::Session;
 use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::decode_method;
@@ -416,6 +418,9 @@ impl Session {
                 let settlement = if verb.requeues() {
                     Settlement::Requeue
                 } else {
+                    self.shared
+                        .metrics
+                        .dropped(&self.vhost, &delivery.queue, "undecodable");
                     Settlement::Ack
                 };
                 self.settle_origin(origin, settlement);
@@ -484,11 +489,15 @@ impl Session {
         queue: Arc<str>,
         message: OutgoingMessage,
     ) {
+        self.start_op(Op::new(origin, purpose, queue, message, Instant::now()));
+    }
+
+    /// Publishes an operation's message (first time or retry) and tracks it until its confirm.
+    fn start_op(&mut self, op: Op) {
         let op_id = self.next_op;
         self.next_op += 1;
-        let now = Instant::now();
         let published = match self.publisher.as_mut() {
-            Some(publisher) => publisher.publish(op_id, &message, now),
+            Some(publisher) => publisher.publish(op_id, &op.message, self.now),
             None => Err("no publisher channel"),
         };
         match published {
@@ -498,30 +507,21 @@ impl Session {
                     channel,
                     channel_id,
                     ..
-                } = origin
+                } = op.origin
                     && let Some(ch) = self.channels.get_mut(&channel)
                     && ch.id == channel_id
                 {
                     ch.ops += 1;
                 }
-                self.ops.insert(
-                    op_id,
-                    Op {
-                        origin,
-                        purpose,
-                        queue,
-                        started: now,
-                    },
-                );
+                if op.refusals > 0 {
+                    self.retrying += 1;
+                }
+                self.ops.insert(op_id, op);
             }
             Err(why) => {
-                tracing::warn!(
-                    queue = &*queue,
-                    why,
-                    "cannot publish; the message is requeued"
-                );
-                self.shared.metrics.dead_letter_publish_failed("invalid");
-                self.settle_origin(origin, Settlement::Requeue);
+                drop_unpublishable(&self.shared.metrics, &self.vhost, &op.queue, why);
+                self.release_held(&op);
+                self.settle_origin(op.origin, Settlement::Ack);
             }
         }
     }
@@ -530,28 +530,133 @@ impl Session {
     // The end of an operation
     // ------------------------------------------------------------------------------------
 
-    /// A publish of the proxy's channel ended: settle the original accordingly.
+    /// A publish of the proxy's channel ended: settle the original accordingly, or hold it
+    /// for a retry when the publish was refused.
     pub(super) fn complete_op(&mut self, op_id: OpId, outcome: Outcome) {
-        let Some(op) = self.ops.remove(&op_id) else {
+        let Some(op) = self.take_op(op_id) else {
             return;
         };
-        let settlement = settle(&self.shared.metrics, &self.vhost, &op, &outcome);
+        if let Some(reason) = RetryReason::of(&outcome) {
+            self.refused(op, &outcome, reason);
+            return;
+        }
+        self.release_held(&op);
+        let Some(settlement) = settle(&self.shared.metrics, &self.vhost, &op, &outcome) else {
+            return;
+        };
         self.settle_origin(op.origin, settlement);
         self.op_finished(op.origin);
+    }
+
+    /// Removes an operation from the ones awaiting a confirm.
+    fn take_op(&mut self, op_id: OpId) -> Option<Op> {
+        let op = self.ops.remove(&op_id)?;
+        if op.refusals > 0 {
+            self.retrying = self.retrying.saturating_sub(1);
+        }
+        Some(op)
+    }
+
+    /// The upstream refused a publish: the original stays unacked upstream, held (charged
+    /// against the inflight bound) until a later publish of the same message is confirmed.
+    /// Not while the connection or the original's channel is going away: the upstream
+    /// requeues the original then, so nothing is lost and nothing is held.
+    fn refused(&mut self, mut op: Op, outcome: &Outcome, reason: RetryReason) {
+        let metrics = self.shared.metrics.clone();
+        metrics.dead_letter_publish_failed(reason.failure_cause(outcome));
+        let origin = op.origin;
+        if !self.can_hold(origin) {
+            self.release_held(&op);
+            self.op_finished(origin);
+            return;
+        }
+        metrics.dead_letter_retry(reason.as_str());
+        if op.held_charge == 0 {
+            op.held_charge = op.charge();
+            self.inflight_bytes += op.held_charge;
+            self.inflight_count += 1;
+            metrics.add_inflight(1, op.held_charge as i64);
+            metrics.add_held_dead_letters(1);
+        }
+        let attempt = op.note_refusal(reason);
+        self.held
+            .schedule(self.now, attempt, rand::random::<f64>(), op);
+        self.op_finished(origin);
+    }
+
+    /// Whether a refused publish may be held for a retry: both sides are open and the
+    /// original's client channel is the one it came on.
+    fn can_hold(&self, origin: Origin) -> bool {
+        if self.client_side != super::session::Side::Open
+            || self.upstream_side != super::session::Side::Open
+            || self.publisher.is_none()
+        {
+            return false;
+        }
+        match origin {
+            Origin::Client {
+                channel,
+                channel_id,
+                ..
+            } => self.channels.get(&channel).is_some_and(|ch| {
+                ch.id == channel_id && ch.phase == super::channels::ChannelPhase::Open
+            }),
+            // Captured messages are the service connection's, never on a client session.
+            Origin::Capture { .. } => false,
+        }
+    }
+
+    /// Publishes again the held messages whose backoff is over (those whose channel went
+    /// away meanwhile are let go: the upstream requeued their originals).
+    pub(super) fn retry_due(&mut self, now: Instant) {
+        for op in self.held.take_due(now) {
+            if self.can_hold(op.origin) {
+                self.start_op(op);
+            } else {
+                self.release_held(&op);
+            }
+        }
+    }
+
+    /// Lets go of held messages `gone` selects, without settling them (their channel or
+    /// connection is going away and the upstream requeues the originals).
+    pub(super) fn let_go_held(&mut self, gone: impl FnMut(&Op) -> bool) {
+        for op in self.held.take_where(gone) {
+            self.release_held(&op);
+        }
+    }
+
+    /// Lets go of the held messages of a client channel.
+    pub(super) fn let_go_held_of_channel(&mut self, channel: u16) {
+        self.let_go_held(
+            |op| matches!(op.origin, Origin::Client { channel: c, .. } if c == channel),
+        );
+    }
+
+    /// Ends an operation's hold: its charge leaves the inflight bound and the held gauge.
+    fn release_held(&mut self, op: &Op) {
+        if op.held_charge > 0 {
+            self.release_inflight(1, op.held_charge);
+            self.shared.metrics.add_held_dead_letters(-1);
+        }
     }
 
     /// Forgets an operation without settling anything (the connection or channel is gone, so
     /// the upstream requeues the original itself).
     pub(super) fn abandon_op(&mut self, op_id: OpId) {
-        if let Some(op) = self.ops.remove(&op_id) {
+        if let Some(op) = self.take_op(op_id) {
+            self.release_held(&op);
             self.op_finished(op.origin);
         }
     }
 
+    /// Every operation, in flight or held, ends without settling its original (the
+    /// connection is going away, so the upstream requeues the originals itself).
     pub(super) fn abandon_all_ops(&mut self) {
         if let Some(publisher) = self.publisher.as_mut() {
             publisher.fail_all();
         }
+        self.let_go_held(|_| true);
         let ops: Vec<OpId> = self.ops.keys().copied().collect();
         for op in ops {
             self.abandon_op(op);

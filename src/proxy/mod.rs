@@ -38,15 +38,25 @@
 //! delivery tags and confirm sequence numbers are untouched; the proxy's settlements of client
 //! deliveries go on the client's channel with the upstream's own delivery tags.
 //!
-//! Failures: a dead-letter publish that is nacked, times out (`proxy.confirm_timeout_secs`)
-//! or is lost with the proxy's channel leaves the original to be delivered again (it is
-//! requeued with basic.nack; a captured message after a 1 s pause, or when its service
-//! connection is lost). A missing dead-letter
-//! exchange (404 on the proxy's channel, which is reopened) or an unroutable dead letter
-//! (basic.return) drops the message and counts it (`no_dlx`, `unroutable`), as RabbitMQ does.
+//! Failures: a dead-letter publish that is nacked (a DLQ at its length limit with
+//! `reject-publish`), times out (`proxy.confirm_timeout_secs`), is lost with the proxy's
+//! channel, or is refused to the publishing user (403) is *held* ([`retry`]): the original
+//! (client delivery, or capture delivery on a service connection) stays unacked upstream, is
+//! not delivered again, and the same publish is retried after `proxy.retry_initial_ms`
+//! doubling to `proxy.retry_max_ms` (jittered) until it is confirmed; then the original is
+//! acked. Held messages of a client connection are charged against `proxy.max_inflight_bytes`
+//! (counted in `dead_letters_held` and the inflight gauges), so a connection whose dead
+//! letters keep being refused stops reading deliveries; a service connection holds at most
+//! its capture prefetch. At-least-once: when the client's channel or connection, or the
+//! upstream connection, goes away meanwhile, the held messages are let go unsettled and the
+//! upstream requeues their originals (a client delivery to its queue, a captured message to
+//! the capture queue). A missing dead-letter exchange (404 on the proxy's channel, which is
+//! reopened) or an unroutable dead letter (basic.return) drops the message and counts it
+//! (`no_dlx`, `unroutable`), as RabbitMQ does; docs/semantics.md lists every drop cause.
 //! The upstream gone → the client gets `connection.close 320` (during the handshake, where
 //! RabbitMQ refuses some clients by closing the socket, the client's socket is closed
-//! instead); an upstream connection.close (403, 530, 504, ...) is passed on as it is. The
+//! instead), and can reconnect at once: its new connection is dialled to the next reachable
+//! node of `upstream.urls` ([`upstream::UpstreamPool`]); an upstream connection.close (403, 530, 504, ...) is passed on as it is. The
 //! client gone → the proxy's
 //! own publishes are settled, then the upstream connection is closed and the upstream
 //! requeues the client's unacked deliveries.
@@ -75,7 +85,14 @@
 //! - the cycle rule on a DLX other than the default exchange catches a loop one lap later
 //!   than RabbitMQ (see [`outgoing`]);
 //! - when a missing DLX closes the proxy's channel, other dead letters still unconfirmed on
-//!   it are requeued and delivered again;
+//!   it are held and published again (a duplicate if the upstream had routed one before the
+//!   close);
+//! - held dead letters count against `proxy.max_inflight_bytes`, but only the upstream
+//!   connection carries their confirms: at the bound the upstream is still read while a
+//!   retry awaits its confirm, and deliveries that arrive meanwhile are kept above the bound
+//!   (consumers with a prefetch limit bound this: held originals stay unacked upstream);
+//! - a dead letter whose first routing key is longer than 255 bytes (a long `CC` entry) cannot
+//!   be published and is dropped (`unpublishable`);
 //! - a client settling a tag it already rejected is ignored (RabbitMQ closes the channel with
 //!   406); acks the proxy sends on a transactional channel join the client's transaction;
 //! - a vhost past `proxy.max_service_vhosts` has no service connection: declares there that
@@ -94,9 +111,11 @@
 //!   the capture queue (queues declared through the proxy), see docs/semantics.md.
 //!
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
-//! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`bcc`], [`publisher`],
-//! [`capture`], [`death`] (what becomes of a dead message), [`service`] (the service
-//! connections), [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (TCP/TLS),
+//! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`retry`] (held dead
+//! letters and their backoff), [`bcc`], [`publisher`], [`capture`], [`death`] (what becomes of
+//! a dead message), [`service`] (the service connections), [`declare`], [`probe`],
+//! [`outgoing`], [`handshake`], [`upstream`] (the upstream nodes, failover between them,
+//! TCP/TLS),
 //! [`outbox`] (socket writes), [`wire`] (frames and adaptive reads), [`busy_poll`] (polling
 //! before sleeping), [`channels`], [`ops`], [`registry`].
 
@@ -116,6 +135,7 @@ pub mod outgoing;
 pub mod probe;
 pub mod publisher;
 pub mod registry;
+pub mod retry;
 pub mod service;
 mod session;
 pub mod upstream;
@@ -140,14 +160,15 @@ use crate::shutdown::Shutdown;
 pub use capture::DEFAULT_CAPTURE_NAME;
 use registry::QueueRegistry;
 use service::ServiceRegistry;
-use upstream::UpstreamTarget;
+use upstream::UpstreamPool;
 
 /// Most queues whose declared arguments are remembered.
 const REGISTRY_CAPACITY: usize = 100_000;
 
 /// What every connection of the proxy shares.
 pub struct ProxyShared {
-    pub(crate) upstream: UpstreamTarget,
+    /// The upstream nodes: every upstream connection is dialled through it.
+    pub(crate) upstream: Arc<UpstreamPool>,
     pub(crate) policies: Arc<RwLock<PolicySet>>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) queues: QueueRegistry,
@@ -155,6 +176,9 @@ pub struct ProxyShared {
     pub(crate) default_delivery_limit: Option<u64>,
     pub(crate) max_inflight_bytes: usize,
     pub(crate) confirm_timeout: Duration,
+    /// Delays between publishes of a held dead letter (`proxy.retry_initial_ms`,
+    /// `proxy.retry_max_ms`).
+    pub(crate) retry_backoff: retry::Backoff,
     pub(crate) delegate_to_upstream: bool,
     pub(crate) capture_name: String,
     pub(crate) outbox_bytes: usize,
@@ -219,7 +243,10 @@ impl ProxyShared {
         if capture_name.is_empty() || capture_name.len() > 255 {
             anyhow::bail!("capture name must be 1 to 255 bytes");
         }
-        let upstream = UpstreamTarget::from_config(&config.upstream)?;
+        let upstream = Arc::new(UpstreamPool::from_config(
+            &config.upstream,
+            metrics.clone(),
+        )?);
         let dead_letter_options = DeadLetterOptions::from_config(&config.dead_letter)
             .map_err(|e| anyhow::anyhow!("dead_letter.compat: {e}"))?;
         let limits = &config.limits;
@@ -232,6 +259,10 @@ impl ProxyShared {
                 .then_some(u64::from(config.dead_letter.default_delivery_limit)),
             max_inflight_bytes: config.proxy.max_inflight_bytes.max(1),
             confirm_timeout: Duration::from_secs(config.proxy.confirm_timeout_secs.max(1)),
+            retry_backoff: retry::Backoff::new(
+                Duration::from_millis(config.proxy.retry_initial_ms),
+                Duration::from_millis(config.proxy.retry_max_ms),
+            ),
             busy_poll: Duration::from_micros(config.proxy.busy_poll_us),
             delegate_to_upstream: config.proxy.delegate_to_upstream,
             capture_name: capture_name.to_string(),
@@ -254,15 +285,31 @@ impl ProxyShared {
         }))
     }
 
-    /// For /readyz: whether a TCP connection to the upstream opens within one second.
+    /// Whether some upstream node accepts a connection now (dials them in order; see
+    /// [`UpstreamPool::check_now`]).
     pub async fn upstream_reachable(&self) -> bool {
-        self.upstream.reachable(Duration::from_secs(1)).await
+        self.upstream.check_now().await
+    }
+
+    /// The upstream nodes (the reachability check and `/readyz` follow it).
+    pub fn upstream(&self) -> &Arc<UpstreamPool> {
+        &self.upstream
     }
 
     /// For /readyz: whether every vhost of `proxy.vhosts` has its capture consumer running
     /// (always true when dead-lettering is left to the upstream).
     pub fn capture_consuming(&self) -> bool {
         self.delegate_to_upstream || self.services.configured_consuming()
+    }
+
+    /// The readiness condition of the capture consumers: true while every vhost of
+    /// `proxy.vhosts` consumes its capture queue (always when dead-lettering is left to the
+    /// upstream).
+    pub fn capture_readiness(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        if self.delegate_to_upstream {
+            return Arc::new(std::sync::atomic::AtomicBool::new(true));
+        }
+        self.services.consuming_flag()
     }
 
     /// The status of a vhost's service connection (`None`: it has none).

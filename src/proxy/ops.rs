@@ -1,9 +1,13 @@
 //! Proxy work in flight: a publish on the proxy's channel that must be confirmed before the
-//! message it replaces is settled upstream.
+//! message it replaces is settled upstream. An operation whose publish is refused is held and
+//! published again ([`super::retry`]), so it keeps its message.
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::inflight::KEPT_OVERHEAD;
+use super::publisher::OutgoingMessage;
+use super::retry::RetryReason;
 use crate::deadletter::DeadLetterReason;
 
 /// Whose message the operation settles once its publish is confirmed.
@@ -39,6 +43,66 @@ pub struct Op {
     pub queue: Arc<str>,
     /// When the proxy learned of the death or requeue.
     pub started: Instant,
+    /// The publish (kept to publish it again if it is refused).
+    pub message: OutgoingMessage,
+    /// How many publishes of it were refused so far (0: the first is in flight).
+    pub refusals: u32,
+    /// Bytes charged against the connection's inflight bound while it is held (from its first
+    /// refusal; 0 before).
+    pub held_charge: usize,
+}
+
+impl Op {
+    /// A new operation for a first publish.
+    pub fn new(
+        origin: Origin,
+        purpose: Purpose,
+        queue: Arc<str>,
+        message: OutgoingMessage,
+        started: Instant,
+    ) -> Op {
+        Op {
+            origin,
+            purpose,
+            queue,
+            started,
+            message,
+            refusals: 0,
+            held_charge: 0,
+        }
+    }
+
+    /// Its publish was refused (once more): counts the refusal and logs it (the first at warn
+    /// level, later ones at debug); returns the retry attempt number (1 after the first).
+    pub fn note_refusal(&mut self, reason: RetryReason) -> u32 {
+        self.refusals = self.refusals.saturating_add(1);
+        if self.refusals == 1 {
+            tracing::warn!(
+                queue = &*self.queue,
+                exchange = %self.message.exchange,
+                reason = reason.as_str(),
+                "dead-letter publish refused; the message is held and retried"
+            );
+        } else {
+            tracing::debug!(
+                queue = &*self.queue,
+                reason = reason.as_str(),
+                refusals = self.refusals,
+                "dead-letter publish refused again"
+            );
+        }
+        self.refusals
+    }
+
+    /// What holding it costs: its properties, body and names plus the per-delivery overhead
+    /// (as a kept delivery is charged).
+    pub fn charge(&self) -> usize {
+        self.message.raw_properties.len()
+            + self.message.body.len()
+            + self.message.exchange.len()
+            + self.message.routing_key.len()
+            + KEPT_OVERHEAD
+    }
 }
 
 /// How the original message is settled once the operation ends.

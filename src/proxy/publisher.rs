@@ -8,13 +8,16 @@
 //!   (every publish is `mandatory`) came first. Returns carry no sequence number; RabbitMQ
 //!   sends them in publish order before the ack, so a return belongs to the oldest
 //!   unconfirmed, not yet returned publish with the same exchange, routing key and body size;
-//! - `basic.nack` → [`Outcome::Failed`];
+//! - `basic.nack` → [`Outcome::Failed`] ([`NACKED`]);
 //! - `channel.close` (a publish to a missing exchange closes the channel with 404, to a
 //!   forbidden one with 403) → the publishes to the exchange named in the reply text are
-//!   [`Outcome::ExchangeMissing`], the
+//!   [`Outcome::ExchangeMissing`] (404) or [`Outcome::AccessRefused`] (403), the
 //!   other unconfirmed ones [`Outcome::Failed`] (the broker discarded them, or their confirm is
 //!   lost); the channel is reopened in confirm mode right away;
 //! - no confirm within `proxy.confirm_timeout_secs` → [`Outcome::TimedOut`].
+//!
+//! What the session does with each outcome (settle, drop, or hold and retry) is in
+//! [`super::intercept`] and [`super::retry`].
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -27,6 +30,9 @@ use super::wire::{WireFrame, content_body_size, method_frame};
 use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method};
 use crate::amqp::content::put_content;
 use crate::amqp::reply::{ACCESS_REFUSED, NOT_FOUND};
+
+/// The cause of [`Outcome::Failed`] for a basic.nack.
+pub const NACKED: &str = "nack";
 
 /// Identifies the operation a publish belongs to (chosen by the caller).
 pub type OpId = u64;
@@ -47,9 +53,10 @@ pub enum Outcome {
     Confirmed,
     /// Confirmed after a basic.return: no queue was bound for its keys.
     Unroutable,
-    /// The exchange does not exist (channel closed with 404) or the client's user may not
-    /// publish to it (403).
+    /// The exchange does not exist (channel closed with 404).
     ExchangeMissing,
+    /// The client's user may not publish to the exchange (channel closed with 403).
+    AccessRefused,
     /// Nacked by the broker, or lost with the channel.
     Failed(&'static str),
     TimedOut,
@@ -210,7 +217,7 @@ impl Publisher {
                     for record in self.take_confirmed(nack.delivery_tag, nack.multiple) {
                         step.settled.push(Settled {
                             op: record.op,
-                            outcome: Outcome::Failed("nack"),
+                            outcome: Outcome::Failed(NACKED),
                         });
                     }
                 }
@@ -286,8 +293,13 @@ impl Publisher {
     }
 
     fn fail_on_close(&mut self, code: u16, text: &str) -> Vec<Settled> {
-        // 404: the exchange does not exist; 403: the client's user may not publish to it.
-        // Either way the publish can never succeed: the message is dropped, not retried.
+        // 404: the exchange does not exist (the message is dropped, as RabbitMQ does); 403:
+        // the client's user may not publish to it (the message is held and retried).
+        let blamed = if code == ACCESS_REFUSED {
+            Outcome::AccessRefused
+        } else {
+            Outcome::ExchangeMissing
+        };
         let unusable = code == NOT_FOUND || code == ACCESS_REFUSED;
         let missing = if unusable {
             missing_exchange(text)
@@ -299,10 +311,10 @@ impl Publisher {
         let mut blamed_first = false;
         for (_, record) in records {
             let outcome = match &missing {
-                Some(name) if *name == record.exchange => Outcome::ExchangeMissing,
+                Some(name) if *name == record.exchange => blamed.clone(),
                 None if unusable && !blamed_first => {
                     blamed_first = true;
-                    Outcome::ExchangeMissing
+                    blamed.clone()
                 }
                 _ => Outcome::Failed("channel closed"),
             };
@@ -510,6 +522,28 @@ mod tests {
         // Sequence numbers restart with the new channel.
         p.publish(3, &message("dlx", "c"), now).unwrap();
         assert_eq!(p.on_frame(&ack(5, 1, false)).settled[0].op, 3);
+    }
+
+    #[test]
+    fn a_refused_exchange_is_reported_apart_from_a_missing_one() {
+        let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+        let now = Instant::now();
+        p.publish(1, &message("locked", "a"), now).unwrap();
+        p.publish(2, &message("dlx", "b"), now).unwrap();
+        let step = p.on_frame(&frame(method_frame(
+            5,
+            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: 403,
+                reply_text: ShortString::from(
+                    "ACCESS_REFUSED - access to exchange 'locked' in vhost '/' refused for user 'u'",
+                ),
+                class_id: 60,
+                method_id: 40,
+            })),
+        )));
+        assert_eq!(step.settled[0].outcome, Outcome::AccessRefused);
+        assert_eq!(step.settled[1].outcome, Outcome::Failed("channel closed"));
+        assert!(step.write.is_some());
     }
 
     #[test]

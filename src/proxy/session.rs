@@ -2,7 +2,7 @@
 //! and the connection's life and death.
 //!
 //! A single task reads frames from both sockets (each read only when the opposite outbox has
-//! room, and upstream reads also only while kept deliveries are under
+//! room, and upstream reads also only while kept deliveries and held dead letters are under
 //! `proxy.max_inflight_bytes`), decides what each frame means ([`super::forward`],
 //! [`super::intercept`]) and queues bytes in two outboxes ([`super::outbox`]), which it writes
 //! to the sockets as they accept them. It never blocks on a socket write, so a slow peer only
@@ -32,6 +32,7 @@ use super::ops::Op;
 use super::outbox::Outbox;
 use super::probe::QueueProbe;
 use super::publisher::{OpId, Publisher};
+use super::retry::RetrySchedule;
 use super::service::Status;
 use super::wire::{FrameReader, WireFrame, method_frame};
 use crate::admission::refuse_client_after_header;
@@ -134,6 +135,10 @@ pub(super) struct Session {
     pub(super) held_channel_open: Option<WireFrame>,
     pub(super) ops: HashMap<OpId, Op>,
     pub(super) next_op: OpId,
+    /// Operations whose publish was refused, waiting for their retry ([`super::retry`]).
+    pub(super) held: RetrySchedule<Op>,
+    /// Operations in `ops` that are retries of held messages.
+    pub(super) retrying: usize,
     /// The client's connection.close, held until the proxy's own work is settled.
     pub(super) parked_connection_close: Option<Bytes>,
     pub(super) shutdown_seen: bool,
@@ -172,16 +177,16 @@ pub(super) async fn run<S>(
         _ => return,
     }
     let upstream = match shared.upstream.connect().await {
-        Ok(stream) => stream,
+        Ok((stream, target)) => {
+            tracing::debug!(%peer, upstream = %target.address(), "upstream connected");
+            stream
+        }
         Err(err) => {
-            tracing::warn!(%peer, upstream = %shared.upstream.address(), %err, "upstream unreachable");
+            tracing::warn!(%peer, %err, "no upstream reachable: client refused");
             shared
                 .metrics
                 .connection_refused(REFUSED_UPSTREAM_UNREACHABLE);
-            let refusal = AmqpError::new(
-                reply::CONNECTION_FORCED,
-                format!("upstream {} unreachable: {err}", shared.upstream.address()),
-            );
+            let refusal = AmqpError::new(reply::CONNECTION_FORCED, err.to_string());
             refuse_client_after_header(client, &refusal, handshake_timeout).await;
             return;
         }
@@ -209,6 +214,7 @@ pub(super) async fn run<S>(
     let mut client_reader = FrameReader::new(client_read, shared.handshake_frame_max);
     let mut upstream_reader = FrameReader::new(upstream_read, shared.handshake_frame_max);
     let now = Instant::now();
+    let backoff = shared.retry_backoff;
     let mut session = Session {
         shared,
         peer,
@@ -241,6 +247,8 @@ pub(super) async fn run<S>(
         held_channel_open: None,
         ops: HashMap::new(),
         next_op: 1,
+        held: RetrySchedule::new(backoff),
+        retrying: 0,
         parked_connection_close: None,
         shutdown_seen: false,
         client_in: Tally::default(),
@@ -433,10 +441,13 @@ impl Session {
         }
         // At the bound, finish the content in progress, then pause until settlements free room.
         // Not while client reads wait for an upstream answer: the client cannot settle anything
-        // then, so pausing here would wait forever.
+        // then, so pausing here would wait forever. Nor while the retry of a held dead letter
+        // awaits its confirm: held messages count against the bound, and only that confirm
+        // frees them (what the upstream delivers meanwhile is kept above the bound).
         self.inflight_bytes < self.shared.max_inflight_bytes
             || self.incoming_in_progress > 0
             || self.awaits_upstream_answer()
+            || self.retrying > 0
     }
 
     fn next_deadline(&mut self) -> Option<Instant> {
@@ -464,6 +475,7 @@ impl Session {
             consider(publisher.next_deadline());
         }
         consider(self.held_for_capture.as_ref().map(|held| held.deadline));
+        consider(self.held.next_deadline());
         if let Some(interval) = self.heartbeat {
             if self.client_side == Side::Open {
                 consider(Some(self.last_client_rx + interval * 2));
@@ -562,6 +574,7 @@ impl Session {
                 self.complete_op(settled.op, settled.outcome);
             }
         }
+        self.retry_due(now);
         if let Some(interval) = self.heartbeat {
             if self.client_side == Side::Open && now >= self.last_client_rx + interval * 2 {
                 tracing::info!(peer = %self.peer, "client missed heartbeats");
@@ -691,6 +704,10 @@ impl Session {
         );
         self.upstream_side = Side::Closed;
         self.fail_all_ops();
+        if self.running && !was_closing {
+            // The node may be down: have the reachability check look.
+            self.shared.upstream.report_lost();
+        }
         if client_awaits_close_ok && self.client_side != Side::Closed {
             // The client asked to close and the upstream went away first: confirm it ourselves.
             self.client_out.send(method_frame(
@@ -732,18 +749,13 @@ impl Session {
     /// Every operation ends without settling its original (the connection is going away, so
     /// the upstream requeues the originals itself).
     fn fail_all_ops(&mut self) {
-        if let Some(publisher) = self.publisher.as_mut() {
-            publisher.fail_all();
-        }
-        let ops: Vec<OpId> = self.ops.keys().copied().collect();
-        for op in ops {
-            self.abandon_op(op);
-        }
+        self.abandon_all_ops();
     }
 
     /// Releases everything the connection still holds (gauges).
     fn finish(&mut self) {
         self.flush_traffic();
+        self.let_go_held(|_| true);
         let channels: Vec<u16> = self.channels.keys().copied().collect();
         for channel in channels {
             self.remove_channel(channel);

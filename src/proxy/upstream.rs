@@ -1,38 +1,66 @@
-//! The upstream broker: where it is (parsed once from `upstream.url`) and how to reach it over
-//! TCP or TLS (`amqps://`). The TLS client configuration comes from [`crate::tls`] and is
-//! taken afresh for each connection, so a rotated CA file applies to the next one.
+//! The upstream brokers: where they are (parsed once from `upstream.urls`, or `upstream.url`
+//! alone), how to reach one over TCP or TLS (`amqps://`), and which one to dial.
 //!
-//! Credentials and the vhost in the URL are ignored: every client connection brings its own
+//! [`UpstreamPool`] is the one way the proxy opens an upstream connection. It dials the
+//! targets in the order [`order::TargetOrder`] gives (the last one that worked first, failing
+//! ones skipped for a backoff), each attempt within `upstream.connect_timeout_secs`, counts
+//! every attempt in `upstream_connect_attempts_total{upstream,result}`, and keeps the last
+//! known reachability (`upstream_reachable`, and `/readyz`). [`UpstreamPool::watch`] is the
+//! small task that refreshes that knowledge: while no upstream is known to be reachable, it
+//! dials the targets every [`CHECK_INTERVAL`]; while one is, it sleeps until a connect fails or
+//! an upstream connection is lost ([`UpstreamPool::report_lost`]), then checks once.
+//!
+//! The TLS client configuration comes from [`crate::tls`] and is taken afresh for each
+//! connection, so a rotated CA file applies to the next one; all targets share it.
+//!
+//! Credentials and the vhost in the URLs are ignored: every client connection brings its own
 //! SASL exchange and `connection.open`, which pass through unchanged.
+
+pub mod order;
 
 use std::io;
 use std::pin::Pin;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use amq_protocol::uri::{AMQPScheme, AMQPUri};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::sync::Notify;
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::ServerName;
 
-use crate::config::UpstreamConfig;
+use crate::config::{UpstreamConfig, redact_url_password};
+use crate::metrics::Metrics;
+use crate::shutdown::Shutdown;
 use crate::tls::Reloadable;
+use order::TargetOrder;
+
+/// How often the reachability check dials the targets while none is known to be reachable.
+pub const CHECK_INTERVAL: Duration = Duration::from_secs(2);
 
 /// Why the upstream settings cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
-    #[error("upstream.url {url:?} is not an AMQP URL: {detail}")]
-    BadUrl { url: String, detail: String },
+    /// `key` is `upstream.urls[i]` or `upstream.url`.
+    #[error("{key} {url:?} is not an AMQP URL: {detail}")]
+    BadUrl {
+        key: String,
+        url: String,
+        detail: String,
+    },
+    #[error("upstream.urls: no upstream URL given (upstream.urls or upstream.url)")]
+    NoUrl,
     #[error("upstream TLS setup: {0}")]
     Tls(String),
 }
 
-/// Where the upstream broker listens and how to talk to it.
+/// Where one upstream broker node listens and how to talk to it.
 #[derive(Clone)]
 pub struct UpstreamTarget {
     pub host: String,
@@ -53,23 +81,66 @@ impl std::fmt::Debug for UpstreamTarget {
 }
 
 impl UpstreamTarget {
-    /// Parses `upstream.url` and prepares the TLS client when the scheme is `amqps`.
+    /// Parses every upstream URL (`upstream.urls`, else `upstream.url`) in order, and prepares
+    /// one TLS client for the `amqps` ones. An empty list is an error naming `upstream.urls`.
+    pub fn all_from_config(config: &UpstreamConfig) -> Result<Vec<UpstreamTarget>, UpstreamError> {
+        let urls = config.targets();
+        if urls.is_empty() {
+            return Err(UpstreamError::NoUrl);
+        }
+        let mut tls = None;
+        let mut targets = Vec::with_capacity(urls.len());
+        for (key, url) in urls {
+            targets.push(Self::parse(config, &key, url, &mut tls)?);
+        }
+        Ok(targets)
+    }
+
+    /// The first upstream URL's target (for callers that need one address).
     pub fn from_config(config: &UpstreamConfig) -> Result<Self, UpstreamError> {
-        let uri = AMQPUri::from_str(&config.url).map_err(|detail| UpstreamError::BadUrl {
-            url: config.url_for_display(),
+        let mut targets = Self::all_from_config(config)?;
+        Ok(targets.swap_remove(0))
+    }
+
+    /// One URL (`key` names it in errors); the TLS client is created by the first `amqps`
+    /// URL and shared by the others.
+    fn parse(
+        config: &UpstreamConfig,
+        key: &str,
+        url: &str,
+        shared_tls: &mut Option<Arc<Reloadable<rustls::ClientConfig>>>,
+    ) -> Result<Self, UpstreamError> {
+        let shown = redact_url_password(url);
+        let uri = AMQPUri::from_str(url).map_err(|detail| UpstreamError::BadUrl {
+            key: key.to_string(),
+            url: shown.clone(),
             // The parser's message may quote the URL: never with its password.
-            detail: detail.replace(&config.url, &config.url_for_display()),
+            detail: detail.replace(url, &shown),
         })?;
         let host = uri.authority.host.clone();
         if host.is_empty() {
             return Err(UpstreamError::BadUrl {
-                url: config.url_for_display(),
+                key: key.to_string(),
+                url: shown,
                 detail: "no host".into(),
             });
         }
         let tls = match uri.scheme {
             AMQPScheme::AMQP => None,
-            AMQPScheme::AMQPS => Some(tls_client(config, &host)?),
+            AMQPScheme::AMQPS => {
+                let client = match shared_tls {
+                    Some(client) => client.clone(),
+                    None => {
+                        let client = Arc::new(
+                            crate::tls::upstream_material(&config.tls_ca_file, config.tls_verify)
+                                .map_err(|e| UpstreamError::Tls(format!("{e:#}")))?,
+                        );
+                        *shared_tls = Some(client.clone());
+                        client
+                    }
+                };
+                Some((client, server_name(config, &host)?))
+            }
         };
         Ok(UpstreamTarget {
             host,
@@ -79,7 +150,7 @@ impl UpstreamTarget {
         })
     }
 
-    /// `host:port` for messages.
+    /// `host:port` for messages and the `upstream` metric label.
     pub fn address(&self) -> String {
         if self.host.contains(':') {
             format!("[{}]:{}", self.host, self.port)
@@ -120,33 +191,182 @@ impl UpstreamTarget {
     pub fn tls_material(&self) -> Option<Arc<Reloadable<rustls::ClientConfig>>> {
         self.tls.as_ref().map(|(client, _)| client.clone())
     }
-
-    /// Whether a TCP connection to the upstream opens within `within`.
-    pub async fn reachable(&self, within: Duration) -> bool {
-        matches!(
-            tokio::time::timeout(within, TcpStream::connect((self.host.as_str(), self.port))).await,
-            Ok(Ok(_))
-        )
-    }
 }
 
-fn tls_client(
-    config: &UpstreamConfig,
-    host: &str,
-) -> Result<(Arc<Reloadable<rustls::ClientConfig>>, ServerName<'static>), UpstreamError> {
-    let client = crate::tls::upstream_material(&config.tls_ca_file, config.tls_verify)
-        .map_err(|e| UpstreamError::Tls(format!("{e:#}")))?;
+fn server_name(config: &UpstreamConfig, host: &str) -> Result<ServerName<'static>, UpstreamError> {
     let name = if config.tls_server_name.is_empty() {
         host
     } else {
         config.tls_server_name.as_str()
     };
-    let server_name = ServerName::try_from(name.to_string())
-        .map_err(|e| UpstreamError::Tls(format!("server name {name:?}: {e}")))?;
-    Ok((Arc::new(client), server_name))
+    ServerName::try_from(name.to_string())
+        .map_err(|e| UpstreamError::Tls(format!("server name {name:?}: {e}")))
+}
+
+/// The upstream nodes and which one to dial: every upstream connection of the proxy is opened
+/// here (see the module documentation).
+pub struct UpstreamPool {
+    targets: Vec<Arc<UpstreamTarget>>,
+    order: Mutex<TargetOrder>,
+    /// The last known state: some target accepted the last dial (a client's or the check's).
+    reachable: Arc<AtomicBool>,
+    /// Wakes [`UpstreamPool::watch`] for a check.
+    check: Notify,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for UpstreamPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamPool")
+            .field("targets", &self.targets)
+            .field("reachable", &self.is_reachable())
+            .finish()
+    }
+}
+
+impl UpstreamPool {
+    /// The pool of the configured upstream URLs. Until the first successful dial the upstream
+    /// counts as unreachable.
+    pub fn from_config(
+        config: &UpstreamConfig,
+        metrics: Arc<Metrics>,
+    ) -> Result<UpstreamPool, UpstreamError> {
+        let targets: Vec<Arc<UpstreamTarget>> = UpstreamTarget::all_from_config(config)?
+            .into_iter()
+            .map(Arc::new)
+            .collect();
+        for target in &targets {
+            metrics.upstream_target(&target.address());
+        }
+        metrics.set_upstream_reachable(false);
+        Ok(UpstreamPool {
+            order: Mutex::new(TargetOrder::new(targets.len())),
+            targets,
+            reachable: Arc::new(AtomicBool::new(false)),
+            check: Notify::new(),
+            metrics,
+        })
+    }
+
+    /// The reloadable TLS client configuration the `amqps` targets share (for certificate
+    /// rotation); `None` when every target is plain `amqp`.
+    pub fn tls_material(&self) -> Option<Arc<Reloadable<rustls::ClientConfig>>> {
+        self.targets.iter().find_map(|target| target.tls_material())
+    }
+
+    /// The targets, in the configured order.
+    pub fn targets(&self) -> &[Arc<UpstreamTarget>] {
+        &self.targets
+    }
+
+    fn order(&self) -> MutexGuard<'_, TargetOrder> {
+        // The order is consistent after any panic: keep using it.
+        self.order.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Opens a connection to the first target that accepts one, in the order of
+    /// [`TargetOrder::attempts`]; returns it with the target it reached. When every target
+    /// fails, the error names each (`upstream HOST:PORT unreachable: ...`, joined by `; `).
+    pub async fn connect(&self) -> io::Result<(UpstreamStream, Arc<UpstreamTarget>)> {
+        let attempts = self.order().attempts(Instant::now());
+        let mut failures = Vec::new();
+        let mut kind = io::ErrorKind::ConnectionRefused;
+        for index in attempts {
+            let target = &self.targets[index];
+            match target.connect().await {
+                Ok(stream) => {
+                    self.order().succeeded(index);
+                    self.metrics
+                        .upstream_connect_attempt(&target.address(), true);
+                    self.set_reachable(true);
+                    return Ok((stream, target.clone()));
+                }
+                Err(err) => {
+                    self.order().failed(index, Instant::now());
+                    self.metrics
+                        .upstream_connect_attempt(&target.address(), false);
+                    tracing::warn!(upstream = %target.address(), %err, "upstream connect failed");
+                    kind = err.kind();
+                    failures.push(format!("upstream {} unreachable: {err}", target.address()));
+                }
+            }
+        }
+        self.set_reachable(false);
+        self.check.notify_one();
+        Err(io::Error::new(kind, failures.join("; ")))
+    }
+
+    /// The last known state: whether some upstream accepted the last dial.
+    pub fn is_reachable(&self) -> bool {
+        self.reachable.load(Ordering::Acquire)
+    }
+
+    /// The flag behind [`is_reachable`](Self::is_reachable), for `/readyz`.
+    pub fn reachability(&self) -> Arc<AtomicBool> {
+        self.reachable.clone()
+    }
+
+    /// An upstream connection died: [`watch`](Self::watch) checks whether a node is still
+    /// reachable.
+    pub fn report_lost(&self) {
+        self.check.notify_one();
+    }
+
+    fn set_reachable(&self, reachable: bool) {
+        let was = self.reachable.swap(reachable, Ordering::AcqRel);
+        self.metrics.set_upstream_reachable(reachable);
+        if was != reachable {
+            if reachable {
+                tracing::info!("upstream reachable");
+            } else {
+                tracing::warn!("no upstream reachable");
+            }
+        }
+    }
+
+    /// Dials the targets in order until one accepts a TCP (and TLS) connection, which is
+    /// closed at once; updates the dial order and the reachability. Not counted as a connect
+    /// attempt.
+    pub async fn check_now(&self) -> bool {
+        let attempts = self.order().attempts(Instant::now());
+        for index in attempts {
+            if self.targets[index].connect().await.is_ok() {
+                self.order().succeeded(index);
+                self.set_reachable(true);
+                return true;
+            }
+            self.order().failed(index, Instant::now());
+        }
+        self.set_reachable(false);
+        false
+    }
+
+    /// The reachability check, until `shutdown` fires: checks at once, then every
+    /// [`CHECK_INTERVAL`] while no upstream is reachable; while one is, only after a failed
+    /// connect or a lost connection.
+    pub async fn watch(self: Arc<Self>, mut shutdown: Shutdown) {
+        loop {
+            let reachable = tokio::select! {
+                reachable = self.check_now() => reachable,
+                _ = shutdown.recv() => return,
+            };
+            let wake = async {
+                if reachable {
+                    self.check.notified().await;
+                } else {
+                    tokio::time::sleep(CHECK_INTERVAL).await;
+                }
+            };
+            tokio::select! {
+                _ = wake => {}
+                _ = shutdown.recv() => return,
+            }
+        }
+    }
 }
 
 /// A connection to the upstream, plain or TLS.
+#[derive(Debug)]
 pub enum UpstreamStream {
     Tcp(TcpStream),
     Tls(Box<TlsStream<TcpStream>>),
@@ -232,15 +452,160 @@ mod tests {
         assert!(!err.to_string().contains("secret"));
     }
 
-    #[tokio::test]
-    async fn unreachable_upstream_is_reported() {
+    fn pool(urls: &[String]) -> (UpstreamPool, Arc<Metrics>) {
+        let metrics = Metrics::new(10);
+        let config = UpstreamConfig {
+            urls: urls.to_vec(),
+            connect_timeout_secs: 1,
+            ..UpstreamConfig::default()
+        };
+        (
+            UpstreamPool::from_config(&config, metrics.clone()).unwrap(),
+            metrics,
+        )
+    }
+
+    fn line(metrics: &Metrics, series: &str) -> Option<f64> {
+        metrics
+            .encode()
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    fn attempts(metrics: &Metrics, address: &str, result: &str) -> Option<f64> {
+        line(
+            metrics,
+            &format!(
+                "dlx_proxy_upstream_connect_attempts_total{{result=\"{result}\",upstream=\"{address}\"}}"
+            ),
+        )
+    }
+
+    async fn closed_port() -> u16 {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let target =
-            UpstreamTarget::from_config(&config(&format!("amqp://127.0.0.1:{port}"))).unwrap();
-        assert!(target.reachable(Duration::from_secs(1)).await);
+        listener.local_addr().unwrap().port()
+    }
+
+    #[test]
+    fn url_lists_parse_in_order_and_errors_name_the_entry() {
+        let config = UpstreamConfig {
+            urls: vec!["amqp://u:pw@a:1".into(), "amqp://b".into()],
+            ..UpstreamConfig::default()
+        };
+        let targets = UpstreamTarget::all_from_config(&config).unwrap();
+        let addresses: Vec<String> = targets.iter().map(UpstreamTarget::address).collect();
+        assert_eq!(addresses, ["a:1", "b:5672"]);
+        let config = UpstreamConfig {
+            urls: vec!["amqp://a".into(), "amqp://u:hidden@".into()],
+            ..UpstreamConfig::default()
+        };
+        let err = UpstreamTarget::all_from_config(&config).unwrap_err();
+        let text = err.to_string();
+        assert!(text.starts_with("upstream.urls[1] "), "{text}");
+        assert!(!text.contains("hidden"), "{text}");
+        let err = UpstreamTarget::all_from_config(&UpstreamConfig::default()).unwrap_err();
+        assert!(matches!(err, UpstreamError::NoUrl), "{err}");
+    }
+
+    #[tokio::test]
+    async fn the_pool_fails_over_in_order_and_counts_each_attempt() {
+        let first = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let second = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = first.local_addr().unwrap().to_string();
+        let b = second.local_addr().unwrap().to_string();
+        let (pool, metrics) = pool(&[format!("amqp://{a}"), format!("amqp://{b}")]);
+        assert!(!pool.is_reachable(), "unknown until the first dial");
+        assert_eq!(line(&metrics, "dlx_proxy_upstream_reachable"), Some(0.0));
+        assert_eq!(attempts(&metrics, &a, "failure"), Some(0.0));
+        assert_eq!(attempts(&metrics, &b, "success"), Some(0.0));
+
+        let (_stream, target) = pool.connect().await.unwrap();
+        assert_eq!(target.address(), a);
+        assert!(pool.is_reachable());
+        assert_eq!(line(&metrics, "dlx_proxy_upstream_reachable"), Some(1.0));
+
+        drop(first);
+        let (_stream, target) = pool.connect().await.unwrap();
+        assert_eq!(target.address(), b);
+        assert_eq!(attempts(&metrics, &a, "success"), Some(1.0));
+        assert_eq!(attempts(&metrics, &a, "failure"), Some(1.0));
+        assert_eq!(attempts(&metrics, &b, "success"), Some(1.0));
+        // The next connect starts with the one that worked: the dead one is not dialled.
+        let (_stream, target) = pool.connect().await.unwrap();
+        assert_eq!(target.address(), b);
+        assert_eq!(attempts(&metrics, &a, "failure"), Some(1.0));
+        assert_eq!(attempts(&metrics, &b, "success"), Some(2.0));
+        assert!(pool.is_reachable());
+    }
+
+    #[tokio::test]
+    async fn with_nothing_reachable_the_error_names_every_target() {
+        let (p, q) = (closed_port().await, closed_port().await);
+        let (pool, metrics) = pool(&[
+            format!("amqp://127.0.0.1:{p}"),
+            format!("amqp://127.0.0.1:{q}"),
+        ]);
+        let err = pool.connect().await.unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.starts_with(&format!("upstream 127.0.0.1:{p} unreachable: ")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("; upstream 127.0.0.1:{q} unreachable: ")),
+            "{text}"
+        );
+        assert!(!pool.is_reachable());
+        assert_eq!(line(&metrics, "dlx_proxy_upstream_reachable"), Some(0.0));
+        assert_eq!(
+            attempts(&metrics, &format!("127.0.0.1:{p}"), "failure"),
+            Some(1.0)
+        );
+        assert_eq!(
+            attempts(&metrics, &format!("127.0.0.1:{q}"), "failure"),
+            Some(1.0)
+        );
+        assert!(!pool.check_now().await);
+    }
+
+    #[tokio::test]
+    async fn the_watch_finds_a_reachable_upstream_and_stops_on_shutdown() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dead = closed_port().await;
+        let (pool, metrics) = pool(&[
+            format!("amqp://127.0.0.1:{dead}"),
+            format!("amqp://{}", listener.local_addr().unwrap()),
+        ]);
+        let pool = Arc::new(pool);
+        let trigger = crate::shutdown::ShutdownTrigger::new();
+        let watch = tokio::spawn(pool.clone().watch(trigger.subscribe()));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !pool.is_reachable() {
+            assert!(
+                Instant::now() < deadline,
+                "the check never found the listener"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(line(&metrics, "dlx_proxy_upstream_reachable"), Some(1.0));
+        // Checks are not client connects.
+        let live = listener.local_addr().unwrap().to_string();
+        assert_eq!(attempts(&metrics, &live, "success"), Some(0.0));
+        // A lost connection with the listener gone: the check finds nothing.
         drop(listener);
-        assert!(!target.reachable(Duration::from_secs(1)).await);
-        assert!(target.connect().await.is_err());
+        pool.report_lost();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while pool.is_reachable() {
+            assert!(
+                Instant::now() < deadline,
+                "the lost connection was not checked"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        trigger.trigger();
+        tokio::time::timeout(Duration::from_secs(2), watch)
+            .await
+            .expect("the watch ends on shutdown")
+            .unwrap();
     }
 }

@@ -256,11 +256,12 @@ fn check_config_and_run_refuse_unusable_tls_files() {
     std::fs::remove_file(&junk).unwrap();
 }
 
-/// Proxy mode has no default upstream: without `upstream.url` both commands refuse it.
+/// Proxy mode has no default upstream: without `upstream.urls` (or `upstream.url`) both
+/// commands refuse it.
 #[test]
 fn proxy_mode_requires_the_upstream_url() {
     let text = "mode = \"proxy\"\n";
-    let expected = "key `upstream.url`: required in proxy mode";
+    let expected = "key `upstream.urls`: required in proxy mode";
     let (code, _, errors) = check(text, &[]);
     assert_eq!(code, 2);
     assert!(errors.contains(expected), "{errors}");
@@ -354,6 +355,54 @@ fn environment_overrides_show_in_the_printed_settings() {
             "{line:?} not in:\n{printed}"
         );
     }
+}
+
+/// `upstream.urls` from the environment, as a TOML array (passwords masked when printed);
+/// a bad entry is named by its index and the variable.
+#[test]
+fn upstream_urls_from_the_environment() {
+    let variable = "DLX_PROXY_UPSTREAM__URLS";
+    let (code, printed, errors) = check(
+        "mode = \"proxy\"\n",
+        &[(
+            variable,
+            r#"["amqp://a:5672", "amqp://u:env-secret@b:5673"]"#,
+        )],
+    );
+    assert_eq!(code, 0, "{errors}");
+    assert!(!printed.contains("env-secret"), "{printed}");
+    let urls: Vec<&str> = printed
+        .lines()
+        .skip_while(|l| !l.starts_with("urls = ["))
+        .skip(1)
+        .take_while(|l| l.trim() != "]")
+        .map(str::trim)
+        .collect();
+    assert_eq!(
+        urls,
+        [r#""amqp://a:5672","#, r#""amqp://u:<redacted>@b:5673","#],
+        "{printed}"
+    );
+    let (code, _, errors) = check(
+        "mode = \"proxy\"\n",
+        &[(variable, r#"["amqp://a", "http://u:env-secret@b"]"#)],
+    );
+    assert_eq!(code, 2);
+    assert!(
+        errors.contains("environment variable DLX_PROXY_UPSTREAM__URLS: key `upstream.urls[1]`"),
+        "{errors}"
+    );
+    assert!(!errors.contains("env-secret"), "{errors}");
+    // Both keys at once: refused, naming both.
+    let (code, _, errors) = check(
+        "mode = \"proxy\"\n[upstream]\nurl = \"amqp://a\"\n",
+        &[(variable, r#"["amqp://b"]"#)],
+    );
+    assert_eq!(code, 2);
+    assert!(
+        errors.contains("upstream.url and upstream.urls are both set"),
+        "{errors}"
+    );
 }
 
 #[test]

@@ -175,40 +175,11 @@ fn rand_salt() -> [u8; 4] {
     nanos.to_le_bytes()
 }
 
-/// A RabbitMQ user for one test, deleted on drop.
-struct RabbitUser(String);
-
-impl RabbitUser {
-    fn create(name: &str, password: &str) -> RabbitUser {
-        let added = proxy_support::rabbitmqctl(&["add_user", name, password]);
-        assert!(
-            added.status.success(),
-            "add_user: {}",
-            String::from_utf8_lossy(&added.stderr)
-        );
-        let user = RabbitUser(name.to_string());
-        let permitted =
-            proxy_support::rabbitmqctl(&["set_permissions", "-p", "/", name, ".*", ".*", ".*"]);
-        assert!(
-            permitted.status.success(),
-            "set_permissions: {}",
-            String::from_utf8_lossy(&permitted.stderr)
-        );
-        user
-    }
-}
-
-impl Drop for RabbitUser {
-    fn drop(&mut self) {
-        let _ = proxy_support::rabbitmqctl(&["delete_user", &self.0]);
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_mode_logs_no_secret_at_trace_level() {
     let user = unique("proxy-user");
     let password = unique("proxy-pw");
-    let _rabbit_user = RabbitUser::create(&user, &password);
+    let _rabbit_user = proxy_support::RabbitUser::create(&user, &password);
     let url_password = unique("url-pw");
     let token = unique("admin-token");
     let wrong_token = unique("wrong-token");
@@ -217,7 +188,7 @@ async fn proxy_mode_logs_no_secret_at_trace_level() {
     // The proxy's own service user, its password in a file (a mounted Secret).
     let service_user = unique("proxy-service");
     let service_password = unique("service-pw");
-    let _service = RabbitUser::create(&service_user, &service_password);
+    let _service = proxy_support::RabbitUser::create(&service_user, &service_password);
 
     let dir = TempDir::new("dlx-proxy-secrets-proxy");
     let password_file = dir.join("service-password");

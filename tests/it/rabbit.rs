@@ -10,6 +10,10 @@
 //! watchdog shell holds the read end of a pipe whose write end only the test process has;
 //! when that closes, the watchdog stops the node and removes its directory.
 //!
+//! [`cluster`] holds the 3-node cluster of the fleet tests ([`RabbitCluster`]), built from
+//! the same nodes sharing one cookie; a node can be killed (SIGKILL) and restarted with the
+//! same environment. The nodes raise their open-files limit (1024 would cap connections).
+//!
 //! `DLX_RABBITMQ_BIN` names the directory holding `rabbitmq-server` and `rabbitmqctl` when
 //! they are not in Debian's `/usr/lib/rabbitmq/bin` or on `PATH`.
 
@@ -21,6 +25,10 @@ use std::time::{Duration, Instant};
 
 use crate::common::free_port;
 use crate::common::pki::TestCa;
+
+mod cluster;
+#[allow(unused_imports)]
+pub use cluster::{Outage, RabbitCluster, cluster};
 
 /// How long a node may take to start on a busy 2-core machine.
 const START_TIMEOUT: Duration = Duration::from_secs(120);
@@ -35,10 +43,21 @@ pub struct RabbitNode {
     pub ca_file: PathBuf,
     /// The node's directory: data, logs, config, TLS files, cookie home, `bin/rabbitmqctl`.
     pub dir: PathBuf,
+    dist_port: u16,
     bin: PathBuf,
+    /// The node this one joined, for a node of a [`RabbitCluster`].
+    seed: OnceLock<String>,
     /// Held until the process exits; its closing stops the node.
-    _watchdog: Mutex<(Child, ChildStdin)>,
+    watchdog: Mutex<Option<(Child, ChildStdin)>>,
 }
+
+/// Raises the soft limit of open files for the node to the hard limit (at most 65536): the
+/// usual 1024 caps a node at about a thousand connections.
+const RAISE_OPEN_FILES: &str =
+    "ulimit -n 65536 2>/dev/null || ulimit -n \"$(ulimit -Hn)\" 2>/dev/null || true\n";
+
+/// The server itself, its output appended to `server.out` (restarts add to it).
+const SERVER: &str = "\"$RABBIT_BIN/rabbitmq-server\" >>\"$NODE_DIR/server.out\" 2>&1";
 
 /// The shared reference node, started on first use.
 pub fn reference() -> &'static RabbitNode {
@@ -72,6 +91,15 @@ impl RabbitNode {
     /// Starts a node called `dlxit-<pid>-<tag>@localhost` and waits until it accepts AMQP and
     /// amqps connections. Panics with the node's log when it does not come up.
     pub fn start(tag: &str) -> RabbitNode {
+        let node = Self::launch(tag, &format!("DLXIT{}{tag}", std::process::id()));
+        node.wait_started();
+        node
+    }
+
+    /// Prepares the node `dlxit-<pid>-<tag>@localhost` (directories, free ports, TLS files,
+    /// `cookie` as its Erlang cookie) and starts it under its watchdog, without waiting for
+    /// it: nodes of a cluster boot side by side.
+    pub(crate) fn launch(tag: &str, cookie: &str) -> RabbitNode {
         let bin = rabbitmq_bin();
         let name = format!("dlxit-{}-{tag}@localhost", std::process::id());
         let dir = std::env::temp_dir().join(format!("dlx-it-rabbit-{}-{tag}", std::process::id()));
@@ -83,9 +111,9 @@ impl RabbitNode {
         let amqps = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let dist_port = free_port();
 
-        let cookie = dir.join("home/.erlang.cookie");
-        std::fs::write(&cookie, format!("DLXIT{}{tag}", std::process::id())).unwrap();
-        set_mode(&cookie, 0o400);
+        let cookie_file = dir.join("home/.erlang.cookie");
+        std::fs::write(&cookie_file, cookie).unwrap();
+        set_mode(&cookie_file, 0o400);
 
         let ca = TestCa::new("dlx-proxy test RabbitMQ CA");
         let server = ca.localhost_server();
@@ -122,47 +150,122 @@ impl RabbitNode {
         .unwrap();
         set_mode(&ctl, 0o755);
 
-        let watchdog_script = "\"$RABBIT_BIN/rabbitmq-server\" >\"$NODE_DIR/server.out\" 2>&1 &\n\
-             cat >/dev/null\n\
-             \"$RABBIT_BIN/rabbitmqctl\" -n \"$RABBITMQ_NODENAME\" -q stop >/dev/null 2>&1 \
-               || kill -9 \"$(cat \"$RABBITMQ_PID_FILE\")\" 2>/dev/null\n\
-             rm -rf \"$NODE_DIR\"\n";
-        let mut watchdog = Command::new("sh")
-            .arg("-c")
-            .arg(watchdog_script)
-            .current_dir(&dir)
-            .env("RABBIT_BIN", &bin)
-            .env("NODE_DIR", &dir)
-            .env("HOME", dir.join("home"))
-            .env("RABBITMQ_NODENAME", &name)
-            .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
-            .env("RABBITMQ_NODE_PORT", amqp.port().to_string())
-            .env("RABBITMQ_DIST_PORT", dist_port.to_string())
-            .env("RABBITMQ_MNESIA_BASE", dir.join("mnesia"))
-            .env("RABBITMQ_LOG_BASE", dir.join("log"))
-            .env("RABBITMQ_PID_FILE", dir.join("pid"))
-            .env("RABBITMQ_CONFIG_FILE", dir.join("rabbitmq.conf"))
-            .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("enabled_plugins"))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the RabbitMQ watchdog shell");
-        let stdin = watchdog.stdin.take().expect("watchdog stdin");
         let node = RabbitNode {
             name,
             amqp,
             amqps,
             ca_file: tls.join("ca.pem"),
             dir,
+            dist_port,
             bin,
-            _watchdog: Mutex::new((watchdog, stdin)),
+            seed: OnceLock::new(),
+            watchdog: Mutex::new(None),
         };
-        node.wait_started();
+        // The watchdog starts the server, then waits for the test process to go away.
+        let watchdog_script = format!(
+            "{RAISE_OPEN_FILES}{SERVER} &\n\
+             cat >/dev/null\n\
+             \"$RABBIT_BIN/rabbitmqctl\" -n \"$RABBITMQ_NODENAME\" -q stop >/dev/null 2>&1 \
+               || kill -9 \"$(cat \"$RABBITMQ_PID_FILE\")\" 2>/dev/null\n\
+             rm -rf \"$NODE_DIR\"\n"
+        );
+        let mut watchdog = node
+            .server_command(&watchdog_script)
+            .stdin(Stdio::piped())
+            .spawn()
+            .expect("start the RabbitMQ watchdog shell");
+        let stdin = watchdog.stdin.take().expect("watchdog stdin");
+        *node.watchdog.lock().unwrap() = Some((watchdog, stdin));
         node
     }
 
-    fn wait_started(&self) {
+    /// `sh -c script` in the node's directory with the node's whole environment: what the
+    /// watchdog and [`RabbitNode::restart`] run `rabbitmq-server` with.
+    fn server_command(&self, script: &str) -> Command {
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(script)
+            .current_dir(&self.dir)
+            .env("RABBIT_BIN", &self.bin)
+            .env("NODE_DIR", &self.dir)
+            .env("HOME", self.dir.join("home"))
+            .env("RABBITMQ_NODENAME", &self.name)
+            .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
+            .env("RABBITMQ_NODE_PORT", self.amqp.port().to_string())
+            .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
+            .env("RABBITMQ_MNESIA_BASE", self.dir.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", self.dir.join("log"))
+            .env("RABBITMQ_PID_FILE", self.pid_file())
+            .env("RABBITMQ_CONFIG_FILE", self.dir.join("rabbitmq.conf"))
+            .env(
+                "RABBITMQ_ENABLED_PLUGINS_FILE",
+                self.dir.join("enabled_plugins"),
+            )
+            // Idle schedulers sleep instead of spinning: several nodes share two cores.
+            .env(
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS",
+                "+sbwt none +sbwtdcpu none +sbwtdio none",
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        command
+    }
+
+    fn pid_file(&self) -> PathBuf {
+        self.dir.join("pid")
+    }
+
+    /// The OS pid of the node's `beam.smp` (from its pid file), if it wrote one.
+    pub fn beam_pid(&self) -> Option<i32> {
+        std::fs::read_to_string(self.pid_file())
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// Kills the node's `beam.smp` with SIGKILL (a node lost without warning) and waits until
+    /// the process is gone and its AMQP port closed. Tests on a shared cluster hold
+    /// [`RabbitCluster::exclusive`] while a node is down; see [`cluster`].
+    pub fn kill(&self) {
+        let pid = self
+            .beam_pid()
+            .unwrap_or_else(|| panic!("{} has no pid file (not running?)", self.name));
+        // SAFETY: kill(2) with a pid read from the node's own pid file; no memory involved.
+        let sent = unsafe { libc::kill(pid, libc::SIGKILL) };
+        assert_eq!(sent, 0, "SIGKILL {} (pid {pid}) failed", self.name);
+        let killed = Instant::now();
+        while process_alive(pid) || port_open(self.amqp) {
+            assert!(
+                killed.elapsed() < Duration::from_secs(30),
+                "{} (pid {pid}) still running 30 s after SIGKILL",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // A stale pid must not be killed by the watchdog once the number is reused.
+        let _ = std::fs::remove_file(self.pid_file());
+    }
+
+    /// Starts a stopped or killed node again with the same environment (name, ports, data,
+    /// cookie) and waits until it has started and, for a cluster node, until it runs in the
+    /// cluster again. Blocks for the seconds this takes.
+    pub fn restart(&self) {
+        let mut server = self
+            .server_command(&format!("{RAISE_OPEN_FILES}exec {SERVER}\n"))
+            .spawn()
+            .expect("start rabbitmq-server");
+        // Reaped whenever it ends; the watchdog stops the node with the test process.
+        std::thread::spawn(move || server.wait());
+        self.wait_started();
+        if self.seed.get().is_some() {
+            self.wait_cluster_complete();
+        }
+    }
+
+    pub(crate) fn wait_started(&self) {
         let started = Instant::now();
         loop {
             let up = port_open(self.amqp)
@@ -222,6 +325,17 @@ impl RabbitNode {
             }
         }
         text
+    }
+}
+
+/// Whether `pid` is a live process (not gone, not a zombie).
+fn process_alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
+        Err(_) => false,
     }
 }
 

@@ -203,6 +203,10 @@ so the binary's default applies. Argument: (list "name" $map).
 {{- end }}
 {{- end }}
 {{- $upstream := deepCopy (get $config "upstream" | default dict) }}
+{{- if get $upstream "urls" }}
+{{- /* A node list replaces the single URL (the binary refuses both). */}}
+{{- $_ := unset $upstream "url" }}
+{{- end }}
 {{- if .Values.upstreamTls.caSecretName }}
 {{- $_ := set $upstream "tls_ca_file" (printf "%s/%s" .Values.upstreamTls.mountPath .Values.upstreamTls.caKey) }}
 {{- end }}

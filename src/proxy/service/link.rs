@@ -6,10 +6,15 @@
 //! Each captured message is read back into the death its original queue saw
 //! ([`death::from_capture`]), decided with the queue's settings ([`death::plan`]) and published
 //! to its dead-letter exchange; the capture delivery is acked only once that publish is
-//! confirmed. A publish that is nacked, times out or is lost with the publisher channel gives
-//! the delivery back to the capture queue after [`super::super::capture::RETRY_DELAY`]:
-//! at-least-once, never lost. When the connection ends, the upstream requeues every capture
-//! delivery not acked yet.
+//! confirmed. A publish the upstream refuses (nacked: a DLQ full with `reject-publish`; no
+//! confirm in time; lost with the publisher channel; 403) is *held*, as on client connections
+//! ([`crate::proxy::retry`]): the capture delivery stays unacked, so the capture queue does not
+//! deliver it again, and the same publish is retried after the backoff of
+//! `proxy.retry_initial_ms` .. `proxy.retry_max_ms` until it is confirmed
+//! (`dead_letters_held`, `dead_letter_retries_total{reason}`). At most
+//! [`CAPTURE_PREFETCH`](crate::proxy::capture::CAPTURE_PREFETCH) deliveries are unacked, so
+//! that bounds what is held. At-least-once, never lost: when the connection ends, the upstream
+//! requeues every capture delivery not acked yet, and what was held is let go.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -25,6 +30,7 @@ use crate::proxy::capture::{CaptureConsumer, CapturedMessage};
 use crate::proxy::death::{self, Plan};
 use crate::proxy::ops::{Op, Origin, Purpose, Settlement};
 use crate::proxy::publisher::{OpId, Outcome, Publisher, Settled};
+use crate::proxy::retry::{RetryReason, RetrySchedule};
 use crate::proxy::wire::WireFrame;
 
 /// The capture consumer's channel on a service connection.
@@ -60,6 +66,8 @@ pub struct CaptureLink {
     consumer: CaptureConsumer,
     publisher: Publisher,
     ops: HashMap<OpId, Op>,
+    /// Refused publishes waiting for their retry.
+    held: RetrySchedule<Op>,
     next_op: OpId,
     cancel_confirmed: bool,
 }
@@ -75,6 +83,7 @@ impl CaptureLink {
                 shared.confirm_timeout,
             ),
             ops: HashMap::new(),
+            held: RetrySchedule::new(shared.retry_backoff),
             next_op: 1,
             cancel_confirmed: false,
         }
@@ -88,9 +97,14 @@ impl CaptureLink {
         out.freeze()
     }
 
-    /// Dead-letter publishes not yet settled.
+    /// Dead-letter publishes not yet settled (in flight or held).
     pub fn unsettled(&self) -> usize {
-        self.ops.len()
+        self.ops.len() + self.held.len()
+    }
+
+    /// Refused dead-letter publishes waiting for their retry.
+    pub fn held(&self) -> usize {
+        self.held.len()
     }
 
     /// Whether the consumer runs.
@@ -98,8 +112,10 @@ impl CaptureLink {
         self.consumer.is_consuming()
     }
 
-    /// Stops the consumer (shutdown); what it holds is still settled.
-    pub fn stop(&mut self) -> Option<Bytes> {
+    /// Stops the consumer (shutdown); what is in flight is still settled, what is held is let
+    /// go (the upstream requeues it when the connection closes).
+    pub fn stop(&mut self, shared: &ProxyShared) -> Option<Bytes> {
+        self.let_go_held(shared);
         self.consumer.cancel_frame()
     }
 
@@ -108,12 +124,20 @@ impl CaptureLink {
         self.ops.is_empty() && (self.cancel_confirmed || !self.consumer.is_on())
     }
 
-    /// The earliest deadline (confirm timeouts, delayed requeues).
+    /// The connection is gone: the held publishes are let go (their capture deliveries go
+    /// back to the capture queue with the connection).
+    pub fn end(&mut self, shared: &ProxyShared) {
+        self.let_go_held(shared);
+    }
+
+    fn let_go_held(&mut self, shared: &ProxyShared) {
+        let gone = self.held.take_where(|_| true).len();
+        shared.metrics.add_held_dead_letters(-(gone as i64));
+    }
+
+    /// The earliest deadline (confirm timeouts, held retries).
     pub fn next_deadline(&mut self) -> Option<Instant> {
-        match (
-            self.publisher.next_deadline(),
-            self.consumer.next_deadline(),
-        ) {
+        match (self.publisher.next_deadline(), self.held.next_deadline()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
@@ -149,13 +173,15 @@ impl CaptureLink {
         step
     }
 
-    /// Confirm timeouts and due requeues.
+    /// Confirm timeouts and held publishes whose backoff is over.
     pub fn on_timer(&mut self, shared: &ProxyShared, now: Instant) -> LinkStep {
         let mut step = LinkStep::default();
         for settled in self.publisher.expire(now) {
             self.complete(shared, settled, now, &mut step);
         }
-        step.send(self.consumer.due_retries(now));
+        for op in self.held.take_due(now) {
+            self.start_op(shared, op, now, &mut step);
+        }
         step
     }
 
@@ -174,6 +200,7 @@ impl CaptureLink {
             Ok(found) => found,
             Err(why) => {
                 tracing::warn!(vhost = %self.vhost, %why, "captured message dropped");
+                metrics.dropped(&self.vhost, &shared.capture_name, why.cause());
                 metrics.captured(&self.vhost, CAPTURED_DROPPED);
                 step.send(self.consumer.ack(origin.0, origin.1));
                 return;
@@ -194,40 +221,43 @@ impl CaptureLink {
                 step.send(self.consumer.ack(origin.0, origin.1));
             }
             Plan::Publish(publish) => {
-                let op = self.next_op;
-                self.next_op += 1;
-                match self.publisher.publish(op, &publish, now) {
-                    Ok(bytes) => {
-                        step.write.extend_from_slice(&bytes);
-                        self.ops.insert(
-                            op,
-                            Op {
-                                origin: Origin::Capture {
-                                    tag: origin.0,
-                                    epoch: origin.1,
-                                },
-                                purpose,
-                                queue,
-                                started: now,
-                            },
-                        );
-                    }
-                    Err(why) => {
-                        tracing::warn!(
-                            queue = &*queue,
-                            why,
-                            "cannot publish; the message is requeued"
-                        );
-                        metrics.dead_letter_publish_failed("invalid");
-                        metrics.captured(&self.vhost, CAPTURED_RETRIED);
-                        self.consumer.retry_later(origin.0, origin.1, now);
-                    }
-                }
+                let origin = Origin::Capture {
+                    tag: origin.0,
+                    epoch: origin.1,
+                };
+                let op = Op::new(origin, purpose, queue, publish, now);
+                self.start_op(shared, op, now, step);
             }
         }
     }
 
-    /// A dead-letter publish ended: ack the capture delivery, or give it back later.
+    /// Publishes an operation's message (first time or retry) and tracks it until its
+    /// confirm. A retry whose capture delivery is gone (the consumer was lost) is let go.
+    fn start_op(&mut self, shared: &ProxyShared, op: Op, now: Instant, step: &mut LinkStep) {
+        let Origin::Capture { tag, epoch } = op.origin else {
+            return;
+        };
+        if op.refusals > 0 && !self.consumer.holds(epoch) {
+            self.release(shared, &op);
+            return;
+        }
+        let id = self.next_op;
+        self.next_op += 1;
+        match self.publisher.publish(id, &op.message, now) {
+            Ok(bytes) => {
+                step.write.extend_from_slice(&bytes);
+                self.ops.insert(id, op);
+            }
+            Err(why) => {
+                death::drop_unpublishable(&shared.metrics, &self.vhost, &op.queue, why);
+                shared.metrics.captured(&self.vhost, CAPTURED_DROPPED);
+                self.release(shared, &op);
+                step.send(self.consumer.ack(tag, epoch));
+            }
+        }
+    }
+
+    /// A dead-letter publish ended: ack the capture delivery, or hold it for a retry.
     fn complete(
         &mut self,
         shared: &ProxyShared,
@@ -241,16 +271,56 @@ impl CaptureLink {
         let Origin::Capture { tag, epoch } = op.origin else {
             return;
         };
+        if let Some(reason) = RetryReason::of(&settled.outcome) {
+            self.refused(shared, op, &settled.outcome, reason, now);
+            return;
+        }
+        self.release(shared, &op);
         let metrics = &shared.metrics;
         let outcome = match settled.outcome {
             Outcome::Confirmed => CAPTURED_DEAD_LETTERED,
-            Outcome::Unroutable | Outcome::ExchangeMissing => CAPTURED_DROPPED,
-            Outcome::Failed(_) | Outcome::TimedOut => CAPTURED_RETRIED,
+            _ => CAPTURED_DROPPED,
         };
         metrics.captured(&self.vhost, outcome);
-        match death::settle(metrics, &self.vhost, &op, &settled.outcome) {
-            Settlement::Ack => step.send(self.consumer.ack(tag, epoch)),
-            Settlement::Requeue => self.consumer.retry_later(tag, epoch, now),
+        if let Some(Settlement::Ack) = death::settle(metrics, &self.vhost, &op, &settled.outcome) {
+            step.send(self.consumer.ack(tag, epoch));
+        }
+    }
+
+    /// The upstream refused a dead-letter publish: the capture delivery stays unacked and the
+    /// publish is retried after the backoff (counted, the first refusal in the held gauge).
+    fn refused(
+        &mut self,
+        shared: &ProxyShared,
+        mut op: Op,
+        outcome: &Outcome,
+        reason: RetryReason,
+        now: Instant,
+    ) {
+        let metrics = &shared.metrics;
+        metrics.dead_letter_publish_failed(reason.failure_cause(outcome));
+        let Origin::Capture { epoch, .. } = op.origin else {
+            return;
+        };
+        if !self.consumer.holds(epoch) {
+            // The capture delivery went back with the consumer: nothing to hold.
+            self.release(shared, &op);
+            return;
+        }
+        metrics.dead_letter_retry(reason.as_str());
+        metrics.captured(&self.vhost, CAPTURED_RETRIED);
+        if op.held_charge == 0 {
+            op.held_charge = op.charge();
+            metrics.add_held_dead_letters(1);
+        }
+        let attempt = op.note_refusal(reason);
+        self.held.schedule(now, attempt, rand::random::<f64>(), op);
+    }
+
+    /// Ends an operation's hold (the held gauge).
+    fn release(&self, shared: &ProxyShared, op: &Op) {
+        if op.held_charge > 0 {
+            shared.metrics.add_held_dead_letters(-1);
         }
     }
 }
@@ -262,12 +332,12 @@ mod tests {
     use crate::config::{Config, Mode};
     use crate::metrics::Metrics;
     use crate::policy::PolicySet;
-    use crate::proxy::capture::RETRY_DELAY;
     use crate::proxy::declare::CaptureTag;
     use crate::proxy::wire::{WireCodec, method_frame};
     use amq_protocol::protocol::{AMQPClass, BasicProperties, basic, channel, queue};
     use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
     use std::sync::RwLock;
+    use std::time::Duration;
     use tokio_util::codec::Decoder;
 
     fn shared() -> Arc<ProxyShared> {
@@ -466,40 +536,121 @@ mod tests {
         assert!(counter(&shared, CAPTURED_DEAD_LETTERED));
     }
 
+    fn gauge(shared: &ProxyShared, line: &str) -> bool {
+        shared.metrics.encode().lines().any(|l| l == line)
+    }
+
+    /// The upstream's basic.cancel of the capture consumer.
+    fn cancel() -> WireFrame {
+        one(
+            CAPTURE_CHANNEL,
+            AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+                consumer_tag: "dlx-proxy-capture".into(),
+                nowait: true,
+            })),
+        )
+    }
+
+    fn confirm(kind: &str, delivery_tag: u64) -> WireFrame {
+        let method = if kind == "ack" {
+            basic::AMQPMethod::Ack(basic::Ack {
+                delivery_tag,
+                multiple: false,
+            })
+        } else {
+            basic::AMQPMethod::Nack(basic::Nack {
+                delivery_tag,
+                multiple: false,
+                requeue: false,
+            })
+        };
+        one(PUBLISHER_CHANNEL, AMQPClass::Basic(method))
+    }
+
     #[test]
-    fn a_nacked_dead_letter_gives_the_capture_delivery_back_later() {
+    fn a_nacked_dead_letter_is_held_and_published_again_after_the_backoff() {
         let shared = shared();
         let mut link = CaptureLink::new(&shared, "/", 4096);
         let now = Instant::now();
         feed(&mut link, &shared, &captured(3, "q"), now);
-        let step = link.on_frame(
+        // Refused twice: held each time, never given back to the capture queue (no nack,
+        // no ack on the capture channel), retried after the doubling backoff.
+        let mut at = now;
+        for (seq, nominal_ms) in [(1u64, 100u64), (2, 200)] {
+            let step = link.on_frame(&shared, &confirm("nack", seq), at);
+            assert!(
+                step.write.is_empty(),
+                "nothing settled: {:?}",
+                methods(&step.write)
+            );
+            assert_eq!(link.held(), 1);
+            assert!(gauge(&shared, "dlx_proxy_dead_letters_held 1"));
+            let due = link.next_deadline().unwrap();
+            let wait = due - at;
+            assert!(
+                wait >= Duration::from_millis(nominal_ms / 2)
+                    && wait <= Duration::from_millis(nominal_ms),
+                "{wait:?}"
+            );
+            assert!(link.on_timer(&shared, at).write.is_empty());
+            let step = link.on_timer(&shared, due);
+            let sent = methods(&step.write);
+            assert!(
+                matches!(
+                    sent.as_slice(),
+                    [(PUBLISHER_CHANNEL, AMQPClass::Basic(basic::AMQPMethod::Publish(p)))]
+                        if p.exchange.as_str() == "dlx"
+                ),
+                "{sent:?}"
+            );
+            assert_eq!(link.held(), 0);
+            at = due;
+        }
+        assert!(gauge(
             &shared,
-            &one(
-                PUBLISHER_CHANNEL,
-                AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
-                    delivery_tag: 1,
-                    multiple: false,
-                    requeue: false,
-                })),
-            ),
-            now,
-        );
-        assert!(step.write.is_empty(), "nothing acked");
-        assert!(counter(&shared, CAPTURED_RETRIED));
-        assert_eq!(link.next_deadline(), Some(now + RETRY_DELAY));
-        assert!(link.on_timer(&shared, now).write.is_empty());
-        let step = link.on_timer(&shared, now + RETRY_DELAY);
+            "dlx_proxy_dead_letter_retries_total{reason=\"nacked\"} 2"
+        ));
+        // The third publish is confirmed: the capture delivery is acked, nothing held.
+        let step = link.on_frame(&shared, &confirm("ack", 3), at);
         assert_eq!(
             methods(&step.write),
             vec![(
                 CAPTURE_CHANNEL,
-                AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
                     delivery_tag: 3,
-                    multiple: false,
-                    requeue: true
+                    multiple: false
                 }))
             )]
         );
+        assert!(gauge(&shared, "dlx_proxy_dead_letters_held 0"));
+        assert_eq!(link.unsettled(), 0);
+        assert!(counter(&shared, CAPTURED_DEAD_LETTERED));
+    }
+
+    #[test]
+    fn a_held_dead_letter_is_let_go_with_its_consumer() {
+        let shared = shared();
+        let mut link = CaptureLink::new(&shared, "/", 4096);
+        let now = Instant::now();
+        feed(&mut link, &shared, &captured(3, "q"), now);
+        link.on_frame(&shared, &confirm("nack", 1), now);
+        assert_eq!(link.held(), 1);
+        // The upstream cancels the consumer: the delivery went back to the capture queue, so
+        // the retry is not published.
+        let lost = link.on_frame(&shared, &cancel(), now);
+        assert!(lost.lost.is_some());
+        let later = now + Duration::from_secs(60);
+        assert!(link.on_timer(&shared, later).write.is_empty());
+        assert_eq!(link.held(), 0);
+        assert!(gauge(&shared, "dlx_proxy_dead_letters_held 0"));
+        // And what a connection holds when it ends is let go too.
+        let mut link = CaptureLink::new(&shared, "/", 4096);
+        feed(&mut link, &shared, &captured(4, "q"), now);
+        link.on_frame(&shared, &confirm("nack", 1), now);
+        assert!(gauge(&shared, "dlx_proxy_dead_letters_held 1"));
+        link.end(&shared);
+        assert_eq!(link.held(), 0);
+        assert!(gauge(&shared, "dlx_proxy_dead_letters_held 0"));
     }
 
     #[test]
@@ -507,17 +658,7 @@ mod tests {
         let shared = shared();
         let mut link = CaptureLink::new(&shared, "/", 4096);
         let now = Instant::now();
-        let step = link.on_frame(
-            &shared,
-            &one(
-                CAPTURE_CHANNEL,
-                AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
-                    consumer_tag: "dlx-proxy-capture".into(),
-                    nowait: true,
-                })),
-            ),
-            now,
-        );
+        let step = link.on_frame(&shared, &cancel(), now);
         assert_eq!(
             step.lost.as_deref(),
             Some("capture consumer cancelled by the upstream")

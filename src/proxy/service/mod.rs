@@ -29,6 +29,7 @@ pub mod link;
 mod task;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use tokio::sync::watch;
@@ -74,6 +75,8 @@ pub struct ServiceRegistry {
     limit: usize,
     configured: Vec<String>,
     metrics: Arc<Metrics>,
+    /// [`ServiceRegistry::configured_consuming`] as of the last consumer change (`/readyz`).
+    consuming: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for ServiceRegistry {
@@ -90,6 +93,7 @@ impl ServiceRegistry {
         ServiceRegistry {
             state: Mutex::new(State::default()),
             limit: limit.max(configured.len()).max(1),
+            consuming: Arc::new(AtomicBool::new(configured.is_empty())),
             configured,
             metrics,
         }
@@ -141,6 +145,17 @@ impl ServiceRegistry {
                 .get(vhost)
                 .is_some_and(|e| e.status.borrow().consuming)
         })
+    }
+
+    /// A flag that follows [`ServiceRegistry::configured_consuming`] (the readiness condition).
+    pub fn consuming_flag(&self) -> Arc<AtomicBool> {
+        self.consuming.clone()
+    }
+
+    /// A capture consumer started or stopped: the readiness flag follows.
+    pub(crate) fn consumer_changed(&self) {
+        self.consuming
+            .store(self.configured_consuming(), Ordering::Release);
     }
 
     /// The current status of `vhost` (`None`: no service connection).

@@ -1,4 +1,5 @@
-//! The task of one vhost's service connection: dial, log in ([`ClientHandshake`]), run the
+//! The task of one vhost's service connection: dial (through the [`UpstreamPool`](crate::proxy::upstream::UpstreamPool), so to any
+//! node of `upstream.urls`), log in ([`ClientHandshake`]), run the
 //! capture link ([`CaptureLink`]) until the connection or its consumer is lost, then wait
 //! ([`Backoff`]) and start again, until shutdown. Only bytes move here; every decision is in
 //! the pure pieces.
@@ -7,7 +8,10 @@
 //! `rabbitmqctl close_connection`, a node going down), the capture channel was closed or the
 //! consumer cancelled (the capture queue deleted, or its quorum leader moved), or two
 //! heartbeat intervals passed without a frame. Every capture delivery not acked yet is
-//! requeued by the upstream when the connection goes, so nothing is lost in between.
+//! requeued by the upstream when the connection goes, so nothing is lost in between. Each loss
+//! is reported to the pool ([`report_lost`](crate::proxy::upstream::UpstreamPool::report_lost)), whose check keeps `/readyz` true to
+//! reachability, and the next dial starts with the node that last worked, skipping the ones
+//! that just failed.
 //!
 //! Shutdown: the consumer is cancelled, dead-letter publishes still in flight are settled
 //! (within `proxy.confirm_timeout_secs`), then the connection is closed.
@@ -30,7 +34,7 @@ use crate::amqp::codec::{FRAME_METHOD, FrameError, PROTOCOL_HEADER, put_heartbea
 use crate::amqp::reply;
 use crate::config::ServiceIdentity;
 use crate::proxy::ProxyShared;
-use crate::proxy::upstream::UpstreamStream;
+use crate::proxy::upstream::{UpstreamStream, UpstreamTarget};
 use crate::proxy::wire::{FrameReader, WireFrame, method_frame};
 use crate::shutdown::Shutdown;
 
@@ -39,9 +43,10 @@ const STABLE: Duration = Duration::from_secs(10);
 /// How long the upstream gets to answer the proxy's connection.close.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
-/// Opens a TCP/TLS connection to the upstream for a service connection. The one place that
-/// dials, so that choosing among several upstream nodes is a change here only.
-async fn dial(shared: &ProxyShared) -> io::Result<UpstreamStream> {
+/// Opens a TCP/TLS connection to the first upstream node that accepts, through the pool that
+/// every upstream connection of the proxy uses (so a service connection fails over to any
+/// node, starting with the last one that worked).
+async fn dial(shared: &ProxyShared) -> io::Result<(UpstreamStream, Arc<UpstreamTarget>)> {
     shared.upstream.connect().await
 }
 
@@ -73,11 +78,14 @@ pub(super) async fn run(
         let started = Instant::now();
         let end = connect_and_serve(&shared, &identity, &vhost, &status, &mut shutdown).await;
         status.send_modify(|s| s.consuming = false);
+        shared.services.consumer_changed();
         metrics.set_capture_consumer(&vhost, false);
         let why = match end {
             End::Shutdown => break,
             End::Lost(why) => why,
         };
+        // The node may be down: the pool's reachability check looks (and /readyz follows).
+        shared.upstream.report_lost();
         if started.elapsed() >= STABLE {
             backoff.reset();
         }
@@ -108,14 +116,10 @@ async fn connect_and_serve(
         s = dial(shared) => s,
         _ = shutdown.recv() => return End::Shutdown,
     };
-    let stream = match stream {
-        Ok(stream) => stream,
-        Err(err) => {
-            return End::Lost(format!(
-                "upstream {} unreachable: {err}",
-                shared.upstream.address()
-            ));
-        }
+    let (stream, target) = match stream {
+        Ok(dialled) => dialled,
+        // The error names every node tried.
+        Err(err) => return End::Lost(err.to_string()),
     };
     let (read, mut write) = tokio::io::split(stream);
     let mut reader = FrameReader::new(read, shared.handshake_frame_max);
@@ -140,7 +144,7 @@ async fn connect_and_serve(
         Err(_) => return End::Lost("handshake did not complete in time".into()),
     };
     reader.set_frame_max(tuned.frame_max);
-    tracing::info!(vhost, upstream = %shared.upstream.address(), "service connection open");
+    tracing::info!(vhost, upstream = %target.address(), "service connection open");
     Connection {
         shared,
         vhost,
@@ -199,6 +203,13 @@ struct Connection<'a> {
     out: BytesMut,
     heartbeat: Option<Duration>,
     link: CaptureLink,
+}
+
+impl Drop for Connection<'_> {
+    fn drop(&mut self) {
+        // Whatever way the connection ended, what it held goes back to the capture queue.
+        self.link.end(self.shared);
+    }
 }
 
 impl Connection<'_> {
@@ -278,7 +289,7 @@ impl Connection<'_> {
                 }
                 _ = shutdown.recv(), if stopping.is_none() => {
                     // Stop taking messages; settle what is in flight, then close.
-                    if let Some(cancel) = self.link.stop() {
+                    if let Some(cancel) = self.link.stop(self.shared) {
                         self.out.extend_from_slice(&cancel);
                     }
                     stopping = Some(Instant::now() + self.shared.confirm_timeout);
@@ -313,6 +324,7 @@ impl Connection<'_> {
         }
         if step.consuming {
             self.status.send_modify(|s| s.consuming = true);
+            self.shared.services.consumer_changed();
             self.shared.metrics.set_capture_consumer(self.vhost, true);
             tracing::info!(vhost = self.vhost, "capture consumer subscribed");
         }

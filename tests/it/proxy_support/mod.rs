@@ -8,6 +8,8 @@
 //! proxy test's one import of helpers.
 #![allow(dead_code)]
 
+pub mod fleet;
+
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -363,6 +365,46 @@ pub fn field<'a>(t: &'a FieldTable, name: &str) -> &'a AMQPValue {
 /// Runs `rabbitmqctl` against the reference RabbitMQ.
 pub fn rabbitmqctl(args: &[&str]) -> std::process::Output {
     crate::rabbit::reference().ctl(args)
+}
+
+/// A user of the reference RabbitMQ for one test, deleted on drop.
+pub struct RabbitUser(String);
+
+impl RabbitUser {
+    /// A user with every permission on vhost "/".
+    pub fn create(name: &str, password: &str) -> RabbitUser {
+        Self::create_with(name, password, ".*")
+    }
+
+    /// A user who may configure and read everything on vhost "/" and write what `write`
+    /// matches.
+    pub fn create_with(name: &str, password: &str, write: &str) -> RabbitUser {
+        let added = rabbitmqctl(&["add_user", name, password]);
+        assert!(
+            added.status.success(),
+            "add_user: {}",
+            String::from_utf8_lossy(&added.stderr)
+        );
+        let user = RabbitUser(name.to_string());
+        user.set_write(write);
+        user
+    }
+
+    /// Replaces the user's write permission on vhost "/".
+    pub fn set_write(&self, write: &str) {
+        let permitted = rabbitmqctl(&["set_permissions", "-p", "/", &self.0, ".*", write, ".*"]);
+        assert!(
+            permitted.status.success(),
+            "set_permissions: {}",
+            String::from_utf8_lossy(&permitted.stderr)
+        );
+    }
+}
+
+impl Drop for RabbitUser {
+    fn drop(&mut self) {
+        let _ = rabbitmqctl(&["delete_user", &self.0]);
+    }
 }
 
 /// Closes the upstream connection(s) whose client named itself `connection_name`, the way an
