@@ -214,6 +214,10 @@ async fn an_expired_message_refused_by_a_full_dlq_is_held_until_it_has_room() {
     // it and its publish to the full DLQ is nacked: held, retried with backoff.
     wait_held(&proxy, 1.0).await;
     stays_held(&proxy, None).await;
+    // Refused on the service connection: each refusal counted as a captured message held
+    // for another publish, none given back.
+    let retried = proxy.counter("captured_total", &[("outcome", "retried"), ("vhost", "/")]);
+    assert!(retried >= 1.0 && retried == retries(&proxy), "{retried}");
     let upstream = upstream_connection().await;
     let uch = upstream.create_channel().await.unwrap();
     assert_eq!(message_count(&uch, &q).await, 0);
