@@ -29,6 +29,7 @@ mod embedded_errors;
 mod embedded_memory;
 mod embedded_password_file;
 mod embedded_protocol;
+mod fleet_capture;
 mod fleet_cluster;
 mod fleet_proxies;
 mod ops_admin_token;

@@ -227,8 +227,13 @@ pub async fn wait_upstream_empty(queue: &str) {
 /// Publishes "m0", "m1", … (`count` messages) to `queue` on a channel in confirm mode and
 /// checks that each is acked.
 pub async fn publish_acked(ch: &Channel, queue: &str, count: usize) {
+    publish_acked_named(ch, queue, "m", count).await;
+}
+
+/// [`publish_acked`] with bodies `{prefix}0`, `{prefix}1`, …
+pub async fn publish_acked_named(ch: &Channel, queue: &str, prefix: &str, count: usize) {
     for i in 0..count {
-        let body = format!("m{i}");
+        let body = format!("{prefix}{i}");
         let confirm = crate::common::dl::publish_to(
             ch,
             "",
