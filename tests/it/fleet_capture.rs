@@ -31,18 +31,10 @@ use crate::rabbit::cluster;
 const WAIT: Duration = Duration::from_secs(60);
 const EVERY: Duration = Duration::from_millis(200);
 
-/// A direct DLX and its DLQ (a quorum queue, so it survives the node loss; `extra` arguments
-/// added), bound with key `dlq`.
-async fn declare_dlq(
-    ch: &Channel,
-    dlx: &str,
-    dlq: &str,
-    extra: &[(&str, lapin::types::AMQPValue)],
-) {
+/// A direct DLX and its DLQ (durable, with `args`), bound with key `dlq`.
+async fn declare_dlq(ch: &Channel, dlx: &str, dlq: &str, args: &[(&str, lapin::types::AMQPValue)]) {
     exchange(ch, dlx, lapin::ExchangeKind::Direct).await;
-    let mut args = vec![("x-queue-type", ls("quorum"))];
-    args.extend(extra.iter().cloned());
-    declare_durable(ch, dlq, table(&args)).await;
+    declare_durable(ch, dlq, table(args)).await;
     bind(ch, dlq, dlx, dlq).await;
 }
 
@@ -139,7 +131,8 @@ async fn killing_the_capture_leader_node_loses_no_ttl_or_length_death() {
         // exchange, tagged with the client's DLX and key.
         let conn = fleet.proxy(0).connect().await;
         let ch = conn.create_channel().await.unwrap();
-        declare_dlq(&ch, &dlx, &dlq, &[]).await;
+        // A quorum DLQ, so it survives the node loss.
+        declare_dlq(&ch, &dlx, &dlq, &[("x-queue-type", ls("quorum"))]).await;
         declare_source(
             &ch,
             &ttl_q,
@@ -247,8 +240,9 @@ async fn a_proxy_killed_with_a_capture_backlog_leaves_it_to_the_other() {
     {
         let conn = fleet.proxy(0).connect().await;
         let ch = conn.create_channel().await.unwrap();
-        // A DLQ that takes one message at a time: the captured dead letters are refused and
-        // held by the proxy that took them, unacked in the capture queue.
+        // A DLQ that takes one message at a time (a classic queue: a quorum queue applies
+        // its length limit with a delay): the captured dead letters are refused and held by
+        // the proxy that took them, unacked in the capture queue.
         declare_dlq(
             &ch,
             &dlx,
@@ -279,8 +273,7 @@ async fn a_proxy_killed_with_a_capture_backlog_leaves_it_to_the_other() {
     confirm_select(&ch).await;
     const COUNT: usize = 20;
     publish_acked_named(&ch, &source, "b", COUNT).await;
-    // A few land in the DLQ (a quorum queue applies its length limit a little late), the
-    // rest are held by proxy 0.
+    // One lands in the DLQ, the rest are held by proxy 0.
     let proxy = fleet.proxy(0);
     let held = poll(WAIT, EVERY, async || {
         let held = proxy.counter("dead_letters_held", &[]).await;
