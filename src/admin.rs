@@ -48,7 +48,8 @@ pub trait PolicyControl: Send + Sync {
 
 /// Whether the service is ready for clients (shared between the service and `/readyz`): the
 /// service's own switch (on once it accepts clients, off while draining) and, in proxy mode,
-/// the upstream pool's reachability ([`crate::proxy::upstream::UpstreamPool`]).
+/// the upstream pool's reachability ([`crate::proxy::upstream::UpstreamPool`]) and the capture
+/// consumers of `proxy.vhosts` ([`crate::proxy::service`]).
 #[derive(Clone, Debug, Default)]
 pub struct Readiness(Arc<ReadinessState>);
 
@@ -57,6 +58,8 @@ struct ReadinessState {
     ready: AtomicBool,
     /// A condition that must also hold, set once: whether some upstream is reachable.
     upstream: OnceLock<Arc<AtomicBool>>,
+    /// Another, set once: whether the capture consumers of `proxy.vhosts` run.
+    capture: OnceLock<Arc<AtomicBool>>,
 }
 
 impl Readiness {
@@ -74,13 +77,18 @@ impl Readiness {
         let _ = self.0.upstream.set(reachable);
     }
 
+    /// From now on, ready also requires `consuming` to be true (the first call wins).
+    pub fn require_capture(&self, consuming: Arc<AtomicBool>) {
+        let _ = self.0.capture.set(consuming);
+    }
+
     pub fn is_ready(&self) -> bool {
-        self.0.ready.load(Ordering::Acquire)
-            && self
-                .0
-                .upstream
+        let holds = |condition: &OnceLock<Arc<AtomicBool>>| {
+            condition
                 .get()
-                .is_none_or(|reachable| reachable.load(Ordering::Acquire))
+                .is_none_or(|flag| flag.load(Ordering::Acquire))
+        };
+        self.0.ready.load(Ordering::Acquire) && holds(&self.0.upstream) && holds(&self.0.capture)
     }
 }
 

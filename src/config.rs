@@ -128,6 +128,16 @@ pub struct UpstreamConfig {
     pub tls_server_name: String,
     /// Verify the upstream certificate (on by default).
     pub tls_verify: bool,
+    /// The proxy's own user on the upstream (its service identity): the service connections
+    /// that own the capture exchange and queue log in as this user. Required in proxy mode
+    /// unless `proxy.delegate_to_upstream`.
+    pub user: String,
+    /// The service user's password (prefer `password_file`).
+    #[serde(deserialize_with = "secret_string_or_number")]
+    pub password: Secret<String>,
+    /// File holding the service user's password (a mounted Kubernetes Secret), one trailing
+    /// newline removed; read at start.
+    pub password_file: String,
 }
 
 impl Default for UpstreamConfig {
@@ -139,14 +149,73 @@ impl Default for UpstreamConfig {
             tls_ca_file: String::new(),
             tls_server_name: String::new(),
             tls_verify: true,
+            user: String::new(),
+            password: Secret::default(),
+            password_file: String::new(),
         }
     }
+}
+
+/// The proxy's own login on the upstream (`upstream.user` with its password).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceIdentity {
+    pub user: String,
+    pub password: Secret<String>,
 }
 
 impl UpstreamConfig {
     /// The URL with its password masked: the form to log or print.
     pub fn url_for_display(&self) -> String {
         redact_url_password(&self.url)
+    }
+
+    /// The service identity: `upstream.user` with exactly one of `upstream.password` and
+    /// `upstream.password_file` (read now). `None` when no user is set. Errors name the key
+    /// and never show the password.
+    pub fn service_identity(&self) -> Result<Option<ServiceIdentity>, ConfigError> {
+        let has_password = !self.password.is_empty();
+        let has_file = !self.password_file.is_empty();
+        if self.user.is_empty() {
+            if has_password || has_file {
+                return Err(ConfigError::invalid(
+                    "upstream.user",
+                    "a service password is set but no service user",
+                ));
+            }
+            return Ok(None);
+        }
+        let password = match (has_password, has_file) {
+            (true, true) => {
+                return Err(ConfigError::invalid(
+                    "upstream.password_file",
+                    "set either upstream.password or upstream.password_file, not both",
+                ));
+            }
+            (true, false) => self.password.clone(),
+            (false, true) => {
+                let password = read_secret_file("upstream.password_file", &self.password_file)?;
+                if password.is_empty() {
+                    return Err(ConfigError::invalid(
+                        "upstream.password_file",
+                        format!("{:?} holds an empty password", self.password_file),
+                    ));
+                }
+                Secret::new(password)
+            }
+            (false, false) => {
+                return Err(ConfigError::invalid(
+                    "upstream.password",
+                    format!(
+                        "service user {:?} needs a password or a password_file",
+                        self.user
+                    ),
+                ));
+            }
+        };
+        Ok(Some(ServiceIdentity {
+            user: self.user.clone(),
+            password,
+        }))
     }
 
     /// The upstream URLs in the order they are tried, each with the key that names it:
@@ -192,6 +261,9 @@ impl std::fmt::Debug for UpstreamConfig {
             .field("tls_ca_file", &self.tls_ca_file)
             .field("tls_server_name", &self.tls_server_name)
             .field("tls_verify", &self.tls_verify)
+            .field("user", &self.user)
+            .field("password", &self.password)
+            .field("password_file", &self.password_file)
             .finish()
     }
 }
@@ -301,6 +373,14 @@ pub struct ProxyConfig {
     /// the client connects from a loopback address; empty: no such rule. The upstream only
     /// sees the proxy's address, so it cannot apply its own rule to proxied clients.
     pub loopback_users: Vec<String>,
+    /// Upstream vhosts served by a service connection from the start (capture consumed there
+    /// with no client connected). Vhosts clients open are added as they are opened.
+    pub vhosts: Vec<String>,
+    /// Most vhosts with a service connection (configured and opened by clients).
+    pub max_service_vhosts: usize,
+    /// Seconds a client's queue.declare naming the capture exchange waits for its vhost's
+    /// capture objects before the client connection is closed with 320.
+    pub capture_ready_timeout_secs: u64,
 }
 
 /// Largest accepted `proxy.retry_max_ms` (10 minutes).
@@ -320,6 +400,9 @@ impl Default for ProxyConfig {
             capture_name: "dlx-proxy.capture".into(),
             busy_poll_us: 0,
             loopback_users: vec!["guest".into()],
+            vhosts: vec!["/".into()],
+            max_service_vhosts: 64,
+            capture_ready_timeout_secs: 10,
         }
     }
 }
@@ -1023,6 +1106,14 @@ impl Config {
                 "an amqps:// upstream with tls_verify = true needs a CA file",
             ));
         }
+        let identity = upstream.service_identity()?;
+        if identity.is_none() && !self.proxy.delegate_to_upstream {
+            return Err(ConfigError::invalid(
+                "upstream.user",
+                "required in proxy mode (the proxy's own user on the upstream, which owns the \
+                 capture exchange and queue) unless proxy.delegate_to_upstream = true",
+            ));
+        }
         Ok(())
     }
 
@@ -1135,6 +1226,29 @@ impl Config {
                     "must not be empty",
                 ));
             }
+        }
+        for (i, vhost) in self.proxy.vhosts.iter().enumerate() {
+            if vhost.is_empty() || vhost.len() > 255 {
+                return Err(ConfigError::invalid(
+                    format!("proxy.vhosts[{i}]"),
+                    "must be 1 to 255 bytes",
+                ));
+            }
+        }
+        if self.proxy.max_service_vhosts < self.proxy.vhosts.len().max(1) {
+            return Err(ConfigError::invalid(
+                "proxy.max_service_vhosts",
+                format!(
+                    "must be at least 1 and at least the {} vhosts in proxy.vhosts",
+                    self.proxy.vhosts.len()
+                ),
+            ));
+        }
+        if self.proxy.capture_ready_timeout_secs == 0 {
+            return Err(ConfigError::invalid(
+                "proxy.capture_ready_timeout_secs",
+                "must be at least 1",
+            ));
         }
         Ok(())
     }
@@ -1318,6 +1432,7 @@ impl Config {
             redact(&mut user.password_hash);
         }
         redact(&mut config.admin.token);
+        redact(&mut config.upstream.password);
         config.upstream.url = config.upstream.url_for_display();
         for url in &mut config.upstream.urls {
             *url = redact_url_password(url);
@@ -1514,6 +1629,8 @@ mod tests {
             amqp = "0.0.0.0:5673"
             [upstream]
             url = "amqp://user:pw@rabbit:5672/orders"
+            user = "dlx-proxy"
+            password = "service-pw"
             [dead_letter]
             compat = 4
             [[policies]]
@@ -1689,8 +1806,11 @@ mod tests {
         let error =
             load_text("mode = \"proxy\"\n[upstream]\nurl = \"amqps://rabbit\"\n").unwrap_err();
         assert_eq!(error.key(), "upstream.tls_ca_file");
-        load_text("mode = \"proxy\"\n[upstream]\nurl = \"amqps://rabbit\"\ntls_verify = false\n")
-            .unwrap();
+        load_text(
+            "mode = \"proxy\"\n[upstream]\nurl = \"amqps://rabbit\"\ntls_verify = false\n\
+             user = \"svc\"\npassword = \"pw\"\n",
+        )
+        .unwrap();
         let error = load_text("mode = \"cluster\"\n").unwrap_err();
         assert_eq!(error.key(), "mode");
         assert!(
@@ -1726,9 +1846,61 @@ mod tests {
     }
 
     #[test]
+    fn proxy_mode_needs_a_service_identity() {
+        let base = "mode = \"proxy\"\n[upstream]\nurl = \"amqp://rabbit\"\n";
+        let error = load_text(base).unwrap_err();
+        assert_eq!(error.key(), "upstream.user");
+        assert!(
+            error.to_string().contains("delegate_to_upstream"),
+            "{error}"
+        );
+        // Left to the upstream, the proxy owns no objects and needs no user.
+        load_text(&format!("{base}[proxy]\ndelegate_to_upstream = true\n")).unwrap();
+        let error = load_text(&format!("{base}user = \"svc\"\n")).unwrap_err();
+        assert_eq!(error.key(), "upstream.password");
+        let error = load_text(&format!("{base}password = \"pw\"\n")).unwrap_err();
+        assert_eq!(error.key(), "upstream.user");
+        let dir = std::env::temp_dir().join(format!("dlx-svc-pw-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("password");
+        std::fs::write(&file, "file-secret\n").unwrap();
+        let with_file = format!("{base}user = \"svc\"\npassword_file = {file:?}\n");
+        let config = load_text(&with_file).unwrap();
+        let identity = config.upstream.service_identity().unwrap().unwrap();
+        assert_eq!(identity.user, "svc");
+        assert_eq!(identity.password.expose(), "file-secret");
+        // Never shown: Debug, the printed configuration.
+        assert!(!format!("{config:?}").contains("file-secret"));
+        let error = load_text(&format!("{with_file}password = \"pw2\"\n")).unwrap_err();
+        assert_eq!(error.key(), "upstream.password_file");
+        let printed = load_text(&format!(
+            "{base}user = \"svc\"\npassword = \"plain-secret\"\n"
+        ))
+        .unwrap()
+        .to_toml()
+        .unwrap();
+        assert!(!printed.contains("plain-secret"), "{printed}");
+        std::fs::write(&file, "\n").unwrap();
+        let error = load_text(&with_file).unwrap_err();
+        assert_eq!(error.key(), "upstream.password_file");
+        let missing = format!("{base}user = \"svc\"\npassword_file = \"/nonexistent/pw\"\n");
+        assert_eq!(
+            load_text(&missing).unwrap_err().key(),
+            "upstream.password_file"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        let error = load_text(&format!(
+            "{base}user = \"svc\"\npassword = \"pw\"\n[proxy]\nvhosts = [\"/\", \"\"]\n"
+        ))
+        .unwrap_err();
+        assert_eq!(error.key(), "proxy.vhosts[1]");
+    }
+
+    #[test]
     fn upstream_urls_are_a_list_each_checked_under_its_own_key() {
         let config = load_text(
-            "mode = \"proxy\"\n[upstream]\nurls = [\"amqp://a:5672\", \"amqp://u:pw@b:5673/%2f\"]\n",
+            "mode = \"proxy\"\n[upstream]\nuser = \"svc\"\npassword = \"pw\"\n\
+             urls = [\"amqp://a:5672\", \"amqp://u:pw@b:5673/%2f\"]\n",
         )
         .unwrap();
         let targets: Vec<(String, &str)> = config.upstream.targets();
@@ -1744,7 +1916,10 @@ mod tests {
             "amqp://a:5672, amqp://u:<redacted>@b:5673/%2f"
         );
         // `url` alone is a list of one.
-        let config = load_text("mode = \"proxy\"\n[upstream]\nurl = \"amqp://a\"\n").unwrap();
+        let config = load_text(
+            "mode = \"proxy\"\n[upstream]\nurl = \"amqp://a\"\nuser = \"svc\"\npassword = \"pw\"\n",
+        )
+        .unwrap();
         assert_eq!(
             config.upstream.targets(),
             [("upstream.url".to_string(), "amqp://a")]

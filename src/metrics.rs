@@ -62,6 +62,29 @@ pub const METRIC_NAMES: &[&str] = &[
     "message_age_at_dead_letter_seconds",
     "upstream_connect_attempts_total",
     "upstream_reachable",
+    "capture_consumers",
+    "service_reconnects_total",
+    "captured_total",
+    "service_vhosts",
+    "service_vhosts_refused_total",
+];
+
+/// The `outcome` label of `captured_total`: the captured message was dead-lettered (the
+/// publish to its dead-letter exchange confirmed).
+pub const CAPTURED_DEAD_LETTERED: &str = "dead_lettered";
+/// ... discarded: its queue has no dead-letter exchange (as RabbitMQ discards it).
+pub const CAPTURED_DISCARDED: &str = "discarded";
+/// ... dropped, counted by cause in `dead_letter_dropped_total` (cycle, no_dlx, unroutable,
+/// hop_limit) or unreadable (no death record, properties that do not decode).
+pub const CAPTURED_DROPPED: &str = "dropped";
+/// ... refused (publish nacked, timed out, lost with the channel, 403): held unacked and
+/// published again after the backoff of `proxy.retry_initial_ms` (counted at each refusal).
+pub const CAPTURED_RETRIED: &str = "retried";
+const CAPTURED_OUTCOMES: &[&str] = &[
+    CAPTURED_DEAD_LETTERED,
+    CAPTURED_DISCARDED,
+    CAPTURED_DROPPED,
+    CAPTURED_RETRIED,
 ];
 
 /// The `reason` label of `connections_refused_total` for a connection over
@@ -197,6 +220,11 @@ pub struct Metrics {
     memory_releases: IntCounter,
     dead_letter_latency: Histogram,
     message_age_at_dead_letter: Histogram,
+    capture_consumers: IntGaugeVec,
+    service_reconnects: IntCounterVec,
+    captured: IntCounterVec,
+    service_vhosts: IntGauge,
+    service_vhosts_refused: IntCounter,
     upstream_connect_attempts: IntCounterVec,
     upstream_reachable: IntGauge,
 }
@@ -417,6 +445,35 @@ impl Metrics {
                 "Time a message spent in its queue before it was dead-lettered.",
                 AGE_BUCKETS,
             )?,
+            capture_consumers: b.gauge_vec(
+                "capture_consumers",
+                "Proxy mode: 1 while the vhost's service connection consumes its capture queue, \
+                 else 0.",
+                &["vhost"],
+            )?,
+            service_reconnects: b.counter_vec(
+                "service_reconnects_total",
+                "Proxy mode: attempts to open a vhost's service connection again after it or \
+                 its capture consumer was lost (or an attempt failed), by vhost.",
+                &["vhost"],
+            )?,
+            captured: b.counter_vec(
+                "captured_total",
+                "Proxy mode: messages taken from the capture queue, by vhost and outcome \
+                 (dead_lettered, discarded, dropped; retried: its dead letter was refused and is \
+                 held for another publish).",
+                &["vhost", "outcome"],
+            )?,
+            service_vhosts: b.gauge(
+                "service_vhosts",
+                "Proxy mode: vhosts with a service connection (proxy.vhosts and the vhosts \
+                 clients opened), at most proxy.max_service_vhosts.",
+            )?,
+            service_vhosts_refused: b.counter(
+                "service_vhosts_refused_total",
+                "Proxy mode: vhosts opened by clients that got no service connection because \
+                 proxy.max_service_vhosts was reached.",
+            )?,
             upstream_connect_attempts: b.counter_vec(
                 "upstream_connect_attempts_total",
                 "Connections the proxy tried to open to an upstream node (host:port of \
@@ -527,6 +584,38 @@ impl Metrics {
         self.dead_letter_publish_failures
             .with_label_values(&[cause])
             .inc();
+    }
+
+    /// Whether the vhost's service connection consumes its capture queue.
+    pub fn set_capture_consumer(&self, vhost: &str, consuming: bool) {
+        self.capture_consumers
+            .with_label_values(&[vhost])
+            .set(i64::from(consuming));
+    }
+
+    /// A vhost's service connection was opened again.
+    pub fn service_reconnected(&self, vhost: &str) {
+        self.service_reconnects.with_label_values(&[vhost]).inc();
+    }
+
+    /// A service connection for `vhost` started (reconnects counted from 0, outcomes at 0).
+    pub fn service_started(&self, vhost: &str) {
+        self.service_reconnects.with_label_values(&[vhost]);
+        for outcome in CAPTURED_OUTCOMES {
+            self.captured.with_label_values(&[vhost, outcome]);
+        }
+        self.set_capture_consumer(vhost, false);
+        self.service_vhosts.inc();
+    }
+
+    /// A vhost got no service connection (over `proxy.max_service_vhosts`).
+    pub fn service_vhost_refused(&self) {
+        self.service_vhosts_refused.inc();
+    }
+
+    /// A captured message ended with `outcome` (one of the `CAPTURED_*` constants).
+    pub fn captured(&self, vhost: &str, outcome: &str) {
+        self.captured.with_label_values(&[vhost, outcome]).inc();
     }
 
     /// A refused dead-letter publish is held and will be retried (`reason`: one of
@@ -783,6 +872,7 @@ mod tests {
         metrics.config_reloaded(true);
         metrics.tls_reloaded(true);
         metrics.set_queue_depth("/", "q", 1, 1);
+        metrics.service_started("/");
         metrics.upstream_target("rabbit:5672");
         let text = metrics.encode();
         for name in METRIC_NAMES {

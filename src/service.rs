@@ -468,9 +468,21 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     },
                 )));
             }
-            // Readiness follows upstream reachability (liveness never does): the pool's
-            // check runs until the shutdown signal.
+            // The service connections (capture objects and consumers) run until the
+            // connections are closed, after the drain.
+            if !config.proxy.delegate_to_upstream
+                && let Some(identity) = config
+                    .upstream
+                    .service_identity()
+                    .map_err(|e| anyhow::anyhow!("{e}"))?
+            {
+                tasks.push(proxy.start_services(identity, connections_trigger.subscribe()));
+            }
+            // Readiness follows upstream reachability (the pool's check runs until the
+            // shutdown signal) and the capture consumers of proxy.vhosts (liveness never
+            // does).
             readiness.require_upstream(proxy.upstream().reachability());
+            readiness.require_capture(proxy.capture_readiness());
             readiness.set_ready(true);
             tasks.push(tokio::spawn(
                 proxy.upstream().clone().watch(accept_trigger.subscribe()),

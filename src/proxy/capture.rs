@@ -2,8 +2,12 @@
 //! rejections the proxy did not intercept) come back to the proxy.
 //!
 //! Every queue declared through the proxy dead-letters upstream into the capture exchange (a
-//! durable fanout) bound to the capture queue, which the proxy consumes on its own channel of
-//! each client connection (with the client's credentials). A captured message carries the
+//! durable fanout) bound to the capture queue (a durable quorum queue, replicated across the
+//! cluster), which the proxy declares and consumes on its own service connection of the vhost,
+//! with its own user ([`super::service`]). [`CaptureConsumer`] is that channel's state machine:
+//! it reports when the capture objects exist (bind-ok), when it consumes (consume-ok), and
+//! when the upstream takes the consumer away (channel.close, basic.cancel of a queue that was
+//! deleted or whose leader moved), so the service connection reconnects. A captured message carries the
 //! x-death entry the upstream wrote for the original queue and reason; [`reconstruct`] undoes
 //! exactly what the upstream did to the headers, so the proxy can dead-letter the message as
 //! if the original queue had done it, with no trace of the capture hop.
@@ -31,6 +35,7 @@ use amq_protocol::protocol::basic::AMQPProperties;
 use amq_protocol::protocol::{AMQPClass, basic, channel, exchange, queue};
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use bytes::{Bytes, BytesMut};
+use std::fmt::Write as _;
 
 use super::wire::{WireFrame, content_body_size, method_frame};
 use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method};
@@ -189,17 +194,27 @@ struct Incoming {
 enum ConsumerState {
     Starting,
     Consuming,
-    /// The upstream refused the setup (permissions, a conflicting queue): no capture here.
+    /// The proxy cancelled the consumer (shutdown); held deliveries may still be settled.
+    Cancelling,
+    /// The channel is gone (closed by the upstream) or the consumer was cancelled by it.
     Off,
 }
 
-/// What the session must do after a capture-channel frame.
+/// What the connection must do after a capture-channel frame.
 #[derive(Debug, Default)]
 pub struct CaptureStep {
     /// Frames to write upstream (on the capture channel).
     pub write: Option<Bytes>,
     /// A complete captured message.
     pub message: Option<CapturedMessage>,
+    /// The capture exchange, queue and binding exist (queue.bind-ok).
+    pub declared: bool,
+    /// The consumer started (basic.consume-ok).
+    pub consuming: bool,
+    /// The proxy's own basic.cancel was confirmed.
+    pub cancelled: bool,
+    /// The upstream took the consumer away: why (the connection must be opened again).
+    pub lost: Option<String>,
 }
 
 /// The capture consumer on the proxy's capture channel.
@@ -238,12 +253,40 @@ impl CaptureConsumer {
         self.state != ConsumerState::Off
     }
 
+    /// Whether a delivery of `epoch` is still held unacked by this consumer (so it can be
+    /// settled later).
+    pub fn holds(&self, epoch: u64) -> bool {
+        self.is_on() && self.epoch == epoch
+    }
+
+    /// Whether the consumer is running (consume-ok seen, not cancelled).
+    pub fn is_consuming(&self) -> bool {
+        self.state == ConsumerState::Consuming
+    }
+
+    /// basic.cancel of the consumer (shutdown): no more deliveries; those held are still
+    /// settled on the channel.
+    pub fn cancel_frame(&mut self) -> Option<Bytes> {
+        if self.state == ConsumerState::Off {
+            return None;
+        }
+        self.state = ConsumerState::Cancelling;
+        Some(method_frame(
+            self.channel,
+            AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+                consumer_tag: ShortString::from(CAPTURE_CONSUMER_TAG),
+                nowait: false,
+            })),
+        ))
+    }
+
     pub fn outstanding(&self) -> usize {
         self.outstanding
     }
 
-    /// Opens the channel, declares exchange, queue and binding, and starts consuming (all
-    /// pipelined; replies are read by [`CaptureConsumer::on_frame`]).
+    /// Opens the channel, declares exchange and queue (a durable quorum queue) and the
+    /// binding, and starts consuming (all pipelined; replies are read by
+    /// [`CaptureConsumer::on_frame`]).
     pub fn start_frames(&self) -> Bytes {
         let Ok(name) = ShortString::try_new(self.name.clone()) else {
             return Bytes::new();
@@ -266,6 +309,11 @@ impl CaptureConsumer {
                 arguments: FieldTable::default(),
             },
         )));
+        let mut quorum = FieldTable::default();
+        quorum.insert(
+            ShortString::from("x-queue-type"),
+            AMQPValue::LongString(LongString::from("quorum")),
+        );
         put(AMQPClass::Queue(queue::AMQPMethod::Declare(
             queue::Declare {
                 queue: name.clone(),
@@ -274,7 +322,7 @@ impl CaptureConsumer {
                 exclusive: false,
                 auto_delete: false,
                 nowait: false,
-                arguments: FieldTable::default(),
+                arguments: quorum,
             },
         )));
         put(AMQPClass::Queue(queue::AMQPMethod::Bind(queue::Bind {
@@ -307,8 +355,17 @@ impl CaptureConsumer {
         let mut step = CaptureStep::default();
         match frame.kind {
             FRAME_METHOD => match decode_method(&frame.payload) {
-                Some(AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(_))) => {
+                Some(AMQPClass::Queue(queue::AMQPMethod::BindOk(_))) => {
+                    step.declared = true;
+                }
+                Some(AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(_)))
+                    if self.state == ConsumerState::Starting =>
+                {
                     self.state = ConsumerState::Consuming;
+                    step.consuming = true;
+                }
+                Some(AMQPClass::Basic(basic::AMQPMethod::CancelOk(_))) => {
+                    step.cancelled = true;
                 }
                 Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => {
                     self.incoming = Some(Incoming {
@@ -320,27 +377,26 @@ impl CaptureConsumer {
                     });
                 }
                 Some(AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
-                    tracing::warn!(
-                        code = close.reply_code,
-                        text = close.reply_text.as_str(),
-                        capture = %self.name,
-                        "capture consumer refused by the upstream; messages that expire or \
-                         overflow upstream are not dead-lettered through this connection"
+                    let mut why = String::new();
+                    let _ = write!(
+                        why,
+                        "capture channel closed by the upstream: {} {}",
+                        close.reply_code,
+                        close.reply_text.as_str()
                     );
-                    self.state = ConsumerState::Off;
-                    self.incoming = None;
-                    self.outstanding = 0;
-                    self.epoch += 1;
+                    self.turn_off();
+                    step.lost = Some(why);
                     step.write = Some(method_frame(
                         self.channel,
                         AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
                     ));
                 }
                 Some(AMQPClass::Basic(basic::AMQPMethod::Cancel(_))) => {
-                    // The capture queue was deleted: stop; the messages held are requeued when
-                    // the connection ends.
-                    tracing::warn!(capture = %self.name, "capture consumer cancelled by the upstream");
-                    self.state = ConsumerState::Off;
+                    // The capture queue was deleted, or its leader moved (quorum queues cancel
+                    // their consumers then): the deliveries held go back when the connection
+                    // ends, and the connection is opened again to subscribe anew.
+                    self.turn_off();
+                    step.lost = Some("capture consumer cancelled by the upstream".into());
                 }
                 _ => {}
             },
@@ -371,6 +427,13 @@ impl CaptureConsumer {
             _ => {}
         }
         step
+    }
+
+    fn turn_off(&mut self) {
+        self.state = ConsumerState::Off;
+        self.incoming = None;
+        self.outstanding = 0;
+        self.epoch += 1;
     }
 
     fn finish(&mut self) -> Option<CapturedMessage> {

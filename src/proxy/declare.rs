@@ -227,6 +227,15 @@ pub fn rewrite_declare(
             }
         }
     }
+    // The dead-letter strategy stays the upstream's own in both modes: a quorum queue with
+    // `at-least-once` (and reject-publish) dead-letters into the capture exchange with
+    // confirms and retries, so its deaths survive the loss of the capture queue's leader.
+    if let Some(strategy) = client.inner().get(ARG_DEAD_LETTER_STRATEGY) {
+        upstream.insert(
+            ShortString::from(ARG_DEAD_LETTER_STRATEGY),
+            strategy.clone(),
+        );
+    }
     let proxy_delivery_limit =
         !quorum && effective.delivery_limit.is_some() && *handling != DeadLetterHandling::Delegate;
     Ok(DeclareRewrite {
@@ -304,6 +313,27 @@ mod tests {
         assert_eq!(
             rewrite.effective.dead_letter_exchange.as_deref(),
             Some("dlx")
+        );
+    }
+
+    #[test]
+    fn the_dead_letter_strategy_stays_on_the_upstream_queue() {
+        let client = args(&[
+            ("x-queue-type", text("quorum")),
+            (ARG_DEAD_LETTER_EXCHANGE, text("dlx")),
+            (ARG_DEAD_LETTER_STRATEGY, text("at-least-once")),
+            (ARG_OVERFLOW, text("reject-publish")),
+        ]);
+        let rewrite = rewrite_declare(&client, None, None, &capture()).unwrap();
+        let up = rewrite.upstream_arguments.inner();
+        assert_eq!(
+            up.get(ARG_DEAD_LETTER_STRATEGY),
+            Some(&text("at-least-once"))
+        );
+        assert_eq!(up.get(ARG_OVERFLOW), Some(&text("reject-publish")));
+        assert_eq!(
+            up.get(ARG_DEAD_LETTER_EXCHANGE),
+            Some(&text("dlx-proxy.capture"))
         );
     }
 

@@ -11,13 +11,11 @@ use amq_protocol::protocol::{AMQPClass, basic, channel, connection, queue};
 use bytes::Bytes;
 
 use super::bcc;
-use super::capture::CaptureConsumer;
 use super::channels::{
     ChannelPhase, ClientChannel, IncomingContent, KeepBuilder, OutgoingContent, Source,
 };
 use super::handshake::{LoginCheck, check_login, negotiate, tune_for_client};
 use super::inflight::Verb;
-use super::ops::Origin;
 use super::probe::CheckChannel;
 use super::publisher::Publisher;
 use super::session::{Session, Side};
@@ -653,10 +651,6 @@ impl Session {
                 self.publisher_frame(frame);
                 return;
             }
-            if Some(frame.channel) == agreed.capture_channel && frame.channel != 0 {
-                self.capture_frame(frame);
-                return;
-            }
             if Some(frame.channel) == agreed.probe_channel && frame.channel != 0 {
                 self.check_frame(frame);
                 return;
@@ -774,11 +768,9 @@ impl Session {
             let publisher = Publisher::new(channel, self.frame_max, self.shared.confirm_timeout);
             self.send_upstream(publisher.open_frames());
             self.publisher = Some(publisher);
-        }
-        if let Some(channel) = agreed.capture_channel {
-            let capture = CaptureConsumer::new(channel, &self.shared.capture_name);
-            self.send_upstream(capture.start_frames());
-            self.capture = Some(capture);
+            // The vhost's service connection owns the capture objects (started now if this
+            // is the first client of the vhost).
+            self.capture_status = self.shared.services.ensure(&self.vhost);
         } else {
             tracing::warn!(
                 peer = %self.peer,
@@ -810,26 +802,6 @@ impl Session {
         }
         if let Some(answer) = step.answer {
             self.on_check_channel_answer(answer);
-        }
-    }
-
-    fn capture_frame(&mut self, frame: WireFrame) {
-        let Some(capture) = self.capture.as_mut() else {
-            return;
-        };
-        let epoch = capture.epoch();
-        let step = capture.on_frame(&frame);
-        if capture.epoch() != epoch {
-            // The capture channel closed: its deliveries went back to the capture queue.
-            self.let_go_held(
-                |op| matches!(op.origin, Origin::Capture { epoch: e, .. } if e == epoch),
-            );
-        }
-        if let Some(write) = step.write {
-            self.send_upstream(write);
-        }
-        if let Some(message) = step.message {
-            self.on_captured(message);
         }
     }
 

@@ -1,7 +1,8 @@
 //! Connection negotiation seen from the middle: the upstream's `connection.tune` is shown to the
 //! client with [`RESERVED_CHANNELS`] channel numbers fewer, the client's `connection.tune-ok`
 //! is passed on with those added back, and the highest channel numbers of the upstream
-//! connection become the proxy's own (declare checks, dead-letter publisher, capture consumer).
+//! connection become the proxy's own (declare checks, dead-letter publisher). The capture
+//! queue is consumed on the proxy's own service connections ([`super::service`]), not here.
 //! Everything else in the handshake (start, SASL, open) passes through unchanged.
 //! The client is offered no more than `limits.channel_max` channels either.
 //!
@@ -17,7 +18,7 @@ use crate::amqp::reply::AmqpError;
 use crate::broker::auth::{login_refused, sasl_user};
 
 /// Channel numbers the proxy keeps for itself on every upstream connection.
-pub const RESERVED_CHANNELS: u16 = 3;
+pub const RESERVED_CHANNELS: u16 = 2;
 
 /// What was agreed in tune / tune-ok.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,8 +29,6 @@ pub struct Negotiated {
     pub probe_channel: Option<u16>,
     /// The proxy's dead-letter publisher channel.
     pub publisher_channel: Option<u16>,
-    /// The proxy's capture consumer channel.
-    pub capture_channel: Option<u16>,
     /// Largest frame on both legs.
     pub frame_max: u32,
     /// Heartbeat interval in seconds (0 = off).
@@ -81,15 +80,14 @@ pub fn negotiate(
     } else {
         client.channel_max
     };
-    let (upstream_channel_max, probe_channel, publisher_channel, capture_channel) = if reserve {
+    let (upstream_channel_max, probe_channel, publisher_channel) = if reserve {
         (
             chosen + RESERVED_CHANNELS,
             Some(chosen + 1),
             Some(chosen + 2),
-            Some(chosen + 3),
         )
     } else {
-        (chosen, None, None, None)
+        (chosen, None, None)
     };
     let frame_max = if client.frame_max != 0 {
         client.frame_max
@@ -109,7 +107,6 @@ pub fn negotiate(
             client_channel_max: chosen,
             probe_channel,
             publisher_channel,
-            capture_channel,
             frame_max,
             heartbeat: client.heartbeat,
         },
@@ -184,13 +181,13 @@ mod tests {
     }
 
     #[test]
-    fn client_sees_three_channels_fewer() {
+    fn client_sees_two_channels_fewer() {
         assert_eq!(
             tune_for_client(&tune(2047, 131072, 60), 2047).channel_max,
-            2044
+            2045
         );
-        assert_eq!(tune_for_client(&tune(0, 131072, 60), 0).channel_max, 65532);
-        assert_eq!(tune_for_client(&tune(3, 131072, 60), 0).channel_max, 3);
+        assert_eq!(tune_for_client(&tune(0, 131072, 60), 0).channel_max, 65533);
+        assert_eq!(tune_for_client(&tune(2, 131072, 60), 0).channel_max, 2);
         // limits.channel_max caps the offer.
         assert_eq!(
             tune_for_client(&tune(2047, 131072, 60), 100).channel_max,
@@ -207,12 +204,11 @@ mod tests {
         let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(0, 131072, 30), 0, 4096);
         assert_eq!(ok.channel_max, 2047);
         assert_eq!(ok.heartbeat, 30);
-        assert_eq!(agreed.client_channel_max, 2044);
-        assert_eq!(agreed.probe_channel, Some(2045));
-        assert_eq!(agreed.publisher_channel, Some(2046));
-        assert_eq!(agreed.capture_channel, Some(2047));
+        assert_eq!(agreed.client_channel_max, 2045);
+        assert_eq!(agreed.probe_channel, Some(2046));
+        assert_eq!(agreed.publisher_channel, Some(2047));
         let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(10, 0, 0), 0, 65536);
-        assert_eq!(ok.channel_max, 13);
+        assert_eq!(ok.channel_max, 12);
         assert_eq!(agreed.publisher_channel, Some(12));
         assert_eq!(agreed.frame_max, 131072);
         let (_, agreed) = negotiate(&tune(2047, 0, 60), &tune_ok(10, 0, 0), 0, 65536);
@@ -221,8 +217,8 @@ mod tests {
 
     #[test]
     fn a_tiny_upstream_leaves_no_proxy_channels() {
-        let (ok, agreed) = negotiate(&tune(3, 4096, 0), &tune_ok(3, 4096, 0), 0, 4096);
-        assert_eq!(ok.channel_max, 3);
+        let (ok, agreed) = negotiate(&tune(2, 4096, 0), &tune_ok(2, 4096, 0), 0, 4096);
+        assert_eq!(ok.channel_max, 2);
         assert_eq!(agreed.publisher_channel, None);
     }
 
@@ -230,8 +226,8 @@ mod tests {
     fn limits_channel_max_caps_what_the_client_may_use() {
         let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(0, 131072, 0), 5, 4096);
         assert_eq!(agreed.client_channel_max, 5);
-        assert_eq!(ok.channel_max, 8);
-        assert_eq!(agreed.capture_channel, Some(8));
+        assert_eq!(ok.channel_max, 7);
+        assert_eq!(agreed.publisher_channel, Some(7));
         let (_, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(3, 131072, 0), 5, 4096);
         assert_eq!(agreed.client_channel_max, 3);
     }

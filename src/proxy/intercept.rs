@@ -1,29 +1,26 @@
-//! What the proxy changes: queue.declare (policy merge, dead-letter arguments taken over),
-//! client settlements (reject/nack dead-lettered by the proxy, requeues counted against
-//! delivery limits), captured messages (dead-lettered as their original queue would have),
-//! and the end of each operation (the original is settled only after the confirm; a refused
-//! publish is held and retried, see [`super::retry`]).
+//! What the proxy changes on a client connection: queue.declare (policy merge, dead-letter
+//! arguments taken over, held until the vhost's capture objects exist), client settlements
+//! (reject/nack dead-lettered by the proxy, requeues counted against delivery limits), and the
+//! end of each operation (the original is settled only after the confirm; a refused publish
+//! is held and retried, see [`super::retry`]). Captured messages are the service
+//! connection's ([`super::service`]).
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
-use amq_protocol::protocol::{AMQPClass, BasicProperties, basic, queue};
+use amq_protocol::protocol::{AMQPClass, basic, queue};
 use amq_protocol::types::FieldTable;
 use bytes::Bytes;
 
 use super::ProxyShared;
 use super::QueueView;
 use super::arbiter::{DeclareCheck, Next, Verdict};
-use super::bcc::kept_bcc_keys;
-use super::capture::{CapturedMessage, reconstruct};
 use super::channels::PendingDeclare;
-use super::declare::{CaptureTag, DeadLetterHandling, rewrite_declare, upstream_declare};
+use super::death::{Death, Plan, drop_unpublishable, now_secs, plan, settle};
+use super::declare::{DeadLetterHandling, rewrite_declare, upstream_declare};
 use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
-use super::outgoing::{
-    dead_letter_publish, delivery_count, delivery_routing_keys, keys_after_cycle_rule,
-    requeue_publish,
-};
+use super::outgoing::{delivery_count, delivery_routing_keys, requeue_publish};
 use super::probe::CheckAnswer;
 use super::publisher::{OpId, Outcome, OutgoingMessage};
 use super::readback::{ReadBack, ReadNext, ReadOutcome};
@@ -34,15 +31,8 @@ use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::decode_method;
 use crate::amqp::content::{decode_properties, keep_opaque_headers};
 use crate::amqp::reply;
-use crate::deadletter::{DeadLetterReason, DeadLetterTarget, DeathEvent, dead_letter};
+use crate::deadletter::DeadLetterReason;
 use crate::rabbit::args::{ArgumentError, QueueArguments};
-
-fn now_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
 
 /// The verified view of `queue`, looked up once per settlement.
 fn cached_view(
@@ -90,6 +80,13 @@ pub(super) struct PendingCheck {
     check: DeclareCheck,
 }
 
+/// A queue.declare held until the vhost's capture objects exist.
+#[derive(Debug)]
+pub(super) struct HeldDeclare {
+    frame: WireFrame,
+    pub(super) deadline: Instant,
+}
+
 /// A basic.consume or basic.get held while its queue's arguments are read back
 /// ([`super::readback`]).
 #[derive(Debug)]
@@ -97,19 +94,6 @@ pub(super) struct PendingRead {
     frame: WireFrame,
     queue: Arc<str>,
     read: ReadBack,
-}
-
-/// Everything `dead_letter_message` needs to know about the message that died.
-struct Death {
-    queue: Arc<str>,
-    reason: DeadLetterReason,
-    before: BasicProperties,
-    /// The raw properties `before` was decoded from (the source of its opaque headers).
-    raw_before: Bytes,
-    exchange: String,
-    routing_keys: Vec<String>,
-    time: u64,
-    body: Bytes,
 }
 
 impl Session {
@@ -151,6 +135,12 @@ impl Session {
                 exchange: self.shared.capture_name.clone(),
             }
         };
+        if matches!(handling, DeadLetterHandling::Capture { .. }) && !self.capture_declared() {
+            // The upstream queue will dead-letter into the capture exchange: it must exist
+            // first, or RabbitMQ drops those dead letters silently (see `service`).
+            self.hold_for_capture(frame);
+            return;
+        }
         let policy = self
             .shared
             .policies
@@ -192,6 +182,65 @@ impl Session {
             upstream_arguments: rewrite.upstream_arguments,
             check,
         });
+    }
+
+    /// Whether this vhost's capture exchange, queue and binding exist.
+    fn capture_declared(&self) -> bool {
+        self.capture_status
+            .as_ref()
+            .is_some_and(|status| status.borrow().declared)
+    }
+
+    /// Holds a queue.declare (client reads pause) until the vhost's service connection has
+    /// declared the capture objects, at most `proxy.capture_ready_timeout_secs`. With no
+    /// service connection for the vhost (over `proxy.max_service_vhosts`) it is refused at
+    /// once.
+    fn hold_for_capture(&mut self, frame: WireFrame) {
+        if self.capture_status.is_none() {
+            self.refuse_capture_not_ready(
+                "it has no service connection (proxy.max_service_vhosts)",
+            );
+            return;
+        }
+        self.held_for_capture = Some(HeldDeclare {
+            frame,
+            deadline: self.now + self.shared.capture_ready_timeout,
+        });
+    }
+
+    /// The capture objects exist now: the held declare goes on.
+    pub(super) fn resume_held_declare(&mut self) {
+        if self.capture_declared()
+            && let Some(held) = self.held_for_capture.take()
+        {
+            self.client_queue_declare(held.frame);
+        }
+    }
+
+    /// The held declare waited too long: the client connection is closed with 320
+    /// CONNECTION_FORCED (a client reconnects, perhaps through another instance), so no queue
+    /// is ever created whose dead letters would have nowhere to go.
+    pub(super) fn capture_wait_expired(&mut self, now: Instant) {
+        if self
+            .held_for_capture
+            .as_ref()
+            .is_some_and(|held| now >= held.deadline)
+        {
+            self.held_for_capture = None;
+            self.refuse_capture_not_ready(
+                "its service connection is not ready (upstream unreachable?)",
+            );
+        }
+    }
+
+    fn refuse_capture_not_ready(&mut self, why: &str) {
+        let text = format!(
+            "CONNECTION_FORCED - dead-letter capture for vhost '{}' is unavailable: {why}; \
+             reconnect and retry",
+            self.vhost
+        );
+        tracing::warn!(peer = %self.peer, vhost = %self.vhost, why, "queue.declare refused: capture not ready");
+        self.close_client(reply::CONNECTION_FORCED, &text, 50, 10);
     }
 
     /// The check channel answered: declare again, or settle the client's declare by the
@@ -558,59 +607,16 @@ impl Session {
     /// Rewrites a dead message with the pure rules and publishes it to its dead-letter
     /// exchange; drops (and counts) it when there is nowhere to go.
     fn dead_letter_message(&mut self, origin: Origin, death: Death, view: &QueueView) {
-        let Some(dlx) = view.settings.dead_letter_exchange.as_deref() else {
-            // No dead-letter exchange: the message is discarded, as RabbitMQ does.
-            self.settle_origin(origin, Settlement::Ack);
-            return;
-        };
-        let event = DeathEvent {
-            queue: &death.queue,
-            reason: death.reason,
-            exchange: &death.exchange,
-            routing_keys: &death.routing_keys,
-            now_secs: death.time,
-            trust_existing_history: true,
-        };
-        let target = DeadLetterTarget {
-            exchange: dlx,
-            routing_key: view.settings.dead_letter_routing_key.as_deref(),
-        };
-        let message = match dead_letter(
-            &death.before,
-            &event,
-            &target,
-            &self.shared.dead_letter_options,
-        ) {
-            Ok(message) => message,
-            Err(drop) => {
-                self.shared
-                    .metrics
-                    .dropped(&self.vhost, &death.queue, drop.cause());
+        let queue = death.queue.clone();
+        let purpose = Purpose::DeadLetter(death.reason);
+        match plan(death, view, &self.shared.dead_letter_options) {
+            Plan::Discard => self.settle_origin(origin, Settlement::Ack),
+            Plan::Drop(cause) => {
+                self.shared.metrics.dropped(&self.vhost, &queue, cause);
                 self.settle_origin(origin, Settlement::Ack);
-                return;
             }
-        };
-        let keys = keys_after_cycle_rule(death.reason, &message, &death.before, &death.queue);
-        if keys.is_empty() {
-            tracing::debug!(
-                queue = &*death.queue,
-                reason = death.reason.as_str(),
-                "message dropped: dead-letter cycle"
-            );
-            self.shared
-                .metrics
-                .dropped(&self.vhost, &death.queue, "cycle");
-            self.settle_origin(origin, Settlement::Ack);
-            return;
+            Plan::Publish(publish) => self.publish_op(origin, purpose, queue, publish),
         }
-        let mut publish = dead_letter_publish(&message, &keys, death.body);
-        publish.raw_properties = keep_opaque_headers(publish.raw_properties, &death.raw_before);
-        self.publish_op(
-            origin,
-            Purpose::DeadLetter(death.reason),
-            death.queue,
-            publish,
-        );
     }
 
     fn publish_op(
@@ -650,17 +656,7 @@ impl Session {
                 self.ops.insert(op_id, op);
             }
             Err(why) => {
-                // A name that is not a short string (a dead-letter routing key taken from a
-                // long CC entry): no publish can ever carry it, so retrying would loop.
-                tracing::warn!(
-                    queue = &*op.queue,
-                    why,
-                    "cannot publish the dead letter; dropped"
-                );
-                self.shared.metrics.dead_letter_publish_failed("invalid");
-                self.shared
-                    .metrics
-                    .dropped(&self.vhost, &op.queue, "unpublishable");
+                drop_unpublishable(&self.shared.metrics, &self.vhost, &op.queue, why);
                 self.release_held(&op);
                 self.settle_origin(op.origin, Settlement::Ack);
             }
@@ -682,28 +678,8 @@ impl Session {
             return;
         }
         self.release_held(&op);
-        let metrics = self.shared.metrics.clone();
-        let settlement = match (op.purpose, &outcome) {
-            (Purpose::DeadLetter(reason), Outcome::Confirmed) => {
-                metrics.dead_lettered(&self.vhost, &op.queue, reason.as_str());
-                metrics.observe_dead_letter_latency(op.started.elapsed());
-                Settlement::Ack
-            }
-            (Purpose::DeadLetter(_), Outcome::Unroutable) => {
-                metrics.dropped(&self.vhost, &op.queue, "unroutable");
-                Settlement::Ack
-            }
-            (Purpose::DeadLetter(_), Outcome::ExchangeMissing) => {
-                metrics.dropped(&self.vhost, &op.queue, "no_dlx");
-                Settlement::Ack
-            }
-            (Purpose::Requeue, Outcome::Unroutable | Outcome::ExchangeMissing) => {
-                // The queue itself is gone (deleted while its message was out).
-                Settlement::Ack
-            }
-            (Purpose::Requeue, Outcome::Confirmed) => Settlement::Ack,
-            // Refusals were held above.
-            (_, Outcome::Failed(_) | Outcome::TimedOut | Outcome::AccessRefused) => return,
+        let Some(settlement) = settle(&self.shared.metrics, &self.vhost, &op, &outcome) else {
+            return;
         };
         self.settle_origin(op.origin, settlement);
         self.op_finished(op.origin);
@@ -724,11 +700,7 @@ impl Session {
     /// requeues the original then, so nothing is lost and nothing is held.
     fn refused(&mut self, mut op: Op, outcome: &Outcome, reason: RetryReason) {
         let metrics = self.shared.metrics.clone();
-        metrics.dead_letter_publish_failed(match outcome {
-            Outcome::Failed(cause) => cause,
-            Outcome::TimedOut => "timeout",
-            _ => reason.as_str(),
-        });
+        metrics.dead_letter_publish_failed(reason.failure_cause(outcome));
         let origin = op.origin;
         if !self.can_hold(origin) {
             self.release_held(&op);
@@ -743,30 +715,14 @@ impl Session {
             metrics.add_inflight(1, op.held_charge as i64);
             metrics.add_held_dead_letters(1);
         }
-        op.refusals = op.refusals.saturating_add(1);
-        if op.refusals == 1 {
-            tracing::warn!(
-                queue = &*op.queue,
-                exchange = %op.message.exchange,
-                reason = reason.as_str(),
-                "dead-letter publish refused; the message is held and retried"
-            );
-        } else {
-            tracing::debug!(
-                queue = &*op.queue,
-                reason = reason.as_str(),
-                refusals = op.refusals,
-                "dead-letter publish refused again"
-            );
-        }
-        let attempt = op.refusals;
+        let attempt = op.note_refusal(reason);
         self.held
             .schedule(self.now, attempt, rand::random::<f64>(), op);
         self.op_finished(origin);
     }
 
     /// Whether a refused publish may be held for a retry: both sides are open and the
-    /// original's channel (client channel or capture consumer) is the one it came on.
+    /// original's client channel is the one it came on.
     fn can_hold(&self, origin: Origin) -> bool {
         if self.client_side != super::session::Side::Open
             || self.upstream_side != super::session::Side::Open
@@ -782,10 +738,8 @@ impl Session {
             } => self.channels.get(&channel).is_some_and(|ch| {
                 ch.id == channel_id && ch.phase == super::channels::ChannelPhase::Open
             }),
-            Origin::Capture { epoch, .. } => self
-                .capture
-                .as_ref()
-                .is_some_and(|c| c.is_on() && c.epoch() == epoch),
+            // Captured messages are the service connection's, never on a client session.
+            Origin::Capture { .. } => false,
         }
     }
 
@@ -907,93 +861,8 @@ impl Session {
                 );
                 self.inject_upstream(channel, frame);
             }
-            Origin::Capture { tag, epoch } => {
-                let Some(capture) = self.capture.as_mut() else {
-                    return;
-                };
-                let frame = match settlement {
-                    Settlement::Ack => capture.ack(tag, epoch),
-                    Settlement::Requeue => capture.requeue(tag, epoch),
-                };
-                if let Some(frame) = frame {
-                    self.send_upstream(frame);
-                }
-            }
+            // Capture deliveries are settled by the service connection, never here.
+            Origin::Capture { .. } => {}
         }
-    }
-
-    // ------------------------------------------------------------------------------------
-    // Captured messages
-    // ------------------------------------------------------------------------------------
-
-    /// A message died upstream (TTL, length limit, a rejection the proxy did not see):
-    /// dead-letter it as its original queue would have.
-    pub(super) fn on_captured(&mut self, message: CapturedMessage) {
-        let origin = Origin::Capture {
-            tag: message.delivery_tag,
-            epoch: message.epoch,
-        };
-        let props = match decode_properties(&message.raw_properties) {
-            Ok(props) => props,
-            Err(err) => {
-                tracing::warn!(%err, "captured message properties do not decode; dropped");
-                self.shared
-                    .metrics
-                    .dropped(&self.vhost, &self.shared.capture_name, "undecodable");
-                self.settle_origin(origin, Settlement::Ack);
-                return;
-            }
-        };
-        let tag = CaptureTag::decode(&message.routing_key);
-        let (before, death) = match reconstruct(&props, tag.is_some()) {
-            Ok(found) => found,
-            Err(err) => {
-                tracing::warn!(%err, "captured message without a death record; dropped");
-                self.shared.metrics.dropped(
-                    &self.vhost,
-                    &self.shared.capture_name,
-                    "no_death_record",
-                );
-                self.settle_origin(origin, Settlement::Ack);
-                return;
-            }
-        };
-        let Ok(reason) = death.reason.parse::<DeadLetterReason>() else {
-            tracing::warn!(reason = %death.reason, "captured message with an unknown death reason; dropped");
-            self.shared
-                .metrics
-                .dropped(&self.vhost, &death.queue, "unknown_reason");
-            self.settle_origin(origin, Settlement::Ack);
-            return;
-        };
-        // The tag is the queue's own record of its dead-letter arguments (the upstream's truth);
-        // without one (none given, or too long for a tag) the cached ones or the policy.
-        let arguments = tag
-            .map(|t| t.to_arguments())
-            .or_else(|| self.shared.queues.proxied(&self.vhost, &death.queue))
-            .unwrap_or_default();
-        let view = self
-            .shared
-            .queue_view(&self.vhost, &death.queue, &arguments);
-        let time = if death.time == 0 {
-            now_secs()
-        } else {
-            death.time
-        };
-        // The upstream recorded the publish key and the CC keys; the BCC keys come from the
-        // proxy's private header.
-        let mut routing_keys = death.routing_keys;
-        routing_keys.extend(kept_bcc_keys(&before));
-        let death = Death {
-            queue: Arc::from(death.queue.as_str()),
-            reason,
-            before,
-            raw_before: message.raw_properties,
-            exchange: death.exchange,
-            routing_keys,
-            time,
-            body: message.body,
-        };
-        self.dead_letter_message(origin, death, &view);
     }
 }

@@ -2,7 +2,7 @@
 //! and the proxy applies every dead-letter rule itself, with the policies from the TOML file.
 //!
 //! The handshake (protocol header, SASL, vhost) passes through, so the upstream authenticates
-//! the client and the proxy keeps no credentials. The proxy only applies what the upstream
+//! the client and the proxy keeps no client credentials. The proxy only applies what the upstream
 //! cannot see: `proxy.loopback_users` refused from non-loopback peers ([`handshake`]), and
 //! `limits.max_connections` ([`crate::admission`]). Frames that need no change are forwarded as
 //! the bytes that arrived, in order, with backpressure both ways. The proxy takes over:
@@ -24,7 +24,14 @@
 //!   the deliveries a client leaves unsettled when it closes a channel or its connection, or
 //!   dies (quorum queues count all of these upstream);
 //! - messages that expire or overflow upstream come back through the capture queue and are
-//!   dead-lettered as their original queue would have;
+//!   dead-lettered as their original queue would have, by the vhost's *service connection*
+//!   ([`service`]): the proxy's own upstream connection, logged in as its own user
+//!   (`upstream.user`), which declares the capture exchange and the capture queue (a durable
+//!   quorum queue), consumes it whether or not any client is connected, and reconnects with
+//!   backoff after any loss. A client's queue.declare naming the capture exchange is forwarded
+//!   only once the capture objects exist (RabbitMQ drops dead letters to a missing exchange
+//!   silently); after `proxy.capture_ready_timeout_secs` the client connection is closed with
+//!   320;
 //! - BCC keys ([`bcc`]): the upstream strips `BCC` at publish, yet RabbitMQ routes a dead
 //!   letter (without a dead-letter routing key) with them. A client publish whose content
 //!   header carries `BCC` gets the keys copied into the private header `x-dlx-proxy-bcc`
@@ -33,26 +40,27 @@
 //!   client, and drops a client's own. Consumers connected straight to the upstream do see it.
 //!   Other publishes stay untouched bytes.
 //!
-//! The proxy uses the three highest channel numbers of each upstream connection (the client is
-//! offered three fewer in connection.tune): one to check declares (open only while a check
-//! runs), one for its publishes (with confirms), one for the capture consumer. Client channel numbers,
+//! The proxy uses the two highest channel numbers of each client's upstream connection (the
+//! client is offered two fewer in connection.tune): one to check declares (open only while a
+//! check runs), one for its publishes (with confirms). Client channel numbers,
 //! delivery tags and confirm sequence numbers are untouched; the proxy's settlements of client
 //! deliveries go on the client's channel with the upstream's own delivery tags.
 //!
 //! Failures: a dead-letter publish that is nacked (a DLQ at its length limit with
 //! `reject-publish`), times out (`proxy.confirm_timeout_secs`), is lost with the proxy's
-//! channel, or is refused to the client's user (403) is *held* ([`retry`]): the original
-//! (client delivery or capture delivery) stays unacked upstream, is not delivered again, and
-//! the same publish is retried after `proxy.retry_initial_ms` doubling to `proxy.retry_max_ms`
-//! (jittered) until it is confirmed; then the original is acked. Held messages are charged
-//! against `proxy.max_inflight_bytes` (counted in `dead_letters_held` and the inflight
-//! gauges), so a connection whose dead letters keep being refused stops reading deliveries.
-//! At-least-once: when the client's channel or connection, or the upstream connection, goes
-//! away meanwhile, the held messages are let go unsettled and the upstream requeues their
-//! originals (a client delivery to its queue, a captured message to the capture queue). A
-//! missing dead-letter exchange (404 on the proxy's channel, which is reopened) or an
-//! unroutable dead letter (basic.return) drops the message and counts it (`no_dlx`,
-//! `unroutable`), as RabbitMQ does; docs/semantics.md lists every drop cause.
+//! channel, or is refused to the publishing user (403) is *held* ([`retry`]): the original
+//! (client delivery, or capture delivery on a service connection) stays unacked upstream, is
+//! not delivered again, and the same publish is retried after `proxy.retry_initial_ms`
+//! doubling to `proxy.retry_max_ms` (jittered) until it is confirmed; then the original is
+//! acked. Held messages of a client connection are charged against `proxy.max_inflight_bytes`
+//! (counted in `dead_letters_held` and the inflight gauges), so a connection whose dead
+//! letters keep being refused stops reading deliveries; a service connection holds at most
+//! its capture prefetch. At-least-once: when the client's channel or connection, or the
+//! upstream connection, goes away meanwhile, the held messages are let go unsettled and the
+//! upstream requeues their originals (a client delivery to its queue, a captured message to
+//! the capture queue). A missing dead-letter exchange (404 on the proxy's channel, which is
+//! reopened) or an unroutable dead letter (basic.return) drops the message and counts it
+//! (`no_dlx`, `unroutable`), as RabbitMQ does; docs/semantics.md lists every drop cause.
 //! The upstream gone → the client gets `connection.close 320` (during the handshake, where
 //! RabbitMQ refuses some clients by closing the socket, the client's socket is closed
 //! instead), and can reconnect at once: its new connection is dialled to the next reachable
@@ -109,8 +117,8 @@
 //!   be published and is dropped (`unpublishable`);
 //! - a client settling a tag it already rejected is ignored (RabbitMQ closes the channel with
 //!   406); acks the proxy sends on a transactional channel join the client's transaction;
-//! - the capture queue is consumed by the proxy's connections of a vhost: with no client
-//!   connected there, captured messages wait in it;
+//! - a vhost past `proxy.max_service_vhosts` has no service connection: declares there that
+//!   would dead-letter into the capture exchange are refused (320);
 //! - `compat = "4"`: an x-death history on a message is always continued;
 //! - a channel.open numbered above the negotiated channel_max is refused with 530 even while
 //!   fewer channels are open (RabbitMQ counts channels only): those numbers are the proxy's;
@@ -127,9 +135,10 @@
 //!
 //! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
 //! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`retry`] (held dead
-//! letters and their backoff), [`bcc`], [`publisher`], [`capture`], [`declare`], [`arbiter`]
-//! (the declare check), [`readback`], [`probe`] (the check channel), [`outgoing`],
-//! [`handshake`], [`upstream`] (the upstream nodes, failover between them, TCP/TLS),
+//! letters and their backoff), [`bcc`], [`publisher`], [`capture`], [`death`] (what becomes of
+//! a dead message), [`service`] (the service connections), [`declare`], [`arbiter`] (the
+//! declare check), [`readback`], [`probe`] (the check channel), [`outgoing`], [`handshake`],
+//! [`upstream`] (the upstream nodes, failover between them, TCP/TLS),
 //! [`outbox`] (socket writes), [`wire`] (frames and adaptive reads), [`busy_poll`] (polling
 //! before sleeping), [`channels`], [`ops`], [`registry`].
 
@@ -138,6 +147,7 @@ pub mod bcc;
 pub mod busy_poll;
 pub mod capture;
 pub mod channels;
+mod death;
 pub mod declare;
 mod forward;
 pub mod handshake;
@@ -151,6 +161,7 @@ pub mod publisher;
 pub mod readback;
 pub mod registry;
 pub mod retry;
+pub mod service;
 mod session;
 pub mod upstream;
 pub mod wire;
@@ -173,6 +184,7 @@ use crate::shutdown::Shutdown;
 
 pub use capture::DEFAULT_CAPTURE_NAME;
 use registry::QueueRegistry;
+use service::ServiceRegistry;
 use upstream::UpstreamPool;
 
 /// Most queues whose verified settings are cached.
@@ -210,6 +222,11 @@ pub struct ProxyShared {
     pub(crate) connections: Arc<ConnectionSlots>,
     /// `limits.max_table_depth`: deepest field tables in the client methods the proxy decodes.
     pub(crate) max_table_depth: usize,
+    /// The service connection of each vhost (capture objects and consumer).
+    pub(crate) services: ServiceRegistry,
+    /// `proxy.capture_ready_timeout_secs`: how long a declare naming the capture exchange
+    /// waits for the vhost's capture objects.
+    pub(crate) capture_ready_timeout: Duration,
 }
 
 impl std::fmt::Debug for ProxyShared {
@@ -283,6 +300,14 @@ impl ProxyShared {
             channel_max: limits.channel_max,
             loopback_users: config.proxy.loopback_users.iter().cloned().collect(),
             connections: ConnectionSlots::new(limits.max_connections, metrics.clone()),
+            services: ServiceRegistry::new(
+                config.proxy.vhosts.clone(),
+                config.proxy.max_service_vhosts,
+                metrics.clone(),
+            ),
+            capture_ready_timeout: Duration::from_secs(
+                config.proxy.capture_ready_timeout_secs.max(1),
+            ),
             metrics,
             max_table_depth: limits.max_table_depth,
         }))
@@ -297,6 +322,27 @@ impl ProxyShared {
     /// The upstream nodes (the reachability check and `/readyz` follow it).
     pub fn upstream(&self) -> &Arc<UpstreamPool> {
         &self.upstream
+    }
+
+    /// For /readyz: whether every vhost of `proxy.vhosts` has its capture consumer running
+    /// (always true when dead-lettering is left to the upstream).
+    pub fn capture_consuming(&self) -> bool {
+        self.delegate_to_upstream || self.services.configured_consuming()
+    }
+
+    /// The readiness condition of the capture consumers: true while every vhost of
+    /// `proxy.vhosts` consumes its capture queue (always when dead-lettering is left to the
+    /// upstream).
+    pub fn capture_readiness(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        if self.delegate_to_upstream {
+            return Arc::new(std::sync::atomic::AtomicBool::new(true));
+        }
+        self.services.consuming_flag()
+    }
+
+    /// The status of a vhost's service connection (`None`: it has none).
+    pub fn service_status(&self, vhost: &str) -> Option<service::Status> {
+        self.services.status(vhost)
     }
 
     /// The `limits.max_connections` slots of proxy mode (the service applies reloads to them).

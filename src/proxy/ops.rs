@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use super::inflight::KEPT_OVERHEAD;
 use super::publisher::OutgoingMessage;
+use super::retry::RetryReason;
 use crate::deadletter::DeadLetterReason;
 
 /// Whose message the operation settles once its publish is confirmed.
@@ -19,7 +20,8 @@ pub enum Origin {
         channel_id: u64,
         tag: u64,
     },
-    /// A capture delivery (settled on the capture channel of that epoch).
+    /// A capture delivery on a service connection (settled on its capture channel, if the
+    /// consumer is still the one of that epoch).
     Capture { tag: u64, epoch: u64 },
 }
 
@@ -68,6 +70,28 @@ impl Op {
             refusals: 0,
             held_charge: 0,
         }
+    }
+
+    /// Its publish was refused (once more): counts the refusal and logs it (the first at warn
+    /// level, later ones at debug); returns the retry attempt number (1 after the first).
+    pub fn note_refusal(&mut self, reason: RetryReason) -> u32 {
+        self.refusals = self.refusals.saturating_add(1);
+        if self.refusals == 1 {
+            tracing::warn!(
+                queue = &*self.queue,
+                exchange = %self.message.exchange,
+                reason = reason.as_str(),
+                "dead-letter publish refused; the message is held and retried"
+            );
+        } else {
+            tracing::debug!(
+                queue = &*self.queue,
+                reason = reason.as_str(),
+                refusals = self.refusals,
+                "dead-letter publish refused again"
+            );
+        }
+        self.refusals
     }
 
     /// What holding it costs: its properties, body and names plus the per-delivery overhead

@@ -48,6 +48,15 @@ impl RetryReason {
         }
     }
 
+    /// The cause a refusal is counted under in `dead_letter_publish_failures_total`.
+    pub fn failure_cause(self, outcome: &Outcome) -> &'static str {
+        match outcome {
+            Outcome::Failed(cause) => cause,
+            Outcome::TimedOut => "timeout",
+            _ => self.as_str(),
+        }
+    }
+
     /// Why this outcome is retried; `None` for outcomes that end the publish (confirmed, or
     /// dropped as RabbitMQ drops: unroutable, missing exchange).
     pub fn of(outcome: &Outcome) -> Option<RetryReason> {

@@ -23,10 +23,10 @@ use amq_protocol::protocol::{AMQPClass, connection};
 use amq_protocol::types::ShortString;
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::watch;
 
 use super::ProxyShared;
 use super::busy_poll::BusyPoll;
-use super::capture::CaptureConsumer;
 use super::channels::ClientChannel;
 use super::handshake::Negotiated;
 use super::ops::Op;
@@ -34,6 +34,7 @@ use super::outbox::Outbox;
 use super::probe::CheckChannel;
 use super::publisher::{OpId, Publisher};
 use super::retry::RetrySchedule;
+use super::service::Status;
 use super::wire::{FrameReader, WireFrame, method_frame};
 use crate::admission::refuse_client_after_header;
 use crate::amqp::codec::{FrameError, PROTOCOL_HEADER, put_heartbeat};
@@ -85,6 +86,8 @@ enum Event {
     Wrote,
     Timer,
     Shutdown,
+    /// The vhost's capture objects were declared (a held queue.declare may go on).
+    CaptureDeclared,
     /// Nothing was ready; the task yielded instead of sleeping.
     Polled,
 }
@@ -119,7 +122,6 @@ pub(super) struct Session {
     /// Client channels with upstream content in progress.
     pub(super) incoming_in_progress: usize,
     pub(super) publisher: Option<Publisher>,
-    pub(super) capture: Option<CaptureConsumer>,
     /// The channel on which declares are checked with the upstream (open only during a check).
     pub(super) check: Option<CheckChannel>,
     /// A queue.declare waiting for the check's verdict (client reads pause meanwhile).
@@ -127,6 +129,12 @@ pub(super) struct Session {
     /// A basic.consume or basic.get waiting for its queue's arguments to be read back (client
     /// reads pause meanwhile).
     pub(super) pending_read: Option<super::intercept::PendingRead>,
+    /// The status of this vhost's service connection (known once the connection is open;
+    /// `None` when the vhost has none).
+    pub(super) capture_status: Option<watch::Receiver<Status>>,
+    /// A queue.declare naming the capture exchange, waiting for the capture objects to exist
+    /// (client reads pause meanwhile).
+    pub(super) held_for_capture: Option<super::intercept::HeldDeclare>,
     /// A client's channel.open for a channel number the proxy closed upstream whose close-ok
     /// has not come back yet (client reads pause meanwhile; see `forward`).
     pub(super) held_channel_open: Option<WireFrame>,
@@ -237,10 +245,11 @@ pub(super) async fn run<S>(
         inflight_count: 0,
         incoming_in_progress: 0,
         publisher: None,
-        capture: None,
         check: None,
         pending_check: None,
         pending_read: None,
+        capture_status: None,
+        held_for_capture: None,
         held_channel_open: None,
         ops: HashMap::new(),
         next_op: 1,
@@ -290,7 +299,9 @@ pub(super) async fn run<S>(
             timer.as_mut().reset(deadline);
         }
         let poll_again = busy_poll.should_poll(now);
+        let held = session.held_for_capture.is_some();
         let event = tokio::select! {
+            _ = capture_declared(&mut session.capture_status), if held => Event::CaptureDeclared,
             frame = client_reader.next(), if read_client => Event::Client(frame),
             frame = upstream_reader.next(), if read_upstream => Event::Upstream(frame),
             _ = session.client_out.write_some(), if write_client => Event::Wrote,
@@ -315,6 +326,7 @@ pub(super) async fn run<S>(
             Event::Wrote => busy_poll.traffic(session.now),
             Event::Timer => session.on_timer(session.now),
             Event::Shutdown => session.on_shutdown(),
+            Event::CaptureDeclared => session.resume_held_declare(),
             Event::Polled => {}
         }
     }
@@ -325,6 +337,17 @@ pub(super) async fn run<S>(
         session.client_out.close(grace),
         session.upstream_out.close(grace)
     );
+}
+
+/// Resolves once the capture objects are declared; never when there is no service
+/// connection, or it stopped (the held declare's deadline ends the wait then).
+async fn capture_declared(status: &mut Option<watch::Receiver<Status>>) {
+    if let Some(status) = status.as_mut()
+        && status.wait_for(|s| s.declared).await.is_ok()
+    {
+        return;
+    }
+    std::future::pending::<()>().await
 }
 
 impl Session {
@@ -410,6 +433,7 @@ impl Session {
         self.pending_check.is_some()
             || self.pending_read.is_some()
             || self.held_channel_open.is_some()
+            || self.held_for_capture.is_some()
     }
 
     fn wants_upstream_frames(&self) -> bool {
@@ -457,6 +481,7 @@ impl Session {
         if let Some(publisher) = self.publisher.as_mut() {
             consider(publisher.next_deadline());
         }
+        consider(self.held_for_capture.as_ref().map(|held| held.deadline));
         consider(self.held.next_deadline());
         if let Some(interval) = self.heartbeat {
             if self.client_side == Side::Open {
@@ -549,6 +574,7 @@ impl Session {
             self.upstream_side = Side::Closed;
             return;
         }
+        self.capture_wait_expired(now);
         if let Some(publisher) = self.publisher.as_mut() {
             let expired = publisher.expire(now);
             for settled in expired {

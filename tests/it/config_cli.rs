@@ -363,7 +363,7 @@ fn environment_overrides_show_in_the_printed_settings() {
 fn upstream_urls_from_the_environment() {
     let variable = "DLX_PROXY_UPSTREAM__URLS";
     let (code, printed, errors) = check(
-        "mode = \"proxy\"\n",
+        "mode = \"proxy\"\n[upstream]\nuser = \"svc\"\npassword = \"pw\"\n",
         &[(
             variable,
             r#"["amqp://a:5672", "amqp://u:env-secret@b:5673"]"#,

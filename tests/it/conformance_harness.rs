@@ -192,6 +192,8 @@ async fn conformance_through_the_proxy() {
     let mut cfg = common::test_config();
     cfg.mode = dlx_proxy::config::Mode::Proxy;
     cfg.upstream.url = format!("amqp://{upstream}");
+    cfg.upstream.user = "guest".into();
+    cfg.upstream.password = "guest".into();
     cfg.listen.admin = "127.0.0.1:0".into();
     cfg.admin.token = ADMIN_TOKEN.into();
     cfg.proxy.capture_name = common::unique("conformance.capture");

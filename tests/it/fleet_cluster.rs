@@ -13,7 +13,8 @@ use crate::rabbit::{RabbitNode, cluster};
 const WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 const EVERY: std::time::Duration = std::time::Duration::from_millis(200);
 
-async fn channel_on(node: &RabbitNode) -> (Connection, Channel) {
+/// A connection straight to `node` and a channel on it.
+pub(crate) async fn channel_on(node: &RabbitNode) -> (Connection, Channel) {
     let conn = Connection::connect(&node.uri(), ConnectionProperties::default())
         .await
         .unwrap_or_else(|e| panic!("connect to {}: {e}", node.name));

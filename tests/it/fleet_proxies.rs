@@ -104,10 +104,13 @@ fn the_fleet_configuration_is_proxy_mode_with_overrides_merged() {
     );
     let config: dlx_proxy::config::Config = toml::from_str(&text).expect(&text);
     assert_eq!(config.mode, dlx_proxy::config::Mode::Proxy);
+    // Every node in upstream.urls, in order; the proxy's service user is guest.
     assert_eq!(
         config.upstream.urls,
         ["amqp://127.0.0.1:1/%2f", "amqp://127.0.0.1:2/%2f"]
     );
+    assert_eq!(config.upstream.url, "");
+    assert_eq!(config.upstream.user, "guest");
     assert_eq!(config.proxy.capture_name, "cap");
     assert_eq!(config.proxy.confirm_timeout_secs, 9);
     assert_eq!(config.dead_letter.max_hops, 3);

@@ -185,12 +185,19 @@ async fn proxy_mode_logs_no_secret_at_trace_level() {
     let wrong_token = unique("wrong-token");
     let wrong_password = unique("wrong-pw");
     let capture = unique("secrets-capture");
+    // The proxy's own service user, its password in a file (a mounted Secret).
+    let service_user = unique("proxy-service");
+    let service_password = unique("service-pw");
+    let _service = proxy_support::RabbitUser::create(&service_user, &service_password);
 
     let dir = TempDir::new("dlx-proxy-secrets-proxy");
+    let password_file = dir.join("service-password");
+    write_atomically(&password_file, &format!("{service_password}\n"));
     let (amqp, admin) = free_addresses();
     let config = format!(
         "mode = \"proxy\"\n\n[listen]\namqp = \"{amqp}\"\nadmin = \"{admin}\"\n\n\
-         [upstream]\nurl = \"amqp://url-user:{url_password}@{}/%2f\"\n\n\
+         [upstream]\nurl = \"amqp://url-user:{url_password}@{}/%2f\"\n\
+         user = \"{service_user}\"\npassword_file = {password_file:?}\n\n\
          [proxy]\ncapture_name = \"{capture}\"\n\n[log]\nfilter = \"trace\"\n\n\
          [admin]\ntoken = \"{token}\"\n\n[shutdown]\ndrain_secs = 1\n",
         proxy_support::upstream_host()
@@ -205,6 +212,8 @@ async fn proxy_mode_logs_no_secret_at_trace_level() {
 
     let logs = stop_and_collect(process).await;
     proxy_support::delete_capture(&capture).await;
+    // The service connection logged in with the password from the file.
+    assert!(logs.contains("capture consumer subscribed"), "{logs}");
     // The startup line shows the upstream with the password masked.
     assert!(
         logs.contains(&format!(
@@ -218,6 +227,7 @@ async fn proxy_mode_logs_no_secret_at_trace_level() {
         &["AMQP listener (proxy)"],
         &[
             &password,
+            &service_password,
             &url_password,
             &wrong_password,
             &token,

@@ -88,7 +88,7 @@ impl ProxyProcess {
         let config = format!(
             "mode = \"proxy\"\n\n\
              [listen]\namqp = \"{amqp}\"\nadmin = \"{admin}\"\n\n\
-             [upstream]\nurl = \"amqp://{upstream}\"\n\n\
+             [upstream]\nurl = \"amqp://{upstream}\"\nuser = \"guest\"\npassword = \"guest\"\n\n\
              [limits]\nconnection_outbox_bytes = {OUTBOX}\n\n\
              [proxy]\nmax_inflight_bytes = {MAX_INFLIGHT}\nconfirm_timeout_secs = 5\n\
              delegate_to_upstream = {delegate_to_upstream}\ncapture_name = \"{capture}\"\n\n\

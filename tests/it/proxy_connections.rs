@@ -284,6 +284,8 @@ async fn max_connections_admits_n_refuses_one_more_and_frees_a_closed_slot() {
     config.listen.amqp = amqp.to_string();
     config.listen.admin = admin.to_string();
     config.upstream.url = format!("amqp://{}", upstream_host());
+    config.upstream.user = "guest".into();
+    config.upstream.password = "guest".into();
     config.proxy.capture_name = capture.clone();
     config.limits.max_connections = 2;
     let service = dlx_proxy::service::start(config)

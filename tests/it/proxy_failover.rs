@@ -92,6 +92,10 @@ async fn clients_fail_over_to_the_next_node_and_readyz_follows_reachability() {
     config.upstream.urls = vec![format!("amqp://{}", a.amqp), format!("amqp://{}", b.amqp)];
     config.upstream.connect_timeout_secs = 2;
     config.proxy.capture_name = unique("capture");
+    // Client connections only: the service connections dial through the same pool and
+    // would add their own attempts to the counts below (their failover is in
+    // fleet_capture.rs).
+    config.proxy.delegate_to_upstream = true;
     let service = dlx_proxy::service::start(config)
         .await
         .expect("proxy starts");

@@ -170,12 +170,12 @@ async fn confirms_and_qos_keep_their_numbers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_sees_three_channels_fewer_and_upstream_errors_pass_through() {
+async fn client_sees_two_channels_fewer_and_upstream_errors_pass_through() {
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
     let direct = upstream_connection().await;
     assert_eq!(
-        conn.configuration().channel_max() + 3,
+        conn.configuration().channel_max() + 2,
         direct.configuration().channel_max()
     );
     // A channel error from the upstream reaches the client unchanged.

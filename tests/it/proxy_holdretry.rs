@@ -210,21 +210,25 @@ async fn an_expired_message_refused_by_a_full_dlq_is_held_until_it_has_room() {
     let (q, dlq) = full_dlq_topology(&conn, &[("x-message-ttl", AMQPValue::LongInt(1))]).await;
     let ch = conn.create_channel().await.unwrap();
     crate::common::dl::publish(&ch, &q, &["t"]).await;
-    // The upstream expires it into the capture queue; this connection's capture consumer
-    // takes it and its publish to the full DLQ is nacked.
+    // The upstream expires it into the capture queue; the vhost's service connection takes
+    // it and its publish to the full DLQ is nacked: held, retried with backoff.
     wait_held(&proxy, 1.0).await;
     stays_held(&proxy, None).await;
+    // Refused on the service connection: each refusal counted as a captured message held
+    // for another publish, none given back.
+    let retried = proxy.counter("captured_total", &[("outcome", "retried"), ("vhost", "/")]);
+    assert!(retried >= 1.0 && retried == retries(&proxy), "{retried}");
     let upstream = upstream_connection().await;
     let uch = upstream.create_channel().await.unwrap();
     assert_eq!(message_count(&uch, &q).await, 0);
     assert_eq!(message_count(&uch, &dlq).await, 1);
-    // Held unacked on the capture channel, not requeued there.
+    // Held unacked by the service connection, not requeued to the capture queue.
     assert_eq!(message_count(&uch, &proxy.capture).await, 0);
 
     purge(&uch, &dlq).await;
     landed(&uch, &dlq, "t", &q, "expired").await;
     wait_held(&proxy, 0.0).await;
-    // The capture delivery was acked: nothing comes back when this connection goes.
+    // The capture delivery was acked: nothing comes back when the client connection goes.
     conn.close(200, "done".into()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(message_count(&uch, &proxy.capture).await, 0);

@@ -280,6 +280,8 @@ async fn a_rotated_upstream_ca_file_applies_to_the_next_connection() {
     config.listen.admin = "127.0.0.1:0".into();
     config.upstream.url = tls_url();
     config.upstream.tls_ca_file = ca_file.display().to_string();
+    config.upstream.user = "guest".into();
+    config.upstream.password = "guest".into();
     config.proxy.capture_name = capture.clone();
     let service = dlx_proxy::service::start(config)
         .await

@@ -209,6 +209,12 @@ so the binary's default applies. Argument: (list "name" $map).
 {{- end }}
 {{- if .Values.upstreamTls.caSecretName }}
 {{- $_ := set $upstream "tls_ca_file" (printf "%s/%s" .Values.upstreamTls.mountPath .Values.upstreamTls.caKey) }}
+{{- end }}
+{{- if .Values.serviceUser.name }}
+{{- $_ := set $upstream "user" .Values.serviceUser.name }}
+{{- if .Values.serviceUser.existingSecret }}
+{{- $_ := set $upstream "password_file" (printf "%s/%s" .Values.serviceUser.mountPath .Values.serviceUser.key) }}
+{{- end }}
 {{- end -}}
 # config.toml for dlx-proxy, rendered by the dlx-proxy Helm chart.
 # Edit the chart values (config.*) rather than this file.
@@ -371,6 +377,11 @@ startupProbe:
   mountPath: {{ .Values.adminToken.mountPath }}
   readOnly: true
 {{- end }}
+{{- if .Values.serviceUser.existingSecret }}
+- name: dlx-proxy-service-user
+  mountPath: {{ .Values.serviceUser.mountPath }}
+  readOnly: true
+{{- end }}
 {{- if include "dlx-proxy.appUserEnabled" . }}
 - name: dlx-proxy-app-user
   mountPath: {{ .Values.appUser.mountPath }}
@@ -411,6 +422,17 @@ startupProbe:
     items:
       - key: {{ .Values.adminToken.key }}
         path: {{ .Values.adminToken.key }}
+{{- end }}
+{{- if .Values.serviceUser.existingSecret }}
+{{- if not .Values.serviceUser.name }}
+{{- fail "serviceUser.existingSecret needs serviceUser.name" }}
+{{- end }}
+- name: dlx-proxy-service-user
+  secret:
+    secretName: {{ .Values.serviceUser.existingSecret }}
+    items:
+      - key: {{ .Values.serviceUser.key }}
+        path: {{ .Values.serviceUser.key }}
 {{- end }}
 {{- if include "dlx-proxy.appUserEnabled" . }}
 - name: dlx-proxy-app-user

@@ -129,6 +129,8 @@ async fn scenarios_through_the_proxy() {
         let mut cfg = common::test_config();
         cfg.mode = dlx_proxy::config::Mode::Proxy;
         cfg.upstream.url = format!("amqp://{}", node.amqp);
+        cfg.upstream.user = "guest".into();
+        cfg.upstream.password = "guest".into();
         cfg.listen.admin = "127.0.0.1:0".into();
         cfg.admin.token = target::ADMIN_TOKEN.into();
         let capture = common::unique("conformance.capture");

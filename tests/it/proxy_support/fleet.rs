@@ -21,7 +21,8 @@ use crate::common::{ServiceProcess, TempDir, free_addresses, metric_value, poll,
 const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
 
 /// The proxy-mode configuration of a fleet member in front of `upstreams` (AMQP URIs, the
-/// node to try first first), with `policies`, capturing into `capture_name`, with `overrides`
+/// node to try first first; all of them in `upstream.urls`), with the service user guest,
+/// with `policies`, capturing into `capture_name`, with `overrides`
 /// (TOML, may be empty) merged over it table by table. `[listen]` is left to
 /// [`ProxyProcess::spawn`].
 pub fn fleet_toml(
@@ -31,13 +32,17 @@ pub fn fleet_toml(
     overrides: &str,
 ) -> String {
     assert!(!upstreams.is_empty(), "at least one upstream URL");
-    // joined with capture at merge: the service identity (`[upstream] user`, `password`) goes
-    // into `[upstream]` here.
+    let urls = upstreams
+        .iter()
+        .map(|url| format!("{url:?}"))
+        .collect::<Vec<_>>()
+        .join(", ");
     let base = format!(
         "mode = \"proxy\"\n\n\
          [upstream]\n\
-         urls = {upstreams:?}\n\
-         \n\
+         urls = [{urls}]\n\
+         user = \"guest\"\n\
+         password = \"guest\"\n\n\
          [proxy]\n\
          capture_name = {capture_name:?}\n\
          confirm_timeout_secs = 5\n\n\

@@ -109,6 +109,9 @@ impl TestProxy {
             ..Config::default()
         };
         config.upstream.url = format!("amqp://{}", upstream_host());
+        // The reference node's administrator is the proxy's service identity.
+        config.upstream.user = "guest".into();
+        config.upstream.password = "guest".into();
         config.proxy.confirm_timeout_secs = 5;
         tweak(&mut config);
         let set = PolicySet::from_configs(&config.policies).expect("valid policies");
@@ -120,6 +123,14 @@ impl TestProxy {
         let listener = tokio::net::TcpListener::bind(listen).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let trigger = ShutdownTrigger::new();
+        if !config.proxy.delegate_to_upstream {
+            let identity = config
+                .upstream
+                .service_identity()
+                .expect("service identity")
+                .expect("a service user");
+            shared.start_services(identity, trigger.subscribe());
+        }
         tokio::spawn(serve(listener, shared.clone(), trigger.subscribe()));
         TestProxy {
             addr,
@@ -238,8 +249,13 @@ pub async fn wait_upstream_empty(queue: &str) {
 /// Publishes "m0", "m1", … (`count` messages) to `queue` on a channel in confirm mode and
 /// checks that each is acked.
 pub async fn publish_acked(ch: &Channel, queue: &str, count: usize) {
+    publish_acked_named(ch, queue, "m", count).await;
+}
+
+/// [`publish_acked`] with bodies `{prefix}0`, `{prefix}1`, …
+pub async fn publish_acked_named(ch: &Channel, queue: &str, prefix: &str, count: usize) {
     for i in 0..count {
-        let body = format!("m{i}");
+        let body = format!("{prefix}{i}");
         let confirm = crate::common::dl::publish_to(
             ch,
             "",

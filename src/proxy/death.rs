@@ -1,0 +1,205 @@
+//! A message that died, and what the proxy does with it: the one decision shared by the two
+//! places a death reaches the proxy, a client's rejection or requeue past a delivery limit
+//! (on the client's connection, [`super::intercept`]) and a message the upstream dead-lettered
+//! into the capture queue (on the vhost's service connection, [`super::service`]).
+//!
+//! Pure: [`plan`] takes the death and the queue's settings and says whether the message is
+//! discarded (no dead-letter exchange, as RabbitMQ does), dropped (hop limit, cycle), or which
+//! publish dead-letters it. [`from_capture`] reads a captured message back into a [`Death`].
+//! [`settle`] turns the end of a publish into the settlement of the original and counts it.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use amq_protocol::protocol::BasicProperties;
+use bytes::Bytes;
+
+use super::QueueView;
+use super::bcc::kept_bcc_keys;
+use super::capture::{CapturedMessage, reconstruct};
+use super::declare::CaptureTag;
+use super::ops::{Op, Purpose, Settlement};
+use super::outgoing::{dead_letter_publish, keys_after_cycle_rule};
+use super::publisher::{Outcome, OutgoingMessage};
+use crate::amqp::content::{decode_properties, keep_opaque_headers};
+use crate::deadletter::{
+    DeadLetterOptions, DeadLetterReason, DeadLetterTarget, DeathEvent, dead_letter,
+};
+use crate::metrics::Metrics;
+use crate::rabbit::args::QueueArguments;
+
+/// Seconds since the epoch (the time of a death the proxy witnessed).
+pub(crate) fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Everything the dead-letter rewrite needs to know about the message that died.
+#[derive(Clone, Debug)]
+pub(crate) struct Death {
+    pub queue: Arc<str>,
+    pub reason: DeadLetterReason,
+    /// The message's properties before this death.
+    pub before: BasicProperties,
+    /// The raw properties `before` was decoded from (the source of its opaque headers).
+    pub raw_before: Bytes,
+    pub exchange: String,
+    pub routing_keys: Vec<String>,
+    pub time: u64,
+    pub body: Bytes,
+}
+
+/// What becomes of a dead message.
+#[derive(Debug)]
+pub(crate) enum Plan {
+    /// No dead-letter exchange: discarded, as RabbitMQ does.
+    Discard,
+    /// Not dead-lettered, counted under this cause (`hop_limit`, `cycle`).
+    Drop(&'static str),
+    /// Published to its dead-letter exchange; the original is settled once confirmed.
+    Publish(OutgoingMessage),
+}
+
+/// Rewrites a dead message with the pure rules (x-death, routing keys, cycles) for the queue's
+/// settings in `view`.
+pub(crate) fn plan(death: Death, view: &QueueView, options: &DeadLetterOptions) -> Plan {
+    let Some(dlx) = view.settings.dead_letter_exchange.as_deref() else {
+        return Plan::Discard;
+    };
+    let event = DeathEvent {
+        queue: &death.queue,
+        reason: death.reason,
+        exchange: &death.exchange,
+        routing_keys: &death.routing_keys,
+        now_secs: death.time,
+        trust_existing_history: true,
+    };
+    let target = DeadLetterTarget {
+        exchange: dlx,
+        routing_key: view.settings.dead_letter_routing_key.as_deref(),
+    };
+    let message = match dead_letter(&death.before, &event, &target, options) {
+        Ok(message) => message,
+        Err(drop) => return Plan::Drop(drop.cause()),
+    };
+    let keys = keys_after_cycle_rule(death.reason, &message, &death.before, &death.queue);
+    if keys.is_empty() {
+        tracing::debug!(
+            queue = &*death.queue,
+            reason = death.reason.as_str(),
+            "message dropped: dead-letter cycle"
+        );
+        return Plan::Drop("cycle");
+    }
+    let mut publish = dead_letter_publish(&message, &keys, death.body);
+    publish.raw_properties = keep_opaque_headers(publish.raw_properties, &death.raw_before);
+    Plan::Publish(publish)
+}
+
+/// Why a captured message cannot be dead-lettered (it is dropped and counted).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Unreadable {
+    Properties(String),
+    NoDeathRecord(String),
+    UnknownReason(String),
+}
+
+impl Unreadable {
+    /// The cause it is counted under in `dead_letter_dropped_total`.
+    pub(crate) fn cause(&self) -> &'static str {
+        match self {
+            Unreadable::Properties(_) => "undecodable",
+            Unreadable::NoDeathRecord(_) => "no_death_record",
+            Unreadable::UnknownReason(_) => "unknown_reason",
+        }
+    }
+}
+
+impl std::fmt::Display for Unreadable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unreadable::Properties(e) => write!(f, "properties do not decode: {e}"),
+            Unreadable::NoDeathRecord(e) => write!(f, "no death record: {e}"),
+            Unreadable::UnknownReason(r) => write!(f, "unknown death reason {r:?}"),
+        }
+    }
+}
+
+/// A captured message read back: the death as the original queue saw it, and the queue's
+/// dead-letter settings carried in the capture tag (its routing key), if any.
+pub(crate) fn from_capture(
+    message: &CapturedMessage,
+) -> Result<(Death, Option<QueueArguments>), Unreadable> {
+    let props = decode_properties(&message.raw_properties)
+        .map_err(|e| Unreadable::Properties(e.to_string()))?;
+    let tag = CaptureTag::decode(&message.routing_key);
+    let (before, death) =
+        reconstruct(&props, tag.is_some()).map_err(|e| Unreadable::NoDeathRecord(e.to_string()))?;
+    let reason = death
+        .reason
+        .parse::<DeadLetterReason>()
+        .map_err(|_| Unreadable::UnknownReason(death.reason.clone()))?;
+    let time = if death.time == 0 {
+        now_secs()
+    } else {
+        death.time
+    };
+    // The upstream recorded the publish key and the CC keys; the BCC keys come from the
+    // proxy's private header.
+    let mut routing_keys = death.routing_keys;
+    routing_keys.extend(kept_bcc_keys(&before));
+    Ok((
+        Death {
+            queue: Arc::from(death.queue.as_str()),
+            reason,
+            before,
+            raw_before: message.raw_properties.clone(),
+            exchange: death.exchange,
+            routing_keys,
+            time,
+            body: message.body.clone(),
+        },
+        tag.map(|t| t.to_arguments()),
+    ))
+}
+
+/// How the original of a finished publish is settled, with the publish counted in the
+/// metrics (dead-lettered, dropped); `None` for a refused publish (nacked, timed out, lost,
+/// 403), which the caller holds and retries ([`super::retry`]).
+pub(crate) fn settle(
+    metrics: &Metrics,
+    vhost: &str,
+    op: &Op,
+    outcome: &Outcome,
+) -> Option<Settlement> {
+    Some(match (op.purpose, outcome) {
+        (Purpose::DeadLetter(reason), Outcome::Confirmed) => {
+            metrics.dead_lettered(vhost, &op.queue, reason.as_str());
+            metrics.observe_dead_letter_latency(op.started.elapsed());
+            Settlement::Ack
+        }
+        (Purpose::DeadLetter(_), Outcome::Unroutable) => {
+            metrics.dropped(vhost, &op.queue, "unroutable");
+            Settlement::Ack
+        }
+        (Purpose::DeadLetter(_), Outcome::ExchangeMissing) => {
+            metrics.dropped(vhost, &op.queue, "no_dlx");
+            Settlement::Ack
+        }
+        // The queue itself is gone (deleted while its message was out).
+        (Purpose::Requeue, Outcome::Unroutable | Outcome::ExchangeMissing) => Settlement::Ack,
+        (Purpose::Requeue, Outcome::Confirmed) => Settlement::Ack,
+        (_, Outcome::Failed(_) | Outcome::TimedOut | Outcome::AccessRefused) => return None,
+    })
+}
+
+/// A dead letter no publish can carry (a name that is not a short string, such as a
+/// dead-letter routing key taken from a long CC entry): dropped and counted, since retrying
+/// would loop. The caller settles the original.
+pub(crate) fn drop_unpublishable(metrics: &Metrics, vhost: &str, queue: &str, why: &str) {
+    tracing::warn!(queue, why, "cannot publish the dead letter; dropped");
+    metrics.dead_letter_publish_failed("invalid");
+    metrics.dropped(vhost, queue, "unpublishable");
+}

@@ -1,0 +1,263 @@
+//! The proxy's own upstream connections: one *service connection* per vhost, logged in with
+//! the proxy's service identity (`upstream.user`), which owns the capture objects of that
+//! vhost and dead-letters what the upstream captured there.
+//!
+//! Each service connection declares the capture exchange (a durable fanout) and the capture
+//! queue (a durable quorum queue, so capture survives the loss of a node), binds them,
+//! consumes the queue with a prefetch of [`CAPTURE_PREFETCH`](super::capture::CAPTURE_PREFETCH)
+//! and dead-letters each captured message with publisher confirms, acking it only once the
+//! publish is confirmed ([`link`]). It reconnects with backoff after any loss and subscribes
+//! again ([`task`], [`backoff`]); its login is a pure state machine ([`handshake`]). So
+//! messages that expire or overflow upstream are dead-lettered whether or not any client is
+//! connected, and client connections carry no capture consumer.
+//!
+//! Which vhosts: `proxy.vhosts` from the start, plus every vhost a client connection opens
+//! (the session asks the [`ServiceRegistry`] in `ProxyShared`), at most
+//! `proxy.max_service_vhosts` (`dlx_proxy_service_vhosts`; a vhost over the limit is counted in
+//! `dlx_proxy_service_vhosts_refused_total` and gets no capture: declares naming the capture
+//! exchange are refused there).
+//!
+//! Readiness ([`Status`]): `declared` turns true once the capture exchange, queue and binding
+//! were declared (and stays true: they are durable). A client's queue.declare that names the
+//! capture exchange as its dead-letter exchange is forwarded only then, because RabbitMQ
+//! silently drops a dead letter whose dead-letter exchange does not exist. `consuming` is the
+//! `dlx_proxy_capture_consumers{vhost}` gauge, and for the configured vhosts part of `/readyz`.
+
+pub mod backoff;
+pub mod handshake;
+pub mod link;
+mod task;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::ProxyShared;
+use crate::config::ServiceIdentity;
+use crate::metrics::Metrics;
+use crate::shutdown::Shutdown;
+
+/// How far a vhost's service connection got.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Status {
+    /// The capture exchange, queue and binding exist (declared by this process at least once).
+    pub declared: bool,
+    /// The capture consumer runs now.
+    pub consuming: bool,
+}
+
+struct Entry {
+    status: watch::Receiver<Status>,
+    /// Held until the task is spawned (before [`ServiceRegistry::start`]).
+    sender: Option<watch::Sender<Status>>,
+    task: Option<JoinHandle<()>>,
+}
+
+struct Runner {
+    shared: Weak<ProxyShared>,
+    identity: ServiceIdentity,
+    shutdown: Shutdown,
+}
+
+#[derive(Default)]
+struct State {
+    runner: Option<Runner>,
+    stopped: bool,
+    vhosts: HashMap<String, Entry>,
+}
+
+/// The vhosts with a service connection, and their status.
+pub struct ServiceRegistry {
+    state: Mutex<State>,
+    limit: usize,
+    configured: Vec<String>,
+    metrics: Arc<Metrics>,
+    /// [`ServiceRegistry::configured_consuming`] as of the last consumer change (`/readyz`).
+    consuming: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for ServiceRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceRegistry")
+            .field("limit", &self.limit)
+            .field("configured", &self.configured)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ServiceRegistry {
+    pub fn new(configured: Vec<String>, limit: usize, metrics: Arc<Metrics>) -> Self {
+        ServiceRegistry {
+            state: Mutex::new(State::default()),
+            limit: limit.max(configured.len()).max(1),
+            consuming: Arc::new(AtomicBool::new(configured.is_empty())),
+            configured,
+            metrics,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The status of `vhost`'s service connection, which is started if it has none (once the
+    /// registry runs). `None` over `proxy.max_service_vhosts`.
+    pub fn ensure(&self, vhost: &str) -> Option<watch::Receiver<Status>> {
+        let mut state = self.lock();
+        if let Some(entry) = state.vhosts.get(vhost) {
+            return Some(entry.status.clone());
+        }
+        if state.vhosts.len() >= self.limit {
+            drop(state);
+            tracing::warn!(
+                vhost,
+                limit = self.limit,
+                "no service connection for this vhost: proxy.max_service_vhosts reached"
+            );
+            self.metrics.service_vhost_refused();
+            return None;
+        }
+        let (sender, status) = watch::channel(Status::default());
+        let mut entry = Entry {
+            status: status.clone(),
+            sender: Some(sender),
+            task: None,
+        };
+        if !state.stopped
+            && let Some(runner) = state.runner.as_ref()
+        {
+            entry.task = spawn(runner, vhost, &mut entry.sender);
+        }
+        self.metrics.service_started(vhost);
+        state.vhosts.insert(vhost.to_string(), entry);
+        Some(status)
+    }
+
+    /// Whether every vhost of `proxy.vhosts` consumes its capture queue (for `/readyz`).
+    pub fn configured_consuming(&self) -> bool {
+        let state = self.lock();
+        self.configured.iter().all(|vhost| {
+            state
+                .vhosts
+                .get(vhost)
+                .is_some_and(|e| e.status.borrow().consuming)
+        })
+    }
+
+    /// A flag that follows [`ServiceRegistry::configured_consuming`] (the readiness condition).
+    pub fn consuming_flag(&self) -> Arc<AtomicBool> {
+        self.consuming.clone()
+    }
+
+    /// A capture consumer started or stopped: the readiness flag follows.
+    pub(crate) fn consumer_changed(&self) {
+        self.consuming
+            .store(self.configured_consuming(), Ordering::Release);
+    }
+
+    /// The current status of `vhost` (`None`: no service connection).
+    pub fn status(&self, vhost: &str) -> Option<Status> {
+        self.lock().vhosts.get(vhost).map(|e| *e.status.borrow())
+    }
+}
+
+fn spawn(
+    runner: &Runner,
+    vhost: &str,
+    sender: &mut Option<watch::Sender<Status>>,
+) -> Option<JoinHandle<()>> {
+    let shared = runner.shared.upgrade()?;
+    let sender = sender.take()?;
+    Some(tokio::spawn(task::run(
+        shared,
+        runner.identity.clone(),
+        vhost.to_string(),
+        sender,
+        runner.shutdown.clone(),
+    )))
+}
+
+impl ProxyShared {
+    /// Starts the service connections (`proxy.vhosts`, and each vhost clients open from now
+    /// on) with the service identity; they stop when `shutdown` fires. The returned task ends
+    /// once all of them have stopped (after settling their in-flight dead letters).
+    pub fn start_services(
+        self: &Arc<Self>,
+        identity: ServiceIdentity,
+        shutdown: Shutdown,
+    ) -> JoinHandle<()> {
+        let registry = &self.services;
+        {
+            let mut state = registry.lock();
+            let runner = Runner {
+                shared: Arc::downgrade(self),
+                identity,
+                shutdown: shutdown.clone(),
+            };
+            for (vhost, entry) in state.vhosts.iter_mut() {
+                if entry.task.is_none() {
+                    entry.task = spawn(&runner, vhost, &mut entry.sender);
+                }
+            }
+            state.runner = Some(runner);
+        }
+        for vhost in &registry.configured {
+            registry.ensure(vhost);
+        }
+        let shared = Arc::downgrade(self);
+        let mut stop = shutdown;
+        tokio::spawn(async move {
+            stop.recv().await;
+            let tasks: Vec<JoinHandle<()>> = match shared.upgrade() {
+                Some(shared) => {
+                    let mut state = shared.services.lock();
+                    state.stopped = true;
+                    state
+                        .vhosts
+                        .values_mut()
+                        .filter_map(|e| e.task.take())
+                        .collect()
+                }
+                None => Vec::new(),
+            };
+            for task in tasks {
+                let _ = task.await;
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vhosts_past_the_limit_get_no_service_connection_and_are_counted() {
+        let metrics = Metrics::new(10);
+        let registry = ServiceRegistry::new(vec!["/".into()], 2, metrics.clone());
+        // Not started yet: entries are kept for the start, nothing is spawned.
+        let root = registry.ensure("/").expect("configured vhost");
+        assert_eq!(*root.borrow(), Status::default());
+        assert!(registry.ensure("orders").is_some());
+        assert!(
+            registry.ensure("/").is_some(),
+            "known vhosts are not counted twice"
+        );
+        assert!(registry.ensure("billing").is_none());
+        let text = metrics.encode();
+        assert!(text.contains("dlx_proxy_service_vhosts 2"), "{text}");
+        assert!(
+            text.contains("dlx_proxy_service_vhosts_refused_total 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("dlx_proxy_capture_consumers{vhost=\"orders\"} 0"),
+            "{text}"
+        );
+        assert!(!registry.configured_consuming());
+        assert_eq!(registry.status("billing"), None);
+    }
+}
