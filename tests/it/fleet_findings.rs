@@ -217,14 +217,13 @@ async fn deaths_while_the_capture_node_is_down(
 }
 
 #[tokio::test]
-#[ignore = "fleet: finding 1 (capture queue on one node) — fixed by part 3 (capture)"]
 async fn f1_ttl_deaths_survive_the_loss_of_the_capture_queues_node() {
     let ttl = ("x-message-ttl", AMQPValue::LongInt(1000));
     deaths_while_the_capture_node_is_down(ttl, "expired", 20, 0).await;
 }
 
 #[tokio::test]
-#[ignore = "fleet: finding 1 (capture queue on one node) — fixed by part 3 (capture)"]
+#[ignore = "fleet: RabbitMQ dead-letters drop-head deaths of quorum queues at most once, so deaths while the capture queue elects a new leader are lost inside RabbitMQ (fleet_capture covers deaths after the election); needs the proxy to take over overflow on quorum queues"]
 async fn f1_max_length_deaths_survive_the_loss_of_the_capture_queues_node() {
     let max_length = ("x-max-length", AMQPValue::LongInt(5));
     deaths_while_the_capture_node_is_down(max_length, "maxlen", 25, 5).await;
@@ -551,7 +550,6 @@ async fn f6_a_dead_letter_the_dlq_refuses_is_held_then_lands_when_the_dlq_drains
 // ------------------------------------------------------------------------------------------
 
 #[tokio::test]
-#[ignore = "fleet: finding 7 (capture consumed by client connections) — fixed by part 3 (capture)"]
 async fn f7_expired_messages_are_dead_lettered_with_no_client_connected() {
     let _steady = cluster().steady().await;
     let fleet = Fleet::in_front_of_cluster(2, &[], "").await;

@@ -263,10 +263,11 @@ async fn the_service_connection_comes_back_after_close_connection() {
     proxy.stop().await;
 }
 
-/// Finding 9: a client connection costs two upstream channels besides its own (the queue
-/// probe and the dead-letter publisher), no capture consumer.
+/// Finding 9: a client connection costs one upstream channel besides its own (the dead-letter
+/// publisher); the declare-check channel is open only while a check runs, and there is no
+/// capture consumer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_connection_uses_two_extra_upstream_channels() {
+async fn a_client_connection_uses_one_extra_upstream_channel() {
     let proxy = TestProxy::start(vec![]).await;
     let name = unique("two-channels");
     let mut client = RawClient::connect_named(proxy.addr, &name).await;
@@ -289,7 +290,7 @@ async fn a_client_connection_uses_two_extra_upstream_channels() {
     let settled = crate::common::poll(
         Duration::from_secs(15),
         Duration::from_millis(250),
-        async || (channels() == Some(3)).then_some(()),
+        async || (channels() == Some(2)).then_some(()),
     )
     .await;
     assert!(settled.is_some(), "upstream channels: {:?}", channels());
