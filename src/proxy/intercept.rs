@@ -1,4 +1,5 @@
-//! What the proxy changes: queue.declare (policy merge, dead-letter arguments taken over),
+//! What the proxy changes: queue.declare (policy merge, dead-letter arguments taken over;
+//! streams and unknown queue types pass through untouched),
 //! client settlements (reject/nack dead-lettered by the proxy, requeues counted against
 //! delivery limits), captured messages (dead-lettered as their original queue would have),
 //! and the end of each operation (the original is settled only after the confirm; a refused
@@ -17,7 +18,9 @@ use super::arbiter::{DeclareCheck, Next, Verdict};
 use super::bcc::kept_bcc_keys;
 use super::capture::{CapturedMessage, reconstruct};
 use super::channels::PendingDeclare;
-use super::declare::{CaptureTag, DeadLetterHandling, rewrite_declare, upstream_declare};
+use super::declare::{
+    CaptureTag, DeadLetterHandling, passes_through, rewrite_declare, upstream_declare,
+};
 use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{
@@ -135,11 +138,17 @@ impl Session {
         let untouched = declare.passive
             || name == self.shared.capture_name
             || !self.channels.get(&channel).is_some_and(|ch| ch.is_open());
-        if untouched {
-            if !declare.nowait
-                && let Some(ch) = self.channels.get_mut(&channel)
-            {
-                ch.pending_declares.push_back(PendingDeclare::default());
+        // A stream (or a type the proxy does not know) goes as sent; its declare-ok records
+        // that the proxy leaves the queue to RabbitMQ.
+        let record = (!untouched && passes_through(&declare.arguments))
+            .then_some(VerifiedQueue::PassedThrough);
+        if untouched || record.is_some() {
+            if let Some(ch) = self.channels.get_mut(&channel) {
+                if !declare.nowait {
+                    ch.pending_declares.push_back(PendingDeclare { record });
+                } else if let Some(record) = record.filter(|_| !name.is_empty()) {
+                    self.shared.queues.record(&self.vhost, &name, record);
+                }
             }
             self.send_upstream(frame.raw);
             return;
