@@ -51,5 +51,6 @@ mod proxy_fault_close;
 mod proxy_faults;
 mod proxy_forwarding;
 mod proxy_holdretry;
+mod proxy_streams;
 mod proxy_upstream_tls;
 mod table_depth;
