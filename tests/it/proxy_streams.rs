@@ -137,6 +137,12 @@ async fn round_trip(conn: &Connection, stream: &str) -> Vec<String> {
         "redeclare as classic: {:?}",
         declare_answer(conn, stream, FieldTable::default()).await
     ));
+    // A queue type neither the proxy nor this RabbitMQ knows: RabbitMQ's own answer.
+    let unknown = table(&[("x-queue-type", ls("some-later-type"))]);
+    observed.push(format!(
+        "unknown type: {:?}",
+        declare_answer(conn, &format!("{stream}-later"), unknown).await
+    ));
     observed
 }
 
@@ -159,6 +165,7 @@ async fn the_stream_round_trip_through_the_proxy_equals_the_direct_one() {
     );
     assert!(directly[5].contains("406"), "{directly:?}");
     assert!(directly[5].contains("x-max-age"), "{directly:?}");
+    assert!(directly[7].contains("some-later-type"), "{directly:?}");
     // The proxy remembers the stream as RabbitMQ's (the gauge of its cache).
     assert_eq!(proxy.counter("verified_queues", &[]), 1.0);
     let ch = direct.create_channel().await.unwrap();
