@@ -18,6 +18,10 @@
 //!
 //! With `proxy.delegate_to_upstream` the merged dead-letter settings are given to the upstream
 //! instead and it dead-letters on its own.
+//!
+//! A queue type the proxy does not take over (a stream, or a type it does not know, which a
+//! later RabbitMQ may add) is not rewritten at all ([`passes_through`]): its declare goes
+//! upstream as sent, RabbitMQ alone judges it, and no TOML policy applies to it.
 
 use amq_protocol::protocol::queue;
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -26,7 +30,7 @@ use crate::policy::{EffectiveQueueSettings, PolicyDefinition, effective_settings
 use crate::rabbit::args::{
     ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY, ARG_DEAD_LETTER_STRATEGY,
     ARG_DELIVERY_LIMIT, ARG_EXPIRES, ARG_MAX_LENGTH, ARG_MAX_LENGTH_BYTES, ARG_MESSAGE_TTL,
-    ARG_OVERFLOW, ArgumentError, QueueArguments, QueueType, parse_queue_arguments,
+    ARG_OVERFLOW, ARG_QUEUE_TYPE, ArgumentError, QueueArguments, QueueType, parse_queue_arguments,
 };
 
 /// Prefix of a capture tag in an upstream queue's dead-letter routing key.
@@ -133,6 +137,20 @@ pub struct DeclareRewrite {
     /// Whether the proxy emulates the delivery limit (classic queues) rather than leaving it to
     /// the upstream (quorum queues count deliveries natively).
     pub proxy_delivery_limit: bool,
+}
+
+/// Whether a (non-passive) queue.declare with these client arguments goes upstream untouched:
+/// its `x-queue-type` names a type the proxy does not take over (`stream`, or any value other
+/// than `classic` and `quorum`). RabbitMQ answers it (declare-ok, or its own 406 for a type it
+/// does not know either); the proxy validates nothing, merges no policy, and never dead-letters
+/// or counts deliveries of such a queue (RabbitMQ does not dead-letter from streams).
+/// A value that is not a long string is not passed: the broker's validation refuses it, as
+/// RabbitMQ does.
+pub fn passes_through(client: &FieldTable) -> bool {
+    match client.inner().get(ARG_QUEUE_TYPE) {
+        Some(AMQPValue::LongString(kind)) => !matches!(kind.as_bytes(), b"classic" | b"quorum"),
+        _ => false,
+    }
 }
 
 /// Validates and rewrites the arguments of a (non-passive) queue.declare.
@@ -444,6 +462,22 @@ mod tests {
             err.reply_text("q", "/")
                 .contains("routing_key_but_no_dlx_defined")
         );
+    }
+
+    #[test]
+    fn streams_and_unknown_queue_types_pass_through() {
+        let kind =
+            |v: AMQPValue| args(&[(ARG_QUEUE_TYPE, v), (ARG_DEAD_LETTER_EXCHANGE, text("d"))]);
+        assert!(passes_through(&kind(text("stream"))));
+        assert!(passes_through(&kind(text("some-future-type"))));
+        assert!(passes_through(&kind(text(""))));
+        assert!(!passes_through(&kind(text("classic"))));
+        assert!(!passes_through(&kind(text("quorum"))));
+        assert!(!passes_through(&kind(AMQPValue::LongInt(1))));
+        assert!(!passes_through(&args(&[(
+            ARG_DEAD_LETTER_EXCHANGE,
+            text("d")
+        )])));
     }
 
     #[test]

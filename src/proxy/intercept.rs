@@ -1,9 +1,9 @@
 //! What the proxy changes on a client connection: queue.declare (policy merge, dead-letter
-//! arguments taken over, held until the vhost's capture objects exist), client settlements
-//! (reject/nack dead-lettered by the proxy, requeues counted against delivery limits), and the
-//! end of each operation (the original is settled only after the confirm; a refused publish
-//! is held and retried, see [`super::retry`]). Captured messages are the service
-//! connection's ([`super::service`]).
+//! arguments taken over, held until the vhost's capture objects exist; streams and unknown
+//! queue types pass through untouched), client settlements (reject/nack dead-lettered by the
+//! proxy, requeues counted against delivery limits), and the end of each operation (the
+//! original is settled only after the confirm; a refused publish is held and retried, see
+//! [`super::retry`]). Captured messages are the service connection's ([`super::service`]).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,7 +17,7 @@ use super::QueueView;
 use super::arbiter::{DeclareCheck, Next, Verdict};
 use super::channels::PendingDeclare;
 use super::death::{Death, Plan, drop_unpublishable, now_secs, plan, settle};
-use super::declare::{DeadLetterHandling, rewrite_declare, upstream_declare};
+use super::declare::{DeadLetterHandling, passes_through, rewrite_declare, upstream_declare};
 use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{delivery_count, delivery_routing_keys, requeue_publish};
@@ -119,11 +119,17 @@ impl Session {
         let untouched = declare.passive
             || name == self.shared.capture_name
             || !self.channels.get(&channel).is_some_and(|ch| ch.is_open());
-        if untouched {
-            if !declare.nowait
-                && let Some(ch) = self.channels.get_mut(&channel)
-            {
-                ch.pending_declares.push_back(PendingDeclare::default());
+        // A stream (or a type the proxy does not know) goes as sent; its declare-ok records
+        // that the proxy leaves the queue to RabbitMQ.
+        let record = (!untouched && passes_through(&declare.arguments))
+            .then_some(VerifiedQueue::PassedThrough);
+        if untouched || record.is_some() {
+            if let Some(ch) = self.channels.get_mut(&channel) {
+                if !declare.nowait {
+                    ch.pending_declares.push_back(PendingDeclare { record });
+                } else if let Some(record) = record.filter(|_| !name.is_empty()) {
+                    self.shared.queues.record(&self.vhost, &name, record);
+                }
             }
             self.send_upstream(frame.raw);
             return;

@@ -6,7 +6,9 @@
 //! cannot see: `proxy.loopback_users` refused from non-loopback peers ([`handshake`]), and
 //! `limits.max_connections` ([`crate::admission`]). Frames that need no change are forwarded as
 //! the bytes that arrived, in order, with backpressure both ways. The proxy takes over:
-//! - `queue.declare`: client arguments are validated; the upstream queue gets every client
+//! - `queue.declare` (of a classic or quorum queue: a stream, or an `x-queue-type` the proxy
+//!   does not know, goes upstream as sent and is left to RabbitMQ, see
+//!   [`declare::passes_through`]): client arguments are validated; the upstream queue gets every client
 //!   argument natively (policy values fill the ones the client did not send, or replace a
 //!   higher TTL or length limit) and dead-letters
 //!   into the proxy's capture exchange, with the client's dead-letter arguments (and a classic
@@ -84,6 +86,9 @@
 //!   to be recreated. Dead-letter target and delivery-limit policy changes apply at once. A
 //!   redeclare is not compared on an argument whose upstream value is a policy's: a client
 //!   TTL of 60000 against a queue declared with 30000 under a policy of 100 is accepted;
+//! - a stream is RabbitMQ's alone: no TOML policy applies to it (RabbitMQ does not
+//!   dead-letter from streams, and a policy's `max-length-bytes` could only be given as a
+//!   declare argument, which RabbitMQ would compare on redeclare; use a RabbitMQ policy);
 //! - a queue that was not declared through a proxy (another dead-letter exchange, or none) is
 //!   upstream-owned: a client's declare goes upstream as sent and RabbitMQ judges it, and its
 //!   rejections, expiries and overflows follow RabbitMQ's own rules (the TOML policies do not

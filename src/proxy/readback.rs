@@ -15,7 +15,9 @@
 //!
 //! The upstream arguments become client arguments as the declare check reads them: a capture
 //! exchange with a tag is a proxy queue (the tag gives its dead-letter arguments and a classic
-//! queue's delivery limit), anything else is upstream-owned. A queue that disappears between
+//! queue's delivery limit), anything else is upstream-owned. A queue whose `x-queue-type` the
+//! proxy passes through (a stream) is recorded as such as soon as a refusal names that type
+//! ([`super::declare::passes_through`]). A queue that disappears between
 //! the two steps would be created by step 2 with the arguments read so far; that window is
 //! one round trip.
 
@@ -23,7 +25,7 @@ use amq_protocol::protocol::queue;
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 use super::arbiter::{parse_inequivalent, without};
-use super::declare::CaptureTag;
+use super::declare::{CaptureTag, passes_through};
 use super::registry::VerifiedQueue;
 use crate::amqp::reply::NOT_FOUND;
 use crate::rabbit::args::{
@@ -130,6 +132,10 @@ impl ReadBack {
                     self.declare
                         .arguments
                         .insert(ShortString::from(found.argument), value);
+                    if passes_through(&self.declare.arguments) {
+                        // A stream: nothing more to learn, RabbitMQ keeps it.
+                        return ReadNext::Done(ReadOutcome::Learned(VerifiedQueue::PassedThrough));
+                    }
                     self.again()
                 }
                 None => unknown,
@@ -174,6 +180,9 @@ impl ReadBack {
     /// The queue's arguments in the client's terms.
     fn outcome(&self) -> ReadOutcome {
         let arguments = &self.declare.arguments;
+        if passes_through(arguments) {
+            return ReadOutcome::Learned(VerifiedQueue::PassedThrough);
+        }
         let capture = AMQPValue::LongString(LongString::from(self.capture_exchange.as_str()));
         let proxied = arguments.inner().get(ARG_DEAD_LETTER_EXCHANGE) == Some(&capture);
         let client = if proxied {
@@ -363,6 +372,39 @@ mod tests {
             ReadNext::Done(ReadOutcome::Learned(VerifiedQueue::UpstreamOwned(
                 QueueArguments::default()
             )))
+        );
+    }
+
+    #[test]
+    fn a_stream_is_passed_through_once_its_type_is_named() {
+        let mut read = ReadBack::new("s", "/", CAPTURE).unwrap();
+        read.on_declare_ok();
+        let stream_refusal = |argument: &str, comparison: &str| {
+            format!(
+                "PRECONDITION_FAILED - inequivalent arg '{argument}' for queue 's' in vhost '/': received {comparison}"
+            )
+        };
+        let next = declared(read.on_close(
+            406,
+            &stream_refusal("durable", "'false' but current is 'true'"),
+        ));
+        assert!(next.durable);
+        declared(read.on_close(
+            406,
+            &stream_refusal(
+                ARG_DEAD_LETTER_EXCHANGE,
+                &format!("the value '{CAPTURE}' of type 'longstr' but current is none"),
+            ),
+        ));
+        assert_eq!(
+            read.on_close(
+                406,
+                &stream_refusal(
+                    "x-queue-type",
+                    "none but current is the value 'stream' of type 'longstr'",
+                ),
+            ),
+            ReadNext::Done(ReadOutcome::Learned(VerifiedQueue::PassedThrough))
         );
     }
 

@@ -5,7 +5,8 @@
 //! proxy's upstream arguments ([`super::arbiter`]) records the client's arguments it stands
 //! for, and a queue found not to be declared through a proxy is recorded as upstream-owned;
 //! a queue a client consumes from or gets from unverified is read back from the upstream
-//! ([`super::readback`]).
+//! ([`super::readback`]). A queue of a type the proxy passes through (a stream) is recorded
+//! as such, so that its consumes are not read back again and its settlements go upstream.
 //! A delivery only names its queue, so when a client rejects it the proxy looks the queue up
 //! here: with verified settings it dead-letters (or counts the requeue) itself, the fast path;
 //! without them (never verified by this instance, evicted, upstream-owned) the settlement is
@@ -32,6 +33,10 @@ pub enum VerifiedQueue {
     /// and rules apply; the proxy only adds what a policy gives a queue without a
     /// dead-letter exchange of its own.
     UpstreamOwned(QueueArguments),
+    /// A queue type the proxy does not take over (a stream, see
+    /// [`super::declare::passes_through`]): RabbitMQ judges and settles everything of it, no
+    /// delivery content is kept for it, and no TOML policy applies to it.
+    PassedThrough,
 }
 
 /// Verified settings by (vhost, queue).
@@ -102,6 +107,7 @@ impl QueueRegistry {
                 .dead_letter_exchange
                 .is_none()
                 .then_some(arguments),
+            VerifiedQueue::PassedThrough => None,
         }
     }
 
@@ -173,6 +179,19 @@ mod tests {
         registry.forget("/", "q");
         assert_eq!(registry.len(), 2);
         assert_eq!(metrics.verified_queues(), 2);
+    }
+
+    #[test]
+    fn a_passed_through_queue_is_decided_by_the_upstream() {
+        let (registry, metrics) = registry(3);
+        registry.record("/", "stream", VerifiedQueue::PassedThrough);
+        assert_eq!(
+            registry.lookup("/", "stream"),
+            Some(VerifiedQueue::PassedThrough)
+        );
+        assert_eq!(registry.decided_by_proxy("/", "stream"), None);
+        assert_eq!(registry.proxied("/", "stream"), None);
+        assert_eq!(metrics.verified_queues(), 1);
     }
 
     #[test]

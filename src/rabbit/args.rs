@@ -10,7 +10,9 @@
 //! before anything else), then `x-queue-type`, then the values in RabbitMQ's `declare_args`
 //! order, then arguments the queue type does not accept. Unknown x-arguments are ignored.
 //! Deliberate differences: `x-delivery-limit` is accepted on every queue type (a non-negative
-//! integer), and `x-queue-type = "stream"` is refused because streams are not implemented.
+//! integer), and `x-queue-type = "stream"` is refused because the embedded broker does not
+//! implement streams (proxy mode does not call this for a stream: it passes the declare to
+//! RabbitMQ, see `crate::proxy::declare::passes_through`).
 
 use amq_protocol::types::{AMQPValue, FieldTable};
 use std::fmt::Write as _;

@@ -54,5 +54,6 @@ mod proxy_faults;
 mod proxy_forwarding;
 mod proxy_holdretry;
 mod proxy_service;
+mod proxy_streams;
 mod proxy_upstream_tls;
 mod table_depth;
