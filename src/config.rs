@@ -128,6 +128,18 @@ pub struct UpstreamConfig {
     pub tls_server_name: String,
     /// Verify the upstream certificate (on by default).
     pub tls_verify: bool,
+    /// The upstream's management HTTP API (`http://host:15672`), optional. With it the
+    /// proxy mirrors its policies as upstream policies named `dlx-proxy.<name>`, so queues
+    /// that were never declared through the proxy get their limits and dead-letter through
+    /// the capture path ([`crate::proxy::policy_sync`]). Empty: no upstream policies.
+    pub management_url: String,
+    /// Seconds between two reconciliations of the upstream policies (they also run at start,
+    /// on every reload and on every policy change through the admin API).
+    pub management_sync_interval_secs: u64,
+    /// The proxy's own RabbitMQ user (its service identity), used for the management API.
+    pub user: String,
+    /// That user's password.
+    pub password: Secret<String>,
 }
 
 impl Default for UpstreamConfig {
@@ -139,6 +151,10 @@ impl Default for UpstreamConfig {
             tls_ca_file: String::new(),
             tls_server_name: String::new(),
             tls_verify: true,
+            management_url: String::new(),
+            management_sync_interval_secs: 30,
+            user: String::new(),
+            password: Secret::default(),
         }
     }
 }
@@ -176,6 +192,17 @@ impl UpstreamConfig {
     }
 }
 
+/// The proxy's own RabbitMQ identity (`upstream.user`, `upstream.password`): the user of the
+/// management API calls.
+// joined with capture at merge: that branch adds `upstream.password_file` and resolves the
+// service identity; this lookup becomes a call to it.
+pub fn service_credentials(config: &Config) -> (String, Secret<String>) {
+    (
+        config.upstream.user.clone(),
+        config.upstream.password.clone(),
+    )
+}
+
 impl std::fmt::Debug for UpstreamConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UpstreamConfig")
@@ -192,6 +219,13 @@ impl std::fmt::Debug for UpstreamConfig {
             .field("tls_ca_file", &self.tls_ca_file)
             .field("tls_server_name", &self.tls_server_name)
             .field("tls_verify", &self.tls_verify)
+            .field("management_url", &redact_url_password(&self.management_url))
+            .field(
+                "management_sync_interval_secs",
+                &self.management_sync_interval_secs,
+            )
+            .field("user", &self.user)
+            .field("password", &self.password)
             .finish()
     }
 }
@@ -1012,6 +1046,32 @@ impl Config {
                 "an amqps:// upstream with tls_verify = true needs a CA file",
             ));
         }
+        self.validate_management()
+    }
+
+    /// `upstream.management_url` and what it needs: an http:// URL without credentials in
+    /// it, a sync interval, and the service identity to authenticate with.
+    fn validate_management(&self) -> Result<(), ConfigError> {
+        let upstream = &self.upstream;
+        if upstream.management_url.is_empty() {
+            return Ok(());
+        }
+        crate::proxy::policy_sync::ManagementEndpoint::parse(&upstream.management_url)
+            .map_err(|message| ConfigError::invalid("upstream.management_url", message))?;
+        if upstream.management_sync_interval_secs == 0 {
+            return Err(ConfigError::invalid(
+                "upstream.management_sync_interval_secs",
+                "must be at least 1",
+            ));
+        }
+        let (user, _) = service_credentials(self);
+        if user.is_empty() {
+            return Err(ConfigError::invalid(
+                "upstream.user",
+                "required with upstream.management_url (the proxy's own RabbitMQ user, \
+                 allowed to set policies in the proxy's vhosts)",
+            ));
+        }
         Ok(())
     }
 
@@ -1290,6 +1350,8 @@ impl Config {
             redact(&mut user.password_hash);
         }
         redact(&mut config.admin.token);
+        redact(&mut config.upstream.password);
+        config.upstream.management_url = redact_url_password(&config.upstream.management_url);
         config.upstream.url = config.upstream.url_for_display();
         for url in &mut config.upstream.urls {
             *url = redact_url_password(url);
@@ -1759,6 +1821,55 @@ mod tests {
         let printed = config.to_toml().unwrap();
         assert!(!printed.contains("list-secret"), "{printed}");
         assert!(printed.contains("amqp://u:<redacted>@a"), "{printed}");
+    }
+
+    #[test]
+    fn the_management_url_needs_http_and_the_service_identity() {
+        let base = "mode = \"proxy\"\n[upstream]\nurl = \"amqp://a\"\n";
+        let config = load_text(&format!(
+            "{base}management_url = \"http://a:15672\"\nuser = \"dlx\"\npassword = \"pw-secret\"\n"
+        ))
+        .unwrap();
+        assert_eq!(config.upstream.management_sync_interval_secs, 30);
+        let (user, password) = service_credentials(&config);
+        assert_eq!(
+            (user.as_str(), password.expose().as_str()),
+            ("dlx", "pw-secret")
+        );
+        let shown = format!("{config:?}\n{}", config.to_toml().unwrap());
+        assert!(!shown.contains("pw-secret"), "{shown}");
+        for (extra, key, words) in [
+            (
+                "management_url = \"https://a:15671\"\nuser = \"dlx\"",
+                "upstream.management_url",
+                "https:// is not supported",
+            ),
+            (
+                "management_url = \"http://dlx:secret@a:15672\"\nuser = \"dlx\"",
+                "upstream.management_url",
+                "credentials do not go in the URL",
+            ),
+            (
+                "management_url = \"http://a:15672\"",
+                "upstream.user",
+                "required with upstream.management_url",
+            ),
+            (
+                "management_url = \"http://a:15672\"\nuser = \"dlx\"\n\
+                 management_sync_interval_secs = 0",
+                "upstream.management_sync_interval_secs",
+                "at least 1",
+            ),
+        ] {
+            let text = format!("{base}{extra}\n");
+            let error = load_text(&text).unwrap_err();
+            assert_eq!(error.key(), key, "{text}: {error}");
+            let shown = error.to_string();
+            assert!(shown.contains(words), "{text}: {shown}");
+            assert!(!shown.contains("secret"), "{shown}");
+        }
+        // Without a management URL nothing else is required.
+        load_text(base).unwrap();
     }
 
     #[test]

@@ -59,6 +59,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "message_age_at_dead_letter_seconds",
     "upstream_connect_attempts_total",
     "upstream_reachable",
+    "upstream_policy_sync_total",
+    "upstream_policies_synced",
 ];
 
 /// The `reason` label of `connections_refused_total` for a connection over
@@ -189,6 +191,8 @@ pub struct Metrics {
     message_age_at_dead_letter: Histogram,
     upstream_connect_attempts: IntCounterVec,
     upstream_reachable: IntGauge,
+    upstream_policy_sync: IntCounterVec,
+    upstream_policies_synced: IntGauge,
 }
 
 /// Creates and registers metrics on one registry.
@@ -399,6 +403,17 @@ impl Metrics {
                 "1 while some upstream node accepted the last connection or check, else 0 \
                  (proxy mode; /readyz answers 503 while it is 0).",
             )?,
+            upstream_policy_sync: b.counter_vec(
+                "upstream_policy_sync_total",
+                "Reconciliations of one vhost's upstream policies with the proxy's \
+                 (upstream.management_url), by result (success, failure, capture_missing).",
+                &["result"],
+            )?,
+            upstream_policies_synced: b.gauge(
+                "upstream_policies_synced",
+                "Upstream policies named dlx-proxy.* that match the proxy's policies, over \
+                 every vhost, after the last reconciliation.",
+            )?,
             registry,
         };
         // Every refusal reason is exported from the start (at 0), for alerts on increase().
@@ -546,6 +561,24 @@ impl Metrics {
     /// Whether some upstream node is reachable (last known state).
     pub fn set_upstream_reachable(&self, reachable: bool) {
         self.upstream_reachable.set(i64::from(reachable));
+    }
+
+    /// Exports the series of these upstream policy sync results at 0.
+    pub fn upstream_policy_sync_results(&self, results: &[&str]) {
+        for result in results {
+            self.upstream_policy_sync.with_label_values(&[result]);
+        }
+    }
+
+    /// One vhost's upstream policies reconciled with this result.
+    pub fn upstream_policy_sync(&self, result: &str) {
+        self.upstream_policy_sync.with_label_values(&[result]).inc();
+    }
+
+    /// How many of the proxy's upstream policies are in place.
+    pub fn set_upstream_policies_synced(&self, count: u64) {
+        self.upstream_policies_synced
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
     }
 
     /// A client connection was accepted (counts it and raises the open-connections gauge).
@@ -730,6 +763,7 @@ mod tests {
         metrics.tls_reloaded(true);
         metrics.set_queue_depth("/", "q", 1, 1);
         metrics.upstream_target("rabbit:5672");
+        metrics.upstream_policy_sync_results(&["success"]);
         let text = metrics.encode();
         for name in METRIC_NAMES {
             assert!(
@@ -807,6 +841,10 @@ mod tests {
         metrics.upstream_connect_attempt("a:5672", false);
         metrics.upstream_connect_attempt("b:5672", true);
         metrics.set_upstream_reachable(true);
+        metrics.upstream_policy_sync_results(&["success", "failure"]);
+        metrics.upstream_policy_sync("success");
+        metrics.upstream_policy_sync("success");
+        metrics.set_upstream_policies_synced(3);
         let text = metrics.encode();
         for line in [
             r#"dlx_proxy_dead_lettered_total{queue="orders",reason="expired",vhost="/"} 2"#,
@@ -848,6 +886,9 @@ mod tests {
             r#"dlx_proxy_upstream_connect_attempts_total{result="success",upstream="a:5672"} 0"#,
             r#"dlx_proxy_upstream_connect_attempts_total{result="success",upstream="b:5672"} 1"#,
             "dlx_proxy_upstream_reachable 1",
+            r#"dlx_proxy_upstream_policy_sync_total{result="success"} 2"#,
+            r#"dlx_proxy_upstream_policy_sync_total{result="failure"} 0"#,
+            "dlx_proxy_upstream_policies_synced 3",
         ] {
             assert!(has_line(&text, line), "missing {line:?} in:\n{text}");
         }

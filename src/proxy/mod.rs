@@ -105,6 +105,7 @@ mod intercept;
 pub mod ops;
 pub mod outbox;
 pub mod outgoing;
+pub mod policy_sync;
 pub mod probe;
 pub mod publisher;
 pub mod registry;
