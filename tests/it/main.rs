@@ -49,5 +49,6 @@ mod proxy_failover;
 mod proxy_fault_close;
 mod proxy_faults;
 mod proxy_forwarding;
+mod proxy_upstream_policies;
 mod proxy_upstream_tls;
 mod table_depth;
