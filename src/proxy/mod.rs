@@ -54,11 +54,16 @@
 //!   queues requeue at the head), with `redelivered = false`, exchange `""` and the queue name
 //!   as routing key; its `CC` header is removed so the copy reaches only that queue;
 //! - TTL and length limits (from arguments or policies) are set on the upstream queue when it
-//!   is first declared through the proxy; later policy changes to them need the queue to be
-//!   recreated. Dead-letter target and delivery-limit policy changes apply at once;
+//!   is first declared through the proxy; without `upstream.management_url`, later policy
+//!   changes to them need the queue to be recreated. Dead-letter target and delivery-limit
+//!   policy changes apply at once. With it, the policies are also upstream policies
+//!   ([`policy_sync`]) and their changes reach every matching queue, within RabbitMQ's rules:
+//!   one policy per queue (the highest priority), queue arguments winning where RabbitMQ says
+//!   so, and TTL fixed for a message when it is enqueued (docs/semantics.md);
 //! - a queue that already exists upstream is declared passively (no capture exchange added):
-//!   its rejections follow the policies, but its own expiries and overflows stay the
-//!   upstream's;
+//!   its rejections follow the policies; without `upstream.management_url` its own expiries
+//!   and overflows stay the upstream's, with it the upstream policy `dlx-proxy.<name>` gives
+//!   it the policy's limits and dead-letters its deaths into the capture path;
 //! - a redeclare is checked for equivalence (durable, exclusive, auto-delete and the
 //!   x-arguments RabbitMQ compares, with the embedded broker's 406 texts) against the
 //!   declaration this proxy instance remembers ([`registry`]). A queue this instance has not
@@ -91,7 +96,8 @@
 //! [`capture`], [`declare`], [`probe`], [`outgoing`], [`handshake`], [`upstream`] (the upstream
 //! nodes, failover between them, TCP/TLS),
 //! [`outbox`] (socket writes), [`wire`] (frames and adaptive reads), [`busy_poll`] (polling
-//! before sleeping), [`channels`], [`ops`], [`registry`].
+//! before sleeping), [`channels`], [`ops`], [`registry`], [`policy_sync`] (the policies as
+//! upstream policies, through the management API).
 
 pub mod bcc;
 pub mod busy_poll;

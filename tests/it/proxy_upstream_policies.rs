@@ -114,7 +114,7 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
         &[node.uri()],
         &policies,
         &capture,
-        &management_toml(node, "guest"),
+        &management_toml(node, "guest", "guest"),
     );
     let proxy = ProxyProcess::spawn(&toml).await;
     // A client of the proxy: its connection creates and consumes the capture path.
@@ -170,7 +170,7 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
                 assert_eq!(deaths.len(), 1, "{body}: {deaths:?}");
                 assert_eq!(deaths[0].qrc(), (queue.as_str(), reason, 1), "{body}");
                 assert_eq!(deaths[0].exchange, "");
-                assert_eq!(deaths[0].routing_keys, [queue.clone()]);
+                assert_eq!(deaths[0].routing_keys, vec![queue.clone()]);
                 assert_first_death(&d, reason, &queue, "");
                 assert_eq!(d.routing_key.as_str(), dlq, "{body}");
                 seen.push(body);
@@ -237,13 +237,31 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
     direct.close(200, "bye".into()).await.ok();
 }
 
-/// The `[upstream]` keys of a proxy syncing its policies with `node` every second.
-fn management_toml(node: &RabbitNode, password: &str) -> String {
+/// The `[upstream]` keys of a proxy syncing its policies with `node` every second as `user`.
+fn management_toml(node: &RabbitNode, user: &str, password: &str) -> String {
     let management = node.management.expect("management listener");
     format!(
         "[upstream]\nmanagement_url = \"http://{management}\"\n\
-         management_sync_interval_secs = 1\nuser = \"guest\"\npassword = \"{password}\"\n"
+         management_sync_interval_secs = 1\nuser = \"{user}\"\npassword = \"{password}\"\n"
     )
+}
+
+/// A user with what docs/deploy.md asks for: the `policymaker` tag and access to vhost "/"
+/// without any resource permission.
+async fn least_privileged_user(node: &RabbitNode, user: &str, password: &str) {
+    let body = json!({"password": password, "tags": "policymaker"}).to_string();
+    let (status, text) = node
+        .management_call("PUT", &format!("/api/users/{user}"), Some(&body))
+        .await;
+    assert!(matches!(status, 201 | 204), "PUT user: {status} {text}");
+    let body = json!({"configure": "^$", "write": "^$", "read": "^$"}).to_string();
+    let (status, text) = node
+        .management_call("PUT", &format!("/api/permissions/%2F/{user}"), Some(&body))
+        .await;
+    assert!(
+        matches!(status, 201 | 204),
+        "PUT permissions: {status} {text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -256,11 +274,12 @@ async fn no_route_is_put_before_the_capture_exchange_exists_and_failures_are_cou
         json!({"message-ttl": 1000, "dead-letter-exchange": "dlx"}),
     )];
     let capture = unique("capture");
+    least_privileged_user(node, "dlx-sync", "sync-pw").await;
     let toml = fleet_toml(
         &[node.uri()],
         &policies,
         &capture,
-        &management_toml(node, "guest"),
+        &management_toml(node, "dlx-sync", "sync-pw"),
     );
     let proxy = ProxyProcess::spawn(&toml).await;
     // No client yet: no capture exchange upstream, so a route into it would lose messages.
@@ -286,7 +305,7 @@ async fn no_route_is_put_before_the_capture_exchange_exists_and_failures_are_cou
         &[node.uri()],
         &[],
         &capture,
-        &management_toml(node, "wrong-secret"),
+        &management_toml(node, "dlx-sync", "wrong-secret"),
     );
     let refused = ProxyProcess::spawn(&wrong).await;
     refused
