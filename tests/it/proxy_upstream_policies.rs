@@ -3,7 +3,9 @@
 //! through the upstream policy `dlx-proxy.<name>`, its messages expire into the capture path
 //! and reach the policy's dead-letter queue as a client of the proxy sees them; a policy
 //! removed from the TOML file (reload) is deleted upstream, and the user's own policies are
-//! never touched.
+//! never touched. Nothing is put before the capture exchange exists, an admin-API change is
+//! mirrored at once, and a refused login is counted without showing the password; the sync
+//! runs as a user with only the `policymaker` tag and access to the vhost.
 //!
 //! Runs its own RabbitMQ node with the management plugin (the shared nodes run none).
 
@@ -19,7 +21,7 @@ use common::dl::{
     assert_first_death, consume_empty, declare_dlx, declare_durable, get, get_and_reject, payload,
     publish, x_death,
 };
-use common::{poll, unique, write_atomically};
+use common::{admin_call, poll, unique, write_atomically};
 use dlx_proxy::proxy::declare::CaptureTag;
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
@@ -265,7 +267,7 @@ async fn least_privileged_user(node: &RabbitNode, user: &str, password: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn no_route_is_put_before_the_capture_exchange_exists_and_failures_are_counted() {
+async fn the_sync_waits_for_the_capture_exchange_follows_the_admin_api_and_counts_failures() {
     let node = node();
     let queue = unique("early");
     let policies = vec![policy(
@@ -299,6 +301,58 @@ async fn no_route_is_put_before_the_capture_exchange_exists_and_failures_are_cou
     })
     .await;
     client.close(200, "bye".into()).await.ok();
+    let mut proxy = proxy;
+    proxy.kill();
+
+    // A change through the admin API reaches the upstream at once (this proxy's periodic
+    // round is an hour away); its removal too.
+    let token = "admin-t0ken";
+    let hourly = fleet_toml(
+        &[node.uri()],
+        &policies,
+        &capture,
+        &format!(
+            "{}management_sync_interval_secs = 3600\n[admin]\ntoken = \"{token}\"\n",
+            management_toml(node, "dlx-sync", "sync-pw")
+                .replace("management_sync_interval_secs = 1\n", "")
+        ),
+    );
+    let hourly = ProxyProcess::spawn(&hourly).await;
+    let added = json!({"pattern": "^added$", "definition": {"max-length": 3}}).to_string();
+    let (status, text) = admin_call(
+        hourly.admin,
+        "PUT",
+        "/api/policies/%2F/added",
+        Some(&added),
+        Some(token),
+    )
+    .await;
+    assert!(
+        matches!(status, 200 | 201 | 204),
+        "admin PUT: {status} {text}"
+    );
+    let listed = wait_policies(node, "dlx-proxy.added put", |p| {
+        named(p, "dlx-proxy.added").is_some()
+    })
+    .await;
+    assert_eq!(
+        named(&listed, "dlx-proxy.added").unwrap()["definition"],
+        json!({"max-length": 3, "dead-letter-exchange": capture})
+    );
+    let (status, text) = admin_call(
+        hourly.admin,
+        "DELETE",
+        "/api/policies/%2F/added",
+        None,
+        Some(token),
+    )
+    .await;
+    assert!(matches!(status, 200 | 204), "admin DELETE: {status} {text}");
+    wait_policies(node, "dlx-proxy.added deleted", |p| {
+        named(p, "dlx-proxy.added").is_none() && named(p, "dlx-proxy.early-ttl").is_some()
+    })
+    .await;
+    drop(hourly);
 
     // A wrong password: every round fails, is counted, and the password is never shown.
     let wrong = fleet_toml(
