@@ -105,7 +105,12 @@ pub enum ManagementError {
 }
 
 impl ManagementError {
-    /// A 404 for the vhost itself (it does not exist upstream).
+    /// An answer with an unexpected status: the connection can still be used.
+    pub fn is_status(&self) -> bool {
+        matches!(self, ManagementError::Status { .. })
+    }
+
+    /// A 404 (the vhost or the object does not exist upstream).
     pub fn is_not_found(&self) -> bool {
         matches!(self, ManagementError::Status { status, .. } if *status == StatusCode::NOT_FOUND)
     }

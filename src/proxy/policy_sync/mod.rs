@@ -156,7 +156,14 @@ impl UpstreamPolicySync {
                 return;
             }
         };
+        let mut broken: Option<ManagementError> = None;
         for (vhost, desired) in &wanted {
+            if let Some(err) = &broken {
+                // The connection is unusable after a transport error: the rest waits for
+                // the next round.
+                self.failed(vhost, err);
+                continue;
+            }
             match sync_vhost(&mut session, vhost, desired, &self.handling).await {
                 Ok(outcome) => {
                     if self.failing.remove(vhost).is_some() {
@@ -174,7 +181,12 @@ impl UpstreamPolicySync {
                         self.touched.insert(vhost.clone());
                     }
                 }
-                Err(err) => self.failed(vhost, &err),
+                Err(err) => {
+                    self.failed(vhost, &err);
+                    if !err.is_status() {
+                        broken = Some(err);
+                    }
+                }
             }
         }
         self.metrics
@@ -198,7 +210,17 @@ async fn sync_vhost(
     desired: &BTreeMap<String, UpstreamPolicy>,
     handling: &DeadLetterHandling,
 ) -> Result<VhostOutcome, ManagementError> {
-    let current = session.policies(vhost).await?;
+    let current = match session.policies(vhost).await {
+        Ok(current) => current,
+        // A served vhost that does not exist upstream holds no policy of the proxy's.
+        Err(err) if err.is_not_found() && desired.is_empty() => {
+            return Ok(VhostOutcome {
+                result: SYNC_SUCCESS,
+                synced: 0,
+            });
+        }
+        Err(err) => return Err(err),
+    };
     let mut actions = plan(desired, &current);
     let puts = actions
         .iter()
