@@ -10,6 +10,7 @@
 //! Runs its own RabbitMQ node with the management plugin (the shared nodes run none).
 
 use crate::common;
+use crate::common::dl_policy::pattern;
 use crate::proxy_support::fleet::{ProxyProcess, fleet_toml};
 use crate::proxy_support::policy;
 use crate::rabbit::{NodeOptions, RabbitNode};
@@ -107,11 +108,17 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
 
     // The proxy starts with a TTL + DLX policy for that queue.
     let capture = unique("capture");
-    let policies = vec![policy(
-        "legacy-ttl",
-        &format!("^{}$", regex::escape(&queue)),
-        json!({"message-ttl": 300, "dead-letter-exchange": dlx, "dead-letter-routing-key": dlq}),
-    )];
+    // And a policy for every queue, of a lower priority: the capture queue must not get it.
+    let exact = format!("^{}$", regex::escape(&queue));
+    let policies = vec![
+        pattern(
+            "legacy-ttl",
+            &exact,
+            5,
+            json!({"message-ttl": 300, "dead-letter-exchange": dlx, "dead-letter-routing-key": dlq}),
+        ),
+        pattern("broad", ".*", 0, json!({"max-length": 100000})),
+    ];
     let toml = fleet_toml(
         &[node.uri()],
         &policies,
@@ -124,13 +131,50 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
     let client_ch = client.create_channel().await.unwrap();
 
     let listed = wait_policies(node, "dlx-proxy.legacy-ttl put", |p| {
-        named(p, "dlx-proxy.legacy-ttl").is_some()
+        named(p, "dlx-proxy.legacy-ttl").is_some() && named(p, "dlx-proxy.broad").is_some()
     })
     .await;
     let mirror = named(&listed, "dlx-proxy.legacy-ttl").unwrap();
-    assert_eq!(mirror["pattern"], format!("^{}$", regex::escape(&queue)));
+    let keep_out = format!("^(?!{}$)[\\s\\S]*?", regex::escape(&capture));
+    assert_eq!(mirror["pattern"], format!("{keep_out}(?:{exact})"));
     assert_eq!(mirror["apply-to"], "queues");
-    assert_eq!(mirror["priority"], 0);
+    assert_eq!(mirror["priority"], 5);
+    // RabbitMQ reads the patterns as meant: the broad one reaches the DLQ (a queue it never
+    // saw declared), not the capture queue; the old queue gets the higher priority.
+    let expected = [
+        (dlq.as_str(), json!("dlx-proxy.broad")),
+        (capture.as_str(), Value::Null),
+        (queue.as_str(), json!("dlx-proxy.legacy-ttl")),
+    ];
+    let policy_of = async |name: &str| {
+        // The listing's `policy` column follows the statistics, seconds behind.
+        let (_, body) = node
+            .management_call("GET", "/api/queues/%2F?columns=name,policy", None)
+            .await;
+        let queues: Vec<Value> = serde_json::from_str(&body).unwrap_or_default();
+        // None while the queue is not listed.
+        let found = queues.into_iter().find(|q| q["name"] == name);
+        found.map(|q| q["policy"].clone())
+    };
+    let applied = poll(
+        Duration::from_secs(20),
+        Duration::from_millis(500),
+        async || {
+            for (name, policy) in &expected {
+                if policy_of(name).await.as_ref() != Some(policy) {
+                    return None;
+                }
+            }
+            Some(())
+        },
+    )
+    .await;
+    if applied.is_none() {
+        let (_, body) = node
+            .management_call("GET", "/api/queues/%2F?columns=name,policy", None)
+            .await;
+        panic!("expected {expected:?}, the upstream's queues: {body}");
+    }
     let definition = &mirror["definition"];
     assert_eq!(definition["message-ttl"], 300);
     assert_eq!(definition["dead-letter-exchange"], capture.as_str());
@@ -208,7 +252,7 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
             2.0,
         )
         .await;
-    assert_eq!(proxy.counter("upstream_policies_synced", &[]).await, 1.0);
+    assert_eq!(proxy.counter("upstream_policies_synced", &[]).await, 2.0);
 
     // The policy removed from the file: the reload deletes it upstream; the user's stays.
     let mut config: toml::Table = std::fs::read_to_string(proxy.config_path())
@@ -218,7 +262,7 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
     config.remove("policies");
     write_atomically(proxy.config_path(), &toml::to_string(&config).unwrap());
     let listed = wait_policies(node, "dlx-proxy.legacy-ttl deleted", |p| {
-        named(p, "dlx-proxy.legacy-ttl").is_none()
+        named(p, "dlx-proxy.legacy-ttl").is_none() && named(p, "dlx-proxy.broad").is_none()
     })
     .await;
     let users = named(&listed, "users-own").expect("the user's policy is untouched");

@@ -14,8 +14,9 @@
 //! The capture route is put only where the capture exchange exists (RabbitMQ drops what dies
 //! towards a missing dead-letter exchange): in a vhost without it the round puts nothing,
 //! counts `capture_missing` and tries again next time. Upstream policies named
-//! `dlx-proxy.*` belong to the proxy: it deletes those it no longer has and never touches
-//! any other.
+//! `dlx-proxy.*` that route into this proxy's capture exchange belong to it: it deletes those
+//! it no longer has and never touches any other. The capture queue itself is kept out of
+//! every pattern ([`plan`]).
 //!
 //! RabbitMQ applies one user policy per queue (the highest priority) and merges an operator
 //! policy into it (the lower numeric limit wins): see docs/semantics.md for what the proxy's
@@ -221,7 +222,7 @@ async fn sync_vhost(
         }
         Err(err) => return Err(err),
     };
-    let mut actions = plan(desired, &current);
+    let mut actions = plan(desired, &current, handling);
     let puts = actions
         .iter()
         .filter(|a| matches!(a, SyncAction::Put(_)))

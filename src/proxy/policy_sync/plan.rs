@@ -12,8 +12,16 @@
 //! means anything to an exchange), and `all` becomes `queues`: an upstream policy that also
 //! matched exchanges would hide the user's exchange policies of lower priority.
 //!
+//! The capture queue must never get such a policy (its messages would expire or overflow
+//! into the capture exchange, and RabbitMQ's cycle rule would drop them): in capture mode the
+//! upstream pattern is the proxy's pattern behind a lookahead that excludes the capture
+//! queue's name, `^(?!<capture>$)[\s\S]*?(?:<pattern>)`, which RabbitMQ's PCRE patterns
+//! understand and which matches every other name the original pattern matches.
+//!
 //! Only names with [`POLICY_PREFIX`] are ever changed or deleted: the user's own policies on
-//! the upstream are not the proxy's business.
+//! the upstream are not the proxy's business. In capture mode a prefixed policy is deleted
+//! only when it routes into this proxy's capture exchange, so deployments with different
+//! capture names (and different policies) on one vhost leave each other's policies alone.
 
 use std::collections::BTreeMap;
 
@@ -82,9 +90,15 @@ impl UpstreamPolicy {
                 }
             }
         }
+        let pattern = match handling {
+            DeadLetterHandling::Capture { exchange } => {
+                excluding(exchange, policy.pattern.as_str())
+            }
+            DeadLetterHandling::Delegate => policy.pattern.as_str().to_string(),
+        };
         Some(UpstreamPolicy {
             name: format!("{POLICY_PREFIX}{}", policy.name),
-            pattern: policy.pattern.as_str().to_string(),
+            pattern,
             apply_to: "queues",
             priority: policy.priority,
             definition,
@@ -107,6 +121,19 @@ impl UpstreamPolicy {
             && current.get("apply-to").and_then(Value::as_str) == Some(self.apply_to)
             && current.get("priority").and_then(Value::as_i64) == Some(i64::from(self.priority))
             && current.get("definition").and_then(Value::as_object) == Some(&self.definition)
+    }
+}
+
+/// `pattern` (unanchored) for every name but `capture` (the capture queue's).
+fn excluding(capture: &str, pattern: &str) -> String {
+    format!("^(?!{}$)[\\s\\S]*?(?:{pattern})", regex::escape(capture))
+}
+
+/// The capture exchange `handling` routes into: the mark of this proxy's upstream policies.
+fn owner(handling: &DeadLetterHandling) -> Option<&str> {
+    match handling {
+        DeadLetterHandling::Capture { exchange } => Some(exchange),
+        DeadLetterHandling::Delegate => None,
     }
 }
 
@@ -134,8 +161,15 @@ pub enum SyncAction {
 
 /// What turns `current` (the body of `GET /api/policies/{vhost}`: every policy of the vhost,
 /// the user's too) into `desired`: a `PUT` for each missing or different policy, a `DELETE`
-/// for each prefixed policy not desired. Entries without a name are ignored.
-pub fn plan(desired: &BTreeMap<String, UpstreamPolicy>, current: &[Value]) -> Vec<SyncAction> {
+/// for each prefixed policy of this proxy (`handling`'s capture exchange as dead-letter
+/// exchange; with delegation every prefixed one) not desired. Entries without a name are
+/// ignored.
+pub fn plan(
+    desired: &BTreeMap<String, UpstreamPolicy>,
+    current: &[Value],
+    handling: &DeadLetterHandling,
+) -> Vec<SyncAction> {
+    let owner = owner(handling);
     let owned: BTreeMap<&str, &Value> = current
         .iter()
         .filter_map(|entry| Some((entry.get("name")?.as_str()?, entry)))
@@ -152,9 +186,14 @@ pub fn plan(desired: &BTreeMap<String, UpstreamPolicy>, current: &[Value]) -> Ve
         .collect();
     actions.extend(
         owned
-            .keys()
-            .filter(|name| !desired.contains_key(**name))
-            .map(|name| SyncAction::Delete(name.to_string())),
+            .iter()
+            .filter(|(name, _)| !desired.contains_key(**name))
+            .filter(|(_, entry)| {
+                owner.is_none_or(|owner| {
+                    entry["definition"]["dead-letter-exchange"].as_str() == Some(owner)
+                })
+            })
+            .map(|(name, _)| SyncAction::Delete(name.to_string())),
     );
     actions
 }
@@ -203,7 +242,10 @@ mod tests {
         )]);
         let desired = desired(&policies, "/", &capture());
         let mirror = &desired["dlx-proxy.ttl"];
-        assert_eq!(mirror.pattern, "^orders\\.");
+        assert_eq!(
+            mirror.pattern,
+            "^(?!dlx\\-proxy\\.capture$)[\\s\\S]*?(?:^orders\\.)"
+        );
         assert_eq!(mirror.priority, 7);
         assert_eq!(mirror.apply_to, "queues");
         let tag = CaptureTag {
@@ -230,7 +272,7 @@ mod tests {
         assert_eq!(
             mirror.body(),
             json!({
-                "pattern": "^orders\\.", "apply-to": "queues", "priority": 7,
+                "pattern": mirror.pattern, "apply-to": "queues", "priority": 7,
                 "definition": mirror.definition
             })
         );
@@ -257,6 +299,8 @@ mod tests {
             json!({"dead-letter-exchange": "dlx", "dead-letter-routing-key": "k", "message-ttl": 5}),
         )]);
         let mirror = &desired(&policies, "/", &DeadLetterHandling::Delegate)["dlx-proxy.d"];
+        // No capture queue to keep out: the pattern as it is.
+        assert_eq!(mirror.pattern, "^orders\\.");
         assert_eq!(
             Value::Object(mirror.definition.clone()),
             json!({"message-ttl": 5, "dead-letter-exchange": "dlx", "dead-letter-routing-key": "k"})
@@ -296,13 +340,17 @@ mod tests {
             as_listed(&desired["dlx-proxy.same"]),
             changed,
             json!({"name": "dlx-proxy.gone", "pattern": ".*", "apply-to": "queues",
-                   "priority": 0, "definition": {"message-ttl": 9}}),
+                   "priority": 0, "definition": {"message-ttl": 9,
+                   "dead-letter-exchange": "dlx-proxy.capture"}}),
+            // Another deployment's (another capture exchange): left alone.
+            json!({"name": "dlx-proxy.theirs", "pattern": ".*", "apply-to": "queues",
+                   "priority": 0, "definition": {"dead-letter-exchange": "their.capture"}}),
             json!({"name": "users-own", "pattern": ".*", "apply-to": "queues",
                    "priority": 0, "definition": {"message-ttl": 9}}),
             json!({"pattern": "no name"}),
         ];
         assert_eq!(
-            plan(&desired, &current),
+            plan(&desired, &current, &capture()),
             vec![
                 SyncAction::Put(desired["dlx-proxy.changed"].clone()),
                 SyncAction::Put(desired["dlx-proxy.new"].clone()),
@@ -318,12 +366,40 @@ mod tests {
             .map(|(name, policy)| (name.clone(), policy.clone()))
             .collect();
         assert_eq!(
-            plan(&only_same, &[drifted]),
+            plan(&only_same, &[drifted], &capture()),
             vec![SyncAction::Put(desired["dlx-proxy.same"].clone())]
         );
         assert_eq!(
-            plan(&only_same, &[as_listed(&desired["dlx-proxy.same"])]),
+            plan(
+                &only_same,
+                &[as_listed(&desired["dlx-proxy.same"])],
+                &capture()
+            ),
             vec![]
         );
+    }
+
+    #[test]
+    fn the_capture_queue_is_kept_out_of_every_pattern() {
+        // The upstream pattern (PCRE) is not the regex crate's (no lookahead); what it must
+        // match is spelled out: the original's matches, minus the capture queue.
+        assert_eq!(
+            excluding("dlx-proxy.capture", ".*"),
+            "^(?!dlx\\-proxy\\.capture$)[\\s\\S]*?(?:.*)"
+        );
+        assert_eq!(excluding("c", "a|^b$"), "^(?!c$)[\\s\\S]*?(?:a|^b$)");
+    }
+
+    #[test]
+    fn with_delegation_every_leftover_with_the_prefix_is_deleted() {
+        let current = vec![
+            json!({"name": "dlx-proxy.old", "definition": {"dead-letter-exchange": "x"}}),
+            json!({"name": "mine", "definition": {}}),
+        ];
+        assert_eq!(
+            plan(&BTreeMap::new(), &current, &DeadLetterHandling::Delegate),
+            vec![SyncAction::Delete("dlx-proxy.old".into())]
+        );
+        assert_eq!(plan(&BTreeMap::new(), &current, &capture()), vec![]);
     }
 }
