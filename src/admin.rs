@@ -319,6 +319,20 @@ pub fn request_with_token(
     token: Option<&Secret<String>>,
     timeout: Duration,
 ) -> std::io::Result<(u16, String)> {
+    let authorization = token.map(|token| Secret::new(format!("Bearer {}", token.expose())));
+    request_authorized(address, method, path, body, authorization.as_ref(), timeout)
+}
+
+/// [`request`] with `authorization` as the whole `Authorization` header value (`Bearer ...`,
+/// `Basic ...`); tests also use it on RabbitMQ's management API.
+pub fn request_authorized(
+    address: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    authorization: Option<&Secret<String>>,
+    timeout: Duration,
+) -> std::io::Result<(u16, String)> {
     use std::io::{Error, ErrorKind};
     use std::net::ToSocketAddrs;
     let socket_address = address
@@ -329,8 +343,8 @@ pub fn request_with_token(
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
     let body = body.unwrap_or("");
-    let authorization = match token {
-        Some(token) => format!("Authorization: Bearer {}\r\n", token.expose()),
+    let authorization = match authorization {
+        Some(value) => format!("Authorization: {}\r\n", value.expose()),
         None => String::new(),
     };
     let request = format!(

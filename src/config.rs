@@ -138,6 +138,14 @@ pub struct UpstreamConfig {
     /// File holding the service user's password (a mounted Kubernetes Secret), one trailing
     /// newline removed; read at start.
     pub password_file: String,
+    /// The upstream's management HTTP API (`http://host:15672`), optional. With it the
+    /// proxy mirrors its policies as upstream policies named `dlx-proxy.<name>`, so queues
+    /// that were never declared through the proxy get their limits and dead-letter through
+    /// the capture path ([`crate::proxy::policy_sync`]). Empty: no upstream policies.
+    pub management_url: String,
+    /// Seconds between two reconciliations of the upstream policies (they also run at start,
+    /// on every reload and on every policy change through the admin API).
+    pub management_sync_interval_secs: u64,
 }
 
 impl Default for UpstreamConfig {
@@ -152,6 +160,8 @@ impl Default for UpstreamConfig {
             user: String::new(),
             password: Secret::default(),
             password_file: String::new(),
+            management_url: String::new(),
+            management_sync_interval_secs: 30,
         }
     }
 }
@@ -245,6 +255,16 @@ impl UpstreamConfig {
     }
 }
 
+/// The proxy's own RabbitMQ identity (`upstream.user` with `upstream.password` or
+/// `upstream.password_file`): the user of the management API calls. Empty when none is set
+/// or the password file cannot be read (validation reports that, naming the key).
+pub fn service_credentials(config: &Config) -> (String, Secret<String>) {
+    match config.upstream.service_identity() {
+        Ok(Some(identity)) => (identity.user, identity.password),
+        _ => (String::new(), Secret::default()),
+    }
+}
+
 impl std::fmt::Debug for UpstreamConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UpstreamConfig")
@@ -261,6 +281,11 @@ impl std::fmt::Debug for UpstreamConfig {
             .field("tls_ca_file", &self.tls_ca_file)
             .field("tls_server_name", &self.tls_server_name)
             .field("tls_verify", &self.tls_verify)
+            .field("management_url", &redact_url_password(&self.management_url))
+            .field(
+                "management_sync_interval_secs",
+                &self.management_sync_interval_secs,
+            )
             .field("user", &self.user)
             .field("password", &self.password)
             .field("password_file", &self.password_file)
@@ -1114,6 +1139,32 @@ impl Config {
                  capture exchange and queue) unless proxy.delegate_to_upstream = true",
             ));
         }
+        self.validate_management()
+    }
+
+    /// `upstream.management_url` and what it needs: an http:// URL without credentials in
+    /// it, a sync interval, and the service identity to authenticate with.
+    fn validate_management(&self) -> Result<(), ConfigError> {
+        let upstream = &self.upstream;
+        if upstream.management_url.is_empty() {
+            return Ok(());
+        }
+        crate::proxy::policy_sync::ManagementEndpoint::parse(&upstream.management_url)
+            .map_err(|message| ConfigError::invalid("upstream.management_url", message))?;
+        if upstream.management_sync_interval_secs == 0 {
+            return Err(ConfigError::invalid(
+                "upstream.management_sync_interval_secs",
+                "must be at least 1",
+            ));
+        }
+        let (user, _) = service_credentials(self);
+        if user.is_empty() {
+            return Err(ConfigError::invalid(
+                "upstream.user",
+                "required with upstream.management_url (the proxy's own RabbitMQ user, \
+                 allowed to set policies in the proxy's vhosts)",
+            ));
+        }
         Ok(())
     }
 
@@ -1433,6 +1484,7 @@ impl Config {
         }
         redact(&mut config.admin.token);
         redact(&mut config.upstream.password);
+        config.upstream.management_url = redact_url_password(&config.upstream.management_url);
         config.upstream.url = config.upstream.url_for_display();
         for url in &mut config.upstream.urls {
             *url = redact_url_password(url);
@@ -1968,6 +2020,55 @@ mod tests {
         let printed = config.to_toml().unwrap();
         assert!(!printed.contains("list-secret"), "{printed}");
         assert!(printed.contains("amqp://u:<redacted>@a"), "{printed}");
+    }
+
+    #[test]
+    fn the_management_url_needs_http_and_the_service_identity() {
+        let base = "mode = \"proxy\"\n[upstream]\nurl = \"amqp://a\"\n";
+        let config = load_text(&format!(
+            "{base}management_url = \"http://a:15672\"\nuser = \"dlx\"\npassword = \"pw-secret\"\n"
+        ))
+        .unwrap();
+        assert_eq!(config.upstream.management_sync_interval_secs, 30);
+        let (user, password) = service_credentials(&config);
+        assert_eq!(
+            (user.as_str(), password.expose().as_str()),
+            ("dlx", "pw-secret")
+        );
+        let shown = format!("{config:?}\n{}", config.to_toml().unwrap());
+        assert!(!shown.contains("pw-secret"), "{shown}");
+        for (extra, key, words) in [
+            (
+                "management_url = \"https://a:15671\"\nuser = \"dlx\"",
+                "upstream.management_url",
+                "https:// is not supported",
+            ),
+            (
+                "management_url = \"http://dlx:secret@a:15672\"\nuser = \"dlx\"",
+                "upstream.management_url",
+                "credentials do not go in the URL",
+            ),
+            (
+                "management_url = \"http://a:15672\"",
+                "upstream.user",
+                "required with upstream.management_url",
+            ),
+            (
+                "management_url = \"http://a:15672\"\nuser = \"dlx\"\n\
+                 management_sync_interval_secs = 0",
+                "upstream.management_sync_interval_secs",
+                "at least 1",
+            ),
+        ] {
+            let text = format!("{base}{extra}\n");
+            let error = load_text(&text).unwrap_err();
+            assert_eq!(error.key(), key, "{text}: {error}");
+            let shown = error.to_string();
+            assert!(shown.contains(words), "{text}: {shown}");
+            assert!(!shown.contains("secret"), "{shown}");
+        }
+        // Without a management URL nothing else is required.
+        load_text(base).unwrap();
     }
 
     #[test]

@@ -67,6 +67,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "captured_total",
     "service_vhosts",
     "service_vhosts_refused_total",
+    "upstream_policy_sync_total",
+    "upstream_policies_synced",
 ];
 
 /// The `outcome` label of `captured_total`: the captured message was dead-lettered (the
@@ -227,6 +229,8 @@ pub struct Metrics {
     service_vhosts_refused: IntCounter,
     upstream_connect_attempts: IntCounterVec,
     upstream_reachable: IntGauge,
+    upstream_policy_sync: IntCounterVec,
+    upstream_policies_synced: IntGauge,
 }
 
 /// Creates and registers metrics on one registry.
@@ -486,6 +490,17 @@ impl Metrics {
                 "1 while some upstream node accepted the last connection or check, else 0 \
                  (proxy mode; /readyz answers 503 while it is 0).",
             )?,
+            upstream_policy_sync: b.counter_vec(
+                "upstream_policy_sync_total",
+                "Reconciliations of one vhost's upstream policies with the proxy's \
+                 (upstream.management_url), by result (success, failure, capture_missing).",
+                &["result"],
+            )?,
+            upstream_policies_synced: b.gauge(
+                "upstream_policies_synced",
+                "Upstream policies named dlx-proxy.* that match the proxy's policies, over \
+                 every vhost, after the last reconciliation.",
+            )?,
             registry,
         };
         // Every refusal reason is exported from the start (at 0), for alerts on increase().
@@ -681,6 +696,24 @@ impl Metrics {
         self.upstream_reachable.set(i64::from(reachable));
     }
 
+    /// Exports the series of these upstream policy sync results at 0.
+    pub fn upstream_policy_sync_results(&self, results: &[&str]) {
+        for result in results {
+            self.upstream_policy_sync.with_label_values(&[result]);
+        }
+    }
+
+    /// One vhost's upstream policies reconciled with this result.
+    pub fn upstream_policy_sync(&self, result: &str) {
+        self.upstream_policy_sync.with_label_values(&[result]).inc();
+    }
+
+    /// How many of the proxy's upstream policies are in place.
+    pub fn set_upstream_policies_synced(&self, count: u64) {
+        self.upstream_policies_synced
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
+    }
+
     /// A client connection was accepted (counts it and raises the open-connections gauge).
     pub fn connection_opened(&self) {
         self.connections_opened_total.inc();
@@ -874,6 +907,7 @@ mod tests {
         metrics.set_queue_depth("/", "q", 1, 1);
         metrics.service_started("/");
         metrics.upstream_target("rabbit:5672");
+        metrics.upstream_policy_sync_results(&["success"]);
         let text = metrics.encode();
         for name in METRIC_NAMES {
             assert!(
@@ -956,6 +990,10 @@ mod tests {
         metrics.dead_letter_retry("timeout");
         metrics.add_held_dead_letters(2);
         metrics.add_held_dead_letters(-1);
+        metrics.upstream_policy_sync_results(&["success", "failure"]);
+        metrics.upstream_policy_sync("success");
+        metrics.upstream_policy_sync("success");
+        metrics.set_upstream_policies_synced(3);
         let text = metrics.encode();
         for line in [
             r#"dlx_proxy_dead_lettered_total{queue="orders",reason="expired",vhost="/"} 2"#,
@@ -1002,6 +1040,9 @@ mod tests {
             r#"dlx_proxy_dead_letter_retries_total{reason="channel_lost"} 0"#,
             r#"dlx_proxy_dead_letter_retries_total{reason="access_refused"} 0"#,
             "dlx_proxy_dead_letters_held 1",
+            r#"dlx_proxy_upstream_policy_sync_total{result="success"} 2"#,
+            r#"dlx_proxy_upstream_policy_sync_total{result="failure"} 0"#,
+            "dlx_proxy_upstream_policies_synced 3",
         ] {
             assert!(has_line(&text, line), "missing {line:?} in:\n{text}");
         }

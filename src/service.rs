@@ -44,6 +44,8 @@ enum PolicySink {
 pub struct PolicyHub {
     inner: Mutex<PolicyHubState>,
     sink: PolicySink,
+    /// Notified after every applied change (the upstream policy sync waits on it).
+    changed: Arc<tokio::sync::Notify>,
 }
 
 struct PolicyHubState {
@@ -84,6 +86,7 @@ impl PolicyHub {
                 Err(p) => *p.into_inner() = set,
             },
         }
+        self.changed.notify_one();
         Ok(())
     }
 
@@ -350,6 +353,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
     );
     let initial = PolicySet::from_configs(&config.policies).map_err(|e| anyhow::anyhow!("{e}"))?;
     let readiness = Readiness::new();
+    let policy_changes = Arc::new(tokio::sync::Notify::new());
     let mut tasks = Vec::new();
     let mut listeners = Vec::new();
     let amqp = bind(&config.listen.amqp, "listen.amqp").await?;
@@ -487,6 +491,15 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             tasks.push(tokio::spawn(
                 proxy.upstream().clone().watch(accept_trigger.subscribe()),
             ));
+            if let Some(sync) = crate::proxy::policy_sync::UpstreamPolicySync::from_config(
+                &config,
+                proxy.capture_name(),
+                shared_policies.clone(),
+                metrics.clone(),
+                policy_changes.clone(),
+            )? {
+                tasks.push(tokio::spawn(sync.run(accept_trigger.subscribe())));
+            }
             let slots = proxy.connection_slots().clone();
             (PolicySink::Shared(shared_policies), None, None, slots)
         }
@@ -497,6 +510,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             runtime: BTreeMap::new(),
         }),
         sink,
+        changed: policy_changes,
     });
     if let Some(listener) = admin {
         tracing::info!(

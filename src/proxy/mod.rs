@@ -82,8 +82,12 @@
 //!   as routing key; its `CC` header is removed so the copy reaches only that queue;
 //! - TTL and length limits from policies are set on the upstream queue when it is first
 //!   declared through the proxy (for the arguments the client did not give, and where the
-//!   policy's value is lower than the client's); later policy changes to them need the queue
-//!   to be recreated. Dead-letter target and delivery-limit policy changes apply at once. A
+//!   policy's value is lower than the client's); without `upstream.management_url`, later
+//!   policy changes to them need the queue to be recreated. With it, the policies are also
+//!   upstream policies ([`policy_sync`]) and their changes reach every matching queue, within
+//!   RabbitMQ's rules: one policy per queue (the highest priority), queue arguments winning
+//!   where RabbitMQ says so, and TTL fixed for a message when it is enqueued
+//!   (docs/semantics.md). Dead-letter target and delivery-limit policy changes apply at once. A
 //!   redeclare is not compared on an argument whose upstream value is a policy's: a client
 //!   TTL of 60000 against a queue declared with 30000 under a policy of 100 is accepted;
 //! - a stream is RabbitMQ's alone: no TOML policy applies to it (RabbitMQ does not
@@ -91,8 +95,8 @@
 //!   declare argument, which RabbitMQ would compare on redeclare; use a RabbitMQ policy);
 //! - a queue that was not declared through a proxy (another dead-letter exchange, or none) is
 //!   upstream-owned: a client's declare goes upstream as sent and RabbitMQ judges it, and its
-//!   rejections, expiries and overflows follow RabbitMQ's own rules (the TOML policies do not
-//!   apply to it);
+//!   rejections, expiries and overflows follow RabbitMQ's own rules (the TOML policies reach
+//!   it only as upstream policies, with `upstream.management_url`);
 //! - a redeclare that names the queue's dead-letter arguments differently gets RabbitMQ's 406
 //!   text rebuilt in the client's terms; when RabbitMQ cut its text at 255 bytes (very long
 //!   queue, exchange or routing-key names) the proxy cannot read it back and passes it on as
@@ -145,7 +149,8 @@
 //! declare check), [`readback`], [`probe`] (the check channel), [`outgoing`], [`handshake`],
 //! [`upstream`] (the upstream nodes, failover between them, TCP/TLS),
 //! [`outbox`] (socket writes), [`wire`] (frames and adaptive reads), [`busy_poll`] (polling
-//! before sleeping), [`channels`], [`ops`], [`registry`].
+//! before sleeping), [`channels`], [`ops`], [`registry`], [`policy_sync`] (the policies as
+//! upstream policies, through the management API).
 
 pub mod arbiter;
 pub mod bcc;
@@ -161,6 +166,7 @@ mod intercept;
 pub mod ops;
 pub mod outbox;
 pub mod outgoing;
+pub mod policy_sync;
 pub mod probe;
 pub mod publisher;
 pub mod readback;

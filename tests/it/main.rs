@@ -55,5 +55,6 @@ mod proxy_forwarding;
 mod proxy_holdretry;
 mod proxy_service;
 mod proxy_streams;
+mod proxy_upstream_policies;
 mod proxy_upstream_tls;
 mod table_depth;

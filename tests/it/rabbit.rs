@@ -43,6 +43,9 @@ pub struct RabbitNode {
     pub ca_file: PathBuf,
     /// The node's directory: data, logs, config, TLS files, cookie home, `bin/rabbitmqctl`.
     pub dir: PathBuf,
+    /// The management HTTP API (`guest`/`guest`), for a node started with the
+    /// `rabbitmq_management` plugin ([`NodeOptions`]).
+    pub management: Option<SocketAddr>,
     dist_port: u16,
     bin: PathBuf,
     /// The node this one joined, for a node of a [`RabbitCluster`].
@@ -58,6 +61,14 @@ const RAISE_OPEN_FILES: &str =
 
 /// The server itself, its output appended to `server.out` (restarts add to it).
 const SERVER: &str = "\"$RABBIT_BIN/rabbitmq-server\" >>\"$NODE_DIR/server.out\" 2>&1";
+
+/// What a node of a test's own runs beyond the defaults (no plugins).
+#[derive(Clone, Debug, Default)]
+pub struct NodeOptions {
+    /// Plugins enabled at boot, e.g. `rabbitmq_management` (which then listens on a free
+    /// port of 127.0.0.1, [`RabbitNode::management`]).
+    pub plugins: Vec<&'static str>,
+}
 
 /// The shared reference node, started on first use.
 pub fn reference() -> &'static RabbitNode {
@@ -91,7 +102,14 @@ impl RabbitNode {
     /// Starts a node called `dlxit-<pid>-<tag>@localhost` and waits until it accepts AMQP and
     /// amqps connections. Panics with the node's log when it does not come up.
     pub fn start(tag: &str) -> RabbitNode {
-        let node = Self::launch(tag, &format!("DLXIT{}{tag}", std::process::id()));
+        Self::start_with(tag, &NodeOptions::default())
+    }
+
+    /// [`RabbitNode::start`] with `options` (plugins); waits for the management listener too
+    /// when the management plugin is enabled.
+    pub fn start_with(tag: &str, options: &NodeOptions) -> RabbitNode {
+        let cookie = format!("DLXIT{}{tag}", std::process::id());
+        let node = Self::launch_with(tag, &cookie, options);
         node.wait_started();
         node
     }
@@ -100,6 +118,10 @@ impl RabbitNode {
     /// `cookie` as its Erlang cookie) and starts it under its watchdog, without waiting for
     /// it: nodes of a cluster boot side by side.
     pub(crate) fn launch(tag: &str, cookie: &str) -> RabbitNode {
+        Self::launch_with(tag, cookie, &NodeOptions::default())
+    }
+
+    fn launch_with(tag: &str, cookie: &str, options: &NodeOptions) -> RabbitNode {
         let bin = rabbitmq_bin();
         let name = format!("dlxit-{}-{tag}@localhost", std::process::id());
         let dir = std::env::temp_dir().join(format!("dlx-it-rabbit-{}-{tag}", std::process::id()));
@@ -110,6 +132,10 @@ impl RabbitNode {
         let amqp = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let amqps = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let dist_port = free_port();
+        let management = options
+            .plugins
+            .contains(&"rabbitmq_management")
+            .then(|| SocketAddr::from(([127, 0, 0, 1], free_port())));
 
         let cookie_file = dir.join("home/.erlang.cookie");
         std::fs::write(&cookie_file, cookie).unwrap();
@@ -129,12 +155,23 @@ impl RabbitNode {
                  ssl_options.certfile = {tls}/server.pem\n\
                  ssl_options.keyfile = {tls}/server.key\n\
                  ssl_options.verify = verify_none\n\
-                 ssl_options.fail_if_no_peer_cert = false\n",
-                tls = tls.display()
+                 ssl_options.fail_if_no_peer_cert = false\n{management}",
+                tls = tls.display(),
+                management = management
+                    .map(|addr| format!(
+                        "management.tcp.ip = {}\nmanagement.tcp.port = {}\n",
+                        addr.ip(),
+                        addr.port()
+                    ))
+                    .unwrap_or_default(),
             ),
         )
         .unwrap();
-        std::fs::write(dir.join("enabled_plugins"), "[].\n").unwrap();
+        std::fs::write(
+            dir.join("enabled_plugins"),
+            format!("[{}].\n", options.plugins.join(",")),
+        )
+        .unwrap();
 
         // `bin/rabbitmqctl` talks to this node: the conformance harness's policy hook and
         // anyone debugging a run can use it as they would use the system one.
@@ -156,6 +193,7 @@ impl RabbitNode {
             amqps,
             ca_file: tls.join("ca.pem"),
             dir,
+            management,
             dist_port,
             bin,
             seed: OnceLock::new(),
@@ -270,6 +308,7 @@ impl RabbitNode {
         loop {
             let up = port_open(self.amqp)
                 && port_open(self.amqps)
+                && self.management.is_none_or(port_open)
                 && self
                     .ctl(&["-q", "await_startup", "--timeout", "5"])
                     .status
@@ -291,6 +330,36 @@ impl RabbitNode {
     /// `amqp://guest:guest@127.0.0.1:PORT/%2f`
     pub fn uri(&self) -> String {
         format!("amqp://guest:guest@{}/%2f", self.amqp)
+    }
+
+    /// One request to the management API as `guest` (the node must have been started with
+    /// the management plugin): (status, body).
+    pub async fn management_call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> (u16, String) {
+        let address = self
+            .management
+            .unwrap_or_else(|| panic!("{} runs without the management plugin", self.name))
+            .to_string();
+        let (method, path) = (method.to_string(), path.to_string());
+        let body = body.map(str::to_string);
+        tokio::task::spawn_blocking(move || {
+            let guest = dlx_proxy::secret::Secret::new("Basic Z3Vlc3Q6Z3Vlc3Q=".to_string());
+            dlx_proxy::admin::request_authorized(
+                &address,
+                &method,
+                &path,
+                body.as_deref(),
+                Some(&guest),
+                Duration::from_secs(10),
+            )
+        })
+        .await
+        .expect("management request task")
+        .expect("management HTTP request")
     }
 
     /// Runs `rabbitmqctl` against this node.

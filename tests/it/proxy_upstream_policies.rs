@@ -1,0 +1,423 @@
+//! Brownfield queues through upstream policies (`upstream.management_url`): a queue declared
+//! straight on RabbitMQ before the proxy started gets the proxy's TTL and dead-letter target
+//! through the upstream policy `dlx-proxy.<name>`, its messages expire into the capture path
+//! and reach the policy's dead-letter queue as a client of the proxy sees them; a policy
+//! removed from the TOML file (reload) is deleted upstream, and the user's own policies are
+//! never touched. Nothing is put before the capture exchange exists, an admin-API change is
+//! mirrored at once, and a refused login is counted without showing the password; the sync
+//! runs as a user with only the `policymaker` tag and access to the vhost.
+//!
+//! Runs its own RabbitMQ node with the management plugin (the shared nodes run none).
+
+use crate::common;
+use crate::common::dl_policy::pattern;
+use crate::proxy_support::fleet::{ProxyProcess, fleet_toml};
+use crate::proxy_support::policy;
+use crate::rabbit::{NodeOptions, RabbitNode};
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use common::dl::{
+    assert_first_death, consume_empty, declare_dlx, declare_durable, get, get_and_reject, payload,
+    publish, x_death,
+};
+use common::{admin_call, poll, unique, write_atomically};
+use dlx_proxy::proxy::declare::CaptureTag;
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+use serde_json::{Value, json};
+
+/// The node of this module, with the management plugin.
+fn node() -> &'static RabbitNode {
+    static NODE: OnceLock<RabbitNode> = OnceLock::new();
+    NODE.get_or_init(|| {
+        RabbitNode::start_with(
+            "mgmt",
+            &NodeOptions {
+                plugins: vec!["rabbitmq_management"],
+            },
+        )
+    })
+}
+
+/// The policies of vhost "/" as the management API lists them.
+async fn upstream_policies(node: &RabbitNode) -> Vec<Value> {
+    let (status, body) = node.management_call("GET", "/api/policies/%2F", None).await;
+    assert_eq!(status, 200, "GET /api/policies/%2F: {body}");
+    serde_json::from_str(&body).expect("policy listing JSON")
+}
+
+fn named<'a>(policies: &'a [Value], name: &str) -> Option<&'a Value> {
+    policies.iter().find(|p| p["name"] == name)
+}
+
+/// Polls the upstream's policies until `check` accepts them (panics after 20 s).
+async fn wait_policies(
+    node: &RabbitNode,
+    what: &str,
+    check: impl Fn(&[Value]) -> bool,
+) -> Vec<Value> {
+    let found = poll(
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+        async || {
+            let policies = upstream_policies(node).await;
+            check(&policies).then_some(policies)
+        },
+    )
+    .await;
+    match found {
+        Some(policies) => policies,
+        None => panic!(
+            "{what}: upstream policies are {:#?}",
+            upstream_policies(node).await
+        ),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy() {
+    let node = node();
+    let queue = unique("legacy");
+    let dlx = unique("legacy-dlx");
+    let dlq = unique("legacy-dlq");
+
+    // Before the proxy: a queue declared straight on RabbitMQ, with messages, and a policy of
+    // the user's own.
+    let direct = Connection::connect(&node.uri(), ConnectionProperties::default())
+        .await
+        .expect("connect to RabbitMQ");
+    let ch = direct.create_channel().await.unwrap();
+    declare_durable(&ch, &queue, FieldTable::default()).await;
+    declare_dlx(&ch, &dlx, &dlq).await;
+    publish(&ch, &queue, &["old-1", "old-2"]).await;
+    let users_own = json!({"pattern": "^users-own\\.", "apply-to": "queues", "priority": 3,
+                           "definition": {"max-length": 7}});
+    let (status, body) = node
+        .management_call(
+            "PUT",
+            "/api/policies/%2F/users-own",
+            Some(&users_own.to_string()),
+        )
+        .await;
+    assert!(
+        matches!(status, 201 | 204),
+        "PUT users-own: {status} {body}"
+    );
+
+    // The proxy starts with a TTL + DLX policy for that queue.
+    let capture = unique("capture");
+    // And a policy for every queue, of a lower priority: the capture queue must not get it.
+    let exact = format!("^{}$", regex::escape(&queue));
+    let policies = vec![
+        pattern(
+            "legacy-ttl",
+            &exact,
+            5,
+            json!({"message-ttl": 300, "dead-letter-exchange": dlx, "dead-letter-routing-key": dlq}),
+        ),
+        pattern("broad", ".*", 0, json!({"max-length": 100000})),
+    ];
+    let toml = fleet_toml(
+        &[node.uri()],
+        &policies,
+        &capture,
+        &management_toml(node, "guest", "guest"),
+    );
+    let proxy = ProxyProcess::spawn(&toml).await;
+    // A client of the proxy: its connection creates and consumes the capture path.
+    let client = proxy.connect().await;
+    let client_ch = client.create_channel().await.unwrap();
+
+    let listed = wait_policies(node, "dlx-proxy.legacy-ttl put", |p| {
+        named(p, "dlx-proxy.legacy-ttl").is_some() && named(p, "dlx-proxy.broad").is_some()
+    })
+    .await;
+    let mirror = named(&listed, "dlx-proxy.legacy-ttl").unwrap();
+    let keep_out = format!("^(?!{}$)[\\s\\S]*?", regex::escape(&capture));
+    assert_eq!(mirror["pattern"], format!("{keep_out}(?:{exact})"));
+    assert_eq!(mirror["apply-to"], "queues");
+    assert_eq!(mirror["priority"], 5);
+    // RabbitMQ reads the patterns as meant: the broad one reaches the DLQ (a queue it never
+    // saw declared), not the capture queue; the old queue gets the higher priority.
+    let expected = [
+        (dlq.as_str(), json!("dlx-proxy.broad")),
+        (capture.as_str(), Value::Null),
+        (queue.as_str(), json!("dlx-proxy.legacy-ttl")),
+    ];
+    let policy_of = async |name: &str| {
+        // The listing's `policy` column follows the statistics, seconds behind.
+        let (_, body) = node
+            .management_call("GET", "/api/queues/%2F?columns=name,policy", None)
+            .await;
+        let queues: Vec<Value> = serde_json::from_str(&body).unwrap_or_default();
+        // None while the queue is not listed.
+        let found = queues.into_iter().find(|q| q["name"] == name);
+        found.map(|q| q["policy"].clone())
+    };
+    let applied = poll(
+        Duration::from_secs(20),
+        Duration::from_millis(500),
+        async || {
+            for (name, policy) in &expected {
+                if policy_of(name).await.as_ref() != Some(policy) {
+                    return None;
+                }
+            }
+            Some(())
+        },
+    )
+    .await;
+    if applied.is_none() {
+        let (_, body) = node
+            .management_call("GET", "/api/queues/%2F?columns=name,policy", None)
+            .await;
+        panic!("expected {expected:?}, the upstream's queues: {body}");
+    }
+    let definition = &mirror["definition"];
+    assert_eq!(definition["message-ttl"], 300);
+    assert_eq!(definition["dead-letter-exchange"], capture.as_str());
+    let tag = CaptureTag::decode(definition["dead-letter-routing-key"].as_str().unwrap());
+    assert_eq!(
+        tag,
+        Some(CaptureTag {
+            dead_letter_exchange: Some(dlx.clone()),
+            dead_letter_routing_key: Some(dlq.clone()),
+        })
+    );
+    assert_eq!(
+        named(&listed, "users-own").unwrap()["definition"],
+        users_own["definition"]
+    );
+
+    // The messages already there keep what they had when they were enqueued (RabbitMQ fixes
+    // a message's expiry then) and, in a classic queue, would hold back every expiry behind
+    // them: a client of the proxy rejects them, and they are dead-lettered by the policy.
+    get_and_reject(&client_ch, &queue, "old-1").await;
+    get_and_reject(&client_ch, &queue, "old-2").await;
+    // Messages published straight to the old queue from now on expire upstream, into the
+    // capture path, and the proxy dead-letters them as the policy says.
+    publish(&ch, &queue, &["new-1", "new-2"]).await;
+
+    // The client sees all four in the DLQ as RabbitMQ would have dead-lettered them itself.
+    let mut seen = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while seen.len() < 4 && std::time::Instant::now() < deadline {
+        match get(&client_ch, &dlq).await {
+            Some(d) => {
+                let body = payload(&d);
+                let reason = if body.starts_with("old") {
+                    "rejected"
+                } else {
+                    "expired"
+                };
+                let deaths = x_death(&d);
+                assert_eq!(deaths.len(), 1, "{body}: {deaths:?}");
+                assert_eq!(deaths[0].qrc(), (queue.as_str(), reason, 1), "{body}");
+                assert_eq!(deaths[0].exchange, "");
+                assert_eq!(deaths[0].routing_keys, vec![queue.clone()]);
+                assert_first_death(&d, reason, &queue, "");
+                assert_eq!(d.routing_key.as_str(), dlq, "{body}");
+                seen.push(body);
+            }
+            None => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    seen.sort();
+    if seen.len() < 4 {
+        let columns = "name,messages,policy,effective_policy_definition";
+        let (_, queues) = node
+            .management_call("GET", &format!("/api/queues/%2F?columns={columns}"), None)
+            .await;
+        panic!(
+            "dead letters seen: {seen:?}\nupstream queues: {queues}\n{}",
+            proxy.logs()
+        );
+    }
+    assert_eq!(seen, ["new-1", "new-2", "old-1", "old-2"]);
+    // Nothing left in the old queue.
+    consume_empty(&client_ch, &queue).await;
+    proxy
+        .wait_counter(
+            "dead_lettered_total",
+            &[("queue", &queue), ("reason", "rejected"), ("vhost", "/")],
+            2.0,
+        )
+        .await;
+    proxy
+        .wait_counter(
+            "dead_lettered_total",
+            &[("queue", &queue), ("reason", "expired"), ("vhost", "/")],
+            2.0,
+        )
+        .await;
+    assert_eq!(proxy.counter("upstream_policies_synced", &[]).await, 2.0);
+
+    // The policy removed from the file: the reload deletes it upstream; the user's stays.
+    let mut config: toml::Table = std::fs::read_to_string(proxy.config_path())
+        .unwrap()
+        .parse()
+        .unwrap();
+    config.remove("policies");
+    write_atomically(proxy.config_path(), &toml::to_string(&config).unwrap());
+    let listed = wait_policies(node, "dlx-proxy.legacy-ttl deleted", |p| {
+        named(p, "dlx-proxy.legacy-ttl").is_none() && named(p, "dlx-proxy.broad").is_none()
+    })
+    .await;
+    let users = named(&listed, "users-own").expect("the user's policy is untouched");
+    assert_eq!(users["definition"], users_own["definition"]);
+    assert_eq!(users["priority"], 3);
+    assert_eq!(proxy.counter("upstream_policies_synced", &[]).await, 0.0);
+    assert!(
+        proxy
+            .counter("upstream_policy_sync_total", &[("result", "success")])
+            .await
+            >= 2.0
+    );
+
+    let _ = node
+        .management_call("DELETE", "/api/policies/%2F/users-own", None)
+        .await;
+    client.close(200, "bye".into()).await.ok();
+    direct.close(200, "bye".into()).await.ok();
+}
+
+/// The `[upstream]` keys of a proxy syncing its policies with `node` every second as `user`.
+fn management_toml(node: &RabbitNode, user: &str, password: &str) -> String {
+    let management = node.management.expect("management listener");
+    format!(
+        "[upstream]\nmanagement_url = \"http://{management}\"\n\
+         management_sync_interval_secs = 1\nuser = \"{user}\"\npassword = \"{password}\"\n"
+    )
+}
+
+/// A user with what docs/deploy.md asks for: the `policymaker` tag and access to vhost "/"
+/// without any resource permission.
+async fn least_privileged_user(node: &RabbitNode, user: &str, password: &str) {
+    let body = json!({"password": password, "tags": "policymaker"}).to_string();
+    let (status, text) = node
+        .management_call("PUT", &format!("/api/users/{user}"), Some(&body))
+        .await;
+    assert!(matches!(status, 201 | 204), "PUT user: {status} {text}");
+    let body = json!({"configure": "^$", "write": "^$", "read": "^$"}).to_string();
+    let (status, text) = node
+        .management_call("PUT", &format!("/api/permissions/%2F/{user}"), Some(&body))
+        .await;
+    assert!(
+        matches!(status, 201 | 204),
+        "PUT permissions: {status} {text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sync_waits_for_the_capture_exchange_follows_the_admin_api_and_counts_failures() {
+    let node = node();
+    let queue = unique("early");
+    let policies = vec![policy(
+        "early-ttl",
+        &format!("^{}$", regex::escape(&queue)),
+        json!({"message-ttl": 1000, "dead-letter-exchange": "dlx"}),
+    )];
+    let capture = unique("capture");
+    least_privileged_user(node, "dlx-sync", "sync-pw").await;
+    let toml = fleet_toml(
+        &[node.uri()],
+        &policies,
+        &capture,
+        &management_toml(node, "dlx-sync", "sync-pw"),
+    );
+    let proxy = ProxyProcess::spawn(&toml).await;
+    // No client yet: no capture exchange upstream, so a route into it would lose messages.
+    proxy
+        .wait_counter(
+            "upstream_policy_sync_total",
+            &[("result", "capture_missing")],
+            2.0,
+        )
+        .await;
+    assert!(named(&upstream_policies(node).await, "dlx-proxy.early-ttl").is_none());
+    assert_eq!(proxy.counter("upstream_policies_synced", &[]).await, 0.0);
+    // A client connection creates the capture path; the next round puts the policy.
+    let client = proxy.connect().await;
+    wait_policies(node, "dlx-proxy.early-ttl put", |p| {
+        named(p, "dlx-proxy.early-ttl").is_some()
+    })
+    .await;
+    client.close(200, "bye".into()).await.ok();
+    let mut proxy = proxy;
+    proxy.kill();
+
+    // A change through the admin API reaches the upstream at once (this proxy's periodic
+    // round is an hour away); its removal too.
+    let token = "admin-t0ken";
+    let hourly = fleet_toml(
+        &[node.uri()],
+        &policies,
+        &capture,
+        &format!(
+            "{}management_sync_interval_secs = 3600\n[admin]\ntoken = \"{token}\"\n",
+            management_toml(node, "dlx-sync", "sync-pw")
+                .replace("management_sync_interval_secs = 1\n", "")
+        ),
+    );
+    let hourly = ProxyProcess::spawn(&hourly).await;
+    let added = json!({"pattern": "^added$", "definition": {"max-length": 3}}).to_string();
+    let (status, text) = admin_call(
+        hourly.admin,
+        "PUT",
+        "/api/policies/%2F/added",
+        Some(&added),
+        Some(token),
+    )
+    .await;
+    assert!(
+        matches!(status, 200 | 201 | 204),
+        "admin PUT: {status} {text}"
+    );
+    let listed = wait_policies(node, "dlx-proxy.added put", |p| {
+        named(p, "dlx-proxy.added").is_some()
+    })
+    .await;
+    assert_eq!(
+        named(&listed, "dlx-proxy.added").unwrap()["definition"],
+        json!({"max-length": 3, "dead-letter-exchange": capture})
+    );
+    let (status, text) = admin_call(
+        hourly.admin,
+        "DELETE",
+        "/api/policies/%2F/added",
+        None,
+        Some(token),
+    )
+    .await;
+    assert!(matches!(status, 200 | 204), "admin DELETE: {status} {text}");
+    wait_policies(node, "dlx-proxy.added deleted", |p| {
+        named(p, "dlx-proxy.added").is_none() && named(p, "dlx-proxy.early-ttl").is_some()
+    })
+    .await;
+    drop(hourly);
+
+    // A wrong password: every round fails, is counted, and the password is never shown.
+    let wrong = fleet_toml(
+        &[node.uri()],
+        &[],
+        &capture,
+        &management_toml(node, "dlx-sync", "wrong-secret"),
+    );
+    let refused = ProxyProcess::spawn(&wrong).await;
+    refused
+        .wait_counter("upstream_policy_sync_total", &[("result", "failure")], 2.0)
+        .await;
+    assert_eq!(
+        refused
+            .counter("upstream_policy_sync_total", &[("result", "success")])
+            .await,
+        0.0
+    );
+    let logs = refused.logs();
+    assert!(logs.contains("401"), "{logs}");
+    assert!(!logs.contains("wrong-secret"), "{logs}");
+    // The policy of the first proxy is left alone by a proxy that cannot reach the API.
+    assert!(named(&upstream_policies(node).await, "dlx-proxy.early-ttl").is_some());
+}
