@@ -184,6 +184,7 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
         Some(CaptureTag {
             dead_letter_exchange: Some(dlx.clone()),
             dead_letter_routing_key: Some(dlq.clone()),
+            delivery_limit: None,
         })
     );
     assert_eq!(
