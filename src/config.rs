@@ -2024,7 +2024,8 @@ mod tests {
 
     #[test]
     fn the_management_url_needs_http_and_the_service_identity() {
-        let base = "mode = \"proxy\"\n[upstream]\nurl = \"amqp://a\"\n";
+        // Delegating: the service user is required only by the management URL here.
+        let base = "mode = \"proxy\"\n[proxy]\ndelegate_to_upstream = true\n[upstream]\nurl = \"amqp://a\"\n";
         let config = load_text(&format!(
             "{base}management_url = \"http://a:15672\"\nuser = \"dlx\"\npassword = \"pw-secret\"\n"
         ))
@@ -2039,12 +2040,12 @@ mod tests {
         assert!(!shown.contains("pw-secret"), "{shown}");
         for (extra, key, words) in [
             (
-                "management_url = \"https://a:15671\"\nuser = \"dlx\"",
+                "management_url = \"https://a:15671\"\nuser = \"dlx\"\npassword = \"pw\"",
                 "upstream.management_url",
                 "https:// is not supported",
             ),
             (
-                "management_url = \"http://dlx:secret@a:15672\"\nuser = \"dlx\"",
+                "management_url = \"http://dlx:secret@a:15672\"\nuser = \"dlx\"\npassword = \"pw\"",
                 "upstream.management_url",
                 "credentials do not go in the URL",
             ),
@@ -2054,7 +2055,7 @@ mod tests {
                 "required with upstream.management_url",
             ),
             (
-                "management_url = \"http://a:15672\"\nuser = \"dlx\"\n\
+                "management_url = \"http://a:15672\"\nuser = \"dlx\"\npassword = \"pw\"\n\
                  management_sync_interval_secs = 0",
                 "upstream.management_sync_interval_secs",
                 "at least 1",
