@@ -3,9 +3,10 @@
 //! through the upstream policy `dlx-proxy.<name>`, its messages expire into the capture path
 //! and reach the policy's dead-letter queue as a client of the proxy sees them; a policy
 //! removed from the TOML file (reload) is deleted upstream, and the user's own policies are
-//! never touched. Nothing is put before the capture exchange exists, an admin-API change is
-//! mirrored at once, and a refused login is counted without showing the password; the sync
-//! runs as a user with only the `policymaker` tag and access to the vhost.
+//! never touched. The route goes in once the service connection has created the capture path
+//! (at start, no client needed), an admin-API change is mirrored at once, and a refused login
+//! is counted without showing the password; the sync runs as the proxy's service user with
+//! the `policymaker` tag and only the permissions its capture path needs.
 //!
 //! Runs its own RabbitMQ node with the management plugin (the shared nodes run none).
 
@@ -293,15 +294,23 @@ fn management_toml(node: &RabbitNode, user: &str, password: &str) -> String {
     )
 }
 
-/// A user with what docs/deploy.md asks for: the `policymaker` tag and access to vhost "/"
-/// without any resource permission.
-async fn least_privileged_user(node: &RabbitNode, user: &str, password: &str) {
+/// The proxy's service user as docs/deploy.md asks for it: the `policymaker` tag (for the
+/// management API) and, in vhost "/", configure and read on the capture name and write on the
+/// capture queue and the dead-letter exchange `dlx` (its service connection owns the capture
+/// path and publishes the dead letters).
+async fn least_privileged_user(node: &RabbitNode, user: &str, password: &str, capture: &str) {
     let body = json!({"password": password, "tags": "policymaker"}).to_string();
     let (status, text) = node
         .management_call("PUT", &format!("/api/users/{user}"), Some(&body))
         .await;
     assert!(matches!(status, 201 | 204), "PUT user: {status} {text}");
-    let body = json!({"configure": "^$", "write": "^$", "read": "^$"}).to_string();
+    let capture = regex::escape(capture);
+    let body = json!({
+        "configure": format!("^{capture}$"),
+        "write": format!("^({capture}|dlx)$"),
+        "read": format!("^{capture}$"),
+    })
+    .to_string();
     let (status, text) = node
         .management_call("PUT", &format!("/api/permissions/%2F/{user}"), Some(&body))
         .await;
@@ -312,7 +321,7 @@ async fn least_privileged_user(node: &RabbitNode, user: &str, password: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_sync_waits_for_the_capture_exchange_follows_the_admin_api_and_counts_failures() {
+async fn the_sync_routes_into_the_capture_follows_the_admin_api_and_counts_failures() {
     let node = node();
     let queue = unique("early");
     let policies = vec![policy(
@@ -321,31 +330,21 @@ async fn the_sync_waits_for_the_capture_exchange_follows_the_admin_api_and_count
         json!({"message-ttl": 1000, "dead-letter-exchange": "dlx"}),
     )];
     let capture = unique("capture");
-    least_privileged_user(node, "dlx-sync", "sync-pw").await;
+    least_privileged_user(node, "dlx-sync", "sync-pw", &capture).await;
     let toml = fleet_toml(
         &[node.uri()],
         &policies,
         &capture,
         &management_toml(node, "dlx-sync", "sync-pw"),
     );
+    // The service connection declares the capture path at start (no client needed), and the
+    // sync puts the policy with the route into it.
     let proxy = ProxyProcess::spawn(&toml).await;
-    // No client yet: no capture exchange upstream, so a route into it would lose messages.
-    proxy
-        .wait_counter(
-            "upstream_policy_sync_total",
-            &[("result", "capture_missing")],
-            2.0,
-        )
-        .await;
-    assert!(named(&upstream_policies(node).await, "dlx-proxy.early-ttl").is_none());
-    assert_eq!(proxy.counter("upstream_policies_synced", &[]).await, 0.0);
-    // A client connection creates the capture path; the next round puts the policy.
-    let client = proxy.connect().await;
     wait_policies(node, "dlx-proxy.early-ttl put", |p| {
         named(p, "dlx-proxy.early-ttl").is_some()
     })
     .await;
-    client.close(200, "bye".into()).await.ok();
+    assert!(proxy.counter("upstream_policies_synced", &[]).await >= 1.0);
     let mut proxy = proxy;
     proxy.kill();
 
@@ -399,12 +398,17 @@ async fn the_sync_waits_for_the_capture_exchange_follows_the_admin_api_and_count
     .await;
     drop(hourly);
 
-    // A wrong password: every round fails, is counted, and the password is never shown.
+    // A wrong password: every round fails, is counted, and the password is never shown. (The
+    // proxy delegates dead-lettering here, so it is ready without a service connection, which
+    // the wrong password would keep down.)
     let wrong = fleet_toml(
         &[node.uri()],
         &[],
         &capture,
-        &management_toml(node, "dlx-sync", "wrong-secret"),
+        &format!(
+            "{}[proxy]\ndelegate_to_upstream = true\n",
+            management_toml(node, "dlx-sync", "wrong-secret")
+        ),
     );
     let refused = ProxyProcess::spawn(&wrong).await;
     refused

@@ -292,20 +292,44 @@ impl Fleet {
         for proxy in &mut self.proxies {
             proxy.kill();
         }
-        for uri in &self.upstreams {
-            let Ok(conn) = Connection::connect(uri, ConnectionProperties::default()).await else {
-                continue;
-            };
-            let ch = conn.create_channel().await.expect("channel");
-            super::delete_upstream(&ch, queues, exchanges).await;
-            let name = self.capture.as_str();
-            let _ = ch.queue_delete(name.into(), Default::default()).await;
-            let _ = ch.exchange_delete(name.into(), Default::default()).await;
-            let _ = conn.close(200, "done".into()).await;
-            return;
+        // A node that has just been restarted may reset a connection or refuse a quorum
+        // queue's delete for a while: try every node, a few rounds.
+        let mut last = String::new();
+        for _ in 0..10 {
+            for uri in &self.upstreams {
+                match delete_at(uri, queues, exchanges, &self.capture).await {
+                    Ok(()) => return,
+                    Err(e) => last = format!("{uri}: {e}"),
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
-        panic!("no upstream of the fleet answers: {:?}", self.upstreams);
+        panic!("no upstream of the fleet deletes the test's objects; last: {last}");
     }
+}
+
+/// Deletes `queues`, `exchanges` and the fleet's capture queue and exchange on the broker at
+/// `uri`, on a connection of its own.
+async fn delete_at(
+    uri: &str,
+    queues: &[&str],
+    exchanges: &[&str],
+    capture: &str,
+) -> Result<(), lapin::Error> {
+    let conn = Connection::connect(uri, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    for queue in queues {
+        ch.queue_delete((*queue).into(), Default::default()).await?;
+    }
+    for exchange in exchanges {
+        ch.exchange_delete((*exchange).into(), Default::default())
+            .await?;
+    }
+    // The capture objects may be gone already (another test's cleanup); best effort, last.
+    let _ = ch.queue_delete(capture.into(), Default::default()).await;
+    let _ = ch.exchange_delete(capture.into(), Default::default()).await;
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
 }
 
 /// The message count of `queue` as the broker at `uri` reports it (a passive declare on a
