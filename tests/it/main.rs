@@ -7,6 +7,7 @@
 
 mod common;
 #[macro_use]
+mod docs_map;
 mod proxy_support;
 mod rabbit;
 
