@@ -211,6 +211,18 @@ impl RunningService {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
+        // Everything the broker wrote (lazy removals included) made stable before exit.
+        if let Some(broker) = &self.broker
+            && broker.storage().is_some()
+        {
+            let broker = broker.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                if let Some(storage) = broker.storage() {
+                    storage.close();
+                }
+            })
+            .await;
+        }
     }
 
     /// Re-reads every TLS file (listener certificate, key and client CA; upstream CA), as
@@ -382,6 +394,15 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 },
                 metrics.clone(),
             );
+            if let Some(options) = config.storage.options() {
+                let dir = options.dir.display().to_string();
+                let (storage, recovered) =
+                    tokio::task::spawn_blocking(move || crate::storage::Storage::open(options))
+                        .await
+                        .context("storage recovery task")?
+                        .with_context(|| format!("opening storage.dir {dir:?}"))?;
+                broker.restore(recovered, Arc::new(storage));
+            }
             tasks.push(tokio::spawn(
                 broker.clone().timer_loop(connections_trigger.subscribe()),
             ));

@@ -53,4 +53,5 @@ mod proxy_faults;
 mod proxy_forwarding;
 mod proxy_holdretry;
 mod proxy_upstream_tls;
+mod storage_restart;
 mod table_depth;

@@ -101,14 +101,15 @@ impl ChannelTable {
         };
         let message = std::sync::Arc::new(prepared.message);
         let returnable = p.mandatory.then(|| message.clone());
-        let result =
-            match ctx
-                .broker
-                .publish(&s.vhost, &p.exchange, message, prepared.headers.as_ref())
-            {
-                Ok(r) => r,
-                Err(e) => return self.fail(ch, e.on_method(60, 40), s, ctx),
-            };
+        let (result, durable) = match ctx.broker.publish_durable(
+            &s.vhost,
+            &p.exchange,
+            message,
+            prepared.headers.as_ref(),
+        ) {
+            Ok(r) => r,
+            Err(e) => return self.fail(ch, e.on_method(60, 40), s, ctx),
+        };
         if !result.routed
             && let Some(returned) = returnable
         {
@@ -133,14 +134,30 @@ impl ChannelTable {
                 );
             });
         }
-        if let Some(seq) = confirm_seq {
-            s.write_queue.push(|o| {
+        match (confirm_seq, durable) {
+            // Kept on disk: confirmed once storage says it is stable (nack if it could not
+            // be written).
+            (Some(seq), Some(durable)) if !result.rejected => {
+                let write_queue = s.write_queue.clone();
+                tokio::spawn(async move {
+                    let stored = durable.await.unwrap_or(false);
+                    write_queue.push(|o| {
+                        if stored {
+                            put_basic_ack(o, ch, seq, false)
+                        } else {
+                            put_basic_nack(o, ch, seq, false, false)
+                        }
+                    });
+                });
+            }
+            (Some(seq), _) => s.write_queue.push(|o| {
                 if result.rejected {
                     put_basic_nack(o, ch, seq, false, false)
                 } else {
                     put_basic_ack(o, ch, seq, false)
                 }
-            });
+            }),
+            (None, _) => {}
         }
         Flow::Continue
     }

@@ -1,0 +1,148 @@
+//! What the broker keeps: persistent messages of durable queues (their publish waits for
+//! storage), nothing else; and a second broker restored from the same directory.
+
+use std::sync::Arc;
+
+use amq_protocol::protocol::BasicProperties;
+use amq_protocol::types::FieldTable;
+
+use crate::amqp::content::encode_properties;
+use crate::broker::Broker;
+use crate::broker::message::Message;
+use crate::broker::methods::test_support::broker;
+use crate::broker::methods::{ExchangeDeclare, QueueDeclare};
+use crate::broker::routing::Destination;
+use crate::broker::write_queue::WriteQueue;
+use crate::storage::{Storage, StorageOptions};
+
+fn open(dir: &std::path::Path) -> Arc<Broker> {
+    let b = broker();
+    let (storage, recovered) = Storage::open(StorageOptions {
+        dir: dir.to_path_buf(),
+        fsync: false,
+        segment_size: 1 << 20,
+    })
+    .expect("open storage");
+    b.restore(recovered, Arc::new(storage));
+    b
+}
+
+fn message(key: &str, body: &str, mode: u8) -> Arc<Message> {
+    let props = encode_properties(&BasicProperties::default().with_delivery_mode(mode));
+    Arc::new(Message::new(
+        "",
+        &[key],
+        &props,
+        body.as_bytes(),
+        None,
+        false,
+    ))
+}
+
+fn declare(b: &Broker, conn: u64, name: &str, durable: bool, args: &FieldTable) {
+    b.queue_declare(
+        conn,
+        "/",
+        &QueueDeclare {
+            name,
+            passive: false,
+            durable,
+            exclusive: false,
+            auto_delete: false,
+            arguments: args,
+        },
+    )
+    .expect("declare");
+}
+
+fn bodies(b: &Broker, queue: &str) -> Option<Vec<(String, bool)>> {
+    let st = b.lock();
+    let q = st.vhosts["/"].queues.get(queue)?;
+    Some(
+        q.state
+            .iter()
+            .map(|e| {
+                (
+                    String::from_utf8_lossy(e.message.body()).into_owned(),
+                    e.redelivered,
+                )
+            })
+            .collect(),
+    )
+}
+
+#[test]
+fn persistent_messages_of_durable_queues_are_kept_and_restored() {
+    let dir = std::env::temp_dir().join(format!("dlx-broker-store-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let none = FieldTable::default();
+    {
+        let b = open(&dir);
+        let conn = b
+            .open_connection(Arc::new(WriteQueue::new(1 << 20)), 131_072, "guest", "/")
+            .unwrap();
+        b.open_channel(conn, 1);
+        declare(&b, conn, "keep", true, &none);
+        declare(&b, conn, "temp", false, &none);
+        b.exchange_declare(
+            "/",
+            &ExchangeDeclare {
+                name: "x",
+                kind: "topic",
+                passive: false,
+                durable: true,
+                auto_delete: false,
+                internal: false,
+                arguments: &none,
+            },
+        )
+        .unwrap();
+        b.bind(
+            conn,
+            "/",
+            "x",
+            Destination::Queue("keep".into()),
+            "k.#",
+            &none,
+        )
+        .unwrap();
+        let (r, durable) = b
+            .publish_durable("/", "", message("keep", "p1", 2), None)
+            .unwrap();
+        assert!(r.routed);
+        assert_eq!(
+            durable.expect("kept: the confirm waits").blocking_recv(),
+            Ok(true)
+        );
+        let (_, durable) = b
+            .publish_durable("/", "", message("keep", "t1", 1), None)
+            .unwrap();
+        assert!(durable.is_none(), "transient: not stored");
+        let (_, durable) = b
+            .publish_durable("/", "", message("temp", "p2", 2), None)
+            .unwrap();
+        assert!(durable.is_none(), "non-durable queue: not stored");
+        b.publish("/", "", message("keep", "p3", 2), None).unwrap();
+        b.publish("/", "", message("keep", "p4", 2), None).unwrap();
+        // p1 delivered and left unacked; p3 delivered and acked.
+        b.get(conn, 1, "/", "keep", false).unwrap();
+        b.get(conn, 1, "/", "keep", false).unwrap();
+        b.get(conn, 1, "/", "keep", false).unwrap();
+        b.ack(conn, 1, 3, false).unwrap();
+        b.storage().unwrap().close();
+    }
+    let b = open(&dir);
+    assert_eq!(
+        bodies(&b, "keep"),
+        Some(vec![("p1".to_string(), true), ("p4".to_string(), false)])
+    );
+    assert_eq!(bodies(&b, "temp"), None);
+    let st = b.lock();
+    let bindings: Vec<_> = st.vhosts["/"].exchanges["x"].bindings.bindings().collect();
+    assert_eq!(bindings.len(), 1);
+    assert_eq!(bindings[0].routing_key, "k.#");
+    assert!(st.vhosts["/"].exchanges["x"].durable);
+    drop(st);
+    b.storage().unwrap().close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
