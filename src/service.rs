@@ -396,11 +396,13 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             );
             if let Some(options) = config.storage.options() {
                 let dir = options.dir.display().to_string();
-                let (storage, recovered) =
-                    tokio::task::spawn_blocking(move || crate::storage::Storage::open(options))
-                        .await
-                        .context("storage recovery task")?
-                        .with_context(|| format!("opening storage.dir {dir:?}"))?;
+                let storage_metrics = metrics.clone();
+                let (storage, recovered) = tokio::task::spawn_blocking(move || {
+                    crate::storage::Storage::open(options, Some(storage_metrics))
+                })
+                .await
+                .context("storage recovery task")?
+                .with_context(|| format!("opening storage.dir {dir:?}"))?;
                 broker.restore(recovered, Arc::new(storage));
             }
             tasks.push(tokio::spawn(

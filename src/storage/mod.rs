@@ -102,8 +102,12 @@ impl std::fmt::Debug for Storage {
 pub type Durable = oneshot::Receiver<bool>;
 
 impl Storage {
-    /// Recovers `options.dir` (created if missing) and starts the storage thread.
-    pub fn open(options: StorageOptions) -> Result<(Storage, Recovered), RecoveryError> {
+    /// Recovers `options.dir` (created if missing) and starts the storage thread, which
+    /// reports to `metrics` when given.
+    pub fn open(
+        options: StorageOptions,
+        metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
+    ) -> Result<(Storage, Recovered), RecoveryError> {
         let mut recovered = recovery::recover(&options.dir)?;
         let index = std::mem::take(&mut recovered.index);
         let segment = segment::SegmentWriter::open(
@@ -124,11 +128,16 @@ impl Storage {
             .sum();
         stats.add_bytes(on_disk);
         stats.set_segments(index.segment_count().max(1) as u64);
+        if let Some(m) = &metrics {
+            let r = &recovered.stats;
+            m.set_storage_recovery(r.messages, r.damaged_records, r.torn_bytes);
+            m.set_storage(stats.bytes_on_disk(), stats.segments());
+        }
         let (tx, rx) = std::sync::mpsc::channel();
         let thread_stats = stats.clone();
         let thread = std::thread::Builder::new()
             .name("dlx-storage".into())
-            .spawn(move || writer::run(rx, segment, index, options, thread_stats))
+            .spawn(move || writer::run(rx, segment, index, options, thread_stats, metrics))
             .map_err(|source| RecoveryError::Io {
                 path: "storage thread".into(),
                 source,

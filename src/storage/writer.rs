@@ -37,6 +37,7 @@ pub(super) fn run(
     mut index: Index,
     options: StorageOptions,
     stats: std::sync::Arc<StorageStats>,
+    metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
 ) {
     let mut buf = Vec::with_capacity(1 << 16);
     let mut record = Vec::new();
@@ -89,6 +90,9 @@ pub(super) fn run(
             let started = Instant::now();
             ok &= report(segment.sync(), "fsync a segment");
             stats.observe_fsync(started.elapsed());
+            if let Some(m) = &metrics {
+                m.observe_storage_fsync(started.elapsed());
+            }
         }
         for w in waiters {
             let _ = w.send(ok);
@@ -101,6 +105,9 @@ pub(super) fn run(
             }
         }
         stats.set_segments(index.segment_count() as u64);
+        if let Some(m) = &metrics {
+            m.set_storage(stats.bytes_on_disk(), stats.segments());
+        }
         if closing {
             return;
         }

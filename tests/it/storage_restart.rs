@@ -206,10 +206,25 @@ async fn confirmed_persistent_messages_survive_sigkill_and_clean_restart() {
     assert_eq!(count(&ch, "keep").await, 1010);
     drop(conn);
 
+    let text = common::scrape(node.admin).await;
+    let fsyncs = common::metric_value(&text, "dlx_proxy_storage_fsync_seconds_count");
+    assert!(
+        fsyncs.is_some_and(|n| (1.0..1000.0).contains(&n)),
+        "{fsyncs:?}: confirms share fsyncs"
+    );
+    assert!(
+        common::metric_value(&text, "dlx_proxy_storage_bytes").is_some_and(|b| b > 1000.0 * 10.0)
+    );
+
     node.kill().await;
     node.up().await;
     let (_conn, ch) = node.channel().await;
     assert_eq!(count(&ch, "keep").await, 1000, "{}", node.logs());
+    let text = common::scrape(node.admin).await;
+    assert_eq!(
+        common::metric_value(&text, "dlx_proxy_storage_recovered_messages"),
+        Some(1000.0)
+    );
     let err = ch
         .queue_declare(
             "temp".into(),
@@ -410,10 +425,89 @@ async fn a_torn_tail_is_cut_and_loses_only_the_torn_record() {
         .collect();
     let want: Vec<String> = (0..9).map(|i| format!("x-{i}")).collect();
     assert_eq!(got, want);
+    let text = common::scrape(node.admin).await;
+    assert_eq!(
+        common::metric_value(&text, "dlx_proxy_storage_recovered_messages"),
+        Some(9.0)
+    );
+    assert!(
+        common::metric_value(&text, "dlx_proxy_storage_recovery_torn_bytes")
+            .is_some_and(|b| b > 0.0)
+    );
+    assert_eq!(
+        common::metric_value(&text, "dlx_proxy_storage_recovery_damaged_records"),
+        Some(0.0)
+    );
     assert!(
         node.logs()
             .contains("torn record at the end of a segment cut off"),
         "{}",
         node.logs()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_confirmed_message_survives_a_sigkill_during_publishing() {
+    let mut node = Node::start("storage-midway").await;
+    let (conn, ch) = node.channel().await;
+    confirm_select(&ch).await;
+    declare_durable(&ch, "midway", FieldTable::default()).await;
+    // Publishers keep publishing in windows of 50; the kill lands while confirms are
+    // outstanding.
+    let confirmed = std::sync::Arc::new(std::sync::Mutex::new(Vec::<usize>::new()));
+    let publisher = {
+        let confirmed = confirmed.clone();
+        let ch = ch.clone();
+        tokio::spawn(async move {
+            for window in 0.. {
+                let mut pending = Vec::new();
+                for i in window * 50..(window + 1) * 50 {
+                    let Ok(confirm) = ch
+                        .basic_publish(
+                            "".into(),
+                            "midway".into(),
+                            BasicPublishOptions::default(),
+                            format!("p-{i}").as_bytes(),
+                            persistent(i),
+                        )
+                        .await
+                    else {
+                        return;
+                    };
+                    pending.push((i, confirm));
+                }
+                for (i, confirm) in pending {
+                    match confirm.await {
+                        Ok(Confirmation::Ack(_)) => confirmed.lock().unwrap().push(i),
+                        _ => return,
+                    }
+                }
+            }
+        })
+    };
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    while confirmed.lock().unwrap().len() < 500 && tokio::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    node.kill().await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), publisher).await;
+    drop(conn);
+    let confirmed = confirmed.lock().unwrap().clone();
+    assert!(confirmed.len() >= 500, "only {} confirmed", confirmed.len());
+    node.up().await;
+    let (_conn, ch) = node.channel().await;
+    let got: Vec<String> = drain(&ch, "midway")
+        .await
+        .into_iter()
+        .map(|(b, _, _)| b)
+        .collect();
+    // Every confirmed message is there, in publish order (unconfirmed ones may be too).
+    let positions: Vec<usize> = got
+        .iter()
+        .map(|b| b.trim_start_matches("p-").parse().expect("body p-N"))
+        .collect();
+    assert!(positions.windows(2).all(|w| w[0] < w[1]), "order kept");
+    for i in &confirmed {
+        assert!(positions.contains(i), "confirmed message p-{i} lost");
+    }
 }

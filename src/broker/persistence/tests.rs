@@ -17,11 +17,14 @@ use crate::storage::{Storage, StorageOptions};
 
 fn open(dir: &std::path::Path) -> Arc<Broker> {
     let b = broker();
-    let (storage, recovered) = Storage::open(StorageOptions {
-        dir: dir.to_path_buf(),
-        fsync: false,
-        segment_size: 1 << 20,
-    })
+    let (storage, recovered) = Storage::open(
+        StorageOptions {
+            dir: dir.to_path_buf(),
+            fsync: false,
+            segment_size: 1 << 20,
+        },
+        None,
+    )
     .expect("open storage");
     b.restore(recovered, Arc::new(storage));
     b

@@ -74,7 +74,7 @@ fn bodies(r: &super::Recovered, queue: u64) -> Vec<String> {
 #[test]
 fn publishes_removals_deliveries_and_moves_replay_in_order() {
     let d = dir("replay");
-    let (s, r) = Storage::open(options(&d, 1 << 20)).unwrap();
+    let (s, r) = Storage::open(options(&d, 1 << 20), None).unwrap();
     assert_eq!(r.stats.messages, 0);
     s.definitions(queues(&[1, 2]));
     let a = publish(&s, 1, "a");
@@ -97,7 +97,7 @@ fn publishes_removals_deliveries_and_moves_replay_in_order() {
     });
     assert_eq!(durable.blocking_recv(), Ok(true));
     s.close();
-    let (s, r) = Storage::open(options(&d, 1 << 20)).unwrap();
+    let (s, r) = Storage::open(options(&d, 1 << 20), None).unwrap();
     assert_eq!(bodies(&r, 1), vec!["c", "d"]);
     assert_eq!(bodies(&r, 2), vec!["b"]);
     let q1 = &r.queues[&1];
@@ -113,13 +113,13 @@ fn publishes_removals_deliveries_and_moves_replay_in_order() {
 #[test]
 fn messages_of_deleted_queues_are_orphans() {
     let d = dir("orphans");
-    let (s, _) = Storage::open(options(&d, 1 << 20)).unwrap();
+    let (s, _) = Storage::open(options(&d, 1 << 20), None).unwrap();
     s.definitions(queues(&[1, 2]));
     publish(&s, 1, "a");
     publish(&s, 2, "b");
     s.definitions(queues(&[2]));
     s.close();
-    let (s, r) = Storage::open(options(&d, 1 << 20)).unwrap();
+    let (s, r) = Storage::open(options(&d, 1 << 20), None).unwrap();
     assert_eq!(bodies(&r, 1), Vec::<String>::new());
     assert_eq!(bodies(&r, 2), vec!["b"]);
     assert_eq!(r.stats.orphans, 1);
@@ -130,7 +130,7 @@ fn messages_of_deleted_queues_are_orphans() {
 #[test]
 fn a_torn_tail_is_cut_and_only_the_torn_record_is_lost() {
     let d = dir("torn");
-    let (s, _) = Storage::open(options(&d, 1 << 20)).unwrap();
+    let (s, _) = Storage::open(options(&d, 1 << 20), None).unwrap();
     s.definitions(queues(&[1]));
     for i in 0..5 {
         publish(&s, 1, &format!("m{i}"));
@@ -141,14 +141,14 @@ fn a_torn_tail_is_cut_and_only_the_torn_record_is_lost() {
     let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     f.set_len(len - 3).unwrap();
     drop(f);
-    let (s, r) = Storage::open(options(&d, 1 << 20)).unwrap();
+    let (s, r) = Storage::open(options(&d, 1 << 20), None).unwrap();
     assert_eq!(bodies(&r, 1), vec!["m0", "m1", "m2", "m3"]);
     assert!(r.stats.torn_bytes > 0);
     assert_eq!(r.stats.damaged_records, 0);
     // The file was cut at the last whole record, and writing goes on after it.
     publish(&s, 1, "m5");
     s.close();
-    let (s, r) = Storage::open(options(&d, 1 << 20)).unwrap();
+    let (s, r) = Storage::open(options(&d, 1 << 20), None).unwrap();
     assert_eq!(bodies(&r, 1), vec!["m0", "m1", "m2", "m3", "m5"]);
     assert_eq!(r.stats.torn_bytes, 0);
     s.close();
@@ -158,7 +158,7 @@ fn a_torn_tail_is_cut_and_only_the_torn_record_is_lost() {
 #[test]
 fn a_flipped_byte_in_the_middle_loses_that_record_only() {
     let d = dir("flip");
-    let (s, _) = Storage::open(options(&d, 1 << 20)).unwrap();
+    let (s, _) = Storage::open(options(&d, 1 << 20), None).unwrap();
     s.definitions(queues(&[1]));
     for i in 0..5 {
         publish(&s, 1, &format!("body-{i}"));
@@ -172,7 +172,7 @@ fn a_flipped_byte_in_the_middle_loses_that_record_only() {
         .expect("third body on disk");
     bytes[at] ^= 0xFF;
     std::fs::write(&path, &bytes).unwrap();
-    let (s, r) = Storage::open(options(&d, 1 << 20)).unwrap();
+    let (s, r) = Storage::open(options(&d, 1 << 20), None).unwrap();
     assert_eq!(bodies(&r, 1), vec!["body-0", "body-1", "body-3", "body-4"]);
     assert_eq!(r.stats.damaged_records, 1);
     assert_eq!(r.stats.torn_bytes, 0);
@@ -183,7 +183,7 @@ fn a_flipped_byte_in_the_middle_loses_that_record_only() {
 #[test]
 fn segments_rotate_and_head_segments_without_messages_are_deleted() {
     let d = dir("compact");
-    let (s, _) = Storage::open(options(&d, 200)).unwrap();
+    let (s, _) = Storage::open(options(&d, 200), None).unwrap();
     s.definitions(queues(&[1]));
     let ids: Vec<u64> = (0..20)
         .map(|i| publish(&s, 1, &format!("{i:040}")))
@@ -222,7 +222,7 @@ fn segments_rotate_and_head_segments_without_messages_are_deleted() {
     );
     assert!(s.stats.bytes_on_disk() > 0);
     s.close();
-    let (s, r) = Storage::open(options(&d, 200)).unwrap();
+    let (s, r) = Storage::open(options(&d, 200), None).unwrap();
     assert_eq!(bodies(&r, 1), vec![format!("{:040}", 19)]);
     s.close();
     std::fs::remove_dir_all(&d).unwrap();
