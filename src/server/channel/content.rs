@@ -88,12 +88,12 @@ impl ChannelTable {
         let (Some(header), Some(body)) = (p.header, p.body) else {
             return Flow::Continue;
         };
-        let confirm_seq = match self.channels.get_mut(&ch) {
+        let (confirm_seq, gate) = match self.channels.get_mut(&ch) {
             Some(local) if local.confirm => {
                 local.publish_seq += 1;
-                Some(local.publish_seq)
+                (Some(local.publish_seq), Some(local.confirm_gate.clone()))
             }
-            _ => None,
+            _ => (None, None),
         };
         let prepared = match prepare(&p.exchange, &p.routing_key, header, body.finish(), &s.user) {
             Ok(m) => m,
@@ -141,6 +141,11 @@ impl ChannelTable {
                 let write_queue = s.write_queue.clone();
                 tokio::spawn(async move {
                     let stored = durable.await.unwrap_or(false);
+                    let Some(gate) = gate else { return };
+                    let open = gate.lock().unwrap_or_else(|e| e.into_inner());
+                    if !*open {
+                        return;
+                    }
                     write_queue.push(|o| {
                         if stored {
                             put_basic_ack(o, ch, seq, false)
