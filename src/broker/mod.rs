@@ -95,6 +95,9 @@ pub struct State {
     pub(crate) persist_targets: Vec<crate::storage::Target>,
     /// The last definitions snapshot handed to storage (rewritten only when it changes).
     pub(crate) stored_definitions: Option<crate::storage::Definitions>,
+    /// Stored definitions that could not be restored (their vhost is gone from the config):
+    /// kept in every snapshot, with their messages, until they can be.
+    pub(crate) unrestored_definitions: crate::storage::Definitions,
 }
 
 /// The embedded broker.
@@ -132,6 +135,7 @@ impl Broker {
                 drop_log: HashMap::new(),
                 persist_targets: Vec::new(),
                 stored_definitions: None,
+                unrestored_definitions: Default::default(),
             }),
             epoch: Instant::now(),
             epoch_wall_ms,

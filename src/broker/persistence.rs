@@ -94,6 +94,10 @@ fn definitions_of(st: &State) -> Definitions {
             arguments: q.arguments.clone(),
         }));
     }
+    let kept = &st.unrestored_definitions;
+    defs.exchanges.extend(kept.exchanges.iter().cloned());
+    defs.queues.extend(kept.queues.iter().cloned());
+    defs.bindings.extend(kept.bindings.iter().cloned());
     defs
 }
 
@@ -166,6 +170,7 @@ impl Broker {
     /// attaches `storage` for everything that follows.
     pub fn restore(&self, recovered: Recovered, storage: Arc<Storage>) {
         let defs = &recovered.definitions;
+        let mut unrestored = Definitions::default();
         for x in &defs.exchanges {
             let req = ExchangeDeclare {
                 name: &x.name,
@@ -177,7 +182,8 @@ impl Broker {
                 arguments: &x.arguments,
             };
             if let Err(e) = self.exchange_declare(&x.vhost, &req) {
-                tracing::warn!(vhost = %x.vhost, exchange = %x.name, error = %e.text, "stored exchange not restored");
+                tracing::warn!(vhost = %x.vhost, exchange = %x.name, error = %e.text, "stored exchange not restored (kept on disk)");
+                unrestored.exchanges.push(x.clone());
             }
         }
         let mut names: HashMap<u64, (String, String)> = HashMap::new();
@@ -202,7 +208,10 @@ impl Broker {
                     names.insert(q.id, (q.vhost.clone(), q.name.clone()));
                 }
                 Err(e) => {
-                    tracing::warn!(vhost = %q.vhost, queue = %q.name, error = %e.text, "stored queue not restored");
+                    tracing::warn!(vhost = %q.vhost, queue = %q.name, error = %e.text, "stored queue not restored (kept on disk with its messages)");
+                    unrestored.queues.push(q.clone());
+                    let mut st = self.lock();
+                    st.next_id = st.next_id.max(q.id + 1);
                 }
             }
         }
@@ -220,12 +229,14 @@ impl Broker {
                 &b.routing_key,
                 &b.arguments,
             ) {
-                tracing::warn!(vhost = %b.vhost, source = %b.source, destination = %b.destination, error = %e.text, "stored binding not restored");
+                tracing::warn!(vhost = %b.vhost, source = %b.source, destination = %b.destination, error = %e.text, "stored binding not restored (kept on disk)");
+                unrestored.bindings.push(b.clone());
             }
         }
         let _ = self.storage.set(storage);
         let now = self.now();
         let mut st = self.lock();
+        st.unrestored_definitions = unrestored;
         self.sync_definitions(&mut st);
         for (queue_id, messages) in recovered.queues {
             let Some((vhost, name)) = names.get(&queue_id) else {

@@ -394,21 +394,28 @@ async fn a_rejected_message_is_in_its_source_or_its_dlq_after_sigkill() {
     assert_eq!(count(&ch, "dlq").await, 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_torn_tail_is_cut_and_loses_only_the_torn_record() {
-    let mut node = Node::start("storage-torn").await;
+/// A node with queue `queue` holding ten confirmed persistent messages `{prefix}0`..`{prefix}9`,
+/// stopped cleanly; and its last segment file.
+async fn ten_messages_then_stop(queue: &str, prefix: &str) -> (Node, std::path::PathBuf) {
+    let mut node = Node::start(&format!("storage-{queue}")).await;
     let (conn, ch) = node.channel().await;
     confirm_select(&ch).await;
-    declare_durable(&ch, "torn", FieldTable::default()).await;
+    declare_durable(&ch, queue, FieldTable::default()).await;
     publish_confirmed(
         &ch,
-        "torn",
-        (0..10).map(|i| (format!("x-{i}"), persistent(i))),
+        queue,
+        (0..10).map(|i| (format!("{prefix}{i}"), persistent(i))),
     )
     .await;
     drop(conn);
     node.stop().await;
     let last = node.segments().pop().expect("a segment");
+    (node, last)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_torn_tail_is_cut_and_loses_only_the_torn_record() {
+    let (mut node, last) = ten_messages_then_stop("torn", "x-").await;
     let len = std::fs::metadata(&last).expect("segment").len();
     let f = std::fs::OpenOptions::new()
         .write(true)
@@ -510,4 +517,39 @@ async fn every_confirmed_message_survives_a_sigkill_during_publishing() {
     for i in &confirmed {
         assert!(positions.contains(i), "confirmed message p-{i} lost");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_byte_in_the_middle_loses_that_message_only_and_is_reported() {
+    let (mut node, segment) = ten_messages_then_stop("flip", "body-0").await;
+    let mut bytes = std::fs::read(&segment).expect("read segment");
+    let at = bytes
+        .windows(7)
+        .position(|w| w == b"body-04")
+        .expect("the fifth body on disk");
+    bytes[at + 6] ^= 0x01;
+    std::fs::write(&segment, &bytes).expect("write segment");
+    node.up().await;
+    let (_conn, ch) = node.channel().await;
+    let got: Vec<String> = drain(&ch, "flip")
+        .await
+        .into_iter()
+        .map(|(b, _, _)| b)
+        .collect();
+    let want: Vec<String> = (0..10)
+        .filter(|i| *i != 4)
+        .map(|i| format!("body-0{i}"))
+        .collect();
+    assert_eq!(got, want);
+    let text = common::scrape(node.admin).await;
+    assert_eq!(
+        common::metric_value(&text, "dlx_proxy_storage_recovery_damaged_records"),
+        Some(1.0)
+    );
+    assert!(
+        node.logs()
+            .contains("damaged records skipped during recovery"),
+        "{}",
+        node.logs()
+    );
 }

@@ -58,6 +58,22 @@ fn declare(b: &Broker, conn: u64, name: &str, durable: bool, args: &FieldTable) 
     .expect("declare");
 }
 
+fn durable_exchange(b: &Broker, vhost: &str, name: &str, kind: &str) {
+    b.exchange_declare(
+        vhost,
+        &ExchangeDeclare {
+            name,
+            kind,
+            passive: false,
+            durable: true,
+            auto_delete: false,
+            internal: false,
+            arguments: &FieldTable::default(),
+        },
+    )
+    .expect("exchange.declare");
+}
+
 fn bodies(b: &Broker, queue: &str) -> Option<Vec<(String, bool)>> {
     let st = b.lock();
     let q = st.vhosts["/"].queues.get(queue)?;
@@ -87,19 +103,7 @@ fn persistent_messages_of_durable_queues_are_kept_and_restored() {
         b.open_channel(conn, 1);
         declare(&b, conn, "keep", true, &none);
         declare(&b, conn, "temp", false, &none);
-        b.exchange_declare(
-            "/",
-            &ExchangeDeclare {
-                name: "x",
-                kind: "topic",
-                passive: false,
-                durable: true,
-                auto_delete: false,
-                internal: false,
-                arguments: &none,
-            },
-        )
-        .unwrap();
+        durable_exchange(&b, "/", "x", "topic");
         b.bind(
             conn,
             "/",
@@ -146,6 +150,54 @@ fn persistent_messages_of_durable_queues_are_kept_and_restored() {
     assert_eq!(bindings[0].routing_key, "k.#");
     assert!(st.vhosts["/"].exchanges["x"].durable);
     drop(st);
+    b.storage().unwrap().close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn definitions_of_a_vhost_missing_from_the_config_are_kept_with_their_messages() {
+    let dir = std::env::temp_dir().join(format!("dlx-broker-vhost-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let none = FieldTable::default();
+    {
+        let b = open(&dir);
+        let conn = b
+            .open_connection(Arc::new(WriteQueue::new(1 << 20)), 131_072, "guest", "/")
+            .unwrap();
+        declare(&b, conn, "keep", true, &none);
+        let (_, durable) = b
+            .publish_durable("/", "", message("keep", "p1", 2), None)
+            .unwrap();
+        assert_eq!(durable.unwrap().blocking_recv(), Ok(true));
+        b.storage().unwrap().close();
+    }
+    {
+        // Started once without vhost "/": nothing to restore it into, nothing forgotten.
+        let b = Broker::new(
+            &["other".to_string()],
+            crate::policy::PolicySet::from_configs(&[]).unwrap(),
+            crate::broker::BrokerOptions {
+                dead_letter: Default::default(),
+                default_delivery_limit: None,
+                max_queues: 8,
+            },
+            crate::metrics::Metrics::new(100),
+        );
+        let (storage, recovered) = Storage::open(
+            StorageOptions {
+                dir: dir.clone(),
+                fsync: false,
+                segment_size: 1 << 20,
+            },
+            None,
+        )
+        .unwrap();
+        b.restore(recovered, Arc::new(storage));
+        durable_exchange(&b, "other", "y", "fanout");
+        b.storage().unwrap().close();
+    }
+    let b = open(&dir);
+    assert_eq!(bodies(&b, "keep"), Some(vec![("p1".to_string(), false)]));
     b.storage().unwrap().close();
     std::fs::remove_dir_all(&dir).unwrap();
 }
