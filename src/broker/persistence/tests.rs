@@ -58,6 +58,22 @@ fn declare(b: &Broker, conn: u64, name: &str, durable: bool, args: &FieldTable) 
     .expect("declare");
 }
 
+/// An empty scratch directory for storage.
+fn scratch(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("dlx-broker-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// A connection of `guest` on vhost `/` with channel 1 open.
+fn connect(b: &Broker) -> u64 {
+    let conn = b
+        .open_connection(Arc::new(WriteQueue::new(1 << 20)), 131_072, "guest", "/")
+        .expect("vhost / exists");
+    b.open_channel(conn, 1);
+    conn
+}
+
 fn durable_exchange(b: &Broker, vhost: &str, name: &str, kind: &str) {
     b.exchange_declare(
         vhost,
@@ -92,15 +108,11 @@ fn bodies(b: &Broker, queue: &str) -> Option<Vec<(String, bool)>> {
 
 #[test]
 fn persistent_messages_of_durable_queues_are_kept_and_restored() {
-    let dir = std::env::temp_dir().join(format!("dlx-broker-store-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch("store");
     let none = FieldTable::default();
     {
         let b = open(&dir);
-        let conn = b
-            .open_connection(Arc::new(WriteQueue::new(1 << 20)), 131_072, "guest", "/")
-            .unwrap();
-        b.open_channel(conn, 1);
+        let conn = connect(&b);
         declare(&b, conn, "keep", true, &none);
         declare(&b, conn, "temp", false, &none);
         durable_exchange(&b, "/", "x", "topic");
@@ -156,14 +168,11 @@ fn persistent_messages_of_durable_queues_are_kept_and_restored() {
 
 #[test]
 fn definitions_of_a_vhost_missing_from_the_config_are_kept_with_their_messages() {
-    let dir = std::env::temp_dir().join(format!("dlx-broker-vhost-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch("vhost");
     let none = FieldTable::default();
     {
         let b = open(&dir);
-        let conn = b
-            .open_connection(Arc::new(WriteQueue::new(1 << 20)), 131_072, "guest", "/")
-            .unwrap();
+        let conn = connect(&b);
         declare(&b, conn, "keep", true, &none);
         let (_, durable) = b
             .publish_durable("/", "", message("keep", "p1", 2), None)
