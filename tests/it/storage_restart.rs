@@ -553,3 +553,61 @@ async fn a_flipped_byte_in_the_middle_loses_that_message_only_and_is_reported() 
         node.logs()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_max_length_storm_killed_midway_keeps_every_confirmed_message_somewhere() {
+    let mut node = Node::start("storage-maxlen").await;
+    let (conn, ch) = node.channel().await;
+    confirm_select(&ch).await;
+    declare_durable(&ch, "overflow-dlq", FieldTable::default()).await;
+    let mut args = FieldTable::default();
+    args.insert(
+        ShortString::from("x-dead-letter-exchange"),
+        AMQPValue::LongString("".into()),
+    );
+    args.insert(
+        ShortString::from("x-dead-letter-routing-key"),
+        AMQPValue::LongString("overflow-dlq".into()),
+    );
+    args.insert(
+        ShortString::from("x-max-length"),
+        AMQPValue::LongLongInt(10),
+    );
+    declare_durable(&ch, "overflow", args).await;
+    const N: usize = 500;
+    // Every publish past the tenth drops the head into the DLQ (drop-head, reason maxlen).
+    publish_confirmed(
+        &ch,
+        "overflow",
+        (0..N).map(|i| (format!("o-{i}"), persistent(i))),
+    )
+    .await;
+    node.kill().await;
+    drop(conn);
+    node.up().await;
+    let (_conn, ch) = node.channel().await;
+    let in_source = drain(&ch, "overflow").await;
+    let in_dlq = drain(&ch, "overflow-dlq").await;
+    assert_eq!(
+        in_source.len(),
+        10,
+        "the source keeps its limit after recovery"
+    );
+    let mut all: Vec<String> = in_source
+        .iter()
+        .chain(in_dlq.iter())
+        .map(|(b, _, _)| b.clone())
+        .collect();
+    all.sort();
+    all.dedup();
+    assert_eq!(
+        all.len(),
+        N,
+        "source {} dlq {}",
+        in_source.len(),
+        in_dlq.len()
+    );
+    let newest: Vec<String> = (N - 10..N).map(|i| format!("o-{i}")).collect();
+    let source: Vec<String> = in_source.into_iter().map(|(b, _, _)| b).collect();
+    assert_eq!(source, newest);
+}
