@@ -13,6 +13,7 @@ use common::dl::{
     AMQPValue, BasicAckOptions, BasicGetOptions, BasicProperties, BasicPublishOptions,
     BasicRejectOptions, Channel, Confirmation, ExchangeDeclareOptions, ExchangeKind, FieldTable,
     QueueBindOptions, QueueDeclareOptions, ShortString, amqp_code, confirm_select, declare_durable,
+    int, ls, table,
 };
 use common::{ServiceProcess, TempDir, free_addresses, process_config, write_atomically};
 use lapin::{Connection, ConnectionProperties};
@@ -136,6 +137,27 @@ async fn publish_confirmed(
     }
 }
 
+/// Publishes `{prefix}0`..`{prefix}{n-1}` as persistent messages with confirms.
+async fn publish_numbered(ch: &Channel, queue: &str, prefix: &str, n: usize) {
+    publish_confirmed(
+        ch,
+        queue,
+        (0..n).map(|i| (format!("{prefix}{i}"), persistent(i))),
+    )
+    .await;
+}
+
+/// The distinct bodies found in two queues.
+fn distinct_bodies(
+    a: &[(String, bool, Option<FieldTable>)],
+    b: &[(String, bool, Option<FieldTable>)],
+) -> Vec<String> {
+    let mut all: Vec<String> = a.iter().chain(b).map(|(body, _, _)| body.clone()).collect();
+    all.sort();
+    all.dedup();
+    all
+}
+
 /// Messages in `queue` (passive declare).
 async fn count(ch: &Channel, queue: &str) -> u32 {
     ch.queue_declare(
@@ -179,12 +201,7 @@ async fn confirmed_persistent_messages_survive_sigkill_and_clean_restart() {
     confirm_select(&ch).await;
     declare_durable(&ch, "keep", FieldTable::default()).await;
     common::dl::declare(&ch, "temp", FieldTable::default()).await;
-    publish_confirmed(
-        &ch,
-        "keep",
-        (0..1000).map(|i| (format!("m-{i}"), persistent(i))),
-    )
-    .await;
+    publish_numbered(&ch, "keep", "m-", 1000).await;
     // Transient messages in the durable queue, persistent ones in a non-durable queue.
     publish_confirmed(
         &ch,
@@ -197,12 +214,7 @@ async fn confirmed_persistent_messages_survive_sigkill_and_clean_restart() {
         }),
     )
     .await;
-    publish_confirmed(
-        &ch,
-        "temp",
-        (0..10).map(|i| (format!("t-{i}"), persistent(i))),
-    )
-    .await;
+    publish_numbered(&ch, "temp", "t-", 10).await;
     assert_eq!(count(&ch, "keep").await, 1010);
     drop(conn);
 
@@ -270,12 +282,7 @@ async fn an_unacked_delivery_comes_back_redelivered_after_sigkill() {
     let (conn, ch) = node.channel().await;
     confirm_select(&ch).await;
     declare_durable(&ch, "work", FieldTable::default()).await;
-    publish_confirmed(
-        &ch,
-        "work",
-        (0..3).map(|i| (format!("w-{i}"), persistent(i))),
-    )
-    .await;
+    publish_numbered(&ch, "work", "w-", 3).await;
     let first = ch
         .basic_get("work".into(), BasicGetOptions { no_ack: false })
         .await
@@ -320,19 +327,9 @@ async fn a_rejected_message_is_in_its_source_or_its_dlq_after_sigkill() {
     )
     .await
     .expect("bind");
-    let mut args = FieldTable::default();
-    args.insert(
-        ShortString::from("x-dead-letter-exchange"),
-        AMQPValue::LongString("dlx".into()),
-    );
-    declare_durable(&ch, "src", args).await;
+    declare_durable(&ch, "src", table(&[("x-dead-letter-exchange", ls("dlx"))])).await;
     const N: usize = 200;
-    publish_confirmed(
-        &ch,
-        "src",
-        (0..N).map(|i| (format!("d-{i}"), persistent(i))),
-    )
-    .await;
+    publish_numbered(&ch, "src", "d-", N).await;
     for _ in 0..N {
         let m = ch
             .basic_get("src".into(), BasicGetOptions { no_ack: false })
@@ -351,13 +348,7 @@ async fn a_rejected_message_is_in_its_source_or_its_dlq_after_sigkill() {
     let (_conn, ch) = node.channel().await;
     let in_src = drain(&ch, "src").await;
     let in_dlq = drain(&ch, "dlq").await;
-    let mut all: Vec<String> = in_src
-        .iter()
-        .chain(in_dlq.iter())
-        .map(|(b, _, _)| b.clone())
-        .collect();
-    all.sort();
-    all.dedup();
+    let all = distinct_bodies(&in_src, &in_dlq);
     assert_eq!(all.len(), N, "src {} dlq {}", in_src.len(), in_dlq.len());
     assert!(
         !in_dlq.is_empty(),
@@ -401,12 +392,7 @@ async fn ten_messages_then_stop(queue: &str, prefix: &str) -> (Node, std::path::
     let (conn, ch) = node.channel().await;
     confirm_select(&ch).await;
     declare_durable(&ch, queue, FieldTable::default()).await;
-    publish_confirmed(
-        &ch,
-        queue,
-        (0..10).map(|i| (format!("{prefix}{i}"), persistent(i))),
-    )
-    .await;
+    publish_numbered(&ch, queue, prefix, 10).await;
     drop(conn);
     node.stop().await;
     let last = node.segments().pop().expect("a segment");
@@ -560,28 +546,15 @@ async fn a_max_length_storm_killed_midway_keeps_every_confirmed_message_somewher
     let (conn, ch) = node.channel().await;
     confirm_select(&ch).await;
     declare_durable(&ch, "overflow-dlq", FieldTable::default()).await;
-    let mut args = FieldTable::default();
-    args.insert(
-        ShortString::from("x-dead-letter-exchange"),
-        AMQPValue::LongString("".into()),
-    );
-    args.insert(
-        ShortString::from("x-dead-letter-routing-key"),
-        AMQPValue::LongString("overflow-dlq".into()),
-    );
-    args.insert(
-        ShortString::from("x-max-length"),
-        AMQPValue::LongLongInt(10),
-    );
+    let args = table(&[
+        ("x-dead-letter-exchange", ls("")),
+        ("x-dead-letter-routing-key", ls("overflow-dlq")),
+        ("x-max-length", int(10)),
+    ]);
     declare_durable(&ch, "overflow", args).await;
     const N: usize = 500;
     // Every publish past the tenth drops the head into the DLQ (drop-head, reason maxlen).
-    publish_confirmed(
-        &ch,
-        "overflow",
-        (0..N).map(|i| (format!("o-{i}"), persistent(i))),
-    )
-    .await;
+    publish_numbered(&ch, "overflow", "o-", N).await;
     node.kill().await;
     drop(conn);
     node.up().await;
@@ -593,13 +566,7 @@ async fn a_max_length_storm_killed_midway_keeps_every_confirmed_message_somewher
         10,
         "the source keeps its limit after recovery"
     );
-    let mut all: Vec<String> = in_source
-        .iter()
-        .chain(in_dlq.iter())
-        .map(|(b, _, _)| b.clone())
-        .collect();
-    all.sort();
-    all.dedup();
+    let all = distinct_bodies(&in_source, &in_dlq);
     assert_eq!(
         all.len(),
         N,
