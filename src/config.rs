@@ -53,6 +53,7 @@ pub struct Config {
     pub upstream: UpstreamConfig,
     pub limits: LimitsConfig,
     pub dead_letter: DeadLetterConfig,
+    pub storage: StorageConfig,
     pub proxy: ProxyConfig,
     pub tls: TlsConfig,
     pub log: LogConfig,
@@ -76,6 +77,7 @@ impl Default for Config {
             upstream: UpstreamConfig::default(),
             limits: LimitsConfig::default(),
             dead_letter: DeadLetterConfig::default(),
+            storage: StorageConfig::default(),
             proxy: ProxyConfig::default(),
             tls: TlsConfig::default(),
             log: LogConfig::default(),
@@ -368,6 +370,58 @@ impl Default for DeadLetterConfig {
             max_hops: 0,
             default_delivery_limit: 0,
         }
+    }
+}
+
+/// Embedded mode's durable storage (docs/storage.md).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StorageConfig {
+    /// Directory of the definitions and the message log; empty = nothing stored.
+    pub dir: String,
+    /// "always" (confirms after fsync) or "never" (tests and benchmarks).
+    pub fsync: String,
+    /// Bytes after which the log starts a new segment.
+    pub segment_size: u64,
+}
+
+impl Default for StorageConfig {
+    fn default() -> Self {
+        StorageConfig {
+            dir: String::new(),
+            fsync: "always".into(),
+            segment_size: 64 << 20,
+        }
+    }
+}
+
+/// Smallest `storage.segment_size`.
+const MIN_SEGMENT_SIZE: u64 = 4096;
+
+impl StorageConfig {
+    /// The storage settings, or None when storage is off (`dir` empty).
+    pub fn options(&self) -> Option<crate::storage::StorageOptions> {
+        (!self.dir.is_empty()).then(|| crate::storage::StorageOptions {
+            dir: std::path::PathBuf::from(&self.dir),
+            fsync: self.fsync != "never",
+            segment_size: self.segment_size,
+        })
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if !matches!(self.fsync.as_str(), "always" | "never") {
+            return Err(ConfigError::invalid(
+                "storage.fsync",
+                format!("{:?} is not \"always\" or \"never\"", self.fsync),
+            ));
+        }
+        if self.segment_size < MIN_SEGMENT_SIZE {
+            return Err(ConfigError::invalid(
+                "storage.segment_size",
+                format!("must be at least {MIN_SEGMENT_SIZE} bytes"),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -1053,6 +1107,7 @@ impl Config {
         self.admin.resolve_token()?;
         self.validate_limits()?;
         self.validate_dead_letter()?;
+        self.storage.validate()?;
         self.validate_proxy()?;
         self.validate_tls()?;
         self.validate_tls_material()?;
@@ -1699,6 +1754,29 @@ mod tests {
         assert_eq!(config.dead_letter.compat, "4");
         assert_eq!(config.policies[0].definition["message-ttl"], 60000);
         assert_eq!(config.policies[0].apply_to, "queues");
+    }
+
+    #[test]
+    fn storage_settings_are_checked_by_key() {
+        let text = error_text("[storage]\nfsync = \"sometimes\"\n");
+        assert!(
+            text.contains("key `storage.fsync`: \"sometimes\" is not \"always\" or \"never\""),
+            "{text}"
+        );
+        let text = error_text("[storage]\nsegment_size = 100\n");
+        assert!(
+            text.contains("key `storage.segment_size`: must be at least 4096 bytes"),
+            "{text}"
+        );
+        assert!(
+            Config::default().storage.options().is_none(),
+            "off by default"
+        );
+        let config = load_text("[storage]\ndir = \"data\"\nfsync = \"never\"\n").unwrap();
+        let options = config.storage.options().unwrap();
+        assert_eq!(options.dir, PathBuf::from("data"));
+        assert!(!options.fsync);
+        assert_eq!(options.segment_size, 64 << 20);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! - [`broker`] is the embedded broker core (vhosts, exchanges, queues, consumers);
 //! - [`server`] runs one task per client connection for embedded mode;
 //! - [`memory`] is the embedded broker's memory high watermark (publishers blocked above it);
+//! - [`storage`] keeps durable definitions and persistent messages on disk (embedded mode);
 //! - [`proxy`] forwards client connections to an upstream broker (proxy mode);
 //! - [`admission`] decides who may connect (connection slots, loopback-only users);
 //! - [`secret`] keeps passwords and tokens out of every log line;
@@ -32,4 +33,5 @@ pub mod secret;
 pub mod server;
 pub mod service;
 pub mod shutdown;
+pub mod storage;
 pub mod tls;

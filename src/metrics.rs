@@ -69,6 +69,12 @@ pub const METRIC_NAMES: &[&str] = &[
     "service_vhosts_refused_total",
     "upstream_policy_sync_total",
     "upstream_policies_synced",
+    "storage_bytes",
+    "storage_segments",
+    "storage_fsync_seconds",
+    "storage_recovered_messages",
+    "storage_recovery_damaged_records",
+    "storage_recovery_torn_bytes",
 ];
 
 /// The `outcome` label of `captured_total`: the captured message was dead-lettered (the
@@ -231,6 +237,12 @@ pub struct Metrics {
     upstream_reachable: IntGauge,
     upstream_policy_sync: IntCounterVec,
     upstream_policies_synced: IntGauge,
+    storage_bytes: IntGauge,
+    storage_segments: IntGauge,
+    storage_fsync: Histogram,
+    storage_recovered: IntGauge,
+    storage_damaged: IntGauge,
+    storage_torn: IntGauge,
 }
 
 /// Creates and registers metrics on one registry.
@@ -500,6 +512,29 @@ impl Metrics {
                 "upstream_policies_synced",
                 "Upstream policies named dlx-proxy.* that match the proxy's policies, over \
                  every vhost, after the last reconciliation.",
+            )?,
+            storage_bytes: b.gauge(
+                "storage_bytes",
+                "Bytes of message log segments on disk (embedded mode with storage.dir).",
+            )?,
+            storage_segments: b.gauge("storage_segments", "Message log segment files on disk.")?,
+            storage_fsync: b.histogram(
+                "storage_fsync_seconds",
+                "Duration of each fsync of the message log (one per group commit).",
+                LATENCY_BUCKETS,
+            )?,
+            storage_recovered: b.gauge(
+                "storage_recovered_messages",
+                "Messages restored into durable queues at the last start.",
+            )?,
+            storage_damaged: b.gauge(
+                "storage_recovery_damaged_records",
+                "Damaged records skipped in the middle of segments at the last start (at most \
+                 this many messages lost).",
+            )?,
+            storage_torn: b.gauge(
+                "storage_recovery_torn_bytes",
+                "Bytes of torn records cut off the ends of segments at the last start.",
             )?,
             registry,
         };
@@ -825,6 +860,24 @@ impl Metrics {
     /// Changes the bytes-waiting-for-client-sockets gauge by `delta`.
     pub fn add_outbox_bytes(&self, delta: i64) {
         self.outbox_bytes.add(delta);
+    }
+
+    /// Size of the message log on disk.
+    pub fn set_storage(&self, bytes: u64, segments: u64) {
+        self.storage_bytes.set(saturating_i64(bytes));
+        self.storage_segments.set(saturating_i64(segments));
+    }
+
+    /// One fsync of the message log.
+    pub fn observe_storage_fsync(&self, took: std::time::Duration) {
+        self.storage_fsync.observe(took.as_secs_f64());
+    }
+
+    /// What recovery found at start.
+    pub fn set_storage_recovery(&self, messages: u64, damaged_records: u64, torn_bytes: u64) {
+        self.storage_recovered.set(saturating_i64(messages));
+        self.storage_damaged.set(saturating_i64(damaged_records));
+        self.storage_torn.set(saturating_i64(torn_bytes));
     }
 
     /// The memory alarm was raised (`true`) or cleared.

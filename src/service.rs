@@ -214,6 +214,18 @@ impl RunningService {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
+        // Everything the broker wrote (lazy removals included) made stable before exit.
+        if let Some(broker) = &self.broker
+            && broker.storage().is_some()
+        {
+            let broker = broker.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                if let Some(storage) = broker.storage() {
+                    storage.close();
+                }
+            })
+            .await;
+        }
     }
 
     /// Re-reads every TLS file (listener certificate, key and client CA; upstream CA), as
@@ -386,6 +398,17 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 },
                 metrics.clone(),
             );
+            if let Some(options) = config.storage.options() {
+                let dir = options.dir.display().to_string();
+                let storage_metrics = metrics.clone();
+                let (storage, recovered) = tokio::task::spawn_blocking(move || {
+                    crate::storage::Storage::open(options, Some(storage_metrics))
+                })
+                .await
+                .context("storage recovery task")?
+                .with_context(|| format!("opening storage.dir {dir:?}"))?;
+                broker.restore(recovered, Arc::new(storage));
+            }
             tasks.push(tokio::spawn(
                 broker.clone().timer_loop(connections_trigger.subscribe()),
             ));

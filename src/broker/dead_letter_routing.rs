@@ -40,6 +40,9 @@ impl Broker {
         }
     }
 
+    /// Dead-letters one message and writes its storage record: one record that takes it
+    /// out of its source and puts the rewritten message in its durable targets (or only
+    /// takes it out, when it is dropped or reaches no durable queue).
     #[allow(clippy::too_many_arguments)]
     fn dead_letter_one(
         &self,
@@ -51,36 +54,60 @@ impl Broker {
         work: &mut Vec<(String, Vec<Death>)>,
         touched: &mut Vec<String>,
     ) {
+        let remove = death.entry.store_id.and_then(|id| {
+            let q = st.vhosts.get(vhost)?.queues.get(source)?;
+            Some((q.id, id))
+        });
+        st.persist_targets.clear();
+        match self.route_dead_letter(st, vhost, source, death, now, work, touched) {
+            Some(message) => {
+                self.store_published(st, message, remove, false);
+            }
+            None => {
+                st.persist_targets.clear();
+                self.store_removed(remove.into_iter().collect());
+            }
+        }
+    }
+
+    /// Rewrites and routes one dead message; returns the rewritten message when it was
+    /// enqueued somewhere.
+    #[allow(clippy::too_many_arguments)]
+    fn route_dead_letter(
+        &self,
+        st: &mut State,
+        vhost: &str,
+        source: &str,
+        death: Death,
+        now: u64,
+        work: &mut Vec<(String, Vec<Death>)>,
+        touched: &mut Vec<String>,
+    ) -> Option<Arc<Message>> {
         let reason = death.reason;
         self.metrics.dead_lettered(vhost, source, reason.as_str());
         self.metrics
             .observe_message_age_at_dead_letter(std::time::Duration::from_millis(
                 now.saturating_sub(death.entry.enqueued_at),
             ));
-        let Some(settings) = st
+        let settings = st
             .vhosts
             .get(vhost)
             .and_then(|v| v.queues.get(source))
-            .map(|q| q.settings.clone())
-        else {
-            return;
-        };
-        let Some(dlx) = settings.dead_letter_exchange.as_deref() else {
-            // No dead-letter exchange configured: the message is discarded, as RabbitMQ does.
-            return;
-        };
+            .map(|q| q.settings.clone())?;
+        // No dead-letter exchange configured: the message is discarded, as RabbitMQ does.
+        let dlx = settings.dead_letter_exchange.as_deref()?;
         let exists = st
             .vhosts
             .get(vhost)
             .is_some_and(|v| v.exchanges.contains_key(dlx));
         if !exists {
             self.drop_message(st, vhost, source, "no_dlx", now, dlx);
-            return;
+            return None;
         }
         let message = &death.entry.message;
         let Ok(props) = message.properties() else {
             self.drop_message(st, vhost, source, "unroutable", now, dlx);
-            return;
+            return None;
         };
         let routing_keys = message.routing_keys_vec();
         let event = DeathEvent {
@@ -99,7 +126,7 @@ impl Broker {
             Ok(m) => m,
             Err(DeadLetterDrop::HopLimit) => {
                 self.drop_message(st, vhost, source, "hop_limit", now, dlx);
-                return;
+                return None;
             }
         };
         let keys: Vec<&str> = rewritten.routing_keys.iter().map(|k| k.as_str()).collect();
@@ -109,7 +136,7 @@ impl Broker {
         };
         if targets.is_empty() {
             self.drop_message(st, vhost, source, "unroutable", now, dlx);
-            return;
+            return None;
         }
         let new_message = Arc::new(Message::new(
             &rewritten.exchange,
@@ -144,6 +171,7 @@ impl Broker {
             self.metrics
                 .observe_dead_letter_latency(std::time::Duration::from_millis(latency));
         }
+        Some(new_message)
     }
 
     fn drop_message(

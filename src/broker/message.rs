@@ -28,6 +28,8 @@ pub struct Message {
     pub expiration_ms: Option<u64>,
     /// True once the broker itself dead-lettered this message (its x-death is ours).
     pub dead_lettered: bool,
+    /// delivery_mode = 2: kept on disk when it is in a durable queue.
+    pub persistent: bool,
 }
 
 impl Message {
@@ -66,6 +68,7 @@ impl Message {
             extra_keys,
             expiration_ms,
             dead_lettered,
+            persistent: persistent_in(raw_properties),
         }
     }
 
@@ -123,6 +126,34 @@ impl Message {
     }
 }
 
+/// Whether raw properties (flags, then the list) say delivery_mode 2, read without decoding
+/// them: content-type, content-encoding and headers are skipped by their lengths.
+fn persistent_in(raw: &[u8]) -> bool {
+    const CONTENT_TYPE: u16 = 1 << 15;
+    const CONTENT_ENCODING: u16 = 1 << 14;
+    const HEADERS: u16 = 1 << 13;
+    const DELIVERY_MODE: u16 = 1 << 12;
+    let [a, b, ..] = raw else { return false };
+    let flags = u16::from_be_bytes([*a, *b]);
+    if flags & DELIVERY_MODE == 0 {
+        return false;
+    }
+    let mut pos = 2usize;
+    for bit in [CONTENT_TYPE, CONTENT_ENCODING] {
+        if flags & bit != 0 {
+            let Some(n) = raw.get(pos) else { return false };
+            pos += 1 + *n as usize;
+        }
+    }
+    if flags & HEADERS != 0 {
+        let Some(&[a, b, c, d]) = raw.get(pos..pos + 4) else {
+            return false;
+        };
+        pos += 4 + u32::from_be_bytes([a, b, c, d]) as usize;
+    }
+    raw.get(pos) == Some(&2)
+}
+
 /// A message inside one queue, with that queue's bookkeeping.
 #[derive(Clone, Debug)]
 pub struct QueuedMessage {
@@ -136,6 +167,8 @@ pub struct QueuedMessage {
     /// How many times it was returned to the queue (x-delivery-count).
     pub delivery_count: u32,
     pub redelivered: bool,
+    /// Its message id in storage, when it is kept on disk (persistent, in a durable queue).
+    pub store_id: Option<u64>,
 }
 
 impl QueuedMessage {
@@ -166,6 +199,34 @@ mod tests {
         assert_eq!(&m.body_bytes()[..], b"body");
         assert_eq!(m.body_len(), 4);
         assert_eq!(m.expiration_ms, Some(5));
+    }
+
+    #[test]
+    fn delivery_mode_two_is_read_from_the_raw_properties() {
+        use amq_protocol::protocol::BasicProperties;
+        use amq_protocol::types::{AMQPValue, FieldTable};
+        let mut headers = FieldTable::default();
+        headers.insert("h".into(), AMQPValue::LongString("v".into()));
+        let cases = [
+            (BasicProperties::default(), false),
+            (BasicProperties::default().with_delivery_mode(1), false),
+            (BasicProperties::default().with_delivery_mode(2), true),
+            (
+                BasicProperties::default()
+                    .with_content_type("text/plain".into())
+                    .with_content_encoding("gzip".into())
+                    .with_headers(headers)
+                    .with_delivery_mode(2)
+                    .with_priority(2),
+                true,
+            ),
+        ];
+        for (props, persistent) in cases {
+            let raw = crate::amqp::content::encode_properties(&props);
+            assert_eq!(persistent_in(&raw), persistent, "{props:?}");
+        }
+        assert!(!persistent_in(&[0x10]));
+        assert!(!persistent_in(&[0x30, 0x00, 0, 0]));
     }
 
     #[test]

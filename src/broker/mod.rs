@@ -13,6 +13,7 @@ pub mod dead_letter_routing;
 pub mod delivery;
 pub mod message;
 pub mod methods;
+pub mod persistence;
 pub mod queue;
 pub mod routing;
 pub mod vhost;
@@ -89,6 +90,14 @@ pub struct State {
     next_id: u64,
     /// (vhost, queue, cause) → last time a drop was logged (rate limit: once a minute).
     drop_log: HashMap<(String, String, &'static str), u64>,
+    /// Durable queues the message being enqueued went into (filled by `enqueue`, taken by
+    /// the publish or dead-letter step that writes its storage record).
+    pub(crate) persist_targets: Vec<crate::storage::Target>,
+    /// The last definitions snapshot handed to storage (rewritten only when it changes).
+    pub(crate) stored_definitions: Option<crate::storage::Definitions>,
+    /// Stored definitions that could not be restored (their vhost is gone from the config):
+    /// kept in every snapshot, with their messages, until they can be.
+    pub(crate) unrestored_definitions: crate::storage::Definitions,
 }
 
 /// The embedded broker.
@@ -98,6 +107,8 @@ pub struct Broker {
     epoch_wall_ms: u64,
     timer_wake: Notify,
     pub metrics: Arc<Metrics>,
+    /// Durable storage, once attached (embedded mode with `storage.dir` set).
+    storage: std::sync::OnceLock<Arc<crate::storage::Storage>>,
 }
 
 impl Broker {
@@ -122,11 +133,15 @@ impl Broker {
                 timers: BinaryHeap::new(),
                 next_id: 1,
                 drop_log: HashMap::new(),
+                persist_targets: Vec::new(),
+                stored_definitions: None,
+                unrestored_definitions: Default::default(),
             }),
             epoch: Instant::now(),
             epoch_wall_ms,
             timer_wake: Notify::new(),
             metrics,
+            storage: std::sync::OnceLock::new(),
         })
     }
 

@@ -98,6 +98,7 @@ impl QueueState {
             expires_at: ttl.map(|t| now.saturating_add(t)),
             delivery_count: 0,
             redelivered: false,
+            store_id: None,
         }
     }
 

@@ -58,4 +58,5 @@ mod proxy_service;
 mod proxy_streams;
 mod proxy_upstream_policies;
 mod proxy_upstream_tls;
+mod storage_restart;
 mod table_depth;

@@ -230,7 +230,7 @@ users = []
 {{ include "dlx-proxy.tomlTable" (list "listen" $listen) }}
 
 {{ include "dlx-proxy.tomlTable" (list "upstream" $upstream) }}
-{{- range $section := list "limits" "dead_letter" "proxy" }}
+{{- range $section := list "limits" "dead_letter" "storage" "proxy" }}
 {{- if hasKey $config $section }}
 
 {{ include "dlx-proxy.tomlTable" (list $section (get $config $section)) }}

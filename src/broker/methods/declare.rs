@@ -148,6 +148,7 @@ impl Broker {
                 req.arguments.clone(),
             ),
         );
+        self.sync_definitions(&mut st);
         Ok(())
     }
 
@@ -178,6 +179,7 @@ impl Broker {
             )));
         }
         Self::delete_exchange_in(v, name);
+        self.sync_definitions(&mut st);
         Ok(())
     }
 
@@ -222,6 +224,7 @@ impl Broker {
             routing_key: routing_key.to_string(),
             arguments: arguments.clone(),
         });
+        self.sync_definitions(&mut st);
         Ok(())
     }
 
@@ -246,6 +249,7 @@ impl Broker {
             let name = source.to_string();
             Self::delete_exchange_in(v, &name);
         }
+        self.sync_definitions(&mut st);
         Ok(())
     }
 
@@ -361,6 +365,7 @@ impl Broker {
         let v = st.vhosts.get_mut(vhost).ok_or_else(|| no_vhost(vhost))?;
         v.queues.insert(name.clone(), queue);
         self.reschedule(st, vhost, &name);
+        self.sync_definitions(st);
         Ok(DeclaredQueue {
             name,
             message_count: 0,
@@ -385,7 +390,13 @@ impl Broker {
             .get_mut(name)
             .ok_or_else(|| no_queue(name, vhost))?;
         check_exclusive(q, conn, vhost)?;
+        let gone: Vec<(u64, u64)> = q
+            .state
+            .iter()
+            .filter_map(|e| e.store_id.map(|id| (q.id, id)))
+            .collect();
         let n = q.state.purge() as u32;
+        self.store_removed(gone);
         self.update_depth(&mut st, vhost, name);
         Ok(n)
     }
@@ -457,6 +468,7 @@ impl Broker {
             }
         }
         self.metrics.remove_queue(vhost, name);
+        self.sync_definitions(st);
     }
 }
 

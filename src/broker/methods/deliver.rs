@@ -10,6 +10,7 @@ use crate::amqp::reply::AmqpError;
 use crate::broker::delivery::{delivery_properties, short, write_deliver, write_get_ok};
 use crate::broker::vhost::{Consumer, Queue};
 use crate::broker::{Broker, ChannelState, ConnectionState, State, Unacked};
+use crate::storage::{Record, Storage};
 
 /// Picks the next consumer of `q` that can take a delivery now (round robin).
 pub(super) fn pick_consumer(
@@ -47,7 +48,8 @@ pub(super) fn pick_consumer(
     None
 }
 
-/// Writes one delivery to consumer `idx` of `q` and records it as unacked.
+/// Writes one delivery to consumer `idx` of `q` and records it as unacked. A message kept on
+/// disk gets its record through `storage`: removed (no-ack) or delivered.
 pub(super) fn deliver_to(
     q: &mut Queue,
     idx: usize,
@@ -55,6 +57,7 @@ pub(super) fn deliver_to(
     channels: &mut std::collections::HashMap<(u64, u16), ChannelState>,
     connections: &std::collections::HashMap<u64, ConnectionState>,
     metrics: &crate::metrics::Metrics,
+    storage: Option<&Storage>,
 ) -> bool {
     let with_count = q.counts_deliveries() && entry.delivery_count > 0;
     let queue_name = q.shared_name.clone();
@@ -78,6 +81,9 @@ pub(super) fn deliver_to(
     conn.write_queue.push(|out| {
         write_deliver(out, c.channel, &c.tag, tag, &entry, props, frame_max);
     });
+    if let (Some(storage), Some(id)) = (storage, entry.store_id) {
+        storage.append(settle_record(queue_id, id, c.no_ack));
+    }
     if !c.no_ack {
         c.unacked += 1;
         metrics.add_inflight(1, entry.body_len() as i64);
@@ -94,6 +100,17 @@ pub(super) fn deliver_to(
     }
     q.next_consumer = idx + 1;
     true
+}
+
+/// The storage record of a delivery: gone when nobody acks it, else delivered.
+fn settle_record(queue: u64, id: u64, no_ack: bool) -> Record {
+    if no_ack {
+        Record::Remove {
+            items: vec![(queue, id)],
+        }
+    } else {
+        Record::Delivered { queue, id }
+    }
 }
 
 impl Broker {
@@ -274,6 +291,9 @@ impl Broker {
                     conn_state.write_queue.push(|out| {
                         write_get_ok(out, channel, tag, &entry, props, remaining, frame_max)
                     });
+                    if let (Some(storage), Some(id)) = (self.storage(), entry.store_id) {
+                        storage.append(settle_record(q.id, id, no_ack));
+                    }
                     if !no_ack {
                         self.metrics.add_inflight(1, entry.body_len() as i64);
                         ch.unacked.insert(
@@ -329,7 +349,15 @@ impl Broker {
                 let Some(entry) = q.state.pop(now, &mut deaths) else {
                     break;
                 };
-                if deliver_to(q, idx, entry, channels, connections, &self.metrics) {
+                if deliver_to(
+                    q,
+                    idx,
+                    entry,
+                    channels,
+                    connections,
+                    &self.metrics,
+                    self.storage.get().map(|s| &**s),
+                ) {
                     delivered += 1;
                 }
             }

@@ -11,6 +11,7 @@ use crate::amqp::reply::AmqpError;
 use crate::broker::message::Message;
 use crate::broker::queue::{Death, PublishOutcome};
 use crate::broker::{Broker, State};
+use crate::storage::{Durable, Target};
 
 /// Result of a publish, for confirms and mandatory returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,6 +31,20 @@ impl Broker {
         message: Arc<Message>,
         headers: Option<&FieldTable>,
     ) -> Result<PublishResult, AmqpError> {
+        self.publish_durable(vhost, exchange, message, headers)
+            .map(|(result, _)| result)
+    }
+
+    /// [`Broker::publish`], and when the message was kept on disk (persistent, routed to
+    /// durable queues), the answer of storage once it is stable: the publisher's confirm
+    /// waits for it.
+    pub fn publish_durable(
+        &self,
+        vhost: &str,
+        exchange: &str,
+        message: Arc<Message>,
+        headers: Option<&FieldTable>,
+    ) -> Result<(PublishResult, Option<Durable>), AmqpError> {
         let now = self.now();
         let mut st = self.lock();
         let v = st.vhosts.get(vhost).ok_or_else(|| no_vhost(vhost))?;
@@ -49,6 +64,7 @@ impl Broker {
             rejected: false,
         };
         let mut deaths = Vec::new();
+        st.persist_targets.clear();
         for q in &targets {
             if self
                 .enqueue(&mut st, vhost, q, message.clone(), now, &mut deaths)
@@ -57,6 +73,7 @@ impl Broker {
                 result.rejected = true;
             }
         }
+        let durable = self.store_published(&mut st, message, None, true);
         self.metrics.published(1);
         for (q, d) in deaths {
             self.process_deaths(&mut st, vhost, &q, d, now);
@@ -65,11 +82,12 @@ impl Broker {
             self.reschedule(&mut st, vhost, q);
             self.update_depth(&mut st, vhost, q);
         }
-        Ok(result)
+        Ok((result, durable))
     }
 
     /// Puts a message into one queue: straight to a waiting consumer when the queue is empty,
-    /// else at the tail under the queue's limits.
+    /// else at the tail under the queue's limits. A message kept on disk gets its id here and
+    /// the queue is added to `st.persist_targets` (the caller writes the record).
     pub(crate) fn enqueue(
         &self,
         st: &mut State,
@@ -83,10 +101,19 @@ impl Broker {
             vhosts,
             channels,
             connections,
+            persist_targets,
             ..
         } = st;
         let q = vhosts.get_mut(vhost)?.queues.get_mut(queue)?;
-        let entry = q.state.admit(message, now);
+        let store_id = self.store_id_for(q, &message);
+        let mut entry = q.state.admit(message, now);
+        entry.store_id = store_id;
+        let queue_id = q.id;
+        let target = |delivered| Target {
+            queue: queue_id,
+            id: store_id.unwrap_or_default(),
+            delivered,
+        };
         // As RabbitMQ: reject-publish(-dlx) refuses first; otherwise a waiting consumer gets
         // the message before drop-head or TTL look at it (even with x-max-length = 0).
         if q.state.is_empty()
@@ -94,12 +121,20 @@ impl Broker {
             && !q.state.refuses(&entry)
             && let Some(idx) = pick_consumer(q, channels, connections)
         {
-            deliver_to(q, idx, entry, channels, connections, &self.metrics);
+            // Kept only while a consumer must still settle it.
+            if store_id.is_some() && q.consumers.get(idx).is_some_and(|c| !c.no_ack) {
+                persist_targets.push(target(true));
+            }
+            deliver_to(q, idx, entry, channels, connections, &self.metrics, None);
             self.metrics.delivered(1);
             return Some(PublishOutcome::Accepted);
         }
         let mut died = Vec::new();
+        let kept = target(false);
         let outcome = q.state.publish(entry, now, &mut died);
+        if store_id.is_some() && outcome == PublishOutcome::Accepted {
+            persist_targets.push(kept);
+        }
         if !died.is_empty() {
             deaths.push((queue.to_string(), died));
         }

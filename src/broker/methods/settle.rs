@@ -92,6 +92,12 @@ impl Broker {
         let mut st = self.lock();
         let (vhost, taken) = self.take_unacked(&mut st, conn, channel, tag, multiple)?;
         self.metrics.acked(taken.len() as u64);
+        self.store_removed(
+            taken
+                .iter()
+                .filter_map(|u| u.entry.store_id.map(|id| (u.queue_id, id)))
+                .collect(),
+        );
         for q in Self::queues_of(&taken) {
             self.dispatch(&mut st, &vhost, &q, now);
         }

@@ -42,7 +42,7 @@ impl Broker {
         }
     }
 
-    pub(super) fn update_depth(&self, st: &mut State, vhost: &str, queue: &str) {
+    pub(crate) fn update_depth(&self, st: &mut State, vhost: &str, queue: &str) {
         if let Some(q) = st.queue_mut(vhost, queue) {
             if q.depth_gauges.is_none() {
                 q.depth_gauges = self.metrics.queue_depth_gauges(vhost, queue);

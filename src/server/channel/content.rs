@@ -88,12 +88,12 @@ impl ChannelTable {
         let (Some(header), Some(body)) = (p.header, p.body) else {
             return Flow::Continue;
         };
-        let confirm_seq = match self.channels.get_mut(&ch) {
+        let (confirm_seq, gate) = match self.channels.get_mut(&ch) {
             Some(local) if local.confirm => {
                 local.publish_seq += 1;
-                Some(local.publish_seq)
+                (Some(local.publish_seq), Some(local.confirm_gate.clone()))
             }
-            _ => None,
+            _ => (None, None),
         };
         let prepared = match prepare(&p.exchange, &p.routing_key, header, body.finish(), &s.user) {
             Ok(m) => m,
@@ -101,14 +101,15 @@ impl ChannelTable {
         };
         let message = std::sync::Arc::new(prepared.message);
         let returnable = p.mandatory.then(|| message.clone());
-        let result =
-            match ctx
-                .broker
-                .publish(&s.vhost, &p.exchange, message, prepared.headers.as_ref())
-            {
-                Ok(r) => r,
-                Err(e) => return self.fail(ch, e.on_method(60, 40), s, ctx),
-            };
+        let (result, durable) = match ctx.broker.publish_durable(
+            &s.vhost,
+            &p.exchange,
+            message,
+            prepared.headers.as_ref(),
+        ) {
+            Ok(r) => r,
+            Err(e) => return self.fail(ch, e.on_method(60, 40), s, ctx),
+        };
         if !result.routed
             && let Some(returned) = returnable
         {
@@ -133,14 +134,35 @@ impl ChannelTable {
                 );
             });
         }
-        if let Some(seq) = confirm_seq {
-            s.write_queue.push(|o| {
+        match (confirm_seq, durable) {
+            // Kept on disk: confirmed once storage says it is stable (nack if it could not
+            // be written).
+            (Some(seq), Some(durable)) if !result.rejected => {
+                let write_queue = s.write_queue.clone();
+                tokio::spawn(async move {
+                    let stored = durable.await.unwrap_or(false);
+                    let Some(gate) = gate else { return };
+                    let open = gate.lock().unwrap_or_else(|e| e.into_inner());
+                    if !*open {
+                        return;
+                    }
+                    write_queue.push(|o| {
+                        if stored {
+                            put_basic_ack(o, ch, seq, false)
+                        } else {
+                            put_basic_nack(o, ch, seq, false, false)
+                        }
+                    });
+                });
+            }
+            (Some(seq), _) => s.write_queue.push(|o| {
                 if result.rejected {
                     put_basic_nack(o, ch, seq, false, false)
                 } else {
                     put_basic_ack(o, ch, seq, false)
                 }
-            });
+            }),
+            (None, _) => {}
         }
         Flow::Continue
     }

@@ -53,6 +53,18 @@ struct ChannelLocal {
     pending: Option<PendingPublish>,
     confirm: bool,
     publish_seq: u64,
+    /// Open while confirms of this channel may still be written: a confirm that waited for
+    /// storage is written under this lock only if the channel was not closed meanwhile, so
+    /// it never reaches a closed channel or a new one with the same number.
+    confirm_gate: ConfirmGate,
+}
+
+/// See [`ChannelLocal::confirm_gate`].
+pub(crate) type ConfirmGate = std::sync::Arc<std::sync::Mutex<bool>>;
+
+/// Closes a channel's confirm gate (before its channel.close or close-ok is written).
+fn close_gate(gate: &ConfirmGate) {
+    *gate.lock().unwrap_or_else(|e| e.into_inner()) = false;
 }
 
 /// The channels of one connection.
@@ -152,6 +164,7 @@ impl ChannelTable {
                         pending: None,
                         confirm: false,
                         publish_seq: 0,
+                        confirm_gate: std::sync::Arc::new(std::sync::Mutex::new(true)),
                     },
                 );
                 ctx.broker.open_channel(s.conn_id, ch);
@@ -184,7 +197,9 @@ impl ChannelTable {
                 return Flow::Continue;
             }
             (AMQPClass::Channel(chan::AMQPMethod::Close(_)), Some(_)) => {
-                self.channels.remove(&ch);
+                if let Some(local) = self.channels.remove(&ch) {
+                    close_gate(&local.confirm_gate);
+                }
                 ctx.broker.close_channel(s.conn_id, ch);
                 ctx.broker.metrics.channels_closed(1);
                 s.write_queue.push(|o| {
@@ -227,6 +242,7 @@ impl ChannelTable {
         if let Some(local) = self.channels.get_mut(&ch) {
             local.phase = Phase::Closing;
             local.pending = None;
+            close_gate(&local.confirm_gate);
         }
         ctx.broker.close_channel(s.conn_id, ch);
         ctx.broker.metrics.channels_closed(1);

@@ -1,0 +1,148 @@
+//! The storage thread: the only writer of the log. Requests arrive in the order the broker
+//! made its changes (they are sent under the broker lock); the thread takes every request
+//! already waiting, writes them with one `write`, makes them stable with one fsync when any
+//! requester waits for it (group commit), and only then tells each requester. It also keeps
+//! the [`Index`] and deletes head segments whose messages are all gone.
+
+use std::sync::mpsc::Receiver;
+use std::time::Instant;
+
+use tokio::sync::oneshot;
+
+use super::definitions::Definitions;
+use super::index::Index;
+use super::record::Record;
+use super::segment::{SegmentWriter, segment_path};
+use super::{StorageOptions, StorageStats};
+
+/// Most requests taken into one batch.
+const MAX_BATCH: usize = 4096;
+
+pub(super) enum Op {
+    Append(Record),
+    Definitions(Definitions),
+    /// Flush, sync and stop.
+    Close,
+}
+
+pub(super) struct Request {
+    pub op: Op,
+    /// Told `true` once the request is on stable storage (`false`: it could not be written).
+    pub done: Option<oneshot::Sender<bool>>,
+}
+
+pub(super) fn run(
+    rx: Receiver<Request>,
+    mut segment: SegmentWriter,
+    mut index: Index,
+    options: StorageOptions,
+    stats: std::sync::Arc<StorageStats>,
+    metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
+) {
+    let mut buf = Vec::with_capacity(1 << 16);
+    let mut record = Vec::new();
+    loop {
+        let Ok(first) = rx.recv() else {
+            // Every handle is gone: make what was written stable and stop.
+            let _ = segment.sync();
+            return;
+        };
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(r) => batch.push(r),
+                Err(_) => break,
+            }
+        }
+        let mut ok = true;
+        let mut waiters = Vec::new();
+        let mut closing = false;
+        for req in batch {
+            match req.op {
+                Op::Append(r) => {
+                    record.clear();
+                    r.encode(&mut record);
+                    if segment.should_rotate(buf.len(), record.len()) {
+                        ok &= report(segment.append(&buf), "write a segment");
+                        buf.clear();
+                        ok &= report(segment.rotate(options.fsync), "start a new segment");
+                        index.add_segment(segment.number());
+                    }
+                    buf.extend_from_slice(&record);
+                    stats.add_bytes(record.len() as u64);
+                    track(&mut index, &r, segment.number());
+                }
+                Op::Definitions(defs) => {
+                    ok &= report(defs.write_to(&options.dir), "write the definitions");
+                    index.retain_queues(&defs.queues.iter().map(|q| q.id).collect());
+                }
+                Op::Close => closing = true,
+            }
+            if let Some(w) = req.done {
+                waiters.push(w);
+            }
+        }
+        if !buf.is_empty() {
+            ok &= report(segment.append(&buf), "write a segment");
+            buf.clear();
+        }
+        if options.fsync && (!waiters.is_empty() || closing) {
+            let started = Instant::now();
+            ok &= report(segment.sync(), "fsync a segment");
+            stats.observe_fsync(started.elapsed());
+            if let Some(m) = &metrics {
+                m.observe_storage_fsync(started.elapsed());
+            }
+        }
+        for w in waiters {
+            let _ = w.send(ok);
+        }
+        for number in index.take_deletable(segment.number()) {
+            let path = segment_path(&options.dir, number);
+            let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+            if report(std::fs::remove_file(&path), "delete a segment") {
+                stats.add_bytes_removed(size);
+            }
+        }
+        stats.set_segments(index.segment_count() as u64);
+        if let Some(m) = &metrics {
+            m.set_storage(stats.bytes_on_disk(), stats.segments());
+        }
+        if closing {
+            return;
+        }
+    }
+}
+
+/// Keeps the index in step with a record written to segment `number`.
+fn track(index: &mut Index, record: &Record, number: u64) {
+    match record {
+        Record::Publish {
+            targets, remove, ..
+        } => {
+            if let Some((_, id)) = remove {
+                index.remove(*id);
+            }
+            for t in targets {
+                index.add(t.id, t.queue, number);
+            }
+        }
+        Record::Remove { items } => {
+            for (_, id) in items {
+                index.remove(*id);
+            }
+        }
+        Record::Delivered { .. } => {}
+    }
+}
+
+/// Logs a failed write; returns whether it succeeded.
+fn report(result: std::io::Result<()>, what: &str) -> bool {
+    match result {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::error!(error = %e, "storage: could not {what}");
+            false
+        }
+    }
+}
