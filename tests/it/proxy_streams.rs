@@ -355,7 +355,11 @@ async fn a_dead_letter_policy_does_not_touch_a_stream() {
         let conn = side.connect().await;
         let declared = declare_answer(&conn, &stream, stream_arguments("1D")).await;
         let rejected = rejection(side, &stream, false).await;
-        let redeclared = declare_answer(&conn, &stream, stream_arguments("1D")).await;
+        // Accepted or not; not its counts: a stream's message count in declare-ok comes from
+        // statistics RabbitMQ updates asynchronously (0 or 3 here, whoever asks).
+        let redeclared = declare_answer(&conn, &stream, stream_arguments("1D"))
+            .await
+            .map(|_| ());
         observed.push(format!("{declared:?}; {rejected}; {redeclared:?}"));
         names.push(stream);
     }
@@ -368,7 +372,7 @@ async fn a_dead_letter_policy_does_not_touch_a_stream() {
         "{observed:?}"
     );
     assert!(
-        observed[1].contains(r#"("m2", LongLongInt(2))]; Ok((0, 0))"#),
+        observed[1].ends_with(r#"("m2", LongLongInt(2))]; Ok(())"#),
         "{observed:?}"
     );
     nothing_dead_lettered_then_clean_up(proxy, &setup, &names, (&dlx, &dlq)).await;
