@@ -77,6 +77,9 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 port=$(free_port)
 # RabbitMQ's address without credentials and vhost, for upstream.url.
 upstream=$(python3 -c 'import sys, urllib.parse as u; p=u.urlsplit(sys.argv[1]); print(f"{p.scheme}://{p.hostname}:{p.port or 5672}")' "$RABBIT_URL")
+# The proxy's service user (its capture connection): RABBIT_URL's user.
+service_user=$(python3 -c 'import sys, urllib.parse as u; print(u.unquote(u.urlsplit(sys.argv[1]).username or "guest"))' "$RABBIT_URL")
+service_password=$(python3 -c 'import sys, urllib.parse as u; print(u.unquote(u.urlsplit(sys.argv[1]).password or "guest"))' "$RABBIT_URL")
 cat > "$OUT/config/proxy.toml" <<EOF
 mode = "proxy"
 [listen]
@@ -84,6 +87,8 @@ amqp = "127.0.0.1:$port"
 admin = ""
 [upstream]
 url = "$upstream"
+user = "$service_user"
+password = "$service_password"
 [log]
 filter = "warn"
 [proxy]
