@@ -126,14 +126,15 @@ impl Broker {
         (message.persistent && keeps(q)).then(|| storage.next_id())
     }
 
-    /// Writes the record of a message that entered the queues in `st.persist_targets` (and
-    /// left `remove`, for a dead-letter move). With `durable`, the answer comes once it is on
-    /// stable storage.
+    /// Writes the record of a message that entered the queues in `st.persist_targets` at
+    /// broker time `now` (and left `remove`, for a dead-letter move). With `durable`, the
+    /// answer comes once it is on stable storage.
     pub(crate) fn store_published(
         &self,
         st: &mut State,
         message: Arc<Message>,
         remove: Option<(u64, u64)>,
+        now: u64,
         durable: bool,
     ) -> Option<Durable> {
         let targets = std::mem::take(&mut st.persist_targets);
@@ -148,6 +149,7 @@ impl Broker {
             targets,
             remove,
             message,
+            at: Some(self.wall_ms(now)),
         };
         if durable {
             Some(storage.append_durable(record))
@@ -238,25 +240,42 @@ impl Broker {
         let mut st = self.lock();
         st.unrestored_definitions = unrestored;
         self.sync_definitions(&mut st);
+        // Every queue gets its messages back before any of them dies, so a dead letter made
+        // at start goes after the messages its target already held.
+        let mut deaths = Vec::new();
         for (queue_id, messages) in recovered.queues {
             let Some((vhost, name)) = names.get(&queue_id) else {
                 continue;
             };
-            let mut deaths = Vec::new();
+            let mut died = Vec::new();
             let mut refused = Vec::new();
             if let Some(q) = st.queue_mut(vhost, name) {
                 for m in messages {
-                    let mut entry = q.state.admit(m.message, now);
+                    // Its TTL counts from when it entered the queue, before the restart.
+                    let entered = m.at.map_or(now, |at| self.broker_ms(at).min(now));
+                    let mut entry = q.state.admit(m.message, entered);
                     entry.store_id = Some(m.id);
                     entry.redelivered = m.deliveries > 0;
                     entry.delivery_count = m.deliveries;
-                    if q.state.publish(entry, now, &mut deaths) == PublishOutcome::Rejected {
+                    // Time `entered`: nothing expires while the queue is loaded.
+                    if q.state.publish(entry, entered, &mut died) == PublishOutcome::Rejected {
                         refused.push((queue_id, m.id));
                     }
                 }
             }
             self.store_removed(refused);
-            self.process_deaths(&mut st, vhost, name, deaths, now);
+            deaths.push((vhost, name, died));
+        }
+        // Messages whose TTL ran out while the broker was down die now (`expired`).
+        for (vhost, name, died) in &mut deaths {
+            if let Some(q) = st.queue_mut(vhost, name) {
+                q.state.expire(now, died);
+            }
+        }
+        for (vhost, name, died) in deaths {
+            self.process_deaths(&mut st, vhost, name, died, now);
+        }
+        for (vhost, name) in names.values() {
             self.reschedule(&mut st, vhost, name);
             self.update_depth(&mut st, vhost, name);
         }

@@ -59,4 +59,5 @@ mod proxy_streams;
 mod proxy_upstream_policies;
 mod proxy_upstream_tls;
 mod storage_restart;
+mod storage_ttl;
 mod table_depth;

@@ -21,22 +21,28 @@ use lapin::{Connection, ConnectionProperties};
 const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
 
 /// The binary with `[storage] dir = "data"` in its own directory, restartable on the same
-/// ports and files.
-struct Node {
-    dir: TempDir,
-    config: std::path::PathBuf,
-    amqp: SocketAddr,
-    admin: SocketAddr,
+/// ports and files (shared by the other `storage_*` modules).
+pub(crate) struct Node {
+    pub(crate) dir: TempDir,
+    pub(crate) config: std::path::PathBuf,
+    pub(crate) amqp: SocketAddr,
+    pub(crate) admin: SocketAddr,
     process: Option<ServiceProcess>,
 }
 
 impl Node {
-    async fn start(tag: &str) -> Node {
+    pub(crate) async fn start(tag: &str) -> Node {
+        Self::start_with(tag, "").await
+    }
+
+    /// Started with `extra` appended to its configuration, right after the `[storage]` keys
+    /// (more storage keys, then other sections).
+    pub(crate) async fn start_with(tag: &str, extra: &str) -> Node {
         let dir = TempDir::new(tag);
         let (amqp, admin) = free_addresses();
         let config = dir.join("config.toml");
         let text = format!(
-            "{}\n[storage]\ndir = \"data\"\nfsync = \"always\"\n",
+            "{}\n[storage]\ndir = \"data\"\nfsync = \"always\"\n{extra}",
             process_config(amqp, admin, 0)
         );
         write_atomically(&config, &text);
@@ -51,19 +57,19 @@ impl Node {
         node
     }
 
-    async fn up(&mut self) {
+    pub(crate) async fn up(&mut self) {
         self.process = Some(
             ServiceProcess::start(BINARY, self.dir.path(), &self.config, self.amqp, self.admin)
                 .await,
         );
     }
 
-    fn logs(&self) -> String {
+    pub(crate) fn logs(&self) -> String {
         self.process.as_ref().map(|p| p.logs()).unwrap_or_default()
     }
 
     /// SIGKILL: no shutdown code runs.
-    async fn kill(&mut self) {
+    pub(crate) async fn kill(&mut self) {
         if let Some(mut p) = self.process.take() {
             p.signal("KILL");
             assert!(p.wait_exit(Duration::from_secs(10)).await.is_some());
@@ -71,7 +77,7 @@ impl Node {
     }
 
     /// SIGTERM and wait for the exit.
-    async fn stop(&mut self) {
+    pub(crate) async fn stop(&mut self) {
         if let Some(mut p) = self.process.take() {
             p.signal("TERM");
             let status = p.wait_exit(Duration::from_secs(20)).await;
@@ -79,7 +85,7 @@ impl Node {
         }
     }
 
-    async fn channel(&self) -> (Connection, Channel) {
+    pub(crate) async fn channel(&self) -> (Connection, Channel) {
         let uri = format!("amqp://guest:guest@{}/%2f", self.amqp);
         let conn = Connection::connect(&uri, ConnectionProperties::default())
             .await
@@ -88,7 +94,7 @@ impl Node {
         (conn, ch)
     }
 
-    fn segments(&self) -> Vec<std::path::PathBuf> {
+    pub(crate) fn segments(&self) -> Vec<std::path::PathBuf> {
         let mut files: Vec<_> = std::fs::read_dir(self.dir.join("data").join("segments"))
             .expect("segments dir")
             .map(|e| e.expect("entry").path())
@@ -98,7 +104,7 @@ impl Node {
     }
 }
 
-fn persistent(i: usize) -> BasicProperties {
+pub(crate) fn persistent(i: usize) -> BasicProperties {
     let mut headers = FieldTable::default();
     headers.insert(ShortString::from("n"), AMQPValue::LongLongInt(i as i64));
     headers.insert(
@@ -112,7 +118,7 @@ fn persistent(i: usize) -> BasicProperties {
 
 /// Publishes `bodies` with `props` to `queue` with confirms, all in flight at once; every one
 /// must be acked.
-async fn publish_confirmed(
+pub(crate) async fn publish_confirmed(
     ch: &Channel,
     queue: &str,
     bodies: impl Iterator<Item = (String, BasicProperties)>,
@@ -138,7 +144,7 @@ async fn publish_confirmed(
 }
 
 /// Publishes `{prefix}0`..`{prefix}{n-1}` as persistent messages with confirms.
-async fn publish_numbered(ch: &Channel, queue: &str, prefix: &str, n: usize) {
+pub(crate) async fn publish_numbered(ch: &Channel, queue: &str, prefix: &str, n: usize) {
     publish_confirmed(
         ch,
         queue,
@@ -148,7 +154,7 @@ async fn publish_numbered(ch: &Channel, queue: &str, prefix: &str, n: usize) {
 }
 
 /// The distinct bodies found in two queues.
-fn distinct_bodies(
+pub(crate) fn distinct_bodies(
     a: &[(String, bool, Option<FieldTable>)],
     b: &[(String, bool, Option<FieldTable>)],
 ) -> Vec<String> {
@@ -159,7 +165,7 @@ fn distinct_bodies(
 }
 
 /// Messages in `queue` (passive declare).
-async fn count(ch: &Channel, queue: &str) -> u32 {
+pub(crate) async fn count(ch: &Channel, queue: &str) -> u32 {
     ch.queue_declare(
         queue.into(),
         QueueDeclareOptions {
@@ -174,7 +180,7 @@ async fn count(ch: &Channel, queue: &str) -> u32 {
 }
 
 /// Takes every message of `queue` with basic.get and acks it: (body, redelivered, headers).
-async fn drain(ch: &Channel, queue: &str) -> Vec<(String, bool, Option<FieldTable>)> {
+pub(crate) async fn drain(ch: &Channel, queue: &str) -> Vec<(String, bool, Option<FieldTable>)> {
     let mut out = Vec::new();
     while let Some(m) = ch
         .basic_get(queue.into(), BasicGetOptions { no_ack: false })

@@ -56,6 +56,7 @@ fn publish(s: &Storage, queue: u64, body: &str) -> u64 {
             None,
             false,
         )),
+        at: Some(1_000 + id),
     });
     id
 }
@@ -94,6 +95,7 @@ fn publishes_removals_deliveries_and_moves_replay_in_order() {
         }],
         remove: Some((1, b)),
         message: Arc::new(Message::new("dlx", &["k"], &[0, 0], b"b", None, true)),
+        at: Some(5_000),
     });
     assert_eq!(durable.blocking_recv(), Ok(true));
     s.close();
@@ -102,7 +104,13 @@ fn publishes_removals_deliveries_and_moves_replay_in_order() {
     assert_eq!(bodies(&r, 2), vec!["b"]);
     let q1 = &r.queues[&1];
     assert_eq!((q1[0].deliveries, q1[1].deliveries), (1, 0));
+    assert_eq!((q1[0].at, q1[1].at), (Some(1_000 + c), Some(1_000 + c + 1)));
     assert!(r.queues[&2][0].message.dead_lettered);
+    assert_eq!(
+        r.queues[&2][0].at,
+        Some(5_000),
+        "a move enters its target then"
+    );
     assert_eq!(r.stats.messages, 3);
     assert_eq!(r.stats.torn_bytes, 0);
     assert!(r.next_id > moved);
