@@ -399,6 +399,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 metrics.clone(),
             );
             if let Some(options) = config.storage.options() {
+                let started = std::time::Instant::now();
                 let dir = options.dir.display().to_string();
                 let storage_metrics = metrics.clone();
                 let (storage, recovered) = tokio::task::spawn_blocking(move || {
@@ -408,6 +409,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 .context("storage recovery task")?
                 .with_context(|| format!("opening storage.dir {dir:?}"))?;
                 broker.restore(recovered, Arc::new(storage));
+                metrics.set_storage_recovery_time(started.elapsed());
             }
             tasks.push(tokio::spawn(
                 broker.clone().timer_loop(connections_trigger.subscribe()),

@@ -243,6 +243,9 @@ async fn confirmed_persistent_messages_survive_sigkill_and_clean_restart() {
         common::metric_value(&text, "dlx_proxy_storage_recovered_messages"),
         Some(1000.0)
     );
+    // Reading 1000 messages and loading them took some time, and not seconds.
+    let took = common::metric_value(&text, "dlx_proxy_storage_recovery_seconds");
+    assert!(took.is_some_and(|s| s > 0.0 && s < 5.0), "{took:?}");
     let err = ch
         .queue_declare(
             "temp".into(),
