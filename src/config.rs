@@ -383,6 +383,10 @@ pub struct StorageConfig {
     pub fsync: String,
     /// Bytes after which the log starts a new segment.
     pub segment_size: u64,
+    /// Free space on the file system of `dir` below which publishers are blocked (the disk
+    /// alarm): bytes (50000000, "50MB", "1GiB"); 0 = no disk alarm. Changes on reload.
+    #[serde(deserialize_with = "string_or_number")]
+    pub disk_free_limit: String,
 }
 
 impl Default for StorageConfig {
@@ -391,6 +395,7 @@ impl Default for StorageConfig {
             dir: String::new(),
             fsync: "always".into(),
             segment_size: 64 << 20,
+            disk_free_limit: "50MB".into(),
         }
     }
 }
@@ -408,7 +413,14 @@ impl StorageConfig {
         })
     }
 
+    /// `disk_free_limit` in bytes (0 when invalid: validation refuses that first).
+    pub fn disk_free_limit_bytes(&self) -> u64 {
+        crate::memory::watermark::parse_size(&self.disk_free_limit).unwrap_or(0)
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
+        crate::memory::watermark::parse_size(&self.disk_free_limit)
+            .map_err(|message| ConfigError::invalid("storage.disk_free_limit", message))?;
         if !matches!(self.fsync.as_str(), "always" | "never") {
             return Err(ConfigError::invalid(
                 "storage.fsync",
@@ -1762,6 +1774,19 @@ mod tests {
         assert!(
             text.contains("key `storage.fsync`: \"sometimes\" is not \"always\" or \"never\""),
             "{text}"
+        );
+        let text = error_text("[storage]\ndisk_free_limit = \"lots\"\n");
+        assert!(
+            text.contains("key `storage.disk_free_limit`: \"lots\" does not start with a number"),
+            "{text}"
+        );
+        let config = load_text("[storage]\ndisk_free_limit = 1048576\n").unwrap();
+        assert_eq!(config.storage.disk_free_limit_bytes(), 1 << 20);
+        let config = load_text("[storage]\ndisk_free_limit = \"2GiB\"\n").unwrap();
+        assert_eq!(config.storage.disk_free_limit_bytes(), 2 << 30);
+        assert_eq!(
+            Config::default().storage.disk_free_limit_bytes(),
+            50_000_000
         );
         let text = error_text("[storage]\nsegment_size = 100\n");
         assert!(

@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -236,7 +237,7 @@ impl RunningService {
     }
 
     /// Applies a new configuration without dropping connections: policies, users (each
-    /// `password_file` is read again), limits and the admin token (`admin.token_file` is read
+    /// `password_file` is read again), limits, `storage.disk_free_limit` and the admin token (`admin.token_file` is read
     /// again). Every other setting (listeners,
     /// mode, TLS file names, vhosts, ...) needs a restart; a change to one is logged as a
     /// warning and the running value stays. (The content of the TLS files is reloaded
@@ -267,6 +268,8 @@ impl RunningService {
                 Ok(mut l) => *l = config.limits.clone(),
                 Err(p) => *p.into_inner() = config.limits.clone(),
             }
+            ctx.disk_free_limit
+                .store(config.storage.disk_free_limit_bytes(), Ordering::Relaxed);
         }
         self.connection_slots.set_max(config.limits.max_connections);
         self.admin_token.set(admin_token);
@@ -415,6 +418,18 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 broker.clone().timer_loop(connections_trigger.subscribe()),
             ));
             let ctx = ServerContext::new(broker.clone(), users, config.limits.clone());
+            if let Some(options) = config.storage.options() {
+                ctx.disk_free_limit
+                    .store(config.storage.disk_free_limit_bytes(), Ordering::Relaxed);
+                let limit_ctx = ctx.clone();
+                tasks.push(tokio::spawn(crate::storage::disk::run(
+                    options.dir,
+                    move || limit_ctx.disk_free_limit.load(Ordering::Relaxed),
+                    metrics.clone(),
+                    ctx.disk_alarm.clone(),
+                    connections_trigger.subscribe(),
+                )));
+            }
             tasks.push(spawn_memory_monitor(
                 &ctx,
                 &metrics,

@@ -7,11 +7,13 @@
 //! - [`definitions`]: the snapshot of durable exchanges, queues and bindings;
 //! - [`recovery`]: replays the files into [`Recovered`] (torn tails cut, damage skipped);
 //! - [`index`]: live messages per segment, for deleting segments whose messages are gone;
-//! - [`writer`]: the storage thread (group commit: one write and one fsync per batch).
+//! - [`writer`]: the storage thread (group commit: one write and one fsync per batch);
+//! - [`disk`]: the disk alarm (free space below `storage.disk_free_limit`).
 
 pub mod codec;
 pub mod crc;
 pub mod definitions;
+pub mod disk;
 pub mod index;
 pub mod record;
 pub mod recovery;

@@ -41,11 +41,6 @@ impl Node {
         let dir = TempDir::new(tag);
         let (amqp, admin) = free_addresses();
         let config = dir.join("config.toml");
-        let text = format!(
-            "{}\n[storage]\ndir = \"data\"\nfsync = \"always\"\n{extra}",
-            process_config(amqp, admin, 0)
-        );
-        write_atomically(&config, &text);
         let mut node = Node {
             dir,
             config,
@@ -53,8 +48,18 @@ impl Node {
             admin,
             process: None,
         };
+        node.configure(extra);
         node.up().await;
         node
+    }
+
+    /// Writes its configuration file with `extra` (a running node reloads it).
+    pub(crate) fn configure(&self, extra: &str) {
+        let text = format!(
+            "{}\n[storage]\ndir = \"data\"\nfsync = \"always\"\n{extra}",
+            process_config(self.amqp, self.admin, 0)
+        );
+        write_atomically(&self.config, &text);
     }
 
     pub(crate) async fn up(&mut self) {
