@@ -744,7 +744,7 @@ impl Default for PermissionConfig {
 pub const DEFAULT_APPLY_TO: &str = "queues";
 
 /// A policy as written in TOML (validated into a `policy::Policy`).
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PolicyConfig {
     pub name: String,

@@ -33,6 +33,33 @@ use crate::server::{self, ServerContext};
 use crate::shutdown::ShutdownTrigger;
 use crate::tls::TlsRotation;
 
+/// Takes the runtime policies storage kept into `state`, one by one: a policy the TOML
+/// policies in force no longer accept alongside (say a name clash turned invalid) is logged
+/// and dropped, from `stored` too, so the next snapshot no longer has it.
+fn restore_runtime_policies(state: &mut PolicyHubState, stored: &mut Vec<PolicyConfig>) {
+    stored.retain(|policy| {
+        let key = (policy.vhost.clone(), policy.name.clone());
+        let previous = state.runtime.insert(key.clone(), policy.clone());
+        match PolicySet::from_configs(&PolicyHub::merged(state)) {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::error!(vhost = %policy.vhost, policy = %policy.name, error = %e, "stored runtime policy dropped: invalid with the policies in force");
+                match previous {
+                    Some(p) => state.runtime.insert(key, p),
+                    None => state.runtime.remove(&key),
+                };
+                false
+            }
+        }
+    });
+    if !stored.is_empty() {
+        tracing::info!(
+            policies = stored.len(),
+            "runtime policies restored from storage"
+        );
+    }
+}
+
 /// Where a new policy set goes.
 #[derive(Clone)]
 enum PolicySink {
@@ -81,7 +108,11 @@ impl PolicyHub {
     fn apply(&self, state: &PolicyHubState) -> Result<(), String> {
         let set = PolicySet::from_configs(&Self::merged(state)).map_err(|e| e.to_string())?;
         match &self.sink {
-            PolicySink::Broker(b) => b.apply_policies(set),
+            PolicySink::Broker(b) => {
+                b.apply_policies(set);
+                // Kept on disk when storage is on.
+                b.set_runtime_policies(state.runtime.values().cloned().collect());
+            }
             PolicySink::Shared(shared) => match shared.write() {
                 Ok(mut g) => *g = set,
                 Err(p) => *p.into_inner() = set,
@@ -387,6 +418,10 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         None => None,
     };
 
+    let mut hub_state = PolicyHubState {
+        from_config: config.policies.clone(),
+        runtime: BTreeMap::new(),
+    };
     let (sink, broker_handle, server_ctx, connection_slots) = match config.mode {
         Mode::Embedded => {
             let users = UserDb::from_config(&config.users).map_err(|e| anyhow::anyhow!(e))?;
@@ -411,6 +446,15 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 .await
                 .context("storage recovery task")?
                 .with_context(|| format!("opening storage.dir {dir:?}"))?;
+                let mut recovered = recovered;
+                restore_runtime_policies(&mut hub_state, &mut recovered.definitions.policies);
+                if !hub_state.runtime.is_empty() {
+                    let merged = PolicyHub::merged(&hub_state);
+                    // Checked by restore_runtime_policies: the merged set is valid.
+                    if let Ok(set) = PolicySet::from_configs(&merged) {
+                        broker.apply_policies(set);
+                    }
+                }
                 broker.restore(recovered, Arc::new(storage));
                 metrics.set_storage_recovery_time(started.elapsed());
             }
@@ -545,10 +589,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         }
     };
     let policies = Arc::new(PolicyHub {
-        inner: Mutex::new(PolicyHubState {
-            from_config: config.policies.clone(),
-            runtime: BTreeMap::new(),
-        }),
+        inner: Mutex::new(hub_state),
         sink,
         changed: policy_changes,
     });

@@ -102,6 +102,8 @@ pub struct State {
     /// Stored definitions that could not be restored (their vhost is gone from the config):
     /// kept in every snapshot, with their messages, until they can be.
     pub(crate) unrestored_definitions: crate::storage::Definitions,
+    /// Policies set at run time, kept in the definitions snapshot (restored at start).
+    pub(crate) runtime_policies: Vec<crate::config::PolicyConfig>,
 }
 
 /// The embedded broker.
@@ -140,6 +142,7 @@ impl Broker {
                 persist_targets: Vec::new(),
                 stored_definitions: None,
                 unrestored_definitions: Default::default(),
+                runtime_policies: Vec::new(),
             }),
             epoch: Instant::now(),
             epoch_wall_ms,

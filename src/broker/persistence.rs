@@ -98,6 +98,7 @@ fn definitions_of(st: &State) -> Definitions {
     defs.exchanges.extend(kept.exchanges.iter().cloned());
     defs.queues.extend(kept.queues.iter().cloned());
     defs.bindings.extend(kept.bindings.iter().cloned());
+    defs.policies = st.runtime_policies.clone();
     defs
 }
 
@@ -118,6 +119,14 @@ impl Broker {
         }
         storage.definitions(defs.clone());
         st.stored_definitions = Some(defs);
+    }
+
+    /// Keeps the runtime policies (admin API) in the definitions snapshot. The caller applies
+    /// them ([`Broker::apply_policies`]); this only records them.
+    pub fn set_runtime_policies(&self, policies: Vec<crate::config::PolicyConfig>) {
+        let mut st = self.lock();
+        st.runtime_policies = policies;
+        self.sync_definitions(&mut st);
     }
 
     /// A message id when `message` is kept in queue `q`.
@@ -169,7 +178,9 @@ impl Broker {
     }
 
     /// Loads what recovery found (definitions, then each queue's messages in order) and
-    /// attaches `storage` for everything that follows.
+    /// attaches `storage` for everything that follows. The stored runtime policies are kept
+    /// in later snapshots; the caller applies them before (so that restored queues get their
+    /// limits and TTL from them).
     pub fn restore(&self, recovered: Recovered, storage: Arc<Storage>) {
         let defs = &recovered.definitions;
         let mut unrestored = Definitions::default();
@@ -239,6 +250,7 @@ impl Broker {
         let now = self.now();
         let mut st = self.lock();
         st.unrestored_definitions = unrestored;
+        st.runtime_policies = defs.policies.clone();
         self.sync_definitions(&mut st);
         // Every queue gets its messages back before any of them dies, so a dead letter made
         // at start goes after the messages its target already held.
