@@ -377,7 +377,8 @@ impl Default for DeadLetterConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StorageConfig {
-    /// Directory of the definitions and the message log; empty = nothing stored.
+    /// Directory of the definitions and the message log (relative: under the working
+    /// directory); empty = nothing stored.
     pub dir: String,
     /// "always" (confirms after fsync) or "never" (tests and benchmarks).
     pub fsync: String,
@@ -392,13 +393,16 @@ pub struct StorageConfig {
 impl Default for StorageConfig {
     fn default() -> Self {
         StorageConfig {
-            dir: String::new(),
+            dir: DEFAULT_STORAGE_DIR.into(),
             fsync: "always".into(),
             segment_size: 64 << 20,
             disk_free_limit: "50MB".into(),
         }
     }
 }
+
+/// `storage.dir` by default: `data` under the working directory.
+pub const DEFAULT_STORAGE_DIR: &str = "data";
 
 /// Smallest `storage.segment_size`.
 const MIN_SEGMENT_SIZE: u64 = 4096;
@@ -1794,12 +1798,19 @@ mod tests {
             "{text}"
         );
         assert!(
-            Config::default().storage.options().is_none(),
-            "off by default"
+            load_text("[storage]\ndir = \"\"\n")
+                .unwrap()
+                .storage
+                .options()
+                .is_none(),
+            "an empty dir turns it off"
         );
-        let config = load_text("[storage]\ndir = \"data\"\nfsync = \"never\"\n").unwrap();
-        let options = config.storage.options().unwrap();
+        let options = Config::default().storage.options().expect("on by default");
         assert_eq!(options.dir, PathBuf::from("data"));
+        assert!(options.fsync);
+        let config = load_text("[storage]\ndir = \"/var/lib/x\"\nfsync = \"never\"\n").unwrap();
+        let options = config.storage.options().unwrap();
+        assert_eq!(options.dir, PathBuf::from("/var/lib/x"));
         assert!(!options.fsync);
         assert_eq!(options.segment_size, 64 << 20);
     }

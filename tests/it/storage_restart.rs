@@ -592,3 +592,37 @@ async fn a_max_length_storm_killed_midway_keeps_every_confirmed_message_somewher
     let source: Vec<String> = in_source.into_iter().map(|(b, _, _)| b).collect();
     assert_eq!(source, newest);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn storage_is_on_by_default_in_data_under_the_working_directory() {
+    let dir = TempDir::new("storage-default");
+    let (amqp, admin) = free_addresses();
+    let config = dir.join("config.toml");
+    // No [storage] section at all.
+    write_atomically(&config, &process_config(amqp, admin, 0));
+    let start = || ServiceProcess::start(BINARY, dir.path(), &config, amqp, admin);
+    let mut process = start().await;
+    let uri = format!("amqp://guest:guest@{amqp}/%2f");
+    let conn = Connection::connect(&uri, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let ch = conn.create_channel().await.expect("channel");
+    confirm_select(&ch).await;
+    declare_durable(&ch, "default-on", FieldTable::default()).await;
+    publish_numbered(&ch, "default-on", "d-", 3).await;
+    drop(conn);
+    process.signal("KILL");
+    assert!(process.wait_exit(Duration::from_secs(10)).await.is_some());
+    assert!(dir.join("data").join("definitions").is_file());
+    let _process = start().await;
+    let conn = Connection::connect(&uri, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let ch = conn.create_channel().await.expect("channel");
+    let got: Vec<String> = drain(&ch, "default-on")
+        .await
+        .into_iter()
+        .map(|(b, _, _)| b)
+        .collect();
+    assert_eq!(got, vec!["d-0", "d-1", "d-2"]);
+}
