@@ -197,6 +197,29 @@ impl Record {
     }
 }
 
+/// A publish of `body` to queue `queue` as message `id`, at wall-clock time `1000 + id`
+/// (for tests).
+#[cfg(test)]
+pub(crate) fn test_publish(queue: u64, id: u64, body: &str) -> Record {
+    Record::Publish {
+        targets: vec![Target {
+            queue,
+            id,
+            delivered: false,
+        }],
+        remove: None,
+        message: Arc::new(Message::new(
+            "",
+            &["k"],
+            &[0, 0],
+            body.as_bytes(),
+            None,
+            false,
+        )),
+        at: Some(1_000 + id),
+    }
+}
+
 /// Writes a frame whose payload `fill` appends.
 pub(super) fn frame(out: &mut Vec<u8>, fill: impl FnOnce(&mut Vec<u8>)) {
     let start = out.len();

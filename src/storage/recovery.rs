@@ -130,7 +130,7 @@ pub fn recover(dir: &Path) -> Result<Recovered, RecoveryError> {
             stats.orphans += 1;
             continue;
         }
-        index.add(id, queue, entry.segment);
+        index.add(id, queue, entry.segment, entry.deliveries);
         stats.messages += 1;
         queues.entry(queue).or_default().push(RecoveredMessage {
             id,

@@ -1,7 +1,8 @@
 //! TTL deadlines across restarts of the real binary: messages whose queue or per-message TTL
 //! ran out while the broker was down are dead-lettered at start (reason `expired`, x-death of
 //! their queue) or dropped when the queue has no dead-letter exchange, and the others expire
-//! when they were due, counted from their publish, not from the restart.
+//! when they were due, counted from their publish, not from the restart; a SIGKILL during an
+//! expiry storm leaves every message exactly once in the source or its dead-letter queue.
 
 use crate::common;
 
@@ -158,4 +159,43 @@ async fn after_a_sigkill_messages_expire_when_due_counted_from_their_publish() {
     let (_conn, ch) = node.channel().await;
     assert_eq!(count(&ch, "ttl").await, 0);
     assert_eq!(count(&ch, "dlq").await, 20, "the unacked get is back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkill_during_an_expiry_storm_loses_and_doubles_nothing() {
+    let mut node = Node::start("storage-ttl-storm").await;
+    let (conn, ch) = node.channel().await;
+    confirm_select(&ch).await;
+    ttl_queue_to_dlq(&ch, "storm", Some(500)).await;
+    const N: usize = 3_000;
+    publish_confirmed(
+        &ch,
+        "storm",
+        (0..N).map(|i| (format!("s-{i}"), persistent(i))),
+    )
+    .await;
+    // Kill while the storm is under way: some dead letters made, not all.
+    let until = Instant::now() + Duration::from_secs(10);
+    while count(&ch, "dlq").await == 0 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    node.kill().await;
+    drop(conn);
+    node.up().await;
+    let (_conn, ch) = node.channel().await;
+    // What is left in the source expired while the broker was down or expires now.
+    let until = Instant::now() + Duration::from_secs(5);
+    while count(&ch, "storm").await > 0 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(count(&ch, "storm").await, 0, "{}", node.logs());
+    let mut bodies = Vec::new();
+    while let Some(d) = common::dl::get(&ch, "dlq").await {
+        assert_eq!(x_death(&d)[0].qrc(), ("storm", "expired", 1));
+        bodies.push(payload(&d));
+    }
+    assert_eq!(bodies.len(), N, "every message once in the DLQ, none twice");
+    bodies.sort();
+    bodies.dedup();
+    assert_eq!(bodies.len(), N);
 }
