@@ -270,7 +270,7 @@ impl Broker {
                     entry.redelivered = m.deliveries > 0;
                     entry.delivery_count = m.deliveries;
                     // Time `entered`: nothing expires while the queue is loaded.
-                    if q.state.publish(entry, entered, &mut died) == PublishOutcome::Rejected {
+                    if q.state.restore(entry, entered, &mut died) == PublishOutcome::Rejected {
                         refused.push((queue_id, m.id));
                     }
                 }

@@ -675,3 +675,38 @@ async fn a_sigkill_during_consume_and_ack_loses_no_unacknowledged_message() {
     }
     assert!(left.len() >= N - acked.len());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_returned_past_its_delivery_limit_by_crashes_is_dead_lettered_at_start() {
+    let mut node = Node::start("storage-delivery-limit").await;
+    let (conn, ch) = node.channel().await;
+    confirm_select(&ch).await;
+    declare_durable(&ch, "limit-dlq", FieldTable::default()).await;
+    let args = table(&[
+        ("x-dead-letter-exchange", ls("")),
+        ("x-dead-letter-routing-key", ls("limit-dlq")),
+        ("x-delivery-limit", int(1)),
+    ]);
+    declare_durable(&ch, "limited", args).await;
+    publish_numbered(&ch, "limited", "l-", 1).await;
+    drop(conn);
+    // Delivered and never settled, twice: each crash returns it once.
+    for returned in 1..=2 {
+        let (_conn, ch) = node.channel().await;
+        assert_eq!(count(&ch, "limit-dlq").await, 0, "returned {returned}");
+        let d = common::dl::get_one(&ch, "limited").await;
+        assert_eq!(&d.data[..], b"l-0");
+        // The delivered record is written lazily; give the storage thread a moment.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        node.kill().await;
+        node.up().await;
+    }
+    let (_conn, ch) = node.channel().await;
+    assert_eq!(count(&ch, "limited").await, 0, "{}", node.logs());
+    let d = common::dl::get_one(&ch, "limit-dlq").await;
+    assert_eq!(&d.data[..], b"l-0");
+    assert_eq!(
+        common::dl::x_death(&d)[0].qrc(),
+        ("limited", "delivery_limit", 1)
+    );
+}
