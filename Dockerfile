@@ -4,7 +4,7 @@
 # certificates, no shell), running as the non-root user 65532.
 #
 #   docker build -t dlx-proxy:0.1.0 .
-#   docker run --rm -p 5672:5672 -p 15692:15692 dlx-proxy:0.1.0
+#   docker run --rm -p 5672:5672 -p 15692:15692 -v dlx-proxy-data:/var/lib/dlx-proxy dlx-proxy:0.1.0
 #
 # The config is read from /etc/dlx-proxy/config.toml; mount a directory over
 # /etc/dlx-proxy (not a single file: the live reload watches the directory).
@@ -20,7 +20,8 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked --bin dlx-proxy \
- && install -D -m 0755 target/release/dlx-proxy /out/dlx-proxy
+ && install -D -m 0755 target/release/dlx-proxy /out/dlx-proxy \
+ && install -d -m 0750 /out/data
 
 FROM gcr.io/distroless/cc-debian12:nonroot
 LABEL org.opencontainers.image.title="dlx-proxy" \
@@ -28,6 +29,10 @@ LABEL org.opencontainers.image.title="dlx-proxy" \
       org.opencontainers.image.version="0.1.0"
 COPY --from=build /out/dlx-proxy /usr/local/bin/dlx-proxy
 COPY --chown=0:0 deploy/docker/config.toml /etc/dlx-proxy/config.toml
+# storage.dir of that config: durable queues and persistent messages. Mount a
+# volume here to keep them beyond the container (the Helm chart does).
+COPY --from=build --chown=65532:65532 /out/data /var/lib/dlx-proxy
+VOLUME /var/lib/dlx-proxy
 # distroless "nonroot" is uid/gid 65532; set numerically so Kubernetes'
 # runAsNonRoot check can verify it.
 USER 65532:65532

@@ -377,23 +377,32 @@ impl Default for DeadLetterConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StorageConfig {
-    /// Directory of the definitions and the message log; empty = nothing stored.
+    /// Directory of the definitions and the message log (relative: under the working
+    /// directory); empty = nothing stored.
     pub dir: String,
     /// "always" (confirms after fsync) or "never" (tests and benchmarks).
     pub fsync: String,
     /// Bytes after which the log starts a new segment.
     pub segment_size: u64,
+    /// Free space on the file system of `dir` below which publishers are blocked (the disk
+    /// alarm): bytes (50000000, "50MB", "1GiB"); 0 = no disk alarm. Changes on reload.
+    #[serde(deserialize_with = "string_or_number")]
+    pub disk_free_limit: String,
 }
 
 impl Default for StorageConfig {
     fn default() -> Self {
         StorageConfig {
-            dir: String::new(),
+            dir: DEFAULT_STORAGE_DIR.into(),
             fsync: "always".into(),
             segment_size: 64 << 20,
+            disk_free_limit: "50MB".into(),
         }
     }
 }
+
+/// `storage.dir` by default: `data` under the working directory.
+pub const DEFAULT_STORAGE_DIR: &str = "data";
 
 /// Smallest `storage.segment_size`.
 const MIN_SEGMENT_SIZE: u64 = 4096;
@@ -408,7 +417,14 @@ impl StorageConfig {
         })
     }
 
+    /// `disk_free_limit` in bytes (0 when invalid: validation refuses that first).
+    pub fn disk_free_limit_bytes(&self) -> u64 {
+        crate::memory::watermark::parse_size(&self.disk_free_limit).unwrap_or(0)
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
+        crate::memory::watermark::parse_size(&self.disk_free_limit)
+            .map_err(|message| ConfigError::invalid("storage.disk_free_limit", message))?;
         if !matches!(self.fsync.as_str(), "always" | "never") {
             return Err(ConfigError::invalid(
                 "storage.fsync",
@@ -732,7 +748,7 @@ impl Default for PermissionConfig {
 pub const DEFAULT_APPLY_TO: &str = "queues";
 
 /// A policy as written in TOML (validated into a `policy::Policy`).
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PolicyConfig {
     pub name: String,
@@ -1763,18 +1779,38 @@ mod tests {
             text.contains("key `storage.fsync`: \"sometimes\" is not \"always\" or \"never\""),
             "{text}"
         );
+        let text = error_text("[storage]\ndisk_free_limit = \"lots\"\n");
+        assert!(
+            text.contains("key `storage.disk_free_limit`: \"lots\" does not start with a number"),
+            "{text}"
+        );
+        let config = load_text("[storage]\ndisk_free_limit = 1048576\n").unwrap();
+        assert_eq!(config.storage.disk_free_limit_bytes(), 1 << 20);
+        let config = load_text("[storage]\ndisk_free_limit = \"2GiB\"\n").unwrap();
+        assert_eq!(config.storage.disk_free_limit_bytes(), 2 << 30);
+        assert_eq!(
+            Config::default().storage.disk_free_limit_bytes(),
+            50_000_000
+        );
         let text = error_text("[storage]\nsegment_size = 100\n");
         assert!(
             text.contains("key `storage.segment_size`: must be at least 4096 bytes"),
             "{text}"
         );
         assert!(
-            Config::default().storage.options().is_none(),
-            "off by default"
+            load_text("[storage]\ndir = \"\"\n")
+                .unwrap()
+                .storage
+                .options()
+                .is_none(),
+            "an empty dir turns it off"
         );
-        let config = load_text("[storage]\ndir = \"data\"\nfsync = \"never\"\n").unwrap();
-        let options = config.storage.options().unwrap();
+        let options = Config::default().storage.options().expect("on by default");
         assert_eq!(options.dir, PathBuf::from("data"));
+        assert!(options.fsync);
+        let config = load_text("[storage]\ndir = \"/var/lib/x\"\nfsync = \"never\"\n").unwrap();
+        let options = config.storage.options().unwrap();
+        assert_eq!(options.dir, PathBuf::from("/var/lib/x"));
         assert!(!options.fsync);
         assert_eq!(options.segment_size, 64 << 20);
     }

@@ -12,8 +12,8 @@
 //! drops a deleted queue's series and frees its slot.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -75,6 +75,10 @@ pub const METRIC_NAMES: &[&str] = &[
     "storage_recovered_messages",
     "storage_recovery_damaged_records",
     "storage_recovery_torn_bytes",
+    "storage_recovery_seconds",
+    "disk_alarm",
+    "disk_free_bytes",
+    "disk_free_limit_bytes",
 ];
 
 /// The `outcome` label of `captured_total`: the captured message was dead-lettered (the
@@ -243,6 +247,10 @@ pub struct Metrics {
     storage_recovered: IntGauge,
     storage_damaged: IntGauge,
     storage_torn: IntGauge,
+    storage_recovery_seconds: Gauge,
+    disk_alarm: IntGauge,
+    disk_free: IntGauge,
+    disk_free_limit: IntGauge,
 }
 
 /// Creates and registers metrics on one registry.
@@ -278,6 +286,10 @@ impl Builder<'_> {
 
     fn gauge(&self, name: &str, help: &str) -> prometheus::Result<IntGauge> {
         self.register(IntGauge::with_opts(Self::opts(name, help))?)
+    }
+
+    fn float_gauge(&self, name: &str, help: &str) -> prometheus::Result<Gauge> {
+        self.register(Gauge::with_opts(Self::opts(name, help))?)
     }
 
     fn gauge_vec(
@@ -535,6 +547,24 @@ impl Metrics {
             storage_torn: b.gauge(
                 "storage_recovery_torn_bytes",
                 "Bytes of torn records cut off the ends of segments at the last start.",
+            )?,
+            storage_recovery_seconds: b.float_gauge(
+                "storage_recovery_seconds",
+                "Seconds the last start took to read the storage directory and load the \
+                 definitions and messages into the broker.",
+            )?,
+            disk_alarm: b.gauge(
+                "disk_alarm",
+                "1 while free space on the storage.dir file system is below \
+                 storage.disk_free_limit (publishers are blocked), else 0.",
+            )?,
+            disk_free: b.gauge(
+                "disk_free_bytes",
+                "Free bytes on the storage.dir file system at the last check.",
+            )?,
+            disk_free_limit: b.gauge(
+                "disk_free_limit_bytes",
+                "storage.disk_free_limit in bytes (0: no disk alarm).",
             )?,
             registry,
         };
@@ -878,6 +908,22 @@ impl Metrics {
         self.storage_recovered.set(saturating_i64(messages));
         self.storage_damaged.set(saturating_i64(damaged_records));
         self.storage_torn.set(saturating_i64(torn_bytes));
+    }
+
+    /// How long the last start's recovery took.
+    pub fn set_storage_recovery_time(&self, took: std::time::Duration) {
+        self.storage_recovery_seconds.set(took.as_secs_f64());
+    }
+
+    /// The disk alarm was raised (`true`) or cleared.
+    pub fn set_disk_alarm(&self, raised: bool) {
+        self.disk_alarm.set(i64::from(raised));
+    }
+
+    /// The latest disk sample: free bytes and the limit.
+    pub fn set_disk(&self, free: u64, limit: u64) {
+        self.disk_free.set(saturating_i64(free));
+        self.disk_free_limit.set(saturating_i64(limit));
     }
 
     /// The memory alarm was raised (`true`) or cleared.

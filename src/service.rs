@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -31,6 +32,33 @@ use crate::policy::PolicySet;
 use crate::server::{self, ServerContext};
 use crate::shutdown::ShutdownTrigger;
 use crate::tls::TlsRotation;
+
+/// Takes the runtime policies storage kept into `state`, one by one: a policy the TOML
+/// policies in force no longer accept alongside (say a name clash turned invalid) is logged
+/// and dropped, from `stored` too, so the next snapshot no longer has it.
+fn restore_runtime_policies(state: &mut PolicyHubState, stored: &mut Vec<PolicyConfig>) {
+    stored.retain(|policy| {
+        let key = (policy.vhost.clone(), policy.name.clone());
+        let previous = state.runtime.insert(key.clone(), policy.clone());
+        match PolicySet::from_configs(&PolicyHub::merged(state)) {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::error!(vhost = %policy.vhost, policy = %policy.name, error = %e, "stored runtime policy dropped: invalid with the policies in force");
+                match previous {
+                    Some(p) => state.runtime.insert(key, p),
+                    None => state.runtime.remove(&key),
+                };
+                false
+            }
+        }
+    });
+    if !stored.is_empty() {
+        tracing::info!(
+            policies = stored.len(),
+            "runtime policies restored from storage"
+        );
+    }
+}
 
 /// Where a new policy set goes.
 #[derive(Clone)]
@@ -80,7 +108,11 @@ impl PolicyHub {
     fn apply(&self, state: &PolicyHubState) -> Result<(), String> {
         let set = PolicySet::from_configs(&Self::merged(state)).map_err(|e| e.to_string())?;
         match &self.sink {
-            PolicySink::Broker(b) => b.apply_policies(set),
+            PolicySink::Broker(b) => {
+                b.apply_policies(set);
+                // Kept on disk when storage is on.
+                b.set_runtime_policies(state.runtime.values().cloned().collect());
+            }
             PolicySink::Shared(shared) => match shared.write() {
                 Ok(mut g) => *g = set,
                 Err(p) => *p.into_inner() = set,
@@ -236,7 +268,7 @@ impl RunningService {
     }
 
     /// Applies a new configuration without dropping connections: policies, users (each
-    /// `password_file` is read again), limits and the admin token (`admin.token_file` is read
+    /// `password_file` is read again), limits, `storage.disk_free_limit` and the admin token (`admin.token_file` is read
     /// again). Every other setting (listeners,
     /// mode, TLS file names, vhosts, ...) needs a restart; a change to one is logged as a
     /// warning and the running value stays. (The content of the TLS files is reloaded
@@ -267,6 +299,8 @@ impl RunningService {
                 Ok(mut l) => *l = config.limits.clone(),
                 Err(p) => *p.into_inner() = config.limits.clone(),
             }
+            ctx.disk_free_limit
+                .store(config.storage.disk_free_limit_bytes(), Ordering::Relaxed);
         }
         self.connection_slots.set_max(config.limits.max_connections);
         self.admin_token.set(admin_token);
@@ -384,6 +418,10 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         None => None,
     };
 
+    let mut hub_state = PolicyHubState {
+        from_config: config.policies.clone(),
+        runtime: BTreeMap::new(),
+    };
     let (sink, broker_handle, server_ctx, connection_slots) = match config.mode {
         Mode::Embedded => {
             let users = UserDb::from_config(&config.users).map_err(|e| anyhow::anyhow!(e))?;
@@ -399,6 +437,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 metrics.clone(),
             );
             if let Some(options) = config.storage.options() {
+                let started = std::time::Instant::now();
                 let dir = options.dir.display().to_string();
                 let storage_metrics = metrics.clone();
                 let (storage, recovered) = tokio::task::spawn_blocking(move || {
@@ -407,12 +446,34 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 .await
                 .context("storage recovery task")?
                 .with_context(|| format!("opening storage.dir {dir:?}"))?;
+                let mut recovered = recovered;
+                restore_runtime_policies(&mut hub_state, &mut recovered.definitions.policies);
+                if !hub_state.runtime.is_empty() {
+                    let merged = PolicyHub::merged(&hub_state);
+                    // Checked by restore_runtime_policies: the merged set is valid.
+                    if let Ok(set) = PolicySet::from_configs(&merged) {
+                        broker.apply_policies(set);
+                    }
+                }
                 broker.restore(recovered, Arc::new(storage));
+                metrics.set_storage_recovery_time(started.elapsed());
             }
             tasks.push(tokio::spawn(
                 broker.clone().timer_loop(connections_trigger.subscribe()),
             ));
             let ctx = ServerContext::new(broker.clone(), users, config.limits.clone());
+            if let Some(options) = config.storage.options() {
+                ctx.disk_free_limit
+                    .store(config.storage.disk_free_limit_bytes(), Ordering::Relaxed);
+                let limit_ctx = ctx.clone();
+                tasks.push(tokio::spawn(crate::storage::disk::run(
+                    options.dir,
+                    move || limit_ctx.disk_free_limit.load(Ordering::Relaxed),
+                    metrics.clone(),
+                    ctx.disk_alarm.clone(),
+                    connections_trigger.subscribe(),
+                )));
+            }
             tasks.push(spawn_memory_monitor(
                 &ctx,
                 &metrics,
@@ -528,10 +589,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         }
     };
     let policies = Arc::new(PolicyHub {
-        inner: Mutex::new(PolicyHubState {
-            from_config: config.policies.clone(),
-            runtime: BTreeMap::new(),
-        }),
+        inner: Mutex::new(hub_state),
         sink,
         changed: policy_changes,
     });

@@ -61,7 +61,7 @@ impl Broker {
         st.persist_targets.clear();
         match self.route_dead_letter(st, vhost, source, death, now, work, touched) {
             Some(message) => {
-                self.store_published(st, message, remove, false);
+                self.store_published(st, message, remove, now, false);
             }
             None => {
                 st.persist_targets.clear();

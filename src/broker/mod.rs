@@ -76,6 +76,10 @@ pub struct ConnectionState {
     pub vhost: String,
 }
 
+/// Broker milliseconds start here rather than at 0, so that an instant before the start (when
+/// a recovered message entered its queue, up to 34 years back) is still a broker time.
+const CLOCK_BASE_MS: u64 = 1 << 40;
+
 /// Timer entry: a queue whose head expires (or that may expire itself) at a deadline.
 type TimerEntry = Reverse<(u64, String, String, u64)>;
 
@@ -98,6 +102,8 @@ pub struct State {
     /// Stored definitions that could not be restored (their vhost is gone from the config):
     /// kept in every snapshot, with their messages, until they can be.
     pub(crate) unrestored_definitions: crate::storage::Definitions,
+    /// Policies set at run time, kept in the definitions snapshot (restored at start).
+    pub(crate) runtime_policies: Vec<crate::config::PolicyConfig>,
 }
 
 /// The embedded broker.
@@ -136,6 +142,7 @@ impl Broker {
                 persist_targets: Vec::new(),
                 stored_definitions: None,
                 unrestored_definitions: Default::default(),
+                runtime_policies: Vec::new(),
             }),
             epoch: Instant::now(),
             epoch_wall_ms,
@@ -154,14 +161,24 @@ impl Broker {
         }
     }
 
-    /// Broker milliseconds (monotonic).
+    /// Broker milliseconds (monotonic; [`CLOCK_BASE_MS`] at the start).
     pub fn now(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        CLOCK_BASE_MS + self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Wall-clock Unix milliseconds of broker time `now`.
+    pub fn wall_ms(&self, now: u64) -> u64 {
+        (self.epoch_wall_ms + now).saturating_sub(CLOCK_BASE_MS)
     }
 
     /// Wall-clock seconds for x-death `time`.
     pub fn wall_secs(&self, now: u64) -> u64 {
-        (self.epoch_wall_ms + now) / 1000
+        self.wall_ms(now) / 1000
+    }
+
+    /// The broker time of wall-clock Unix milliseconds `wall_ms` (0 when too far back).
+    pub fn broker_ms(&self, wall_ms: u64) -> u64 {
+        (wall_ms + CLOCK_BASE_MS).saturating_sub(self.epoch_wall_ms)
     }
 
     /// Runs queue timers (message expiry, queue expiry) due at `now`; returns the next

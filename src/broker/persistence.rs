@@ -98,6 +98,7 @@ fn definitions_of(st: &State) -> Definitions {
     defs.exchanges.extend(kept.exchanges.iter().cloned());
     defs.queues.extend(kept.queues.iter().cloned());
     defs.bindings.extend(kept.bindings.iter().cloned());
+    defs.policies = st.runtime_policies.clone();
     defs
 }
 
@@ -120,20 +121,29 @@ impl Broker {
         st.stored_definitions = Some(defs);
     }
 
+    /// Keeps the runtime policies (admin API) in the definitions snapshot. The caller applies
+    /// them ([`Broker::apply_policies`]); this only records them.
+    pub fn set_runtime_policies(&self, policies: Vec<crate::config::PolicyConfig>) {
+        let mut st = self.lock();
+        st.runtime_policies = policies;
+        self.sync_definitions(&mut st);
+    }
+
     /// A message id when `message` is kept in queue `q`.
     pub(crate) fn store_id_for(&self, q: &Queue, message: &Message) -> Option<u64> {
         let storage = self.storage()?;
         (message.persistent && keeps(q)).then(|| storage.next_id())
     }
 
-    /// Writes the record of a message that entered the queues in `st.persist_targets` (and
-    /// left `remove`, for a dead-letter move). With `durable`, the answer comes once it is on
-    /// stable storage.
+    /// Writes the record of a message that entered the queues in `st.persist_targets` at
+    /// broker time `now` (and left `remove`, for a dead-letter move). With `durable`, the
+    /// answer comes once it is on stable storage.
     pub(crate) fn store_published(
         &self,
         st: &mut State,
         message: Arc<Message>,
         remove: Option<(u64, u64)>,
+        now: u64,
         durable: bool,
     ) -> Option<Durable> {
         let targets = std::mem::take(&mut st.persist_targets);
@@ -148,6 +158,7 @@ impl Broker {
             targets,
             remove,
             message,
+            at: Some(self.wall_ms(now)),
         };
         if durable {
             Some(storage.append_durable(record))
@@ -167,7 +178,9 @@ impl Broker {
     }
 
     /// Loads what recovery found (definitions, then each queue's messages in order) and
-    /// attaches `storage` for everything that follows.
+    /// attaches `storage` for everything that follows. The stored runtime policies are kept
+    /// in later snapshots; the caller applies them before (so that restored queues get their
+    /// limits and TTL from them).
     pub fn restore(&self, recovered: Recovered, storage: Arc<Storage>) {
         let defs = &recovered.definitions;
         let mut unrestored = Definitions::default();
@@ -237,26 +250,44 @@ impl Broker {
         let now = self.now();
         let mut st = self.lock();
         st.unrestored_definitions = unrestored;
+        st.runtime_policies = defs.policies.clone();
         self.sync_definitions(&mut st);
+        // Every queue gets its messages back before any of them dies, so a dead letter made
+        // at start goes after the messages its target already held.
+        let mut deaths = Vec::new();
         for (queue_id, messages) in recovered.queues {
             let Some((vhost, name)) = names.get(&queue_id) else {
                 continue;
             };
-            let mut deaths = Vec::new();
+            let mut died = Vec::new();
             let mut refused = Vec::new();
             if let Some(q) = st.queue_mut(vhost, name) {
                 for m in messages {
-                    let mut entry = q.state.admit(m.message, now);
+                    // Its TTL counts from when it entered the queue, before the restart.
+                    let entered = m.at.map_or(now, |at| self.broker_ms(at).min(now));
+                    let mut entry = q.state.admit(m.message, entered);
                     entry.store_id = Some(m.id);
                     entry.redelivered = m.deliveries > 0;
                     entry.delivery_count = m.deliveries;
-                    if q.state.publish(entry, now, &mut deaths) == PublishOutcome::Rejected {
+                    // Time `entered`: nothing expires while the queue is loaded.
+                    if q.state.restore(entry, entered, &mut died) == PublishOutcome::Rejected {
                         refused.push((queue_id, m.id));
                     }
                 }
             }
             self.store_removed(refused);
-            self.process_deaths(&mut st, vhost, name, deaths, now);
+            deaths.push((vhost, name, died));
+        }
+        // Messages whose TTL ran out while the broker was down die now (`expired`).
+        for (vhost, name, died) in &mut deaths {
+            if let Some(q) = st.queue_mut(vhost, name) {
+                q.state.expire(now, died);
+            }
+        }
+        for (vhost, name, died) in deaths {
+            self.process_deaths(&mut st, vhost, name, died, now);
+        }
+        for (vhost, name) in names.values() {
             self.reschedule(&mut st, vhost, name);
             self.update_depth(&mut st, vhost, name);
         }

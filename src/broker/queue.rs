@@ -136,6 +136,28 @@ impl QueueState {
         }
     }
 
+    /// Puts back a message recovered from storage (its delivery count restored): one that
+    /// was returned more often than the delivery limit allows dies (`delivery_limit`), as it
+    /// would have on its last requeue; the others are published as usual.
+    pub fn restore(
+        &mut self,
+        entry: QueuedMessage,
+        now: u64,
+        deaths: &mut Vec<Death>,
+    ) -> PublishOutcome {
+        if self.over_delivery_limit(&entry) {
+            Self::kill(entry, DeadLetterReason::DeliveryLimit, deaths);
+            return PublishOutcome::Accepted;
+        }
+        self.publish(entry, now, deaths)
+    }
+
+    fn over_delivery_limit(&self, entry: &QueuedMessage) -> bool {
+        self.limits
+            .delivery_limit
+            .is_some_and(|limit| entry.delivery_count as u64 > limit)
+    }
+
     fn would_overflow(&self, entry: &QueuedMessage) -> bool {
         let over_len = self
             .limits
@@ -208,11 +230,7 @@ impl QueueState {
         for mut entry in entries {
             entry.delivery_count = entry.delivery_count.saturating_add(1);
             entry.redelivered = true;
-            if self
-                .limits
-                .delivery_limit
-                .is_some_and(|limit| entry.delivery_count as u64 > limit)
-            {
+            if self.over_delivery_limit(&entry) {
                 Self::kill(entry, DeadLetterReason::DeliveryLimit, deaths);
                 continue;
             }

@@ -56,34 +56,7 @@ impl Watermark {
             }
             return Ok(Watermark::Relative(fraction));
         }
-        let digits_end = text
-            .find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(text.len());
-        let (digits, unit) = text.split_at(digits_end);
-        if digits.is_empty() {
-            return Err(format!("{text:?} does not start with a number"));
-        }
-        let unit = unit.trim();
-        let multiplier = if unit.is_empty() {
-            1
-        } else {
-            UNITS
-                .iter()
-                .find(|(name, _)| *name == unit)
-                .map(|(_, m)| *m)
-                .ok_or_else(|| {
-                    format!(
-                        "unknown unit {unit:?} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB, \
-                         k, M, G or T)"
-                    )
-                })?
-        };
-        let number: u64 = digits
-            .parse()
-            .map_err(|_| format!("{digits} is too large"))?;
-        let bytes = number
-            .checked_mul(multiplier)
-            .ok_or_else(|| format!("{text} is too large"))?;
+        let bytes = parse_size(text)?;
         if bytes == 0 {
             return Err("must be more than 0 bytes".into());
         }
@@ -98,6 +71,41 @@ impl Watermark {
             Watermark::Relative(fraction) => ((limit as f64 * fraction) as u64).max(1),
         }
     }
+}
+
+/// A size in bytes with an optional unit (the units above; `0` allowed): `"50MB"`,
+/// `"512MiB"`, `"1048576"`. Shared by every size setting.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let digits_end = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, unit) = text.split_at(digits_end);
+    if digits.is_empty() {
+        return Err(format!("{text:?} does not start with a number"));
+    }
+    let unit = unit.trim();
+    let multiplier = if unit.is_empty() {
+        1
+    } else {
+        UNITS
+            .iter()
+            .find(|(name, _)| *name == unit)
+            .map(|(_, m)| *m)
+            .ok_or_else(|| {
+                format!(
+                    "unknown unit {unit:?} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB, \
+                     k, M, G or T)"
+                )
+            })?
+    };
+    let number: u64 = digits
+        .parse()
+        .map_err(|_| format!("{digits} is too large"))?;
+    let bytes = number
+        .checked_mul(multiplier)
+        .ok_or_else(|| format!("{text} is too large"))?;
+    Ok(bytes)
 }
 
 impl fmt::Display for Watermark {

@@ -1,12 +1,15 @@
-//! Publisher blocking under the memory alarm (embedded mode), as RabbitMQ's reader does it.
+//! Publisher blocking under the memory and disk alarms (embedded mode), as RabbitMQ's reader
+//! does it.
 //!
-//! While the alarm is raised (see [`crate::memory`]), a connection that sends a
-//! `basic.publish` is blocked right after that method frame: it gets `connection.blocked`
-//! ("low on memory") if it announced the `connection.blocked` capability, and its task stops
-//! reading the socket, so TCP backpressure holds the publisher (the message's content waits in
-//! the socket). Its writer keeps running: deliveries and heartbeats still go out. When the
-//! alarm clears, `connection.unblocked` is sent and reading resumes. Connections that do not
-//! publish while the alarm is raised are never blocked, so consumers keep draining queues.
+//! While an alarm is raised (the memory alarm of [`crate::memory`], the disk alarm of
+//! [`crate::storage::disk`]), a connection that sends a `basic.publish` is blocked right
+//! after that method frame: it gets `connection.blocked` ("low on memory", "low on disk", or
+//! both joined by " & " as RabbitMQ writes them) if it announced the `connection.blocked`
+//! capability, and its task stops reading the socket, so TCP backpressure holds the publisher
+//! (the message's content waits in the socket). Its writer keeps running: deliveries and
+//! heartbeats still go out. When every alarm has cleared, `connection.unblocked` is sent and
+//! reading resumes. Connections that do not publish while an alarm is raised are never
+//! blocked, so consumers keep draining queues.
 
 use amq_protocol::protocol::{AMQPClass, connection};
 use amq_protocol::types::{AMQPValue, FieldTable};
@@ -19,6 +22,8 @@ use crate::shutdown::Shutdown;
 
 /// RabbitMQ's reason text for a memory alarm.
 pub const LOW_ON_MEMORY: &str = "low on memory";
+/// RabbitMQ's reason text for a disk alarm.
+pub const LOW_ON_DISK: &str = "low on disk";
 
 /// basic.publish.
 const BASIC_PUBLISH: (u16, u16) = (60, 40);
@@ -37,9 +42,10 @@ pub fn wants_blocked_notifications(client_properties: &FieldTable) -> bool {
     })
 }
 
-/// One connection's view of the memory alarm.
+/// One connection's view of the alarms.
 pub struct Throttle {
-    alarm: watch::Receiver<bool>,
+    memory: watch::Receiver<bool>,
+    disk: watch::Receiver<bool>,
     notify: bool,
 }
 
@@ -60,10 +66,34 @@ impl Drop for BlockedGauge<'_> {
 }
 
 impl Throttle {
-    /// `alarm` is the alarm state (true = raised); `notify`: the client wants
+    /// `memory` and `disk` are the alarm states (true = raised); `notify`: the client wants
     /// `connection.blocked` / `connection.unblocked`.
-    pub fn new(alarm: watch::Receiver<bool>, notify: bool) -> Throttle {
-        Throttle { alarm, notify }
+    pub fn new(
+        memory: watch::Receiver<bool>,
+        disk: watch::Receiver<bool>,
+        notify: bool,
+    ) -> Throttle {
+        Throttle {
+            memory,
+            disk,
+            notify,
+        }
+    }
+
+    fn raised(&self) -> bool {
+        *self.memory.borrow() || *self.disk.borrow()
+    }
+
+    /// The `connection.blocked` reason for the alarms raised now.
+    fn reason(&self) -> String {
+        let mut reasons = Vec::new();
+        if *self.memory.borrow() {
+            reasons.push(LOW_ON_MEMORY);
+        }
+        if *self.disk.borrow() {
+            reasons.push(LOW_ON_DISK);
+        }
+        reasons.join(" & ")
     }
 
     /// Whether `frame`, just handled, is a publish that blocks the connection now.
@@ -71,10 +101,10 @@ impl Throttle {
         frame.kind == FRAME_METHOD
             && frame.channel != 0
             && method_ids(&frame.payload) == BASIC_PUBLISH
-            && *self.alarm.borrow()
+            && self.raised()
     }
 
-    /// Holds the connection until the alarm clears; `false` when shutdown fired first (the
+    /// Holds the connection until every alarm clears; `false` when shutdown fired first (the
     /// caller closes the connection).
     pub async fn wait_until_clear(
         &mut self,
@@ -84,21 +114,30 @@ impl Throttle {
     ) -> bool {
         let _blocked = BlockedGauge::new(metrics);
         if self.notify {
+            let reason = self.reason();
             write_queue.push(|out| {
                 put_method(
                     out,
                     0,
                     AMQPClass::Connection(connection::AMQPMethod::Blocked(connection::Blocked {
-                        reason: LOW_ON_MEMORY.into(),
+                        reason: reason.into(),
                     })),
                 )
             });
         }
-        let cleared = tokio::select! {
-            // An error means the alarm's sender is gone (the service is stopping): stop
+        let cleared = loop {
+            self.memory.borrow_and_update();
+            self.disk.borrow_and_update();
+            if !self.raised() {
+                break true;
+            }
+            // An error means an alarm's sender is gone (the service is stopping): stop
             // holding the connection either way.
-            result = self.alarm.wait_for(|raised| !raised) => result.is_ok(),
-            _ = shutdown.recv() => false,
+            tokio::select! {
+                result = self.memory.changed() => if result.is_err() { break false },
+                result = self.disk.changed() => if result.is_err() { break false },
+                _ = shutdown.recv() => break false,
+            }
         };
         if cleared && self.notify {
             write_queue.push(|out| {
@@ -148,7 +187,8 @@ mod tests {
     #[test]
     fn only_a_publish_while_the_alarm_is_raised_blocks() {
         let alarm = watch::Sender::new(false);
-        let throttle = Throttle::new(alarm.subscribe(), true);
+        let disk = watch::Sender::new(false);
+        let throttle = Throttle::new(alarm.subscribe(), disk.subscribe(), true);
         let publish = method(1, 60, 40);
         assert!(!throttle.must_block(&publish), "alarm cleared");
         alarm.send_replace(true);
@@ -167,6 +207,53 @@ mod tests {
         );
     }
 
+    /// The methods written to `write_queue` (all on channel 0).
+    fn sent_methods(write_queue: &WriteQueue) -> Vec<AMQPClass> {
+        let bytes = write_queue.try_batch();
+        let mut frames = Vec::new();
+        let mut at = 0;
+        while at + 7 <= bytes.len() {
+            let size =
+                u32::from_be_bytes([bytes[at + 3], bytes[at + 4], bytes[at + 5], bytes[at + 6]]);
+            let payload = &bytes[at + 7..at + 7 + size as usize];
+            assert_eq!(u16::from_be_bytes([bytes[at + 1], bytes[at + 2]]), 0);
+            frames.push(crate::amqp::codec::decode_method(payload).expect("a method"));
+            at += size as usize + 8;
+        }
+        frames
+    }
+
+    #[tokio::test]
+    async fn the_disk_alarm_blocks_too_and_both_must_clear() {
+        let memory = watch::Sender::new(false);
+        let disk = watch::Sender::new(true);
+        let metrics = Metrics::new(10);
+        let write_queue = WriteQueue::new(1 << 20);
+        let trigger = crate::shutdown::ShutdownTrigger::new();
+        let mut shutdown = trigger.subscribe();
+        let mut throttle = Throttle::new(memory.subscribe(), disk.subscribe(), true);
+        assert!(throttle.must_block(&method(1, 60, 40)), "disk alone blocks");
+        memory.send_replace(true);
+        let wait = throttle.wait_until_clear(&write_queue, &metrics, &mut shutdown);
+        tokio::pin!(wait);
+        let short = std::time::Duration::from_millis(50);
+        assert!(tokio::time::timeout(short, &mut wait).await.is_err());
+        disk.send_replace(false);
+        assert!(
+            tokio::time::timeout(short, &mut wait).await.is_err(),
+            "memory still raised"
+        );
+        memory.send_replace(false);
+        assert!(wait.await);
+        match sent_methods(&write_queue).as_slice() {
+            [
+                AMQPClass::Connection(connection::AMQPMethod::Blocked(blocked)),
+                AMQPClass::Connection(connection::AMQPMethod::Unblocked(_)),
+            ] => assert_eq!(blocked.reason.as_str(), "low on memory & low on disk"),
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[tokio::test]
     async fn blocked_until_the_alarm_clears_with_notifications() {
         let alarm = watch::Sender::new(true);
@@ -174,7 +261,8 @@ mod tests {
         let write_queue = WriteQueue::new(1 << 20);
         let trigger = crate::shutdown::ShutdownTrigger::new();
         let mut shutdown = trigger.subscribe();
-        let mut throttle = Throttle::new(alarm.subscribe(), true);
+        let disk = watch::Sender::new(false);
+        let mut throttle = Throttle::new(alarm.subscribe(), disk.subscribe(), true);
         let wait = throttle.wait_until_clear(&write_queue, &metrics, &mut shutdown);
         tokio::pin!(wait);
         assert!(
@@ -193,18 +281,7 @@ mod tests {
             "{text}"
         );
         // connection.blocked("low on memory") then connection.unblocked, on channel 0.
-        let bytes = write_queue.try_batch();
-        let mut frames = Vec::new();
-        let mut at = 0;
-        while at + 7 <= bytes.len() {
-            let size =
-                u32::from_be_bytes([bytes[at + 3], bytes[at + 4], bytes[at + 5], bytes[at + 6]]);
-            let payload = &bytes[at + 7..at + 7 + size as usize];
-            assert_eq!(u16::from_be_bytes([bytes[at + 1], bytes[at + 2]]), 0);
-            frames.push(crate::amqp::codec::decode_method(payload).expect("a method"));
-            at += size as usize + 8;
-        }
-        match frames.as_slice() {
+        match sent_methods(&write_queue).as_slice() {
             [
                 AMQPClass::Connection(connection::AMQPMethod::Blocked(blocked)),
                 AMQPClass::Connection(connection::AMQPMethod::Unblocked(_)),
@@ -220,7 +297,8 @@ mod tests {
         let write_queue = WriteQueue::new(1 << 20);
         let trigger = crate::shutdown::ShutdownTrigger::new();
         let mut shutdown = trigger.subscribe();
-        let mut throttle = Throttle::new(alarm.subscribe(), false);
+        let disk = watch::Sender::new(false);
+        let mut throttle = Throttle::new(alarm.subscribe(), disk.subscribe(), false);
         trigger.trigger();
         assert!(
             !throttle

@@ -346,7 +346,11 @@ async fn frame_loop<R: AsyncRead + Unpin>(
     let timeout = (heartbeat > 0).then(|| Duration::from_secs(heartbeat * 2));
     let mut channels = ChannelTable::new(&ctx.limits());
     let mut traffic = TrafficCounter::new(ctx.clone(), Direction::ClientIn);
-    let mut throttle = Throttle::new(ctx.memory_alarm.subscribe(), conn.blocked_notifications);
+    let mut throttle = Throttle::new(
+        ctx.memory_alarm.subscribe(),
+        ctx.disk_alarm.subscribe(),
+        conn.blocked_notifications,
+    );
     // The loop ends with the error to close the connection with, or None when the peer is
     // gone or closed it.
     let close_with = loop {
@@ -370,7 +374,7 @@ async fn frame_loop<R: AsyncRead + Unpin>(
             Flow::CloseConnection(err) => break Some(err),
             Flow::Closed => break None,
         }
-        // A publish while the memory alarm is raised: stop reading until it clears.
+        // A publish while an alarm is raised: stop reading until every alarm clears.
         if blocks
             && !throttle
                 .wait_until_clear(&conn.write_queue, &ctx.broker.metrics, &mut shutdown)

@@ -37,6 +37,11 @@ pub struct ServerContext {
     /// The memory alarm (true = raised), set by [`crate::memory::monitor`]; publishing
     /// connections block while it is raised ([`blocking`]).
     pub memory_alarm: watch::Sender<bool>,
+    /// The disk alarm (true = raised), set by [`crate::storage::disk`]; blocks publishers
+    /// the same way.
+    pub disk_alarm: watch::Sender<bool>,
+    /// `storage.disk_free_limit` in bytes (set at start and on reload).
+    pub disk_free_limit: std::sync::atomic::AtomicU64,
 }
 
 impl ServerContext {
@@ -48,6 +53,8 @@ impl ServerContext {
             limits: RwLock::new(limits),
             connections,
             memory_alarm: watch::Sender::new(false),
+            disk_alarm: watch::Sender::new(false),
+            disk_free_limit: std::sync::atomic::AtomicU64::new(0),
         })
     }
 

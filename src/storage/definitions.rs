@@ -5,7 +5,8 @@
 //! `definitions.tmp`, fsync'd and renamed over `definitions` (atomic on POSIX file systems),
 //! so the file always holds one complete snapshot. Queues carry their id, which messages in
 //! the log refer to: a queue deleted and declared again under the same name gets a new id, so
-//! messages of the old one never come back into the new one.
+//! messages of the old one never come back into the new one. Runtime policies (set through
+//! the admin API) are part of the snapshot too, each as its JSON text.
 
 use std::io::Write;
 use std::path::Path;
@@ -14,6 +15,7 @@ use amq_protocol::types::FieldTable;
 
 use super::codec::{Reader, Short, Writer};
 use super::record::{Frame, KIND_DEFINITIONS, decode_frame, frame};
+use crate::config::PolicyConfig;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct ExchangeDef {
@@ -46,12 +48,15 @@ pub struct BindingDef {
     pub arguments: FieldTable,
 }
 
-/// Every durable exchange, queue and binding.
+/// Every durable exchange, queue and binding, and the runtime policies.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Definitions {
     pub exchanges: Vec<ExchangeDef>,
     pub queues: Vec<QueueDef>,
     pub bindings: Vec<BindingDef>,
+    /// Policies set at run time (admin API, `dlx-proxy policy set`); TOML policies are not
+    /// stored (the config file has them). A snapshot of the first format has none.
+    pub policies: Vec<PolicyConfig>,
 }
 
 /// File name of the snapshot inside the storage directory.
@@ -105,6 +110,10 @@ impl Definitions {
                 w.str(&b.routing_key);
                 put_table(&mut w, &b.arguments);
             }
+            w.u32(self.policies.len() as u32);
+            for p in &self.policies {
+                w.str(&serde_json::to_string(p).unwrap_or_default());
+            }
         });
         out
     }
@@ -154,6 +163,13 @@ impl Definitions {
                 routing_key: r.str()?.to_string(),
                 arguments: get_table(&mut r)?,
             });
+        }
+        // Snapshots of the first format end here.
+        if !r.is_empty() {
+            for _ in 0..r.count(4)? {
+                let policy = serde_json::from_str(r.str()?).map_err(|_| Short)?;
+                defs.policies.push(policy);
+            }
         }
         if !r.is_empty() {
             return Err(Short);
@@ -210,6 +226,14 @@ mod tests {
                 routing_key: "#".into(),
                 arguments: args,
             }],
+            policies: vec![PolicyConfig {
+                name: "ttl".into(),
+                vhost: "/".into(),
+                pattern: "^q$".into(),
+                apply_to: "queues".into(),
+                priority: 3,
+                definition: [("message-ttl".to_string(), serde_json::json!(5000))].into(),
+            }],
         }
     }
 
@@ -222,6 +246,22 @@ mod tests {
         let last = flipped.len() - 3;
         flipped[last] ^= 1;
         assert_eq!(Definitions::decode(&flipped), None);
+    }
+
+    #[test]
+    fn a_snapshot_of_the_first_format_has_no_policies() {
+        let old = Definitions {
+            policies: Vec::new(),
+            ..sample()
+        };
+        let mut bytes = old.encode();
+        // The first format ended after the bindings: drop the policy count and re-frame.
+        let payload = bytes.split_off(super::super::record::FRAME_HEADER);
+        let mut first = Vec::new();
+        frame(&mut first, |out| {
+            out.extend_from_slice(&payload[..payload.len() - 4])
+        });
+        assert_eq!(Definitions::decode(&first), Some(old));
     }
 
     #[test]

@@ -5,10 +5,20 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+/// A live message as the index knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Live {
+    pub queue: u64,
+    pub segment: u64,
+    /// Deliveries not settled (Delivered records, a delivered publish), kept so that a
+    /// rewritten message keeps its delivery count.
+    pub deliveries: u32,
+}
+
 #[derive(Debug, Default)]
 pub struct Index {
-    /// Message id → (queue id, segment number).
-    live: HashMap<u64, (u64, u64)>,
+    /// Message id → where it is.
+    live: HashMap<u64, Live>,
     /// Segment number → live messages in it (every segment file on disk has an entry).
     segments: BTreeMap<u64, u64>,
 }
@@ -19,18 +29,42 @@ impl Index {
         self.segments.entry(number).or_insert(0);
     }
 
-    pub fn add(&mut self, id: u64, queue: u64, segment: u64) {
-        if self.live.insert(id, (queue, segment)).is_none() {
-            *self.segments.entry(segment).or_insert(0) += 1;
-        }
+    /// A message written to `segment` (moved there when it was live elsewhere).
+    pub fn add(&mut self, id: u64, queue: u64, segment: u64, deliveries: u32) {
+        self.remove(id);
+        self.live.insert(
+            id,
+            Live {
+                queue,
+                segment,
+                deliveries,
+            },
+        );
+        *self.segments.entry(segment).or_insert(0) += 1;
     }
 
     pub fn remove(&mut self, id: u64) {
-        if let Some((_, segment)) = self.live.remove(&id)
-            && let Some(n) = self.segments.get_mut(&segment)
+        if let Some(live) = self.live.remove(&id)
+            && let Some(n) = self.segments.get_mut(&live.segment)
         {
             *n = n.saturating_sub(1);
         }
+    }
+
+    /// A delivery of message `id` not settled yet.
+    pub fn delivered(&mut self, id: u64) {
+        if let Some(live) = self.live.get_mut(&id) {
+            live.deliveries = live.deliveries.saturating_add(1);
+        }
+    }
+
+    pub fn get(&self, id: u64) -> Option<Live> {
+        self.live.get(&id).copied()
+    }
+
+    /// The oldest segment and its live messages.
+    pub fn head(&self) -> Option<(u64, u64)> {
+        self.segments.first_key_value().map(|(n, live)| (*n, *live))
     }
 
     /// Forgets the messages of queues not in `queues` (deleted queues).
@@ -38,7 +72,7 @@ impl Index {
         let gone: Vec<u64> = self
             .live
             .iter()
-            .filter(|(_, (q, _))| !queues.contains(q))
+            .filter(|(_, live)| !queues.contains(&live.queue))
             .map(|(id, _)| *id)
             .collect();
         for id in gone {
@@ -79,9 +113,9 @@ mod tests {
         for s in 0..3 {
             ix.add_segment(s);
         }
-        ix.add(1, 7, 0);
-        ix.add(2, 7, 1);
-        ix.add(3, 8, 2);
+        ix.add(1, 7, 0, 0);
+        ix.add(2, 7, 1, 0);
+        ix.add(3, 8, 2, 0);
         assert!(ix.take_deletable(2).is_empty());
         ix.remove(2);
         assert!(
@@ -98,5 +132,20 @@ mod tests {
         );
         assert_eq!(ix.take_deletable(3), vec![2]);
         assert_eq!(ix.segment_count(), 0);
+    }
+
+    #[test]
+    fn a_message_written_again_moves_with_its_deliveries() {
+        let mut ix = Index::default();
+        ix.add_segment(0);
+        ix.add(1, 7, 0, 1);
+        ix.delivered(1);
+        assert_eq!(ix.head(), Some((0, 1)));
+        let live = ix.get(1).unwrap();
+        ix.add(1, live.queue, 3, live.deliveries);
+        assert_eq!(ix.head(), Some((0, 0)), "moved out of segment 0");
+        assert_eq!(ix.get(1).map(|l| (l.segment, l.deliveries)), Some((3, 2)));
+        assert_eq!(ix.take_deletable(3), vec![0]);
+        assert_eq!(ix.live_messages(), 1);
     }
 }

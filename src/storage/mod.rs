@@ -7,14 +7,18 @@
 //! - [`definitions`]: the snapshot of durable exchanges, queues and bindings;
 //! - [`recovery`]: replays the files into [`Recovered`] (torn tails cut, damage skipped);
 //! - [`index`]: live messages per segment, for deleting segments whose messages are gone;
-//! - [`writer`]: the storage thread (group commit: one write and one fsync per batch).
+//! - [`rewrite`]: a head segment pinned by a few live messages is written again at the end;
+//! - [`writer`]: the storage thread (group commit: one write and one fsync per batch);
+//! - [`disk`]: the disk alarm (free space below `storage.disk_free_limit`).
 
 pub mod codec;
 pub mod crc;
 pub mod definitions;
+pub mod disk;
 pub mod index;
 pub mod record;
 pub mod recovery;
+pub mod rewrite;
 pub mod segment;
 mod writer;
 

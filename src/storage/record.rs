@@ -16,10 +16,13 @@ pub const FRAME_HEADER: usize = 8;
 /// The largest payload a frame may carry (larger lengths are damage, not records).
 pub const MAX_PAYLOAD: usize = 1 << 30;
 
+/// A publish without its time (the first format; still read).
 const KIND_PUBLISH: u8 = 1;
 const KIND_REMOVE: u8 = 2;
 const KIND_DELIVERED: u8 = 3;
 pub(super) const KIND_DEFINITIONS: u8 = 4;
+/// A publish with the wall-clock time its message entered its targets (written since).
+const KIND_PUBLISH_AT: u8 = 5;
 
 /// A message entered a durable queue: queue id, message id, and whether it was handed to a
 /// consumer in the same step (it comes back redelivered after a crash).
@@ -34,11 +37,14 @@ pub struct Target {
 #[derive(Clone, Debug)]
 pub enum Record {
     /// A persistent message added to durable queues. With `remove`, the same record takes the
-    /// message out of its source queue: a dead-letter move is one atomic record.
+    /// message out of its source queue: a dead-letter move is one atomic record. `at` is the
+    /// wall-clock time (Unix milliseconds) it entered its targets, from which TTL deadlines
+    /// are recomputed after a restart (`None` in records of the first format).
     Publish {
         targets: Vec<Target>,
         remove: Option<(u64, u64)>,
         message: Arc<Message>,
+        at: Option<u64>,
     },
     /// Messages gone from their queues (acked, dropped, purged, delivered without ack).
     Remove { items: Vec<(u64, u64)> },
@@ -69,8 +75,15 @@ impl Record {
                 targets,
                 remove,
                 message,
+                at,
             } => {
-                w.u8(KIND_PUBLISH);
+                match at {
+                    Some(at) => {
+                        w.u8(KIND_PUBLISH_AT);
+                        w.u64(*at);
+                    }
+                    None => w.u8(KIND_PUBLISH),
+                }
                 w.u32(targets.len() as u32);
                 for t in targets {
                     w.u64(t.queue);
@@ -116,7 +129,12 @@ impl Record {
     pub fn decode_payload(payload: &[u8]) -> Result<Record, Short> {
         let mut r = Reader::new(payload);
         let record = match r.u8()? {
-            KIND_PUBLISH => {
+            kind @ (KIND_PUBLISH | KIND_PUBLISH_AT) => {
+                let at = if kind == KIND_PUBLISH_AT {
+                    Some(r.u64()?)
+                } else {
+                    None
+                };
                 let n = r.count(17)?;
                 let mut targets = Vec::with_capacity(n);
                 for _ in 0..n {
@@ -155,6 +173,7 @@ impl Record {
                         expiration,
                         dead_lettered,
                     )),
+                    at,
                 }
             }
             KIND_REMOVE => {
@@ -175,6 +194,29 @@ impl Record {
             return Err(Short);
         }
         Ok(record)
+    }
+}
+
+/// A publish of `body` to queue `queue` as message `id`, at wall-clock time `1000 + id`
+/// (for tests).
+#[cfg(test)]
+pub(crate) fn test_publish(queue: u64, id: u64, body: &str) -> Record {
+    Record::Publish {
+        targets: vec![Target {
+            queue,
+            id,
+            delivered: false,
+        }],
+        remove: None,
+        message: Arc::new(Message::new(
+            "",
+            &["k"],
+            &[0, 0],
+            body.as_bytes(),
+            None,
+            false,
+        )),
+        at: Some(1_000 + id),
     }
 }
 
@@ -226,7 +268,12 @@ mod tests {
     use super::*;
 
     fn publish() -> Record {
+        publish_at(Some(1_700_000_000_123))
+    }
+
+    fn publish_at(at: Option<u64>) -> Record {
         Record::Publish {
+            at,
             targets: vec![
                 Target {
                     queue: 3,
@@ -255,6 +302,7 @@ mod tests {
     fn records_round_trip() {
         for record in [
             publish(),
+            publish_at(None),
             Record::Remove {
                 items: vec![(1, 2), (3, 4)],
             },

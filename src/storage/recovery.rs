@@ -24,6 +24,9 @@ pub struct RecoveredMessage {
     pub message: Arc<Message>,
     /// How many times it was delivered without being settled (> 0: redelivered).
     pub deliveries: u32,
+    /// When it entered the queue (Unix milliseconds; `None` from records of the first
+    /// format): its TTL deadline counts from here.
+    pub at: Option<u64>,
 }
 
 /// What recovery found and repaired.
@@ -79,6 +82,7 @@ struct Entry {
     segment: u64,
     message: Arc<Message>,
     deliveries: u32,
+    at: Option<u64>,
 }
 
 /// Reads `dir` (created if missing) into a [`Recovered`] state, truncating torn tails.
@@ -126,12 +130,13 @@ pub fn recover(dir: &Path) -> Result<Recovered, RecoveryError> {
             stats.orphans += 1;
             continue;
         }
-        index.add(id, queue, entry.segment);
+        index.add(id, queue, entry.segment, entry.deliveries);
         stats.messages += 1;
         queues.entry(queue).or_default().push(RecoveredMessage {
             id,
             message: entry.message,
             deliveries: entry.deliveries,
+            at: entry.at,
         });
     }
     if stats.damaged_records > 0 {
@@ -207,6 +212,7 @@ fn apply(
             targets,
             remove,
             message,
+            at,
         } => {
             if let Some(key) = remove {
                 messages.remove(&key);
@@ -219,6 +225,7 @@ fn apply(
                         segment,
                         message: message.clone(),
                         deliveries: t.delivered as u32,
+                        at,
                     },
                 );
             }

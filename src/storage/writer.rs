@@ -12,6 +12,7 @@ use tokio::sync::oneshot;
 use super::definitions::Definitions;
 use super::index::Index;
 use super::record::Record;
+use super::rewrite;
 use super::segment::{SegmentWriter, segment_path};
 use super::{StorageOptions, StorageStats};
 
@@ -97,6 +98,9 @@ pub(super) fn run(
         for w in waiters {
             let _ = w.send(ok);
         }
+        if let Some(head) = rewrite::due(&index, segment.number()) {
+            rewrite_head(head, &mut segment, &mut index, &options, &stats);
+        }
         for number in index.take_deletable(segment.number()) {
             let path = segment_path(&options.dir, number);
             let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
@@ -114,6 +118,70 @@ pub(super) fn run(
     }
 }
 
+/// Writes the live messages of segment `head` again at the end of the log and syncs them, so
+/// that the head holds nothing live and is deleted ([`rewrite`]).
+fn rewrite_head(
+    head: u64,
+    segment: &mut SegmentWriter,
+    index: &mut Index,
+    options: &StorageOptions,
+    stats: &StorageStats,
+) {
+    let path = segment_path(&options.dir, head);
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::error!(segment = %path.display(), error = %e, "storage: could not read a segment to rewrite");
+            return;
+        }
+    };
+    let records = rewrite::copies(&bytes, head, index);
+    // Where the copied messages were, to put them back if the copies fail.
+    let before: Vec<(u64, super::index::Live)> = records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Publish { targets, .. } => Some(targets),
+            _ => None,
+        })
+        .flatten()
+        .filter_map(|t| Some((t.id, index.get(t.id)?)))
+        .collect();
+    let mut buf = Vec::new();
+    let mut ok = true;
+    let mut copied = 0u64;
+    for r in records {
+        let start = buf.len();
+        r.encode(&mut buf);
+        let len = buf.len() - start;
+        if segment.should_rotate(start, len) {
+            let record = buf.split_off(start);
+            ok &= report(segment.append(&buf), "write a segment");
+            buf = record;
+            ok &= report(segment.rotate(options.fsync), "start a new segment");
+            index.add_segment(segment.number());
+        }
+        stats.add_bytes(len as u64);
+        copied += matches!(r, Record::Publish { .. }) as u64;
+        track(index, &r, segment.number());
+    }
+    if !buf.is_empty() {
+        ok &= report(segment.append(&buf), "write a segment");
+    }
+    // The copies must be stable before the head they replace is deleted.
+    if ok && options.fsync {
+        ok &= report(segment.sync(), "fsync a segment");
+    }
+    if ok {
+        tracing::debug!(segment = head, messages = copied, "head segment rewritten");
+    } else {
+        // Not known to be on disk: the messages stay in the head, which is kept (the copies
+        // are duplicates of them at worst).
+        for (id, live) in before {
+            index.add(id, live.queue, live.segment, live.deliveries);
+        }
+    }
+}
+
 /// Keeps the index in step with a record written to segment `number`.
 fn track(index: &mut Index, record: &Record, number: u64) {
     match record {
@@ -124,7 +192,7 @@ fn track(index: &mut Index, record: &Record, number: u64) {
                 index.remove(*id);
             }
             for t in targets {
-                index.add(t.id, t.queue, number);
+                index.add(t.id, t.queue, number, t.delivered as u32);
             }
         }
         Record::Remove { items } => {
@@ -132,7 +200,7 @@ fn track(index: &mut Index, record: &Record, number: u64) {
                 index.remove(*id);
             }
         }
-        Record::Delivered { .. } => {}
+        Record::Delivered { id, .. } => index.delivered(*id),
     }
 }
 

@@ -153,9 +153,11 @@ fn spawn_run(path: &Path, env: &[(&str, &str)]) -> (Child, String) {
         }
     }
     let admin_address = free_address();
+    // Storage off: every run here shares the temporary directory as its working directory.
     command
         .env("DLX_PROXY_LISTEN__AMQP", free_address())
         .env("DLX_PROXY_LISTEN__ADMIN", &admin_address)
+        .env("DLX_PROXY_STORAGE__DIR", "")
         .envs(env.iter().copied());
     (command.spawn().unwrap(), admin_address)
 }

@@ -38,7 +38,10 @@ fn index_of(body: &[u8]) -> u32 {
 }
 
 /// A raw client with channel 1 open in confirm mode.
-async fn confirming_publisher(addr: std::net::SocketAddr, properties: FieldTable) -> RawClient {
+pub(crate) async fn confirming_publisher(
+    addr: std::net::SocketAddr,
+    properties: FieldTable,
+) -> RawClient {
     let mut client = RawClient::connect_with_properties(addr, properties).await;
     client.open_channel(1).await;
     client
@@ -54,7 +57,7 @@ async fn confirming_publisher(addr: std::net::SocketAddr, properties: FieldTable
 }
 
 /// The next method must be the confirm of `tag` on channel 1.
-fn assert_ack(method: Option<(u16, AMQPClass)>, tag: u64) {
+pub(crate) fn assert_ack(method: Option<(u16, AMQPClass)>, tag: u64) {
     match method {
         Some((1, AMQPClass::Basic(basic::AMQPMethod::Ack(ack)))) => {
             assert_eq!(ack.delivery_tag, tag, "confirm order");

@@ -58,5 +58,8 @@ mod proxy_service;
 mod proxy_streams;
 mod proxy_upstream_policies;
 mod proxy_upstream_tls;
+mod storage_disk;
+mod storage_policies;
 mod storage_restart;
+mod storage_ttl;
 mod table_depth;

@@ -1,8 +1,9 @@
 //! Embedded-mode storage across restarts of the real binary: confirmed persistent messages of
 //! durable queues survive a clean stop and a SIGKILL (count, order, bodies, headers),
 //! transient messages and non-durable queues do not, an unacknowledged delivery comes back
-//! redelivered, a dead-letter move is never lost across a SIGKILL, and a torn tail only loses
-//! the torn record.
+//! redelivered, a dead-letter move is never lost across a SIGKILL, a SIGKILL during consume and
+//! ack loses no unacknowledged message, a torn tail only loses the torn record, and storage is
+//! on by default (`./data`).
 
 use crate::common;
 
@@ -21,25 +22,26 @@ use lapin::{Connection, ConnectionProperties};
 const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
 
 /// The binary with `[storage] dir = "data"` in its own directory, restartable on the same
-/// ports and files.
-struct Node {
-    dir: TempDir,
-    config: std::path::PathBuf,
-    amqp: SocketAddr,
-    admin: SocketAddr,
+/// ports and files (shared by the other `storage_*` modules).
+pub(crate) struct Node {
+    pub(crate) dir: TempDir,
+    pub(crate) config: std::path::PathBuf,
+    pub(crate) amqp: SocketAddr,
+    pub(crate) admin: SocketAddr,
     process: Option<ServiceProcess>,
 }
 
 impl Node {
-    async fn start(tag: &str) -> Node {
+    pub(crate) async fn start(tag: &str) -> Node {
+        Self::start_with(tag, "").await
+    }
+
+    /// Started with `extra` appended to its configuration, right after the `[storage]` keys
+    /// (more storage keys, then other sections).
+    pub(crate) async fn start_with(tag: &str, extra: &str) -> Node {
         let dir = TempDir::new(tag);
         let (amqp, admin) = free_addresses();
         let config = dir.join("config.toml");
-        let text = format!(
-            "{}\n[storage]\ndir = \"data\"\nfsync = \"always\"\n",
-            process_config(amqp, admin, 0)
-        );
-        write_atomically(&config, &text);
         let mut node = Node {
             dir,
             config,
@@ -47,23 +49,33 @@ impl Node {
             admin,
             process: None,
         };
+        node.configure(extra);
         node.up().await;
         node
     }
 
-    async fn up(&mut self) {
+    /// Writes its configuration file with `extra` (a running node reloads it).
+    pub(crate) fn configure(&self, extra: &str) {
+        let text = format!(
+            "{}\n[storage]\ndir = \"data\"\nfsync = \"always\"\n{extra}",
+            process_config(self.amqp, self.admin, 0)
+        );
+        write_atomically(&self.config, &text);
+    }
+
+    pub(crate) async fn up(&mut self) {
         self.process = Some(
             ServiceProcess::start(BINARY, self.dir.path(), &self.config, self.amqp, self.admin)
                 .await,
         );
     }
 
-    fn logs(&self) -> String {
+    pub(crate) fn logs(&self) -> String {
         self.process.as_ref().map(|p| p.logs()).unwrap_or_default()
     }
 
     /// SIGKILL: no shutdown code runs.
-    async fn kill(&mut self) {
+    pub(crate) async fn kill(&mut self) {
         if let Some(mut p) = self.process.take() {
             p.signal("KILL");
             assert!(p.wait_exit(Duration::from_secs(10)).await.is_some());
@@ -71,7 +83,7 @@ impl Node {
     }
 
     /// SIGTERM and wait for the exit.
-    async fn stop(&mut self) {
+    pub(crate) async fn stop(&mut self) {
         if let Some(mut p) = self.process.take() {
             p.signal("TERM");
             let status = p.wait_exit(Duration::from_secs(20)).await;
@@ -79,7 +91,7 @@ impl Node {
         }
     }
 
-    async fn channel(&self) -> (Connection, Channel) {
+    pub(crate) async fn channel(&self) -> (Connection, Channel) {
         let uri = format!("amqp://guest:guest@{}/%2f", self.amqp);
         let conn = Connection::connect(&uri, ConnectionProperties::default())
             .await
@@ -88,7 +100,7 @@ impl Node {
         (conn, ch)
     }
 
-    fn segments(&self) -> Vec<std::path::PathBuf> {
+    pub(crate) fn segments(&self) -> Vec<std::path::PathBuf> {
         let mut files: Vec<_> = std::fs::read_dir(self.dir.join("data").join("segments"))
             .expect("segments dir")
             .map(|e| e.expect("entry").path())
@@ -98,7 +110,7 @@ impl Node {
     }
 }
 
-fn persistent(i: usize) -> BasicProperties {
+pub(crate) fn persistent(i: usize) -> BasicProperties {
     let mut headers = FieldTable::default();
     headers.insert(ShortString::from("n"), AMQPValue::LongLongInt(i as i64));
     headers.insert(
@@ -112,7 +124,7 @@ fn persistent(i: usize) -> BasicProperties {
 
 /// Publishes `bodies` with `props` to `queue` with confirms, all in flight at once; every one
 /// must be acked.
-async fn publish_confirmed(
+pub(crate) async fn publish_confirmed(
     ch: &Channel,
     queue: &str,
     bodies: impl Iterator<Item = (String, BasicProperties)>,
@@ -138,7 +150,7 @@ async fn publish_confirmed(
 }
 
 /// Publishes `{prefix}0`..`{prefix}{n-1}` as persistent messages with confirms.
-async fn publish_numbered(ch: &Channel, queue: &str, prefix: &str, n: usize) {
+pub(crate) async fn publish_numbered(ch: &Channel, queue: &str, prefix: &str, n: usize) {
     publish_confirmed(
         ch,
         queue,
@@ -148,7 +160,7 @@ async fn publish_numbered(ch: &Channel, queue: &str, prefix: &str, n: usize) {
 }
 
 /// The distinct bodies found in two queues.
-fn distinct_bodies(
+pub(crate) fn distinct_bodies(
     a: &[(String, bool, Option<FieldTable>)],
     b: &[(String, bool, Option<FieldTable>)],
 ) -> Vec<String> {
@@ -159,7 +171,7 @@ fn distinct_bodies(
 }
 
 /// Messages in `queue` (passive declare).
-async fn count(ch: &Channel, queue: &str) -> u32 {
+pub(crate) async fn count(ch: &Channel, queue: &str) -> u32 {
     ch.queue_declare(
         queue.into(),
         QueueDeclareOptions {
@@ -174,7 +186,7 @@ async fn count(ch: &Channel, queue: &str) -> u32 {
 }
 
 /// Takes every message of `queue` with basic.get and acks it: (body, redelivered, headers).
-async fn drain(ch: &Channel, queue: &str) -> Vec<(String, bool, Option<FieldTable>)> {
+pub(crate) async fn drain(ch: &Channel, queue: &str) -> Vec<(String, bool, Option<FieldTable>)> {
     let mut out = Vec::new();
     while let Some(m) = ch
         .basic_get(queue.into(), BasicGetOptions { no_ack: false })
@@ -237,6 +249,9 @@ async fn confirmed_persistent_messages_survive_sigkill_and_clean_restart() {
         common::metric_value(&text, "dlx_proxy_storage_recovered_messages"),
         Some(1000.0)
     );
+    // Reading 1000 messages and loading them took some time, and not seconds.
+    let took = common::metric_value(&text, "dlx_proxy_storage_recovery_seconds");
+    assert!(took.is_some_and(|s| s > 0.0 && s < 5.0), "{took:?}");
     let err = ch
         .queue_declare(
             "temp".into(),
@@ -577,4 +592,121 @@ async fn a_max_length_storm_killed_midway_keeps_every_confirmed_message_somewher
     let newest: Vec<String> = (N - 10..N).map(|i| format!("o-{i}")).collect();
     let source: Vec<String> = in_source.into_iter().map(|(b, _, _)| b).collect();
     assert_eq!(source, newest);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn storage_is_on_by_default_in_data_under_the_working_directory() {
+    let dir = TempDir::new("storage-default");
+    let (amqp, admin) = free_addresses();
+    let config = dir.join("config.toml");
+    // No [storage] section at all.
+    write_atomically(&config, &process_config(amqp, admin, 0));
+    let start = || ServiceProcess::start(BINARY, dir.path(), &config, amqp, admin);
+    let mut process = start().await;
+    let uri = format!("amqp://guest:guest@{amqp}/%2f");
+    let conn = Connection::connect(&uri, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let ch = conn.create_channel().await.expect("channel");
+    confirm_select(&ch).await;
+    declare_durable(&ch, "default-on", FieldTable::default()).await;
+    publish_numbered(&ch, "default-on", "d-", 3).await;
+    drop(conn);
+    process.signal("KILL");
+    assert!(process.wait_exit(Duration::from_secs(10)).await.is_some());
+    assert!(dir.join("data").join("definitions").is_file());
+    let _process = start().await;
+    let conn = Connection::connect(&uri, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let ch = conn.create_channel().await.expect("channel");
+    let got: Vec<String> = drain(&ch, "default-on")
+        .await
+        .into_iter()
+        .map(|(b, _, _)| b)
+        .collect();
+    assert_eq!(got, vec!["d-0", "d-1", "d-2"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkill_during_consume_and_ack_loses_no_unacknowledged_message() {
+    let mut node = Node::start("storage-consume").await;
+    let (conn, ch) = node.channel().await;
+    confirm_select(&ch).await;
+    declare_durable(&ch, "consumed", FieldTable::default()).await;
+    const N: usize = 1_000;
+    publish_numbered(&ch, "consumed", "c-", N).await;
+    ch.basic_qos(50, common::dl::BasicQosOptions::default())
+        .await
+        .expect("qos");
+    let mut consumer = common::dl::consumer(&ch, "consumed", "c").await;
+    // Ack until half are acknowledged (each ack sent before it is counted), then kill.
+    let mut acked = Vec::new();
+    while acked.len() < N / 2 {
+        let d = common::dl::next(&mut consumer).await;
+        d.ack(BasicAckOptions::default()).await.expect("ack");
+        acked.push(String::from_utf8_lossy(&d.data).into_owned());
+    }
+    node.kill().await;
+    drop(conn);
+    node.up().await;
+    let (_conn, ch) = node.channel().await;
+    let left: Vec<String> = drain(&ch, "consumed")
+        .await
+        .into_iter()
+        .map(|(b, _, _)| b)
+        .collect();
+    // At-least-once: every message not acknowledged is back, in order; acknowledged ones may
+    // be too (acks are made durable lazily), never anything twice.
+    let positions: Vec<usize> = left
+        .iter()
+        .map(|b| b.trim_start_matches("c-").parse().expect("body c-N"))
+        .collect();
+    assert!(
+        positions.windows(2).all(|w| w[0] < w[1]),
+        "order kept, no duplicates"
+    );
+    for i in 0..N {
+        let body = format!("c-{i}");
+        assert!(
+            positions.contains(&i) || acked.contains(&body),
+            "{body} was neither acknowledged nor kept"
+        );
+    }
+    assert!(left.len() >= N - acked.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_returned_past_its_delivery_limit_by_crashes_is_dead_lettered_at_start() {
+    let mut node = Node::start("storage-delivery-limit").await;
+    let (conn, ch) = node.channel().await;
+    confirm_select(&ch).await;
+    declare_durable(&ch, "limit-dlq", FieldTable::default()).await;
+    let args = table(&[
+        ("x-dead-letter-exchange", ls("")),
+        ("x-dead-letter-routing-key", ls("limit-dlq")),
+        ("x-delivery-limit", int(1)),
+    ]);
+    declare_durable(&ch, "limited", args).await;
+    publish_numbered(&ch, "limited", "l-", 1).await;
+    drop(conn);
+    // Delivered and never settled, twice: each crash returns it once.
+    for returned in 1..=2 {
+        let (_conn, ch) = node.channel().await;
+        assert_eq!(count(&ch, "limit-dlq").await, 0, "returned {returned}");
+        let d = common::dl::get_one(&ch, "limited").await;
+        assert_eq!(&d.data[..], b"l-0");
+        // The delivered record is written lazily; give the storage thread a moment.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        node.kill().await;
+        node.up().await;
+    }
+    let (_conn, ch) = node.channel().await;
+    assert_eq!(count(&ch, "limited").await, 0, "{}", node.logs());
+    let d = common::dl::get_one(&ch, "limit-dlq").await;
+    assert_eq!(&d.data[..], b"l-0");
+    assert_eq!(
+        common::dl::x_death(&d)[0].qrc(),
+        ("limited", "delivery_limit", 1)
+    );
 }

@@ -202,6 +202,11 @@ so the binary's default applies. Argument: (list "name" $map).
 {{- $_ := set $tls "require_client_cert" .Values.tls.requireClientCert }}
 {{- end }}
 {{- end }}
+{{- $storage := deepCopy (get $config "storage" | default dict) }}
+{{- /* Helm drops null values: an unset dir is a missing key. */}}
+{{- if or (not (hasKey $storage "dir")) (kindIs "invalid" (index $storage "dir")) }}
+{{- $_ := set $storage "dir" .Values.persistence.mountPath }}
+{{- end }}
 {{- $upstream := deepCopy (get $config "upstream" | default dict) }}
 {{- if get $upstream "urls" }}
 {{- /* A node list replaces the single URL (the binary refuses both). */}}
@@ -230,11 +235,17 @@ users = []
 {{ include "dlx-proxy.tomlTable" (list "listen" $listen) }}
 
 {{ include "dlx-proxy.tomlTable" (list "upstream" $upstream) }}
-{{- range $section := list "limits" "dead_letter" "storage" "proxy" }}
+{{- range $section := list "limits" "dead_letter" }}
 {{- if hasKey $config $section }}
 
 {{ include "dlx-proxy.tomlTable" (list $section (get $config $section)) }}
 {{- end }}
+{{- end }}
+
+{{ include "dlx-proxy.tomlTable" (list "storage" $storage) }}
+{{- if hasKey $config "proxy" }}
+
+{{ include "dlx-proxy.tomlTable" (list "proxy" (get $config "proxy")) }}
 {{- end }}
 
 {{ include "dlx-proxy.tomlTable" (list "tls" $tls) }}
@@ -357,11 +368,13 @@ startupProbe:
 {{- end }}
 {{- end }}
 
-{{/* Volume mounts of the dlx-proxy container: the config directory (never subPath), TLS material, extras. */}}
+{{/* Volume mounts of the dlx-proxy container: the config directory (never subPath), the storage volume, TLS material, extras. */}}
 {{- define "dlx-proxy.volumeMounts" -}}
 - name: dlx-proxy-config
   mountPath: {{ .Values.configMountPath }}
   readOnly: true
+- name: dlx-proxy-data
+  mountPath: {{ .Values.persistence.mountPath }}
 {{- if .Values.tls.enabled }}
 - name: dlx-proxy-tls
   mountPath: {{ .Values.tls.mountPath }}
@@ -392,8 +405,30 @@ startupProbe:
 {{- end }}
 {{- end }}
 
-{{/* Pod volumes dlx-proxy needs (without extraVolumes). */}}
+{{/* Whether the standalone workload is a StatefulSet with a claim per pod ("true" or ""). */}}
+{{- define "dlx-proxy.stateful" -}}
+{{- if and .Values.persistence.enabled (eq (get .Values.config "mode" | default "embedded") "embedded") }}true{{ end }}
+{{- end }}
+
+{{/* The storage volume of a pod without a claim template: an emptyDir, or the sidecar's existing claim. */}}
+{{- define "dlx-proxy.dataVolume" -}}
+- name: dlx-proxy-data
+  {{- if .Values.persistence.sidecarClaimName }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.persistence.sidecarClaimName }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
+{{- end }}
+
+{{/* Pod volumes dlx-proxy needs (without extraVolumes), its storage volume included. */}}
 {{- define "dlx-proxy.sidecarVolumes" -}}
+{{ include "dlx-proxy.podVolumes" . }}
+{{ include "dlx-proxy.dataVolume" . }}
+{{- end }}
+
+{{/* Pod volumes dlx-proxy needs but its storage volume and extraVolumes. */}}
+{{- define "dlx-proxy.podVolumes" -}}
 - name: dlx-proxy-config
   {{- if .Values.existingSecret }}
   secret:

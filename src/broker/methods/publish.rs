@@ -73,7 +73,7 @@ impl Broker {
                 result.rejected = true;
             }
         }
-        let durable = self.store_published(&mut st, message, None, true);
+        let durable = self.store_published(&mut st, message, None, now, true);
         self.metrics.published(1);
         for (q, d) in deaths {
             self.process_deaths(&mut st, vhost, &q, d, now);

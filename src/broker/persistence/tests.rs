@@ -15,9 +15,9 @@ use crate::broker::routing::Destination;
 use crate::broker::write_queue::WriteQueue;
 use crate::storage::{Storage, StorageOptions};
 
-fn open(dir: &std::path::Path) -> Arc<Broker> {
-    let b = broker();
-    let (storage, recovered) = Storage::open(
+/// Storage on `dir` (no fsync, 1 MiB segments) and what it recovered.
+fn open_storage(dir: &std::path::Path) -> (Storage, crate::storage::Recovered) {
+    Storage::open(
         StorageOptions {
             dir: dir.to_path_buf(),
             fsync: false,
@@ -25,7 +25,12 @@ fn open(dir: &std::path::Path) -> Arc<Broker> {
         },
         None,
     )
-    .expect("open storage");
+    .expect("open storage")
+}
+
+fn open(dir: &std::path::Path) -> Arc<Broker> {
+    let b = broker();
+    let (storage, recovered) = open_storage(dir);
     b.restore(recovered, Arc::new(storage));
     b
 }
@@ -192,21 +197,110 @@ fn definitions_of_a_vhost_missing_from_the_config_are_kept_with_their_messages()
             },
             crate::metrics::Metrics::new(100),
         );
-        let (storage, recovered) = Storage::open(
-            StorageOptions {
-                dir: dir.clone(),
-                fsync: false,
-                segment_size: 1 << 20,
-            },
-            None,
-        )
-        .unwrap();
+        let (storage, recovered) = open_storage(&dir);
         b.restore(recovered, Arc::new(storage));
         durable_exchange(&b, "other", "y", "fanout");
         b.storage().unwrap().close();
     }
     let b = open(&dir);
     assert_eq!(bodies(&b, "keep"), Some(vec![("p1".to_string(), false)]));
+    b.storage().unwrap().close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Stores queue `src` (TTL `ttl_ms`, dead-lettering to `dlq`) and `dlq`, and in `src` one
+/// persistent message per `(body, age in ms)`, written as if published that long ago.
+fn stored_with_ages(dir: &std::path::Path, ttl_ms: i64, messages: &[(&str, u64)]) {
+    use crate::storage::definitions::QueueDef;
+    use crate::storage::{Definitions, Record, Target};
+    use amq_protocol::types::{AMQPValue, ShortString};
+
+    let (s, _) = open_storage(dir);
+    let mut args = FieldTable::default();
+    args.insert(
+        ShortString::from("x-message-ttl"),
+        AMQPValue::LongLongInt(ttl_ms),
+    );
+    args.insert(
+        ShortString::from("x-dead-letter-exchange"),
+        AMQPValue::LongString("".into()),
+    );
+    args.insert(
+        ShortString::from("x-dead-letter-routing-key"),
+        AMQPValue::LongString("dlq".into()),
+    );
+    let def = |name: &str, id: u64, arguments: FieldTable| QueueDef {
+        vhost: "/".into(),
+        name: name.into(),
+        id,
+        auto_delete: false,
+        arguments,
+    };
+    s.definitions(Definitions {
+        queues: vec![def("src", 1, args), def("dlq", 2, FieldTable::default())],
+        ..Definitions::default()
+    });
+    let wall_now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    for (body, age) in messages {
+        s.append(Record::Publish {
+            targets: vec![Target {
+                queue: 1,
+                id: s.next_id(),
+                delivered: false,
+            }],
+            remove: None,
+            message: message("src", body, 2),
+            at: Some(wall_now - age),
+        });
+    }
+    s.close();
+}
+
+#[test]
+fn messages_whose_ttl_ran_out_while_stopped_are_dead_lettered_at_start() {
+    let dir = scratch("ttl");
+    stored_with_ages(
+        &dir,
+        10_000,
+        &[("old-1", 60_000), ("old-2", 11_000), ("young", 4_000)],
+    );
+    let b = open(&dir);
+    assert_eq!(bodies(&b, "src"), Some(vec![("young".to_string(), false)]));
+    assert_eq!(
+        bodies(&b, "dlq"),
+        Some(vec![
+            ("old-1".to_string(), false),
+            ("old-2".to_string(), false)
+        ])
+    );
+    let now = b.now();
+    let st = b.lock();
+    let dlq = &st.vhosts["/"].queues["dlq"];
+    for e in dlq.state.iter() {
+        let props = e.message.properties().expect("properties");
+        let deaths = crate::deadletter::x_death_entries(&props);
+        assert_eq!(deaths.len(), 1);
+        assert_eq!(deaths[0].reason, "expired");
+        assert_eq!(deaths[0].queue, "src");
+    }
+    // The young one keeps its deadline: 10 s after it was published, 4 s ago.
+    let left = st.vhosts["/"].queues["src"]
+        .state
+        .iter()
+        .next()
+        .and_then(|e| e.expires_at)
+        .expect("a deadline")
+        - now;
+    assert!((5_000..=6_100).contains(&left), "expires in {left} ms");
+    drop(st);
+    b.storage().unwrap().close();
+    // The deaths were written: a second start finds the same.
+    let b = open(&dir);
+    assert_eq!(bodies(&b, "dlq").map(|d| d.len()), Some(2));
+    assert_eq!(bodies(&b, "src").map(|d| d.len()), Some(1));
     b.storage().unwrap().close();
     std::fs::remove_dir_all(&dir).unwrap();
 }

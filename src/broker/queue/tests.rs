@@ -302,3 +302,23 @@ fn purge_does_not_dead_letter() {
     assert_eq!(q.bytes(), 0);
     assert!(d.is_empty());
 }
+
+#[test]
+fn a_restored_message_past_the_delivery_limit_dies_the_others_are_queued() {
+    let mut q = QueueState::new(QueueLimits {
+        delivery_limit: Some(2),
+        ..Default::default()
+    });
+    let mut d = Vec::new();
+    for (body, returned) in [("once", 1), ("at-limit", 2), ("past", 3)] {
+        let mut e = q.admit(msg(body, None), 0);
+        e.delivery_count = returned;
+        e.redelivered = true;
+        assert_eq!(q.restore(e, 0, &mut d), PublishOutcome::Accepted);
+    }
+    assert_eq!(bodies(&q), vec!["once", "at-limit"]);
+    assert_eq!(
+        dead(&d),
+        vec![("past".into(), DeadLetterReason::DeliveryLimit)]
+    );
+}

@@ -41,22 +41,7 @@ fn queues(ids: &[u64]) -> Definitions {
 
 fn publish(s: &Storage, queue: u64, body: &str) -> u64 {
     let id = s.next_id();
-    s.append(Record::Publish {
-        targets: vec![Target {
-            queue,
-            id,
-            delivered: false,
-        }],
-        remove: None,
-        message: Arc::new(Message::new(
-            "",
-            &["k"],
-            &[0, 0],
-            body.as_bytes(),
-            None,
-            false,
-        )),
-    });
+    s.append(super::super::record::test_publish(queue, id, body));
     id
 }
 
@@ -94,6 +79,7 @@ fn publishes_removals_deliveries_and_moves_replay_in_order() {
         }],
         remove: Some((1, b)),
         message: Arc::new(Message::new("dlx", &["k"], &[0, 0], b"b", None, true)),
+        at: Some(5_000),
     });
     assert_eq!(durable.blocking_recv(), Ok(true));
     s.close();
@@ -102,7 +88,13 @@ fn publishes_removals_deliveries_and_moves_replay_in_order() {
     assert_eq!(bodies(&r, 2), vec!["b"]);
     let q1 = &r.queues[&1];
     assert_eq!((q1[0].deliveries, q1[1].deliveries), (1, 0));
+    assert_eq!((q1[0].at, q1[1].at), (Some(1_000 + c), Some(1_000 + c + 1)));
     assert!(r.queues[&2][0].message.dead_lettered);
+    assert_eq!(
+        r.queues[&2][0].at,
+        Some(5_000),
+        "a move enters its target then"
+    );
     assert_eq!(r.stats.messages, 3);
     assert_eq!(r.stats.torn_bytes, 0);
     assert!(r.next_id > moved);
@@ -224,6 +216,50 @@ fn segments_rotate_and_head_segments_without_messages_are_deleted() {
     s.close();
     let (s, r) = Storage::open(options(&d, 200), None).unwrap();
     assert_eq!(bodies(&r, 1), vec![format!("{:040}", 19)]);
+    s.close();
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn one_old_unsettled_message_does_not_keep_every_newer_segment() {
+    let d = dir("rewrite");
+    let (s, _) = Storage::open(options(&d, 200), None).unwrap();
+    s.definitions(queues(&[1]));
+    let pinned = publish(&s, 1, "pinned");
+    s.append(Record::Delivered {
+        queue: 1,
+        id: pinned,
+    });
+    s.append(Record::Delivered {
+        queue: 1,
+        id: pinned,
+    });
+    // A stream of messages, each settled: without rewriting every segment since the first
+    // would stay because of the pinned message in it.
+    for i in 0..60 {
+        let id = publish(&s, 1, &format!("{i:040}"));
+        s.append(Record::Remove {
+            items: vec![(1, id)],
+        });
+    }
+    for _ in 0..2 {
+        let sync = s.append_durable(Record::Remove { items: Vec::new() });
+        assert_eq!(sync.blocking_recv(), Ok(true));
+    }
+    let after = segment::list(&d).unwrap();
+    assert!(after.len() <= 4, "{after:?}");
+    assert!(
+        after[0] > 0,
+        "the first segment was rewritten and deleted: {after:?}"
+    );
+    s.close();
+    let (s, r) = Storage::open(options(&d, 200), None).unwrap();
+    assert_eq!(bodies(&r, 1), vec!["pinned"]);
+    let m = &r.queues[&1][0];
+    assert_eq!(
+        (m.id, m.deliveries, m.at),
+        (pinned, 2, Some(1_000 + pinned))
+    );
     s.close();
     std::fs::remove_dir_all(&d).unwrap();
 }

@@ -56,11 +56,14 @@ impl TestBroker {
     }
 }
 
-/// Test configuration: embedded mode on free ports, admin off.
+/// Test configuration: embedded mode on free ports, admin off, storage off (every
+/// in-process broker of the test process would otherwise share `./data`; the `storage_*`
+/// suites run the binary in a directory of its own).
 pub fn test_config() -> Config {
     let mut c = Config::default();
     c.listen.amqp = "127.0.0.1:0".into();
     c.listen.admin = String::new();
+    c.storage.dir = String::new();
     c
 }
 
