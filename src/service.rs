@@ -395,6 +395,9 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     default_delivery_limit: (config.dead_letter.default_delivery_limit > 0)
                         .then_some(config.dead_letter.default_delivery_limit as u64),
                     max_queues: config.limits.max_queues,
+                    consumer_timeout: (config.limits.consumer_timeout > 0)
+                        .then_some(config.limits.consumer_timeout),
+                    keep_dead_letters: !config.dead_letter.ttl_on_dead_letters,
                 },
                 metrics.clone(),
             );
