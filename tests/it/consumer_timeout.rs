@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 
 use crate::common;
+use crate::proxy_support::{TestProxy, delete_upstream, policy};
 
 use common::dl::*;
 use common::dl_policy;
@@ -208,4 +209,89 @@ async fn embedded_hanging_consumers_dead_letter_at_the_delivery_limit() {
         1.0,
     )
     .await;
+}
+
+// ------------------------------------------------------------------------------------------
+// Proxy mode: the proxy enforces the timeout itself (RabbitMQ 3.10's own is 30 minutes)
+// ------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_a_hanging_consumer_is_closed_and_the_message_redelivered() {
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("ct");
+    declare(&ch, &q, table(&[("x-consumer-timeout", int(800))])).await;
+    publish(&ch, &q, &["m"]).await;
+    redelivered_to_the_next_consumer(&conn, &q).await;
+    // The connection lives on, and the timed-out channel's number can be opened again.
+    let again = conn.create_channel().await.unwrap();
+    declare(&again, &format!("{q}-2"), FieldTable::default()).await;
+    delete_upstream(&again, &[&q, &format!("{q}-2")], &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_the_lowest_of_config_argument_and_policy_wins() {
+    let by_policy = unique("ct-policy");
+    let by_argument = unique("ct-argument");
+    let by_config = unique("ct-config");
+    let policies = vec![
+        policy(
+            "ct-short",
+            &format!("^{by_policy}$"),
+            json!({"consumer-timeout": 500}),
+        ),
+        policy(
+            "ct-long",
+            &format!("^{by_argument}$"),
+            json!({"consumer-timeout": 5000}),
+        ),
+    ];
+    let proxy = TestProxy::start_with(policies, |c| c.limits.consumer_timeout = 700).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    for (queue, argument) in [(&by_config, 3000), (&by_policy, 3000), (&by_argument, 600)] {
+        declare(&ch, queue, table(&[("x-consumer-timeout", int(argument))])).await;
+        publish(&ch, queue, &["m"]).await;
+    }
+    assert_timed_out(&conn, &by_config, 700).await;
+    assert_timed_out(&conn, &by_policy, 500).await;
+    assert_timed_out(&conn, &by_argument, 600).await;
+    delete_upstream(&ch, &[&by_config, &by_policy, &by_argument], &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_hanging_consumers_dead_letter_at_the_delivery_limit() {
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("ct-limit");
+    let dlq = unique("ct-limit-dlq");
+    let dlx = declare_dead_letter_queues(
+        &ch,
+        &q,
+        &dlq,
+        &[
+            ("x-delivery-limit", int(2)),
+            ("x-consumer-timeout", int(400)),
+        ],
+    )
+    .await;
+    publish(&ch, &q, &["m"]).await;
+    hanging_consumers_reach_the_delivery_limit(&conn, &q, &dlq).await;
+    proxy
+        .wait_counter(
+            "consumer_timeouts_total",
+            &[("queue", &q), ("vhost", "/")],
+            3.0,
+        )
+        .await;
+    proxy
+        .wait_counter(
+            "dead_lettered_total",
+            &[("queue", &q), ("reason", "delivery_limit"), ("vhost", "/")],
+            1.0,
+        )
+        .await;
+    delete_upstream(&ch, &[&q, &dlq], &[&dlx]).await;
 }
