@@ -90,8 +90,12 @@ pub const CAPTURED_DROPPED: &str = "dropped";
 /// ... refused (publish nacked, timed out, lost with the channel, 403): held unacked and
 /// published again after the backoff of `proxy.retry_initial_ms` (counted at each refusal).
 pub const CAPTURED_RETRIED: &str = "retried";
+/// ... an expired dead letter put back into its queue (`dead_letter.ttl_on_dead_letters =
+/// false`; also counted in `dead_letters_kept_total`).
+pub const CAPTURED_KEPT: &str = "kept";
 const CAPTURED_OUTCOMES: &[&str] = &[
     CAPTURED_DEAD_LETTERED,
+    CAPTURED_KEPT,
     CAPTURED_DISCARDED,
     CAPTURED_DROPPED,
     CAPTURED_RETRIED,

@@ -213,6 +213,9 @@ pub struct ProxyShared {
     pub(crate) default_delivery_limit: Option<u64>,
     /// `limits.consumer_timeout` (ms; None = off): the proxy enforces consumer timeouts itself.
     pub(crate) consumer_timeout: Option<u64>,
+    /// `dead_letter.ttl_on_dead_letters = false`: expired dead letters the upstream captured
+    /// go back into their queue ([`death::kept_in_queue`]).
+    pub(crate) keep_dead_letters: bool,
     pub(crate) max_inflight_bytes: usize,
     pub(crate) confirm_timeout: Duration,
     /// Delays between publishes of a held dead letter (`proxy.retry_initial_ms`,
@@ -301,6 +304,7 @@ impl ProxyShared {
                 .then_some(u64::from(config.dead_letter.default_delivery_limit)),
             consumer_timeout: (config.limits.consumer_timeout > 0)
                 .then_some(config.limits.consumer_timeout),
+            keep_dead_letters: !config.dead_letter.ttl_on_dead_letters,
             max_inflight_bytes: config.proxy.max_inflight_bytes.max(1),
             confirm_timeout: Duration::from_secs(config.proxy.confirm_timeout_secs.max(1)),
             retry_backoff: retry::Backoff::new(

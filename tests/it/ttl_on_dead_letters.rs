@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use crate::common;
+use crate::proxy_support::{TestProxy, delete_upstream};
 
 use common::dl::*;
 use common::*;
@@ -96,4 +97,126 @@ async fn embedded_length_limits_still_apply_to_kept_dead_letters() {
     );
     tokio::time::sleep(Duration::from_millis(1000)).await;
     assert_eq!(payloads_in(&ch, "dlq").await, vec!["b"]);
+}
+
+// ------------------------------------------------------------------------------------------
+// Proxy mode: the upstream expires everything; the proxy puts captured dead letters back
+// ------------------------------------------------------------------------------------------
+
+/// Polls `queue` until a message is there (a kept dead letter may be on its way back into
+/// its queue at any moment: captured from the upstream, published again).
+async fn first_in(ch: &lapin::Channel, queue: &str) -> Delivery {
+    poll(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        async || get(ch, queue).await,
+    )
+    .await
+    .unwrap_or_else(|| panic!("nothing in {queue}"))
+}
+
+struct ProxyTopology {
+    q: String,
+    dlq: String,
+    graveyard: String,
+    dlx: String,
+}
+
+impl ProxyTopology {
+    async fn declare(ch: &lapin::Channel, dlq_extra: &[(&str, AMQPValue)]) -> ProxyTopology {
+        let t = ProxyTopology {
+            q: unique("kdl-q"),
+            dlq: unique("kdl-dlq"),
+            graveyard: unique("kdl-graveyard"),
+            dlx: String::new(),
+        };
+        topology(ch, &t.q, &t.dlq, &t.graveyard, dlq_extra).await;
+        ProxyTopology {
+            dlx: format!("{}_dlx_exchange", t.dlq),
+            ..t
+        }
+    }
+
+    async fn delete(&self, ch: &lapin::Channel) {
+        delete_upstream(ch, &[&self.q, &self.dlq, &self.graveyard], &[&self.dlx]).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_kept_dead_letters_outlive_the_ttl_while_fresh_messages_expire() {
+    let proxy = TestProxy::start_with(vec![], |c| c.dead_letter.ttl_on_dead_letters = false).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let t = ProxyTopology::declare(&ch, &[]).await;
+    dead_letter(&ch, &t.q, &["dl"]).await;
+    publish(&ch, &t.dlq, &["fresh"]).await;
+    let fresh = first_in(&ch, &t.graveyard).await;
+    assert_eq!(payload(&fresh), "fresh");
+    assert_eq!(
+        x_death(&fresh).iter().map(Death::qrc).collect::<Vec<_>>(),
+        vec![(t.dlq.as_str(), "expired", 1)]
+    );
+    // Several TTL periods: the dead letter was expired by the upstream and put back each time.
+    proxy
+        .wait_counter(
+            "dead_letters_kept_total",
+            &[("queue", &t.dlq), ("vhost", "/")],
+            3.0,
+        )
+        .await;
+    let d = first_in(&ch, &t.dlq).await;
+    assert_eq!(payload(&d), "dl");
+    assert_eq!(
+        x_death(&d).iter().map(Death::qrc).collect::<Vec<_>>(),
+        vec![(t.q.as_str(), "rejected", 1)],
+        "no x-death entry for the expiries it survived"
+    );
+    assert!(
+        get(&ch, &t.graveyard).await.is_none(),
+        "only the fresh message expired"
+    );
+    t.delete(&ch).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_dead_letters_expire_by_default() {
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let t = ProxyTopology::declare(&ch, &[]).await;
+    dead_letter(&ch, &t.q, &["dl"]).await;
+    let d = first_in(&ch, &t.graveyard).await;
+    assert_eq!(
+        x_death(&d).iter().map(Death::qrc).collect::<Vec<_>>(),
+        vec![
+            (t.dlq.as_str(), "expired", 1),
+            (t.q.as_str(), "rejected", 1)
+        ]
+    );
+    assert_eq!(
+        proxy.counter(
+            "dead_letters_kept_total",
+            &[("queue", &t.dlq), ("vhost", "/")]
+        ),
+        0.0
+    );
+    t.delete(&ch).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_length_limits_still_apply_to_kept_dead_letters() {
+    let proxy = TestProxy::start_with(vec![], |c| c.dead_letter.ttl_on_dead_letters = false).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let t = ProxyTopology::declare(&ch, &[("x-max-length", int(1))]).await;
+    dead_letter(&ch, &t.q, &["a", "b"]).await;
+    let d = first_in(&ch, &t.graveyard).await;
+    assert_eq!(payload(&d), "a");
+    assert_eq!(
+        x_death(&d).iter().map(Death::qrc).collect::<Vec<_>>(),
+        vec![(t.dlq.as_str(), "maxlen", 1), (t.q.as_str(), "rejected", 1)]
+    );
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(payload(&first_in(&ch, &t.dlq).await), "b");
+    t.delete(&ch).await;
 }
