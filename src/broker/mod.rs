@@ -262,6 +262,16 @@ impl State {
             return false;
         }
         ch.ack_timer_at = Some(at);
+        // Entries of closed channels stay until their deadline: when they outnumber the live
+        // channels, the heap is rebuilt from the channels' own deadlines (bounded).
+        if self.ack_timers.len() > 2 * self.channels.len() + 64 {
+            self.ack_timers = self
+                .channels
+                .iter()
+                .filter_map(|(&(c, n), ch)| ch.ack_timer_at.map(|t| Reverse((t, c, n))))
+                .filter(|entry| entry.0 != (at, conn, channel))
+                .collect();
+        }
         let earliest = self
             .timers
             .peek()

@@ -132,7 +132,8 @@ impl Session {
 
     /// An upstream frame on a channel the proxy closed for a consumer timeout: none reaches
     /// the client, which was told the channel is closed (a delivery still on its way is
-    /// requeued by the upstream's close; a close crossing the proxy's is answered here).
+    /// requeued by the upstream's close; a close crossing the proxy's is answered here),
+    /// except the content of a delivery already started.
     /// The upstream's close-ok completes the close. True when the channel is such a one.
     pub(super) fn upstream_frame_on_timed_out_channel(&mut self, frame: &WireFrame) -> bool {
         let channel = frame.channel;
@@ -143,7 +144,9 @@ impl Session {
             return false;
         };
         if frame.kind != FRAME_METHOD {
-            return true;
+            // The rest of a delivery the client already started receiving is passed on, so
+            // its frame sequence is complete before the proxy's close (deferred until then).
+            return ch.incoming.is_none();
         }
         match frame.method_ids() {
             CHANNEL_CLOSE => {

@@ -292,6 +292,27 @@ mod tests {
     }
 
     #[test]
+    fn channels_closed_before_their_timeout_do_not_grow_the_timer_heap() {
+        let b = broker();
+        b.lock().options.consumer_timeout = Some(3_600_000);
+        let c = Client::connect(&b);
+        b.queue_declare(c.conn, "/", &declare("q", &FieldTable::default()))
+            .unwrap();
+        for _ in 0..500 {
+            publish_to(&b, "q", b"m");
+            b.open_channel(c.conn, 2);
+            b.get(c.conn, 2, "/", "q", false).unwrap();
+            b.close_channel(c.conn, 2);
+        }
+        let st = b.lock();
+        assert!(
+            st.ack_timers.len() <= 2 * st.channels.len() + 65,
+            "{}",
+            st.ack_timers.len()
+        );
+    }
+
+    #[test]
     fn closing_a_connection_deletes_its_exclusive_queues() {
         let b = broker();
         let c = Client::connect(&b);
