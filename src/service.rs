@@ -236,8 +236,8 @@ impl RunningService {
     }
 
     /// Applies a new configuration without dropping connections: policies, users (each
-    /// `password_file` is read again), limits and the admin token (`admin.token_file` is read
-    /// again). Every other setting (listeners,
+    /// `password_file` is read again), limits (except `limits.consumer_timeout`) and the admin
+    /// token (`admin.token_file` is read again). Every other setting (listeners,
     /// mode, TLS file names, vhosts, ...) needs a restart; a change to one is logged as a
     /// warning and the running value stays. (The content of the TLS files is reloaded
     /// separately: [`RunningService::reload_tls`].)
@@ -285,6 +285,11 @@ fn fixed_settings(config: &Config) -> BTreeMap<&'static str, serde_json::Value> 
         ("listen", json(&config.listen)),
         ("upstream", json(&config.upstream)),
         ("dead_letter", json(&config.dead_letter)),
+        // Read into the broker's and the proxy's options at start (the other limits reload).
+        (
+            "limits.consumer_timeout",
+            json(&config.limits.consumer_timeout),
+        ),
         ("proxy", json(&config.proxy)),
         ("tls", json(&config.tls)),
         ("log", json(&config.log)),
@@ -699,9 +704,10 @@ mod tests {
         moved.listen.amqp = "127.0.0.1:5999".into();
         moved.vhosts.push("other".into());
         moved.shutdown.drain_secs += 1;
+        moved.limits.consumer_timeout = 1000;
         assert_eq!(
             changed_fixed_settings(&fixed, &moved),
-            vec!["listen", "shutdown", "vhosts"]
+            vec!["limits.consumer_timeout", "listen", "shutdown", "vhosts"]
         );
     }
 }
