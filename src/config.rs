@@ -326,6 +326,10 @@ pub struct LimitsConfig {
     pub memory_high_watermark: String,
     /// Milliseconds between two samples of used memory (embedded mode).
     pub memory_check_interval_ms: u64,
+    /// Milliseconds a consumer may hold a delivery unacknowledged before its channel is
+    /// closed (406) and its deliveries requeued, each counted as a delivery attempt; 0 = off.
+    /// A queue's `x-consumer-timeout` or policy `consumer-timeout` lowers it.
+    pub consumer_timeout: u64,
 }
 
 impl Default for LimitsConfig {
@@ -342,6 +346,7 @@ impl Default for LimitsConfig {
             max_table_depth: crate::amqp::depth::DEFAULT_MAX_TABLE_DEPTH,
             memory_high_watermark: "0.4".into(),
             memory_check_interval_ms: 250,
+            consumer_timeout: 0,
         }
     }
 }
@@ -360,6 +365,9 @@ pub struct DeadLetterConfig {
     pub max_hops: u32,
     /// Default delivery limit for every queue without one (0 = off).
     pub default_delivery_limit: u32,
+    /// `false`: a message with an x-death history never expires (queue or message TTL) in
+    /// the queue it reached; length limits still apply. `true` (RabbitMQ): it does.
+    pub ttl_on_dead_letters: bool,
 }
 
 impl Default for DeadLetterConfig {
@@ -369,6 +377,7 @@ impl Default for DeadLetterConfig {
             x_death_total: false,
             max_hops: 0,
             default_delivery_limit: 0,
+            ttl_on_dead_letters: true,
         }
     }
 }
@@ -1286,6 +1295,12 @@ impl Config {
                 format!("must be {MIN_MEMORY_CHECK_MS} to {MAX_MEMORY_CHECK_MS}"),
             ));
         }
+        if limits.consumer_timeout > crate::rabbit::args::MAX_EXPIRY_MS {
+            return Err(ConfigError::invalid(
+                "limits.consumer_timeout",
+                "must be at most 315360000000 (ten years in ms; 0 = off)",
+            ));
+        }
         Ok(())
     }
 
@@ -1928,6 +1943,18 @@ mod tests {
             (
                 "[limits]\nmemory_check_interval_ms = 0\n",
                 "limits.memory_check_interval_ms",
+            ),
+            (
+                "[limits]\nconsumer_timeout = 315360000001\n",
+                "limits.consumer_timeout",
+            ),
+            (
+                "[limits]\nconsumer_timeout = -1\n",
+                "limits.consumer_timeout",
+            ),
+            (
+                "[dead_letter]\nttl_on_dead_letters = \"no\"\n",
+                "dead_letter.ttl_on_dead_letters",
             ),
         ];
         for (text, key) in cases {

@@ -32,6 +32,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "dead_letter_publish_failures_total",
     "dead_letter_retries_total",
     "dead_letters_held",
+    "consumer_timeouts_total",
+    "dead_letters_kept_total",
     "messages_published_total",
     "messages_delivered_total",
     "messages_acked_total",
@@ -92,8 +94,12 @@ pub const CAPTURED_DROPPED: &str = "dropped";
 /// ... refused (publish nacked, timed out, lost with the channel, 403): held unacked and
 /// published again after the backoff of `proxy.retry_initial_ms` (counted at each refusal).
 pub const CAPTURED_RETRIED: &str = "retried";
+/// ... an expired dead letter put back into its queue (`dead_letter.ttl_on_dead_letters =
+/// false`; also counted in `dead_letters_kept_total`).
+pub const CAPTURED_KEPT: &str = "kept";
 const CAPTURED_OUTCOMES: &[&str] = &[
     CAPTURED_DEAD_LETTERED,
+    CAPTURED_KEPT,
     CAPTURED_DISCARDED,
     CAPTURED_DROPPED,
     CAPTURED_RETRIED,
@@ -176,6 +182,8 @@ impl Direction {
 struct QueueSeries {
     reasons: BTreeSet<String>,
     causes: BTreeSet<String>,
+    consumer_timeouts: bool,
+    dead_letters_kept: bool,
     has_depth: bool,
 }
 
@@ -201,6 +209,8 @@ pub struct Metrics {
     dead_letter_publish_failures: IntCounterVec,
     dead_letter_retries: IntCounterVec,
     dead_letters_held: IntGauge,
+    consumer_timeouts: IntCounterVec,
+    dead_letters_kept: IntCounterVec,
     messages_published: IntCounter,
     messages_delivered: IntCounter,
     messages_acked: IntCounter,
@@ -332,6 +342,18 @@ impl Metrics {
                 "Messages dead-lettered, by source queue and reason \
                  (rejected, expired, maxlen, delivery_limit).",
                 &["vhost", "queue", "reason"],
+            )?,
+            consumer_timeouts: b.counter_vec(
+                "consumer_timeouts_total",
+                "Channels closed because a delivery stayed unacknowledged past its consumer \
+                 timeout, by the queue of that delivery.",
+                &["vhost", "queue"],
+            )?,
+            dead_letters_kept: b.counter_vec(
+                "dead_letters_kept_total",
+                "Proxy mode, dead_letter.ttl_on_dead_letters = false: dead letters the upstream \
+                 expired that were put back into their queue instead of dead-lettered, by queue.",
+                &["vhost", "queue"],
             )?,
             dead_letter_dropped: b.counter_vec(
                 "dead_letter_dropped_total",
@@ -659,6 +681,25 @@ impl Metrics {
             .inc();
     }
 
+    /// A channel was closed because a delivery from `queue` was not acknowledged in time.
+    pub fn consumer_timed_out(&self, vhost: &str, queue: &str) {
+        let own = self.queue_label(vhost, queue, |s| s.consumer_timeouts = true);
+        let queue = if own { queue } else { OTHER_QUEUE };
+        self.consumer_timeouts
+            .with_label_values(&[vhost, queue])
+            .inc();
+    }
+
+    /// Proxy mode: a dead letter the upstream expired from `queue` was put back into it
+    /// (`dead_letter.ttl_on_dead_letters = false`).
+    pub fn dead_letter_kept(&self, vhost: &str, queue: &str) {
+        let own = self.queue_label(vhost, queue, |s| s.dead_letters_kept = true);
+        let queue = if own { queue } else { OTHER_QUEUE };
+        self.dead_letters_kept
+            .with_label_values(&[vhost, queue])
+            .inc();
+    }
+
     /// One dead-letter publish to the upstream failed (`cause`: nack, timeout).
     pub fn dead_letter_publish_failed(&self, cause: &str) {
         self.dead_letter_publish_failures
@@ -859,6 +900,12 @@ impl Metrics {
                 .dead_letter_dropped
                 .remove_label_values(&[vhost, queue, cause.as_str()]);
         }
+        if series.consumer_timeouts {
+            let _ = self.consumer_timeouts.remove_label_values(&[vhost, queue]);
+        }
+        if series.dead_letters_kept {
+            let _ = self.dead_letters_kept.remove_label_values(&[vhost, queue]);
+        }
         if series.has_depth {
             let _ = self.queue_messages.remove_label_values(&[vhost, queue]);
             let _ = self.queue_bytes.remove_label_values(&[vhost, queue]);
@@ -999,6 +1046,8 @@ mod tests {
         // Vectors only appear once they have a series.
         metrics.dead_lettered("/", "q", "expired");
         metrics.dropped("/", "q", "cycle");
+        metrics.consumer_timed_out("/", "q");
+        metrics.dead_letter_kept("/", "q");
         metrics.dead_letter_publish_failed("nack");
         metrics.traffic(Direction::ClientIn, 1, 8);
         metrics.config_reloaded(true);

@@ -62,10 +62,12 @@ pub struct PolicyDefinition {
     pub max_length_bytes: Option<u64>,
     pub overflow: Option<Overflow>,
     pub delivery_limit: Option<u64>,
+    /// Milliseconds (RabbitMQ 3.12's `consumer-timeout`).
+    pub consumer_timeout: Option<u64>,
 }
 
 /// The definition keys understood, as written in RabbitMQ policies.
-pub const DEFINITION_KEYS: [&str; 8] = [
+pub const DEFINITION_KEYS: [&str; 9] = [
     "dead-letter-exchange",
     "dead-letter-routing-key",
     "message-ttl",
@@ -74,6 +76,7 @@ pub const DEFINITION_KEYS: [&str; 8] = [
     "max-length-bytes",
     "overflow",
     "delivery-limit",
+    "consumer-timeout",
 ];
 
 /// A validated policy.
@@ -198,6 +201,7 @@ fn parse_definition(
                 })?);
             }
             "delivery-limit" => parsed.delivery_limit = Some(non_negative()?),
+            "consumer-timeout" => parsed.consumer_timeout = Some(non_negative()?),
             _ => {
                 return Err(err(&format!(
                     "unknown policy key (supported: {})",
@@ -347,11 +351,16 @@ pub struct EffectiveQueueSettings {
     pub max_length_bytes: Option<u64>,
     pub overflow: Overflow,
     pub delivery_limit: Option<u64>,
+    /// Milliseconds, the lower of `x-consumer-timeout` and the policy's `consumer-timeout`
+    /// (`limits.consumer_timeout` is applied on top where deliveries are tracked).
+    pub consumer_timeout: Option<u64>,
     /// Name of the applied policy.
     pub policy: Option<String>,
 }
 
-fn lower(argument: Option<u64>, policy: Option<u64>) -> Option<u64> {
+/// The lower of two optional limits (either alone when the other is absent): how an argument
+/// meets a policy, and how a queue's consumer timeout meets `limits.consumer_timeout`.
+pub fn lower(argument: Option<u64>, policy: Option<u64>) -> Option<u64> {
     match (argument, policy) {
         (Some(a), Some(p)) => Some(a.min(p)),
         (a, p) => a.or(p),
@@ -383,6 +392,7 @@ pub fn effective_settings(
         max_length_bytes: lower(args.max_length_bytes, p.max_length_bytes),
         overflow: args.overflow.or(p.overflow).unwrap_or_default(),
         delivery_limit: lower(args.delivery_limit, p.delivery_limit).or(default_delivery_limit),
+        consumer_timeout: lower(args.consumer_timeout, p.consumer_timeout),
         policy: None,
     }
 }

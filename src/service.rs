@@ -268,8 +268,9 @@ impl RunningService {
     }
 
     /// Applies a new configuration without dropping connections: policies, users (each
-    /// `password_file` is read again), limits, `storage.disk_free_limit` and the admin token (`admin.token_file` is read
-    /// again). Every other setting (listeners,
+    /// `password_file` is read again), limits (except `limits.consumer_timeout`),
+    /// `storage.disk_free_limit` and the admin token (`admin.token_file` is read again). Every
+    /// other setting (listeners,
     /// mode, TLS file names, vhosts, ...) needs a restart; a change to one is logged as a
     /// warning and the running value stays. (The content of the TLS files is reloaded
     /// separately: [`RunningService::reload_tls`].)
@@ -319,6 +320,11 @@ fn fixed_settings(config: &Config) -> BTreeMap<&'static str, serde_json::Value> 
         ("listen", json(&config.listen)),
         ("upstream", json(&config.upstream)),
         ("dead_letter", json(&config.dead_letter)),
+        // Read into the broker's and the proxy's options at start (the other limits reload).
+        (
+            "limits.consumer_timeout",
+            json(&config.limits.consumer_timeout),
+        ),
         ("proxy", json(&config.proxy)),
         ("tls", json(&config.tls)),
         ("log", json(&config.log)),
@@ -433,6 +439,9 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     default_delivery_limit: (config.dead_letter.default_delivery_limit > 0)
                         .then_some(config.dead_letter.default_delivery_limit as u64),
                     max_queues: config.limits.max_queues,
+                    consumer_timeout: (config.limits.consumer_timeout > 0)
+                        .then_some(config.limits.consumer_timeout),
+                    keep_dead_letters: !config.dead_letter.ttl_on_dead_letters,
                 },
                 metrics.clone(),
             );
@@ -754,9 +763,10 @@ mod tests {
         moved.listen.amqp = "127.0.0.1:5999".into();
         moved.vhosts.push("other".into());
         moved.shutdown.drain_secs += 1;
+        moved.limits.consumer_timeout = 1000;
         assert_eq!(
             changed_fixed_settings(&fixed, &moved),
-            vec!["listen", "shutdown", "vhosts"]
+            vec!["limits.consumer_timeout", "listen", "shutdown", "vhosts"]
         );
     }
 }

@@ -120,6 +120,23 @@ impl Message {
         decode_properties(self.raw_properties())
     }
 
+    /// Whether it carries an x-death history: dead-lettered by this broker, or published with
+    /// a non-empty `x-death` array (a dead letter republished by a client or a shovel). The
+    /// properties are decoded only for a message the broker did not dead-letter itself.
+    pub fn has_death_history(&self) -> bool {
+        if self.dead_lettered {
+            return true;
+        }
+        self.properties().is_ok_and(|props| {
+            props.headers().as_ref().is_some_and(|h| {
+                matches!(
+                    h.inner().get("x-death"),
+                    Some(amq_protocol::types::AMQPValue::FieldArray(a)) if !a.as_slice().is_empty()
+                )
+            })
+        })
+    }
+
     /// Body bytes, the unit of max-length-bytes.
     pub fn body_len(&self) -> u64 {
         (self.content.len() - self.header_len() - self.props_len as usize) as u64
@@ -169,6 +186,9 @@ pub struct QueuedMessage {
     pub redelivered: bool,
     /// Its message id in storage, when it is kept on disk (persistent, in a durable queue).
     pub store_id: Option<u64>,
+    /// Never expires in this queue: it has an x-death history and the queue keeps dead
+    /// letters (`dead_letter.ttl_on_dead_letters = false`).
+    pub ttl_exempt: bool,
 }
 
 impl QueuedMessage {

@@ -6,8 +6,11 @@
 //! consumer connection's [`write_queue::WriteQueue`] under the lock, so publish → route → enqueue →
 //! deliver happens in one step with no hand-off. Messages that die (rejected, expired, over a
 //! length or delivery limit) are collected as [`queue::Death`]s and handed to
-//! [`dead_letter_routing`], which rewrites and re-routes them.
+//! [`dead_letter_routing`], which rewrites and re-routes them. Deliveries held past their
+//! consumer timeout ([`ack_timeout`]) are found by the same timer task and handed to their
+//! connection task, which closes the channel.
 
+pub mod ack_timeout;
 pub mod auth;
 pub mod dead_letter_routing;
 pub mod delivery;
@@ -39,6 +42,12 @@ pub struct BrokerOptions {
     pub dead_letter: DeadLetterOptions,
     pub default_delivery_limit: Option<u64>,
     pub max_queues: usize,
+    /// `limits.consumer_timeout` (ms; None = off), lowered per queue by `x-consumer-timeout`
+    /// or the policy's `consumer-timeout`.
+    pub consumer_timeout: Option<u64>,
+    /// `dead_letter.ttl_on_dead_letters = false`: messages with an x-death history do not
+    /// expire in the queue they reached.
+    pub keep_dead_letters: bool,
 }
 
 /// A delivery waiting for ack/reject on a channel.
@@ -49,6 +58,9 @@ pub struct Unacked {
     pub queue_id: u64,
     pub entry: QueuedMessage,
     pub consumer_tag: Option<String>,
+    /// When it times out unacknowledged (its queue or `limits.consumer_timeout` has a
+    /// consumer timeout).
+    pub deadline: Option<ack_timeout::Deadline>,
 }
 
 /// Delivery state of one open channel.
@@ -65,6 +77,10 @@ pub struct ChannelState {
     pub consumers: HashMap<String, String>,
     /// channel.flow from the client.
     pub active: bool,
+    /// Deadlines of the unacked deliveries that have a consumer timeout.
+    pub ack_deadlines: ack_timeout::AckDeadlines,
+    /// The deadline this channel has in the broker's consumer-timeout heap, if any.
+    pub ack_timer_at: Option<u64>,
 }
 
 /// A connection as the broker sees it.
@@ -74,6 +90,10 @@ pub struct ConnectionState {
     pub frame_max: usize,
     pub user: String,
     pub vhost: String,
+    /// Wakes the connection task when one of its channels may have timed out.
+    pub ack_alarm: Arc<Notify>,
+    /// Channels the timer found past a consumer timeout, for the connection task to close.
+    pub ack_due: Vec<u16>,
 }
 
 /// Broker milliseconds start here rather than at 0, so that an instant before the start (when
@@ -91,6 +111,8 @@ pub struct State {
     pub policies: PolicySet,
     pub options: BrokerOptions,
     timers: BinaryHeap<TimerEntry>,
+    /// (deadline, connection, channel): channels whose earliest consumer timeout is due then.
+    ack_timers: BinaryHeap<Reverse<(u64, u64, u16)>>,
     next_id: u64,
     /// (vhost, queue, cause) → last time a drop was logged (rate limit: once a minute).
     drop_log: HashMap<(String, String, &'static str), u64>,
@@ -137,6 +159,7 @@ impl Broker {
                 policies,
                 options,
                 timers: BinaryHeap::new(),
+                ack_timers: BinaryHeap::new(),
                 next_id: 1,
                 drop_log: HashMap::new(),
                 persist_targets: Vec::new(),
@@ -198,7 +221,10 @@ impl Broker {
         for (vhost, queue, id) in due {
             methods::on_timer(self, &mut st, &vhost, &queue, id, now);
         }
-        st.timers.peek().map(|Reverse((at, _, _, _))| *at)
+        methods::on_ack_timers(&mut st, now);
+        let queues = st.timers.peek().map(|Reverse((at, _, _, _))| *at);
+        let acks = st.ack_timers.peek().map(|Reverse((at, _, _))| *at);
+        crate::policy::lower(queues, acks)
     }
 
     /// Background task: wakes for the earliest queue deadline (one timer for the whole
@@ -238,6 +264,41 @@ impl State {
         let id = self.next_id;
         self.next_id += 1;
         id
+    }
+
+    /// Registers a channel's earliest consumer-timeout deadline unless it already has an
+    /// earlier one in the heap; returns true if it is the new earliest deadline of all.
+    pub(crate) fn schedule_ack(&mut self, conn: u64, channel: u16) -> bool {
+        let Some(ch) = self.channels.get_mut(&(conn, channel)) else {
+            return false;
+        };
+        let Some(at) = ch.ack_deadlines.earliest() else {
+            return false;
+        };
+        if ch.ack_timer_at.is_some_and(|t| t <= at) {
+            return false;
+        }
+        ch.ack_timer_at = Some(at);
+        // Entries of closed channels stay until their deadline: when they outnumber the live
+        // channels, the heap is rebuilt from the channels' own deadlines (bounded).
+        if self.ack_timers.len() > 2 * self.channels.len() + 64 {
+            self.ack_timers = self
+                .channels
+                .iter()
+                .filter_map(|(&(c, n), ch)| ch.ack_timer_at.map(|t| Reverse((t, c, n))))
+                .filter(|entry| entry.0 != (at, conn, channel))
+                .collect();
+        }
+        let earliest = self
+            .timers
+            .peek()
+            .is_none_or(|Reverse((first, _, _, _))| at < *first)
+            && self
+                .ack_timers
+                .peek()
+                .is_none_or(|Reverse((first, _, _))| at < *first);
+        self.ack_timers.push(Reverse((at, conn, channel)));
+        earliest
     }
 
     /// Registers a deadline for a queue; returns true if it is the new earliest one.

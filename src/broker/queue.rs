@@ -4,6 +4,13 @@
 //! No I/O and no clock: the caller passes `now` (broker milliseconds) and gets back the messages
 //! that die, each with its [`DeadLetterReason`]. Every way a message leaves a queue because of
 //! a rule goes through [`QueueState::kill`], the one place deaths are recorded.
+//!
+//! Expiry happens at the head, as in RabbitMQ, with one exception: with
+//! `dead_letter.ttl_on_dead_letters = false` ([`QueueLimits::keep_dead_letters`]) a message
+//! that carries an x-death history never expires here, and such messages at the front are
+//! stepped over, so the first message that can expire is the one checked (a kept dead letter
+//! never holds back the expiry of the messages behind it). `exempt_prefix` remembers how many
+//! front messages are known to be exempt, so the step-over costs nothing per publish.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -20,6 +27,9 @@ pub struct QueueLimits {
     pub max_length_bytes: Option<u64>,
     pub overflow: Overflow,
     pub delivery_limit: Option<u64>,
+    /// `dead_letter.ttl_on_dead_letters = false`: messages with an x-death history get no
+    /// expiry in this queue (length limits still apply).
+    pub keep_dead_letters: bool,
 }
 
 /// A message that left the queue because of a rule.
@@ -55,6 +65,9 @@ pub struct QueueState {
     ready_bytes: u64,
     next_seq: u64,
     limits: QueueLimits,
+    /// The first `exempt_prefix` ready messages are exempt from expiry (a lower bound: the
+    /// run may be longer; [`QueueState::first_expirable`] extends it).
+    exempt_prefix: usize,
 }
 
 impl QueueState {
@@ -85,21 +98,33 @@ impl QueueState {
 
     /// Wraps a message for this queue: assigns its position and computes its expiry.
     pub fn admit(&mut self, message: Arc<Message>, now: u64) -> QueuedMessage {
-        let ttl = match (self.limits.message_ttl, message.expiration_ms) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let ttl_exempt = self.limits.keep_dead_letters && message.has_death_history();
         let seq = self.next_seq;
         self.next_seq += 1;
-        QueuedMessage {
+        let mut entry = QueuedMessage {
             message,
             seq,
             enqueued_at: now,
-            expires_at: ttl.map(|t| now.saturating_add(t)),
+            expires_at: None,
             delivery_count: 0,
             redelivered: false,
             store_id: None,
+            ttl_exempt,
+        };
+        entry.expires_at = self.expiry_of(&entry);
+        entry
+    }
+
+    /// When `entry` expires under the current limits (never when it is exempt).
+    fn expiry_of(&self, entry: &QueuedMessage) -> Option<u64> {
+        if entry.ttl_exempt {
+            return None;
         }
+        let ttl = match (self.limits.message_ttl, entry.message.expiration_ms) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        ttl.map(|t| entry.enqueued_at.saturating_add(t))
     }
 
     /// Whether reject-publish / reject-publish-dlx refuses this message: the ready messages
@@ -193,22 +218,42 @@ impl QueueState {
     }
 
     /// Dead-letters expired messages at the head (per-message TTL is only enforced there, as
-    /// RabbitMQ does).
+    /// RabbitMQ does); exempt dead letters at the front are stepped over (module comment).
     pub fn expire(&mut self, now: u64, deaths: &mut Vec<Death>) {
-        while self
-            .ready
-            .front()
-            .is_some_and(|e| e.expires_at.is_some_and(|at| at <= now))
-        {
-            if let Some(entry) = self.pop_front() {
+        loop {
+            let at = self.first_expirable();
+            let due = self
+                .ready
+                .get(at)
+                .and_then(|e| e.expires_at)
+                .is_some_and(|t| t <= now);
+            if !due {
+                break;
+            }
+            if let Some(entry) = self.ready.remove(at) {
+                self.ready_bytes -= entry.body_len();
                 Self::kill(entry, DeadLetterReason::Expired, deaths);
             }
         }
     }
 
-    /// When the head expires (the only deadline a timer needs).
-    pub fn next_expiry(&self) -> Option<u64> {
-        self.ready.front().and_then(|e| e.expires_at)
+    /// Index of the first ready message that is not exempt from expiry (extends the known
+    /// exempt prefix; each message joins it at most once per time it is at the front).
+    fn first_expirable(&mut self) -> usize {
+        while self
+            .ready
+            .get(self.exempt_prefix)
+            .is_some_and(|e| e.ttl_exempt)
+        {
+            self.exempt_prefix += 1;
+        }
+        self.exempt_prefix
+    }
+
+    /// When the first message that can expire does (the only deadline a timer needs).
+    pub fn next_expiry(&mut self) -> Option<u64> {
+        let at = self.first_expirable();
+        self.ready.get(at).and_then(|e| e.expires_at)
     }
 
     /// Takes the head for delivery, expiring dead heads first.
@@ -235,6 +280,13 @@ impl QueueState {
                 continue;
             }
             let pos = self.ready.partition_point(|e| e.seq < entry.seq);
+            if pos <= self.exempt_prefix {
+                if entry.ttl_exempt {
+                    self.exempt_prefix += 1;
+                } else {
+                    self.exempt_prefix = pos;
+                }
+            }
             self.ready_bytes += entry.body_len();
             self.ready.insert(pos, entry);
         }
@@ -244,16 +296,15 @@ impl QueueState {
 
     /// Applies new limits (a policy change) to the messages already queued.
     pub fn set_limits(&mut self, limits: QueueLimits, now: u64, deaths: &mut Vec<Death>) {
-        if limits.message_ttl != self.limits.message_ttl {
-            for e in self.ready.iter_mut() {
-                let ttl = match (limits.message_ttl, e.message.expiration_ms) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
-                e.expires_at = ttl.map(|t| e.enqueued_at.saturating_add(t));
-            }
-        }
+        let ttl_changed = limits.message_ttl != self.limits.message_ttl;
         self.limits = limits;
+        if ttl_changed {
+            let mut ready = std::mem::take(&mut self.ready);
+            for e in ready.iter_mut() {
+                e.expires_at = self.expiry_of(e);
+            }
+            self.ready = ready;
+        }
         self.expire(now, deaths);
         self.drop_head_over_limit(deaths);
     }
@@ -263,6 +314,7 @@ impl QueueState {
         let n = self.ready.len();
         self.ready.clear();
         self.ready_bytes = 0;
+        self.exempt_prefix = 0;
         n
     }
 
@@ -278,6 +330,7 @@ impl QueueState {
     fn pop_front(&mut self) -> Option<QueuedMessage> {
         let entry = self.ready.pop_front()?;
         self.ready_bytes -= entry.body_len();
+        self.exempt_prefix = self.exempt_prefix.saturating_sub(1);
         Some(entry)
     }
 

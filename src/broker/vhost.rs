@@ -101,7 +101,7 @@ pub struct Queue {
 impl Queue {
     /// The earliest time something must happen to this queue on its own (head expiry or the
     /// queue's own expiry).
-    pub fn next_deadline(&self) -> Option<u64> {
+    pub fn next_deadline(&mut self) -> Option<u64> {
         match (self.state.next_expiry(), self.expiry_deadline()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),

@@ -35,7 +35,8 @@ fn every_definition_key_is_parsed() {
             "max-length": 0,
             "max-length-bytes": 1024,
             "overflow": "reject-publish",
-            "delivery-limit": 16
+            "delivery-limit": 16,
+            "consumer-timeout": 30000
         }),
     )])
     .unwrap();
@@ -51,6 +52,7 @@ fn every_definition_key_is_parsed() {
             max_length_bytes: Some(1024),
             overflow: Some(Overflow::RejectPublish),
             delivery_limit: Some(16),
+            consumer_timeout: Some(30000),
         }
     );
     assert_eq!(policy.apply_to, ApplyTo::Queues);
@@ -62,6 +64,11 @@ fn invalid_definitions_name_policy_and_key() {
         (
             json!({"message-ttl": -1}),
             "definition.message-ttl",
+            "expected a non-negative integer",
+        ),
+        (
+            json!({"consumer-timeout": -1}),
+            "definition.consumer-timeout",
             "expected a non-negative integer",
         ),
         (
@@ -295,6 +302,7 @@ fn precedence_table() {
         max_length_bytes: Some(5_000),
         overflow: Some(Overflow::RejectPublish),
         delivery_limit: Some(7),
+        consumer_timeout: Some(9_000),
         ..QueueArguments::default()
     };
     let policy = PolicyDefinition {
@@ -306,6 +314,7 @@ fn precedence_table() {
         max_length_bytes: Some(50_000),
         overflow: Some(Overflow::RejectPublishDlx),
         delivery_limit: Some(3),
+        consumer_timeout: Some(4_000),
     };
     let merged = effective_settings(&args, Some(&policy), Some(20));
     assert_eq!(
@@ -319,6 +328,7 @@ fn precedence_table() {
             max_length_bytes: Some(5_000),
             overflow: Overflow::RejectPublish,
             delivery_limit: Some(3),
+            consumer_timeout: Some(4_000),
             policy: None,
         }
     );
@@ -411,6 +421,7 @@ fn no_policy_no_arguments_gives_defaults() {
             max_length_bytes: None,
             overflow: Overflow::DropHead,
             delivery_limit: None,
+            consumer_timeout: None,
             policy: None,
         }
     );

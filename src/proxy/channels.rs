@@ -36,6 +36,8 @@ pub struct Source {
     /// Whether deliveries keep their content ([`super::ProxyShared::may_take_over`]), and the
     /// settings that answer came from.
     pub(crate) keeps_content: Option<(super::SettingsRevision, bool)>,
+    /// The consumer timeout of its deliveries, and the settings that answer came from.
+    pub(crate) timeout: Option<(super::SettingsRevision, Option<u64>)>,
 }
 
 impl Source {
@@ -44,6 +46,7 @@ impl Source {
             queue,
             no_ack,
             keeps_content: None,
+            timeout: None,
         }
     }
 
@@ -56,6 +59,24 @@ impl Source {
             _ => {
                 let answer = shared.may_take_over(vhost, &self.queue);
                 self.keeps_content = Some((revision, answer));
+                answer
+            }
+        }
+    }
+
+    /// The consumer timeout (ms) of this source's deliveries; asked of the shared settings
+    /// once per [`super::SettingsRevision`].
+    pub(crate) fn consumer_timeout(
+        &mut self,
+        shared: &super::ProxyShared,
+        vhost: &str,
+    ) -> Option<u64> {
+        let revision = shared.settings_revision();
+        match self.timeout {
+            Some((seen, answer)) if seen == revision => answer,
+            _ => {
+                let answer = shared.consumer_timeout(vhost, &self.queue);
+                self.timeout = Some((revision, answer));
                 answer
             }
         }
@@ -90,6 +111,8 @@ pub struct KeepBuilder {
     pub redelivered: bool,
     pub raw_properties: Bytes,
     pub body: BytesMut,
+    /// Its consumer timeout (ms), if it has one.
+    pub timeout: Option<u64>,
 }
 
 impl KeepBuilder {
@@ -111,6 +134,7 @@ impl KeepBuilder {
             redelivered,
             raw_properties: Bytes::new(),
             body: BytesMut::new(),
+            timeout: None,
         }
     }
 
@@ -126,6 +150,7 @@ impl KeepBuilder {
                 body: self.body.freeze(),
                 with_content: self.with_content,
                 received_at: Instant::now(),
+                deadline: None,
             },
         )
     }
@@ -163,6 +188,10 @@ pub struct ClientChannel {
     pub deferred_client: Vec<Bytes>,
     /// The client's channel.close, held until `ops` reaches 0.
     pub parked_close: Option<Bytes>,
+    /// The proxy closed this channel towards the client (a consumer timeout) and closes it
+    /// upstream as if the client had: `(client's close-ok seen, upstream's close-ok seen)`;
+    /// the channel is gone once both are.
+    pub closed_for_client: Option<(bool, bool)>,
     /// tx.select was used: injected acks would join the client's transaction.
     pub transactional: bool,
 }
@@ -184,6 +213,7 @@ impl ClientChannel {
             deferred_upstream: Vec::new(),
             deferred_client: Vec::new(),
             parked_close: None,
+            closed_for_client: None,
             transactional: false,
         }
     }

@@ -19,7 +19,7 @@ use super::bcc::kept_bcc_keys;
 use super::capture::{CapturedMessage, reconstruct};
 use super::declare::CaptureTag;
 use super::ops::{Op, Purpose, Settlement};
-use super::outgoing::{dead_letter_publish, keys_after_cycle_rule};
+use super::outgoing::{back_to_queue, dead_letter_publish, keys_after_cycle_rule};
 use super::publisher::{Outcome, OutgoingMessage};
 use crate::amqp::content::{decode_properties, keep_opaque_headers};
 use crate::deadletter::{
@@ -96,6 +96,22 @@ pub(crate) fn plan(death: Death, view: &QueueView, options: &DeadLetterOptions) 
     let mut publish = dead_letter_publish(&message, &keys, death.body);
     publish.raw_properties = keep_opaque_headers(publish.raw_properties, &death.raw_before);
     Plan::Publish(publish)
+}
+
+/// With `dead_letter.ttl_on_dead_letters = false` (`keep_dead_letters`): a message the
+/// upstream expired that already carried an x-death history before this death is not
+/// dead-lettered but published back into the queue it expired in, as it was before (no new
+/// x-death entry; `CC`/`BCC` removed so no copy goes elsewhere). `None` for every other death.
+pub(crate) fn kept_in_queue(death: &Death, keep_dead_letters: bool) -> Option<OutgoingMessage> {
+    if !keep_dead_letters
+        || death.reason != DeadLetterReason::Expired
+        || crate::deadletter::x_death_entries(&death.before).is_empty()
+    {
+        return None;
+    }
+    let mut message = back_to_queue(&death.before, &death.queue, None, death.body.clone());
+    message.raw_properties = keep_opaque_headers(message.raw_properties, &death.raw_before);
+    Some(message)
 }
 
 /// Why a captured message cannot be dead-lettered (it is dropped and counted).
@@ -191,6 +207,14 @@ pub(crate) fn settle(
         // The queue itself is gone (deleted while its message was out).
         (Purpose::Requeue, Outcome::Unroutable | Outcome::ExchangeMissing) => Settlement::Ack,
         (Purpose::Requeue, Outcome::Confirmed) => Settlement::Ack,
+        (Purpose::KeepDeadLetter, Outcome::Confirmed) => {
+            metrics.dead_letter_kept(vhost, &op.queue);
+            Settlement::Ack
+        }
+        // The queue is gone: the dead letter goes with it.
+        (Purpose::KeepDeadLetter, Outcome::Unroutable | Outcome::ExchangeMissing) => {
+            Settlement::Ack
+        }
         (_, Outcome::Failed(_) | Outcome::TimedOut | Outcome::AccessRefused) => return None,
     })
 }
@@ -202,4 +226,67 @@ pub(crate) fn drop_unpublishable(metrics: &Metrics, vhost: &str, queue: &str, wh
     tracing::warn!(queue, why, "cannot publish the dead letter; dropped");
     metrics.dead_letter_publish_failed("invalid");
     metrics.dropped(vhost, queue, "unpublishable");
+}
+
+#[cfg(test)]
+mod tests {
+    use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+
+    use super::*;
+
+    fn death(reason: DeadLetterReason, with_history: bool) -> Death {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ShortString::from("CC"),
+            AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::LongString(
+                LongString::from("elsewhere"),
+            )])),
+        );
+        if with_history {
+            let mut entry = FieldTable::default();
+            entry.insert(
+                ShortString::from("queue"),
+                AMQPValue::LongString(LongString::from("q")),
+            );
+            entry.insert(
+                ShortString::from("reason"),
+                AMQPValue::LongString(LongString::from("rejected")),
+            );
+            headers.insert(
+                ShortString::from("x-death"),
+                AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(entry)])),
+            );
+        }
+        let before = BasicProperties::default().with_headers(headers);
+        Death {
+            queue: Arc::from("dlq"),
+            reason,
+            raw_before: crate::amqp::content::encode_properties(&before),
+            before,
+            exchange: String::new(),
+            routing_keys: vec!["dlq".into()],
+            time: 0,
+            body: Bytes::from_static(b"m"),
+        }
+    }
+
+    #[test]
+    fn only_an_expired_dead_letter_is_kept_and_only_when_asked() {
+        let kept = kept_in_queue(&death(DeadLetterReason::Expired, true), true).unwrap();
+        assert_eq!(
+            (kept.exchange.as_str(), kept.routing_key.as_str()),
+            ("", "dlq")
+        );
+        assert_eq!(&kept.body[..], b"m");
+        let props = decode_properties(&kept.raw_properties).unwrap();
+        let headers = props.headers().clone().unwrap();
+        assert!(
+            headers.inner().get("CC").is_none(),
+            "no copy to the CC queues"
+        );
+        assert_eq!(crate::deadletter::x_death_entries(&props).len(), 1);
+        assert!(kept_in_queue(&death(DeadLetterReason::Expired, true), false).is_none());
+        assert!(kept_in_queue(&death(DeadLetterReason::Expired, false), true).is_none());
+        assert!(kept_in_queue(&death(DeadLetterReason::MaxLen, true), true).is_none());
+    }
 }

@@ -28,9 +28,10 @@ use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 use crate::policy::{EffectiveQueueSettings, PolicyDefinition, effective_settings};
 use crate::rabbit::args::{
-    ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY, ARG_DEAD_LETTER_STRATEGY,
-    ARG_DELIVERY_LIMIT, ARG_EXPIRES, ARG_MAX_LENGTH, ARG_MAX_LENGTH_BYTES, ARG_MESSAGE_TTL,
-    ARG_OVERFLOW, ARG_QUEUE_TYPE, ArgumentError, QueueArguments, QueueType, parse_queue_arguments,
+    ARG_CONSUMER_TIMEOUT, ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY,
+    ARG_DEAD_LETTER_STRATEGY, ARG_DELIVERY_LIMIT, ARG_EXPIRES, ARG_MAX_LENGTH,
+    ARG_MAX_LENGTH_BYTES, ARG_MESSAGE_TTL, ARG_OVERFLOW, ARG_QUEUE_TYPE, ArgumentError,
+    QueueArguments, QueueType, parse_queue_arguments,
 };
 
 /// Prefix of a capture tag in an upstream queue's dead-letter routing key.
@@ -167,6 +168,9 @@ pub fn rewrite_declare(
     for (key, value) in client {
         let proxy_owned = match key.as_str() {
             ARG_DEAD_LETTER_EXCHANGE | ARG_DEAD_LETTER_ROUTING_KEY => true,
+            // The proxy enforces it (and counts the attempt); a 3.12+ upstream must not
+            // close the channel first.
+            ARG_CONSUMER_TIMEOUT => true,
             // RabbitMQ 3.10 refuses it on a new classic queue: it goes into the tag.
             ARG_DELIVERY_LIMIT => !quorum,
             // Only quorum queues accept it; the proxy dead-letters anyway.

@@ -61,7 +61,7 @@ const BASIC_RECOVER: (u16, u16) = (60, 110);
 const BASIC_NACK: (u16, u16) = (60, 120);
 const TX_SELECT: (u16, u16) = (90, 10);
 
-fn channel_close_ok(channel: u16) -> Bytes {
+pub(super) fn channel_close_ok(channel: u16) -> Bytes {
     method_frame(
         channel,
         AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
@@ -140,7 +140,9 @@ impl Session {
                 return;
             }
             Some(ChannelPhase::ClosingByClient) => {
-                // After its channel.close the client only waits for close-ok.
+                // After its channel.close the client only waits for close-ok (or, on a
+                // channel the proxy closed for a consumer timeout, answers it).
+                self.client_frame_on_timed_out_channel(frame);
                 return;
             }
             _ => {}
@@ -545,6 +547,18 @@ impl Session {
         }
     }
 
+    /// The channel number is free upstream again: a client's reopen held meanwhile may go.
+    pub(super) fn release_held_open(&mut self, channel: u16) {
+        if self
+            .held_channel_open
+            .as_ref()
+            .is_some_and(|open| open.channel == channel)
+            && let Some(open) = self.held_channel_open.take()
+        {
+            self.open_client_channel(open);
+        }
+    }
+
     /// A client's channel.open: a fresh channel state, and the open goes upstream.
     fn open_client_channel(&mut self, frame: WireFrame) {
         let channel = frame.channel;
@@ -692,6 +706,9 @@ impl Session {
             self.upstream_frame_on_drained_channel(frame);
             return;
         }
+        if self.upstream_frame_on_timed_out_channel(&frame) {
+            return;
+        }
         match frame.kind {
             FRAME_METHOD => self.upstream_method(frame),
             FRAME_HEADER | FRAME_BODY => self.upstream_content(frame),
@@ -817,15 +834,7 @@ impl Session {
                         *left = left.saturating_sub(1);
                         if *left == 0 {
                             self.upstream_drain.remove(&channel);
-                            // The channel number is free upstream: a reopen may go now.
-                            if self
-                                .held_channel_open
-                                .as_ref()
-                                .is_some_and(|open| open.channel == channel)
-                                && let Some(open) = self.held_channel_open.take()
-                            {
-                                self.open_client_channel(open);
-                            }
+                            self.release_held_open(channel);
                         }
                     }
                 }
@@ -867,13 +876,15 @@ impl Session {
                         return None;
                     }
                     let with_content = takes_over && source.keeps_content(shared, vhost);
-                    Some(KeepBuilder::new(
+                    let mut keep = KeepBuilder::new(
                         deliver.delivery_tag,
                         source.queue.clone(),
                         with_content
                             .then(|| (deliver.exchange.as_str(), deliver.routing_key.as_str())),
                         deliver.redelivered,
-                    ))
+                    );
+                    keep.timeout = source.consumer_timeout(shared, vhost);
+                    Some(keep)
                 });
                 self.start_incoming(channel, keep);
                 self.send_client(frame.raw);
@@ -896,13 +907,16 @@ impl Session {
                         return None;
                     }
                     let with_content = takes_over && source.keeps_content(shared, vhost);
-                    Some(KeepBuilder::new(
+                    let timeout = source.consumer_timeout(shared, vhost);
+                    let mut keep = KeepBuilder::new(
                         get_ok.delivery_tag,
                         source.queue,
                         with_content
                             .then(|| (get_ok.exchange.as_str(), get_ok.routing_key.as_str())),
                         get_ok.redelivered,
-                    ))
+                    );
+                    keep.timeout = timeout;
+                    Some(keep)
                 });
                 self.start_incoming(channel, keep);
                 self.send_client(frame.raw);
@@ -1052,9 +1066,14 @@ impl Session {
         if finished {
             self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
             if let Some(builder) = completed {
+                let timeout = builder.timeout;
                 let (tag, delivery) = builder.finish();
+                let now = self.ack_clock();
                 if let Some(ch) = self.channels.get_mut(&channel) {
                     let charge = ch.deliveries.keep(tag, delivery);
+                    if let Some(timeout) = timeout {
+                        ch.deliveries.time(tag, now, timeout);
+                    }
                     self.inflight_bytes += charge;
                     self.inflight_count += 1;
                     self.shared.metrics.add_inflight(1, charge as i64);

@@ -21,6 +21,8 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
+use crate::broker::ack_timeout::{AckDeadlines, Deadline};
+
 /// Bytes charged per kept delivery on top of its properties and body.
 pub const KEPT_OVERHEAD: usize = 128;
 
@@ -40,6 +42,8 @@ pub struct KeptDelivery {
     pub with_content: bool,
     /// When the proxy saw the delivery.
     pub received_at: Instant,
+    /// When it times out unsettled (its consumer timeout), in the session's milliseconds.
+    pub deadline: Option<Deadline>,
 }
 
 impl KeptDelivery {
@@ -103,6 +107,8 @@ pub struct ChannelDeliveries {
     kept: BTreeMap<u64, KeptDelivery>,
     pending: BTreeSet<u64>,
     kept_bytes: usize,
+    /// Deadlines of the kept deliveries that have a consumer timeout.
+    deadlines: AckDeadlines,
 }
 
 impl ChannelDeliveries {
@@ -111,9 +117,33 @@ impl ChannelDeliveries {
         let charge = delivery.charge();
         if let Some(old) = self.kept.insert(tag, delivery) {
             self.kept_bytes -= old.charge();
+            if let Some(deadline) = old.deadline {
+                self.deadlines.remove(tag, deadline);
+            }
         }
         self.kept_bytes += charge;
         charge
+    }
+
+    /// Gives kept delivery `tag`, delivered at `now` (ms), a consumer timeout of `timeout` ms.
+    pub fn time(&mut self, tag: u64, now: u64, timeout: u64) {
+        if let Some(delivery) = self.kept.get_mut(&tag) {
+            if let Some(old) = delivery.deadline {
+                self.deadlines.remove(tag, old);
+            }
+            delivery.deadline = Some(self.deadlines.insert(tag, now, timeout));
+        }
+    }
+
+    /// The earliest delivery unsettled past its consumer timeout at `now` (ms), as
+    /// (delivery tag, timeout).
+    pub fn overdue(&self, now: u64) -> Option<(u64, u64)> {
+        self.deadlines.due(now)
+    }
+
+    /// When the next consumer timeout of this channel comes (ms).
+    pub fn next_deadline(&self) -> Option<u64> {
+        self.deadlines.earliest()
     }
 
     pub fn kept_len(&self) -> usize {
@@ -146,6 +176,7 @@ impl ChannelDeliveries {
         let released = (self.kept.len(), self.kept_bytes);
         self.kept.clear();
         self.pending.clear();
+        self.deadlines = AckDeadlines::default();
         self.kept_bytes = 0;
         released
     }
@@ -153,6 +184,9 @@ impl ChannelDeliveries {
     fn take(&mut self, tag: u64) -> Option<KeptDelivery> {
         let delivery = self.kept.remove(&tag)?;
         self.kept_bytes -= delivery.charge();
+        if let Some(deadline) = delivery.deadline {
+            self.deadlines.remove(tag, deadline);
+        }
         Some(delivery)
     }
 
@@ -262,6 +296,7 @@ mod tests {
             body: Bytes::copy_from_slice(body.as_bytes()),
             with_content: true,
             received_at: Instant::now(),
+            deadline: None,
         }
     }
 
@@ -271,6 +306,26 @@ mod tests {
             ch.keep(*tag, delivery(queue, "x"));
         }
         ch
+    }
+
+    #[test]
+    fn consumer_timeouts_follow_the_kept_deliveries() {
+        let mut ch = channel_with(&[(1, "q"), (2, "q"), (3, "q")]);
+        ch.time(1, 0, 1000);
+        ch.time(2, 10, 300);
+        ch.time(9, 0, 1); // not kept: nothing to time
+        assert_eq!(ch.next_deadline(), Some(310));
+        assert_eq!(ch.overdue(309), None);
+        assert_eq!(ch.overdue(310), Some((2, 300)));
+        // Settling tag 2 removes its deadline; a multiple ack up to 1 the other.
+        ch.plan_settlement(Verb::Ack, 2, false, |_| false);
+        assert_eq!(ch.overdue(999), None);
+        assert_eq!(ch.overdue(1000), Some((1, 1000)));
+        ch.plan_settlement(Verb::Ack, 1, true, |_| false);
+        assert_eq!(ch.next_deadline(), None);
+        ch.time(3, 50, 100);
+        ch.clear();
+        assert_eq!(ch.next_deadline(), None);
     }
 
     #[test]

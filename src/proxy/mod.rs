@@ -157,6 +157,7 @@ pub mod bcc;
 pub mod busy_poll;
 pub mod capture;
 pub mod channels;
+mod consumer_timeout;
 mod death;
 pub mod declare;
 mod forward;
@@ -210,6 +211,11 @@ pub struct ProxyShared {
     pub(crate) queues: QueueRegistry,
     pub(crate) dead_letter_options: DeadLetterOptions,
     pub(crate) default_delivery_limit: Option<u64>,
+    /// `limits.consumer_timeout` (ms; None = off): the proxy enforces consumer timeouts itself.
+    pub(crate) consumer_timeout: Option<u64>,
+    /// `dead_letter.ttl_on_dead_letters = false`: expired dead letters the upstream captured
+    /// go back into their queue ([`death::kept_in_queue`]).
+    pub(crate) keep_dead_letters: bool,
     pub(crate) max_inflight_bytes: usize,
     pub(crate) confirm_timeout: Duration,
     /// Delays between publishes of a held dead letter (`proxy.retry_initial_ms`,
@@ -296,6 +302,9 @@ impl ProxyShared {
             dead_letter_options,
             default_delivery_limit: (config.dead_letter.default_delivery_limit > 0)
                 .then_some(u64::from(config.dead_letter.default_delivery_limit)),
+            consumer_timeout: (config.limits.consumer_timeout > 0)
+                .then_some(config.limits.consumer_timeout),
+            keep_dead_letters: !config.dead_letter.ttl_on_dead_letters,
             max_inflight_bytes: config.proxy.max_inflight_bytes.max(1),
             confirm_timeout: Duration::from_secs(config.proxy.confirm_timeout_secs.max(1)),
             retry_backoff: retry::Backoff::new(
@@ -413,6 +422,22 @@ impl ProxyShared {
             policies: policies.revision(),
             registry: self.queues.generation(),
         }
+    }
+
+    /// The consumer timeout of deliveries from `queue` (ms): the lower of
+    /// `limits.consumer_timeout` and the queue's own (argument or policy). A queue this
+    /// instance has not verified gets its policy's and the configured one.
+    pub(crate) fn consumer_timeout(&self, vhost: &str, queue: &str) -> Option<u64> {
+        let queue_timeout = match self.verified_view(vhost, queue) {
+            Some(view) => view.settings.consumer_timeout,
+            None => {
+                let policies = self.policies.read().unwrap_or_else(|e| e.into_inner());
+                policies
+                    .for_queue(vhost, queue)
+                    .and_then(|p| p.definition.consumer_timeout)
+            }
+        };
+        crate::broker::ack_timeout::delivery_timeout(self.consumer_timeout, queue_timeout)
     }
 
     /// Whether the proxy may take over a negative settlement of this queue's deliveries (it

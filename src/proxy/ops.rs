@@ -32,6 +32,9 @@ pub enum Purpose {
     DeadLetter(DeadLetterReason),
     /// A requeue on a queue with a delivery limit; the publish goes back to the queue.
     Requeue,
+    /// A dead letter the upstream expired, put back into its queue unchanged
+    /// (`dead_letter.ttl_on_dead_letters = false`).
+    KeepDeadLetter,
 }
 
 /// One operation.

@@ -164,6 +164,19 @@ pub fn requeue_publish(
     count: i64,
     body: Bytes,
 ) -> OutgoingMessage {
+    back_to_queue(props, queue, Some(count), body)
+}
+
+/// A message published straight back into `queue` through the default exchange, with `CC`
+/// and `BCC` removed (they would route copies elsewhere) and, when given, `x-delivery-count`
+/// set: a delivery-limit requeue, or an expired dead letter kept in its queue
+/// (`dead_letter.ttl_on_dead_letters = false`, no count).
+pub fn back_to_queue(
+    props: &BasicProperties,
+    queue: &str,
+    count: Option<i64>,
+    body: Bytes,
+) -> OutgoingMessage {
     let mut headers = props
         .headers()
         .as_ref()
@@ -172,10 +185,12 @@ pub fn requeue_publish(
     headers.remove(HEADER_CC);
     headers.remove(HEADER_BCC);
     headers.remove(PRIVATE_BCC_HEADER);
-    headers.insert(
-        ShortString::from(X_DELIVERY_COUNT),
-        AMQPValue::LongLongInt(count),
-    );
+    if let Some(count) = count {
+        headers.insert(
+            ShortString::from(X_DELIVERY_COUNT),
+            AMQPValue::LongLongInt(count),
+        );
+    }
     let properties = props.clone().with_headers(FieldTable::from(headers));
     OutgoingMessage {
         exchange: String::new(),

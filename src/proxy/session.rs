@@ -152,6 +152,8 @@ pub(super) struct Session {
     pub(super) tally_since: Instant,
     /// The time of the current turn of the connection loop (read once per turn).
     pub(super) now: Instant,
+    /// What consumer-timeout deadlines are counted from (milliseconds since it).
+    pub(super) ack_epoch: Instant,
 }
 
 /// Serves one client connection until both legs are closed.
@@ -260,6 +262,7 @@ pub(super) async fn run<S>(
         client_in: Tally::default(),
         upstream_in: Tally::default(),
         tally_since: now,
+        ack_epoch: now,
         now,
     };
 
@@ -483,6 +486,7 @@ impl Session {
         }
         consider(self.held_for_capture.as_ref().map(|held| held.deadline));
         consider(self.held.next_deadline());
+        consider(self.next_consumer_timeout());
         if let Some(interval) = self.heartbeat {
             if self.client_side == Side::Open {
                 consider(Some(self.last_client_rx + interval * 2));
@@ -582,6 +586,7 @@ impl Session {
             }
         }
         self.retry_due(now);
+        self.consumer_timeouts_due(now);
         if let Some(interval) = self.heartbeat {
             if self.client_side == Side::Open && now >= self.last_client_rx + interval * 2 {
                 tracing::info!(peer = %self.peer, "client missed heartbeats");

@@ -33,6 +33,8 @@ pub const ARG_MAX_LENGTH_BYTES: &str = "x-max-length-bytes";
 pub const ARG_OVERFLOW: &str = "x-overflow";
 pub const ARG_DELIVERY_LIMIT: &str = "x-delivery-limit";
 pub const ARG_MAX_PRIORITY: &str = "x-max-priority";
+/// RabbitMQ 3.12+: milliseconds a consumer may hold a delivery unacknowledged.
+pub const ARG_CONSUMER_TIMEOUT: &str = "x-consumer-timeout";
 
 /// The x-arguments compared on redeclare, in the order RabbitMQ compares them.
 pub const EQUIVALENCE_ARGUMENTS: [&str; 11] = [
@@ -157,6 +159,9 @@ pub struct QueueArguments {
     pub overflow: Option<Overflow>,
     /// Accepted on every queue type (RabbitMQ 3.10 refuses it on classic queues).
     pub delivery_limit: Option<u64>,
+    /// Milliseconds (RabbitMQ 3.12's `x-consumer-timeout`, enforced by this service in both
+    /// modes on every queue type).
+    pub consumer_timeout: Option<u64>,
 }
 
 /// How RabbitMQ words an argument error; selects the reply text layout.
@@ -458,6 +463,10 @@ pub fn parse_queue_arguments(args: &FieldTable) -> Result<QueueArguments, Argume
     // Our extension: a delivery limit on every queue type.
     if let Some(value) = table.get(ARG_DELIVERY_LIMIT) {
         parsed.delivery_limit = Some(non_negative_argument(ARG_DELIVERY_LIMIT, value)?);
+    }
+    // RabbitMQ 3.12: a non-negative integer (3.10 ignores it; this service enforces it).
+    if let Some(value) = table.get(ARG_CONSUMER_TIMEOUT) {
+        parsed.consumer_timeout = Some(non_negative_argument(ARG_CONSUMER_TIMEOUT, value)?);
     }
 
     // 4. Arguments the queue type does not take.

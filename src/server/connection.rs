@@ -27,6 +27,7 @@ use crate::amqp::codec::{
     decode_method, decode_method_within, method_ids, put_heartbeat, put_method,
 };
 use crate::amqp::reply::{self, AmqpError};
+use crate::broker::ack_timeout::timeout_error;
 use crate::broker::auth::{login_refused, parse_amqplain, parse_sasl_plain};
 use crate::broker::write_queue::WriteQueue;
 use crate::metrics::Direction;
@@ -351,12 +352,23 @@ async fn frame_loop<R: AsyncRead + Unpin>(
         ctx.disk_alarm.subscribe(),
         conn.blocked_notifications,
     );
+    let ack_alarm = ctx
+        .broker
+        .ack_alarm(conn.conn_id)
+        .unwrap_or_else(|| Arc::new(tokio::sync::Notify::new()));
     // The loop ends with the error to close the connection with, or None when the peer is
     // gone or closed it.
     let close_with = loop {
         let frame = tokio::select! {
             f = next_frame(frames, timeout) => f,
             _ = shutdown.recv() => break Some(shutdown_error()),
+            _ = ack_alarm.notified() => {
+                // A delivery held past its consumer timeout: close its channel (406).
+                for (channel, timeout) in ctx.broker.take_ack_timeouts(conn.conn_id) {
+                    channels.close_on_error(channel, timeout_error(channel, timeout), conn, ctx);
+                }
+                continue;
+            }
         };
         let frame = match frame {
             Ok(Some(f)) => f,

@@ -352,7 +352,7 @@ impl Broker {
             auto_delete: req.auto_delete,
             arguments: req.arguments.clone(),
             args: parsed,
-            state: QueueState::new(queue_limits(&settings)),
+            state: QueueState::new(queue_limits(&settings, st.options.keep_dead_letters)),
             settings,
             consumers: Vec::new(),
             next_consumer: 0,

@@ -7,6 +7,7 @@ use amq_protocol::protocol::{AMQPClass, basic};
 use super::{check_exclusive, no_queue, no_vhost};
 use crate::amqp::codec::put_method;
 use crate::amqp::reply::AmqpError;
+use crate::broker::ack_timeout::delivery_timeout;
 use crate::broker::delivery::{delivery_properties, short, write_deliver, write_get_ok};
 use crate::broker::vhost::{Consumer, Queue};
 use crate::broker::{Broker, ChannelState, ConnectionState, State, Unacked};
@@ -48,8 +49,18 @@ pub(super) fn pick_consumer(
     None
 }
 
+/// Where a delivery goes and what it is timed against: `timeout` is its consumer timeout
+/// (ms), `now` the delivery time; channels that got a deadline are added to `timed` (to be
+/// scheduled with [`State::schedule_ack`]).
+pub(super) struct DeliveryClock<'a> {
+    pub now: u64,
+    pub timeout: Option<u64>,
+    pub timed: &'a mut Vec<(u64, u16)>,
+}
+
 /// Writes one delivery to consumer `idx` of `q` and records it as unacked. A message kept on
 /// disk gets its record through `storage`: removed (no-ack) or delivered.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn deliver_to(
     q: &mut Queue,
     idx: usize,
@@ -58,6 +69,7 @@ pub(super) fn deliver_to(
     connections: &std::collections::HashMap<u64, ConnectionState>,
     metrics: &crate::metrics::Metrics,
     storage: Option<&Storage>,
+    clock: &mut DeliveryClock<'_>,
 ) -> bool {
     let with_count = q.counts_deliveries() && entry.delivery_count > 0;
     let queue_name = q.shared_name.clone();
@@ -87,6 +99,10 @@ pub(super) fn deliver_to(
     if !c.no_ack {
         c.unacked += 1;
         metrics.add_inflight(1, entry.body_len() as i64);
+        let deadline = clock.timeout.map(|timeout| {
+            clock.timed.push((c.conn, c.channel));
+            ch.ack_deadlines.insert(tag, clock.now, timeout)
+        });
         ch.unacked.insert(
             tag,
             Unacked {
@@ -94,6 +110,7 @@ pub(super) fn deliver_to(
                 queue_id,
                 entry,
                 consumer_tag: Some(c.tag.clone()),
+                deadline,
             },
         );
         q.unacked += 1;
@@ -258,6 +275,7 @@ impl Broker {
         let mut st = self.lock();
         let st = &mut *st;
         let mut deaths = Vec::new();
+        let timeout = st.options.consumer_timeout;
         let result = {
             let State {
                 vhosts,
@@ -296,6 +314,8 @@ impl Broker {
                     }
                     if !no_ack {
                         self.metrics.add_inflight(1, entry.body_len() as i64);
+                        let deadline = delivery_timeout(timeout, q.settings.consumer_timeout)
+                            .map(|t| ch.ack_deadlines.insert(tag, now, t));
                         ch.unacked.insert(
                             tag,
                             Unacked {
@@ -303,6 +323,7 @@ impl Broker {
                                 queue_id: q.id,
                                 entry,
                                 consumer_tag: None,
+                                deadline,
                             },
                         );
                         q.unacked += 1;
@@ -323,6 +344,9 @@ impl Broker {
         };
         if result {
             self.metrics.delivered(1);
+            if st.schedule_ack(conn, channel) {
+                self.wake_timers();
+            }
         }
         self.after_queue_change(st, vhost, queue, deaths, now);
         Ok(())
@@ -332,15 +356,22 @@ impl Broker {
     pub(crate) fn dispatch(&self, st: &mut State, vhost: &str, queue: &str, now: u64) {
         let mut deaths = Vec::new();
         let mut delivered = 0u64;
+        let mut timed = Vec::new();
         {
             let State {
                 vhosts,
                 channels,
                 connections,
+                options,
                 ..
             } = &mut *st;
             let Some(q) = vhosts.get_mut(vhost).and_then(|v| v.queues.get_mut(queue)) else {
                 return;
+            };
+            let mut clock = DeliveryClock {
+                now,
+                timeout: delivery_timeout(options.consumer_timeout, q.settings.consumer_timeout),
+                timed: &mut timed,
             };
             while !q.state.is_empty() && !q.consumers.is_empty() {
                 let Some(idx) = pick_consumer(q, channels, connections) else {
@@ -357,6 +388,7 @@ impl Broker {
                     connections,
                     &self.metrics,
                     self.storage.get().map(|s| &**s),
+                    &mut clock,
                 ) {
                     delivered += 1;
                 }
@@ -364,6 +396,14 @@ impl Broker {
         }
         if delivered > 0 {
             self.metrics.delivered(delivered);
+        }
+        timed.dedup();
+        let mut wake = false;
+        for (conn, channel) in timed {
+            wake |= st.schedule_ack(conn, channel);
+        }
+        if wake {
+            self.wake_timers();
         }
         self.after_queue_change(st, vhost, queue, deaths, now);
     }

@@ -33,9 +33,54 @@ impl Broker {
                 frame_max,
                 user: user.to_string(),
                 vhost: vhost.to_string(),
+                ack_alarm: Arc::new(tokio::sync::Notify::new()),
+                ack_due: Vec::new(),
             },
         );
         Ok(id)
+    }
+
+    /// What wakes connection `conn`'s task when one of its channels may be past a consumer
+    /// timeout (then it calls [`Broker::take_ack_timeouts`]).
+    pub fn ack_alarm(&self, conn: u64) -> Option<Arc<tokio::sync::Notify>> {
+        self.lock()
+            .connections
+            .get(&conn)
+            .map(|c| c.ack_alarm.clone())
+    }
+
+    /// The channels of `conn` with a delivery unacknowledged past its consumer timeout, each
+    /// with the timeout used (for [`crate::broker::ack_timeout::timeout_error`]); the caller
+    /// closes them ([`Broker::close_channel`] requeues their deliveries, counting each as a
+    /// delivery attempt). Counted in `consumer_timeouts_total` by the queue of the delivery
+    /// that timed out. A channel acked or closed since the timer found it is left alone.
+    pub fn take_ack_timeouts(&self, conn: u64) -> Vec<(u16, u64)> {
+        let now = self.now();
+        let mut st = self.lock();
+        let due = match st.connections.get_mut(&conn) {
+            Some(c) => std::mem::take(&mut c.ack_due),
+            None => return Vec::new(),
+        };
+        let mut closing = Vec::new();
+        for channel in due {
+            let Some(ch) = st.channels.get(&(conn, channel)) else {
+                continue;
+            };
+            match ch.ack_deadlines.due(now) {
+                Some((tag, timeout)) => {
+                    if let Some(u) = ch.unacked.get(&tag) {
+                        self.metrics.consumer_timed_out(&ch.vhost, &u.queue);
+                    }
+                    closing.push((channel, timeout));
+                }
+                None => {
+                    if st.schedule_ack(conn, channel) {
+                        self.wake_timers();
+                    }
+                }
+            }
+        }
+        closing
     }
 
     pub fn open_channel(&self, conn: u64, channel: u16) {
@@ -55,6 +100,8 @@ impl Broker {
                 channel_prefetch: 0,
                 consumers: Default::default(),
                 active: true,
+                ack_deadlines: Default::default(),
+                ack_timer_at: None,
             },
         );
     }
@@ -159,7 +206,8 @@ mod tests {
     use amq_protocol::types::FieldTable;
 
     use super::super::test_support::{
-        Client, bodies, broker, declare, publish_to, ready, with_queue,
+        Client, bodies, broker, dead_letter_target, declare, long, publish_to, ready, table, text,
+        with_queue,
     };
     use crate::amqp::reply;
     use crate::broker::write_queue::WriteQueue;
@@ -189,6 +237,79 @@ mod tests {
         let q = &st.vhosts["/"].queues["q"];
         assert!(q.consumers.is_empty());
         assert!(q.state.iter().all(|e| e.redelivered));
+    }
+
+    #[test]
+    fn a_delivery_held_past_its_consumer_timeout_closes_the_channel_and_counts_an_attempt() {
+        let b = broker();
+        let c = Client::connect(&b);
+        dead_letter_target(&b, c.conn);
+        let args = table(&[
+            ("x-consumer-timeout", long(1)),
+            ("x-delivery-limit", long(0)),
+            ("x-dead-letter-exchange", text("dlx")),
+        ]);
+        b.queue_declare(c.conn, "/", &declare("q", &args)).unwrap();
+        publish_to(&b, "q", b"1");
+        b.consume(c.conn, 1, "/", "q", "t", false, false, 0, true)
+            .unwrap();
+        // Before the deadline nothing is due.
+        assert!(b.take_ack_timeouts(c.conn).is_empty());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        b.run_timers();
+        assert_eq!(b.take_ack_timeouts(c.conn), vec![(1, 1)]);
+        // The connection task closes the channel: the return is a delivery attempt, past
+        // the limit of 0, so the message is dead-lettered (delivery_limit).
+        b.close_channel(c.conn, 1);
+        assert_eq!(ready(&b, "q"), 0);
+        assert_eq!(bodies(&b, "dead"), vec![b"1".to_vec()]);
+        let text = b.metrics.encode();
+        assert!(
+            text.contains("dlx_proxy_consumer_timeouts_total{queue=\"q\",vhost=\"/\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn an_acked_delivery_does_not_time_out_and_the_config_timeout_applies() {
+        let b = broker();
+        b.lock().options.consumer_timeout = Some(1);
+        let c = Client::connect(&b);
+        b.queue_declare(c.conn, "/", &declare("q", &FieldTable::default()))
+            .unwrap();
+        publish_to(&b, "q", b"1");
+        publish_to(&b, "q", b"2");
+        b.get(c.conn, 1, "/", "q", false).unwrap();
+        b.ack(c.conn, 1, 1, false).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        b.run_timers();
+        assert!(b.take_ack_timeouts(c.conn).is_empty());
+        // A basic.get delivery is timed as well.
+        b.get(c.conn, 1, "/", "q", false).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        b.run_timers();
+        assert_eq!(b.take_ack_timeouts(c.conn), vec![(1, 1)]);
+    }
+
+    #[test]
+    fn channels_closed_before_their_timeout_do_not_grow_the_timer_heap() {
+        let b = broker();
+        b.lock().options.consumer_timeout = Some(3_600_000);
+        let c = Client::connect(&b);
+        b.queue_declare(c.conn, "/", &declare("q", &FieldTable::default()))
+            .unwrap();
+        for _ in 0..500 {
+            publish_to(&b, "q", b"m");
+            b.open_channel(c.conn, 2);
+            b.get(c.conn, 2, "/", "q", false).unwrap();
+            b.close_channel(c.conn, 2);
+        }
+        let st = b.lock();
+        assert!(
+            st.ack_timers.len() <= 2 * st.channels.len() + 65,
+            "{}",
+            st.ack_timers.len()
+        );
     }
 
     #[test]

@@ -21,7 +21,7 @@ mod upkeep;
 
 pub use declare::{DeclaredQueue, ExchangeDeclare, QueueDeclare};
 pub use publish::PublishResult;
-pub(crate) use upkeep::on_timer;
+pub(crate) use upkeep::{on_ack_timers, on_timer};
 
 use super::queue::QueueLimits;
 use super::vhost::Queue;
@@ -50,9 +50,11 @@ fn unknown_tag(tag: u64) -> AmqpError {
     AmqpError::precondition(format!("unknown delivery tag {tag}"))
 }
 
-/// Limits a queue enforces from its effective settings.
-pub fn queue_limits(s: &EffectiveQueueSettings) -> QueueLimits {
+/// Limits a queue enforces from its effective settings (`keep_dead_letters`:
+/// `dead_letter.ttl_on_dead_letters = false`).
+pub fn queue_limits(s: &EffectiveQueueSettings, keep_dead_letters: bool) -> QueueLimits {
     QueueLimits {
+        keep_dead_letters,
         message_ttl: s.message_ttl,
         max_length: s.max_length,
         max_length_bytes: s.max_length_bytes,

@@ -5,9 +5,10 @@ use std::sync::Arc;
 
 use amq_protocol::types::FieldTable;
 
-use super::deliver::{deliver_to, pick_consumer};
+use super::deliver::{DeliveryClock, deliver_to, pick_consumer};
 use super::{no_exchange, no_vhost};
 use crate::amqp::reply::AmqpError;
+use crate::broker::ack_timeout::delivery_timeout;
 use crate::broker::message::Message;
 use crate::broker::queue::{Death, PublishOutcome};
 use crate::broker::{Broker, State};
@@ -102,8 +103,9 @@ impl Broker {
             channels,
             connections,
             persist_targets,
+            options,
             ..
-        } = st;
+        } = &mut *st;
         let q = vhosts.get_mut(vhost)?.queues.get_mut(queue)?;
         let store_id = self.store_id_for(q, &message);
         let mut entry = q.state.admit(message, now);
@@ -125,8 +127,28 @@ impl Broker {
             if store_id.is_some() && q.consumers.get(idx).is_some_and(|c| !c.no_ack) {
                 persist_targets.push(target(true));
             }
-            deliver_to(q, idx, entry, channels, connections, &self.metrics, None);
+            let mut timed = Vec::new();
+            let mut clock = DeliveryClock {
+                now,
+                timeout: delivery_timeout(options.consumer_timeout, q.settings.consumer_timeout),
+                timed: &mut timed,
+            };
+            deliver_to(
+                q,
+                idx,
+                entry,
+                channels,
+                connections,
+                &self.metrics,
+                None,
+                &mut clock,
+            );
             self.metrics.delivered(1);
+            for (conn, channel) in timed {
+                if st.schedule_ack(conn, channel) {
+                    self.wake_timers();
+                }
+            }
             return Some(PublishOutcome::Accepted);
         }
         let mut died = Vec::new();

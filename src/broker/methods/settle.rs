@@ -25,24 +25,33 @@ impl Broker {
             .get_mut(&(conn, channel))
             .ok_or_else(|| AmqpError::channel_error("channel is not open"))?;
         let vhost = ch.vhost.clone();
-        let taken: Vec<Unacked> = if multiple {
+        let taken: Vec<(u64, Unacked)> = if multiple {
             if tag == 0 {
-                std::mem::take(&mut ch.unacked).into_values().collect()
+                std::mem::take(&mut ch.unacked).into_iter().collect()
             } else {
                 if !ch.unacked.contains_key(&tag) {
                     return Err(unknown_tag(tag));
                 }
                 let rest = ch.unacked.split_off(&(tag + 1));
                 std::mem::replace(&mut ch.unacked, rest)
-                    .into_values()
+                    .into_iter()
                     .collect()
             }
         } else {
             match ch.unacked.remove(&tag) {
-                Some(u) => vec![u],
+                Some(u) => vec![(tag, u)],
                 None => return Err(unknown_tag(tag)),
             }
         };
+        let taken: Vec<Unacked> = taken
+            .into_iter()
+            .map(|(tag, u)| {
+                if let Some(deadline) = u.deadline {
+                    ch.ack_deadlines.remove(tag, deadline);
+                }
+                u
+            })
+            .collect();
         self.release_counters(st, &vhost, conn, channel, &taken);
         Ok((vhost, taken))
     }

@@ -24,6 +24,8 @@ pub(crate) fn broker() -> Arc<Broker> {
         dead_letter: Default::default(),
         default_delivery_limit: None,
         max_queues: 8,
+        consumer_timeout: None,
+        keep_dead_letters: false,
     };
     let policies = PolicySet::from_configs(&[]).expect("no policies");
     Broker::new(&["/".to_string()], policies, options, Metrics::new(100))

@@ -1,5 +1,6 @@
 //! What keeps queues in shape between client methods: the timer deadline of each queue
-//! (message and queue expiry), its depth gauges, and re-applying policies when they change.
+//! (message and queue expiry), its depth gauges, and re-applying policies when they change;
+//! and the channels whose consumer timeout came due, handed to their connection task.
 
 use super::queue_limits;
 use crate::broker::queue::Death;
@@ -65,18 +66,55 @@ impl Broker {
             .collect();
         for (v, qn) in names {
             let default_limit = st.options.default_delivery_limit;
+            let keep_dead_letters = st.options.keep_dead_letters;
             let policy_def = st.policies.for_queue(&v, &qn).map(|p| p.definition.clone());
             let mut deaths = Vec::new();
             if let Some(q) = st.vhosts.get_mut(&v).and_then(|vh| vh.queues.get_mut(&qn)) {
                 let settings = effective_settings(&q.args, policy_def.as_ref(), default_limit);
                 if settings != q.settings {
-                    q.state
-                        .set_limits(queue_limits(&settings), now, &mut deaths);
+                    q.state.set_limits(
+                        queue_limits(&settings, keep_dead_letters),
+                        now,
+                        &mut deaths,
+                    );
                     q.settings = settings;
                     q.timer_at = None;
                 }
             }
             self.after_queue_change(&mut st, &v, &qn, deaths, now);
+        }
+    }
+}
+
+/// Called by [`Broker::run_timers`]: every channel whose consumer-timeout deadline has come is
+/// checked again; one still past a deadline is handed to its connection task (which closes it,
+/// see [`Broker::take_ack_timeouts`]), any other is scheduled for its next deadline.
+pub(crate) fn on_ack_timers(st: &mut State, now: u64) {
+    let mut due = Vec::new();
+    while let Some(std::cmp::Reverse((at, conn, channel))) = st.ack_timers.peek().copied() {
+        if at > now {
+            break;
+        }
+        st.ack_timers.pop();
+        due.push((at, conn, channel));
+    }
+    for (at, conn, channel) in due {
+        let Some(ch) = st.channels.get_mut(&(conn, channel)) else {
+            continue;
+        };
+        if ch.ack_timer_at != Some(at) {
+            continue; // a stale entry: the channel has another one in the heap
+        }
+        ch.ack_timer_at = None;
+        if ch.ack_deadlines.due(now).is_none() {
+            st.schedule_ack(conn, channel);
+            continue;
+        }
+        if let Some(c) = st.connections.get_mut(&conn) {
+            if !c.ack_due.contains(&channel) {
+                c.ack_due.push(channel);
+            }
+            c.ack_alarm.notify_one();
         }
     }
 }

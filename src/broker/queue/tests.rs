@@ -322,3 +322,95 @@ fn a_restored_message_past_the_delivery_limit_dies_the_others_are_queued() {
         vec![("past".into(), DeadLetterReason::DeliveryLimit)]
     );
 }
+
+/// A message the broker dead-lettered (it carries an x-death history).
+fn dead_letter(body: &str) -> Arc<Message> {
+    Arc::new(Message::new(
+        "dlx",
+        &["q"],
+        &[0, 0],
+        body.as_bytes(),
+        None,
+        true,
+    ))
+}
+
+fn publish_message(q: &mut QueueState, m: Arc<Message>, now: u64, d: &mut Vec<Death>) {
+    let e = q.admit(m, now);
+    q.publish(e, now, d);
+}
+
+#[test]
+fn kept_dead_letters_never_expire_and_do_not_hold_back_the_rest() {
+    let mut q = QueueState::new(QueueLimits {
+        message_ttl: Some(100),
+        keep_dead_letters: true,
+        ..Default::default()
+    });
+    let mut d = Vec::new();
+    publish_message(&mut q, dead_letter("dl1"), 0, &mut d);
+    publish_message(&mut q, msg("fresh1", None), 10, &mut d);
+    publish_message(&mut q, dead_letter("dl2"), 20, &mut d);
+    publish_message(&mut q, msg("fresh2", None), 30, &mut d);
+    // The first message that can expire is the head the timer waits for.
+    assert_eq!(q.next_expiry(), Some(110));
+    q.expire(115, &mut d);
+    assert_eq!(dead(&d), vec![("fresh1".into(), DeadLetterReason::Expired)]);
+    assert_eq!(q.next_expiry(), Some(130));
+    q.expire(10_000, &mut d);
+    assert_eq!(bodies(&q), vec!["dl1", "dl2"]);
+    assert_eq!(q.next_expiry(), None);
+    assert_eq!(q.bytes(), 6);
+    // A fresh message behind kept ones still expires.
+    publish_message(&mut q, msg("fresh3", None), 20_000, &mut d);
+    q.expire(20_100, &mut d);
+    assert_eq!(bodies(&q), vec!["dl1", "dl2"]);
+}
+
+#[test]
+fn kept_dead_letters_still_obey_length_limits() {
+    let mut q = QueueState::new(QueueLimits {
+        message_ttl: Some(100),
+        max_length: Some(1),
+        keep_dead_letters: true,
+        ..Default::default()
+    });
+    let mut d = Vec::new();
+    publish_message(&mut q, dead_letter("dl1"), 0, &mut d);
+    publish_message(&mut q, dead_letter("dl2"), 0, &mut d);
+    assert_eq!(dead(&d), vec![("dl1".into(), DeadLetterReason::MaxLen)]);
+    assert_eq!(bodies(&q), vec!["dl2"]);
+}
+
+#[test]
+fn dead_letters_expire_like_the_rest_by_default() {
+    let mut q = QueueState::new(QueueLimits {
+        message_ttl: Some(100),
+        ..Default::default()
+    });
+    let mut d = Vec::new();
+    publish_message(&mut q, dead_letter("dl1"), 0, &mut d);
+    q.expire(100, &mut d);
+    assert_eq!(dead(&d), vec![("dl1".into(), DeadLetterReason::Expired)]);
+}
+
+#[test]
+fn a_requeued_message_keeps_the_exempt_prefix_right() {
+    let mut q = QueueState::new(QueueLimits {
+        message_ttl: Some(100),
+        keep_dead_letters: true,
+        ..Default::default()
+    });
+    let mut d = Vec::new();
+    publish_message(&mut q, msg("fresh", None), 0, &mut d);
+    publish_message(&mut q, dead_letter("dl"), 0, &mut d);
+    let fresh = q.pop(0, &mut d).unwrap();
+    // The front is now the kept dead letter; the fresh message comes back in front of it.
+    assert_eq!(q.next_expiry(), None);
+    q.requeue([fresh], 50, &mut d);
+    assert_eq!(bodies(&q), vec!["fresh", "dl"]);
+    assert_eq!(q.next_expiry(), Some(100));
+    q.expire(100, &mut d);
+    assert_eq!(dead(&d), vec![("fresh".into(), DeadLetterReason::Expired)]);
+    assert_eq!(bodies(&q), vec!["dl"]);
+}

@@ -23,7 +23,7 @@ use std::time::Instant;
 use bytes::{Bytes, BytesMut};
 
 use crate::metrics::{
-    CAPTURED_DEAD_LETTERED, CAPTURED_DISCARDED, CAPTURED_DROPPED, CAPTURED_RETRIED,
+    CAPTURED_DEAD_LETTERED, CAPTURED_DISCARDED, CAPTURED_DROPPED, CAPTURED_KEPT, CAPTURED_RETRIED,
 };
 use crate::proxy::ProxyShared;
 use crate::proxy::capture::{CaptureConsumer, CapturedMessage};
@@ -213,6 +213,15 @@ impl CaptureLink {
             .unwrap_or_default();
         let view = shared.queue_view(&self.vhost, &death.queue, &arguments);
         let queue: Arc<str> = death.queue.clone();
+        if let Some(publish) = death::kept_in_queue(&death, shared.keep_dead_letters) {
+            let origin = Origin::Capture {
+                tag: origin.0,
+                epoch: origin.1,
+            };
+            let op = Op::new(origin, Purpose::KeepDeadLetter, queue, publish, now);
+            self.start_op(shared, op, now, step);
+            return;
+        }
         let purpose = Purpose::DeadLetter(death.reason);
         match death::plan(death, &view, &shared.dead_letter_options) {
             Plan::Discard => {
@@ -281,8 +290,9 @@ impl CaptureLink {
         }
         self.release(shared, &op);
         let metrics = &shared.metrics;
-        let outcome = match settled.outcome {
-            Outcome::Confirmed => CAPTURED_DEAD_LETTERED,
+        let outcome = match (&settled.outcome, op.purpose) {
+            (Outcome::Confirmed, Purpose::KeepDeadLetter) => CAPTURED_KEPT,
+            (Outcome::Confirmed, _) => CAPTURED_DEAD_LETTERED,
             _ => CAPTURED_DROPPED,
         };
         metrics.captured(&self.vhost, outcome);

@@ -39,6 +39,7 @@ fn full_set_of_arguments_is_parsed() {
         ("x-max-length-bytes", AMQPValue::LongUInt(4096)),
         ("x-overflow", s("reject-publish-dlx")),
         ("x-delivery-limit", AMQPValue::ShortShortUInt(3)),
+        ("x-consumer-timeout", AMQPValue::LongLongInt(30_000)),
         ("x-queue-type", s("classic")),
     ]))
     .unwrap();
@@ -55,6 +56,7 @@ fn full_set_of_arguments_is_parsed() {
             max_length_bytes: Some(4096),
             overflow: Some(Overflow::RejectPublishDlx),
             delivery_limit: Some(3),
+            consumer_timeout: Some(30_000),
         }
     );
 }
@@ -201,6 +203,14 @@ fn reference_texts_for_invalid_arguments() {
         (
             vec![("x-delivery-limit", AMQPValue::LongInt(-1))],
             "invalid arg 'x-delivery-limit' for queue 'q' in vhost '/': {value_negative,-1}",
+        ),
+        (
+            vec![("x-consumer-timeout", AMQPValue::LongInt(-5))],
+            "invalid arg 'x-consumer-timeout' for queue 'q' in vhost '/': {value_negative,-5}",
+        ),
+        (
+            vec![("x-consumer-timeout", s("1000"))],
+            "invalid arg 'x-consumer-timeout' for queue 'q' in vhost '/': \"expected integer, got longstr\"",
         ),
     ];
     for (args, expected) in cases {

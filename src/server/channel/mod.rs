@@ -228,6 +228,25 @@ impl ChannelTable {
         }
     }
 
+    /// Closes an open channel with a channel error that did not come from a client method
+    /// (a consumer timeout): channel.close to the client, its deliveries requeued. A channel
+    /// that is not open (gone, or already closing) is left alone.
+    pub fn close_on_error(
+        &mut self,
+        ch: u16,
+        err: AmqpError,
+        s: &ConnectionContext,
+        ctx: &ServerContext,
+    ) {
+        if self
+            .channels
+            .get(&ch)
+            .is_some_and(|local| local.phase == Phase::Open)
+        {
+            self.fail(ch, err, s, ctx);
+        }
+    }
+
     /// Applies an error: a channel error closes the channel, others the connection.
     fn fail(
         &mut self,
