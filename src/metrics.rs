@@ -67,6 +67,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "captured_total",
     "service_vhosts",
     "service_vhosts_refused_total",
+    "service_declares_refused_total",
     "upstream_policy_sync_total",
     "upstream_policies_synced",
     "storage_bytes",
@@ -233,6 +234,7 @@ pub struct Metrics {
     captured: IntCounterVec,
     service_vhosts: IntGauge,
     service_vhosts_refused: IntCounter,
+    service_declares_refused: IntCounter,
     upstream_connect_attempts: IntCounterVec,
     upstream_reachable: IntGauge,
     upstream_policy_sync: IntCounterVec,
@@ -490,6 +492,12 @@ impl Metrics {
                 "Proxy mode: vhosts opened by clients that got no service connection because \
                  proxy.max_service_vhosts was reached.",
             )?,
+            service_declares_refused: b.counter(
+                "service_declares_refused_total",
+                "Proxy mode: client queue.declares whose check the vhost's service connection \
+                 could not take (its queue of 1024 waiting declares full, or the connection \
+                 gone); the client connection was closed with 320.",
+            )?,
             upstream_connect_attempts: b.counter_vec(
                 "upstream_connect_attempts_total",
                 "Connections the proxy tried to open to an upstream node (host:port of \
@@ -661,6 +669,11 @@ impl Metrics {
     /// A vhost got no service connection (over `proxy.max_service_vhosts`).
     pub fn service_vhost_refused(&self) {
         self.service_vhosts_refused.inc();
+    }
+
+    /// A declare could not be handed to the vhost's service connection.
+    pub fn service_declare_refused(&self) {
+        self.service_declares_refused.inc();
     }
 
     /// A captured message ended with `outcome` (one of the `CAPTURED_*` constants).

@@ -21,11 +21,13 @@ use super::declare::{DeadLetterHandling, passes_through, rewrite_declare, upstre
 use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{delivery_count, delivery_routing_keys, requeue_publish};
+use super::permission::{self, Permission};
 use super::probe::CheckAnswer;
 use super::publisher::{OpId, Outcome, OutgoingMessage};
 use super::readback::{ReadBack, ReadNext, ReadOutcome};
 use super::registry::VerifiedQueue;
 use super::retry::RetryReason;
+use super::service::judge::DeclareRequest;
 use super::session::Session;
 use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::decode_method;
@@ -78,6 +80,9 @@ pub(super) struct PendingCheck {
     /// The computed upstream arguments (declared for the client when the check cannot tell).
     upstream_arguments: FieldTable,
     check: DeclareCheck,
+    /// The permission probe on the client's connection runs ([`super::permission`]); then
+    /// the check's rounds on the service connection.
+    probing: bool,
 }
 
 /// A queue.declare held until the vhost's capture objects exist.
@@ -134,7 +139,12 @@ impl Session {
             self.send_upstream(frame.raw);
             return;
         }
-        let handling = if self.shared.delegate_to_upstream || self.publisher.is_none() {
+        // Server-named and exclusive queues belong to the client's connection, so only it can
+        // declare them; they keep their own dead-letter arguments upstream, and RabbitMQ
+        // checks the client's permissions on them itself (docs/semantics.md).
+        let own_queue = name.is_empty() || declare.exclusive;
+        let handling = if self.shared.delegate_to_upstream || self.publisher.is_none() || own_queue
+        {
             DeadLetterHandling::Delegate
         } else {
             DeadLetterHandling::Capture {
@@ -166,28 +176,118 @@ impl Session {
                 return;
             }
         };
-        // Server-named and exclusive queues belong to this connection: nobody else declares
-        // them, so they are declared for the client directly.
-        let checked = !name.is_empty()
-            && !declare.exclusive
-            && matches!(handling, DeadLetterHandling::Capture { .. })
-            && self.check.is_some();
+        // A queue whose upstream arguments are the proxy's (the capture exchange) is judged
+        // and created by the service connection, after the probe on the client's connection
+        // said its user may declare it.
+        let checked = matches!(handling, DeadLetterHandling::Capture { .. })
+            && self.check.is_some()
+            && self.service_declares.is_some();
         if !checked {
             let record = VerifiedQueue::Proxied(rewrite.client_arguments);
             self.forward_declare(channel, &declare, rewrite.upstream_arguments, Some(record));
             return;
         }
         let check = DeclareCheck::new(&declare, &self.vhost, &rewrite, &self.shared.capture_name);
-        if let Some(bytes) = self.check.as_mut().and_then(|c| c.declare(check.request())) {
-            self.send_upstream(bytes);
-        }
+        self.check_declare(permission::probe(&declare));
         self.pending_check = Some(PendingCheck {
             channel,
             declare,
             client_arguments: rewrite.client_arguments,
             upstream_arguments: rewrite.upstream_arguments,
             check,
+            probing: true,
         });
+    }
+
+    /// The permission probe answered on the client's check channel: the check goes on with
+    /// the service connection, or the client gets RabbitMQ's refusal as it is.
+    fn on_permission_answer(&mut self, answer: CheckAnswer) {
+        let Some(mut pending) = self.pending_check.take() else {
+            return;
+        };
+        if answer == CheckAnswer::DeclareOk {
+            tracing::warn!(
+                queue = pending.declare.queue.as_str(),
+                "the upstream accepted the permission probe (it does not validate {}); \
+                 the queue was declared with the client's flags",
+                permission::PROBE_ARGUMENT
+            );
+            self.close_check();
+        }
+        match permission::judge(&answer) {
+            Permission::Granted => {
+                pending.probing = false;
+                let request = pending.check.request();
+                self.pending_check = Some(pending);
+                if !self.ask_service(request) {
+                    self.pending_check = None;
+                }
+            }
+            Permission::Refused { code, text } => {
+                if self
+                    .channels
+                    .get(&pending.channel)
+                    .is_some_and(|ch| ch.is_open())
+                {
+                    tracing::debug!(peer = %self.peer, %text, "queue.declare refused by the upstream");
+                    self.close_channel_by_proxy(pending.channel, code, &text, 50, 10);
+                }
+            }
+        }
+    }
+
+    /// Has the vhost's service connection make `declare` (client reads pause until it
+    /// answers, at most `proxy.capture_ready_timeout_secs`). When it cannot take it (its
+    /// queue is full or gone) the client connection is closed with 320 and false returned.
+    fn ask_service(&mut self, declare: queue::Declare) -> bool {
+        let (answer, receiver) = tokio::sync::oneshot::channel();
+        let sent = self
+            .service_declares
+            .as_ref()
+            .is_some_and(|queue| queue.try_send(DeclareRequest { declare, answer }).is_ok());
+        if !sent {
+            self.shared.metrics.service_declare_refused();
+            self.refuse_capture_not_ready("its service connection takes no more declares now");
+            return false;
+        }
+        self.service_answer = Some(receiver);
+        self.service_deadline = Some(self.now + self.shared.capture_ready_timeout);
+        true
+    }
+
+    /// The service connection answered (or was lost, `None`): the declare check or the
+    /// read-back goes on.
+    pub(super) fn on_service_answer(&mut self, answer: Option<CheckAnswer>) {
+        self.service_answer = None;
+        self.service_deadline = None;
+        let Some(answer) = answer else {
+            self.pending_check = None;
+            self.pending_read = None;
+            self.refuse_capture_not_ready("its service connection was lost during a declare");
+            return;
+        };
+        if self.pending_check.is_some() {
+            self.on_check_answer(answer);
+        } else {
+            self.on_read_answer(answer);
+        }
+    }
+
+    /// The service connection did not answer in time: the client connection is closed with
+    /// 320 (it reconnects and declares again).
+    pub(super) fn service_wait_expired(&mut self, now: Instant) {
+        if self
+            .service_deadline
+            .is_some_and(|deadline| now >= deadline)
+        {
+            self.service_answer = None;
+            self.service_deadline = None;
+            self.pending_check = None;
+            self.pending_read = None;
+            self.refuse_capture_not_ready(
+                "its service connection did not answer a declare in time",
+            );
+        }
     }
 
     /// Whether this vhost's capture exchange, queue and binding exist.
@@ -249,26 +349,34 @@ impl Session {
         self.close_client(reply::CONNECTION_FORCED, &text, 50, 10);
     }
 
-    /// The check channel answered: declare again, or settle the client's declare by the
-    /// verdict ([`super::arbiter`]).
+    /// The service connection answered a round of the declare check: declare again, or
+    /// settle the client's declare by the verdict ([`super::arbiter`]).
     fn on_check_answer(&mut self, answer: CheckAnswer) {
         let Some(mut pending) = self.pending_check.take() else {
             return;
         };
         let verdict = match answer {
-            CheckAnswer::DeclareOk => {
-                self.close_check();
-                pending.check.on_declare_ok()
-            }
+            CheckAnswer::DeclareOk => pending.check.on_declare_ok(),
             CheckAnswer::Refused { code, text } => match pending.check.on_close(code, &text) {
                 Next::Declare(again) => {
-                    if let Some(bytes) = self.check.as_mut().and_then(|c| c.declare(again)) {
-                        self.send_upstream(bytes);
-                    }
                     self.pending_check = Some(pending);
+                    if !self.ask_service(again) {
+                        self.pending_check = None;
+                    }
                     return;
                 }
-                Next::Done(verdict) => verdict,
+                Next::Done(verdict) => {
+                    if verdict == Verdict::Undecided {
+                        tracing::warn!(
+                            vhost = %self.vhost,
+                            code,
+                            %text,
+                            "the service connection's declare was refused; the client's \
+                             declare goes upstream as the proxy computed it"
+                        );
+                    }
+                    verdict
+                }
             },
         };
         let open = self
@@ -281,9 +389,14 @@ impl Session {
         let channel = pending.channel;
         let declare = pending.declare;
         match verdict {
-            Verdict::Verified(arguments) => {
+            Verdict::Verified(_) => {
+                // The service connection's declare-ok: the queue exists with these arguments.
+                // The client's declare-ok (with the queue's real counts) comes from a passive
+                // declare on its own connection, which checks no permission.
                 let record = VerifiedQueue::Proxied(pending.client_arguments);
-                self.forward_declare(channel, &declare, arguments, Some(record));
+                let mut passive = declare.clone();
+                passive.passive = true;
+                self.forward_declare(channel, &passive, FieldTable::default(), Some(record));
             }
             Verdict::Refused { code, text } => {
                 tracing::debug!(peer = %self.peer, %text, "queue.declare refused");
@@ -316,15 +429,18 @@ impl Session {
         let read = wanted
             .then(|| ReadBack::new(&queue, &self.vhost, &self.shared.capture_name))
             .flatten();
-        let Some(read) = read.filter(|_| self.check.is_some()) else {
+        let Some(read) = read.filter(|_| self.service_declares.is_some()) else {
             return Some(frame);
         };
-        self.check_declare(read.request());
+        let request = read.request();
         self.pending_read = Some(PendingRead { frame, queue, read });
+        if !self.ask_service(request) {
+            self.pending_read = None;
+        }
         None
     }
 
-    /// The check channel answered a read-back: ask again, or cache what was learned and let
+    /// The service connection answered a read-back: ask again, or cache what was learned and let
     /// the client's method go.
     fn on_read_answer(&mut self, answer: CheckAnswer) {
         let Some(mut pending) = self.pending_read.take() else {
@@ -336,13 +452,14 @@ impl Session {
         };
         let outcome = match next {
             ReadNext::Declare(again) => {
-                self.check_declare(again);
                 self.pending_read = Some(pending);
+                if !self.ask_service(again) {
+                    self.pending_read = None;
+                }
                 return;
             }
             ReadNext::Done(outcome) => outcome,
         };
-        self.close_check();
         match outcome {
             ReadOutcome::Learned(verified) => {
                 self.shared
@@ -360,12 +477,10 @@ impl Session {
         }
     }
 
-    /// An answer on the check channel: for the declare check or the read-back in flight.
+    /// An answer on the client connection's check channel: the permission probe's.
     pub(super) fn on_check_channel_answer(&mut self, answer: CheckAnswer) {
-        if self.pending_check.is_some() {
-            self.on_check_answer(answer);
-        } else {
-            self.on_read_answer(answer);
+        if self.pending_check.as_ref().is_some_and(|p| p.probing) {
+            self.on_permission_answer(answer);
         }
     }
 

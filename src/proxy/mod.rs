@@ -166,6 +166,7 @@ mod intercept;
 pub mod ops;
 pub mod outbox;
 pub mod outgoing;
+pub mod permission;
 pub mod policy_sync;
 pub mod probe;
 pub mod publisher;

@@ -9,6 +9,7 @@ use crate::proxy_support;
 
 use std::time::Duration;
 
+use crate::common::dl::{amqp_code, amqp_text, try_declare};
 use crate::proxy_faults::Relay;
 use lapin::options::{
     BasicConsumeOptions, BasicRejectOptions, ConfirmSelectOptions, QueuePurgeOptions,
@@ -372,7 +373,21 @@ async fn a_dead_letter_exchange_refused_to_the_user_is_held_until_access_is_gran
     .unwrap();
     let ch = conn.create_channel().await.unwrap();
     let q = unique("held-src");
-    declare_dead_lettering(&ch, &q, &locked, &dlq).await;
+    // RabbitMQ refuses the user a queue whose dead-letter exchange it may not write to (so
+    // does the proxy): the administrator declares it, through the proxy.
+    let admin = proxy.connect().await;
+    let ach = admin.create_channel().await.unwrap();
+    declare_dead_lettering(&ach, &q, &locked, &dlq).await;
+    let refused = try_declare(
+        &ch,
+        &unique("held-refused"),
+        table(&[("x-dead-letter-exchange", ls(&locked))]),
+    )
+    .await
+    .map(|_| ())
+    .unwrap_err();
+    assert_eq!(amqp_code(&refused), Some(403), "{}", amqp_text(&refused));
+    let ch = conn.create_channel().await.unwrap();
     reject_and_hold(&proxy, &ch, &q, "m").await;
     proxy
         .wait_counter(
@@ -396,6 +411,7 @@ async fn a_dead_letter_exchange_refused_to_the_user_is_held_until_access_is_gran
     wait_held(&proxy, 0.0).await;
     delete_upstream(&uch, &[&q, &dlq], &[&locked]).await;
     let _ = conn.close(200, "done".into()).await;
+    let _ = admin.close(200, "done".into()).await;
     let _ = upstream.close(200, "done".into()).await;
     proxy.stop().await;
 }

@@ -25,6 +25,7 @@
 
 pub mod backoff;
 pub mod handshake;
+pub mod judge;
 pub mod link;
 mod task;
 
@@ -32,8 +33,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
+
+use judge::{DECLARE_QUEUE, DeclareRequest};
 
 use super::ProxyShared;
 use crate::config::ServiceIdentity;
@@ -53,6 +56,10 @@ struct Entry {
     status: watch::Receiver<Status>,
     /// Held until the task is spawned (before [`ServiceRegistry::start`]).
     sender: Option<watch::Sender<Status>>,
+    /// The declares sessions have the service connection make ([`judge`]).
+    declares: mpsc::Sender<DeclareRequest>,
+    /// Held until the task is spawned.
+    declares_rx: Option<mpsc::Receiver<DeclareRequest>>,
     task: Option<JoinHandle<()>>,
 }
 
@@ -121,15 +128,18 @@ impl ServiceRegistry {
             return None;
         }
         let (sender, status) = watch::channel(Status::default());
+        let (declares, declares_rx) = mpsc::channel(DECLARE_QUEUE);
         let mut entry = Entry {
             status: status.clone(),
             sender: Some(sender),
+            declares,
+            declares_rx: Some(declares_rx),
             task: None,
         };
         if !state.stopped
             && let Some(runner) = state.runner.as_ref()
         {
-            entry.task = spawn(runner, vhost, &mut entry.sender);
+            entry.task = spawn(runner, vhost, &mut entry);
         }
         self.metrics.service_started(vhost);
         state.vhosts.insert(vhost.to_string(), entry);
@@ -158,24 +168,28 @@ impl ServiceRegistry {
             .store(self.configured_consuming(), Ordering::Release);
     }
 
+    /// Where the sessions of `vhost` send the declares its service connection makes for them
+    /// ([`judge`]); `None` when the vhost has no service connection.
+    pub fn declarer(&self, vhost: &str) -> Option<mpsc::Sender<DeclareRequest>> {
+        self.lock().vhosts.get(vhost).map(|e| e.declares.clone())
+    }
+
     /// The current status of `vhost` (`None`: no service connection).
     pub fn status(&self, vhost: &str) -> Option<Status> {
         self.lock().vhosts.get(vhost).map(|e| *e.status.borrow())
     }
 }
 
-fn spawn(
-    runner: &Runner,
-    vhost: &str,
-    sender: &mut Option<watch::Sender<Status>>,
-) -> Option<JoinHandle<()>> {
+fn spawn(runner: &Runner, vhost: &str, entry: &mut Entry) -> Option<JoinHandle<()>> {
     let shared = runner.shared.upgrade()?;
-    let sender = sender.take()?;
+    let sender = entry.sender.take()?;
+    let declares = entry.declares_rx.take()?;
     Some(tokio::spawn(task::run(
         shared,
         runner.identity.clone(),
         vhost.to_string(),
         sender,
+        declares,
         runner.shutdown.clone(),
     )))
 }
@@ -199,7 +213,7 @@ impl ProxyShared {
             };
             for (vhost, entry) in state.vhosts.iter_mut() {
                 if entry.task.is_none() {
-                    entry.task = spawn(&runner, vhost, &mut entry.sender);
+                    entry.task = spawn(&runner, vhost, entry);
                 }
             }
             state.runner = Some(runner);
