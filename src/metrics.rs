@@ -31,6 +31,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "dead_letter_dropped_total",
     "dead_letter_publish_failures_total",
     "dead_letter_retries_total",
+    "dead_letters_by_service_total",
     "dead_letters_held",
     "messages_published_total",
     "messages_delivered_total",
@@ -197,6 +198,7 @@ pub struct Metrics {
     dead_letter_dropped: IntCounterVec,
     dead_letter_publish_failures: IntCounterVec,
     dead_letter_retries: IntCounterVec,
+    dead_letters_by_service: IntCounter,
     dead_letters_held: IntGauge,
     messages_published: IntCounter,
     messages_delivered: IntCounter,
@@ -342,6 +344,12 @@ impl Metrics {
                 "Refused dead-letter publishes (proxy mode) scheduled to be published again \
                  with backoff, by reason (nacked, timeout, channel_lost, access_refused).",
                 &["reason"],
+            )?,
+            dead_letters_by_service: b.counter(
+                "dead_letters_by_service_total",
+                "Dead letters of client rejections (proxy mode) whose dead-letter exchange the \
+                 client's user may not publish to (403), handed to the vhost's service \
+                 connection to be published as the proxy's service user.",
             )?,
             dead_letters_held: b.gauge(
                 "dead_letters_held",
@@ -669,6 +677,11 @@ impl Metrics {
     /// A vhost got no service connection (over `proxy.max_service_vhosts`).
     pub fn service_vhost_refused(&self) {
         self.service_vhosts_refused.inc();
+    }
+
+    /// A client's dead letter refused to its user went to the service connection.
+    pub fn dead_letter_by_service(&self) {
+        self.dead_letters_by_service.inc();
     }
 
     /// A declare could not be handed to the vhost's service connection.

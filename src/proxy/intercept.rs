@@ -28,6 +28,7 @@ use super::readback::{ReadBack, ReadNext, ReadOutcome};
 use super::registry::VerifiedQueue;
 use super::retry::RetryReason;
 use super::service::judge::DeclareRequest;
+use super::service::link::PublishRequest;
 use super::session::Session;
 use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::decode_method;
@@ -35,6 +36,14 @@ use crate::amqp::content::{decode_properties, keep_opaque_headers};
 use crate::amqp::reply;
 use crate::deadletter::DeadLetterReason;
 use crate::rabbit::args::{ArgumentError, QueueArguments};
+
+/// Why a dead letter handed to the service connection failed before it was published.
+const SERVICE_UNAVAILABLE: &str = "service connection unavailable";
+
+/// Whether a message carries a `user_id` property.
+fn carries_user_id(message: &OutgoingMessage) -> bool {
+    decode_properties(&message.raw_properties).map_or(true, |p| p.user_id().is_some())
+}
 
 /// The verified view of `queue`, looked up once per settlement.
 fn cached_view(
@@ -181,7 +190,7 @@ impl Session {
         // said its user may declare it.
         let checked = matches!(handling, DeadLetterHandling::Capture { .. })
             && self.check.is_some()
-            && self.service_declares.is_some();
+            && self.service.is_some();
         if !checked {
             let record = VerifiedQueue::Proxied(rewrite.client_arguments);
             self.forward_declare(channel, &declare, rewrite.upstream_arguments, Some(record));
@@ -241,10 +250,11 @@ impl Session {
     /// queue is full or gone) the client connection is closed with 320 and false returned.
     fn ask_service(&mut self, declare: queue::Declare) -> bool {
         let (answer, receiver) = tokio::sync::oneshot::channel();
-        let sent = self
-            .service_declares
-            .as_ref()
-            .is_some_and(|queue| queue.try_send(DeclareRequest { declare, answer }).is_ok());
+        let sent = self.service.as_ref().is_some_and(|s| {
+            s.declares
+                .try_send(DeclareRequest { declare, answer })
+                .is_ok()
+        });
         if !sent {
             self.shared.metrics.service_declare_refused();
             self.refuse_capture_not_ready("its service connection takes no more declares now");
@@ -429,7 +439,7 @@ impl Session {
         let read = wanted
             .then(|| ReadBack::new(&queue, &self.vhost, &self.shared.capture_name))
             .flatten();
-        let Some(read) = read.filter(|_| self.service_declares.is_some()) else {
+        let Some(read) = read.filter(|_| self.service.is_some()) else {
             return Some(frame);
         };
         let request = read.request();
@@ -750,17 +760,26 @@ impl Session {
         self.start_op(Op::new(origin, purpose, queue, message, Instant::now()));
     }
 
-    /// Publishes an operation's message (first time or retry) and tracks it until its confirm.
+    /// Publishes an operation's message (first time or retry) and tracks it until its confirm:
+    /// on the proxy's channel of the client's connection, or through the vhost's service
+    /// connection once the client's user was refused it ([`Session::hand_to_service`]).
     fn start_op(&mut self, op: Op) {
         let op_id = self.next_op;
         self.next_op += 1;
-        let published = match self.publisher.as_mut() {
-            Some(publisher) => publisher.publish(op_id, &op.message, self.now),
-            None => Err("no publisher channel"),
+        let published = if op.via_service {
+            self.publish_via_service(op_id, &op.message);
+            Ok(None)
+        } else {
+            match self.publisher.as_mut() {
+                Some(publisher) => publisher.publish(op_id, &op.message, self.now).map(Some),
+                None => Err("no publisher channel"),
+            }
         };
         match published {
             Ok(bytes) => {
-                self.send_upstream(bytes);
+                if let Some(bytes) = bytes {
+                    self.send_upstream(bytes);
+                }
                 if let Origin::Client {
                     channel,
                     channel_id,
@@ -784,6 +803,53 @@ impl Session {
         }
     }
 
+    /// Hands a dead letter to the vhost's service connection; its outcome comes back through
+    /// `service_outcomes` (at once, as a failure to retry, when the service cannot take it).
+    fn publish_via_service(&mut self, op_id: OpId, message: &OutgoingMessage) {
+        let request = PublishRequest {
+            op: op_id,
+            message: message.clone(),
+            reply: self.service_outcomes.0.clone(),
+        };
+        let taken = self
+            .service
+            .as_ref()
+            .is_some_and(|s| s.publishes.try_send(request).is_ok());
+        if !taken {
+            let _ = self
+                .service_outcomes
+                .0
+                .send((op_id, Outcome::Failed(SERVICE_UNAVAILABLE)));
+        }
+    }
+
+    /// The client's user may not publish this dead letter (403 on the proxy's channel of its
+    /// connection). RabbitMQ dead-letters as the broker, without permission checks, so the
+    /// proxy publishes it as its own service user, at once; the original is still settled
+    /// only on that publish's confirm. Not a message carrying a `user_id`: RabbitMQ lets the
+    /// service user publish another user's id only with the `impersonator` tag, and a refusal
+    /// (406) would close the service connection's publisher channel for every vhost's dead
+    /// letter in flight on it; such a message stays held on the client's connection until the
+    /// user may publish it (docs/deploy.md). Returns whether it was handed over.
+    fn hand_to_service(&mut self, op: &mut Op) -> bool {
+        if op.via_service
+            || self.service.is_none()
+            || !matches!(op.purpose, Purpose::DeadLetter(_))
+            || carries_user_id(&op.message)
+        {
+            return false;
+        }
+        tracing::info!(
+            peer = %self.peer,
+            queue = &*op.queue,
+            exchange = %op.message.exchange,
+            "dead-letter exchange refused to the client's user: published by the service user"
+        );
+        self.shared.metrics.dead_letter_by_service();
+        op.via_service = true;
+        true
+    }
+
     // ------------------------------------------------------------------------------------
     // The end of an operation
     // ------------------------------------------------------------------------------------
@@ -791,9 +857,15 @@ impl Session {
     /// A publish of the proxy's channel ended: settle the original accordingly, or hold it
     /// for a retry when the publish was refused.
     pub(super) fn complete_op(&mut self, op_id: OpId, outcome: Outcome) {
-        let Some(op) = self.take_op(op_id) else {
+        let Some(mut op) = self.take_op(op_id) else {
             return;
         };
+        if outcome == Outcome::AccessRefused && self.hand_to_service(&mut op) {
+            let origin = op.origin;
+            self.start_op(op);
+            self.op_finished(origin);
+            return;
+        }
         if let Some(reason) = RetryReason::of(&outcome) {
             self.refused(op, &outcome, reason);
             return;

@@ -50,6 +50,9 @@ pub struct Op {
     /// Bytes charged against the connection's inflight bound while it is held (from its first
     /// refusal; 0 before).
     pub held_charge: usize,
+    /// Published by the vhost's service connection rather than the client's (its client's
+    /// user may not publish it; see `intercept`).
+    pub via_service: bool,
 }
 
 impl Op {
@@ -69,6 +72,7 @@ impl Op {
             message,
             refusals: 0,
             held_charge: 0,
+            via_service: false,
         }
     }
 

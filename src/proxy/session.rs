@@ -32,10 +32,11 @@ use super::handshake::Negotiated;
 use super::ops::Op;
 use super::outbox::Outbox;
 use super::probe::{CheckAnswer, CheckChannel};
-use super::publisher::{OpId, Publisher};
+use super::publisher::{OpId, Outcome, Publisher};
 use super::retry::RetrySchedule;
+use super::service::ServiceHandle;
 use super::service::Status;
-use super::service::judge::DeclareRequest;
+use super::service::link::OutcomeSender;
 use super::wire::{FrameReader, WireFrame, method_frame};
 use crate::admission::refuse_client_after_header;
 use crate::amqp::codec::{FrameError, PROTOCOL_HEADER, put_heartbeat};
@@ -91,6 +92,8 @@ enum Event {
     CaptureDeclared,
     /// The service connection answered a declare (`None`: it was lost before answering).
     ServiceAnswer(Option<CheckAnswer>),
+    /// A dead letter the service connection published for this session ended.
+    ServiceOutcome(Option<(OpId, Outcome)>),
     /// Nothing was ready; the task yielded instead of sleeping.
     Polled,
 }
@@ -135,9 +138,12 @@ pub(super) struct Session {
     /// The status of this vhost's service connection (known once the connection is open;
     /// `None` when the vhost has none).
     pub(super) capture_status: Option<watch::Receiver<Status>>,
-    /// Where declares go that the vhost's service connection makes for this session
-    /// (`service::judge`; `None` when the vhost has no service connection).
-    pub(super) service_declares: Option<mpsc::Sender<DeclareRequest>>,
+    /// How this session reaches the vhost's service connection, for the declares and the
+    /// dead letters it makes for it (`None` when the vhost has no service connection).
+    pub(super) service: Option<ServiceHandle>,
+    /// Where the service connection reports how the dead letters it published for this
+    /// session ended (one entry per operation handed to it; see `intercept`).
+    pub(super) service_outcomes: (OutcomeSender, mpsc::UnboundedReceiver<(OpId, Outcome)>),
     /// The answer to the declare the service connection makes now, and until when it is
     /// waited for (client reads pause meanwhile).
     pub(super) service_answer: Option<oneshot::Receiver<CheckAnswer>>,
@@ -259,7 +265,8 @@ pub(super) async fn run<S>(
         pending_check: None,
         pending_read: None,
         capture_status: None,
-        service_declares: None,
+        service: None,
+        service_outcomes: mpsc::unbounded_channel(),
         service_answer: None,
         service_deadline: None,
         held_for_capture: None,
@@ -319,6 +326,7 @@ pub(super) async fn run<S>(
             answer = service_answer(&mut session.service_answer), if judging => {
                 Event::ServiceAnswer(answer)
             }
+            outcome = session.service_outcomes.1.recv() => Event::ServiceOutcome(outcome),
             frame = client_reader.next(), if read_client => Event::Client(frame),
             frame = upstream_reader.next(), if read_upstream => Event::Upstream(frame),
             _ = session.client_out.write_some(), if write_client => Event::Wrote,
@@ -345,6 +353,12 @@ pub(super) async fn run<S>(
             Event::Shutdown => session.on_shutdown(),
             Event::CaptureDeclared => session.resume_held_declare(),
             Event::ServiceAnswer(answer) => session.on_service_answer(answer),
+            Event::ServiceOutcome(outcome) => {
+                // The session holds a sender itself, so the channel never ends.
+                if let Some((op, outcome)) = outcome {
+                    session.complete_op(op, outcome);
+                }
+            }
             Event::Polled => {}
         }
     }

@@ -37,6 +37,23 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use judge::{DECLARE_QUEUE, DeclareRequest};
+use link::{FORWARD_LIMIT, PublishRequest};
+
+/// How client sessions reach their vhost's service connection: the declares it makes for
+/// them ([`judge`]) and the dead letters it publishes for them ([`link::PublishRequest`]).
+/// Both queues are bounded; what waits in them while the connection is away stays there.
+#[derive(Clone, Debug)]
+pub struct ServiceHandle {
+    pub declares: mpsc::Sender<DeclareRequest>,
+    pub publishes: mpsc::Sender<PublishRequest>,
+}
+
+/// The receiving ends of a [`ServiceHandle`], owned by the vhost's task.
+#[derive(Debug)]
+pub(crate) struct ServiceInbox {
+    pub(crate) declares: mpsc::Receiver<DeclareRequest>,
+    pub(crate) publishes: mpsc::Receiver<PublishRequest>,
+}
 
 use super::ProxyShared;
 use crate::config::ServiceIdentity;
@@ -56,10 +73,10 @@ struct Entry {
     status: watch::Receiver<Status>,
     /// Held until the task is spawned (before [`ServiceRegistry::start`]).
     sender: Option<watch::Sender<Status>>,
-    /// The declares sessions have the service connection make ([`judge`]).
-    declares: mpsc::Sender<DeclareRequest>,
+    /// How sessions reach the service connection.
+    handle: ServiceHandle,
     /// Held until the task is spawned.
-    declares_rx: Option<mpsc::Receiver<DeclareRequest>>,
+    inbox: Option<ServiceInbox>,
     task: Option<JoinHandle<()>>,
 }
 
@@ -129,11 +146,18 @@ impl ServiceRegistry {
         }
         let (sender, status) = watch::channel(Status::default());
         let (declares, declares_rx) = mpsc::channel(DECLARE_QUEUE);
+        let (publishes, publishes_rx) = mpsc::channel(FORWARD_LIMIT);
         let mut entry = Entry {
             status: status.clone(),
             sender: Some(sender),
-            declares,
-            declares_rx: Some(declares_rx),
+            handle: ServiceHandle {
+                declares,
+                publishes,
+            },
+            inbox: Some(ServiceInbox {
+                declares: declares_rx,
+                publishes: publishes_rx,
+            }),
             task: None,
         };
         if !state.stopped
@@ -168,10 +192,10 @@ impl ServiceRegistry {
             .store(self.configured_consuming(), Ordering::Release);
     }
 
-    /// Where the sessions of `vhost` send the declares its service connection makes for them
-    /// ([`judge`]); `None` when the vhost has no service connection.
-    pub fn declarer(&self, vhost: &str) -> Option<mpsc::Sender<DeclareRequest>> {
-        self.lock().vhosts.get(vhost).map(|e| e.declares.clone())
+    /// How the sessions of `vhost` reach its service connection; `None` when the vhost has
+    /// none.
+    pub fn handle(&self, vhost: &str) -> Option<ServiceHandle> {
+        self.lock().vhosts.get(vhost).map(|e| e.handle.clone())
     }
 
     /// The current status of `vhost` (`None`: no service connection).
@@ -183,13 +207,13 @@ impl ServiceRegistry {
 fn spawn(runner: &Runner, vhost: &str, entry: &mut Entry) -> Option<JoinHandle<()>> {
     let shared = runner.shared.upgrade()?;
     let sender = entry.sender.take()?;
-    let declares = entry.declares_rx.take()?;
+    let inbox = entry.inbox.take()?;
     Some(tokio::spawn(task::run(
         shared,
         runner.identity.clone(),
         vhost.to_string(),
         sender,
-        declares,
+        inbox,
         runner.shutdown.clone(),
     )))
 }

@@ -24,13 +24,13 @@ use amq_protocol::protocol::{AMQPClass, connection};
 use amq_protocol::types::ShortString;
 use bytes::BytesMut;
 use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
-use super::Status;
 use super::backoff::Backoff;
 use super::handshake::{ClientHandshake, Tuned, connection_name};
-use super::judge::{DECLARE_CHANNEL, DeclareRequest, Judge};
+use super::judge::{DECLARE_CHANNEL, Judge};
 use super::link::CaptureLink;
+use super::{ServiceInbox, Status};
 use crate::amqp::codec::{FRAME_METHOD, FrameError, PROTOCOL_HEADER, put_heartbeat};
 use crate::amqp::reply;
 use crate::config::ServiceIdentity;
@@ -63,7 +63,7 @@ pub(super) async fn run(
     identity: ServiceIdentity,
     vhost: String,
     status: watch::Sender<Status>,
-    mut declares: mpsc::Receiver<DeclareRequest>,
+    mut inbox: ServiceInbox,
     mut shutdown: Shutdown,
 ) {
     let metrics = shared.metrics.clone();
@@ -83,7 +83,7 @@ pub(super) async fn run(
             &identity,
             &vhost,
             &status,
-            &mut declares,
+            &mut inbox,
             &mut shutdown,
         )
         .await;
@@ -120,7 +120,7 @@ async fn connect_and_serve(
     identity: &ServiceIdentity,
     vhost: &str,
     status: &watch::Sender<Status>,
-    declares: &mut mpsc::Receiver<DeclareRequest>,
+    inbox: &mut ServiceInbox,
     shutdown: &mut Shutdown,
 ) -> End {
     let stream = tokio::select! {
@@ -165,7 +165,7 @@ async fn connect_and_serve(
         out: BytesMut::new(),
         heartbeat: (tuned.heartbeat > 0).then(|| Duration::from_secs(u64::from(tuned.heartbeat))),
         link: CaptureLink::new(shared, vhost, tuned.frame_max),
-        declares,
+        inbox,
         judge: Judge::default(),
     }
     .serve(shutdown)
@@ -216,9 +216,9 @@ struct Connection<'a> {
     out: BytesMut,
     heartbeat: Option<Duration>,
     link: CaptureLink,
-    /// Declares the vhost's sessions have this connection make; they wait here while the
-    /// connection is away.
-    declares: &'a mut mpsc::Receiver<DeclareRequest>,
+    /// Declares and dead letters the vhost's sessions have this connection make; they wait
+    /// here while the connection is away.
+    inbox: &'a mut ServiceInbox,
     judge: Judge,
 }
 
@@ -259,8 +259,16 @@ impl Connection<'_> {
             }
             let writing = !self.out.is_empty();
             let judging = self.judge.ready() && stopping.is_none();
+            let forwarding = self.link.takes_forwarded() && stopping.is_none();
             tokio::select! {
-                request = self.declares.recv(), if judging => {
+                request = self.inbox.publishes.recv(), if forwarding => {
+                    if let Some(request) = request
+                        && let Some(bytes) = self.link.publish_for(request, Instant::now())
+                    {
+                        self.out.extend_from_slice(&bytes);
+                    }
+                }
+                request = self.inbox.declares.recv(), if judging => {
                     // The registry keeps a sender for as long as the task runs.
                     if let Some(request) = request
                         && let Some(bytes) = self.judge.start(request)
