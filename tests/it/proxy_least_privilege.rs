@@ -7,8 +7,7 @@
 use crate::proxy_support;
 
 use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions,
-    QueueDeclareOptions,
+    BasicCancelOptions, BasicConsumeOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::protocol::basic::AMQPProperties;
 use lapin::types::{AMQPValue, FieldTable};
@@ -17,7 +16,7 @@ use proxy_support::fleet;
 use proxy_support::*;
 
 use crate::common::dl::{
-    amqp_code, amqp_text, consumer, get_one, nack, next, publish, reject, x_death,
+    amqp_code, amqp_text, consumer, get_one, nack, next, publish, publish_to, reject, x_death,
 };
 
 const PASSWORD: &str = "least-privilege-pw";
@@ -482,19 +481,11 @@ async fn a_dead_letter_keeps_the_user_id_of_its_original() {
         if let Some(id) = user_id {
             props = props.with_user_id(id.into());
         }
-        let confirm = ch
-            .basic_publish(
-                "".into(),
-                q.as_str().into(),
-                BasicPublishOptions::default(),
-                body.as_bytes(),
-                props,
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert!(confirm.is_ack());
+        assert!(
+            publish_to(&ch, "", &q, body.as_bytes(), props)
+                .await
+                .is_ack()
+        );
         let d = get_one(&ch, &q).await;
         reject(&ch, d.delivery_tag, false).await;
         let got = next(&mut dead).await;
@@ -509,4 +500,69 @@ async fn a_dead_letter_keeps_the_user_id_of_its_original() {
     delete_upstream(&admin_ch, &[&q, &dlq], &[&dlx]).await;
     let _ = admin_conn.close(200, "done".into()).await;
     proxy.stop().await;
+}
+
+/// The service user publishes captured dead letters; one carrying another user's `user_id`
+/// needs the `impersonator` tag. Without it the dead letter is held (not lost), counted under
+/// its own cause, and lands once the tag is given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_user_id_without_the_impersonator_tag_is_held_until_the_tag_is_given() {
+    let service = unique("svc-no-impersonator");
+    let service_user = RabbitUser::create(&service, PASSWORD);
+    let name = service.clone();
+    let proxy = TestProxy::start_with(vec![], move |config| {
+        config.upstream.user = name;
+        config.upstream.password = PASSWORD.into();
+    })
+    .await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let q = unique("uid-ttl");
+    let dlx = unique("uid-ttl-dlx");
+    let dlq = unique("uid-ttl-dlq");
+    let (admin_conn, admin_ch) = admin().await;
+    fanout_dlx(&admin_ch, &dlx, &dlq).await;
+    declare(
+        &ch,
+        &q,
+        table(&[
+            ("x-dead-letter-exchange", ls(&dlx)),
+            ("x-message-ttl", AMQPValue::LongInt(0)),
+        ]),
+    )
+    .await;
+    // guest stamps its own id; it expires upstream and is captured.
+    let stamped = AMQPProperties::default().with_user_id("guest".into());
+    assert!(publish_to(&ch, "", &q, b"stamped", stamped).await.is_ack());
+    proxy
+        .wait_counter(
+            "dead_letter_publish_failures_total",
+            &[("cause", "user_id_refused")],
+            2.0,
+        )
+        .await;
+    assert_eq!(proxy.counter("dead_letters_held", &[]), 1.0);
+    assert_eq!(fleet::count_at(&upstream_uri(), &dlq).await, Some(0));
+    let tagged = rabbitmqctl(&["set_user_tags", &service, "impersonator"]);
+    assert!(tagged.status.success(), "{tagged:?}");
+    // RabbitMQ reads a user's tags when it logs in: the service connection logs in again (an
+    // operator closes it; the proxy reconnects at once and the capture queue redelivers).
+    let name = format!("dlx-proxy service {} /", proxy.capture);
+    assert_eq!(close_upstream_connection(&name, "tags changed"), 1);
+    let mut dead = consumer(&admin_ch, &dlq, "uid-ttl-reader").await;
+    let got = next(&mut dead).await;
+    assert_eq!(payload(&got), "stamped");
+    assert_eq!(
+        got.properties.user_id().as_ref().map(|u| u.as_str()),
+        Some("guest")
+    );
+    assert_eq!(x_death(&got)[0].qrc(), (q.as_str(), "expired", 1));
+    let _ = conn.close(200, "done".into()).await;
+    delete_upstream(&admin_ch, &[&q, &dlq], &[&dlx]).await;
+    let _ = admin_conn.close(200, "done".into()).await;
+    proxy.stop().await;
+    drop(service_user);
 }
