@@ -219,6 +219,25 @@ async fn the_permission_probe_creates_nothing_and_refuses_as_the_declare_would()
     assert_eq!(probed.0, 403);
     assert_eq!(probed, declared);
     assert!(!exists(&fresh).await);
+    // A queue that exists (the administrator's) with a dead-letter exchange the user may not
+    // write to: RabbitMQ 3.10 checks that exchange only when it creates a queue, so the user's
+    // redeclare is accepted, and the probe is refused at the comparison (406: permitted).
+    let existing = limited.name("allowed.existing");
+    let (admin_conn, admin_ch) = admin().await;
+    declare_as(&admin_ch, &existing, durable, dlx_args(&other_dlx))
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    declare_as(&ch, &existing, durable, dlx_args(&other_dlx))
+        .await
+        .expect("a redeclare is not checked on the dead-letter exchange");
+    let (code, _) = declare_as(&ch, &existing, durable, probe_args(&existing, &other_dlx))
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(code, 406);
+    delete_upstream(&admin_ch, &[&existing], &[]).await;
+    let _ = admin_conn.close(200, "done".into()).await;
     // No configure permission: the same 403 too.
     let foreign = unique("not-limited");
     let ch = conn.create_channel().await.unwrap();
