@@ -17,7 +17,10 @@ use super::QueueView;
 use super::arbiter::{DeclareCheck, Next, Verdict};
 use super::channels::PendingDeclare;
 use super::death::{Death, Plan, drop_unpublishable, now_secs, plan, settle};
-use super::declare::{DeadLetterHandling, passes_through, rewrite_declare, upstream_declare};
+use super::declare::{
+    DeadLetterHandling, keep_own_dead_letter_arguments, passes_through, rewrite_declare,
+    upstream_declare,
+};
 use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{delivery_count, delivery_routing_keys, requeue_publish};
@@ -173,7 +176,7 @@ impl Session {
             .unwrap_or_else(|e| e.into_inner())
             .for_queue(&self.vhost, &name)
             .map(|p| p.definition.clone());
-        let rewrite = match rewrite_declare(
+        let mut rewrite = match rewrite_declare(
             &declare.arguments,
             policy.as_ref(),
             self.shared.default_delivery_limit,
@@ -185,6 +188,9 @@ impl Session {
                 return;
             }
         };
+        if own_queue && !self.shared.delegate_to_upstream {
+            keep_own_dead_letter_arguments(&mut rewrite.upstream_arguments, &declare.arguments);
+        }
         // A queue whose upstream arguments are the proxy's (the capture exchange) is judged
         // and created by the service connection, after the probe on the client's connection
         // said its user may declare it.

@@ -585,3 +585,51 @@ async fn a_captured_user_id_without_the_impersonator_tag_is_held_until_the_tag_i
     proxy.stop().await;
     drop(service_user);
 }
+
+/// A TOML policy's dead-letter exchange is the proxy's to apply, as a RabbitMQ policy is the
+/// broker's: a restricted user needs no write permission on it, neither to declare an
+/// exclusive queue under the policy nor for its rejections to land there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_dead_letter_exchange_needs_no_permission_of_the_user() {
+    let limited = Limited::new("pol");
+    let dlx = limited.name("policy-dlx");
+    let dlq = limited.name("allowed.policy-dlq");
+    let pattern = format!("^{}allowed\\.pol", regex_escape(&limited.prefix));
+    let proxy = TestProxy::start(vec![policy(
+        "least-privilege-dlx",
+        &pattern,
+        serde_json::json!({ "dead-letter-exchange": dlx }),
+    )])
+    .await;
+    let (admin_conn, admin_ch) = admin().await;
+    fanout_dlx(&admin_ch, &dlx, &dlq).await;
+    let mut dead = consumer(&admin_ch, &dlq, "policy-reader").await;
+    let conn = limited.connect(&proxy.addr.to_string()).await;
+    let ch = conn.create_channel().await.unwrap();
+    for (label, exclusive) in [("shared", false), ("excl", true)] {
+        let q = limited.name(&format!("allowed.pol.{label}"));
+        declare_as(
+            &ch,
+            &q,
+            QueueDeclareOptions {
+                exclusive,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{label}: {e:?}"));
+        publish(&ch, &q, &[label]).await;
+        let d = get_one(&ch, &q).await;
+        reject(&ch, d.delivery_tag, false).await;
+        let got = next(&mut dead).await;
+        assert_eq!(payload(&got), label);
+        assert_eq!(x_death(&got)[0].qrc(), (q.as_str(), "rejected", 1));
+    }
+    assert_eq!(proxy.counter("dead_letters_by_service_total", &[]), 2.0);
+    let shared_q = limited.name("allowed.pol.shared");
+    let _ = conn.close(200, "done".into()).await;
+    delete_upstream(&admin_ch, &[&shared_q, &dlq], &[&dlx]).await;
+    let _ = admin_conn.close(200, "done".into()).await;
+    proxy.stop().await;
+}
