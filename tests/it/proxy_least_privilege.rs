@@ -410,6 +410,14 @@ async fn server_named_exclusive_and_auto_delete_queues_work_as_directly() {
         .await
         .unwrap_or_else(|e| panic!("{label}: server-named {e:?}"));
         assert!(named.name().as_str().starts_with("amq.gen-"), "{label}");
+        // Server-named and not exclusive (it expires a second after its last use).
+        let mut args = dlx_args(&dlx);
+        args.insert("x-expires".into(), AMQPValue::LongInt(1000));
+        let shared = declare_as(&ch, "", QueueDeclareOptions::default(), args)
+            .await
+            .unwrap_or_else(|e| panic!("{label}: server-named, shared {e:?}"));
+        assert!(shared.name().as_str().starts_with("amq.gen-"), "{label}");
+        assert!(exists(shared.name().as_str()).await, "{label}");
         let exclusive = limited.name(&format!("allowed.excl.{label}"));
         declare_as(
             &ch,
