@@ -31,6 +31,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "dead_letter_dropped_total",
     "dead_letter_publish_failures_total",
     "dead_letter_retries_total",
+    "dead_letters_by_service_total",
     "dead_letters_held",
     "consumer_timeouts_total",
     "dead_letters_kept_total",
@@ -69,6 +70,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "captured_total",
     "service_vhosts",
     "service_vhosts_refused_total",
+    "service_declares_refused_total",
     "upstream_policy_sync_total",
     "upstream_policies_synced",
     "storage_bytes",
@@ -208,6 +210,7 @@ pub struct Metrics {
     dead_letter_dropped: IntCounterVec,
     dead_letter_publish_failures: IntCounterVec,
     dead_letter_retries: IntCounterVec,
+    dead_letters_by_service: IntCounter,
     dead_letters_held: IntGauge,
     consumer_timeouts: IntCounterVec,
     dead_letters_kept: IntCounterVec,
@@ -247,6 +250,7 @@ pub struct Metrics {
     captured: IntCounterVec,
     service_vhosts: IntGauge,
     service_vhosts_refused: IntCounter,
+    service_declares_refused: IntCounter,
     upstream_connect_attempts: IntCounterVec,
     upstream_reachable: IntGauge,
     upstream_policy_sync: IntCounterVec,
@@ -374,6 +378,12 @@ impl Metrics {
                 "Refused dead-letter publishes (proxy mode) scheduled to be published again \
                  with backoff, by reason (nacked, timeout, channel_lost, access_refused).",
                 &["reason"],
+            )?,
+            dead_letters_by_service: b.counter(
+                "dead_letters_by_service_total",
+                "Dead letters of client rejections (proxy mode) whose dead-letter exchange the \
+                 client's user may not publish to (403), handed to the vhost's service \
+                 connection to be published as the proxy's service user.",
             )?,
             dead_letters_held: b.gauge(
                 "dead_letters_held",
@@ -523,6 +533,12 @@ impl Metrics {
                 "service_vhosts_refused_total",
                 "Proxy mode: vhosts opened by clients that got no service connection because \
                  proxy.max_service_vhosts was reached.",
+            )?,
+            service_declares_refused: b.counter(
+                "service_declares_refused_total",
+                "Proxy mode: client queue.declares whose check the vhost's service connection \
+                 could not take (its queue of 1024 waiting declares full, or the connection \
+                 gone); the client connection was closed with 320.",
             )?,
             upstream_connect_attempts: b.counter_vec(
                 "upstream_connect_attempts_total",
@@ -732,6 +748,16 @@ impl Metrics {
     /// A vhost got no service connection (over `proxy.max_service_vhosts`).
     pub fn service_vhost_refused(&self) {
         self.service_vhosts_refused.inc();
+    }
+
+    /// A client's dead letter refused to its user went to the service connection.
+    pub fn dead_letter_by_service(&self) {
+        self.dead_letters_by_service.inc();
+    }
+
+    /// A declare could not be handed to the vhost's service connection.
+    pub fn service_declare_refused(&self) {
+        self.service_declares_refused.inc();
     }
 
     /// A captured message ended with `outcome` (one of the `CAPTURED_*` constants).

@@ -277,6 +277,26 @@ pub fn upstream_declare(client: &queue::Declare, arguments: FieldTable) -> queue
     }
 }
 
+/// Gives delegated upstream arguments the client's own dead-letter exchange and routing key,
+/// as it sent them, in place of the merged ones (a policy's never goes into a declare there):
+/// for queues only the client's connection can declare (exclusive, server-named), so that
+/// RabbitMQ checks exactly the permissions it checks for a direct client.
+pub fn keep_own_dead_letter_arguments(upstream: &mut FieldTable, client: &FieldTable) {
+    let targets = [ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY];
+    let mut kept = FieldTable::default();
+    for (key, value) in &*upstream {
+        if !targets.contains(&key.as_str()) {
+            kept.insert(key.clone(), value.clone());
+        }
+    }
+    for (key, value) in client {
+        if targets.contains(&key.as_str()) {
+            kept.insert(key.clone(), value.clone());
+        }
+    }
+    *upstream = kept;
+}
+
 fn put_text(upstream: &mut FieldTable, key: &str, value: &str) {
     upstream.insert(
         ShortString::from(key),
@@ -455,6 +475,35 @@ mod tests {
         let up = rewrite.upstream_arguments.inner();
         assert_eq!(up.get(ARG_DEAD_LETTER_EXCHANGE), Some(&text("pdlx")));
         assert_eq!(up.get(ARG_DEAD_LETTER_ROUTING_KEY), Some(&text("k")));
+    }
+
+    #[test]
+    fn a_queue_of_the_clients_own_keeps_its_own_target_not_the_policys() {
+        let policy = PolicyDefinition {
+            dead_letter_exchange: Some("pdlx".into()),
+            dead_letter_routing_key: Some("k".into()),
+            ..PolicyDefinition::default()
+        };
+        for (client, expected) in [
+            (FieldTable::default(), None),
+            (
+                args(&[(ARG_DEAD_LETTER_EXCHANGE, text("own"))]),
+                Some(text("own")),
+            ),
+        ] {
+            let mut rewrite =
+                rewrite_declare(&client, Some(&policy), None, &DeadLetterHandling::Delegate)
+                    .unwrap();
+            keep_own_dead_letter_arguments(&mut rewrite.upstream_arguments, &client);
+            let up = rewrite.upstream_arguments.inner();
+            assert_eq!(up.get(ARG_DEAD_LETTER_EXCHANGE), expected.as_ref());
+            assert_eq!(up.get(ARG_DEAD_LETTER_ROUTING_KEY), None);
+            // The proxy still knows the merged target (for the rejections it takes over).
+            assert_eq!(
+                rewrite.effective.dead_letter_exchange.as_deref(),
+                Some(if expected.is_some() { "own" } else { "pdlx" })
+            );
+        }
     }
 
     #[test]

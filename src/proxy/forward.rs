@@ -788,6 +788,7 @@ impl Session {
             // The vhost's service connection owns the capture objects (started now if this
             // is the first client of the vhost).
             self.capture_status = self.shared.services.ensure(&self.vhost);
+            self.service = self.shared.services.handle(&self.vhost);
         } else {
             tracing::warn!(
                 peer = %self.peer,

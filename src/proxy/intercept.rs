@@ -17,15 +17,21 @@ use super::QueueView;
 use super::arbiter::{DeclareCheck, Next, Verdict};
 use super::channels::PendingDeclare;
 use super::death::{Death, Plan, drop_unpublishable, now_secs, plan, settle};
-use super::declare::{DeadLetterHandling, passes_through, rewrite_declare, upstream_declare};
+use super::declare::{
+    DeadLetterHandling, keep_own_dead_letter_arguments, passes_through, rewrite_declare,
+    upstream_declare,
+};
 use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{delivery_count, delivery_routing_keys, requeue_publish};
+use super::permission::{self, Permission};
 use super::probe::CheckAnswer;
 use super::publisher::{OpId, Outcome, OutgoingMessage};
 use super::readback::{ReadBack, ReadNext, ReadOutcome};
 use super::registry::VerifiedQueue;
 use super::retry::RetryReason;
+use super::service::judge::DeclareRequest;
+use super::service::link::PublishRequest;
 use super::session::Session;
 use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::decode_method;
@@ -33,6 +39,14 @@ use crate::amqp::content::{decode_properties, keep_opaque_headers};
 use crate::amqp::reply;
 use crate::deadletter::DeadLetterReason;
 use crate::rabbit::args::{ArgumentError, QueueArguments};
+
+/// Why a dead letter handed to the service connection failed before it was published.
+const SERVICE_UNAVAILABLE: &str = "service connection unavailable";
+
+/// Whether a message carries a `user_id` property.
+fn carries_user_id(message: &OutgoingMessage) -> bool {
+    decode_properties(&message.raw_properties).map_or(true, |p| p.user_id().is_some())
+}
 
 /// The verified view of `queue`, looked up once per settlement.
 fn cached_view(
@@ -78,6 +92,9 @@ pub(super) struct PendingCheck {
     /// The computed upstream arguments (declared for the client when the check cannot tell).
     upstream_arguments: FieldTable,
     check: DeclareCheck,
+    /// The permission probe on the client's connection runs ([`super::permission`]); then
+    /// the check's rounds on the service connection.
+    probing: bool,
 }
 
 /// A queue.declare held until the vhost's capture objects exist.
@@ -134,7 +151,12 @@ impl Session {
             self.send_upstream(frame.raw);
             return;
         }
-        let handling = if self.shared.delegate_to_upstream || self.publisher.is_none() {
+        // Server-named and exclusive queues belong to the client's connection, so only it can
+        // declare them; they keep their own dead-letter arguments upstream, and RabbitMQ
+        // checks the client's permissions on them itself (docs/semantics.md).
+        let own_queue = name.is_empty() || declare.exclusive;
+        let handling = if self.shared.delegate_to_upstream || self.publisher.is_none() || own_queue
+        {
             DeadLetterHandling::Delegate
         } else {
             DeadLetterHandling::Capture {
@@ -154,7 +176,7 @@ impl Session {
             .unwrap_or_else(|e| e.into_inner())
             .for_queue(&self.vhost, &name)
             .map(|p| p.definition.clone());
-        let rewrite = match rewrite_declare(
+        let mut rewrite = match rewrite_declare(
             &declare.arguments,
             policy.as_ref(),
             self.shared.default_delivery_limit,
@@ -166,28 +188,122 @@ impl Session {
                 return;
             }
         };
-        // Server-named and exclusive queues belong to this connection: nobody else declares
-        // them, so they are declared for the client directly.
-        let checked = !name.is_empty()
-            && !declare.exclusive
-            && matches!(handling, DeadLetterHandling::Capture { .. })
-            && self.check.is_some();
+        if own_queue && !self.shared.delegate_to_upstream {
+            keep_own_dead_letter_arguments(&mut rewrite.upstream_arguments, &declare.arguments);
+        }
+        // A queue whose upstream arguments are the proxy's (the capture exchange) is judged
+        // and created by the service connection, after the probe on the client's connection
+        // said its user may declare it.
+        let checked = matches!(handling, DeadLetterHandling::Capture { .. })
+            && self.check.is_some()
+            && self.service.is_some();
         if !checked {
             let record = VerifiedQueue::Proxied(rewrite.client_arguments);
             self.forward_declare(channel, &declare, rewrite.upstream_arguments, Some(record));
             return;
         }
         let check = DeclareCheck::new(&declare, &self.vhost, &rewrite, &self.shared.capture_name);
-        if let Some(bytes) = self.check.as_mut().and_then(|c| c.declare(check.request())) {
-            self.send_upstream(bytes);
-        }
+        self.check_declare(permission::probe(&declare));
         self.pending_check = Some(PendingCheck {
             channel,
             declare,
             client_arguments: rewrite.client_arguments,
             upstream_arguments: rewrite.upstream_arguments,
             check,
+            probing: true,
         });
+    }
+
+    /// The permission probe answered on the client's check channel: the check goes on with
+    /// the service connection, or the client gets RabbitMQ's refusal as it is.
+    fn on_permission_answer(&mut self, answer: CheckAnswer) {
+        let Some(mut pending) = self.pending_check.take() else {
+            return;
+        };
+        if answer == CheckAnswer::DeclareOk {
+            tracing::warn!(
+                queue = pending.declare.queue.as_str(),
+                "the upstream accepted the permission probe (it does not validate {}); \
+                 the queue was declared with the client's flags",
+                permission::PROBE_ARGUMENT
+            );
+            self.close_check();
+        }
+        match permission::judge(&answer) {
+            Permission::Granted => {
+                pending.probing = false;
+                let request = pending.check.request();
+                self.pending_check = Some(pending);
+                if !self.ask_service(request) {
+                    self.pending_check = None;
+                }
+            }
+            Permission::Refused { code, text } => {
+                if self
+                    .channels
+                    .get(&pending.channel)
+                    .is_some_and(|ch| ch.is_open())
+                {
+                    tracing::debug!(peer = %self.peer, %text, "queue.declare refused by the upstream");
+                    self.close_channel_by_proxy(pending.channel, code, &text, 50, 10);
+                }
+            }
+        }
+    }
+
+    /// Has the vhost's service connection make `declare` (client reads pause until it
+    /// answers, at most `proxy.capture_ready_timeout_secs`). When it cannot take it (its
+    /// queue is full or gone) the client connection is closed with 320 and false returned.
+    fn ask_service(&mut self, declare: queue::Declare) -> bool {
+        let (answer, receiver) = tokio::sync::oneshot::channel();
+        let sent = self.service.as_ref().is_some_and(|s| {
+            s.declares
+                .try_send(DeclareRequest { declare, answer })
+                .is_ok()
+        });
+        if !sent {
+            self.shared.metrics.service_declare_refused();
+            self.refuse_capture_not_ready("its service connection takes no more declares now");
+            return false;
+        }
+        self.service_answer = Some(receiver);
+        self.service_deadline = Some(self.now + self.shared.capture_ready_timeout);
+        true
+    }
+
+    /// The service connection answered (or was lost, `None`): the declare check or the
+    /// read-back goes on.
+    pub(super) fn on_service_answer(&mut self, answer: Option<CheckAnswer>) {
+        self.service_answer = None;
+        self.service_deadline = None;
+        let Some(answer) = answer else {
+            self.pending_check = None;
+            self.pending_read = None;
+            self.refuse_capture_not_ready("its service connection was lost during a declare");
+            return;
+        };
+        if self.pending_check.is_some() {
+            self.on_check_answer(answer);
+        } else {
+            self.on_read_answer(answer);
+        }
+    }
+
+    /// The service connection did not answer in time: the client connection is closed with
+    /// 320 (it reconnects and declares again).
+    pub(super) fn service_wait_expired(&mut self, now: Instant) {
+        if self
+            .service_deadline
+            .is_some_and(|deadline| now >= deadline)
+        {
+            self.service_answer = None;
+            self.service_deadline = None;
+            self.pending_check = None;
+            self.pending_read = None;
+            self.refuse_capture_not_ready(
+                "its service connection did not answer a declare in time",
+            );
+        }
     }
 
     /// Whether this vhost's capture exchange, queue and binding exist.
@@ -249,26 +365,34 @@ impl Session {
         self.close_client(reply::CONNECTION_FORCED, &text, 50, 10);
     }
 
-    /// The check channel answered: declare again, or settle the client's declare by the
-    /// verdict ([`super::arbiter`]).
+    /// The service connection answered a round of the declare check: declare again, or
+    /// settle the client's declare by the verdict ([`super::arbiter`]).
     fn on_check_answer(&mut self, answer: CheckAnswer) {
         let Some(mut pending) = self.pending_check.take() else {
             return;
         };
         let verdict = match answer {
-            CheckAnswer::DeclareOk => {
-                self.close_check();
-                pending.check.on_declare_ok()
-            }
+            CheckAnswer::DeclareOk => pending.check.on_declare_ok(),
             CheckAnswer::Refused { code, text } => match pending.check.on_close(code, &text) {
                 Next::Declare(again) => {
-                    if let Some(bytes) = self.check.as_mut().and_then(|c| c.declare(again)) {
-                        self.send_upstream(bytes);
-                    }
                     self.pending_check = Some(pending);
+                    if !self.ask_service(again) {
+                        self.pending_check = None;
+                    }
                     return;
                 }
-                Next::Done(verdict) => verdict,
+                Next::Done(verdict) => {
+                    if verdict == Verdict::Undecided {
+                        tracing::warn!(
+                            vhost = %self.vhost,
+                            code,
+                            %text,
+                            "the service connection's declare was refused; the client's \
+                             declare goes upstream as the proxy computed it"
+                        );
+                    }
+                    verdict
+                }
             },
         };
         let open = self
@@ -281,9 +405,14 @@ impl Session {
         let channel = pending.channel;
         let declare = pending.declare;
         match verdict {
-            Verdict::Verified(arguments) => {
+            Verdict::Verified(_) => {
+                // The service connection's declare-ok: the queue exists with these arguments.
+                // The client's declare-ok (with the queue's real counts) comes from a passive
+                // declare on its own connection, which checks no permission.
                 let record = VerifiedQueue::Proxied(pending.client_arguments);
-                self.forward_declare(channel, &declare, arguments, Some(record));
+                let mut passive = declare.clone();
+                passive.passive = true;
+                self.forward_declare(channel, &passive, FieldTable::default(), Some(record));
             }
             Verdict::Refused { code, text } => {
                 tracing::debug!(peer = %self.peer, %text, "queue.declare refused");
@@ -316,15 +445,18 @@ impl Session {
         let read = wanted
             .then(|| ReadBack::new(&queue, &self.vhost, &self.shared.capture_name))
             .flatten();
-        let Some(read) = read.filter(|_| self.check.is_some()) else {
+        let Some(read) = read.filter(|_| self.service.is_some()) else {
             return Some(frame);
         };
-        self.check_declare(read.request());
+        let request = read.request();
         self.pending_read = Some(PendingRead { frame, queue, read });
+        if !self.ask_service(request) {
+            self.pending_read = None;
+        }
         None
     }
 
-    /// The check channel answered a read-back: ask again, or cache what was learned and let
+    /// The service connection answered a read-back: ask again, or cache what was learned and let
     /// the client's method go.
     fn on_read_answer(&mut self, answer: CheckAnswer) {
         let Some(mut pending) = self.pending_read.take() else {
@@ -336,13 +468,14 @@ impl Session {
         };
         let outcome = match next {
             ReadNext::Declare(again) => {
-                self.check_declare(again);
                 self.pending_read = Some(pending);
+                if !self.ask_service(again) {
+                    self.pending_read = None;
+                }
                 return;
             }
             ReadNext::Done(outcome) => outcome,
         };
-        self.close_check();
         match outcome {
             ReadOutcome::Learned(verified) => {
                 self.shared
@@ -360,12 +493,10 @@ impl Session {
         }
     }
 
-    /// An answer on the check channel: for the declare check or the read-back in flight.
+    /// An answer on the client connection's check channel: the permission probe's.
     pub(super) fn on_check_channel_answer(&mut self, answer: CheckAnswer) {
-        if self.pending_check.is_some() {
-            self.on_check_answer(answer);
-        } else {
-            self.on_read_answer(answer);
+        if self.pending_check.as_ref().is_some_and(|p| p.probing) {
+            self.on_permission_answer(answer);
         }
     }
 
@@ -635,17 +766,26 @@ impl Session {
         self.start_op(Op::new(origin, purpose, queue, message, Instant::now()));
     }
 
-    /// Publishes an operation's message (first time or retry) and tracks it until its confirm.
+    /// Publishes an operation's message (first time or retry) and tracks it until its confirm:
+    /// on the proxy's channel of the client's connection, or through the vhost's service
+    /// connection once the client's user was refused it ([`Session::hand_to_service`]).
     fn start_op(&mut self, op: Op) {
         let op_id = self.next_op;
         self.next_op += 1;
-        let published = match self.publisher.as_mut() {
-            Some(publisher) => publisher.publish(op_id, &op.message, self.now),
-            None => Err("no publisher channel"),
+        let published = if op.via_service {
+            self.publish_via_service(op_id, &op.message);
+            Ok(None)
+        } else {
+            match self.publisher.as_mut() {
+                Some(publisher) => publisher.publish(op_id, &op.message, self.now).map(Some),
+                None => Err("no publisher channel"),
+            }
         };
         match published {
             Ok(bytes) => {
-                self.send_upstream(bytes);
+                if let Some(bytes) = bytes {
+                    self.send_upstream(bytes);
+                }
                 if let Origin::Client {
                     channel,
                     channel_id,
@@ -669,6 +809,53 @@ impl Session {
         }
     }
 
+    /// Hands a dead letter to the vhost's service connection; its outcome comes back through
+    /// `service_outcomes` (at once, as a failure to retry, when the service cannot take it).
+    fn publish_via_service(&mut self, op_id: OpId, message: &OutgoingMessage) {
+        let request = PublishRequest {
+            op: op_id,
+            message: message.clone(),
+            reply: self.service_outcomes.0.clone(),
+        };
+        let taken = self
+            .service
+            .as_ref()
+            .is_some_and(|s| s.publishes.try_send(request).is_ok());
+        if !taken {
+            let _ = self
+                .service_outcomes
+                .0
+                .send((op_id, Outcome::Failed(SERVICE_UNAVAILABLE)));
+        }
+    }
+
+    /// The client's user may not publish this dead letter (403 on the proxy's channel of its
+    /// connection). RabbitMQ dead-letters as the broker, without permission checks, so the
+    /// proxy publishes it as its own service user, at once; the original is still settled
+    /// only on that publish's confirm. Not a message carrying a `user_id`: RabbitMQ lets the
+    /// service user publish another user's id only with the `impersonator` tag, and a refusal
+    /// (406) would close the service connection's publisher channel for every vhost's dead
+    /// letter in flight on it; such a message stays held on the client's connection until the
+    /// user may publish it (docs/deploy.md). Returns whether it was handed over.
+    fn hand_to_service(&mut self, op: &mut Op) -> bool {
+        if op.via_service
+            || self.service.is_none()
+            || !matches!(op.purpose, Purpose::DeadLetter(_))
+            || carries_user_id(&op.message)
+        {
+            return false;
+        }
+        tracing::info!(
+            peer = %self.peer,
+            queue = &*op.queue,
+            exchange = %op.message.exchange,
+            "dead-letter exchange refused to the client's user: published by the service user"
+        );
+        self.shared.metrics.dead_letter_by_service();
+        op.via_service = true;
+        true
+    }
+
     // ------------------------------------------------------------------------------------
     // The end of an operation
     // ------------------------------------------------------------------------------------
@@ -676,9 +863,15 @@ impl Session {
     /// A publish of the proxy's channel ended: settle the original accordingly, or hold it
     /// for a retry when the publish was refused.
     pub(super) fn complete_op(&mut self, op_id: OpId, outcome: Outcome) {
-        let Some(op) = self.take_op(op_id) else {
+        let Some(mut op) = self.take_op(op_id) else {
             return;
         };
+        if outcome == Outcome::AccessRefused && self.hand_to_service(&mut op) {
+            let origin = op.origin;
+            self.start_op(op);
+            self.op_finished(origin);
+            return;
+        }
         if let Some(reason) = RetryReason::of(&outcome) {
             self.refused(op, &outcome, reason);
             return;

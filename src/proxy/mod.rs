@@ -13,14 +13,25 @@
 //!   higher TTL or length limit) and dead-letters
 //!   into the proxy's capture exchange, with the client's dead-letter arguments (and a classic
 //!   queue's delivery limit) in its dead-letter routing key ([`declare`], [`capture`]). The
-//!   upstream queue is the truth: RabbitMQ judges every declare, checked first on a proxy
-//!   channel, and its refusals are given to the client in the client's terms ([`arbiter`]);
-//!   the instance only caches what RabbitMQ confirmed ([`registry`]);
+//!   upstream queue is the truth: RabbitMQ judges every declare, and its refusals are given to
+//!   the client in the client's terms ([`arbiter`]); the instance only caches what RabbitMQ
+//!   confirmed ([`registry`]). Least privilege: a probe on the client's own connection has
+//!   RabbitMQ check the client's user's permissions for the declare, creating nothing
+//!   ([`permission`]; its 403 goes to the client as it is); the declares that carry the
+//!   proxy's arguments (the check's rounds, which create the queue) are made by the vhost's
+//!   service connection as the service user ([`service::judge`]), and the client's declare-ok
+//!   comes from a passive declare on its own connection. Exclusive and server-named queues,
+//!   which only the client's connection can declare, keep their own dead-letter arguments
+//!   upstream (RabbitMQ dead-letters their expiries and overflows natively);
 //! - `basic.reject` / `basic.nack` with `requeue=false` on a queue with verified settings and
 //!   a dead-letter exchange: the proxy publishes the rewritten message to the DLX on its own
 //!   channel with publisher confirms and only then acks the original ([`intercept`],
-//!   [`publisher`], [`outgoing`]): at-least-once. Without verified settings the rejection is
-//!   passed through and the upstream dead-letters it into the capture exchange;
+//!   [`publisher`], [`outgoing`]): at-least-once. When that channel gets 403 (the client's
+//!   user may not publish to the DLX, which RabbitMQ does not check when it dead-letters), the
+//!   publish is handed to the vhost's service connection, and the original is acked on its
+//!   confirm (one carrying a `user_id` stays held on the client's connection). Without
+//!   verified settings the rejection is passed through and the upstream dead-letters it into
+//!   the capture exchange;
 //! - requeues on classic queues with a delivery limit (verified settings): republished with
 //!   `x-delivery-count`, and dead-lettered as `delivery_limit` past the limit; the same for
 //!   the deliveries a client leaves unsettled when it closes a channel or its connection, or
@@ -43,14 +54,16 @@
 //!   Other publishes stay untouched bytes.
 //!
 //! The proxy uses the two highest channel numbers of each client's upstream connection (the
-//! client is offered two fewer in connection.tune): one to check declares (open only while a
-//! check runs), one for its publishes (with confirms). Client channel numbers,
+//! client is offered two fewer in connection.tune): one for the permission probe (open only
+//! while a check runs), one for its publishes (with confirms). Client channel numbers,
 //! delivery tags and confirm sequence numbers are untouched; the proxy's settlements of client
 //! deliveries go on the client's channel with the upstream's own delivery tags.
 //!
 //! Failures: a dead-letter publish that is nacked (a DLQ at its length limit with
 //! `reject-publish`), times out (`proxy.confirm_timeout_secs`), is lost with the proxy's
-//! channel, or is refused to the publishing user (403) is *held* ([`retry`]): the original
+//! channel, or is refused to the publishing user (403: the service user, or a client's user
+//! for a message with a `user_id`; 406 for a `user_id` the service user may not set) is
+//! *held* ([`retry`]): the original
 //! (client delivery, or capture delivery on a service connection) stays unacked upstream, is
 //! not delivered again, and the same publish is retried after `proxy.retry_initial_ms`
 //! doubling to `proxy.retry_max_ms` (jittered) until it is confirmed; then the original is
@@ -104,9 +117,10 @@
 //!   compared too (RabbitMQ ignores it on classic queues; the proxy enforces it);
 //! - a queue this instance has not verified (its clients did not declare it through this
 //!   instance since it started) is read back from the upstream at the first basic.consume or
-//!   basic.get on it ([`readback`]): a passive declare, then one non-passive declare per
-//!   argument RabbitMQ names, a round trip each. A queue that cannot be read (a reply cut at
-//!   255 bytes, exclusive to another connection, no configure permission) is tried again at
+//!   basic.get on it ([`readback`]), by the vhost's service connection: a passive declare,
+//!   then one non-passive declare per argument RabbitMQ names, a round trip each. A queue
+//!   that cannot be read (a reply cut at 255 bytes, exclusive to another connection, no
+//!   configure permission for the service user) is tried again at
 //!   the next consume or get; meanwhile its rejections are passed through (they still reach
 //!   the dead-letter exchange through the capture) and its requeues are not counted against a
 //!   classic queue's delivery limit. A queue deleted in the round trip between the passive
@@ -146,7 +160,8 @@
 //! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`retry`] (held dead
 //! letters and their backoff), [`bcc`], [`publisher`], [`capture`], [`death`] (what becomes of
 //! a dead message), [`service`] (the service connections), [`declare`], [`arbiter`] (the
-//! declare check), [`readback`], [`probe`] (the check channel), [`outgoing`], [`handshake`],
+//! declare check), [`readback`], [`probe`] (the check channel), [`permission`] (the probe of
+//! the client's permissions), [`outgoing`], [`handshake`],
 //! [`upstream`] (the upstream nodes, failover between them, TCP/TLS),
 //! [`outbox`] (socket writes), [`wire`] (frames and adaptive reads), [`busy_poll`] (polling
 //! before sleeping), [`channels`], [`ops`], [`registry`], [`policy_sync`] (the policies as
@@ -167,6 +182,7 @@ mod intercept;
 pub mod ops;
 pub mod outbox;
 pub mod outgoing;
+pub mod permission;
 pub mod policy_sync;
 pub mod probe;
 pub mod publisher;

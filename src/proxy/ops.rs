@@ -53,6 +53,9 @@ pub struct Op {
     /// Bytes charged against the connection's inflight bound while it is held (from its first
     /// refusal; 0 before).
     pub held_charge: usize,
+    /// Published by the vhost's service connection rather than the client's (its client's
+    /// user may not publish it; see `intercept`).
+    pub via_service: bool,
 }
 
 impl Op {
@@ -72,6 +75,7 @@ impl Op {
             message,
             refusals: 0,
             held_charge: 0,
+            via_service: false,
         }
     }
 

@@ -1,15 +1,20 @@
-//! The check channel: the proxy channel on which a client's queue.declare is first declared
-//! with the proxy's upstream arguments, so RabbitMQ judges it ([`super::arbiter`]) before the
-//! client's own channel is involved (a refusal closes the channel it happens on).
+//! The check channel: a channel of the proxy's own on which it declares a queue so that
+//! RabbitMQ judges the declare before any client channel is involved (a refusal closes the
+//! channel it happens on).
 //!
-//! It is open only while a check runs: opened with the first declare (the open and the declare
-//! go out together), closed by the upstream with a refusal (the proxy answers close-ok and may
-//! open it again at once for the next round), or closed by the proxy after a declare-ok. A
-//! declare asked for while the proxy's own channel.close is unanswered waits for the close-ok,
-//! since RabbitMQ refuses a channel.open on a channel it is still closing. So a client
-//! connection costs no upstream channel for this outside a check. One check at a time (client
-//! reads pause while one runs).
-
+//! Two kinds: on each client's upstream connection, the permission probe
+//! ([`super::permission`]), and on each vhost's service connection, the rounds of the declare
+//! check ([`super::arbiter`]) and of the read-back ([`super::readback`]) that carry the
+//! proxy's own arguments ([`super::service::judge`]).
+//!
+//! On a client connection it is open only while a check runs: opened with the first declare
+//! (the open and the declare go out together), closed by the upstream with a refusal (the
+//! proxy answers close-ok and may open it again at once for the next round), or closed by the
+//! proxy after a declare-ok. A declare asked for while the proxy's own channel.close is
+//! unanswered waits for the close-ok, since RabbitMQ refuses a channel.open on a channel it is
+//! still closing. So a client connection costs no upstream channel for this outside a check.
+//! One check at a time (client reads pause while one runs). The service connection keeps it
+//! open between declares.
 use amq_protocol::protocol::{AMQPClass, channel, queue};
 use amq_protocol::types::ShortString;
 use bytes::{Bytes, BytesMut};

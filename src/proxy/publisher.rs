@@ -29,10 +29,13 @@ use bytes::{Bytes, BytesMut};
 use super::wire::{WireFrame, content_body_size, method_frame};
 use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method};
 use crate::amqp::content::put_content;
-use crate::amqp::reply::{ACCESS_REFUSED, NOT_FOUND};
+use crate::amqp::reply::{ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED};
 
 /// The cause of [`Outcome::Failed`] for a basic.nack.
 pub const NACKED: &str = "nack";
+/// Why publishes failed when the upstream refused a dead letter's `user_id` (406: it names
+/// another user than the publishing one, which has no `impersonator` tag).
+pub const USER_ID_REFUSED: &str = "user_id_refused";
 
 /// Identifies the operation a publish belongs to (chosen by the caller).
 pub type OpId = u64;
@@ -306,6 +309,12 @@ impl Publisher {
         } else {
             None
         };
+        let user_id_refused = code == PRECONDITION_FAILED && text.contains("user_id");
+        let lost = if user_id_refused {
+            USER_ID_REFUSED
+        } else {
+            "channel closed"
+        };
         let records = std::mem::take(&mut self.unconfirmed);
         let mut settled = Vec::with_capacity(records.len());
         let mut blamed_first = false;
@@ -316,7 +325,7 @@ impl Publisher {
                     blamed_first = true;
                     blamed.clone()
                 }
-                _ => Outcome::Failed("channel closed"),
+                _ => Outcome::Failed(lost),
             };
             settled.push(Settled {
                 op: record.op,
@@ -328,6 +337,14 @@ impl Publisher {
                 code,
                 text,
                 "dead-letter exchange refused to the client's user"
+            );
+        } else if user_id_refused {
+            tracing::warn!(
+                code,
+                text,
+                "a dead letter's user_id is not the publishing user's: RabbitMQ accepts that \
+                 only from a user with the impersonator tag (give it to the proxy's service \
+                 user); the dead letters are held and retried"
             );
         } else if code != NOT_FOUND {
             tracing::warn!(
@@ -522,6 +539,29 @@ mod tests {
         // Sequence numbers restart with the new channel.
         p.publish(3, &message("dlx", "c"), now).unwrap();
         assert_eq!(p.on_frame(&ack(5, 1, false)).settled[0].op, 3);
+    }
+
+    #[test]
+    fn a_refused_user_id_fails_every_publish_in_flight_under_its_own_cause() {
+        let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+        let now = Instant::now();
+        p.publish(1, &message("dlx", "a"), now).unwrap();
+        p.publish(2, &message("dlx", "b"), now).unwrap();
+        let step = p.on_frame(&frame(method_frame(
+            5,
+            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: 406,
+                reply_text: ShortString::from(
+                    "PRECONDITION_FAILED - user_id property set to 'app' but authenticated \
+                     user was 'dlx-proxy'",
+                ),
+                class_id: 60,
+                method_id: 40,
+            })),
+        )));
+        let outcomes: Vec<_> = step.settled.iter().map(|s| s.outcome.clone()).collect();
+        assert_eq!(outcomes, vec![Outcome::Failed(USER_ID_REFUSED); 2]);
+        assert!(step.write.is_some(), "the channel is opened again");
     }
 
     #[test]

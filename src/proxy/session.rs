@@ -23,7 +23,7 @@ use amq_protocol::protocol::{AMQPClass, connection};
 use amq_protocol::types::ShortString;
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, oneshot, watch};
 
 use super::ProxyShared;
 use super::busy_poll::BusyPoll;
@@ -31,10 +31,12 @@ use super::channels::ClientChannel;
 use super::handshake::Negotiated;
 use super::ops::Op;
 use super::outbox::Outbox;
-use super::probe::CheckChannel;
-use super::publisher::{OpId, Publisher};
+use super::probe::{CheckAnswer, CheckChannel};
+use super::publisher::{OpId, Outcome, Publisher};
 use super::retry::RetrySchedule;
+use super::service::ServiceHandle;
 use super::service::Status;
+use super::service::link::OutcomeSender;
 use super::wire::{FrameReader, WireFrame, method_frame};
 use crate::admission::refuse_client_after_header;
 use crate::amqp::codec::{FrameError, PROTOCOL_HEADER, put_heartbeat};
@@ -88,6 +90,10 @@ enum Event {
     Shutdown,
     /// The vhost's capture objects were declared (a held queue.declare may go on).
     CaptureDeclared,
+    /// The service connection answered a declare (`None`: it was lost before answering).
+    ServiceAnswer(Option<CheckAnswer>),
+    /// A dead letter the service connection published for this session ended.
+    ServiceOutcome(Option<(OpId, Outcome)>),
     /// Nothing was ready; the task yielded instead of sleeping.
     Polled,
 }
@@ -132,6 +138,16 @@ pub(super) struct Session {
     /// The status of this vhost's service connection (known once the connection is open;
     /// `None` when the vhost has none).
     pub(super) capture_status: Option<watch::Receiver<Status>>,
+    /// How this session reaches the vhost's service connection, for the declares and the
+    /// dead letters it makes for it (`None` when the vhost has no service connection).
+    pub(super) service: Option<ServiceHandle>,
+    /// Where the service connection reports how the dead letters it published for this
+    /// session ended (one entry per operation handed to it; see `intercept`).
+    pub(super) service_outcomes: (OutcomeSender, mpsc::UnboundedReceiver<(OpId, Outcome)>),
+    /// The answer to the declare the service connection makes now, and until when it is
+    /// waited for (client reads pause meanwhile).
+    pub(super) service_answer: Option<oneshot::Receiver<CheckAnswer>>,
+    pub(super) service_deadline: Option<Instant>,
     /// A queue.declare naming the capture exchange, waiting for the capture objects to exist
     /// (client reads pause meanwhile).
     pub(super) held_for_capture: Option<super::intercept::HeldDeclare>,
@@ -251,6 +267,10 @@ pub(super) async fn run<S>(
         pending_check: None,
         pending_read: None,
         capture_status: None,
+        service: None,
+        service_outcomes: mpsc::unbounded_channel(),
+        service_answer: None,
+        service_deadline: None,
         held_for_capture: None,
         held_channel_open: None,
         ops: HashMap::new(),
@@ -303,8 +323,13 @@ pub(super) async fn run<S>(
         }
         let poll_again = busy_poll.should_poll(now);
         let held = session.held_for_capture.is_some();
+        let judging = session.service_answer.is_some();
         let event = tokio::select! {
             _ = capture_declared(&mut session.capture_status), if held => Event::CaptureDeclared,
+            answer = service_answer(&mut session.service_answer), if judging => {
+                Event::ServiceAnswer(answer)
+            }
+            outcome = session.service_outcomes.1.recv() => Event::ServiceOutcome(outcome),
             frame = client_reader.next(), if read_client => Event::Client(frame),
             frame = upstream_reader.next(), if read_upstream => Event::Upstream(frame),
             _ = session.client_out.write_some(), if write_client => Event::Wrote,
@@ -330,6 +355,13 @@ pub(super) async fn run<S>(
             Event::Timer => session.on_timer(session.now),
             Event::Shutdown => session.on_shutdown(),
             Event::CaptureDeclared => session.resume_held_declare(),
+            Event::ServiceAnswer(answer) => session.on_service_answer(answer),
+            Event::ServiceOutcome(outcome) => {
+                // The session holds a sender itself, so the channel never ends.
+                if let Some((op, outcome)) = outcome {
+                    session.complete_op(op, outcome);
+                }
+            }
             Event::Polled => {}
         }
     }
@@ -351,6 +383,16 @@ async fn capture_declared(status: &mut Option<watch::Receiver<Status>>) {
         return;
     }
     std::future::pending::<()>().await
+}
+
+/// The service connection's answer to this session's declare; `None` when it was lost first.
+async fn service_answer(
+    answer: &mut Option<oneshot::Receiver<CheckAnswer>>,
+) -> Option<CheckAnswer> {
+    match answer.as_mut() {
+        Some(receiver) => receiver.await.ok(),
+        None => std::future::pending().await,
+    }
 }
 
 impl Session {
@@ -437,6 +479,7 @@ impl Session {
             || self.pending_read.is_some()
             || self.held_channel_open.is_some()
             || self.held_for_capture.is_some()
+            || self.service_answer.is_some()
     }
 
     fn wants_upstream_frames(&self) -> bool {
@@ -485,6 +528,7 @@ impl Session {
             consider(publisher.next_deadline());
         }
         consider(self.held_for_capture.as_ref().map(|held| held.deadline));
+        consider(self.service_deadline);
         consider(self.held.next_deadline());
         consider(self.next_consumer_timeout());
         if let Some(interval) = self.heartbeat {
@@ -579,6 +623,7 @@ impl Session {
             return;
         }
         self.capture_wait_expired(now);
+        self.service_wait_expired(now);
         if let Some(publisher) = self.publisher.as_mut() {
             let expired = publisher.expire(now);
             for settled in expired {

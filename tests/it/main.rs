@@ -55,6 +55,7 @@ mod proxy_fault_close;
 mod proxy_faults;
 mod proxy_forwarding;
 mod proxy_holdretry;
+mod proxy_least_privilege;
 mod proxy_service;
 mod proxy_streams;
 mod proxy_upstream_policies;

@@ -84,6 +84,51 @@ async fn logins(amqp: &str, user: &str, password: &str, wrong_password: &str, qu
     assert!(login(&url).await.is_err(), "a wrong password was accepted");
 }
 
+/// A restricted user through the proxy at `amqp` (it may write anything but `t-locked-*`):
+/// its declare naming the locked exchange as dead-letter exchange is refused with RabbitMQ's
+/// 403, and its rejection from `queue` (which dead-letters there into `dlq`, declared by an
+/// administrator) is published by the proxy's service user. Returns every reply text the
+/// client got.
+async fn restricted_user_through_the_service(
+    amqp: &str,
+    user: &str,
+    password: &str,
+    queue: &str,
+    locked: &str,
+    dlq: &str,
+) -> Vec<String> {
+    use crate::common::dl::{amqp_text, get_and_reject, publish, table, try_declare};
+    let url = format!("amqp://{user}:{password}@{amqp}/%2f");
+    let connection = login(&url).await.expect("restricted login");
+    let channel = connection.create_channel().await.expect("channel");
+    let refused = try_declare(
+        &channel,
+        &unique("secrets-refused"),
+        table(&[("x-dead-letter-exchange", crate::common::dl::ls(locked))]),
+    )
+    .await
+    .map(|_| ())
+    .expect_err("no write permission on the dead-letter exchange");
+    let text = amqp_text(&refused);
+    assert!(
+        text.starts_with("ACCESS_REFUSED") && text.contains(locked),
+        "{text}"
+    );
+    let channel = connection.create_channel().await.expect("channel");
+    publish(&channel, queue, &["secret-test"]).await;
+    get_and_reject(&channel, queue, "secret-test").await;
+    let landed = proxy_support::fleet::wait_count_at(
+        &proxy_support::upstream_uri(),
+        dlq,
+        1,
+        Duration::from_secs(15),
+    )
+    .await;
+    assert_eq!(landed, Ok(()), "the dead letter reached {dlq}");
+    connection.close(200, "bye".into()).await.expect("close");
+    vec![text]
+}
+
 /// PUT and DELETE a policy with `token` (204 each), once with `wrong_token` (401), and a read
 /// without any token (200).
 async fn admin_writes(admin: std::net::SocketAddr, token: &str, wrong_token: &str, queue: &str) {
@@ -209,6 +254,39 @@ async fn proxy_mode_logs_no_secret_at_trace_level() {
     let queue = unique("secrets-q");
     logins(&amqp.to_string(), &user, &password, &wrong_password, &queue).await;
     admin_writes(admin, &token, &wrong_token, &queue).await;
+    // A restricted user, whose declare check and dead letter go through the service user.
+    let restricted = unique("restricted-user");
+    let restricted_password = unique("restricted-pw");
+    let _restricted =
+        proxy_support::RabbitUser::create_with(&restricted, &restricted_password, "^(?!t-locked-)");
+    let locked = unique("locked-dlx");
+    let dlq = unique("secrets-dlq");
+    let source = unique("secrets-src");
+    let upstream = proxy_support::upstream_connection().await;
+    let uch = upstream.create_channel().await.unwrap();
+    crate::common::dl::declare_dlx(&uch, &locked, &dlq).await;
+    let through = login(&format!("amqp://{user}:{password}@{amqp}/%2f"))
+        .await
+        .expect("login");
+    let ach = through.create_channel().await.unwrap();
+    crate::common::dl::declare_dead_lettering(&ach, &source, &locked, &dlq).await;
+    let replies = restricted_user_through_the_service(
+        &amqp.to_string(),
+        &restricted,
+        &restricted_password,
+        &source,
+        &locked,
+        &dlq,
+    )
+    .await;
+    let _ = through.close(200, "bye".into()).await;
+    proxy_support::delete_upstream(&uch, &[&source, &dlq], &[&locked]).await;
+    let _ = upstream.close(200, "bye".into()).await;
+    for reply in &replies {
+        for secret in [&service_password, &password, &restricted_password] {
+            assert!(!reply.contains(secret.as_str()), "{reply}");
+        }
+    }
 
     let logs = stop_and_collect(process).await;
     proxy_support::delete_capture(&capture).await;
@@ -224,10 +302,11 @@ async fn proxy_mode_logs_no_secret_at_trace_level() {
     );
     assert_logs_hold_no_secret(
         &logs,
-        &["AMQP listener (proxy)"],
+        &["AMQP listener (proxy)", "published by the service user"],
         &[
             &password,
             &service_password,
+            &restricted_password,
             &url_password,
             &wrong_password,
             &token,

@@ -9,9 +9,11 @@ use crate::proxy_support;
 
 use std::time::Duration;
 
+use crate::common::dl::{amqp_code, amqp_text, try_declare};
 use crate::proxy_faults::Relay;
 use lapin::options::{
-    BasicConsumeOptions, BasicRejectOptions, ConfirmSelectOptions, QueuePurgeOptions,
+    BasicConsumeOptions, BasicPublishOptions, BasicRejectOptions, ConfirmSelectOptions,
+    QueuePurgeOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection};
@@ -350,9 +352,11 @@ async fn held_dead_letters_fill_the_inflight_bound_and_pause_deliveries() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_letter_exchange_refused_to_the_user_is_held_until_access_is_granted() {
-    // RabbitMQ dead-letters without checking the user's permissions; the proxy publishes with
-    // the client's, so a 403 is held (not dropped) until an operator grants write access.
+async fn a_dead_letter_exchange_refused_to_the_user_is_published_by_the_service_user() {
+    // RabbitMQ dead-letters as the broker, without checking the user's permissions; the proxy
+    // publishes with the client's first, and on a 403 hands the dead letter to its service
+    // connection. One carrying a user_id stays held on the client's connection (the service
+    // user would need the impersonator tag) until an operator grants write access.
     let user = unique("held-user");
     let password = unique("held-pw");
     let rabbit_user = RabbitUser::create_with(&user, &password, "^(?!t-locked-)");
@@ -372,8 +376,47 @@ async fn a_dead_letter_exchange_refused_to_the_user_is_held_until_access_is_gran
     .unwrap();
     let ch = conn.create_channel().await.unwrap();
     let q = unique("held-src");
-    declare_dead_lettering(&ch, &q, &locked, &dlq).await;
-    reject_and_hold(&proxy, &ch, &q, "m").await;
+    // RabbitMQ refuses the user a queue whose dead-letter exchange it may not write to (so
+    // does the proxy): the administrator declares it, through the proxy.
+    let admin = proxy.connect().await;
+    let ach = admin.create_channel().await.unwrap();
+    declare_dead_lettering(&ach, &q, &locked, &dlq).await;
+    let refused = try_declare(
+        &ch,
+        &unique("held-refused"),
+        table(&[("x-dead-letter-exchange", ls(&locked))]),
+    )
+    .await
+    .map(|_| ())
+    .unwrap_err();
+    assert_eq!(amqp_code(&refused), Some(403), "{}", amqp_text(&refused));
+    let ch = conn.create_channel().await.unwrap();
+
+    crate::common::dl::publish(&ch, &q, &["m"]).await;
+    crate::common::dl::get_and_reject(&ch, &q, "m").await;
+    landed(&uch, &dlq, "m", &q, "rejected").await;
+    assert_eq!(proxy.counter("dead_letters_by_service_total", &[]), 1.0);
+    assert_eq!(
+        proxy.counter("dead_letter_retries_total", &[("reason", "access_refused")]),
+        0.0
+    );
+    wait_held(&proxy, 0.0).await;
+    assert_eq!(message_count(&uch, &q).await, 0);
+
+    // Stamped with the user's id: held until the user may publish it.
+    let confirm_ch = conn.create_channel().await.unwrap();
+    confirm_ch
+        .basic_publish(
+            "".into(),
+            q.as_str().into(),
+            BasicPublishOptions::default(),
+            b"u",
+            BasicProperties::default().with_user_id(user.as_str().into()),
+        )
+        .await
+        .unwrap();
+    crate::common::dl::get_and_reject(&ch, &q, "u").await;
+    wait_held(&proxy, 1.0).await;
     proxy
         .wait_counter(
             "dead_letter_retries_total",
@@ -382,20 +425,13 @@ async fn a_dead_letter_exchange_refused_to_the_user_is_held_until_access_is_gran
         )
         .await;
     assert_eq!(message_count(&uch, &dlq).await, 0);
-    assert_eq!(message_count(&uch, &q).await, 0);
-    assert_eq!(
-        proxy.counter(
-            "dead_letter_dropped_total",
-            &[("cause", "no_dlx"), ("queue", &q), ("vhost", "/")]
-        ),
-        0.0
-    );
-
+    assert_eq!(proxy.counter("dead_letters_by_service_total", &[]), 1.0);
     rabbit_user.set_write(".*");
-    landed(&uch, &dlq, "m", &q, "rejected").await;
+    landed(&uch, &dlq, "u", &q, "rejected").await;
     wait_held(&proxy, 0.0).await;
     delete_upstream(&uch, &[&q, &dlq], &[&locked]).await;
     let _ = conn.close(200, "done".into()).await;
+    let _ = admin.close(200, "done".into()).await;
     let _ = upstream.close(200, "done".into()).await;
     proxy.stop().await;
 }

@@ -16,8 +16,9 @@ use crate::amqp::codec::{FRAME_METHOD, decode_method};
 use crate::config::ServiceIdentity;
 use crate::proxy::wire::{WireFrame, method_frame};
 
-/// Channels a service connection uses: the capture consumer and the dead-letter publisher.
-pub const CHANNEL_MAX: u16 = 2;
+/// Channels a service connection uses: the capture consumer, the dead-letter publisher and
+/// the declare channel ([`super::judge`]).
+pub const CHANNEL_MAX: u16 = 3;
 /// The largest frame the proxy asks for (RabbitMQ's default).
 pub const FRAME_MAX: u32 = 131_072;
 /// The longest heartbeat interval the proxy accepts, in seconds.
@@ -301,7 +302,7 @@ mod tests {
             caps.inner().get("consumer_cancel_notify"),
             Some(&AMQPValue::Boolean(true))
         );
-        // Heartbeats: the upstream's 60 s is lowered to ours; channel_max to two.
+        // Heartbeats: the upstream's 60 s is lowered to ours; channel_max to three.
         let step = hs
             .on_frame(&one(connection::AMQPMethod::Tune(connection::Tune {
                 channel_max: 2047,
@@ -314,7 +315,7 @@ mod tests {
         assert_eq!(
             decode(&sent[0]),
             connection::AMQPMethod::TuneOk(connection::TuneOk {
-                channel_max: 2,
+                channel_max: 3,
                 frame_max: FRAME_MAX,
                 heartbeat: HEARTBEAT_SECS,
             })
@@ -333,7 +334,7 @@ mod tests {
         assert_eq!(
             step.open,
             Some(Tuned {
-                channel_max: 2,
+                channel_max: 3,
                 frame_max: FRAME_MAX,
                 heartbeat: HEARTBEAT_SECS
             })
@@ -350,7 +351,7 @@ mod tests {
         assert_eq!(
             tuned,
             Tuned {
-                channel_max: 2,
+                channel_max: 3,
                 frame_max: 4096,
                 heartbeat: 3
             }

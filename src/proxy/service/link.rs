@@ -15,12 +15,20 @@
 //! [`CAPTURE_PREFETCH`](crate::proxy::capture::CAPTURE_PREFETCH) deliveries are unacked, so
 //! that bounds what is held. At-least-once, never lost: when the connection ends, the upstream
 //! requeues every capture delivery not acked yet, and what was held is let go.
+//!
+//! The same publisher channel publishes, for client sessions of the vhost, the dead letters
+//! their client's user may not publish ([`PublishRequest`]: a 403 on the session's own
+//! channel; RabbitMQ dead-letters as the broker, without permission checks). Each outcome goes
+//! back to the session, which settles its client's original only on a confirm and otherwise
+//! holds and retries it as before; at most [`FORWARD_LIMIT`] are in flight, and a connection
+//! that ends fails the rest back to their sessions.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
+use tokio::sync::mpsc;
 
 use crate::metrics::{
     CAPTURED_DEAD_LETTERED, CAPTURED_DISCARDED, CAPTURED_DROPPED, CAPTURED_KEPT, CAPTURED_RETRIED,
@@ -29,7 +37,7 @@ use crate::proxy::ProxyShared;
 use crate::proxy::capture::{CaptureConsumer, CapturedMessage};
 use crate::proxy::death::{self, Plan};
 use crate::proxy::ops::{Op, Origin, Purpose, Settlement};
-use crate::proxy::publisher::{OpId, Outcome, Publisher, Settled};
+use crate::proxy::publisher::{OpId, Outcome, OutgoingMessage, Publisher, Settled};
 use crate::proxy::retry::{RetryReason, RetrySchedule};
 use crate::proxy::wire::WireFrame;
 
@@ -37,6 +45,23 @@ use crate::proxy::wire::WireFrame;
 pub const CAPTURE_CHANNEL: u16 = 1;
 /// The dead-letter publisher's channel on a service connection.
 pub const PUBLISHER_CHANNEL: u16 = 2;
+
+/// Dead-letter publishes of client sessions in flight on one service connection, at most.
+pub const FORWARD_LIMIT: usize = 1024;
+/// Why a forwarded publish failed when its service connection ended.
+pub const FORWARD_LOST: &str = "service connection lost";
+
+/// Where a session hears how its forwarded publishes ended: its operation id and the outcome.
+pub type OutcomeSender = mpsc::UnboundedSender<(OpId, Outcome)>;
+
+/// A dead letter a client session has the service connection publish.
+#[derive(Debug)]
+pub struct PublishRequest {
+    /// The session's operation.
+    pub op: OpId,
+    pub message: OutgoingMessage,
+    pub reply: OutcomeSender,
+}
 
 /// What the connection must do after a frame or a timer.
 #[derive(Debug, Default)]
@@ -70,6 +95,8 @@ pub struct CaptureLink {
     held: RetrySchedule<Op>,
     next_op: OpId,
     cancel_confirmed: bool,
+    /// Publishes made for client sessions, by this connection's operation id.
+    forwarded: HashMap<OpId, (OpId, OutcomeSender)>,
 }
 
 impl CaptureLink {
@@ -86,6 +113,7 @@ impl CaptureLink {
             held: RetrySchedule::new(shared.retry_backoff),
             next_op: 1,
             cancel_confirmed: false,
+            forwarded: HashMap::new(),
         }
     }
 
@@ -99,7 +127,28 @@ impl CaptureLink {
 
     /// Dead-letter publishes not yet settled (in flight or held).
     pub fn unsettled(&self) -> usize {
-        self.ops.len() + self.held.len()
+        self.ops.len() + self.held.len() + self.forwarded.len()
+    }
+
+    /// Whether another session's publish may start ([`FORWARD_LIMIT`]).
+    pub fn takes_forwarded(&self) -> bool {
+        self.forwarded.len() < FORWARD_LIMIT
+    }
+
+    /// Publishes a session's dead letter; its outcome goes back to the session.
+    pub fn publish_for(&mut self, request: PublishRequest, now: Instant) -> Option<Bytes> {
+        let id = self.next_op;
+        self.next_op += 1;
+        match self.publisher.publish(id, &request.message, now) {
+            Ok(bytes) => {
+                self.forwarded.insert(id, (request.op, request.reply));
+                Some(bytes)
+            }
+            Err(why) => {
+                let _ = request.reply.send((request.op, Outcome::Failed(why)));
+                None
+            }
+        }
     }
 
     /// Refused dead-letter publishes waiting for their retry.
@@ -121,13 +170,19 @@ impl CaptureLink {
 
     /// Stopped and settled: the connection may close.
     pub fn is_drained(&self) -> bool {
-        self.ops.is_empty() && (self.cancel_confirmed || !self.consumer.is_on())
+        self.ops.is_empty()
+            && self.forwarded.is_empty()
+            && (self.cancel_confirmed || !self.consumer.is_on())
     }
 
     /// The connection is gone: the held publishes are let go (their capture deliveries go
     /// back to the capture queue with the connection).
     pub fn end(&mut self, shared: &ProxyShared) {
         self.let_go_held(shared);
+        // The sessions hold theirs and try again.
+        for (_, (op, reply)) in self.forwarded.drain() {
+            let _ = reply.send((op, Outcome::Failed(FORWARD_LOST)));
+        }
     }
 
     fn let_go_held(&mut self, shared: &ProxyShared) {
@@ -278,6 +333,11 @@ impl CaptureLink {
         now: Instant,
         step: &mut LinkStep,
     ) {
+        if let Some((op, reply)) = self.forwarded.remove(&settled.op) {
+            // The session may be gone: its client's original went back to its queue then.
+            let _ = reply.send((op, settled.outcome));
+            return;
+        }
         let Some(op) = self.ops.remove(&settled.op) else {
             return;
         };
@@ -666,6 +726,44 @@ mod tests {
         link.end(&shared);
         assert_eq!(link.held(), 0);
         assert!(gauge(&shared, "dlx_proxy_dead_letters_held 0"));
+    }
+
+    #[test]
+    fn a_sessions_dead_letter_is_published_and_its_outcome_sent_back() {
+        let shared = shared();
+        let mut link = CaptureLink::new(&shared, "/", 4096);
+        let now = Instant::now();
+        let (reply, mut outcomes) = mpsc::unbounded_channel();
+        let message = OutgoingMessage {
+            exchange: "dlx".into(),
+            routing_key: "k".into(),
+            raw_properties: Bytes::from_static(&[0, 0]),
+            body: Bytes::from_static(b"x"),
+        };
+        let request = |op| PublishRequest {
+            op,
+            message: message.clone(),
+            reply: reply.clone(),
+        };
+        let sent = methods(&link.publish_for(request(41), now).unwrap());
+        assert!(matches!(
+            sent.as_slice(),
+            [(PUBLISHER_CHANNEL, AMQPClass::Basic(basic::AMQPMethod::Publish(p)))]
+                if p.exchange.as_str() == "dlx"
+        ));
+        assert!(!link.is_drained(), "a forwarded publish is waited for");
+        link.publish_for(request(42), now).unwrap();
+        // Confirmed: the session hears it; nothing is acked on the capture channel.
+        let step = link.on_frame(&shared, &confirm("ack", 1), now);
+        assert!(step.write.is_empty());
+        assert_eq!(outcomes.try_recv().unwrap(), (41, Outcome::Confirmed));
+        // The connection ends: the other one fails back to its session, to be retried.
+        link.end(&shared);
+        assert_eq!(
+            outcomes.try_recv().unwrap(),
+            (42, Outcome::Failed(FORWARD_LOST))
+        );
+        assert_eq!(link.unsettled(), 0);
     }
 
     #[test]

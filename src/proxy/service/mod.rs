@@ -25,6 +25,7 @@
 
 pub mod backoff;
 pub mod handshake;
+pub mod judge;
 pub mod link;
 mod task;
 
@@ -32,8 +33,27 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
+
+use judge::{DECLARE_QUEUE, DeclareRequest};
+use link::{FORWARD_LIMIT, PublishRequest};
+
+/// How client sessions reach their vhost's service connection: the declares it makes for
+/// them ([`judge`]) and the dead letters it publishes for them ([`link::PublishRequest`]).
+/// Both queues are bounded; what waits in them while the connection is away stays there.
+#[derive(Clone, Debug)]
+pub struct ServiceHandle {
+    pub declares: mpsc::Sender<DeclareRequest>,
+    pub publishes: mpsc::Sender<PublishRequest>,
+}
+
+/// The receiving ends of a [`ServiceHandle`], owned by the vhost's task.
+#[derive(Debug)]
+pub(crate) struct ServiceInbox {
+    pub(crate) declares: mpsc::Receiver<DeclareRequest>,
+    pub(crate) publishes: mpsc::Receiver<PublishRequest>,
+}
 
 use super::ProxyShared;
 use crate::config::ServiceIdentity;
@@ -53,6 +73,10 @@ struct Entry {
     status: watch::Receiver<Status>,
     /// Held until the task is spawned (before [`ServiceRegistry::start`]).
     sender: Option<watch::Sender<Status>>,
+    /// How sessions reach the service connection.
+    handle: ServiceHandle,
+    /// Held until the task is spawned.
+    inbox: Option<ServiceInbox>,
     task: Option<JoinHandle<()>>,
 }
 
@@ -121,15 +145,25 @@ impl ServiceRegistry {
             return None;
         }
         let (sender, status) = watch::channel(Status::default());
+        let (declares, declares_rx) = mpsc::channel(DECLARE_QUEUE);
+        let (publishes, publishes_rx) = mpsc::channel(FORWARD_LIMIT);
         let mut entry = Entry {
             status: status.clone(),
             sender: Some(sender),
+            handle: ServiceHandle {
+                declares,
+                publishes,
+            },
+            inbox: Some(ServiceInbox {
+                declares: declares_rx,
+                publishes: publishes_rx,
+            }),
             task: None,
         };
         if !state.stopped
             && let Some(runner) = state.runner.as_ref()
         {
-            entry.task = spawn(runner, vhost, &mut entry.sender);
+            entry.task = spawn(runner, vhost, &mut entry);
         }
         self.metrics.service_started(vhost);
         state.vhosts.insert(vhost.to_string(), entry);
@@ -158,24 +192,28 @@ impl ServiceRegistry {
             .store(self.configured_consuming(), Ordering::Release);
     }
 
+    /// How the sessions of `vhost` reach its service connection; `None` when the vhost has
+    /// none.
+    pub fn handle(&self, vhost: &str) -> Option<ServiceHandle> {
+        self.lock().vhosts.get(vhost).map(|e| e.handle.clone())
+    }
+
     /// The current status of `vhost` (`None`: no service connection).
     pub fn status(&self, vhost: &str) -> Option<Status> {
         self.lock().vhosts.get(vhost).map(|e| *e.status.borrow())
     }
 }
 
-fn spawn(
-    runner: &Runner,
-    vhost: &str,
-    sender: &mut Option<watch::Sender<Status>>,
-) -> Option<JoinHandle<()>> {
+fn spawn(runner: &Runner, vhost: &str, entry: &mut Entry) -> Option<JoinHandle<()>> {
     let shared = runner.shared.upgrade()?;
-    let sender = sender.take()?;
+    let sender = entry.sender.take()?;
+    let inbox = entry.inbox.take()?;
     Some(tokio::spawn(task::run(
         shared,
         runner.identity.clone(),
         vhost.to_string(),
         sender,
+        inbox,
         runner.shutdown.clone(),
     )))
 }
@@ -199,7 +237,7 @@ impl ProxyShared {
             };
             for (vhost, entry) in state.vhosts.iter_mut() {
                 if entry.task.is_none() {
-                    entry.task = spawn(&runner, vhost, &mut entry.sender);
+                    entry.task = spawn(&runner, vhost, entry);
                 }
             }
             state.runner = Some(runner);

@@ -26,10 +26,11 @@ use bytes::BytesMut;
 use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::sync::watch;
 
-use super::Status;
 use super::backoff::Backoff;
 use super::handshake::{ClientHandshake, Tuned, connection_name};
+use super::judge::{DECLARE_CHANNEL, Judge};
 use super::link::CaptureLink;
+use super::{ServiceInbox, Status};
 use crate::amqp::codec::{FRAME_METHOD, FrameError, PROTOCOL_HEADER, put_heartbeat};
 use crate::amqp::reply;
 use crate::config::ServiceIdentity;
@@ -62,6 +63,7 @@ pub(super) async fn run(
     identity: ServiceIdentity,
     vhost: String,
     status: watch::Sender<Status>,
+    mut inbox: ServiceInbox,
     mut shutdown: Shutdown,
 ) {
     let metrics = shared.metrics.clone();
@@ -76,7 +78,15 @@ pub(super) async fn run(
         }
         first = false;
         let started = Instant::now();
-        let end = connect_and_serve(&shared, &identity, &vhost, &status, &mut shutdown).await;
+        let end = connect_and_serve(
+            &shared,
+            &identity,
+            &vhost,
+            &status,
+            &mut inbox,
+            &mut shutdown,
+        )
+        .await;
         status.send_modify(|s| s.consuming = false);
         shared.services.consumer_changed();
         metrics.set_capture_consumer(&vhost, false);
@@ -110,6 +120,7 @@ async fn connect_and_serve(
     identity: &ServiceIdentity,
     vhost: &str,
     status: &watch::Sender<Status>,
+    inbox: &mut ServiceInbox,
     shutdown: &mut Shutdown,
 ) -> End {
     let stream = tokio::select! {
@@ -154,6 +165,8 @@ async fn connect_and_serve(
         out: BytesMut::new(),
         heartbeat: (tuned.heartbeat > 0).then(|| Duration::from_secs(u64::from(tuned.heartbeat))),
         link: CaptureLink::new(shared, vhost, tuned.frame_max),
+        inbox,
+        judge: Judge::default(),
     }
     .serve(shutdown)
     .await
@@ -203,6 +216,10 @@ struct Connection<'a> {
     out: BytesMut,
     heartbeat: Option<Duration>,
     link: CaptureLink,
+    /// Declares and dead letters the vhost's sessions have this connection make; they wait
+    /// here while the connection is away.
+    inbox: &'a mut ServiceInbox,
+    judge: Judge,
 }
 
 impl Drop for Connection<'_> {
@@ -241,7 +258,24 @@ impl Connection<'_> {
                 wake = wake.min(deadline);
             }
             let writing = !self.out.is_empty();
+            let judging = self.judge.ready() && stopping.is_none();
+            let forwarding = self.link.takes_forwarded() && stopping.is_none();
             tokio::select! {
+                request = self.inbox.publishes.recv(), if forwarding => {
+                    if let Some(request) = request
+                        && let Some(bytes) = self.link.publish_for(request, Instant::now())
+                    {
+                        self.out.extend_from_slice(&bytes);
+                    }
+                }
+                request = self.inbox.declares.recv(), if judging => {
+                    // The registry keeps a sender for as long as the task runs.
+                    if let Some(request) = request
+                        && let Some(bytes) = self.judge.start(request)
+                    {
+                        self.out.extend_from_slice(&bytes);
+                    }
+                }
                 frame = self.reader.next() => {
                     last_rx = Instant::now();
                     match frame {
@@ -314,6 +348,12 @@ impl Connection<'_> {
                     close.reply_code,
                     close.reply_text.as_str()
                 )));
+            }
+            return None;
+        }
+        if frame.channel == DECLARE_CHANNEL {
+            if let Some(bytes) = self.judge.on_frame(&frame) {
+                self.out.extend_from_slice(&bytes);
             }
             return None;
         }

@@ -419,7 +419,20 @@ impl RabbitUser {
 
     /// Replaces the user's write permission on vhost "/".
     pub fn set_write(&self, write: &str) {
-        let permitted = rabbitmqctl(&["set_permissions", "-p", "/", &self.0, ".*", write, ".*"]);
+        self.set_permissions(".*", write, ".*");
+    }
+
+    /// Replaces the user's permissions on vhost "/" (RabbitMQ regexes).
+    pub fn set_permissions(&self, configure: &str, write: &str, read: &str) {
+        let permitted = rabbitmqctl(&[
+            "set_permissions",
+            "-p",
+            "/",
+            &self.0,
+            configure,
+            write,
+            read,
+        ]);
         assert!(
             permitted.status.success(),
             "set_permissions: {}",
