@@ -404,7 +404,12 @@ async fn a_dead_letter_exchange_refused_to_the_user_is_published_by_the_service_
     assert_eq!(message_count(&uch, &q).await, 0);
 
     // Stamped with the user's id: held until the user may publish it.
+    // Confirmed before the get, which runs on another channel.
     let confirm_ch = conn.create_channel().await.unwrap();
+    confirm_ch
+        .confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     confirm_ch
         .basic_publish(
             "".into(),
@@ -413,6 +418,8 @@ async fn a_dead_letter_exchange_refused_to_the_user_is_published_by_the_service_
             b"u",
             BasicProperties::default().with_user_id(user.as_str().into()),
         )
+        .await
+        .unwrap()
         .await
         .unwrap();
     crate::common::dl::get_and_reject(&ch, &q, "u").await;
