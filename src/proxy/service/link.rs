@@ -11,10 +11,13 @@
 //! ([`crate::proxy::retry`]): the capture delivery stays unacked, so the capture queue does not
 //! deliver it again, and the same publish is retried after the backoff of
 //! `proxy.retry_initial_ms` .. `proxy.retry_max_ms` until it is confirmed
-//! (`dead_letters_held`, `dead_letter_retries_total{reason}`). At most
-//! [`CAPTURE_PREFETCH`](crate::proxy::capture::CAPTURE_PREFETCH) deliveries are unacked, so
-//! that bounds what is held. At-least-once, never lost: when the connection ends, the upstream
-//! requeues every capture delivery not acked yet, and what was held is let go.
+//! (`dead_letters_held`, `dead_letter_retries_total{reason}`). At most `proxy.capture_prefetch`
+//! deliveries are unacked (`dlx_proxy_capture_unacked{vhost}`), so that bounds what is in
+//! flight and held. Publishes are pipelined (no wait for one confirm before the next publish);
+//! the acks of settled deliveries are sent once per frame or timer, contiguous runs as one
+//! `multiple` ack ([`crate::proxy::ack_batch`]). At-least-once, never lost: when the
+//! connection ends, the upstream requeues every capture delivery not acked yet, and what was
+//! held is let go.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -70,13 +73,19 @@ pub struct CaptureLink {
     held: RetrySchedule<Op>,
     next_op: OpId,
     cancel_confirmed: bool,
+    /// `dlx_proxy_capture_unacked{vhost}`.
+    unacked: prometheus::IntGauge,
 }
 
 impl CaptureLink {
     pub fn new(shared: &ProxyShared, vhost: &str, frame_max: u32) -> Self {
         CaptureLink {
             vhost: vhost.to_string(),
-            consumer: CaptureConsumer::new(CAPTURE_CHANNEL, &shared.capture_name),
+            consumer: CaptureConsumer::new(
+                CAPTURE_CHANNEL,
+                &shared.capture_name,
+                shared.capture_prefetch,
+            ),
             publisher: Publisher::new(
                 PUBLISHER_CHANNEL,
                 frame_max as usize,
@@ -86,6 +95,7 @@ impl CaptureLink {
             held: RetrySchedule::new(shared.retry_backoff),
             next_op: 1,
             cancel_confirmed: false,
+            unacked: shared.metrics.capture_unacked(vhost),
         }
     }
 
@@ -128,6 +138,7 @@ impl CaptureLink {
     /// back to the capture queue with the connection).
     pub fn end(&mut self, shared: &ProxyShared) {
         self.let_go_held(shared);
+        self.unacked.set(0);
     }
 
     fn let_go_held(&mut self, shared: &ProxyShared) {
@@ -165,11 +176,14 @@ impl CaptureLink {
                 let got = self.publisher.on_frame(frame);
                 step.send(got.write);
                 for settled in got.settled {
-                    self.complete(shared, settled, now, &mut step);
+                    self.complete(shared, settled, now);
                 }
             }
             _ => {}
         }
+        // What this frame settled (a multiple confirm settles a run) goes out as few acks.
+        step.send(self.consumer.take_acks());
+        self.unacked.set(self.consumer.outstanding() as i64);
         step
     }
 
@@ -177,11 +191,13 @@ impl CaptureLink {
     pub fn on_timer(&mut self, shared: &ProxyShared, now: Instant) -> LinkStep {
         let mut step = LinkStep::default();
         for settled in self.publisher.expire(now) {
-            self.complete(shared, settled, now, &mut step);
+            self.complete(shared, settled, now);
         }
         for op in self.held.take_due(now) {
             self.start_op(shared, op, now, &mut step);
         }
+        step.send(self.consumer.take_acks());
+        self.unacked.set(self.consumer.outstanding() as i64);
         step
     }
 
@@ -202,7 +218,7 @@ impl CaptureLink {
                 tracing::warn!(vhost = %self.vhost, %why, "captured message dropped");
                 metrics.dropped(&self.vhost, &shared.capture_name, why.cause());
                 metrics.captured(&self.vhost, CAPTURED_DROPPED);
-                step.send(self.consumer.ack(origin.0, origin.1));
+                self.consumer.ack(origin.0, origin.1);
                 return;
             }
         };
@@ -217,12 +233,12 @@ impl CaptureLink {
         match death::plan(death, &view, &shared.dead_letter_options) {
             Plan::Discard => {
                 metrics.captured(&self.vhost, CAPTURED_DISCARDED);
-                step.send(self.consumer.ack(origin.0, origin.1));
+                self.consumer.ack(origin.0, origin.1);
             }
             Plan::Drop(cause) => {
                 metrics.dropped(&self.vhost, &queue, cause);
                 metrics.captured(&self.vhost, CAPTURED_DROPPED);
-                step.send(self.consumer.ack(origin.0, origin.1));
+                self.consumer.ack(origin.0, origin.1);
             }
             Plan::Publish(publish) => {
                 let origin = Origin::Capture {
@@ -256,19 +272,13 @@ impl CaptureLink {
                 death::drop_unpublishable(&shared.metrics, &self.vhost, &op.queue, why);
                 shared.metrics.captured(&self.vhost, CAPTURED_DROPPED);
                 self.release(shared, &op);
-                step.send(self.consumer.ack(tag, epoch));
+                self.consumer.ack(tag, epoch);
             }
         }
     }
 
     /// A dead-letter publish ended: ack the capture delivery, or hold it for a retry.
-    fn complete(
-        &mut self,
-        shared: &ProxyShared,
-        settled: Settled,
-        now: Instant,
-        step: &mut LinkStep,
-    ) {
+    fn complete(&mut self, shared: &ProxyShared, settled: Settled, now: Instant) {
         let Some(op) = self.ops.remove(&settled.op) else {
             return;
         };
@@ -287,7 +297,7 @@ impl CaptureLink {
         };
         metrics.captured(&self.vhost, outcome);
         if let Some(Settlement::Ack) = death::settle(metrics, &self.vhost, &op, &settled.outcome) {
-            step.send(self.consumer.ack(tag, epoch));
+            self.consumer.ack(tag, epoch);
         }
     }
 
