@@ -15,6 +15,7 @@
 #                                               # raw-client runs: a forwarder that only copies
 #                                               # bytes, the floor under any proxy's cost
 #   scripts/bench-proxy.sh --deadletter-only    # only the dead-letter rates (below)
+#   scripts/bench-proxy.sh --capture-prefetch 64  # the proxy's proxy.capture_prefetch
 #   scripts/bench-proxy.sh --deadletter-only --proxies 3   # the fleet: 3 proxies, each with
 #                                               # upstream.urls = RABBIT_UPSTREAMS (a cluster,
 #                                               # scripts/rabbit-local.sh start DIR 3)
@@ -45,6 +46,7 @@ BUSY_POLL=0
 FLOOR=0
 DEADLETTER_ONLY=0
 PROXIES=1
+CAPTURE_PREFETCH=1000
 while [ $# -gt 0 ]; do
   case "$1" in
     --pinned) PINNED=1 ;;
@@ -55,7 +57,8 @@ while [ $# -gt 0 ]; do
     --floor) FLOOR=1 ;;
     --deadletter-only) DEADLETTER_ONLY=1 ;;
     --proxies) PROXIES="$2"; shift ;;
-    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    --capture-prefetch) CAPTURE_PREFETCH="$2"; shift ;;
+    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -115,6 +118,7 @@ password = "$service_password"
 filter = "warn"
 [proxy]
 busy_poll_us = $BUSY_POLL
+capture_prefetch = $CAPTURE_PREFETCH
 [runtime]
 worker_threads = $WORKERS
 EOF
@@ -225,22 +229,28 @@ cpu_ticks() {
 }
 CLK_TCK=$(getconf CLK_TCK)
 
-# One dead-letter run: who (direct or proxy), the kind. Through the proxy, the CPU of every
-# proxy of the fleet is added up (fleet_cpu_us_per_msg), as the capture queue feeds them all.
+# One dead-letter run: who (direct or proxy), the kind. The CPU of every proxy of the fleet
+# (fleet_cpu_us_per_msg: the capture queue feeds them all) and of every RabbitMQ node
+# (rabbit_cpu_us_per_msg: through the proxy it also runs the capture queue) are added up.
+RABBIT_PIDS=${RABBIT_PIDS:-$RABBIT_PID}
 dl_run() {
   local round=$1 who=$2 kind=$3
-  local before after
+  local before after rabbit_before rabbit_after
   before=$(cpu_ticks $PROXY_PIDS)
+  rabbit_before=$(cpu_ticks $RABBIT_PIDS)
   run "$round" "$who" deadletter --kind "$kind" --client "$DL_CLIENT" -n "${DL_MESSAGES:-$MESSAGES}"
   after=$(cpu_ticks $PROXY_PIDS)
-  if [ "$who" != direct ] && [ "$(tail -1 "$RESULTS" | grep -c "\"who\":\"$who\"")" = 1 ]; then
-    python3 - "$RESULTS" "$((after - before))" "$CLK_TCK" <<'PY'
+  rabbit_after=$(cpu_ticks $RABBIT_PIDS)
+  if [ "$(tail -1 "$RESULTS" | grep -c "\"who\":\"$who\"")" = 1 ]; then
+    python3 - "$RESULTS" "$((after - before))" "$((rabbit_after - rabbit_before))" "$CLK_TCK" "$who" <<'PY'
 import json, sys
-path, ticks, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, ticks, rabbit, hz, who = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 lines = open(path).read().splitlines()
 last = json.loads(lines[-1])
 n = last.get("dead_lettered") or 1
-last["fleet_cpu_us_per_msg"] = ticks * 1e6 / hz / n
+if who != "direct":
+    last["fleet_cpu_us_per_msg"] = ticks * 1e6 / hz / n
+last["rabbit_cpu_us_per_msg"] = rabbit * 1e6 / hz / n
 lines[-1] = json.dumps(last)
 open(path, "w").write("\n".join(lines) + "\n")
 PY
@@ -292,7 +302,8 @@ failed = [r for r in rows if not r.get("ok", False)]
 med = lambda rs, k: statistics.median(r[k] for r in rs)
 # CPU time comes in clock ticks: a short run can measure 0 (the ratio is then nan).
 div = lambda a, b: a / b if b else float("nan")
-print(f"{'scenario':<46} {'through':<14} {'direct':>9} {'through':>9} {'vs direct':>10} {'CPU us/msg':>11} {'CPU / RabbitMQ':>15}")
+if groups:
+    print(f"{'scenario':<46} {'through':<14} {'direct':>9} {'through':>9} {'vs direct':>10} {'CPU us/msg':>11} {'CPU / RabbitMQ':>15}")
 order = ["haproxy", "proxy", "floor-epoll", "floor-uring", "floor-threads"]
 for (scenario, client, size, confirms), by in sorted(groups.items()):
     d = by.get("direct")
@@ -310,8 +321,9 @@ for (scenario, client, size, confirms), by in sorted(groups.items()):
             dv, pv = med(d, "rate_msg_s"), med(p, "rate_msg_s")
             print(f"{name + ' msg/s':<46} {who:<14} {dv:>9.0f} {pv:>9.0f} {div(pv, dv):>10.0%} {us:>11.1f} {cpu:>15.0%}")
 # The proxy against HAProxy (issue targets: >= 1.0x its msg/s, <= 1.1x its CPU per message).
-print()
-print(f"{'proxy / HAProxy':<46} {'speed':>9} {'CPU/msg':>9}   (proxy msg/s or p50 us, CPU us/msg | HAProxy's)")
+if groups:
+    print()
+    print(f"{'proxy / HAProxy':<46} {'speed':>9} {'CPU/msg':>9}   (proxy msg/s or p50 us, CPU us/msg | HAProxy's)")
 for (scenario, client, size, confirms), by in sorted(groups.items()):
     p, h = by.get("proxy"), by.get("haproxy")
     if not p or not h:
@@ -326,7 +338,7 @@ for (scenario, client, size, confirms), by in sorted(groups.items()):
 if dead:
     print()
     print("dead letters: msg/s (median of rounds), proxy/direct per round, CPU us per dead letter, latency from the death's cause p50/p99 (ms)")
-    print(f"{'kind':<16} {'client':<6} {'direct msg/s':>13} {'proxy msg/s':>12} {'ratio':>6}  {'per round':<24} {'CPU RabbitMQ':>12} {'CPU proxies':>11} {'p50/p99 direct':>15} {'p50/p99 proxy':>15}")
+    print(f"{'kind':<16} {'client':<6} {'direct msg/s':>13} {'proxy msg/s':>12} {'ratio':>6}  {'per round':<24} {'RabbitMQ CPU direct/proxied':>28} {'CPU proxies':>11} {'p50/p99 direct':>15} {'p50/p99 proxy':>15}")
     for (kind, client), by in sorted(dead.items()):
         d, p = by.get("direct"), by.get("proxy")
         if not d or not p:
@@ -338,7 +350,9 @@ if dead:
         rounds = " ".join(f"{div(x.get('proxy', 0), x.get('direct', 0)):.2f}" for _, x in sorted(per_round.items()))
         pc = statistics.median(r.get("fleet_cpu_us_per_msg", r["broker_cpu_us_per_msg"]) for r in p)
         lat = lambda rs: f"{med(rs, 'latency_p50_us') / 1000:.1f}/{med(rs, 'latency_p99_us') / 1000:.1f}"
-        print(f"{kind:<16} {client:<6} {dv:>13.0f} {pv:>12.0f} {div(pv, dv):>6.2f}  {rounds:<24} {med(d, 'broker_cpu_us_per_msg'):>12.1f} {pc:>11.1f} {lat(d):>15} {lat(p):>15}")
+        rc = lambda rs: statistics.median(r.get("rabbit_cpu_us_per_msg", float("nan")) for r in rs)
+        rabbit = f"{rc(d):.1f} / {rc(p):.1f}"
+        print(f"{kind:<16} {client:<6} {dv:>13.0f} {pv:>12.0f} {div(pv, dv):>6.2f}  {rounds:<24} {rabbit:>28} {pc:>11.1f} {lat(d):>15} {lat(p):>15}")
 print(f"{len(rows)} runs, {len(failed)} failed (lost, duplicated or reordered messages)")
 sys.exit(1 if failed else 0)
 EOF
