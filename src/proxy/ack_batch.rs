@@ -96,6 +96,18 @@ impl AckBatch {
         acks
     }
 
+    /// Every settled delivery, each with its own ack (shutdown: what waits behind a held
+    /// delivery is acked now rather than delivered again after the connection closes).
+    pub fn take_each(&mut self) -> Vec<Ack> {
+        std::mem::take(&mut self.ready)
+            .into_iter()
+            .map(|tag| Ack {
+                delivery_tag: tag,
+                multiple: false,
+            })
+            .collect()
+    }
+
     /// The channel is gone: everything it held went back to the queue.
     pub fn clear(&mut self) {
         self.unsettled.clear();
@@ -178,6 +190,21 @@ mod tests {
         // (2..5 acked already), so one multiple ack of 6 covers exactly 1 and 6.
         assert_eq!(acks, vec![ack(6, true)]);
         assert_eq!(b.outstanding(), 0);
+    }
+
+    #[test]
+    fn at_shutdown_those_behind_a_held_delivery_are_acked_one_by_one() {
+        let mut b = AckBatch::new(8);
+        for tag in 1..=3 {
+            b.delivered(tag);
+        }
+        b.settled(2);
+        b.settled(3);
+        assert_eq!(b.take(), vec![]);
+        assert_eq!(b.take_each(), vec![ack(2, false), ack(3, false)]);
+        // The held one stays unacked (the upstream requeues it with the connection).
+        assert_eq!(b.outstanding(), 1);
+        assert_eq!(b.take(), vec![]);
     }
 
     #[test]

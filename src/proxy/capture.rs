@@ -464,12 +464,17 @@ impl CaptureConsumer {
         epoch == self.epoch && self.state != ConsumerState::Off && self.acks.settled(delivery_tag)
     }
 
-    /// The acks due (see [`AckBatch`]): settled runs as `multiple=true` acks.
+    /// The acks due (see [`AckBatch`]): settled runs as `multiple=true` acks; once the
+    /// consumer is cancelled (shutdown), also every settled delivery waiting behind a held
+    /// one, each on its own, so that it is not delivered again after the close.
     pub fn take_acks(&mut self) -> Option<Bytes> {
         if self.state == ConsumerState::Off {
             return None;
         }
-        let acks = self.acks.take();
+        let mut acks = self.acks.take();
+        if self.state == ConsumerState::Cancelling {
+            acks.extend(self.acks.take_each());
+        }
         if acks.is_empty() {
             return None;
         }

@@ -126,7 +126,14 @@ impl CaptureLink {
     /// go (the upstream requeues it when the connection closes).
     pub fn stop(&mut self, shared: &ProxyShared) -> Option<Bytes> {
         self.let_go_held(shared);
-        self.consumer.cancel_frame()
+        let cancel = self.consumer.cancel_frame()?;
+        // Cancelling: settled deliveries waiting behind a held one are acked now, so that
+        // they are not delivered again after the close.
+        let mut out = BytesMut::from(&cancel[..]);
+        if let Some(acks) = self.consumer.take_acks() {
+            out.extend_from_slice(&acks);
+        }
+        Some(out.freeze())
     }
 
     /// Stopped and settled: the connection may close.
@@ -640,6 +647,50 @@ mod tests {
         assert!(gauge(&shared, "dlx_proxy_dead_letters_held 0"));
         assert_eq!(link.unsettled(), 0);
         assert!(counter(&shared, CAPTURED_DEAD_LETTERED));
+    }
+
+    fn basic_ack(delivery_tag: u64, multiple: bool) -> AMQPClass {
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag,
+            multiple,
+        }))
+    }
+
+    #[test]
+    fn confirmed_runs_are_acked_with_one_multiple_ack_and_a_held_one_waits() {
+        let shared = shared();
+        let mut link = CaptureLink::new(&shared, "/", 4096);
+        let now = Instant::now();
+        for tag in 1..=4 {
+            feed(&mut link, &shared, &captured(tag, "q"), now);
+        }
+        assert!(gauge(&shared, "dlx_proxy_capture_unacked{vhost=\"/\"} 4"));
+        // Publishes 1..3 confirmed at once: one ack covers capture deliveries 1..3.
+        let step = link.on_frame(&shared, &one(PUBLISHER_CHANNEL, basic_ack(3, true)), now);
+        assert_eq!(
+            methods(&step.write),
+            vec![(CAPTURE_CHANNEL, basic_ack(3, true))]
+        );
+        assert!(gauge(&shared, "dlx_proxy_capture_unacked{vhost=\"/\"} 1"));
+        // Two more: the first one's publish is refused (held), the second confirmed; its ack
+        // waits behind the held one.
+        feed(&mut link, &shared, &captured(5, "q"), now);
+        link.on_frame(&shared, &confirm("nack", 4), now);
+        let step = link.on_frame(&shared, &confirm("ack", 5), now);
+        assert!(step.write.is_empty(), "{:?}", methods(&step.write));
+        assert_eq!(link.held(), 1);
+        // Shutdown: the consumer is cancelled and the waiting one acked on its own; the held
+        // one stays unacked (the upstream requeues it with the connection).
+        let out = link.stop(&shared).expect("cancel");
+        let sent = methods(&out);
+        assert!(matches!(
+            sent[0],
+            (
+                CAPTURE_CHANNEL,
+                AMQPClass::Basic(basic::AMQPMethod::Cancel(_))
+            )
+        ));
+        assert_eq!(sent[1..], [(CAPTURE_CHANNEL, basic_ack(5, false))]);
     }
 
     #[test]
