@@ -1883,6 +1883,7 @@ mod tests {
                 "proxy.confirm_timeout_secs",
             ),
             ("[proxy]\nretry_initial_ms = 0\n", "proxy.retry_initial_ms"),
+            ("[proxy]\ncapture_prefetch = 0\n", "proxy.capture_prefetch"),
             (
                 "[proxy]\nretry_initial_ms = 500\nretry_max_ms = 100\n",
                 "proxy.retry_max_ms",
