@@ -14,9 +14,23 @@
 #   scripts/bench-proxy.sh --floor              # also dlx-floor (epoll, uring, threads) in the
 #                                               # raw-client runs: a forwarder that only copies
 #                                               # bytes, the floor under any proxy's cost
+#   scripts/bench-proxy.sh --deadletter-only    # only the dead-letter rates (below)
+#   scripts/bench-proxy.sh --capture-prefetch 64  # the proxy's proxy.capture_prefetch
+#   scripts/bench-proxy.sh --deadletter-only --proxies 3   # the fleet: 3 proxies, each with
+#                                               # upstream.urls = RABBIT_UPSTREAMS (a cluster,
+#                                               # scripts/rabbit-local.sh start DIR 3)
+#
+# Dead-letter rates (every run, or alone with --deadletter-only): the five modes (reject, nack,
+# expiry, overflow, delivery-limit; DL_KINDS to choose, DL_CLIENT=raw|lapin, DL_MESSAGES per
+# run, default -n), RabbitMQ's own dead-lettering with the client on RabbitMQ directly against
+# the same through proxy 1, alternating within each round. Reported: dead letters per second
+# into the DLQ, CPU per dead letter (RabbitMQ's for direct; the proxies' together otherwise)
+# and the latency from each death's cause to the dead letter's arrival (p50/p99).
 #
 # Needs a running RabbitMQ: RABBIT_URL (default amqp://guest:guest@127.0.0.1:5673/%2f, the node
-# `.ci/rabbitmq.sh start` runs) and RABBIT_PID (default: the first `pgrep -x beam.smp`).
+# `.ci/rabbitmq.sh start` runs) and RABBIT_PID (default: the first `pgrep -x beam.smp`);
+# `scripts/rabbit-local.sh start DIR [N]` starts nodes of one's own and writes DIR/env with
+# these (source it).
 # --pinned moves RabbitMQ's threads with taskset (needs the right to) and puts them back after.
 # Results: BENCH_OUT (default target/bench-proxy-<time>/): results.jsonl and table.txt.
 # A smoke run: PINGS=200 scripts/bench-proxy.sh --rounds 1 -n 2000
@@ -30,6 +44,9 @@ PINNED=0
 WORKERS=0
 BUSY_POLL=0
 FLOOR=0
+DEADLETTER_ONLY=0
+PROXIES=1
+CAPTURE_PREFETCH=1000
 while [ $# -gt 0 ]; do
   case "$1" in
     --pinned) PINNED=1 ;;
@@ -38,13 +55,18 @@ while [ $# -gt 0 ]; do
     --worker-threads) WORKERS="$2"; shift ;;
     --busy-poll) BUSY_POLL="$2"; shift ;;
     --floor) FLOOR=1 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    --deadletter-only) DEADLETTER_ONLY=1 ;;
+    --proxies) PROXIES="$2"; shift ;;
+    --capture-prefetch) CAPTURE_PREFETCH="$2"; shift ;;
+    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
 done
 
 RABBIT_URL=${RABBIT_URL:-amqp://guest:guest@127.0.0.1:5673/%2f}
+DL_KINDS=${DL_KINDS:-reject nack expiry overflow delivery-limit}
+DL_CLIENT=${DL_CLIENT:-raw}
 RABBIT_PID=${RABBIT_PID:-$(pgrep -x beam.smp | head -1 || true)}
 if [ -z "$RABBIT_PID" ]; then
   echo "no RabbitMQ process found; start one (sudo bash .ci/rabbitmq.sh start) or set RABBIT_PID" >&2
@@ -80,22 +102,28 @@ upstream=$(python3 -c 'import sys, urllib.parse as u; p=u.urlsplit(sys.argv[1]);
 # The proxy's service user (its capture connection): RABBIT_URL's user.
 service_user=$(python3 -c 'import sys, urllib.parse as u; print(u.unquote(u.urlsplit(sys.argv[1]).username or "guest"))' "$RABBIT_URL")
 service_password=$(python3 -c 'import sys, urllib.parse as u; print(u.unquote(u.urlsplit(sys.argv[1]).password or "guest"))' "$RABBIT_URL")
-cat > "$OUT/config/proxy.toml" <<EOF
+# upstream.urls: every node of RABBIT_UPSTREAMS (a cluster), else RabbitMQ's address.
+upstream_urls=${RABBIT_UPSTREAMS:-\"$upstream\"}
+proxy_config() {
+  cat <<EOF
 mode = "proxy"
 [listen]
-amqp = "127.0.0.1:$port"
+amqp = "127.0.0.1:$1"
 admin = ""
 [upstream]
-url = "$upstream"
+urls = [$upstream_urls]
 user = "$service_user"
 password = "$service_password"
 [log]
 filter = "warn"
 [proxy]
 busy_poll_us = $BUSY_POLL
+capture_prefetch = $CAPTURE_PREFETCH
 [runtime]
 worker_threads = $WORKERS
 EOF
+}
+proxy_config "$port" > "$OUT/config/proxy.toml"
 PROXY_URL="amqp://guest:guest@127.0.0.1:$port/%2f"
 
 # HAProxy in TCP mode in front of the same RabbitMQ, with as many threads as the proxy's
@@ -123,12 +151,23 @@ EOF
 
 # Forwarders in front of RabbitMQ: who -> "pid url".
 declare -A TARGET
+wait_ports_extra=()
 "$BIN/dlx-proxy" run --config "$OUT/config/proxy.toml" > "$OUT/proxy.log" 2>&1 &
 TARGET[proxy]="$! $PROXY_URL"
+# The fleet: more proxies on the same upstreams (they share the capture queue).
+PROXY_PIDS="$!"
+for i in $(seq 2 "$PROXIES"); do
+  fleet_port=$(free_port)
+  proxy_config "$fleet_port" > "$OUT/config/proxy$i.toml"
+  "$BIN/dlx-proxy" run --config "$OUT/config/proxy$i.toml" > "$OUT/proxy$i.log" 2>&1 &
+  TARGET[proxy$i]="$! amqp://guest:guest@127.0.0.1:$fleet_port/%2f"
+  PROXY_PIDS="$PROXY_PIDS $!"
+  wait_ports_extra+=("$fleet_port")
+done
 # -db: stay in the foreground (no daemon), so that $! is HAProxy's own process.
 "$HAPROXY" -db -f "$OUT/config/haproxy.cfg" > "$OUT/haproxy.log" 2>&1 &
 TARGET[haproxy]="$! amqp://guest:guest@127.0.0.1:$haproxy_port/%2f"
-wait_ports=("$port" "$haproxy_port")
+wait_ports=("$port" "$haproxy_port" "${wait_ports_extra[@]}")
 FLOORS=()
 if [ "$FLOOR" = 1 ]; then
   rabbit_addr=${upstream#*://}
@@ -178,8 +217,56 @@ run() {
   esac
 }
 
+# CPU ticks (user + system) of the given processes, summed.
+cpu_ticks() {
+  local total=0 pid
+  for pid in "$@"; do
+    if [ -r "/proc/$pid/stat" ]; then
+      total=$((total + $(awk '{print $14 + $15}' "/proc/$pid/stat")))
+    fi
+  done
+  echo "$total"
+}
+CLK_TCK=$(getconf CLK_TCK)
+
+# One dead-letter run: who (direct or proxy), the kind. The CPU of every proxy of the fleet
+# (fleet_cpu_us_per_msg: the capture queue feeds them all) and of every RabbitMQ node
+# (rabbit_cpu_us_per_msg: through the proxy it also runs the capture queue) are added up.
+RABBIT_PIDS=${RABBIT_PIDS:-$RABBIT_PID}
+dl_run() {
+  local round=$1 who=$2 kind=$3
+  local before after rabbit_before rabbit_after
+  before=$(cpu_ticks $PROXY_PIDS)
+  rabbit_before=$(cpu_ticks $RABBIT_PIDS)
+  run "$round" "$who" deadletter --kind "$kind" --client "$DL_CLIENT" -n "${DL_MESSAGES:-$MESSAGES}"
+  after=$(cpu_ticks $PROXY_PIDS)
+  rabbit_after=$(cpu_ticks $RABBIT_PIDS)
+  if [ "$(tail -1 "$RESULTS" | grep -c "\"who\":\"$who\"")" = 1 ]; then
+    python3 - "$RESULTS" "$((after - before))" "$((rabbit_after - rabbit_before))" "$CLK_TCK" "$who" <<'PY'
+import json, sys
+path, ticks, rabbit, hz, who = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+lines = open(path).read().splitlines()
+last = json.loads(lines[-1])
+n = last.get("dead_lettered") or 1
+if who != "direct":
+    last["fleet_cpu_us_per_msg"] = ticks * 1e6 / hz / n
+last["rabbit_cpu_us_per_msg"] = rabbit * 1e6 / hz / n
+lines[-1] = json.dumps(last)
+open(path, "w").write("\n".join(lines) + "\n")
+PY
+  fi
+}
+
 for round in $(seq 1 "$ROUNDS"); do
   echo "== round $round"
+  # Alternate who goes first from round to round.
+  if [ $((round % 2)) = 1 ]; then dl_whos=(direct proxy); else dl_whos=(proxy direct); fi
+  for kind in $DL_KINDS; do
+    for who in "${dl_whos[@]}"; do
+      dl_run "$round" "$who" "$kind"
+    done
+  done
+  if [ "$DEADLETTER_ONLY" = 1 ]; then continue; fi
   for client in lapin raw; do
     whos=(direct haproxy proxy)
     if [ "$client" = raw ]; then whos+=("${FLOORS[@]}"); fi
@@ -204,14 +291,19 @@ python3 - "$RESULTS" <<'EOF' | tee "$OUT/table.txt"
 import collections, json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 groups = collections.defaultdict(lambda: collections.defaultdict(list))
+dead = collections.defaultdict(lambda: collections.defaultdict(list))
 for r in rows:
+    if r["scenario"].startswith("deadletter-"):
+        dead[(r["scenario"][len("deadletter-"):], r.get("client", "raw"))][r["who"]].append(r)
+        continue
     key = (r["scenario"], r.get("client", "raw"), r["size_bytes"], r["confirms"])
     groups[key][r["who"]].append(r)
 failed = [r for r in rows if not r.get("ok", False)]
 med = lambda rs, k: statistics.median(r[k] for r in rs)
 # CPU time comes in clock ticks: a short run can measure 0 (the ratio is then nan).
 div = lambda a, b: a / b if b else float("nan")
-print(f"{'scenario':<46} {'through':<14} {'direct':>9} {'through':>9} {'vs direct':>10} {'CPU us/msg':>11} {'CPU / RabbitMQ':>15}")
+if groups:
+    print(f"{'scenario':<46} {'through':<14} {'direct':>9} {'through':>9} {'vs direct':>10} {'CPU us/msg':>11} {'CPU / RabbitMQ':>15}")
 order = ["haproxy", "proxy", "floor-epoll", "floor-uring", "floor-threads"]
 for (scenario, client, size, confirms), by in sorted(groups.items()):
     d = by.get("direct")
@@ -229,8 +321,9 @@ for (scenario, client, size, confirms), by in sorted(groups.items()):
             dv, pv = med(d, "rate_msg_s"), med(p, "rate_msg_s")
             print(f"{name + ' msg/s':<46} {who:<14} {dv:>9.0f} {pv:>9.0f} {div(pv, dv):>10.0%} {us:>11.1f} {cpu:>15.0%}")
 # The proxy against HAProxy (issue targets: >= 1.0x its msg/s, <= 1.1x its CPU per message).
-print()
-print(f"{'proxy / HAProxy':<46} {'speed':>9} {'CPU/msg':>9}   (proxy msg/s or p50 us, CPU us/msg | HAProxy's)")
+if groups:
+    print()
+    print(f"{'proxy / HAProxy':<46} {'speed':>9} {'CPU/msg':>9}   (proxy msg/s or p50 us, CPU us/msg | HAProxy's)")
 for (scenario, client, size, confirms), by in sorted(groups.items()):
     p, h = by.get("proxy"), by.get("haproxy")
     if not p or not h:
@@ -242,6 +335,24 @@ for (scenario, client, size, confirms), by in sorted(groups.items()):
     # Round trips: lower is better, so the speed ratio is HAProxy's p50 over the proxy's.
     speed = div(hv, pv) if scenario == "ping" else div(pv, hv)
     print(f"{name:<46} {speed:>8.2f}x {div(pc, hc):>8.2f}x   ({pv:.0f}, {pc:.1f} | {hv:.0f}, {hc:.1f})")
+if dead:
+    print()
+    print("dead letters: msg/s (median of rounds), proxy/direct per round, CPU us per dead letter, latency from the death's cause p50/p99 (ms)")
+    print(f"{'kind':<16} {'client':<6} {'direct msg/s':>13} {'proxy msg/s':>12} {'ratio':>6}  {'per round':<24} {'RabbitMQ CPU direct/proxied':>28} {'CPU proxies':>11} {'p50/p99 direct':>15} {'p50/p99 proxy':>15}")
+    for (kind, client), by in sorted(dead.items()):
+        d, p = by.get("direct"), by.get("proxy")
+        if not d or not p:
+            continue
+        dv, pv = med(d, "dead_letter_rate_msg_s"), med(p, "dead_letter_rate_msg_s")
+        per_round = {}
+        for r in d + p:
+            per_round.setdefault(r["round"], {})[r["who"]] = r["dead_letter_rate_msg_s"]
+        rounds = " ".join(f"{div(x.get('proxy', 0), x.get('direct', 0)):.2f}" for _, x in sorted(per_round.items()))
+        pc = statistics.median(r.get("fleet_cpu_us_per_msg", r["broker_cpu_us_per_msg"]) for r in p)
+        lat = lambda rs: f"{med(rs, 'latency_p50_us') / 1000:.1f}/{med(rs, 'latency_p99_us') / 1000:.1f}"
+        rc = lambda rs: statistics.median(r.get("rabbit_cpu_us_per_msg", float("nan")) for r in rs)
+        rabbit = f"{rc(d):.1f} / {rc(p):.1f}"
+        print(f"{kind:<16} {client:<6} {dv:>13.0f} {pv:>12.0f} {div(pv, dv):>6.2f}  {rounds:<24} {rabbit:>28} {pc:>11.1f} {lat(d):>15} {lat(p):>15}")
 print(f"{len(rows)} runs, {len(failed)} failed (lost, duplicated or reordered messages)")
 sys.exit(1 if failed else 0)
 EOF

@@ -485,6 +485,10 @@ pub struct ProxyConfig {
     /// Seconds a client's queue.declare naming the capture exchange waits for its vhost's
     /// capture objects before the client connection is closed with 320.
     pub capture_ready_timeout_secs: u64,
+    /// Capture deliveries each service connection holds unacked (basic.qos prefetch of the
+    /// capture consumer): the window of dead-letter publishes in flight, and what bounds the
+    /// captured messages in the proxy's memory.
+    pub capture_prefetch: u16,
 }
 
 /// Largest accepted `proxy.retry_max_ms` (10 minutes).
@@ -503,6 +507,7 @@ impl Default for ProxyConfig {
             delegate_to_upstream: false,
             capture_name: "dlx-proxy.capture".into(),
             busy_poll_us: 0,
+            capture_prefetch: crate::proxy::capture::CAPTURE_PREFETCH,
             loopback_users: vec!["guest".into()],
             vhosts: vec!["/".into()],
             max_service_vhosts: 64,
@@ -1321,6 +1326,12 @@ impl Config {
                 "must be at least 1",
             ));
         }
+        if self.proxy.capture_prefetch == 0 {
+            return Err(ConfigError::invalid(
+                "proxy.capture_prefetch",
+                "must be at least 1 (0 would be an unlimited prefetch)",
+            ));
+        }
         if self.proxy.confirm_timeout_secs == 0 {
             return Err(ConfigError::invalid(
                 "proxy.confirm_timeout_secs",
@@ -1923,6 +1934,7 @@ mod tests {
                 "proxy.confirm_timeout_secs",
             ),
             ("[proxy]\nretry_initial_ms = 0\n", "proxy.retry_initial_ms"),
+            ("[proxy]\ncapture_prefetch = 0\n", "proxy.capture_prefetch"),
             (
                 "[proxy]\nretry_initial_ms = 500\nretry_max_ms = 100\n",
                 "proxy.retry_max_ms",

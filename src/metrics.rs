@@ -66,6 +66,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "upstream_connect_attempts_total",
     "upstream_reachable",
     "capture_consumers",
+    "capture_unacked",
     "service_reconnects_total",
     "captured_total",
     "service_vhosts",
@@ -246,6 +247,7 @@ pub struct Metrics {
     dead_letter_latency: Histogram,
     message_age_at_dead_letter: Histogram,
     capture_consumers: IntGaugeVec,
+    capture_unacked: IntGaugeVec,
     service_reconnects: IntCounterVec,
     captured: IntCounterVec,
     service_vhosts: IntGauge,
@@ -511,6 +513,13 @@ impl Metrics {
                  else 0.",
                 &["vhost"],
             )?,
+            capture_unacked: b.gauge_vec(
+                "capture_unacked",
+                "Proxy mode: capture deliveries the vhost's service connection holds unacked \
+                 (dead letters in flight, held, or confirmed and waiting for their run's ack); \
+                 at most proxy.capture_prefetch.",
+                &["vhost"],
+            )?,
             service_reconnects: b.counter_vec(
                 "service_reconnects_total",
                 "Proxy mode: attempts to open a vhost's service connection again after it or \
@@ -730,6 +739,12 @@ impl Metrics {
             .set(i64::from(consuming));
     }
 
+    /// The gauge of the capture deliveries `vhost`'s service connection holds unacked (kept
+    /// by the connection, so that setting it costs no label lookup).
+    pub fn capture_unacked(&self, vhost: &str) -> prometheus::IntGauge {
+        self.capture_unacked.with_label_values(&[vhost])
+    }
+
     /// A vhost's service connection was opened again.
     pub fn service_reconnected(&self, vhost: &str) {
         self.service_reconnects.with_label_values(&[vhost]).inc();
@@ -742,6 +757,7 @@ impl Metrics {
             self.captured.with_label_values(&[vhost, outcome]);
         }
         self.set_capture_consumer(vhost, false);
+        self.capture_unacked.with_label_values(&[vhost]).set(0);
         self.service_vhosts.inc();
     }
 

@@ -37,6 +37,7 @@ use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortSt
 use bytes::{Bytes, BytesMut};
 use std::fmt::Write as _;
 
+use super::ack_batch::AckBatch;
 use super::wire::{WireFrame, content_body_size, method_frame};
 use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method};
 use crate::rabbit::args::amqp_integer;
@@ -44,8 +45,8 @@ use crate::rabbit::args::amqp_integer;
 /// Default name of the capture exchange and queue.
 pub const DEFAULT_CAPTURE_NAME: &str = "dlx-proxy.capture";
 
-/// Deliveries the capture consumer holds unacknowledged.
-pub const CAPTURE_PREFETCH: u16 = 64;
+/// Deliveries the capture consumer holds unacknowledged by default (`proxy.capture_prefetch`).
+pub const CAPTURE_PREFETCH: u16 = 1000;
 
 /// Consumer tag of the capture consumer.
 const CAPTURE_CONSUMER_TAG: &str = "dlx-proxy-capture";
@@ -225,19 +226,24 @@ pub struct CaptureConsumer {
     state: ConsumerState,
     epoch: u64,
     incoming: Option<Incoming>,
-    /// Capture deliveries taken and not yet settled.
-    outstanding: usize,
+    prefetch: u16,
+    /// Capture deliveries taken and not acked yet, and the acks due ([`AckBatch`]).
+    acks: AckBatch,
 }
 
 impl CaptureConsumer {
-    pub fn new(channel: u16, name: &str) -> Self {
+    /// A consumer taking up to `prefetch` deliveries unacked.
+    pub fn new(channel: u16, name: &str, prefetch: u16) -> Self {
+        let prefetch = prefetch.max(1);
         CaptureConsumer {
             channel,
             name: name.to_string(),
             state: ConsumerState::Starting,
             epoch: 1,
             incoming: None,
-            outstanding: 0,
+            prefetch,
+            // A held delivery keeps at most a quarter of the window waiting behind it.
+            acks: AckBatch::new(usize::from(prefetch / 4).max(1)),
         }
     }
 
@@ -280,8 +286,9 @@ impl CaptureConsumer {
         ))
     }
 
+    /// Capture deliveries taken and not acked yet (at most the prefetch).
     pub fn outstanding(&self) -> usize {
-        self.outstanding
+        self.acks.outstanding()
     }
 
     /// Opens the channel, declares exchange and queue (a durable quorum queue) and the
@@ -333,7 +340,7 @@ impl CaptureConsumer {
             arguments: FieldTable::default(),
         })));
         put(AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
-            prefetch_count: CAPTURE_PREFETCH,
+            prefetch_count: self.prefetch,
             global: false,
         })));
         put(AMQPClass::Basic(basic::AMQPMethod::Consume(
@@ -432,13 +439,13 @@ impl CaptureConsumer {
     fn turn_off(&mut self) {
         self.state = ConsumerState::Off;
         self.incoming = None;
-        self.outstanding = 0;
+        self.acks.clear();
         self.epoch += 1;
     }
 
     fn finish(&mut self) -> Option<CapturedMessage> {
         let incoming = self.incoming.take()?;
-        self.outstanding += 1;
+        self.acks.delivered(incoming.delivery_tag);
         Some(CapturedMessage {
             delivery_tag: incoming.delivery_tag,
             epoch: self.epoch,
@@ -450,37 +457,58 @@ impl CaptureConsumer {
         })
     }
 
-    /// The ack for a capture delivery, if its epoch is current.
-    pub fn ack(&mut self, delivery_tag: u64, epoch: u64) -> Option<Bytes> {
-        self.settle(
-            epoch,
-            basic::AMQPMethod::Ack(basic::Ack {
-                delivery_tag,
-                multiple: false,
-            }),
-        )
+    /// A capture delivery is settled (its dead letter confirmed, or dropped): it is acked by
+    /// the next [`CaptureConsumer::take_acks`], with the run it completes. `false` if its epoch
+    /// is gone (the upstream requeued it with the channel) or it was settled already.
+    pub fn ack(&mut self, delivery_tag: u64, epoch: u64) -> bool {
+        epoch == self.epoch && self.state != ConsumerState::Off && self.acks.settled(delivery_tag)
+    }
+
+    /// The acks due (see [`AckBatch`]): settled runs as `multiple=true` acks; once the
+    /// consumer is cancelled (shutdown), also every settled delivery waiting behind a held
+    /// one, each on its own, so that it is not delivered again after the close.
+    pub fn take_acks(&mut self) -> Option<Bytes> {
+        if self.state == ConsumerState::Off {
+            return None;
+        }
+        let mut acks = self.acks.take();
+        if self.state == ConsumerState::Cancelling {
+            acks.extend(self.acks.take_each());
+        }
+        if acks.is_empty() {
+            return None;
+        }
+        let mut out = BytesMut::new();
+        for ack in acks {
+            out.extend_from_slice(&method_frame(
+                self.channel,
+                AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                    delivery_tag: ack.delivery_tag,
+                    multiple: ack.multiple,
+                })),
+            ));
+        }
+        Some(out.freeze())
     }
 
     /// The requeue (basic.nack) for a capture delivery, if its epoch is current. A refused
     /// dead-letter publish does not come here: the delivery stays unacked while the proxy
     /// holds and retries it ([`super::retry`]).
     pub fn requeue(&mut self, delivery_tag: u64, epoch: u64) -> Option<Bytes> {
-        self.settle(
-            epoch,
-            basic::AMQPMethod::Nack(basic::Nack {
+        if epoch != self.epoch
+            || self.state == ConsumerState::Off
+            || !self.acks.forget(delivery_tag)
+        {
+            return None;
+        }
+        Some(method_frame(
+            self.channel,
+            AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
                 delivery_tag,
                 multiple: false,
                 requeue: true,
-            }),
-        )
-    }
-
-    fn settle(&mut self, epoch: u64, method: basic::AMQPMethod) -> Option<Bytes> {
-        if epoch != self.epoch || self.state == ConsumerState::Off {
-            return None;
-        }
-        self.outstanding = self.outstanding.saturating_sub(1);
-        Some(method_frame(self.channel, AMQPClass::Basic(method)))
+            })),
+        ))
     }
 }
 
@@ -621,7 +649,7 @@ mod tests {
 
     #[test]
     fn consumer_assembles_deliveries_and_acks_by_epoch() {
-        let mut consumer = CaptureConsumer::new(9, DEFAULT_CAPTURE_NAME);
+        let mut consumer = CaptureConsumer::new(9, DEFAULT_CAPTURE_NAME, 250);
         let setup = frames(&consumer.start_frames());
         assert_eq!(setup.len(), 6);
         assert!(setup.iter().all(|f| f.channel == 9));
@@ -651,11 +679,40 @@ mod tests {
         assert_eq!(message.delivery_tag, 4);
         assert_eq!(message.body.len(), 5000);
         assert_eq!(consumer.outstanding(), 1);
-        assert!(consumer.ack(4, message.epoch + 1).is_none());
-        assert!(consumer.ack(4, message.epoch).is_some());
+        // The prefetch is the configured one.
+        let qos = setup.iter().find(|f| f.method_ids() == (60, 10)).unwrap();
+        assert!(matches!(
+            decode_method(&qos.payload),
+            Some(AMQPClass::Basic(basic::AMQPMethod::Qos(q))) if q.prefetch_count == 250
+        ));
+        assert!(!consumer.ack(4, message.epoch + 1), "an old epoch");
+        assert!(consumer.take_acks().is_none());
+        assert!(consumer.ack(4, message.epoch));
+        assert!(!consumer.ack(4, message.epoch), "settled once");
+        let ack = frames(&consumer.take_acks().unwrap());
+        assert_eq!(ack[0].method_ids(), (60, 80));
         assert_eq!(consumer.outstanding(), 0);
+        assert!(consumer.take_acks().is_none());
+        // A delivery that is requeued is nacked at once.
+        let mut wire = BytesMut::new();
+        wire.extend_from_slice(&method_frame(
+            9,
+            AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+                consumer_tag: ShortString::from(CAPTURE_CONSUMER_TAG),
+                delivery_tag: 5,
+                redelivered: false,
+                exchange: ShortString::from(DEFAULT_CAPTURE_NAME),
+                routing_key: ShortString::from("rk"),
+            })),
+        ));
+        put_content(&mut wire, 9, &[0, 0], b"x", 4096);
+        for frame in frames(&wire) {
+            consumer.on_frame(&frame);
+        }
         assert!(consumer.requeue(5, message.epoch + 1).is_none());
         let nack = frames(&consumer.requeue(5, message.epoch).unwrap());
         assert_eq!(nack[0].method_ids(), (60, 120));
+        assert!(consumer.requeue(5, message.epoch).is_none(), "once");
+        assert_eq!(consumer.outstanding(), 0);
     }
 }

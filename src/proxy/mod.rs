@@ -167,6 +167,7 @@
 //! before sleeping), [`channels`], [`ops`], [`registry`], [`policy_sync`] (the policies as
 //! upstream policies, through the management API).
 
+pub mod ack_batch;
 pub mod arbiter;
 pub mod bcc;
 pub mod busy_poll;
@@ -234,6 +235,9 @@ pub struct ProxyShared {
     pub(crate) keep_dead_letters: bool,
     pub(crate) max_inflight_bytes: usize,
     pub(crate) confirm_timeout: Duration,
+    /// `proxy.capture_prefetch`.
+    pub(crate) capture_prefetch: u16,
+
     /// Delays between publishes of a held dead letter (`proxy.retry_initial_ms`,
     /// `proxy.retry_max_ms`).
     pub(crate) retry_backoff: retry::Backoff,
@@ -323,6 +327,7 @@ impl ProxyShared {
             keep_dead_letters: !config.dead_letter.ttl_on_dead_letters,
             max_inflight_bytes: config.proxy.max_inflight_bytes.max(1),
             confirm_timeout: Duration::from_secs(config.proxy.confirm_timeout_secs.max(1)),
+            capture_prefetch: config.proxy.capture_prefetch.max(1),
             retry_backoff: retry::Backoff::new(
                 Duration::from_millis(config.proxy.retry_initial_ms),
                 Duration::from_millis(config.proxy.retry_max_ms),

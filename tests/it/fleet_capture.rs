@@ -32,14 +32,19 @@ const WAIT: Duration = Duration::from_secs(60);
 const EVERY: Duration = Duration::from_millis(200);
 
 /// A direct DLX and its DLQ (durable, with `args`), bound with key `dlq`.
-async fn declare_dlq(ch: &Channel, dlx: &str, dlq: &str, args: &[(&str, lapin::types::AMQPValue)]) {
+pub(crate) async fn declare_dlq(
+    ch: &Channel,
+    dlx: &str,
+    dlq: &str,
+    args: &[(&str, lapin::types::AMQPValue)],
+) {
     exchange(ch, dlx, lapin::ExchangeKind::Direct).await;
     declare_durable(ch, dlq, table(args)).await;
     bind(ch, dlq, dlx, dlq).await;
 }
 
 /// A quorum source queue dead-lettering to `dlx` with key `dlq`, plus `extra`.
-async fn declare_source(
+pub(crate) async fn declare_source(
     ch: &Channel,
     queue: &str,
     dlx: &str,
@@ -58,7 +63,7 @@ async fn declare_source(
 /// Takes messages from `dlq` until every body of `expected` was seen (acking each), checking
 /// each one's newest x-death against `expected[body]` = (queue, reason). Returns how many
 /// duplicates came (at-least-once). Panics naming the missing bodies after [`WAIT`].
-async fn drain_expecting(
+pub(crate) async fn drain_expecting(
     ch: &Channel,
     dlq: &str,
     expected: &BTreeMap<String, (String, &str)>,

@@ -31,6 +31,7 @@ mod embedded_errors;
 mod embedded_memory;
 mod embedded_password_file;
 mod embedded_protocol;
+mod fleet_batched_capture;
 mod fleet_capture;
 mod fleet_cluster;
 mod fleet_findings;

@@ -18,9 +18,9 @@ use futures_util::stream::{FuturesOrdered, FuturesUnordered};
 use futures_util::task::noop_waker_ref;
 use futures_util::{FutureExt, StreamExt};
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions,
-    BasicRejectOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
-    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
+    BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
@@ -80,6 +80,9 @@ pub struct QueueArgs {
     pub message_ttl_ms: Option<u32>,
     pub max_length: Option<u32>,
     pub overflow_drop_head: bool,
+    /// A durable quorum queue (needed for x-delivery-limit on RabbitMQ 3.10).
+    pub quorum: bool,
+    pub delivery_limit: Option<u32>,
 }
 
 impl QueueArgs {
@@ -96,6 +99,15 @@ impl QueueArgs {
         }
         if let Some(max) = self.max_length {
             t.insert("x-max-length".into(), AMQPValue::LongInt(max as i32));
+        }
+        if self.quorum {
+            t.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString(LongString::from("quorum")),
+            );
+        }
+        if let Some(limit) = self.delivery_limit {
+            t.insert("x-delivery-limit".into(), AMQPValue::LongInt(limit as i32));
         }
         if self.overflow_drop_head {
             t.insert(
@@ -136,7 +148,11 @@ pub async fn delete_exchange(conn: &Connection, name: &str) {
 pub async fn fresh_queue(conn: &Connection, name: &str, args: &QueueArgs) -> Result<()> {
     delete_queue(conn, name).await;
     let ch = conn.create_channel().await?;
-    ch.queue_declare(short(name)?, QueueDeclareOptions::default(), args.table())
+    let options = QueueDeclareOptions {
+        durable: args.quorum,
+        ..QueueDeclareOptions::default()
+    };
+    ch.queue_declare(short(name)?, options, args.table())
         .await
         .with_context(|| format!("declaring queue {name} with {args:?}"))?;
     close_channel(&ch).await;
@@ -302,6 +318,52 @@ pub enum Settle {
     Ack,
     /// basic.reject requeue=false (dead-letters the message).
     Reject,
+    /// basic.nack multiple=false: requeue=false dead-letters the message, requeue=true puts it
+    /// back (counted against a delivery limit).
+    Nack { requeue: bool },
+}
+
+/// When each message's death was caused, for latencies measured from that event rather than
+/// from the publish: the settle that killed it (reject, nack, the requeue past a delivery
+/// limit; the latest one per message wins), else the publish time plus `after_publish_ns`
+/// (a queue TTL).
+#[derive(Debug, Default)]
+pub struct EventTimes {
+    settled: std::sync::Mutex<std::collections::HashMap<(u32, u64), u64>>,
+    pub after_publish_ns: u64,
+}
+
+impl EventTimes {
+    pub fn new(after_publish_ns: u64) -> Arc<EventTimes> {
+        Arc::new(EventTimes {
+            after_publish_ns,
+            ..EventTimes::default()
+        })
+    }
+
+    /// The message with this body was settled (killed, or requeued) at `at`.
+    pub fn settled(&self, body: &[u8], at: u64) {
+        if let Some(stamp) = payload::decode(body) {
+            let mut map = self.settled.lock().unwrap_or_else(|e| e.into_inner());
+            map.insert((stamp.producer, stamp.seq), at);
+        }
+    }
+
+    /// When the death of `stamp`'s message was caused.
+    pub fn event(&self, stamp: &Stamp) -> u64 {
+        let map = self.settled.lock().unwrap_or_else(|e| e.into_inner());
+        match map.get(&(stamp.producer, stamp.seq)) {
+            Some(&at) => at,
+            None => stamp.sent_nanos + self.after_publish_ns,
+        }
+    }
+}
+
+/// The latency of a delivery that arrived at `arrived`: from its event (see [`EventTimes`])
+/// when `events` is given, else from its publish.
+pub fn latency_of(stamp: &Stamp, events: Option<&EventTimes>, arrived: u64) -> u64 {
+    let from = events.map_or(stamp.sent_nanos, |e| e.event(stamp));
+    arrived.saturating_sub(from)
 }
 
 #[derive(Clone, Debug)]
@@ -314,6 +376,8 @@ pub struct ConsumeSpec {
     pub ack_every: u64,
     /// Record ids and latencies (false for a consumer that only rejects).
     pub record: bool,
+    /// A rejecting consumer notes its settles here; a recording one measures from them.
+    pub events: Option<Arc<EventTimes>>,
 }
 
 /// Counters shared by the consumers of one queue and the task waiting for them.
@@ -418,15 +482,28 @@ async fn consume_loop(
                 if spec.record
                     && let Some(stamp) = result.ids.record_body(&delivery.data)
                 {
-                    result.latencies.push(arrived.saturating_sub(stamp.sent_nanos));
+                    result.latencies.push(latency_of(&stamp, spec.events.as_deref(), arrived));
                 }
                 progress.received.fetch_add(1, Ordering::Relaxed);
                 progress.last_nanos.fetch_max(arrived, Ordering::Relaxed);
+                if !spec.record && let Some(events) = &spec.events {
+                    events.settled(&delivery.data, now_nanos());
+                }
                 let acker = delivery.acker;
                 match spec.settle {
                     Settle::Reject => start_settle(
                         async move { acker.reject(BasicRejectOptions { requeue: false }).await }
                             .boxed(),
+                        &mut settling,
+                        &mut result,
+                    ),
+                    Settle::Nack { requeue } => start_settle(
+                        async move {
+                            acker
+                                .nack(BasicNackOptions { requeue, multiple: false })
+                                .await
+                        }
+                        .boxed(),
                         &mut settling,
                         &mut result,
                     ),

@@ -137,10 +137,15 @@ pub enum OnOff {
 pub enum DeadLetterKind {
     /// Consumers reject with requeue=false.
     Reject,
+    /// Consumers nack with requeue=false.
+    Nack,
     /// Queue TTL (x-message-ttl) expires messages with no consumer.
     Expiry,
     /// x-max-length with drop-head pushes the oldest messages out.
     Overflow,
+    /// A quorum queue with x-delivery-limit: consumers nack with requeue=true until the limit
+    /// dead-letters the message.
+    DeliveryLimit,
 }
 
 #[derive(Debug, Subcommand)]
@@ -155,7 +160,9 @@ pub enum Scenario {
         #[arg(long, default_value_t = 500)]
         warmup: u64,
     },
-    /// Dead-letter rate into a DLQ and publish-to-DLQ latency; each message exactly once.
+    /// Dead-letter rate into a DLQ and the latency from each death's cause (the reject or
+    /// nack, the expiry deadline, the overflowing publish) to its arrival in the DLQ; each
+    /// message exactly once.
     Deadletter {
         #[arg(long, value_enum)]
         kind: DeadLetterKind,
@@ -165,6 +172,10 @@ pub enum Scenario {
         /// x-max-length for --kind overflow.
         #[arg(long, default_value_t = 100)]
         max_length: u32,
+        /// x-delivery-limit for --kind delivery-limit (each message is delivered this many
+        /// times plus one).
+        #[arg(long, default_value_t = 1)]
+        delivery_limit: u32,
     },
     /// Queue many messages with a queue TTL and no consumer; time until they all expired and
     /// the broker's RSS before, at the peak and after.

@@ -32,7 +32,8 @@ pub async fn run(cli: &Cli) -> Result<Report> {
             kind,
             ttl_ms,
             max_length,
-        } => deadletter::run(c, *kind, *ttl_ms, *max_length).await,
+            delivery_limit,
+        } => deadletter::run(c, *kind, *ttl_ms, *max_length, *delivery_limit).await,
         Scenario::ExpireBulk {
             ttl_ms,
             into_dlq,

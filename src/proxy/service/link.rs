@@ -11,10 +11,13 @@
 //! ([`crate::proxy::retry`]): the capture delivery stays unacked, so the capture queue does not
 //! deliver it again, and the same publish is retried after the backoff of
 //! `proxy.retry_initial_ms` .. `proxy.retry_max_ms` until it is confirmed
-//! (`dead_letters_held`, `dead_letter_retries_total{reason}`). At most
-//! [`CAPTURE_PREFETCH`](crate::proxy::capture::CAPTURE_PREFETCH) deliveries are unacked, so
-//! that bounds what is held. At-least-once, never lost: when the connection ends, the upstream
-//! requeues every capture delivery not acked yet, and what was held is let go.
+//! (`dead_letters_held`, `dead_letter_retries_total{reason}`). At most `proxy.capture_prefetch`
+//! deliveries are unacked (`dlx_proxy_capture_unacked{vhost}`), so that bounds what is in
+//! flight and held. Publishes are pipelined (no wait for one confirm before the next publish);
+//! the acks of settled deliveries are sent once per frame or timer, contiguous runs as one
+//! `multiple` ack ([`crate::proxy::ack_batch`]). At-least-once, never lost: when the
+//! connection ends, the upstream requeues every capture delivery not acked yet, and what was
+//! held is let go.
 //!
 //! The same publisher channel publishes, for client sessions of the vhost, the dead letters
 //! their client's user may not publish ([`PublishRequest`]: a 403 on the session's own
@@ -97,13 +100,19 @@ pub struct CaptureLink {
     cancel_confirmed: bool,
     /// Publishes made for client sessions, by this connection's operation id.
     forwarded: HashMap<OpId, (OpId, OutcomeSender)>,
+    /// `dlx_proxy_capture_unacked{vhost}`.
+    unacked: prometheus::IntGauge,
 }
 
 impl CaptureLink {
     pub fn new(shared: &ProxyShared, vhost: &str, frame_max: u32) -> Self {
         CaptureLink {
             vhost: vhost.to_string(),
-            consumer: CaptureConsumer::new(CAPTURE_CHANNEL, &shared.capture_name),
+            consumer: CaptureConsumer::new(
+                CAPTURE_CHANNEL,
+                &shared.capture_name,
+                shared.capture_prefetch,
+            ),
             publisher: Publisher::new(
                 PUBLISHER_CHANNEL,
                 frame_max as usize,
@@ -114,6 +123,7 @@ impl CaptureLink {
             next_op: 1,
             cancel_confirmed: false,
             forwarded: HashMap::new(),
+            unacked: shared.metrics.capture_unacked(vhost),
         }
     }
 
@@ -165,7 +175,14 @@ impl CaptureLink {
     /// go (the upstream requeues it when the connection closes).
     pub fn stop(&mut self, shared: &ProxyShared) -> Option<Bytes> {
         self.let_go_held(shared);
-        self.consumer.cancel_frame()
+        let cancel = self.consumer.cancel_frame()?;
+        // Cancelling: settled deliveries waiting behind a held one are acked now, so that
+        // they are not delivered again after the close.
+        let mut out = BytesMut::from(&cancel[..]);
+        if let Some(acks) = self.consumer.take_acks() {
+            out.extend_from_slice(&acks);
+        }
+        Some(out.freeze())
     }
 
     /// Stopped and settled: the connection may close.
@@ -183,6 +200,7 @@ impl CaptureLink {
         for (_, (op, reply)) in self.forwarded.drain() {
             let _ = reply.send((op, Outcome::Failed(FORWARD_LOST)));
         }
+        self.unacked.set(0);
     }
 
     fn let_go_held(&mut self, shared: &ProxyShared) {
@@ -220,11 +238,14 @@ impl CaptureLink {
                 let got = self.publisher.on_frame(frame);
                 step.send(got.write);
                 for settled in got.settled {
-                    self.complete(shared, settled, now, &mut step);
+                    self.complete(shared, settled, now);
                 }
             }
             _ => {}
         }
+        // What this frame settled (a multiple confirm settles a run) goes out as few acks.
+        step.send(self.consumer.take_acks());
+        self.unacked.set(self.consumer.outstanding() as i64);
         step
     }
 
@@ -232,11 +253,13 @@ impl CaptureLink {
     pub fn on_timer(&mut self, shared: &ProxyShared, now: Instant) -> LinkStep {
         let mut step = LinkStep::default();
         for settled in self.publisher.expire(now) {
-            self.complete(shared, settled, now, &mut step);
+            self.complete(shared, settled, now);
         }
         for op in self.held.take_due(now) {
             self.start_op(shared, op, now, &mut step);
         }
+        step.send(self.consumer.take_acks());
+        self.unacked.set(self.consumer.outstanding() as i64);
         step
     }
 
@@ -257,7 +280,7 @@ impl CaptureLink {
                 tracing::warn!(vhost = %self.vhost, %why, "captured message dropped");
                 metrics.dropped(&self.vhost, &shared.capture_name, why.cause());
                 metrics.captured(&self.vhost, CAPTURED_DROPPED);
-                step.send(self.consumer.ack(origin.0, origin.1));
+                self.consumer.ack(origin.0, origin.1);
                 return;
             }
         };
@@ -281,12 +304,12 @@ impl CaptureLink {
         match death::plan(death, &view, &shared.dead_letter_options) {
             Plan::Discard => {
                 metrics.captured(&self.vhost, CAPTURED_DISCARDED);
-                step.send(self.consumer.ack(origin.0, origin.1));
+                self.consumer.ack(origin.0, origin.1);
             }
             Plan::Drop(cause) => {
                 metrics.dropped(&self.vhost, &queue, cause);
                 metrics.captured(&self.vhost, CAPTURED_DROPPED);
-                step.send(self.consumer.ack(origin.0, origin.1));
+                self.consumer.ack(origin.0, origin.1);
             }
             Plan::Publish(publish) => {
                 let origin = Origin::Capture {
@@ -320,19 +343,13 @@ impl CaptureLink {
                 death::drop_unpublishable(&shared.metrics, &self.vhost, &op.queue, why);
                 shared.metrics.captured(&self.vhost, CAPTURED_DROPPED);
                 self.release(shared, &op);
-                step.send(self.consumer.ack(tag, epoch));
+                self.consumer.ack(tag, epoch);
             }
         }
     }
 
     /// A dead-letter publish ended: ack the capture delivery, or hold it for a retry.
-    fn complete(
-        &mut self,
-        shared: &ProxyShared,
-        settled: Settled,
-        now: Instant,
-        step: &mut LinkStep,
-    ) {
+    fn complete(&mut self, shared: &ProxyShared, settled: Settled, now: Instant) {
         if let Some((op, reply)) = self.forwarded.remove(&settled.op) {
             // The session may be gone: its client's original went back to its queue then.
             let _ = reply.send((op, settled.outcome));
@@ -357,7 +374,7 @@ impl CaptureLink {
         };
         metrics.captured(&self.vhost, outcome);
         if let Some(Settlement::Ack) = death::settle(metrics, &self.vhost, &op, &settled.outcome) {
-            step.send(self.consumer.ack(tag, epoch));
+            self.consumer.ack(tag, epoch);
         }
     }
 
@@ -700,6 +717,50 @@ mod tests {
         assert!(gauge(&shared, "dlx_proxy_dead_letters_held 0"));
         assert_eq!(link.unsettled(), 0);
         assert!(counter(&shared, CAPTURED_DEAD_LETTERED));
+    }
+
+    fn basic_ack(delivery_tag: u64, multiple: bool) -> AMQPClass {
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag,
+            multiple,
+        }))
+    }
+
+    #[test]
+    fn confirmed_runs_are_acked_with_one_multiple_ack_and_a_held_one_waits() {
+        let shared = shared();
+        let mut link = CaptureLink::new(&shared, "/", 4096);
+        let now = Instant::now();
+        for tag in 1..=4 {
+            feed(&mut link, &shared, &captured(tag, "q"), now);
+        }
+        assert!(gauge(&shared, "dlx_proxy_capture_unacked{vhost=\"/\"} 4"));
+        // Publishes 1..3 confirmed at once: one ack covers capture deliveries 1..3.
+        let step = link.on_frame(&shared, &one(PUBLISHER_CHANNEL, basic_ack(3, true)), now);
+        assert_eq!(
+            methods(&step.write),
+            vec![(CAPTURE_CHANNEL, basic_ack(3, true))]
+        );
+        assert!(gauge(&shared, "dlx_proxy_capture_unacked{vhost=\"/\"} 1"));
+        // Two more: the first one's publish is refused (held), the second confirmed; its ack
+        // waits behind the held one.
+        feed(&mut link, &shared, &captured(5, "q"), now);
+        link.on_frame(&shared, &confirm("nack", 4), now);
+        let step = link.on_frame(&shared, &confirm("ack", 5), now);
+        assert!(step.write.is_empty(), "{:?}", methods(&step.write));
+        assert_eq!(link.held(), 1);
+        // Shutdown: the consumer is cancelled and the waiting one acked on its own; the held
+        // one stays unacked (the upstream requeues it with the connection).
+        let out = link.stop(&shared).expect("cancel");
+        let sent = methods(&out);
+        assert!(matches!(
+            sent[0],
+            (
+                CAPTURE_CHANNEL,
+                AMQPClass::Basic(basic::AMQPMethod::Cancel(_))
+            )
+        ));
+        assert_eq!(sent[1..], [(CAPTURE_CHANNEL, basic_ack(5, false))]);
     }
 
     #[test]

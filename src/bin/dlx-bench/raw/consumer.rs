@@ -18,7 +18,9 @@ use anyhow::{Context, Result, anyhow};
 use tokio::sync::watch;
 
 use super::wire::{CHANNEL, Wire, broker_close, short};
-use crate::client::{ConsumeResult, ConsumeSpec, Progress, RunningConsumer, Settle, now_nanos};
+use crate::client::{
+    ConsumeResult, ConsumeSpec, Progress, RunningConsumer, Settle, latency_of, now_nanos,
+};
 
 /// Largest body the consumer accepts (guards the allocation a header announces).
 const MAX_BODY: u64 = 1 << 30;
@@ -229,6 +231,18 @@ impl Subscriber {
         )
     }
 
+    /// Buffers basic.nack (multiple=false).
+    pub fn put_nack(&mut self, delivery_tag: u64, requeue: bool) -> Result<()> {
+        self.wire.put_method(
+            CHANNEL,
+            AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                delivery_tag,
+                multiple: false,
+                requeue,
+            })),
+        )
+    }
+
     /// Writes buffered settles.
     pub async fn flush(&mut self) -> Result<()> {
         self.wire.flush().await
@@ -279,12 +293,18 @@ async fn consume_loop(
             {
                 result
                     .latencies
-                    .push(arrived.saturating_sub(stamp.sent_nanos));
+                    .push(latency_of(&stamp, spec.events.as_deref(), arrived));
             }
             progress.received.fetch_add(1, Ordering::Relaxed);
             progress.last_nanos.fetch_max(arrived, Ordering::Relaxed);
+            if !spec.record
+                && let Some(events) = &spec.events
+            {
+                events.settled(&delivery.body, arrived);
+            }
             match spec.settle {
                 Settle::Reject => sub.put_reject(delivery.delivery_tag)?,
+                Settle::Nack { requeue } => sub.put_nack(delivery.delivery_tag, requeue)?,
                 Settle::Ack => {
                     last_tag = delivery.delivery_tag;
                     unacked += 1;

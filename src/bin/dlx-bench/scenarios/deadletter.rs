@@ -1,7 +1,10 @@
-//! `deadletter --kind reject|expiry|overflow`: messages die in a source queue and are
-//! dead-lettered through a fanout exchange into a DLQ that consumers drain. Reports the rate at
-//! which messages reach the DLQ and the publish-to-DLQ latency, and checks that each message
-//! reached the DLQ exactly once (overflow: or is still among the x-max-length survivors).
+//! `deadletter --kind reject|nack|expiry|overflow|delivery-limit`: messages die in a source
+//! queue and are dead-lettered through a fanout exchange into a DLQ that consumers drain.
+//! Reports the rate at which messages reach the DLQ and the latency from each death's cause to
+//! the dead letter's arrival: the consumer's reject or nack (delivery-limit: its last requeue),
+//! the expiry deadline (publish + TTL); overflow: the message's own publish (so it includes the
+//! time it spent among the x-max-length newest). Checks that each message reached the DLQ
+//! exactly once (overflow: or is still among the x-max-length survivors).
 
 use std::sync::atomic::Ordering;
 
@@ -9,15 +12,23 @@ use anyhow::Result;
 use tokio::sync::watch;
 
 use super::{Watch, describe, message_total, name, publish_all, rate, secs_between};
-use crate::client::{self, ConsumeSpec, Progress, QueueArgs, Settle};
+use crate::client::{self, ConsumeSpec, EventTimes, Progress, QueueArgs, Settle};
 use crate::report::Report;
 use crate::{Common, DeadLetterKind};
 
-pub async fn run(c: &Common, kind: DeadLetterKind, ttl_ms: u32, max_length: u32) -> Result<Report> {
+pub async fn run(
+    c: &Common,
+    kind: DeadLetterKind,
+    ttl_ms: u32,
+    max_length: u32,
+    delivery_limit: u32,
+) -> Result<Report> {
     let kind_name = match kind {
         DeadLetterKind::Reject => "reject",
+        DeadLetterKind::Nack => "nack",
         DeadLetterKind::Expiry => "expiry",
         DeadLetterKind::Overflow => "overflow",
+        DeadLetterKind::DeliveryLimit => "delivery-limit",
     };
     let mut report = Report::new(&format!("deadletter-{kind_name}"), &c.label);
     let confirms = c.confirms_on();
@@ -31,9 +42,22 @@ pub async fn run(c: &Common, kind: DeadLetterKind, ttl_ms: u32, max_length: u32)
         dead_letter_exchange: Some(dlx.clone()),
         ..QueueArgs::default()
     };
+    let mut after_publish_ns = 0;
+    let settle = match kind {
+        DeadLetterKind::Nack => Some(Settle::Nack { requeue: false }),
+        DeadLetterKind::DeliveryLimit => Some(Settle::Nack { requeue: true }),
+        DeadLetterKind::Reject => Some(Settle::Reject),
+        _ => None,
+    };
     match kind {
-        DeadLetterKind::Reject => {}
+        DeadLetterKind::Reject | DeadLetterKind::Nack => {}
+        DeadLetterKind::DeliveryLimit => {
+            args.quorum = true;
+            args.delivery_limit = Some(delivery_limit);
+            report.set("delivery_limit", delivery_limit);
+        }
         DeadLetterKind::Expiry => {
+            after_publish_ns = u64::from(ttl_ms) * 1_000_000;
             args.message_ttl_ms = Some(ttl_ms);
             report.set("ttl_ms", ttl_ms);
         }
@@ -45,6 +69,7 @@ pub async fn run(c: &Common, kind: DeadLetterKind, ttl_ms: u32, max_length: u32)
     }
     client::fresh_queue(&setup, &source, &args).await?;
 
+    let events = EventTimes::new(after_publish_ns);
     let (stop, stop_rx) = watch::channel(false);
     let dlq_progress = Progress::new();
     let mut dlq_consumers = Vec::new();
@@ -57,22 +82,24 @@ pub async fn run(c: &Common, kind: DeadLetterKind, ttl_ms: u32, max_length: u32)
             settle: Settle::Ack,
             ack_every: c.ack_every,
             record: true,
+            events: Some(events.clone()),
         };
         dlq_consumers
             .push(super::start_consumer(c, spec, dlq_progress.clone(), stop_rx.clone()).await?);
     }
     let reject_progress = Progress::new();
     let mut rejecters = Vec::new();
-    if kind == DeadLetterKind::Reject {
+    if let Some(settle) = settle {
         for i in 0..c.consumers.max(1) {
             let spec = ConsumeSpec {
                 url: c.url.clone(),
                 name: format!("rejecter {i}"),
                 queue: source.clone(),
                 prefetch: c.prefetch,
-                settle: Settle::Reject,
+                settle,
                 ack_every: 1,
                 record: false,
+                events: Some(events.clone()),
             };
             rejecters.push(
                 super::start_consumer(c, spec, reject_progress.clone(), stop_rx.clone()).await?,
@@ -103,7 +130,7 @@ pub async fn run(c: &Common, kind: DeadLetterKind, ttl_ms: u32, max_length: u32)
     report.set("latency_p50_us", lat.p50_us);
     report.set("latency_p99_us", lat.p99_us);
     report.set("latency_max_us", lat.max_us);
-    if kind == DeadLetterKind::Reject {
+    if settle.is_some() {
         report.set("rejected", reject_progress.received());
         if rejected.settle_errors > 0 {
             report.fail(format!("{} rejects failed", rejected.settle_errors));

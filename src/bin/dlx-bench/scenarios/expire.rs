@@ -114,6 +114,7 @@ pub async fn run(c: &Common, ttl_ms: u32, into_dlq: bool, drain_timeout: f64) ->
             settle: Settle::Ack,
             ack_every: c.ack_every.max(50),
             record: true,
+            events: None,
         };
         let consumer = super::start_consumer(c, spec, progress.clone(), stop_rx).await?;
         progress.wait_for(total, c.idle()).await;

@@ -29,6 +29,7 @@ pub async fn run(c: &Common) -> Result<Report> {
             settle: Settle::Ack,
             ack_every: c.ack_every,
             record: true,
+            events: None,
         };
         consumers.push(super::start_consumer(c, spec, progress.clone(), stop_rx.clone()).await?);
     }
