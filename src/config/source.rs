@@ -82,8 +82,9 @@ enum Segment<'k> {
     Index(usize),
 }
 
-/// `users[0].name` → `users`, `0`, `name`. Key names may themselves hold dots only when
-/// written as separate segments, as figment and the validation write them.
+/// `users[0].name` → `users`, `0`, `name`. A key name that itself holds a dot cannot be told
+/// from two segments; no setting has one, and such a key is then located at the closest
+/// enclosing key found.
 fn segments(key: &str) -> Vec<Segment<'_>> {
     let mut out = Vec::new();
     for part in key.split('.') {
