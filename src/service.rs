@@ -688,7 +688,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result
     ) {
         Ok(w) => Some(w),
         Err(err) => {
-            tracing::warn!(%err, path = %path.display(), "{what} watching unavailable; SIGHUP still reloads");
+            tracing::warn!(%err, watching = what, path = %path.display(), "file watching unavailable; SIGHUP still reloads");
             None
         }
     };

@@ -602,7 +602,7 @@ impl Session {
             Err(err) => {
                 let (class_id, method_id) = frame.method_ids();
                 let err = err.to_amqp_error(class_id, method_id);
-                tracing::warn!(text = %err.text, "client method refused");
+                tracing::warn!(peer = %self.peer, text = %err.text, "client method refused");
                 self.close_client(err.code, &err.text, class_id, method_id);
                 None
             }

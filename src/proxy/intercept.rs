@@ -222,10 +222,12 @@ impl Session {
         };
         if answer == CheckAnswer::DeclareOk {
             tracing::warn!(
+                peer = %self.peer,
+                vhost = %self.vhost,
                 queue = pending.declare.queue.as_str(),
-                "the upstream accepted the permission probe (it does not validate {}); \
-                 the queue was declared with the client's flags",
-                permission::PROBE_ARGUMENT
+                argument = permission::PROBE_ARGUMENT,
+                "the upstream accepted the permission probe (it does not validate the \
+                 argument); the queue was declared with the client's flags"
             );
             self.close_check();
         }
@@ -688,7 +690,7 @@ impl Session {
         let props = match decode_properties(&delivery.raw_properties) {
             Ok(props) => props,
             Err(err) => {
-                tracing::warn!(%err, queue = &*delivery.queue, "delivered properties do not decode; settling natively");
+                tracing::warn!(peer = %self.peer, %err, queue = &*delivery.queue, "delivered properties do not decode; settling natively");
                 let settlement = if verb.requeues() {
                     Settlement::Requeue
                 } else {

@@ -209,7 +209,7 @@ fn report(result: std::io::Result<()>, what: &str) -> bool {
     match result {
         Ok(()) => true,
         Err(e) => {
-            tracing::error!(error = %e, "storage: could not {what}");
+            tracing::error!(operation = what, error = %e, "storage: a disk operation failed");
             false
         }
     }

@@ -95,15 +95,21 @@ fn invalid_values_exit_2_and_name_the_key() {
     let cases = [
         (
             "[listen]\namqp = \"nope\"\n",
-            "key `listen.amqp`: invalid socket address",
+            ".toml:2:8: key `listen.amqp`: invalid socket address",
         ),
-        ("[limits]\nframe_max = \"x\"\n", "key `limits.frame_max`"),
-        ("[limits]\nframe_max = 100\n", "key `limits.frame_max`"),
+        (
+            "[limits]\nframe_max = \"x\"\n",
+            ".toml:2:13: key `limits.frame_max`",
+        ),
+        (
+            "[limits]\nframe_max = 100\n",
+            ".toml:2:13: key `limits.frame_max`",
+        ),
         (
             "[listen]\namqp_port = 1\n",
-            "key `listen.amqp_port`: unknown key",
+            ".toml:2:1: key `listen.amqp_port`: unknown key",
         ),
-        ("colour = \"blue\"\n", "key `colour`"),
+        ("colour = \"blue\"\n", ".toml:1:1: key `colour`"),
         (
             "[runtime]\nworker_threads = 5000\n",
             "key `runtime.worker_threads`: must be at most 1024",
@@ -118,7 +124,7 @@ fn invalid_values_exit_2_and_name_the_key() {
         ),
         (
             "[[policies]]\nname = \"p\"\nvhost = \"nope\"\npattern = \".*\"\n",
-            "key `policies[0].vhost`",
+            ".toml:3:9: key `policies[0].vhost`",
         ),
         (
             "mode = \"embedded\"\n[listen]\namqp = nope\n",
