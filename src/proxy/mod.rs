@@ -480,7 +480,8 @@ pub fn spawn_connection<S>(
 {
     let slots = shared.connections.clone();
     let within = shared.handshake_timeout;
-    slots.spawn(client, peer, within, move |client| {
+    let tasks = shutdown.clone();
+    slots.spawn(client, peer, within, &tasks, move |client| {
         session::run(client, peer, shared, shutdown)
     });
 }
