@@ -763,7 +763,7 @@ impl Session {
         queue: Arc<str>,
         message: OutgoingMessage,
     ) {
-        self.start_op(Op::new(origin, purpose, queue, message, Instant::now()));
+        self.start_op(Op::new(origin, purpose, queue, message, self.now));
     }
 
     /// Publishes an operation's message (first time or retry) and tracks it until its confirm:

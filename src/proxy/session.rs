@@ -286,9 +286,9 @@ pub(super) async fn run<S>(
         now,
     };
 
-    let timer = tokio::time::sleep_until((Instant::now() + Duration::from_secs(60)).into());
+    let timer = tokio::time::sleep_until((now + Duration::from_secs(60)).into());
     tokio::pin!(timer);
-    let mut busy_poll = BusyPoll::new(session.shared.busy_poll, Instant::now());
+    let mut busy_poll = BusyPoll::new(session.shared.busy_poll, now);
     loop {
         session.handle_buffered(&mut client_reader, &mut upstream_reader);
         session.check_writers();
@@ -599,7 +599,7 @@ impl Session {
         let upstream = std::mem::take(&mut self.upstream_in);
         metrics.traffic(Direction::ClientIn, client.frames, client.bytes);
         metrics.traffic(Direction::UpstreamIn, upstream.frames, upstream.bytes);
-        self.tally_since = Instant::now();
+        self.tally_since = self.now;
     }
 
     /// Notices writer failures (a peer gone while we only write to it).
@@ -689,7 +689,7 @@ impl Session {
             }));
             self.client_out.send(method_frame(0, close));
             self.client_side = Side::Closing {
-                deadline: Instant::now() + CLOSE_GRACE,
+                deadline: self.now + CLOSE_GRACE,
                 forward_ok: false,
             };
         }
@@ -715,7 +715,7 @@ impl Session {
             for channel in channels {
                 self.count_returns(channel);
             }
-            let deadline = Instant::now() + self.shared.confirm_timeout + Duration::from_secs(1);
+            let deadline = self.now + self.shared.confirm_timeout + Duration::from_secs(1);
             self.upstream_side = Side::Draining { deadline };
         }
         self.maybe_finish_draining();
@@ -744,7 +744,7 @@ impl Session {
             }));
             self.send_upstream(method_frame(0, close));
             self.upstream_side = Side::Closing {
-                deadline: Instant::now() + Duration::from_secs(2),
+                deadline: self.now + Duration::from_secs(2),
                 forward_ok: false,
             };
             self.fail_all_ops();
@@ -801,7 +801,7 @@ impl Session {
                 })),
             ));
             self.client_side = Side::Closing {
-                deadline: Instant::now() + CLOSE_GRACE,
+                deadline: self.now + CLOSE_GRACE,
                 forward_ok: false,
             };
         } else if self.client_side == Side::Open {
