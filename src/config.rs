@@ -562,9 +562,7 @@ impl Default for MetricsConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ShutdownConfig {
-    /// Seconds to let in-flight work finish before client connections are closed; then the
-    /// closing connections and every other task get up to as long again (at least a second)
-    /// before the process exits without them.
+    /// Seconds to let in-flight work finish before client connections are closed.
     pub drain_secs: u64,
 }
 
