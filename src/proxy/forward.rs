@@ -14,11 +14,11 @@ use super::bcc;
 use super::channels::{
     ChannelPhase, ClientChannel, IncomingContent, KeepBuilder, OutgoingContent, Source,
 };
+use super::client_session::{ClientSession, Side};
 use super::handshake::{LoginCheck, check_login, negotiate, tune_for_client};
 use super::inflight::Verb;
 use super::probe::CheckChannel;
 use super::publisher::Publisher;
-use super::session::{Session, Side};
 use super::wire::{WireFrame, content_body_size, header_frame, method_frame};
 use crate::admission::is_loopback;
 use crate::amqp::codec::{
@@ -68,7 +68,7 @@ pub(super) fn channel_close_ok(channel: u16) -> Bytes {
     )
 }
 
-impl Session {
+impl ClientSession {
     // ------------------------------------------------------------------------------------
     // Client → upstream
     // ------------------------------------------------------------------------------------

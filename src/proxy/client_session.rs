@@ -1,5 +1,6 @@
-//! One client connection and its upstream connection: the task that owns both, the event loop,
-//! and the connection's life and death.
+//! One client connection and its upstream connection ([`ClientSession`], as opposed to the
+//! proxy's own service connections of [`super::service`]): the task that owns both, the event
+//! loop, and the connection's life and death.
 //!
 //! A single task reads frames from both sockets (each read only when the opposite outbox has
 //! room, and upstream reads also only while kept deliveries and held dead letters are under
@@ -99,7 +100,7 @@ enum Event {
 }
 
 /// The connection's state, owned by its task.
-pub(super) struct Session {
+pub(super) struct ClientSession {
     pub(super) shared: Arc<ProxyShared>,
     pub(super) peer: SocketAddr,
     pub(super) client_out: Outbox,
@@ -238,7 +239,7 @@ pub(super) async fn run<S>(
     let mut upstream_reader = FrameReader::new(upstream_read, shared.handshake_frame_max);
     let now = Instant::now();
     let backoff = shared.retry_backoff;
-    let mut session = Session {
+    let mut session = ClientSession {
         shared,
         peer,
         client_out,
@@ -395,7 +396,7 @@ async fn service_answer(
     }
 }
 
-impl Session {
+impl ClientSession {
     /// Handles frames that are already in the read buffers (a burst read in one go), up to
     /// [`BUFFERED_FRAMES_PER_TURN`], so a burst costs one wake-up rather than one per frame.
     /// The same flow-control checks apply as before a socket read.
@@ -708,7 +709,7 @@ impl Session {
 
     /// Starts closing the upstream once no proxy publish is unsettled. The client's unsettled
     /// deliveries of queues whose delivery limit the proxy counts are counted first
-    /// ([`Session::count_returns`]).
+    /// ([`ClientSession::count_returns`]).
     fn drain_upstream(&mut self) {
         if self.upstream_side == Side::Open {
             let channels: Vec<u16> = self.channels.keys().copied().collect();
