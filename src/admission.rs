@@ -31,6 +31,7 @@ use tokio_util::codec::FramedRead;
 use crate::amqp::codec::{FRAME_METHOD, FRAME_MIN_SIZE, FrameCodec, decode_method, put_method};
 use crate::amqp::reply::{self, AmqpError};
 use crate::metrics::{Metrics, REFUSED_MAX_CONNECTIONS};
+use crate::shutdown::Shutdown;
 
 /// Most clients over the connection limit that are being told so at one time.
 pub const MAX_REFUSALS_IN_PROGRESS: usize = 64;
@@ -151,11 +152,13 @@ impl ConnectionSlots {
 
     /// Runs `serve` on an admitted connection in its own task, which owns the slot; over the
     /// limit the client is refused (see the module documentation). `within` bounds a refusal.
+    /// Both tasks join the tracker of `shutdown`, so the service waits for them.
     pub fn spawn<S, F, Fut>(
         self: &Arc<Self>,
         stream: S,
         peer: SocketAddr,
         within: Duration,
+        shutdown: &Shutdown,
         serve: F,
     ) where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -164,7 +167,7 @@ impl ConnectionSlots {
     {
         if let Some(slot) = self.admit() {
             let connection = serve(stream);
-            tokio::spawn(async move {
+            shutdown.spawn(async move {
                 let _slot = slot;
                 connection.await;
             });
@@ -177,7 +180,7 @@ impl ConnectionSlots {
             // Too many refusals at once: the socket is dropped (closed) here.
             return;
         };
-        tokio::spawn(async move {
+        shutdown.spawn(async move {
             let _permit = permit;
             let refusal = AmqpError::not_allowed(format!("connection limit ({max}) is reached"));
             refuse_client(stream, &refusal, within).await;

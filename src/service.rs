@@ -183,11 +183,14 @@ pub struct RunningService {
     drain: Duration,
     /// The settings a reload cannot change, as the service started with them.
     fixed_settings: BTreeMap<&'static str, serde_json::Value>,
+    /// Fires first on shutdown: the listeners stop accepting (and the tasks that only
+    /// matter while accepting stop). A child of `connections_trigger`.
     accept_trigger: ShutdownTrigger,
+    /// Fires after the drain: connections are closed with 320, every other task stops. Its
+    /// tracker holds every task of the service, connections included.
     connections_trigger: ShutdownTrigger,
     /// The accept loops: they end (dropping their listeners) when `accept_trigger` fires.
     listeners: Vec<JoinHandle<()>>,
-    tasks: Vec<JoinHandle<()>>,
     /// The reloadable TLS materials (listener, upstream CA) and the watchers of their files.
     tls: TlsRotation,
     _tls_watchers: Vec<notify::RecommendedWatcher>,
@@ -209,18 +212,21 @@ impl RunningService {
         proxied + embedded
     }
 
-    /// Graceful shutdown: stop accepting, give in-flight work the drain time (clients can
-    /// still settle their unacknowledged deliveries), close client connections with 320
-    /// CONNECTION_FORCED, and wait for the tasks.
+    /// Graceful shutdown: stop accepting, give in-flight work the drain time
+    /// (`shutdown.drain_secs`: clients can still settle their unacknowledged deliveries), then
+    /// close client connections with 320 CONNECTION_FORCED, stop every other task and wait
+    /// for all of them (connections of both modes, service connections, timers, the admin
+    /// server: the tracker of `connections_trigger`) for at most the drain time again.
     pub async fn shutdown(mut self) {
         self.readiness.set_ready(false);
         self.accept_trigger.trigger();
+        let deadline = tokio::time::Instant::now() + self.drain;
         // The listening sockets are closed before any client is told to go, so a client that
         // reconnects at once is refused here and goes to another instance.
-        for listener in std::mem::take(&mut self.listeners) {
-            let _ = tokio::time::timeout(Duration::from_secs(5), listener).await;
+        let listeners = futures_util::future::join_all(std::mem::take(&mut self.listeners));
+        if tokio::time::timeout_at(deadline, listeners).await.is_err() {
+            tracing::warn!("drain time over before every listener stopped");
         }
-        let deadline = tokio::time::Instant::now() + self.drain;
         let unsettled = self.unsettled_deliveries();
         if unsettled > 0 {
             tracing::info!(
@@ -237,14 +243,16 @@ impl RunningService {
             tracing::warn!(unsettled, "drain time over; closing connections");
         }
         self.connections_trigger.trigger();
-        for t in self.tasks {
-            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
-        }
-        if self.server.is_some() {
-            let until = tokio::time::Instant::now() + Duration::from_secs(5);
-            while self.connection_slots.open() > 0 && tokio::time::Instant::now() < until {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+        let tasks = self.connections_trigger.tracker().clone();
+        tasks.close();
+        // At least a second, so that clients get their connection.close even with no drain.
+        let closing = self.drain.max(Duration::from_secs(1));
+        if tokio::time::timeout(closing, tasks.wait()).await.is_err() {
+            tracing::warn!(
+                tasks = tasks.len(),
+                connections = self.connection_slots.open(),
+                "tasks still running after the drain time; exiting without them"
+            );
         }
         // Everything the broker wrote (lazy removals included) made stable before exit.
         if let Some(broker) = &self.broker
@@ -376,7 +384,7 @@ fn spawn_memory_monitor(
     ctx: &Arc<ServerContext>,
     metrics: &Arc<Metrics>,
     stop: crate::shutdown::Shutdown,
-) -> anyhow::Result<JoinHandle<()>> {
+) -> anyhow::Result<()> {
     let key = "limits.memory_high_watermark";
     let initial = memory_settings(&ctx.limits())
         .ok_or_else(|| anyhow::anyhow!("key `{key}`: invalid (validate the config first)"))?;
@@ -389,13 +397,18 @@ fn spawn_memory_monitor(
     .map_err(|message| anyhow::anyhow!("key `{key}`: {message}"))?;
     let ctx = ctx.clone();
     let settings = move || memory_settings(&ctx.limits()).unwrap_or(initial);
-    Ok(tokio::spawn(monitor.run(settings, stop)))
+    stop.clone().spawn(monitor.run(settings, stop));
+    Ok(())
 }
 
 /// Binds the listeners and starts every task.
 pub async fn start(config: Config) -> anyhow::Result<RunningService> {
-    let accept_trigger = ShutdownTrigger::new();
     let connections_trigger = ShutdownTrigger::new();
+    let accept_trigger = connections_trigger.child();
+    // Every task of the service joins the tracker of the triggers (mini-redis style), so
+    // that the shutdown waits for them.
+    let tasks = connections_trigger.subscribe();
+    let accepting = accept_trigger.subscribe();
     let metrics = Metrics::new(config.metrics.max_queue_labels);
     let admin_token = AdminToken::new(
         config
@@ -406,7 +419,6 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
     let initial = PolicySet::from_configs(&config.policies).map_err(|e| anyhow::anyhow!("{e}"))?;
     let readiness = Readiness::new();
     let policy_changes = Arc::new(tokio::sync::Notify::new());
-    let mut tasks = Vec::new();
     let mut listeners = Vec::new();
     let amqp = bind(&config.listen.amqp, "listen.amqp").await?;
     let amqps = bind(&config.listen.amqps, "listen.amqps").await?;
@@ -467,44 +479,38 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 broker.restore(recovered, Arc::new(storage));
                 metrics.set_storage_recovery_time(started.elapsed());
             }
-            tasks.push(tokio::spawn(
-                broker.clone().timer_loop(connections_trigger.subscribe()),
-            ));
+            tasks.spawn(broker.clone().timer_loop(tasks.clone()));
             let ctx = ServerContext::new(broker.clone(), users, config.limits.clone());
             if let Some(options) = config.storage.options() {
                 ctx.disk_free_limit
                     .store(config.storage.disk_free_limit_bytes(), Ordering::Relaxed);
                 let limit_ctx = ctx.clone();
-                tasks.push(tokio::spawn(crate::storage::disk::run(
+                tasks.spawn(crate::storage::disk::run(
                     options.dir,
                     move || limit_ctx.disk_free_limit.load(Ordering::Relaxed),
                     metrics.clone(),
                     ctx.disk_alarm.clone(),
-                    connections_trigger.subscribe(),
-                )));
+                    tasks.clone(),
+                ));
             }
-            tasks.push(spawn_memory_monitor(
-                &ctx,
-                &metrics,
-                connections_trigger.subscribe(),
-            )?);
+            spawn_memory_monitor(&ctx, &metrics, tasks.clone())?;
             if let Some(listener) = amqp {
                 tracing::info!(addr = %ListenAddr(amqp_addr), "AMQP listener (embedded broker)");
-                listeners.push(tokio::spawn(server::serve(
+                listeners.push(tasks.spawn(server::serve(
                     listener,
                     ctx.clone(),
-                    accept_trigger.subscribe(),
-                    connections_trigger.subscribe(),
+                    accepting.clone(),
+                    tasks.clone(),
                 )));
             }
             if let (Some(listener), Some(server)) = (amqps, tls_server) {
                 tracing::info!(addr = %ListenAddr(amqps_addr), "AMQPS listener (embedded broker)");
                 let tls_ctx = ctx.clone();
-                let conn_stop = connections_trigger.subscribe();
-                listeners.push(tokio::spawn(crate::tls::serve(
+                let conn_stop = tasks.clone();
+                listeners.push(tasks.spawn(crate::tls::serve(
                     listener,
                     server,
-                    accept_trigger.subscribe(),
+                    accepting.clone(),
                     move |stream, peer| {
                         server::spawn_connection(stream, peer, tls_ctx.clone(), conn_stop.clone())
                     },
@@ -533,10 +539,10 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             if let Some(listener) = amqp {
                 tracing::info!(addr = %ListenAddr(amqp_addr), upstream = %config.upstream.urls_for_display(), "AMQP listener (proxy)");
                 let shared = proxy.clone();
-                let conn_stop = connections_trigger.subscribe();
-                listeners.push(tokio::spawn(crate::listener::accept_tcp(
+                let conn_stop = tasks.clone();
+                listeners.push(tasks.spawn(crate::listener::accept_tcp(
                     listener,
-                    accept_trigger.subscribe(),
+                    accepting.clone(),
                     move |stream, peer| {
                         crate::proxy::spawn_connection(
                             stream,
@@ -550,11 +556,11 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             if let (Some(listener), Some(server)) = (amqps, tls_server) {
                 tracing::info!(addr = %ListenAddr(amqps_addr), "AMQPS listener (proxy)");
                 let tls_proxy = proxy.clone();
-                let conn_stop = connections_trigger.subscribe();
-                listeners.push(tokio::spawn(crate::tls::serve(
+                let conn_stop = tasks.clone();
+                listeners.push(tasks.spawn(crate::tls::serve(
                     listener,
                     server,
-                    accept_trigger.subscribe(),
+                    accepting.clone(),
                     move |stream, peer| {
                         crate::proxy::spawn_connection(
                             stream,
@@ -573,7 +579,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     .service_identity()
                     .map_err(|e| anyhow::anyhow!("{e}"))?
             {
-                tasks.push(proxy.start_services(identity, connections_trigger.subscribe()));
+                proxy.start_services(identity, tasks.clone());
             }
             // Readiness follows upstream reachability (the pool's check runs until the
             // shutdown signal) and the capture consumers of proxy.vhosts (liveness never
@@ -581,9 +587,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             readiness.require_upstream(proxy.upstream().reachability());
             readiness.require_capture(proxy.capture_readiness());
             readiness.set_ready(true);
-            tasks.push(tokio::spawn(
-                proxy.upstream().clone().watch(accept_trigger.subscribe()),
-            ));
+            tasks.spawn(proxy.upstream().clone().watch(accepting.clone()));
             if let Some(sync) = crate::proxy::policy_sync::UpstreamPolicySync::from_config(
                 &config,
                 proxy.capture_name(),
@@ -591,7 +595,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 metrics.clone(),
                 policy_changes.clone(),
             )? {
-                tasks.push(tokio::spawn(sync.run(accept_trigger.subscribe())));
+                tasks.spawn(sync.run(accepting.clone()));
             }
             let slots = proxy.connection_slots().clone();
             (PolicySink::Shared(shared_policies), None, None, slots)
@@ -614,12 +618,12 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             policies: policies.clone(),
             token: admin_token.clone(),
         };
-        let stop = connections_trigger.subscribe();
-        tasks.push(tokio::spawn(async move {
+        let stop = tasks.clone();
+        tasks.spawn(async move {
             if let Err(err) = crate::admin::serve(listener, state, stop).await {
                 tracing::error!(%err, "admin server failed");
             }
-        }));
+        });
     }
     let tls_watchers = tls.watch();
     Ok(RunningService {
@@ -638,7 +642,6 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         accept_trigger,
         connections_trigger,
         listeners,
-        tasks,
         tls,
         _tls_watchers: tls_watchers,
     })

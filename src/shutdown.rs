@@ -1,43 +1,76 @@
-//! Graceful-shutdown signalling and Unix signal helpers.
+//! Graceful-shutdown signalling, the tracking of every task, and Unix signal helpers.
 //!
-//! One [`ShutdownTrigger`] is owned by the service; every listener, connection task and the
-//! admin server holds a [`Shutdown`] (cheap to clone) and selects on [`Shutdown::recv`]. The
-//! trigger is a `tokio::sync::watch` flag, so a listener created after the trigger fired still
-//! sees it. Dropping the trigger counts as shutting down: nothing could trigger it any more.
+//! As in tokio's mini-redis, one cancellation token tells every task to stop and one task
+//! tracker lets the service wait for all of them. A [`ShutdownTrigger`] owns a
+//! [`CancellationToken`]; every listener, connection, service connection and background task
+//! holds a [`Shutdown`] (cheap to clone), selects on [`Shutdown::recv`] and spawns its own
+//! tasks with [`Shutdown::spawn`], so that they join the service's [`TaskTracker`]. The
+//! service stops in two steps with two triggers on one tracker: the accept trigger (a
+//! [`child`](ShutdownTrigger::child) of the other) stops the listeners, the connections
+//! trigger everything else once the drain is over; the service then waits on the tracker,
+//! bounded by `shutdown.drain_secs` (see `RunningService::shutdown`). A token that fired
+//! stays fired, so a task created afterwards still sees it; dropping the trigger fires it
+//! too: nothing could trigger it any more.
 //! [`TerminationSignals`] yields SIGTERM and SIGINT (installed up front, so none is missed);
 //! [`reload_signals`] yields SIGHUPs for configuration reloads.
 
+use std::future::Future;
+
 use tokio::signal::unix::{Signal, SignalKind, signal};
-use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 /// The sending side: fires shutdown for every [`Shutdown`] created from it.
 #[derive(Debug)]
 pub struct ShutdownTrigger {
-    sender: watch::Sender<bool>,
+    token: CancellationToken,
+    tracker: TaskTracker,
 }
 
 impl ShutdownTrigger {
-    /// A trigger that has not fired.
+    /// A trigger that has not fired, with a tracker of its own.
     pub fn new() -> ShutdownTrigger {
-        let (sender, _) = watch::channel(false);
-        ShutdownTrigger { sender }
+        ShutdownTrigger::with_tracker(TaskTracker::new())
+    }
+
+    /// A trigger that has not fired; the tasks of its [`Shutdown`]s join `tracker`.
+    pub fn with_tracker(tracker: TaskTracker) -> ShutdownTrigger {
+        ShutdownTrigger {
+            token: CancellationToken::new(),
+            tracker,
+        }
+    }
+
+    /// A trigger that fires with this one or on its own (earlier), sharing the tracker.
+    pub fn child(&self) -> ShutdownTrigger {
+        ShutdownTrigger {
+            token: self.token.child_token(),
+            tracker: self.tracker.clone(),
+        }
     }
 
     /// A listener for this trigger.
     pub fn subscribe(&self) -> Shutdown {
         Shutdown {
-            receiver: self.sender.subscribe(),
+            token: self.token.clone(),
+            tracker: self.tracker.clone(),
         }
     }
 
     /// Fires shutdown (idempotent).
     pub fn trigger(&self) {
-        self.sender.send_replace(true);
+        self.token.cancel();
     }
 
-    /// Whether [`trigger`](Self::trigger) was called.
+    /// Whether [`trigger`](Self::trigger) was called (or a parent fired).
     pub fn is_triggered(&self) -> bool {
-        *self.sender.borrow()
+        self.token.is_cancelled()
+    }
+
+    /// The tracker the tasks of this trigger's [`Shutdown`]s join.
+    pub fn tracker(&self) -> &TaskTracker {
+        &self.tracker
     }
 }
 
@@ -47,22 +80,37 @@ impl Default for ShutdownTrigger {
     }
 }
 
+impl Drop for ShutdownTrigger {
+    fn drop(&mut self) {
+        self.token.cancel();
+    }
+}
+
 /// The listening side: clone it into every task that must stop on shutdown.
 #[derive(Clone, Debug)]
 pub struct Shutdown {
-    receiver: watch::Receiver<bool>,
+    token: CancellationToken,
+    tracker: TaskTracker,
 }
 
 impl Shutdown {
     /// Whether shutdown has fired (or the trigger is gone).
     pub fn is_shutdown(&self) -> bool {
-        *self.receiver.borrow() || self.receiver.has_changed().is_err()
+        self.token.is_cancelled()
     }
 
     /// Resolves once shutdown has fired (at once if it already has). Cancel-safe.
     pub async fn recv(&mut self) {
-        // An error means the trigger was dropped: treat it as shutdown too.
-        let _ = self.receiver.wait_for(|triggered| *triggered).await;
+        self.token.cancelled().await;
+    }
+
+    /// Spawns `task` so that the service waits for it on shutdown (it joins the tracker).
+    pub fn spawn<F>(&self, task: F) -> JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.tracker.spawn(task)
     }
 }
 
@@ -136,6 +184,40 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(1), clone.recv())
             .await
             .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_child_fires_alone_or_with_its_parent_and_shares_the_tracker() {
+        let parent = ShutdownTrigger::new();
+        let child = parent.child();
+        let mut accepting = child.subscribe();
+        let connections = parent.subscribe();
+        child.trigger();
+        tokio::time::timeout(Duration::from_secs(1), accepting.recv())
+            .await
+            .unwrap();
+        assert!(!connections.is_shutdown(), "the parent fires on its own");
+        let other = parent.child();
+        parent.trigger();
+        assert!(
+            other.is_triggered(),
+            "a parent's shutdown reaches its children"
+        );
+        // Tasks spawned through either side are waited for on the one tracker.
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        accepting.spawn(async move {
+            let _ = released.await;
+        });
+        connections.spawn(async {});
+        let tracker = parent.tracker().clone();
+        tracker.close();
+        let early = tokio::time::timeout(Duration::from_millis(50), tracker.wait()).await;
+        assert!(early.is_err(), "a tracked task still runs");
+        release.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(1), tracker.wait())
+            .await
+            .unwrap();
+        assert!(tracker.is_empty());
     }
 
     #[tokio::test]

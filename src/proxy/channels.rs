@@ -138,7 +138,8 @@ impl KeepBuilder {
         }
     }
 
-    pub fn finish(self) -> (u64, KeptDelivery) {
+    /// The kept delivery, received at `now`.
+    pub fn finish(self, now: Instant) -> (u64, KeptDelivery) {
         (
             self.delivery_tag,
             KeptDelivery {
@@ -149,7 +150,7 @@ impl KeepBuilder {
                 raw_properties: self.raw_properties,
                 body: self.body.freeze(),
                 with_content: self.with_content,
-                received_at: Instant::now(),
+                received_at: now,
                 deadline: None,
             },
         )
@@ -255,5 +256,23 @@ mod tests {
         assert_eq!(&*ch.resolve_queue(""), "amq.gen-1");
         assert_eq!(&*ch.resolve_queue("q"), "q");
         assert!(ch.upstream_idle() && ch.client_idle() && ch.is_open());
+    }
+
+    #[test]
+    fn a_finished_delivery_was_received_at_the_time_given() {
+        let at = Instant::now() + std::time::Duration::from_secs(7);
+        let mut builder = KeepBuilder::new(9, Arc::from("orders"), Some(("ex", "rk")), true);
+        builder.body.extend_from_slice(b"payload");
+        let (tag, kept) = builder.finish(at);
+        assert_eq!(tag, 9);
+        assert_eq!(kept.received_at, at);
+        assert_eq!(&*kept.queue, "orders");
+        assert_eq!(
+            (kept.exchange.as_str(), kept.routing_key.as_str()),
+            ("ex", "rk")
+        );
+        assert!(kept.redelivered && kept.with_content);
+        assert_eq!(&kept.body[..], b"payload");
+        assert_eq!(kept.deadline, None);
     }
 }

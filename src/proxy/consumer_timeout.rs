@@ -7,7 +7,7 @@
 //! session's `ack_epoch`); the session timer wakes at the earliest one. A channel past a
 //! deadline is closed towards the client with RabbitMQ's 406
 //! ([`crate::broker::ack_timeout::timeout_error`]) and closed upstream as if the client had
-//! closed it: [`Session::count_returns`] first republishes, with their count plus one, the
+//! closed it: [`ClientSession::count_returns`] first republishes, with their count plus one, the
 //! kept deliveries of classic queues whose delivery limit the proxy counts (or dead-letters
 //! them past the limit), the fleet-safe way a client's channel close is counted; the upstream
 //! close then requeues the rest (quorum queues count that return themselves). The upstream's
@@ -19,8 +19,8 @@ use amq_protocol::protocol::{AMQPClass, channel};
 use amq_protocol::types::ShortString;
 
 use super::channels::ChannelPhase;
+use super::client_session::ClientSession;
 use super::forward::channel_close_ok;
-use super::session::Session;
 use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::FRAME_METHOD;
 use crate::broker::ack_timeout::timeout_error;
@@ -29,7 +29,7 @@ const CHANNEL_OPEN: (u16, u16) = (20, 10);
 const CHANNEL_CLOSE: (u16, u16) = (20, 40);
 const CHANNEL_CLOSE_OK: (u16, u16) = (20, 41);
 
-impl Session {
+impl ClientSession {
     /// Milliseconds since `ack_epoch` at the current turn.
     pub(super) fn ack_clock(&self) -> u64 {
         self.now

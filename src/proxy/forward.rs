@@ -5,7 +5,7 @@
 //! handed to [`super::intercept`].
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use amq_protocol::protocol::{AMQPClass, basic, channel, connection, queue};
 use bytes::Bytes;
@@ -14,11 +14,11 @@ use super::bcc;
 use super::channels::{
     ChannelPhase, ClientChannel, IncomingContent, KeepBuilder, OutgoingContent, Source,
 };
+use super::client_session::{ClientSession, Side};
 use super::handshake::{LoginCheck, check_login, negotiate, tune_for_client};
 use super::inflight::Verb;
 use super::probe::CheckChannel;
 use super::publisher::Publisher;
-use super::session::{Session, Side};
 use super::wire::{WireFrame, content_body_size, header_frame, method_frame};
 use crate::admission::is_loopback;
 use crate::amqp::codec::{
@@ -68,7 +68,7 @@ pub(super) fn channel_close_ok(channel: u16) -> Bytes {
     )
 }
 
-impl Session {
+impl ClientSession {
     // ------------------------------------------------------------------------------------
     // Client → upstream
     // ------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ impl Session {
                 self.new_frame_max = Some(agreed.frame_max);
                 self.heartbeat = (agreed.heartbeat > 0)
                     .then(|| Duration::from_secs(u64::from(agreed.heartbeat)));
-                let now = Instant::now();
+                let now = self.now;
                 self.last_client_rx = now;
                 self.last_upstream_rx = now;
                 self.send_upstream(method_frame(
@@ -300,7 +300,7 @@ impl Session {
     /// Passes the client's connection.close on; the upstream's close-ok ends the connection.
     pub(super) fn forward_client_connection_close(&mut self, raw: Bytes) {
         self.send_upstream(raw);
-        let deadline = Instant::now() + CLOSE_GRACE;
+        let deadline = self.now + CLOSE_GRACE;
         self.upstream_side = Side::Closing {
             deadline,
             forward_ok: true,
@@ -754,7 +754,7 @@ impl Session {
                     self.shared.upstream.report_lost();
                 }
                 self.send_client(frame.raw);
-                let deadline = Instant::now() + CLOSE_GRACE;
+                let deadline = self.now + CLOSE_GRACE;
                 self.client_side = Side::Closing {
                     deadline,
                     forward_ok: true,
@@ -1068,7 +1068,7 @@ impl Session {
             self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
             if let Some(builder) = completed {
                 let timeout = builder.timeout;
-                let (tag, delivery) = builder.finish();
+                let (tag, delivery) = builder.finish(self.now);
                 let now = self.ack_clock();
                 if let Some(ch) = self.channels.get_mut(&channel) {
                     let charge = ch.deliveries.keep(tag, delivery);

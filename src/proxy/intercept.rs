@@ -16,6 +16,7 @@ use super::ProxyShared;
 use super::QueueView;
 use super::arbiter::{DeclareCheck, Next, Verdict};
 use super::channels::PendingDeclare;
+use super::client_session::ClientSession;
 use super::death::{Death, Plan, drop_unpublishable, now_secs, plan, settle};
 use super::declare::{
     DeadLetterHandling, keep_own_dead_letter_arguments, passes_through, rewrite_declare,
@@ -32,7 +33,6 @@ use super::registry::VerifiedQueue;
 use super::retry::RetryReason;
 use super::service::judge::DeclareRequest;
 use super::service::link::PublishRequest;
-use super::session::Session;
 use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::decode_method;
 use crate::amqp::content::{decode_properties, keep_opaque_headers};
@@ -113,7 +113,7 @@ pub(super) struct PendingRead {
     read: ReadBack,
 }
 
-impl Session {
+impl ClientSession {
     // ------------------------------------------------------------------------------------
     // queue.declare
     // ------------------------------------------------------------------------------------
@@ -765,12 +765,12 @@ impl Session {
         queue: Arc<str>,
         message: OutgoingMessage,
     ) {
-        self.start_op(Op::new(origin, purpose, queue, message, Instant::now()));
+        self.start_op(Op::new(origin, purpose, queue, message, self.now));
     }
 
     /// Publishes an operation's message (first time or retry) and tracks it until its confirm:
     /// on the proxy's channel of the client's connection, or through the vhost's service
-    /// connection once the client's user was refused it ([`Session::hand_to_service`]).
+    /// connection once the client's user was refused it ([`ClientSession::hand_to_service`]).
     fn start_op(&mut self, op: Op) {
         let op_id = self.next_op;
         self.next_op += 1;
@@ -925,8 +925,8 @@ impl Session {
     /// Whether a refused publish may be held for a retry: both sides are open and the
     /// original's client channel is the one it came on.
     fn can_hold(&self, origin: Origin) -> bool {
-        if self.client_side != super::session::Side::Open
-            || self.upstream_side != super::session::Side::Open
+        if self.client_side != super::client_session::Side::Open
+            || self.upstream_side != super::client_session::Side::Open
             || self.publisher.is_none()
         {
             return false;

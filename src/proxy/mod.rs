@@ -156,8 +156,8 @@
 //!   to such a delivery only through the capture queue (queues declared through the proxy),
 //!   see docs/semantics.md.
 //!
-//! Module map: [`session`] (the connection task and its life), [`forward`] (frame dispatch),
-//! [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`retry`] (held dead
+//! Module map: [`client_session`] (the task of one client connection and its upstream
+//! connection, and its life), [`forward`] (frame dispatch), [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`retry`] (held dead
 //! letters and their backoff), [`bcc`], [`publisher`], [`capture`], [`death`] (what becomes of
 //! a dead message), [`service`] (the service connections), [`declare`], [`arbiter`] (the
 //! declare check), [`readback`], [`probe`] (the check channel), [`permission`] (the probe of
@@ -173,6 +173,7 @@ pub mod bcc;
 pub mod busy_poll;
 pub mod capture;
 pub mod channels;
+mod client_session;
 mod consumer_timeout;
 mod death;
 pub mod declare;
@@ -191,7 +192,6 @@ pub mod readback;
 pub mod registry;
 pub mod retry;
 pub mod service;
-mod session;
 pub mod upstream;
 pub mod wire;
 
@@ -485,8 +485,9 @@ pub fn spawn_connection<S>(
 {
     let slots = shared.connections.clone();
     let within = shared.handshake_timeout;
-    slots.spawn(client, peer, within, move |client| {
-        session::run(client, peer, shared, shutdown)
+    let tasks = shutdown.clone();
+    slots.spawn(client, peer, within, &tasks, move |client| {
+        client_session::run(client, peer, shared, shutdown)
     });
 }
 

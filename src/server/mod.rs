@@ -96,7 +96,8 @@ where
 {
     let within = Duration::from_secs(ctx.limits().handshake_timeout_secs.max(1));
     let slots = ctx.connections.clone();
-    slots.spawn(stream, peer, within, move |stream| {
+    let tasks = shutdown.clone();
+    slots.spawn(stream, peer, within, &tasks, move |stream| {
         connection::run(stream, peer, ctx, shutdown)
     });
 }

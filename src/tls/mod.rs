@@ -81,7 +81,7 @@ pub async fn serve<F>(
                 let _ = stream.set_nodelay(true);
                 let acceptor = TlsAcceptor::from(server.current());
                 let on_conn = on_conn.clone();
-                tokio::spawn(async move {
+                stop.spawn(async move {
                     let handshake = tokio::time::timeout(
                         std::time::Duration::from_secs(10),
                         acceptor.accept(stream),

@@ -1,7 +1,8 @@
 //! Graceful shutdown of the real binary on a real signal: SIGTERM or SIGINT stops accepting,
 //! reports not ready, lets unacknowledged deliveries be settled for up to
 //! `shutdown.drain_secs`, then closes every client with 320 CONNECTION_FORCED, releases its
-//! ports and exits 0.
+//! ports and exits 0. In both modes: proxied client connections are closed and waited for
+//! like the embedded broker's.
 
 use crate::common;
 
@@ -328,4 +329,49 @@ async fn a_second_signal_cuts_the_drain_short() {
         process.logs()
     );
     ports_are_released(&process);
+}
+
+#[tokio::test]
+async fn proxy_mode_sigterm_closes_proxied_clients_with_320_within_the_drain_time() {
+    use crate::proxy_support::fleet::{ProxyProcess, fleet_toml};
+    let drain = 5;
+    let config = fleet_toml(
+        &[crate::rabbit::reference().uri()],
+        &[],
+        &unique("term-capture"),
+        &format!("[shutdown]\ndrain_secs = {drain}\n"),
+    );
+    let mut proxy = ProxyProcess::spawn(&config).await;
+    // A client through the proxy, with a channel open upstream.
+    let mut client = RawClient::connect(proxy.amqp).await;
+    client.open_channel(1).await;
+    let started = Instant::now();
+    proxy.signal("TERM");
+
+    let (code, text) = client.expect_connection_close().await;
+    assert_eq!(code, 320, "reply text: {text}\n{}", proxy.logs());
+    assert!(text.starts_with("CONNECTION_FORCED"), "{text}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "nothing was in flight, yet the client was closed after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        refuses_connections(proxy.amqp).await,
+        "the proxy still accepts connections during shutdown"
+    );
+    client.send_close_ok().await;
+    let status = proxy
+        .wait_exit(Duration::from_secs(drain))
+        .await
+        .unwrap_or_else(|| panic!("no exit within drain_secs:\n{}", proxy.logs()));
+    assert_eq!(status.code(), Some(0), "{}", proxy.logs());
+    assert!(
+        client.read_frame().await.is_none(),
+        "the socket is closed after close-ok"
+    );
+    for addr in [proxy.amqp, proxy.admin] {
+        std::net::TcpListener::bind(addr)
+            .unwrap_or_else(|e| panic!("{addr} still taken after exit: {e}"));
+    }
 }

@@ -89,7 +89,6 @@ struct Runner {
 #[derive(Default)]
 struct State {
     runner: Option<Runner>,
-    stopped: bool,
     vhosts: HashMap<String, Entry>,
 }
 
@@ -160,8 +159,8 @@ impl ServiceRegistry {
             }),
             task: None,
         };
-        if !state.stopped
-            && let Some(runner) = state.runner.as_ref()
+        if let Some(runner) = state.runner.as_ref()
+            && !runner.shutdown.is_shutdown()
         {
             entry.task = spawn(runner, vhost, &mut entry);
         }
@@ -208,7 +207,7 @@ fn spawn(runner: &Runner, vhost: &str, entry: &mut Entry) -> Option<JoinHandle<(
     let shared = runner.shared.upgrade()?;
     let sender = entry.sender.take()?;
     let inbox = entry.inbox.take()?;
-    Some(tokio::spawn(task::run(
+    Some(runner.shutdown.spawn(task::run(
         shared,
         runner.identity.clone(),
         vhost.to_string(),
@@ -220,13 +219,9 @@ fn spawn(runner: &Runner, vhost: &str, entry: &mut Entry) -> Option<JoinHandle<(
 
 impl ProxyShared {
     /// Starts the service connections (`proxy.vhosts`, and each vhost clients open from now
-    /// on) with the service identity; they stop when `shutdown` fires. The returned task ends
-    /// once all of them have stopped (after settling their in-flight dead letters).
-    pub fn start_services(
-        self: &Arc<Self>,
-        identity: ServiceIdentity,
-        shutdown: Shutdown,
-    ) -> JoinHandle<()> {
+    /// on) with the service identity; they stop when `shutdown` fires (after settling their
+    /// in-flight dead letters) and join its task tracker, so the service waits for them.
+    pub fn start_services(self: &Arc<Self>, identity: ServiceIdentity, shutdown: Shutdown) {
         let registry = &self.services;
         {
             let mut state = registry.lock();
@@ -245,26 +240,6 @@ impl ProxyShared {
         for vhost in &registry.configured {
             registry.ensure(vhost);
         }
-        let shared = Arc::downgrade(self);
-        let mut stop = shutdown;
-        tokio::spawn(async move {
-            stop.recv().await;
-            let tasks: Vec<JoinHandle<()>> = match shared.upgrade() {
-                Some(shared) => {
-                    let mut state = shared.services.lock();
-                    state.stopped = true;
-                    state
-                        .vhosts
-                        .values_mut()
-                        .filter_map(|e| e.task.take())
-                        .collect()
-                }
-                None => Vec::new(),
-            };
-            for task in tasks {
-                let _ = task.await;
-            }
-        })
     }
 }
 

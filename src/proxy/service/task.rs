@@ -280,7 +280,7 @@ impl Connection<'_> {
                     last_rx = Instant::now();
                     match frame {
                         Some(Ok(frame)) => {
-                            if let Some(end) = self.on_frame(frame) {
+                            if let Some(end) = self.on_frame(frame, last_rx) {
                                 // A close-ok (or channel close-ok) owed to the upstream goes
                                 // out if the socket takes it at once.
                                 let out = std::mem::take(&mut self.out);
@@ -332,8 +332,8 @@ impl Connection<'_> {
         }
     }
 
-    /// Handles one frame; `Some` ends the connection.
-    fn on_frame(&mut self, frame: WireFrame) -> Option<End> {
+    /// Handles one frame, received at `now`; `Some` ends the connection.
+    fn on_frame(&mut self, frame: WireFrame, now: Instant) -> Option<End> {
         if frame.channel == 0 {
             if frame.kind == FRAME_METHOD
                 && let Some(AMQPClass::Connection(connection::AMQPMethod::Close(close))) =
@@ -357,7 +357,7 @@ impl Connection<'_> {
             }
             return None;
         }
-        let step = self.link.on_frame(self.shared, &frame, Instant::now());
+        let step = self.link.on_frame(self.shared, &frame, now);
         self.out.extend_from_slice(&step.write);
         if step.declared {
             self.status.send_modify(|s| s.declared = true);

@@ -198,6 +198,16 @@ impl ProxyProcess {
         let _ = self.process.child.wait();
     }
 
+    /// Sends the signal `name` ("TERM", "INT", ...) without waiting for anything.
+    pub fn signal(&self, name: &str) {
+        self.process.signal(name);
+    }
+
+    /// Waits up to `limit` for the process to exit; `None` if it still runs.
+    pub async fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        self.process.wait_exit(limit).await
+    }
+
     /// SIGTERM, then waits for the exit (panics after 30 s): a graceful shutdown.
     pub async fn terminate(&mut self) -> ExitStatus {
         self.process.signal("TERM");

@@ -1,5 +1,6 @@
-//! One client connection and its upstream connection: the task that owns both, the event loop,
-//! and the connection's life and death.
+//! One client connection and its upstream connection ([`ClientSession`], as opposed to the
+//! proxy's own service connections of [`super::service`]): the task that owns both, the event
+//! loop, and the connection's life and death.
 //!
 //! A single task reads frames from both sockets (each read only when the opposite outbox has
 //! room, and upstream reads also only while kept deliveries and held dead letters are under
@@ -99,7 +100,7 @@ enum Event {
 }
 
 /// The connection's state, owned by its task.
-pub(super) struct Session {
+pub(super) struct ClientSession {
     pub(super) shared: Arc<ProxyShared>,
     pub(super) peer: SocketAddr,
     pub(super) client_out: Outbox,
@@ -238,7 +239,7 @@ pub(super) async fn run<S>(
     let mut upstream_reader = FrameReader::new(upstream_read, shared.handshake_frame_max);
     let now = Instant::now();
     let backoff = shared.retry_backoff;
-    let mut session = Session {
+    let mut session = ClientSession {
         shared,
         peer,
         client_out,
@@ -286,9 +287,9 @@ pub(super) async fn run<S>(
         now,
     };
 
-    let timer = tokio::time::sleep_until((Instant::now() + Duration::from_secs(60)).into());
+    let timer = tokio::time::sleep_until((now + Duration::from_secs(60)).into());
     tokio::pin!(timer);
-    let mut busy_poll = BusyPoll::new(session.shared.busy_poll, Instant::now());
+    let mut busy_poll = BusyPoll::new(session.shared.busy_poll, now);
     loop {
         session.handle_buffered(&mut client_reader, &mut upstream_reader);
         session.check_writers();
@@ -395,7 +396,7 @@ async fn service_answer(
     }
 }
 
-impl Session {
+impl ClientSession {
     /// Handles frames that are already in the read buffers (a burst read in one go), up to
     /// [`BUFFERED_FRAMES_PER_TURN`], so a burst costs one wake-up rather than one per frame.
     /// The same flow-control checks apply as before a socket read.
@@ -599,7 +600,7 @@ impl Session {
         let upstream = std::mem::take(&mut self.upstream_in);
         metrics.traffic(Direction::ClientIn, client.frames, client.bytes);
         metrics.traffic(Direction::UpstreamIn, upstream.frames, upstream.bytes);
-        self.tally_since = Instant::now();
+        self.tally_since = self.now;
     }
 
     /// Notices writer failures (a peer gone while we only write to it).
@@ -689,7 +690,7 @@ impl Session {
             }));
             self.client_out.send(method_frame(0, close));
             self.client_side = Side::Closing {
-                deadline: Instant::now() + CLOSE_GRACE,
+                deadline: self.now + CLOSE_GRACE,
                 forward_ok: false,
             };
         }
@@ -708,14 +709,14 @@ impl Session {
 
     /// Starts closing the upstream once no proxy publish is unsettled. The client's unsettled
     /// deliveries of queues whose delivery limit the proxy counts are counted first
-    /// ([`Session::count_returns`]).
+    /// ([`ClientSession::count_returns`]).
     fn drain_upstream(&mut self) {
         if self.upstream_side == Side::Open {
             let channels: Vec<u16> = self.channels.keys().copied().collect();
             for channel in channels {
                 self.count_returns(channel);
             }
-            let deadline = Instant::now() + self.shared.confirm_timeout + Duration::from_secs(1);
+            let deadline = self.now + self.shared.confirm_timeout + Duration::from_secs(1);
             self.upstream_side = Side::Draining { deadline };
         }
         self.maybe_finish_draining();
@@ -744,7 +745,7 @@ impl Session {
             }));
             self.send_upstream(method_frame(0, close));
             self.upstream_side = Side::Closing {
-                deadline: Instant::now() + Duration::from_secs(2),
+                deadline: self.now + Duration::from_secs(2),
                 forward_ok: false,
             };
             self.fail_all_ops();
@@ -801,7 +802,7 @@ impl Session {
                 })),
             ));
             self.client_side = Side::Closing {
-                deadline: Instant::now() + CLOSE_GRACE,
+                deadline: self.now + CLOSE_GRACE,
                 forward_ok: false,
             };
         } else if self.client_side == Side::Open {
