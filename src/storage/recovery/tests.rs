@@ -207,9 +207,10 @@ fn segments_rotate_and_head_segments_without_messages_are_deleted() {
     assert_eq!(again.blocking_recv(), Ok(true));
     let after = segment::list(&d).unwrap();
     // Kept: the segment of the last message and the newer ones (the removal and the
-    // delivered records); the older ones are gone from the head.
+    // delivered records, in as many segments as the writer's batches made under load); the
+    // older ones are gone from the head.
     assert!(
-        after.len() <= 4 && after[0] >= before.len() as u64 - 4,
+        !after.is_empty() && after[0] >= before.len() as u64 - 4,
         "{before:?} → {after:?}"
     );
     assert!(s.stats.bytes_on_disk() > 0);
