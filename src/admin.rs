@@ -1,4 +1,5 @@
-//! The admin HTTP server: `/metrics`, `/healthz`, `/readyz` and the runtime policy API.
+//! The admin HTTP server: `/metrics`, `/healthz`, `/readyz`, the runtime policy API and the
+//! dead-letter queue inspection.
 //!
 //! Routes (axum):
 //! - `GET /metrics`: every metric, Prometheus text format 0.0.4;
@@ -9,9 +10,14 @@
 //! - `PUT /api/policies/{vhost}/{name}` with `{"pattern", "definition", "priority",
 //!   "apply-to"}` sets a policy, `DELETE` clears it. The vhost is URL-encoded (`%2F` is `/`).
 //!
-//! Reads (`GET`, `HEAD`) are open; every other request, on every route present or future,
-//! passes the bearer-token guard of [`crate::admin_auth`] first (401 without the admin token,
-//! 403 while none is configured).
+//! - `GET /api/queues/{vhost}/{queue}/messages?limit=N`: a page of the queue's messages
+//!   without consuming them ([`crate::dlq_view::MessagePage`]; `limit` 1..=1000, default 20);
+//! - `GET /api/queues/{vhost}/{queue}/messages/summary`: counts by newest death reason and
+//!   source queue ([`crate::dlq_view::Summary`]); both read through [`crate::dlq_inspect`].
+//!
+//! Reads (`GET`, `HEAD`) are open, except message contents (`/api/queues/...`); every other
+//! request, on every route present or future, passes the bearer-token guard of
+//! [`crate::admin_auth`] first (401 without the admin token, 403 while none is configured).
 //!
 //! The policy store is behind the [`PolicyControl`] trait, implemented by the service for the
 //! broker or the proxy. [`request`] is a tiny blocking HTTP client for the same API, used by
@@ -19,12 +25,13 @@
 
 pub use crate::admin_auth::{AdminToken, Refusal};
 use crate::config::{DEFAULT_APPLY_TO, PolicyConfig};
+use crate::dlq_inspect::{InspectError, Inspector};
 use crate::metrics::Metrics;
 use crate::secret::Secret;
 use crate::shutdown::Shutdown;
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
@@ -99,6 +106,8 @@ pub struct AdminState {
     pub readiness: Readiness,
     pub policies: Arc<dyn PolicyControl>,
     pub token: AdminToken,
+    /// Where queue inspections read messages.
+    pub inspector: Inspector,
 }
 
 /// Serves the admin API on `listener` until `shutdown` fires.
@@ -122,6 +131,11 @@ pub fn router(state: AdminState) -> Router {
         .route(
             "/api/policies/{vhost}/{name}",
             get(get_policy).put(put_policy).delete(delete_policy),
+        )
+        .route("/api/queues/{vhost}/{queue}/messages", get(queue_messages))
+        .route(
+            "/api/queues/{vhost}/{queue}/messages/summary",
+            get(queue_summary),
         )
         .layer(middleware::from_fn_with_state(
             state.token.clone(),
@@ -279,6 +293,40 @@ async fn delete_policy(
     } else {
         not_found(&vhost, &name)
     }
+}
+
+async fn queue_messages(
+    State(state): State<AdminState>,
+    Path((vhost, queue)): Path<(String, String)>,
+    Query(query): Query<BTreeMap<String, String>>,
+) -> Response {
+    let limit = match crate::dlq_view::page_limit(query.get("limit").map(String::as_str)) {
+        Ok(limit) => limit,
+        Err(message) => return (StatusCode::BAD_REQUEST, message).into_response(),
+    };
+    match state.inspector.page(&vhost, &queue, limit).await {
+        Ok(page) => axum::Json(page).into_response(),
+        Err(error) => inspect_error(error),
+    }
+}
+
+async fn queue_summary(
+    State(state): State<AdminState>,
+    Path((vhost, queue)): Path<(String, String)>,
+) -> Response {
+    match state.inspector.summary(&vhost, &queue).await {
+        Ok(summary) => axum::Json(summary).into_response(),
+        Err(error) => inspect_error(error),
+    }
+}
+
+fn inspect_error(error: InspectError) -> Response {
+    let status = match error {
+        InspectError::NotFound(_) => StatusCode::NOT_FOUND,
+        InspectError::Unavailable(_) => StatusCode::NOT_IMPLEMENTED,
+        InspectError::Upstream(_) => StatusCode::BAD_GATEWAY,
+    };
+    (status, error.to_string()).into_response()
 }
 
 // ------------------------------------------------------------------------------------------
@@ -447,6 +495,7 @@ mod tests {
             readiness: Readiness::new(),
             policies: Arc::new(MemoryPolicies::default()),
             token: AdminToken::new(token.map(Secret::from)),
+            inspector: Inspector::Unavailable,
         };
         let trigger = ShutdownTrigger::new();
         let task = tokio::spawn(serve(listener, state.clone(), trigger.subscribe()));
@@ -642,6 +691,21 @@ mod tests {
     }
 
     const POLICY: &str = r#"{"pattern": ".*", "definition": {"max-length": 1}}"#;
+
+    #[tokio::test]
+    async fn queue_inspection_needs_the_token_and_names_the_missing_setting() {
+        let server = start().await;
+        let path = "/api/queues/%2F/dlq/messages";
+        for path in [path.to_string(), format!("{path}/summary")] {
+            assert_eq!(call_as(&server, None, "GET", &path, None).await.0, 401);
+            let (status, text) = call(&server, "GET", &path, None).await;
+            assert_eq!(status, 501, "{text}");
+            assert!(text.contains("set upstream.management_url"), "{text}");
+        }
+        let (status, text) = call(&server, "GET", &format!("{path}?limit=0"), None).await;
+        assert_eq!(status, 400, "{text}");
+        assert!(text.contains("from 1 to 1000"), "{text}");
+    }
 
     #[tokio::test]
     async fn writes_need_the_bearer_token_and_reads_do_not() {

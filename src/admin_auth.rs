@@ -1,6 +1,8 @@
 //! The admin API's write guard: which requests need the bearer token, and the check itself.
 //!
-//! Reads (`GET`, `HEAD`) pass. Every other request goes through [`guard_writes`], one axum
+//! Reads (`GET`, `HEAD`) pass, except those of message contents (`/api/queues/...`: a
+//! dead-letter queue's messages, [`needs_token`]). Every other request goes through
+//! [`guard_writes`], one axum
 //! middleware the admin router applies to all its routes (so an endpoint added later is
 //! guarded without doing anything): it wants `Authorization: Bearer <token>` with the token
 //! of `admin.token` / `admin.token_file`. Without the header, or with another token, the
@@ -123,14 +125,24 @@ impl IntoResponse for Refusal {
     }
 }
 
-/// Lets reads through; every other request must be authorised with the admin token. Applied
+/// Paths whose reads need the token too: message contents (`/api/queues/...`, the dead-letter
+/// queue inspection) may hold personal or secret data, unlike metrics and policies.
+const PROTECTED_READS: &str = "/api/queues/";
+
+/// Whether a request needs the admin token: every write, and reads of message contents.
+pub fn needs_token(method: &Method, path: &str) -> bool {
+    !matches!(*method, Method::GET | Method::HEAD) || path.starts_with(PROTECTED_READS)
+}
+
+/// Lets reads through (but those of message contents); every other request must be
+/// authorised with the admin token. Applied
 /// to the whole router, so a route added later is guarded without doing anything.
 pub async fn guard_writes(
     State(token): State<AdminToken>,
     request: Request,
     next: Next,
 ) -> Response {
-    if matches!(*request.method(), Method::GET | Method::HEAD) {
+    if !needs_token(request.method(), request.uri().path()) {
         return next.run(request).await;
     }
     let authorization = request
@@ -168,5 +180,17 @@ mod tests {
         assert_eq!(check(Some("abc")), Err(Refusal::Missing));
         assert_eq!(check(None), Err(Refusal::Missing));
         assert_eq!(authorize(None, Some(b"Bearer abc")), Err(Refusal::Disabled));
+    }
+
+    #[test]
+    fn message_contents_need_the_token_to_be_read() {
+        assert!(!needs_token(&Method::GET, "/api/policies"));
+        assert!(!needs_token(&Method::HEAD, "/metrics"));
+        assert!(needs_token(&Method::PUT, "/api/policies/%2F/p"));
+        assert!(needs_token(&Method::GET, "/api/queues/%2F/dlq/messages"));
+        assert!(needs_token(
+            &Method::GET,
+            "/api/queues/%2F/dlq/messages/summary"
+        ));
     }
 }

@@ -11,9 +11,13 @@
 //!   its admin API, with `rabbitmqctl set_policy`'s argument order ([`dlx_proxy::policy_cli`]).
 //!   The admin address and token come from the same layered configuration as `run` reads
 //!   (`listen.admin`, `admin.token` / `admin.token_file`); `--admin` overrides the address.
+//! - `dlx-proxy dlq list --vhost V --queue Q [--limit N] [--format text|json]` and `dlq summary
+//!   --vhost V --queue Q`: a dead-letter queue's messages or their counts by death reason and
+//!   source queue, through the admin API ([`dlx_proxy::dlq_cli`]), found the same way.
 
 use clap::{Parser, Subcommand, ValueEnum};
 use dlx_proxy::config::{self, Config, ConfigError};
+use dlx_proxy::dlq_cli;
 use dlx_proxy::policy_cli::{self, AdminClient};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -67,6 +71,56 @@ enum Command {
         #[command(subcommand)]
         action: PolicyAction,
     },
+    /// Inspect a dead-letter queue of a running instance through its admin API, without
+    /// consuming its messages (in proxy mode RabbitMQ requeues them: see docs/deploy.md).
+    Dlq {
+        /// Admin address (default: listen.admin from the configuration).
+        #[arg(long, global = true, value_name = "HOST:PORT")]
+        admin: Option<String>,
+        /// Configuration file with the admin address and token (default: ./config.toml if it
+        /// exists, else built-in defaults; DLX_PROXY_* variables on top).
+        #[arg(long, short = 'c', global = true, value_name = "FILE")]
+        config: Option<PathBuf>,
+        #[command(subcommand)]
+        action: DlqAction,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum DlqAction {
+    /// The first messages of the queue: x-death summary, headers, properties, body preview.
+    List {
+        /// Virtual host.
+        #[arg(long, short = 'p', default_value = "/")]
+        vhost: String,
+        /// The queue.
+        #[arg(long, short = 'q')]
+        queue: String,
+        /// Messages to show (1 to 1000; the server's default is 20).
+        #[arg(long, short = 'n')]
+        limit: Option<usize>,
+        /// Readable text, or JSON as the admin API returns it (with every header).
+        #[arg(long, value_enum, default_value_t = DlqFormat::Text)]
+        format: DlqFormat,
+    },
+    /// Counts by newest death reason and by source queue.
+    Summary {
+        /// Virtual host.
+        #[arg(long, short = 'p', default_value = "/")]
+        vhost: String,
+        /// The queue.
+        #[arg(long, short = 'q')]
+        queue: String,
+        /// Readable text, or JSON as the admin API returns it.
+        #[arg(long, value_enum, default_value_t = DlqFormat::Text)]
+        format: DlqFormat,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum DlqFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -130,6 +184,17 @@ fn main() -> ExitCode {
             config,
             action,
         } => policy(admin, config.as_deref(), action),
+        Command::Dlq {
+            admin,
+            config,
+            action,
+        } => match dlq(admin, config.as_deref(), action) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(message) => {
+                eprintln!("dlx-proxy dlq: {message}");
+                ExitCode::from(EXIT_FAILURE)
+            }
+        },
     }
 }
 
@@ -243,20 +308,59 @@ fn policy(admin: Option<String>, given: Option<&Path>, action: PolicyAction) -> 
     }
 }
 
-fn run_policy(
-    admin: Option<String>,
-    given: Option<&Path>,
-    action: PolicyAction,
-) -> Result<(), String> {
+/// The admin API of the instance the layered configuration (or `--admin`) names.
+fn admin_client(admin: Option<String>, given: Option<&Path>) -> Result<AdminClient, String> {
     let (config, _) = load_config(given).map_err(|e| format!("invalid configuration: {e}"))?;
-    let client = AdminClient {
+    Ok(AdminClient {
         address: admin_address(admin, &config)?,
         token: config
             .admin
             .resolve_token()
             .map_err(|e| format!("invalid configuration: {e}"))?,
-        timeout: Duration::from_secs(10),
-    };
+        timeout: Duration::from_secs(30),
+    })
+}
+
+fn dlq(admin: Option<String>, given: Option<&Path>, action: DlqAction) -> Result<(), String> {
+    let client = admin_client(admin, given)?;
+    match action {
+        DlqAction::List {
+            vhost,
+            queue,
+            limit,
+            format,
+        } => {
+            let page = dlq_cli::list(&client, &vhost, &queue, limit)?;
+            match format {
+                DlqFormat::Text => print!("{}", dlq_cli::page_text(&page)),
+                DlqFormat::Json => println!("{}", pretty(&page)?),
+            }
+        }
+        DlqAction::Summary {
+            vhost,
+            queue,
+            format,
+        } => {
+            let summary = dlq_cli::summary(&client, &vhost, &queue)?;
+            match format {
+                DlqFormat::Text => print!("{}", dlq_cli::summary_text(&summary)),
+                DlqFormat::Json => println!("{}", pretty(&summary)?),
+            }
+        }
+    }
+    Ok(())
+}
+
+fn pretty<T: serde::Serialize>(value: &T) -> Result<String, String> {
+    serde_json::to_string_pretty(value).map_err(|e| e.to_string())
+}
+
+fn run_policy(
+    admin: Option<String>,
+    given: Option<&Path>,
+    action: PolicyAction,
+) -> Result<(), String> {
+    let client = admin_client(admin, given)?;
     match action {
         PolicyAction::Set {
             name,

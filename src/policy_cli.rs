@@ -24,7 +24,7 @@ pub const COLUMNS: [&str; 6] = [
 pub struct AdminClient {
     /// `host:port` of `listen.admin`.
     pub address: String,
-    /// The admin token, sent on writes.
+    /// The admin token, sent on writes and on reads of message contents.
     pub token: Option<Secret<String>>,
     pub timeout: Duration,
 }
@@ -52,7 +52,7 @@ impl AdminClient {
 
     /// One request; the body of a 2xx answer, else an error with the status and the
     /// server's explanation.
-    fn call(&self, method: &str, path: &str, body: Option<&str>) -> Result<String, String> {
+    pub fn call(&self, method: &str, path: &str, body: Option<&str>) -> Result<String, String> {
         let url = format!("http://{}{path}", self.address);
         let (status, text) = admin::request_with_token(
             &self.address,

@@ -166,6 +166,30 @@ impl PolicyControl for PolicyHub {
     }
 }
 
+/// Where the admin API's queue inspection reads: the broker, else the upstream management
+/// API when `upstream.management_url` is set.
+fn inspector(
+    config: &Config,
+    broker: Option<Arc<Broker>>,
+) -> anyhow::Result<crate::dlq_inspect::Inspector> {
+    use crate::dlq_inspect::Inspector;
+    use crate::proxy::policy_sync::management::{ManagementClient, ManagementEndpoint};
+    if let Some(broker) = broker {
+        return Ok(Inspector::Broker(broker));
+    }
+    let upstream = &config.upstream;
+    if upstream.management_url.is_empty() {
+        return Ok(Inspector::Unavailable);
+    }
+    let endpoint = ManagementEndpoint::parse(&upstream.management_url)
+        .map_err(|e| anyhow::anyhow!("upstream.management_url: {e}"))?;
+    let (user, password) = crate::config::service_credentials(config);
+    let timeout = Duration::from_secs(upstream.connect_timeout_secs.max(1) * 5);
+    Ok(Inspector::Management(ManagementClient::new(
+        endpoint, &user, &password, timeout,
+    )))
+}
+
 /// A started service.
 pub struct RunningService {
     pub amqp_addr: Option<SocketAddr>,
@@ -617,6 +641,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             readiness: readiness.clone(),
             policies: policies.clone(),
             token: admin_token.clone(),
+            inspector: inspector(&config, broker_handle.clone())?,
         };
         let stop = tasks.clone();
         tasks.spawn(async move {

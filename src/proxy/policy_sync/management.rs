@@ -1,5 +1,6 @@
 //! A small client of RabbitMQ's management HTTP API: the few calls the policy sync makes
-//! (list, set and delete the policies of a vhost; whether an exchange exists), with the
+//! (list, set and delete the policies of a vhost; whether an exchange exists) and the
+//! dead-letter queue inspection ([`crate::dlq_inspect`]: get messages, requeued), with the
 //! proxy's service identity as basic authentication.
 //!
 //! HTTP/1.1 with hyper's own client connection (`hyper::client::conn::http1`) over a tokio
@@ -236,6 +237,33 @@ impl ManagementSession {
             Err(err) if err.is_not_found() => Ok(false),
             Err(err) => Err(err),
         }
+    }
+
+    /// Up to `count` messages of queue `name` in `vhost` through `POST
+    /// /api/queues/{vhost}/{name}/get` with `ackmode=reject_requeue_true`: they are returned
+    /// to the queue, redelivered (what the management UI's "Get messages" does). Payloads are
+    /// cut at `truncate` bytes.
+    pub async fn get_messages(
+        &mut self,
+        vhost: &str,
+        name: &str,
+        count: usize,
+        truncate: usize,
+    ) -> Result<Vec<Value>, ManagementError> {
+        let path = format!("/api/queues/{}/{}/get", segment(vhost), segment(name));
+        let body = serde_json::json!({
+            "count": count,
+            "ackmode": "reject_requeue_true",
+            "encoding": "auto",
+            "truncate": truncate,
+        });
+        let answer = self
+            .call(Method::POST, &path, Some(body), &[StatusCode::OK])
+            .await?;
+        serde_json::from_slice(&answer).map_err(|e| ManagementError::Body {
+            path,
+            reason: e.to_string(),
+        })
     }
 
     /// One request; `Err` for a status not in `ok`.
