@@ -234,6 +234,9 @@ pub struct Metrics {
     queue_messages: IntGaugeVec,
     queue_bytes: IntGaugeVec,
     inflight_deliveries: IntGauge,
+    /// Woken whenever deliveries are settled (released from the inflight gauges): the drain
+    /// at shutdown waits on it instead of polling.
+    settled: tokio::sync::Notify,
     inflight_bytes: IntGauge,
     verified_queues: IntGauge,
     outbox_bytes: IntGauge,
@@ -451,6 +454,7 @@ impl Metrics {
                 "Deliveries sent to clients and not yet settled, and held dead letters \
                  (proxy mode).",
             )?,
+            settled: tokio::sync::Notify::new(),
             inflight_bytes: b.gauge(
                 "inflight_bytes",
                 "Body bytes of the deliveries sent to clients and not yet settled, and of \
@@ -974,6 +978,15 @@ impl Metrics {
     pub fn add_inflight(&self, deliveries: i64, bytes: i64) {
         self.inflight_deliveries.add(deliveries);
         self.inflight_bytes.add(bytes);
+        if deliveries < 0 {
+            self.settled.notify_waiters();
+        }
+    }
+
+    /// Resolves at the next settlement after it was created (see [`tokio::sync::Notify`]:
+    /// enable it, then check the count, then await it, so no settlement is missed).
+    pub fn settled(&self) -> tokio::sync::futures::Notified<'_> {
+        self.settled.notified()
     }
 
     /// Changes the bytes-waiting-for-client-sockets gauge by `delta`.

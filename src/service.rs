@@ -259,8 +259,18 @@ impl RunningService {
                 "draining: waiting for unsettled deliveries"
             );
         }
-        while tokio::time::Instant::now() < deadline && self.unsettled_deliveries() > 0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        // Woken by each settlement, not by a timer: the notification is registered before the
+        // count is read, so one that lands in between is not missed.
+        let metrics = Arc::clone(&self.metrics);
+        loop {
+            let settled = metrics.settled();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            if self.unsettled_deliveries() == 0
+                || tokio::time::timeout_at(deadline, settled).await.is_err()
+            {
+                break;
+            }
         }
         let unsettled = self.unsettled_deliveries();
         if unsettled > 0 {
