@@ -1,6 +1,6 @@
-//! The check channel: a channel of the proxy's own on which it declares a queue so that
-//! RabbitMQ judges the declare before any client channel is involved (a refusal closes the
-//! channel it happens on).
+//! The check channel: a channel of the proxy's own on which it declares a queue (or probes a
+//! write permission) so that RabbitMQ judges the declare before any client channel is
+//! involved (a refusal closes the channel it happens on).
 //!
 //! Two kinds: on each client's upstream connection, the permission probe
 //! ([`super::permission`]) and the capture-write probe ([`super::capture_write`]: a
