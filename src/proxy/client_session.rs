@@ -133,6 +133,11 @@ pub(super) struct ClientSession {
     pub(super) check: Option<CheckChannel>,
     /// A queue.declare waiting for the check's verdict (client reads pause meanwhile).
     pub(super) pending_check: Option<super::intercept::PendingCheck>,
+    /// Whether the client's user may write the capture exchange (for its own queues).
+    pub(super) capture_write: super::capture_write::CaptureWrite,
+    /// The declare of an own queue waiting for the capture-write probe (client reads pause
+    /// meanwhile).
+    pub(super) held_for_write_probe: Option<WireFrame>,
     /// A basic.consume or basic.get waiting for its queue's arguments to be read back (client
     /// reads pause meanwhile).
     pub(super) pending_read: Option<super::intercept::PendingRead>,
@@ -266,6 +271,8 @@ pub(super) async fn run<S>(
         publisher: None,
         check: None,
         pending_check: None,
+        capture_write: Default::default(),
+        held_for_write_probe: None,
         pending_read: None,
         capture_status: None,
         service: None,
@@ -477,6 +484,7 @@ impl ClientSession {
     /// read-back's, or the close-ok that frees a channel number the client is reopening).
     fn awaits_upstream_answer(&self) -> bool {
         self.pending_check.is_some()
+            || self.held_for_write_probe.is_some()
             || self.pending_read.is_some()
             || self.held_channel_open.is_some()
             || self.held_for_capture.is_some()

@@ -26,7 +26,7 @@ use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{delivery_count, delivery_routing_keys, requeue_publish};
 use super::permission::{self, Permission};
-use super::probe::CheckAnswer;
+use super::probe::{CheckAnswer, CheckRequest};
 use super::publisher::{OpId, Outcome, OutgoingMessage};
 use super::readback::{ReadBack, ReadNext, ReadOutcome};
 use super::registry::VerifiedQueue;
@@ -38,7 +38,7 @@ use crate::amqp::codec::decode_method;
 use crate::amqp::content::{decode_properties, keep_opaque_headers};
 use crate::amqp::reply;
 use crate::deadletter::DeadLetterReason;
-use crate::rabbit::args::{ArgumentError, QueueArguments};
+use crate::rabbit::args::{ARG_DEAD_LETTER_EXCHANGE, ArgumentError, QueueArguments};
 
 /// Why a dead letter handed to the service connection failed before it was published.
 const SERVICE_UNAVAILABLE: &str = "service connection unavailable";
@@ -95,6 +95,10 @@ pub(super) struct PendingCheck {
     /// The permission probe on the client's connection runs ([`super::permission`]); then
     /// the check's rounds on the service connection.
     probing: bool,
+    /// A queue of the client's connection (exclusive, server-named): once the probe grants
+    /// it, it is declared on the client's channel with the upstream arguments, not by the
+    /// service connection.
+    own: bool,
 }
 
 /// A queue.declare held until the vhost's capture objects exist.
@@ -119,6 +123,12 @@ impl ClientSession {
     // ------------------------------------------------------------------------------------
 
     pub(super) fn client_queue_declare(&mut self, frame: WireFrame) {
+        self.queue_declare(frame, true);
+    }
+
+    /// A client's queue.declare; `ask_write` is false when the capture-write probe just told
+    /// nothing, so this declare goes natively without asking again.
+    fn queue_declare(&mut self, frame: WireFrame, ask_write: bool) {
         let channel = frame.channel;
         let Some(method) = self.decode_client_method(&frame) else {
             return;
@@ -152,11 +162,26 @@ impl ClientSession {
             return;
         }
         // Server-named and exclusive queues belong to the client's connection, so only it can
-        // declare them; they keep their own dead-letter arguments upstream, and RabbitMQ
-        // checks the client's permissions on them itself (docs/semantics.md).
+        // declare them, and RabbitMQ checks its user's permissions on every argument: they
+        // get the capture exchange when that user may write it (asked once per connection,
+        // `capture_write`), and otherwise keep their own dead-letter arguments upstream
+        // (docs/semantics.md).
         let own_queue = name.is_empty() || declare.exclusive;
-        let handling = if self.shared.delegate_to_upstream || self.publisher.is_none() || own_queue
-        {
+        let proxied = !self.shared.delegate_to_upstream && self.publisher.is_some();
+        if own_queue && proxied && ask_write && self.capture_write.known().is_none() {
+            let request = self
+                .check
+                .is_some()
+                .then(|| self.capture_write.ask(&self.shared.capture_name))
+                .flatten();
+            if let Some(request) = request {
+                self.held_for_write_probe = Some(frame);
+                self.check_send(request);
+                return;
+            }
+        }
+        let own_capture = own_queue && self.capture_write.known() == Some(true);
+        let handling = if !proxied || (own_queue && !own_capture) {
             DeadLetterHandling::Delegate
         } else {
             DeadLetterHandling::Capture {
@@ -188,15 +213,25 @@ impl ClientSession {
                 return;
             }
         };
-        if own_queue && !self.shared.delegate_to_upstream {
+        if own_queue && !own_capture && !self.shared.delegate_to_upstream {
             keep_own_dead_letter_arguments(&mut rewrite.upstream_arguments, &declare.arguments);
         }
         // A queue whose upstream arguments are the proxy's (the capture exchange) is judged
         // and created by the service connection, after the probe on the client's connection
-        // said its user may declare it.
-        let checked = matches!(handling, DeadLetterHandling::Capture { .. })
+        // said its user may declare it. An own queue is declared on the client's channel; the
+        // probe runs first when it names its own dead-letter exchange, whose write permission
+        // RabbitMQ would check and the capture exchange in its place would not.
+        let capture = matches!(handling, DeadLetterHandling::Capture { .. });
+        let checked = capture
             && self.check.is_some()
-            && self.service.is_some();
+            && if own_queue {
+                declare
+                    .arguments
+                    .inner()
+                    .contains_key(ARG_DEAD_LETTER_EXCHANGE)
+            } else {
+                self.service.is_some()
+            };
         if !checked {
             let record = VerifiedQueue::Proxied(rewrite.client_arguments);
             self.forward_declare(channel, &declare, rewrite.upstream_arguments, Some(record));
@@ -211,6 +246,7 @@ impl ClientSession {
             upstream_arguments: rewrite.upstream_arguments,
             check,
             probing: true,
+            own: own_queue,
         });
     }
 
@@ -232,6 +268,21 @@ impl ClientSession {
             self.close_check();
         }
         match permission::judge(&answer) {
+            Permission::Granted if pending.own => {
+                if self
+                    .channels
+                    .get(&pending.channel)
+                    .is_some_and(|ch| ch.is_open())
+                {
+                    let record = VerifiedQueue::Proxied(pending.client_arguments);
+                    self.forward_declare(
+                        pending.channel,
+                        &pending.declare,
+                        pending.upstream_arguments,
+                        Some(record),
+                    );
+                }
+            }
             Permission::Granted => {
                 pending.probing = false;
                 let request = pending.check.request();
@@ -495,16 +546,43 @@ impl ClientSession {
         }
     }
 
-    /// An answer on the client connection's check channel: the permission probe's.
+    /// An answer on the client connection's check channel: the permission probe's or the
+    /// capture-write probe's.
     pub(super) fn on_check_channel_answer(&mut self, answer: CheckAnswer) {
         if self.pending_check.as_ref().is_some_and(|p| p.probing) {
             self.on_permission_answer(answer);
+        } else if self.capture_write.asking() {
+            self.on_capture_write_answer(answer);
+        }
+    }
+
+    /// The capture-write probe answered ([`super::capture_write`]): the held declare of an
+    /// own queue goes on, with the capture exchange or natively.
+    fn on_capture_write_answer(&mut self, answer: CheckAnswer) {
+        if answer == CheckAnswer::DeclareOk {
+            self.close_check();
+        }
+        let permitted = self.capture_write.on_answer(&answer);
+        let known = self.capture_write.known().is_some();
+        tracing::debug!(
+            peer = %self.peer,
+            permitted,
+            ?answer,
+            "may the client's user write the capture exchange"
+        );
+        if let Some(frame) = self.held_for_write_probe.take() {
+            self.queue_declare(frame, known);
         }
     }
 
     /// Sends a declare on the check channel (opening it, or once its close is answered).
     fn check_declare(&mut self, declare: queue::Declare) {
-        if let Some(bytes) = self.check.as_mut().and_then(|c| c.declare(declare)) {
+        self.check_send(CheckRequest::Declare(declare));
+    }
+
+    /// Sends a check on the check channel (opening it, or once its close is answered).
+    fn check_send(&mut self, request: CheckRequest) {
+        if let Some(bytes) = self.check.as_mut().and_then(|c| c.send(request)) {
             self.send_upstream(bytes);
         }
     }

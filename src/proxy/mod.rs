@@ -21,8 +21,10 @@
 //!   proxy's arguments (the check's rounds, which create the queue) are made by the vhost's
 //!   service connection as the service user ([`service::judge`]), and the client's declare-ok
 //!   comes from a passive declare on its own connection. Exclusive and server-named queues,
-//!   which only the client's connection can declare, keep their own dead-letter arguments
-//!   upstream (RabbitMQ dead-letters their expiries and overflows natively);
+//!   which only the client's connection can declare, get the capture exchange when the
+//!   client's user may write it (asked once per connection, [`capture_write`]), and otherwise
+//!   keep their own dead-letter arguments upstream (RabbitMQ dead-letters their expiries and
+//!   overflows natively);
 //! - `basic.reject` / `basic.nack` with `requeue=false` on a queue with verified settings and
 //!   a dead-letter exchange: the proxy publishes the rewritten message to the DLX on its own
 //!   channel with publisher confirms and only then acks the original ([`intercept`],
@@ -161,7 +163,8 @@
 //! letters and their backoff), [`bcc`], [`publisher`], [`capture`], [`death`] (what becomes of
 //! a dead message), [`service`] (the service connections), [`declare`], [`arbiter`] (the
 //! declare check), [`readback`], [`probe`] (the check channel), [`permission`] (the probe of
-//! the client's permissions), [`outgoing`], [`handshake`],
+//! the client's permissions), [`capture_write`] (may the client's user write the capture
+//! exchange: how its own queues dead-letter), [`outgoing`], [`handshake`],
 //! [`upstream`] (the upstream nodes, failover between them, TCP/TLS),
 //! [`outbox`] (socket writes), [`wire`] (frames and adaptive reads), [`busy_poll`] (polling
 //! before sleeping), [`channels`], [`ops`], [`registry`], [`policy_sync`] (the policies as
@@ -172,6 +175,7 @@ pub mod arbiter;
 pub mod bcc;
 pub mod busy_poll;
 pub mod capture;
+pub mod capture_write;
 pub mod channels;
 mod client_session;
 mod consumer_timeout;

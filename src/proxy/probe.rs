@@ -1,9 +1,10 @@
-//! The check channel: a channel of the proxy's own on which it declares a queue so that
-//! RabbitMQ judges the declare before any client channel is involved (a refusal closes the
-//! channel it happens on).
+//! The check channel: a channel of the proxy's own on which it declares a queue (or probes a
+//! write permission) so that RabbitMQ judges the declare before any client channel is
+//! involved (a refusal closes the channel it happens on).
 //!
 //! Two kinds: on each client's upstream connection, the permission probe
-//! ([`super::permission`]), and on each vhost's service connection, the rounds of the declare
+//! ([`super::permission`]) and the capture-write probe ([`super::capture_write`]: a
+//! transaction whose publish is rolled back), and on each vhost's service connection, the rounds of the declare
 //! check ([`super::arbiter`]) and of the read-back ([`super::readback`]) that carry the
 //! proxy's own arguments ([`super::service::judge`]).
 //!
@@ -15,23 +16,38 @@
 //! still closing. So a client connection costs no upstream channel for this outside a check.
 //! One check at a time (client reads pause while one runs). The service connection keeps it
 //! open between declares.
-use amq_protocol::protocol::{AMQPClass, channel, queue};
+use amq_protocol::protocol::{AMQPClass, basic, channel, queue, tx};
 use amq_protocol::types::ShortString;
 use bytes::{Bytes, BytesMut};
 
 use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::{FRAME_METHOD, decode_method};
+use crate::amqp::content::put_content;
 use crate::amqp::reply;
 
-/// What the check channel heard about the declare in flight.
+/// The properties of the write probe's publish: none (a zero property-flags word).
+const NO_PROPERTIES: [u8; 2] = [0, 0];
+
+/// What a check asks on the channel.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CheckRequest {
+    /// A queue.declare: answered by declare-ok or a refusal.
+    Declare(queue::Declare),
+    /// Whether the user may publish to `exchange`: tx.select, an empty basic.publish to it,
+    /// tx.rollback (RabbitMQ checks write permission when the publish arrives, before the
+    /// transaction buffers it; the rollback discards it). Answered by rollback-ok or a
+    /// refusal.
+    Write { exchange: ShortString },
+}
+
+/// What the check channel heard about the check in flight.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CheckAnswer {
+    /// The check's last method was answered: declare-ok (a declare), rollback-ok (a write
+    /// probe).
     DeclareOk,
-    /// The upstream closed the channel (the declare was refused).
-    Refused {
-        code: u16,
-        text: String,
-    },
+    /// The upstream closed the channel (the check was refused).
+    Refused { code: u16, text: String },
 }
 
 /// What a check-channel frame asks of the session.
@@ -44,9 +60,9 @@ pub struct CheckStep {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
     Closed,
-    /// Open (or opening) with a declare in flight.
-    Declaring,
-    /// Open, nothing in flight (only between a declare-ok and the proxy's close).
+    /// Open (or opening) with a check in flight.
+    Checking,
+    /// Open, nothing in flight (only between a check's answer and the proxy's close).
     Idle,
     /// The proxy's channel.close is out.
     Closing,
@@ -57,8 +73,8 @@ enum State {
 pub struct CheckChannel {
     channel: u16,
     state: State,
-    /// A declare waiting for the close-ok of the previous check's channel.
-    queued: Option<queue::Declare>,
+    /// A check waiting for the close-ok of the previous check's channel.
+    queued: Option<CheckRequest>,
 }
 
 impl CheckChannel {
@@ -76,29 +92,36 @@ impl CheckChannel {
 
     /// Whether a declare is in flight or waiting.
     pub fn busy(&self) -> bool {
-        self.state == State::Declaring || self.queued.is_some()
+        self.state == State::Checking || self.queued.is_some()
     }
 
     /// Sends `declare` (opening the channel first); `None` when it waits for a close-ok.
     pub fn declare(&mut self, declare: queue::Declare) -> Option<Bytes> {
+        self.send(CheckRequest::Declare(declare))
+    }
+
+    /// Sends `request` (opening the channel first); `None` when it waits for a close-ok.
+    pub fn send(&mut self, request: CheckRequest) -> Option<Bytes> {
         match self.state {
             State::Closing => {
-                self.queued = Some(declare);
+                self.queued = Some(request);
                 None
             }
             State::Closed => {
-                self.state = State::Declaring;
+                self.state = State::Checking;
                 let mut out = BytesMut::new();
                 out.extend_from_slice(&method_frame(
                     self.channel,
                     AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
                 ));
-                out.extend_from_slice(&self.declare_frame(declare));
+                self.put_request(&mut out, request);
                 Some(out.freeze())
             }
-            State::Idle | State::Declaring => {
-                self.state = State::Declaring;
-                Some(self.declare_frame(declare))
+            State::Idle | State::Checking => {
+                self.state = State::Checking;
+                let mut out = BytesMut::new();
+                self.put_request(&mut out, request);
+                Some(out.freeze())
             }
         }
     }
@@ -120,11 +143,33 @@ impl CheckChannel {
         ))
     }
 
-    fn declare_frame(&self, declare: queue::Declare) -> Bytes {
-        method_frame(
-            self.channel,
-            AMQPClass::Queue(queue::AMQPMethod::Declare(declare)),
-        )
+    fn put_request(&self, out: &mut BytesMut, request: CheckRequest) {
+        let method = |method| method_frame(self.channel, method);
+        match request {
+            CheckRequest::Declare(declare) => {
+                out.extend_from_slice(&method(AMQPClass::Queue(queue::AMQPMethod::Declare(
+                    declare,
+                ))));
+            }
+            CheckRequest::Write { exchange } => {
+                out.extend_from_slice(&method(AMQPClass::Tx(tx::AMQPMethod::Select(
+                    tx::Select {},
+                ))));
+                out.extend_from_slice(&method(AMQPClass::Basic(basic::AMQPMethod::Publish(
+                    basic::Publish {
+                        exchange,
+                        routing_key: ShortString::from(""),
+                        mandatory: false,
+                        immediate: false,
+                    },
+                ))));
+                // An empty body: the header frame alone (frame_max does not matter).
+                put_content(out, self.channel, &NO_PROPERTIES, &[], usize::MAX);
+                out.extend_from_slice(&method(AMQPClass::Tx(tx::AMQPMethod::Rollback(
+                    tx::Rollback {},
+                ))));
+            }
+        }
     }
 
     pub fn on_frame(&mut self, frame: &WireFrame) -> CheckStep {
@@ -133,9 +178,10 @@ impl CheckChannel {
             return step;
         }
         match decode_method(&frame.payload) {
-            Some(AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_)))
-                if self.state == State::Declaring =>
-            {
+            Some(
+                AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_))
+                | AMQPClass::Tx(tx::AMQPMethod::RollbackOk(_)),
+            ) if self.state == State::Checking => {
                 self.state = State::Idle;
                 step.answer = Some(CheckAnswer::DeclareOk);
             }
@@ -144,7 +190,7 @@ impl CheckChannel {
                     self.channel,
                     AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
                 ));
-                if self.state == State::Declaring {
+                if self.state == State::Checking {
                     step.answer = Some(CheckAnswer::Refused {
                         code: close.reply_code,
                         text: close.reply_text.as_str().to_string(),
@@ -165,8 +211,8 @@ impl CheckChannel {
     }
 
     fn send_queued(&mut self, step: &mut CheckStep) {
-        if let Some(declare) = self.queued.take()
-            && let Some(bytes) = self.declare(declare)
+        if let Some(request) = self.queued.take()
+            && let Some(bytes) = self.send(request)
         {
             let mut out = BytesMut::new();
             if let Some(first) = step.write.take() {
@@ -272,5 +318,76 @@ mod tests {
         assert!(check.close().is_none(), "already closed");
         let again = check.declare(declare()).unwrap();
         assert_eq!(ids(&again), vec![(7, (20, 10)), (7, (50, 10))]);
+    }
+
+    #[test]
+    fn a_write_probe_publishes_in_a_transaction_and_rolls_back() {
+        let mut check = CheckChannel::new(7);
+        let out = check
+            .send(CheckRequest::Write {
+                exchange: ShortString::from("dlx-proxy.capture"),
+            })
+            .unwrap();
+        let mut buf = BytesMut::from(&out[..]);
+        let mut codec = WireCodec::new(4096);
+        let frames: Vec<WireFrame> =
+            std::iter::from_fn(|| codec.decode(&mut buf).unwrap()).collect();
+        let kinds: Vec<(u8, (u16, u16))> =
+            frames.iter().map(|f| (f.kind, f.method_ids())).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                (FRAME_METHOD, (20, 10)),
+                (FRAME_METHOD, (90, 10)),
+                (FRAME_METHOD, (60, 40)),
+                (crate::amqp::codec::FRAME_HEADER, (0, 0)),
+                (FRAME_METHOD, (90, 30)),
+            ]
+        );
+        let Some(AMQPClass::Basic(basic::AMQPMethod::Publish(publish))) =
+            decode_method(&frames[2].payload)
+        else {
+            panic!("not a publish");
+        };
+        assert_eq!(publish.exchange.as_str(), "dlx-proxy.capture");
+        assert!(!publish.mandatory);
+        assert_eq!(
+            crate::proxy::wire::content_body_size(&frames[3].payload),
+            Some(0)
+        );
+        assert!(frames.iter().all(|f| f.channel == 7));
+        // select-ok says nothing yet; rollback-ok answers.
+        let select_ok = upstream(AMQPClass::Tx(tx::AMQPMethod::SelectOk(tx::SelectOk {})));
+        assert!(check.on_frame(&select_ok).answer.is_none());
+        let rollback_ok = upstream(AMQPClass::Tx(tx::AMQPMethod::RollbackOk(tx::RollbackOk {})));
+        assert_eq!(
+            check.on_frame(&rollback_ok).answer,
+            Some(CheckAnswer::DeclareOk)
+        );
+        assert_eq!(ids(&check.close().unwrap()), vec![(7, (20, 40))]);
+        // A refused write probe closes the channel; the next declare reopens it.
+        let mut check = CheckChannel::new(7);
+        check
+            .send(CheckRequest::Write {
+                exchange: ShortString::from("x"),
+            })
+            .unwrap();
+        let close = upstream(AMQPClass::Channel(channel::AMQPMethod::Close(
+            channel::Close {
+                reply_code: 403,
+                reply_text: ShortString::from("ACCESS_REFUSED - x"),
+                class_id: 60,
+                method_id: 40,
+            },
+        )));
+        let step = check.on_frame(&close);
+        assert_eq!(
+            step.answer,
+            Some(CheckAnswer::Refused {
+                code: 403,
+                text: "ACCESS_REFUSED - x".into()
+            })
+        );
+        assert_eq!(ids(&check.declare(declare()).unwrap())[0], (7, (20, 10)));
     }
 }

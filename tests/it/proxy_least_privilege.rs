@@ -7,7 +7,8 @@
 use crate::proxy_support;
 
 use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions,
+    QueueDeclareOptions,
 };
 use lapin::protocol::basic::AMQPProperties;
 use lapin::types::{AMQPValue, FieldTable};
@@ -50,6 +51,19 @@ impl Limited {
 
     fn name(&self, rest: &str) -> String {
         format!("{}{rest}", self.prefix)
+    }
+
+    /// Adds write permission on the exchange `capture` (and nothing else) to the user's.
+    fn grant_write(&self, capture: &str) {
+        let p = regex_escape(&self.prefix);
+        self._rabbit.set_permissions(
+            &format!("^({p}|amq\\.gen-).*"),
+            &format!(
+                "^(({p}allowed|{p}forbidden-dlx|amq\\.default).*|{})$",
+                regex_escape(capture)
+            ),
+            &format!("^({p}|amq\\.gen-).*"),
+        );
     }
 
     async fn connect(&self, host: &str) -> Connection {
@@ -638,6 +652,225 @@ async fn a_policy_dead_letter_exchange_needs_no_permission_of_the_user() {
     let shared_q = limited.name("allowed.pol.shared");
     let _ = conn.close(200, "done".into()).await;
     delete_upstream(&admin_ch, &[&shared_q, &dlq], &[&dlx]).await;
+    let _ = admin_conn.close(200, "done".into()).await;
+    proxy.stop().await;
+}
+
+/// What the capture-write probe relies on, in RabbitMQ itself: a basic.publish inside a
+/// transaction is refused with 403 at once when the user may not write the exchange (the
+/// channel closes, naming it), and a permitted one is discarded by tx.rollback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_checks_write_permission_on_a_publish_in_a_transaction_and_rolls_it_back() {
+    let limited = Limited::new("txw");
+    let writable = limited.name("allowed.tx-x");
+    let forbidden = limited.name("other-x");
+    let queue = limited.name("allowed.tx-q");
+    let (admin_conn, admin_ch) = admin().await;
+    for x in [&writable, &forbidden] {
+        exchange(&admin_ch, x, ExchangeKind::Fanout).await;
+    }
+    declare(&admin_ch, &queue, FieldTable::default()).await;
+    bind(&admin_ch, &queue, &writable, "").await;
+    bind(&admin_ch, &queue, &forbidden, "").await;
+    let conn = limited.connect(&upstream_host()).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.tx_select().await.unwrap();
+    publish_to(
+        &ch,
+        &writable,
+        "",
+        b"rolled back",
+        AMQPProperties::default(),
+    )
+    .await;
+    ch.tx_rollback().await.unwrap();
+    assert_eq!(message_count(&admin_ch, &queue).await, 0, "nothing routed");
+    let _ = ch
+        .basic_publish(
+            forbidden.as_str().into(),
+            "".into(),
+            BasicPublishOptions::default(),
+            b"refused",
+            AMQPProperties::default(),
+        )
+        .await;
+    let err = ch.tx_rollback().await.unwrap_err();
+    assert_eq!(amqp_code(&err), Some(403), "{err}");
+    let text = amqp_text(&err);
+    assert!(text.contains(&forbidden), "{text}");
+    assert_eq!(message_count(&admin_ch, &queue).await, 0);
+    let _ = conn.close(200, "done".into()).await;
+    delete_upstream(&admin_ch, &[&queue], &[&writable, &forbidden]).await;
+    let _ = admin_conn.close(200, "done".into()).await;
+}
+
+/// Own queues (exclusive, server-named: RPC reply queues, temporary subscriber queues) of a
+/// user who may write the capture exchange, guest or an application user granted it, get the
+/// proxy's dead-lettering: an exclusive queue under a TOML policy giving TTL and dead-letter
+/// exchange, and a server-named exclusive one with its own (a TOML policy cannot name a
+/// server-named queue, whose name is unknown when it is declared). Their expired messages
+/// land in the DLQ with the proxy's x-death, captured by the proxy. The probe that found this
+/// out published nothing: the only captured messages are the expired ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn own_queues_of_a_user_who_may_write_the_capture_exchange_dead_letter_through_the_proxy() {
+    let limited = Limited::new("capw");
+    let dlx = limited.name("allowed.own-dlx");
+    let dlq = limited.name("allowed.own-dlq");
+    let pattern = format!("^{}allowed\\.own-excl", regex_escape(&limited.prefix));
+    let proxy = TestProxy::start(vec![policy(
+        "own-queues",
+        &pattern,
+        serde_json::json!({ "dead-letter-exchange": dlx, "message-ttl": 200 }),
+    )])
+    .await;
+    limited.grant_write(&proxy.capture);
+    let (admin_conn, admin_ch) = admin().await;
+    fanout_dlx(&admin_ch, &dlx, &dlq).await;
+    let mut dead = consumer(&admin_ch, &dlq, "own-reader").await;
+    let guest = proxy.connect().await;
+    let granted = limited.connect(&proxy.addr.to_string()).await;
+    let exclusive = QueueDeclareOptions {
+        exclusive: true,
+        ..Default::default()
+    };
+    let mut own_args = dlx_args(&dlx);
+    own_args.insert("x-message-ttl".into(), AMQPValue::LongInt(200));
+    for (label, conn) in [("guest", &guest), ("granted", &granted)] {
+        let ch = conn.create_channel().await.unwrap();
+        let named = limited.name(&format!("allowed.own-excl.{label}"));
+        declare_as(&ch, &named, exclusive, FieldTable::default())
+            .await
+            .unwrap_or_else(|e| panic!("{label}: {e:?}"));
+        publish(&ch, &named, &[label]).await;
+        let got = next(&mut dead).await;
+        assert_eq!(payload(&got), label);
+        assert_eq!(x_death(&got)[0].qrc(), (named.as_str(), "expired", 1));
+        // A second own queue on the same connection, server-named: the answer is kept.
+        let q = declare_as(&ch, "", exclusive, own_args.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{label}, server-named: {e:?}"));
+        let q = q.name().as_str().to_string();
+        assert!(q.starts_with("amq.gen-"), "{q}");
+        publish(&ch, &q, &[label]).await;
+        let got = next(&mut dead).await;
+        assert_eq!(payload(&got), label);
+        assert_eq!(
+            x_death(&got)[0].qrc(),
+            (q.as_str(), "expired", 1),
+            "{label}"
+        );
+    }
+    // The capture exchange in place of the queue's own dead-letter exchange grants nothing:
+    // one the user may not write is still refused with RabbitMQ's 403 naming it.
+    let ch = granted.create_channel().await.unwrap();
+    let other = limited.name("other-dlx");
+    let (code, text) = declare_as(&ch, "", exclusive, dlx_args(&other))
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(code, 403, "{text}");
+    assert!(
+        text.contains(&other) && !text.contains(&proxy.capture),
+        "{text}"
+    );
+    proxy
+        .wait_counter(
+            "captured_total",
+            &[("outcome", "dead_lettered"), ("vhost", "/")],
+            4.0,
+        )
+        .await;
+    for outcome in ["dropped", "discarded"] {
+        let labels = [("outcome", outcome), ("vhost", "/")];
+        assert_eq!(proxy.counter("captured_total", &labels), 0.0, "{outcome}");
+    }
+    assert_eq!(message_count(&admin_ch, &proxy.capture).await, 0);
+    for conn in [guest, granted] {
+        assert!(conn.status().connected());
+        let _ = conn.close(200, "done".into()).await;
+    }
+    delete_upstream(&admin_ch, &[&dlq], &[&dlx]).await;
+    let _ = admin_conn.close(200, "done".into()).await;
+    proxy.stop().await;
+}
+
+/// The same own queue of a restricted user who may not write the capture exchange: the
+/// declare works as directly (the probe's 403 never reaches the client), the policy's
+/// dead-letter settings do not apply, and the queue's own dead-letter exchange and TTL
+/// dead-letter natively (nothing is captured).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn own_queues_of_a_user_who_may_not_write_the_capture_exchange_dead_letter_natively() {
+    let limited = Limited::new("capn");
+    let own_dlx = limited.name("forbidden-dlx");
+    let own_dlq = limited.name("allowed.own-native-dlq");
+    let policy_dlx = limited.name("allowed.policy-native-dlx");
+    let policy_dlq = limited.name("allowed.policy-native-dlq");
+    let pattern = format!("^{}allowed\\.own-excl", regex_escape(&limited.prefix));
+    let proxy = TestProxy::start(vec![policy(
+        "own-queues",
+        &pattern,
+        serde_json::json!({ "dead-letter-exchange": policy_dlx, "message-ttl": 100 }),
+    )])
+    .await;
+    let (admin_conn, admin_ch) = admin().await;
+    fanout_dlx(&admin_ch, &own_dlx, &own_dlq).await;
+    fanout_dlx(&admin_ch, &policy_dlx, &policy_dlq).await;
+    let mut dead = consumer(&admin_ch, &own_dlq, "own-native-reader").await;
+    let conn = limited.connect(&proxy.addr.to_string()).await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut args = dlx_args(&own_dlx);
+    args.insert("x-message-ttl".into(), AMQPValue::LongInt(100));
+    let q = declare_as(
+        &ch,
+        "",
+        QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .expect("declared as directly");
+    let q = q.name().as_str().to_string();
+    publish(&ch, &q, &["native"]).await;
+    let got = next(&mut dead).await;
+    assert_eq!(payload(&got), "native");
+    assert_eq!(x_death(&got)[0].qrc(), (q.as_str(), "expired", 1));
+    // An exclusive queue under the policy: its TTL applies, its dead-letter exchange does not
+    // (RabbitMQ would check the user's write permission on it): the expired message is
+    // discarded natively.
+    let named = limited.name("allowed.own-excl.native");
+    declare_as(
+        &ch,
+        &named,
+        QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("declared as directly");
+    publish(&ch, &named, &["discarded"]).await;
+    wait_count(&ch, &named, 0).await;
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(
+        message_count(&admin_ch, &policy_dlq).await,
+        0,
+        "no policy DLX"
+    );
+    for outcome in ["dead_lettered", "dropped", "discarded"] {
+        let labels = [("outcome", outcome), ("vhost", "/")];
+        assert_eq!(proxy.counter("captured_total", &labels), 0.0, "{outcome}");
+    }
+    assert!(conn.status().connected());
+    let _ = conn.close(200, "done".into()).await;
+    delete_upstream(
+        &admin_ch,
+        &[&own_dlq, &policy_dlq],
+        &[&own_dlx, &policy_dlx],
+    )
+    .await;
     let _ = admin_conn.close(200, "done".into()).await;
     proxy.stop().await;
 }
