@@ -108,7 +108,7 @@ def check_monitor(doc, where):
         if not (endpoint.get("port") or endpoint.get("portNumber") or endpoint.get("targetPort")):
             errors.append(f"{where}: {kind} spec.{key}[{i}] names no port")
 
-# --- config.toml keys against the structs of src/config.rs (deny_unknown_fields). ---
+# --- config.toml keys against the structs of src/config/schema.rs (deny_unknown_fields). ---
 def load_structs(path):
     try:
         source = open(path).read()
@@ -139,7 +139,7 @@ def check_keys(value, struct, where):
     fields = structs[struct]
     for key, inner in value.items():
         if key not in fields:
-            errors.append(f"{where}: unknown config key {key!r} (not a field of {struct} in src/config.rs)")
+            errors.append(f"{where}: unknown config key {key!r} (not a field of {struct} in src/config/schema.rs)")
             continue
         ty = fields[key].replace(" ", "")
         vec = re.fullmatch(r"Vec<(\w+)>", ty)
@@ -175,20 +175,20 @@ for path in files:
             check_config(doc["data"]["config.toml"], where)
 
 if structs is None:
-    print("note: src/config.rs has no Config struct; config keys not checked")
+    errors.append("src/config/schema.rs has no Config struct: config keys cannot be checked")
 for error in errors:
     print("ERROR", error)
 sys.exit(1 if errors else 0)
 EOF
 check_files() {
-    "$PY" "$WORK/check_files.py" "$ROOT/src/config.rs" "$@" || fail "structure or config keys: $*"
+    "$PY" "$WORK/check_files.py" "$ROOT/src/config/schema.rs" "$@" || fail "structure or config keys: $*"
 }
 
 # Checks shared by the examples and the rendered chart:
 #  - kubernetes-validate --strict against $K8S_MIN and $K8S_MAX; it only warns on
 #    kinds it has no schema for, so every such warning must be a Prometheus
 #    operator kind (monitoring.coreos.com), which gets a structural check here;
-#  - every config.toml in a ConfigMap parses and uses only keys src/config.rs knows.
+#  - every config.toml in a ConfigMap parses and uses only keys src/config/schema.rs knows.
 validate_manifests() {
     local out rc=0
     out=$("$PY" -m kubernetes_validate --strict -k "$K8S_MIN" -k "$K8S_MAX" "$@" 2>&1) || rc=$?
@@ -251,17 +251,17 @@ if validator.is_valid(typo):
 sys.exit(1 if bad else 0)
 EOF
 
-step "chart config keys against src/config.rs"
-"$PY" - "$ROOT/src/config.rs" "$CHART/values.yaml" <<'EOF' || fail "values.yaml config keys"
+step "chart config keys against src/config/schema.rs"
+"$PY" - "$ROOT/src/config/schema.rs" "$CHART/values.yaml" <<'EOF' || fail "values.yaml config keys"
 import re, sys, yaml
 try:
     source = open(sys.argv[1]).read()
 except OSError:
-    print("note: no src/config.rs; skipped"); sys.exit(0)
+    print("ERROR no src/config/schema.rs: the config structs moved; update this check"); sys.exit(1)
 structs = {m.group(1): dict(re.findall(r"pub (\w+)\s*:\s*([^,\n]+)", m.group(2)))
            for m in re.finditer(r"pub struct (\w+)\s*\{(.*?)\n\}", source, re.S)}
 if "Config" not in structs:
-    print("note: no Config struct; skipped"); sys.exit(0)
+    print("ERROR no Config struct in src/config/schema.rs"); sys.exit(1)
 config = yaml.safe_load(open(sys.argv[2]))["config"]
 errors = []
 for key, value in config.items():
@@ -275,7 +275,7 @@ for key, value in config.items():
 for error in errors:
     print("ERROR", error)
 if not errors:
-    print("ok: every config section and key of values.yaml exists in src/config.rs")
+    print("ok: every config section and key of values.yaml exists in src/config/schema.rs")
 sys.exit(1 if errors else 0)
 EOF
 
