@@ -581,5 +581,7 @@ pub fn is_cycle(reason: DeadLetterReason, rewritten: &BasicProperties, target_qu
     false
 }
 
+pub mod retry;
+
 #[cfg(test)]
 mod tests;

@@ -18,7 +18,7 @@
 //! of the two.
 
 use crate::config::PolicyConfig;
-use crate::rabbit::args::{MAX_EXPIRY_MS, Overflow, QueueArguments};
+use crate::rabbit::args::{MAX_EXPIRY_MS, MAX_RETRY_TIERS, Overflow, QueueArguments};
 use regex::Regex;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -64,10 +64,13 @@ pub struct PolicyDefinition {
     pub delivery_limit: Option<u64>,
     /// Milliseconds (RabbitMQ 3.12's `consumer-timeout`).
     pub consumer_timeout: Option<u64>,
+    /// Milliseconds, one delay per retry tier (this service's `retry-delays`).
+    pub retry_delays: Option<Vec<u64>>,
 }
 
-/// The definition keys understood, as written in RabbitMQ policies.
-pub const DEFINITION_KEYS: [&str; 9] = [
+/// The definition keys understood, as written in RabbitMQ policies (plus this service's
+/// `retry-delays`).
+pub const DEFINITION_KEYS: [&str; 10] = [
     "dead-letter-exchange",
     "dead-letter-routing-key",
     "message-ttl",
@@ -77,6 +80,7 @@ pub const DEFINITION_KEYS: [&str; 9] = [
     "overflow",
     "delivery-limit",
     "consumer-timeout",
+    "retry-delays",
 ];
 
 /// A validated policy.
@@ -202,6 +206,24 @@ fn parse_definition(
             }
             "delivery-limit" => parsed.delivery_limit = Some(non_negative()?),
             "consumer-timeout" => parsed.consumer_timeout = Some(non_negative()?),
+            "retry-delays" => {
+                let delays = value
+                    .as_array()
+                    .filter(|a| !a.is_empty() && a.len() <= MAX_RETRY_TIERS)
+                    .ok_or_else(|| {
+                        err(&format!(
+                            "expected an array of 1 to {MAX_RETRY_TIERS} delays in ms"
+                        ))
+                    })?;
+                let delays = delays
+                    .iter()
+                    .map(|d| d.as_u64().filter(|d| *d <= MAX_EXPIRY_MS))
+                    .collect::<Option<Vec<u64>>>()
+                    .ok_or_else(|| {
+                        err("each delay must be an integer from 0 to 315360000000 (ms)")
+                    })?;
+                parsed.retry_delays = Some(delays);
+            }
             _ => {
                 return Err(err(&format!(
                     "unknown policy key (supported: {})",
@@ -354,6 +376,9 @@ pub struct EffectiveQueueSettings {
     /// Milliseconds, the lower of `x-consumer-timeout` and the policy's `consumer-timeout`
     /// (`limits.consumer_timeout` is applied on top where deliveries are tracked).
     pub consumer_timeout: Option<u64>,
+    /// Milliseconds per retry tier: `x-retry-delays` wins over the policy's `retry-delays`
+    /// (a list, not a limit, so not the lower of the two).
+    pub retry_delays: Option<Vec<u64>>,
     /// Name of the applied policy.
     pub policy: Option<String>,
 }
@@ -393,6 +418,7 @@ pub fn effective_settings(
         overflow: args.overflow.or(p.overflow).unwrap_or_default(),
         delivery_limit: lower(args.delivery_limit, p.delivery_limit).or(default_delivery_limit),
         consumer_timeout: lower(args.consumer_timeout, p.consumer_timeout),
+        retry_delays: args.retry_delays.clone().or_else(|| p.retry_delays.clone()),
         policy: None,
     }
 }

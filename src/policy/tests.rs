@@ -36,7 +36,8 @@ fn every_definition_key_is_parsed() {
             "max-length-bytes": 1024,
             "overflow": "reject-publish",
             "delivery-limit": 16,
-            "consumer-timeout": 30000
+            "consumer-timeout": 30000,
+            "retry-delays": [1000, 10000]
         }),
     )])
     .unwrap();
@@ -53,6 +54,7 @@ fn every_definition_key_is_parsed() {
             overflow: Some(Overflow::RejectPublish),
             delivery_limit: Some(16),
             consumer_timeout: Some(30000),
+            retry_delays: Some(vec![1000, 10000]),
         }
     );
     assert_eq!(policy.apply_to, ApplyTo::Queues);
@@ -303,6 +305,7 @@ fn precedence_table() {
         overflow: Some(Overflow::RejectPublish),
         delivery_limit: Some(7),
         consumer_timeout: Some(9_000),
+        retry_delays: Some(vec![5]),
         ..QueueArguments::default()
     };
     let policy = PolicyDefinition {
@@ -315,6 +318,7 @@ fn precedence_table() {
         overflow: Some(Overflow::RejectPublishDlx),
         delivery_limit: Some(3),
         consumer_timeout: Some(4_000),
+        retry_delays: Some(vec![100, 200]),
     };
     let merged = effective_settings(&args, Some(&policy), Some(20));
     assert_eq!(
@@ -329,6 +333,7 @@ fn precedence_table() {
             overflow: Overflow::RejectPublish,
             delivery_limit: Some(3),
             consumer_timeout: Some(4_000),
+            retry_delays: Some(vec![5]),
             policy: None,
         }
     );
@@ -422,6 +427,7 @@ fn no_policy_no_arguments_gives_defaults() {
             overflow: Overflow::DropHead,
             delivery_limit: None,
             consumer_timeout: None,
+            retry_delays: None,
             policy: None,
         }
     );
@@ -441,4 +447,29 @@ fn settings_with_policy_record_its_name() {
     let without = effective_settings_with_policy(&args, None, None);
     assert_eq!(without.policy, None);
     assert_eq!(without.message_ttl, Some(5000));
+}
+
+#[test]
+fn retry_delays_come_from_the_policy_when_the_queue_has_none() {
+    let policy = PolicyDefinition {
+        retry_delays: Some(vec![1000, 60_000]),
+        ..PolicyDefinition::default()
+    };
+    let merged = effective_settings(&QueueArguments::default(), Some(&policy), None);
+    assert_eq!(merged.retry_delays, Some(vec![1000, 60_000]));
+}
+
+#[test]
+fn invalid_retry_delays_name_the_key() {
+    for definition in [
+        json!({"retry-delays": []}),
+        json!({"retry-delays": 1000}),
+        json!({"retry-delays": [1000, -1]}),
+        json!({"retry-delays": [315360000001u64]}),
+        json!({"retry-delays": vec![1; 33]}),
+    ] {
+        let err = PolicySet::from_configs(&[config("p", ".*", 0, definition.clone())])
+            .expect_err(&definition.to_string());
+        assert_eq!(err.key, "definition.retry-delays", "{definition}");
+    }
 }

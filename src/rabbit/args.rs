@@ -35,6 +35,11 @@ pub const ARG_DELIVERY_LIMIT: &str = "x-delivery-limit";
 pub const ARG_MAX_PRIORITY: &str = "x-max-priority";
 /// RabbitMQ 3.12+: milliseconds a consumer may hold a delivery unacknowledged.
 pub const ARG_CONSUMER_TIMEOUT: &str = "x-consumer-timeout";
+/// This service's retry tiers: delays in milliseconds before a rejected message comes back.
+pub const ARG_RETRY_DELAYS: &str = "x-retry-delays";
+
+/// Most tiers `x-retry-delays` (and the policy's `retry-delays`) may list.
+pub const MAX_RETRY_TIERS: usize = 32;
 
 /// The x-arguments compared on redeclare, in the order RabbitMQ compares them.
 pub const EQUIVALENCE_ARGUMENTS: [&str; 11] = [
@@ -162,6 +167,8 @@ pub struct QueueArguments {
     /// Milliseconds (RabbitMQ 3.12's `x-consumer-timeout`, enforced by this service in both
     /// modes on every queue type).
     pub consumer_timeout: Option<u64>,
+    /// Milliseconds, one delay per retry tier (`x-retry-delays`, this service's extension).
+    pub retry_delays: Option<Vec<u64>>,
 }
 
 /// How RabbitMQ words an argument error; selects the reply text layout.
@@ -336,6 +343,31 @@ fn expiry_value(argument: &str, n: i64) -> Result<u64, ArgumentError> {
     }
 }
 
+/// `x-retry-delays`: an array of 1 to [`MAX_RETRY_TIERS`] integers, each a delay in
+/// milliseconds from 0 to [`MAX_EXPIRY_MS`].
+fn retry_delays_argument(value: &AMQPValue) -> Result<Vec<u64>, ArgumentError> {
+    let AMQPValue::FieldArray(items) = value else {
+        return Err(unacceptable_type(ARG_RETRY_DELAYS, value));
+    };
+    let items = items.as_slice();
+    if items.is_empty() || items.len() > MAX_RETRY_TIERS {
+        return Err(ArgumentError::invalid_value(
+            ARG_RETRY_DELAYS,
+            erlang_string(&format!(
+                "expected 1 to {MAX_RETRY_TIERS} delays, got {}",
+                items.len()
+            )),
+        ));
+    }
+    items
+        .iter()
+        .map(|item| {
+            let n = integer_argument(ARG_RETRY_DELAYS, item)?;
+            expiry_value(ARG_RETRY_DELAYS, n)
+        })
+        .collect()
+}
+
 /// A longstr argument as UTF-8 text (names in this service are UTF-8 shortstrs).
 fn text_argument(argument: &str, bytes: &[u8]) -> Result<String, ArgumentError> {
     String::from_utf8(bytes.to_vec()).map_err(|_| {
@@ -467,6 +499,10 @@ pub fn parse_queue_arguments(args: &FieldTable) -> Result<QueueArguments, Argume
     // RabbitMQ 3.12: a non-negative integer (3.10 ignores it; this service enforces it).
     if let Some(value) = table.get(ARG_CONSUMER_TIMEOUT) {
         parsed.consumer_timeout = Some(non_negative_argument(ARG_CONSUMER_TIMEOUT, value)?);
+    }
+    // Our extension: retry tiers, an array of 1 to MAX_RETRY_TIERS delays in ms.
+    if let Some(value) = table.get(ARG_RETRY_DELAYS) {
+        parsed.retry_delays = Some(retry_delays_argument(value)?);
     }
 
     // 4. Arguments the queue type does not take.

@@ -40,6 +40,13 @@ fn full_set_of_arguments_is_parsed() {
         ("x-overflow", s("reject-publish-dlx")),
         ("x-delivery-limit", AMQPValue::ShortShortUInt(3)),
         ("x-consumer-timeout", AMQPValue::LongLongInt(30_000)),
+        (
+            "x-retry-delays",
+            AMQPValue::FieldArray(FieldArray::from(vec![
+                AMQPValue::LongInt(1000),
+                AMQPValue::LongLongInt(60_000),
+            ])),
+        ),
         ("x-queue-type", s("classic")),
     ]))
     .unwrap();
@@ -57,6 +64,7 @@ fn full_set_of_arguments_is_parsed() {
             overflow: Some(Overflow::RejectPublishDlx),
             delivery_limit: Some(3),
             consumer_timeout: Some(30_000),
+            retry_delays: Some(vec![1000, 60_000]),
         }
     );
 }
@@ -491,5 +499,35 @@ fn equivalence_nested_values_print_as_erlang_terms() {
     assert_eq!(
         err,
         "inequivalent arg 'x-overflow' for queue 'q' in vhost '/': received none but current is the value '[{longstr,<<\"a\">>}]' of type 'array'"
+    );
+}
+
+#[test]
+fn retry_delays_must_be_an_array_of_1_to_32_delays() {
+    let reply = |value: AMQPValue| {
+        parse_queue_arguments(&table(&[("x-retry-delays", value)]))
+            .unwrap_err()
+            .reply_text("q", "/")
+    };
+    let array = |items: Vec<AMQPValue>| AMQPValue::FieldArray(FieldArray::from(items));
+    assert_eq!(
+        reply(AMQPValue::LongInt(1000)),
+        "PRECONDITION_FAILED - invalid arg 'x-retry-delays' for queue 'q' in vhost '/': {unacceptable_type,signedint}"
+    );
+    assert_eq!(
+        reply(array(vec![])),
+        "PRECONDITION_FAILED - invalid arg 'x-retry-delays' for queue 'q' in vhost '/': \"expected 1 to 32 delays, got 0\""
+    );
+    assert_eq!(
+        reply(array(vec![AMQPValue::LongInt(1); 33])),
+        "PRECONDITION_FAILED - invalid arg 'x-retry-delays' for queue 'q' in vhost '/': \"expected 1 to 32 delays, got 33\""
+    );
+    assert_eq!(
+        reply(array(vec![AMQPValue::LongInt(10), AMQPValue::LongInt(-5)])),
+        "PRECONDITION_FAILED - invalid arg 'x-retry-delays' for queue 'q' in vhost '/': {value_negative,-5}"
+    );
+    assert_eq!(
+        reply(array(vec![s("1000")])),
+        "PRECONDITION_FAILED - invalid arg 'x-retry-delays' for queue 'q' in vhost '/': \"expected integer, got longstr\""
     );
 }
