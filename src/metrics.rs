@@ -35,6 +35,9 @@ pub const METRIC_NAMES: &[&str] = &[
     "dead_letters_held",
     "consumer_timeouts_total",
     "dead_letters_kept_total",
+    "retries_total",
+    "retry_held_messages",
+    "retry_exhausted_total",
     "messages_published_total",
     "messages_delivered_total",
     "messages_acked_total",
@@ -187,6 +190,9 @@ struct QueueSeries {
     causes: BTreeSet<String>,
     consumer_timeouts: bool,
     dead_letters_kept: bool,
+    retry_tiers: BTreeSet<u64>,
+    retry_held: bool,
+    retry_exhausted: bool,
     has_depth: bool,
 }
 
@@ -215,6 +221,9 @@ pub struct Metrics {
     dead_letters_held: IntGauge,
     consumer_timeouts: IntCounterVec,
     dead_letters_kept: IntCounterVec,
+    retries: IntCounterVec,
+    retry_held: IntGaugeVec,
+    retry_exhausted: IntCounterVec,
     messages_published: IntCounter,
     messages_delivered: IntCounter,
     messages_acked: IntCounter,
@@ -362,6 +371,23 @@ impl Metrics {
                 "dead_letters_kept_total",
                 "Proxy mode, dead_letter.ttl_on_dead_letters = false: dead letters the upstream \
                  expired that were put back into their queue instead of dead-lettered, by queue.",
+                &["vhost", "queue"],
+            )?,
+            retries: b.counter_vec(
+                "retries_total",
+                "Messages rejected with requeue=false on a queue with retry tiers \
+                 (x-retry-delays) and held for a retry, by queue and tier (1-based).",
+                &["vhost", "queue", "tier"],
+            )?,
+            retry_held: b.gauge_vec(
+                "retry_held_messages",
+                "Messages waiting for their retry delay to pass, by queue.",
+                &["vhost", "queue"],
+            )?,
+            retry_exhausted: b.counter_vec(
+                "retry_exhausted_total",
+                "Rejections on a queue with retry tiers after its last tier: dead-lettered \
+                 (or dropped without a DLX) as usual, by queue.",
                 &["vhost", "queue"],
             )?,
             dead_letter_dropped: b.counter_vec(
@@ -929,6 +955,35 @@ impl Metrics {
         })
     }
 
+    /// A message rejected from `queue` is held for its retry tier `tier` (1-based).
+    pub fn retried(&self, vhost: &str, queue: &str, tier: u64) {
+        let own = self.queue_label(vhost, queue, |s| {
+            s.retry_tiers.insert(tier);
+        });
+        let queue = if own { queue } else { OTHER_QUEUE };
+        self.retries
+            .with_label_values(&[vhost, queue, &tier.to_string()])
+            .inc();
+    }
+
+    /// `delta` more (or fewer) messages of `queue` wait for their retry delay.
+    pub fn add_retry_held(&self, vhost: &str, queue: &str, delta: i64) {
+        let own = self.queue_label(vhost, queue, |s| s.retry_held = true);
+        let queue = if own { queue } else { OTHER_QUEUE };
+        self.retry_held
+            .with_label_values(&[vhost, queue])
+            .add(delta);
+    }
+
+    /// A rejection from `queue` after its last retry tier: it dead-letters as usual.
+    pub fn retry_exhausted(&self, vhost: &str, queue: &str) {
+        let own = self.queue_label(vhost, queue, |s| s.retry_exhausted = true);
+        let queue = if own { queue } else { OTHER_QUEUE };
+        self.retry_exhausted
+            .with_label_values(&[vhost, queue])
+            .inc();
+    }
+
     /// Removes every series of a deleted queue and frees its label slot.
     pub fn remove_queue(&self, vhost: &str, queue: &str) {
         let key = (vhost.to_string(), queue.to_string());
@@ -951,6 +1006,17 @@ impl Metrics {
         }
         if series.dead_letters_kept {
             let _ = self.dead_letters_kept.remove_label_values(&[vhost, queue]);
+        }
+        for tier in &series.retry_tiers {
+            let _ = self
+                .retries
+                .remove_label_values(&[vhost, queue, &tier.to_string()]);
+        }
+        if series.retry_held {
+            let _ = self.retry_held.remove_label_values(&[vhost, queue]);
+        }
+        if series.retry_exhausted {
+            let _ = self.retry_exhausted.remove_label_values(&[vhost, queue]);
         }
         if series.has_depth {
             let _ = self.queue_messages.remove_label_values(&[vhost, queue]);

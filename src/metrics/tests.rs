@@ -14,6 +14,9 @@ fn every_metric_is_exported_with_its_prefix() {
     metrics.dropped("/", "q", "cycle");
     metrics.consumer_timed_out("/", "q");
     metrics.dead_letter_kept("/", "q");
+    metrics.retried("/", "q", 1);
+    metrics.add_retry_held("/", "q", 1);
+    metrics.retry_exhausted("/", "q");
     metrics.dead_letter_publish_failed("nack");
     metrics.traffic(Direction::ClientIn, 1, 8);
     metrics.config_reloaded(true);
@@ -219,4 +222,26 @@ fn registries_are_independent() {
         &second.encode(),
         "dlx_proxy_messages_published_total 0"
     ));
+}
+
+#[test]
+fn retry_series_are_labelled_by_tier_and_removed_with_their_queue() {
+    let metrics = Metrics::new(10);
+    metrics.retried("/", "work", 1);
+    metrics.retried("/", "work", 2);
+    metrics.retried("/", "work", 2);
+    metrics.add_retry_held("/", "work", 3);
+    metrics.add_retry_held("/", "work", -1);
+    metrics.retry_exhausted("/", "work");
+    let text = metrics.encode();
+    for line in [
+        "dlx_proxy_retries_total{queue=\"work\",tier=\"1\",vhost=\"/\"} 1",
+        "dlx_proxy_retries_total{queue=\"work\",tier=\"2\",vhost=\"/\"} 2",
+        "dlx_proxy_retry_held_messages{queue=\"work\",vhost=\"/\"} 2",
+        "dlx_proxy_retry_exhausted_total{queue=\"work\",vhost=\"/\"} 1",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+    }
+    metrics.remove_queue("/", "work");
+    assert!(!metrics.encode().contains("queue=\"work\""));
 }
