@@ -174,7 +174,8 @@ impl Broker {
         Some(new_message)
     }
 
-    fn drop_message(
+    /// Counts a message that is delivered nowhere (by `cause`) and logs it once a minute.
+    pub(crate) fn drop_message(
         &self,
         st: &mut State,
         vhost: &str,

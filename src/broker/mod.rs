@@ -18,6 +18,7 @@ pub mod message;
 pub mod methods;
 pub mod persistence;
 pub mod queue;
+pub mod retry_hold;
 pub mod routing;
 pub mod vhost;
 pub mod write_queue;

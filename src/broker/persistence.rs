@@ -13,6 +13,7 @@ use std::sync::Arc;
 use super::message::Message;
 use super::methods::{ExchangeDeclare, QueueDeclare};
 use super::queue::PublishOutcome;
+use super::retry_hold::HeldMessage;
 use super::routing::Destination;
 use super::vhost::Queue;
 use super::{Broker, State};
@@ -159,12 +160,40 @@ impl Broker {
             remove,
             message,
             at: Some(self.wall_ms(now)),
+            held_until: None,
         };
         if durable {
             Some(storage.append_durable(record))
         } else {
             storage.append(record);
             None
+        }
+    }
+
+    /// Writes the move of a rejected delivery (`remove`) into its queue's retry hold as
+    /// message `id` of `queue`, due back at broker time `due`: one record, so after a crash the
+    /// message is either still the delivery (it comes back redelivered) or held, never lost.
+    pub(crate) fn store_held(
+        &self,
+        queue: u64,
+        id: u64,
+        remove: Option<(u64, u64)>,
+        message: Arc<Message>,
+        now: u64,
+        due: u64,
+    ) {
+        if let Some(storage) = self.storage() {
+            storage.append(Record::Publish {
+                targets: vec![crate::storage::Target {
+                    queue,
+                    id,
+                    delivered: false,
+                }],
+                remove,
+                message,
+                at: Some(self.wall_ms(now)),
+                held_until: Some(self.wall_ms(due)),
+            });
         }
     }
 
@@ -261,8 +290,19 @@ impl Broker {
             };
             let mut died = Vec::new();
             let mut refused = Vec::new();
+            let mut held = 0;
             if let Some(q) = st.queue_mut(vhost, name) {
                 for m in messages {
+                    // Held for a retry tier: held again until its due time (at once if past).
+                    if let Some(until) = m.held_until {
+                        let message = HeldMessage {
+                            message: m.message,
+                            store_id: Some(m.id),
+                        };
+                        q.retry_hold.hold(self.broker_ms(until), message);
+                        held += 1;
+                        continue;
+                    }
                     // Its TTL counts from when it entered the queue, before the restart.
                     let entered = m.at.map_or(now, |at| self.broker_ms(at).min(now));
                     let mut entry = q.state.admit(m.message, entered);
@@ -276,6 +316,9 @@ impl Broker {
                 }
             }
             self.store_removed(refused);
+            if held > 0 {
+                self.metrics.add_retry_held(vhost, name, held);
+            }
             deaths.push((vhost, name, died));
         }
         // Messages whose TTL ran out while the broker was down die now (`expired`).

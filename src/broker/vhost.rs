@@ -9,6 +9,7 @@ use std::collections::{HashMap, HashSet};
 use amq_protocol::types::{AMQPValue, FieldTable};
 
 use super::queue::QueueState;
+use super::retry_hold::RetryHold;
 use super::routing::{BindingTable, Destination, ExchangeKind};
 use crate::policy::EffectiveQueueSettings;
 use crate::rabbit::args::QueueArguments;
@@ -83,6 +84,8 @@ pub struct Queue {
     pub args: QueueArguments,
     pub settings: EffectiveQueueSettings,
     pub state: QueueState,
+    /// Messages rejected into a retry tier, waiting for their delay (not in `state`).
+    pub retry_hold: RetryHold,
     pub consumers: Vec<Consumer>,
     /// Round-robin position among consumers.
     pub next_consumer: usize,
@@ -99,13 +102,17 @@ pub struct Queue {
 }
 
 impl Queue {
-    /// The earliest time something must happen to this queue on its own (head expiry or the
-    /// queue's own expiry).
+    /// The earliest time something must happen to this queue on its own (head expiry, the
+    /// return of a held retry, or the queue's own expiry).
     pub fn next_deadline(&mut self) -> Option<u64> {
-        match (self.state.next_expiry(), self.expiry_deadline()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [
+            self.state.next_expiry(),
+            self.retry_hold.next_due(),
+            self.expiry_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Whether deliveries carry `x-delivery-count` (queues that count deliveries).

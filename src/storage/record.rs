@@ -23,6 +23,9 @@ const KIND_DELIVERED: u8 = 3;
 pub(super) const KIND_DEFINITIONS: u8 = 4;
 /// A publish with the wall-clock time its message entered its targets (written since).
 const KIND_PUBLISH_AT: u8 = 5;
+/// A publish into a queue's retry hold: as [`KIND_PUBLISH_AT`], with the wall-clock time the
+/// message is due back in the queue.
+const KIND_PUBLISH_HELD: u8 = 6;
 
 /// A message entered a durable queue: queue id, message id, and whether it was handed to a
 /// consumer in the same step (it comes back redelivered after a crash).
@@ -39,12 +42,16 @@ pub enum Record {
     /// A persistent message added to durable queues. With `remove`, the same record takes the
     /// message out of its source queue: a dead-letter move is one atomic record. `at` is the
     /// wall-clock time (Unix milliseconds) it entered its targets, from which TTL deadlines
-    /// are recomputed after a restart (`None` in records of the first format).
+    /// are recomputed after a restart (`None` in records of the first format). With
+    /// `held_until` (wall-clock Unix milliseconds), the message waits in its queue's retry
+    /// hold until then (retry tiers): the move from "delivered in Q" to "held in Q" is this
+    /// one record, with `remove` the rejected delivery.
     Publish {
         targets: Vec<Target>,
         remove: Option<(u64, u64)>,
         message: Arc<Message>,
         at: Option<u64>,
+        held_until: Option<u64>,
     },
     /// Messages gone from their queues (acked, dropped, purged, delivered without ack).
     Remove { items: Vec<(u64, u64)> },
@@ -76,13 +83,19 @@ impl Record {
                 remove,
                 message,
                 at,
+                held_until,
             } => {
-                match at {
-                    Some(at) => {
+                match (at, held_until) {
+                    (at, Some(until)) => {
+                        w.u8(KIND_PUBLISH_HELD);
+                        w.u64(at.unwrap_or(*until));
+                        w.u64(*until);
+                    }
+                    (Some(at), None) => {
                         w.u8(KIND_PUBLISH_AT);
                         w.u64(*at);
                     }
-                    None => w.u8(KIND_PUBLISH),
+                    (None, None) => w.u8(KIND_PUBLISH),
                 }
                 w.u32(targets.len() as u32);
                 for t in targets {
@@ -129,8 +142,13 @@ impl Record {
     pub fn decode_payload(payload: &[u8]) -> Result<Record, Short> {
         let mut r = Reader::new(payload);
         let record = match r.u8()? {
-            kind @ (KIND_PUBLISH | KIND_PUBLISH_AT) => {
-                let at = if kind == KIND_PUBLISH_AT {
+            kind @ (KIND_PUBLISH | KIND_PUBLISH_AT | KIND_PUBLISH_HELD) => {
+                let at = if kind == KIND_PUBLISH {
+                    None
+                } else {
+                    Some(r.u64()?)
+                };
+                let held_until = if kind == KIND_PUBLISH_HELD {
                     Some(r.u64()?)
                 } else {
                     None
@@ -174,6 +192,7 @@ impl Record {
                         dead_lettered,
                     )),
                     at,
+                    held_until,
                 }
             }
             KIND_REMOVE => {
@@ -217,6 +236,7 @@ pub(crate) fn test_publish(queue: u64, id: u64, body: &str) -> Record {
             false,
         )),
         at: Some(1_000 + id),
+        held_until: None,
     }
 }
 
@@ -272,8 +292,13 @@ mod tests {
     }
 
     fn publish_at(at: Option<u64>) -> Record {
+        publish_held(at, None)
+    }
+
+    fn publish_held(at: Option<u64>, held_until: Option<u64>) -> Record {
         Record::Publish {
             at,
+            held_until,
             targets: vec![
                 Target {
                     queue: 3,
@@ -303,6 +328,7 @@ mod tests {
         for record in [
             publish(),
             publish_at(None),
+            publish_held(Some(1_700_000_000_123), Some(1_700_000_010_123)),
             Record::Remove {
                 items: vec![(1, 2), (3, 4)],
             },

@@ -27,6 +27,8 @@ pub struct RecoveredMessage {
     /// When it entered the queue (Unix milliseconds; `None` from records of the first
     /// format): its TTL deadline counts from here.
     pub at: Option<u64>,
+    /// Held in its queue's retry hold until then (Unix milliseconds; retry tiers).
+    pub held_until: Option<u64>,
 }
 
 /// What recovery found and repaired.
@@ -83,6 +85,7 @@ struct Entry {
     message: Arc<Message>,
     deliveries: u32,
     at: Option<u64>,
+    held_until: Option<u64>,
 }
 
 /// Reads `dir` (created if missing) into a [`Recovered`] state, truncating torn tails.
@@ -137,6 +140,7 @@ pub fn recover(dir: &Path) -> Result<Recovered, RecoveryError> {
             message: entry.message,
             deliveries: entry.deliveries,
             at: entry.at,
+            held_until: entry.held_until,
         });
     }
     if stats.damaged_records > 0 {
@@ -213,6 +217,7 @@ fn apply(
             remove,
             message,
             at,
+            held_until,
         } => {
             if let Some(key) = remove {
                 messages.remove(&key);
@@ -226,6 +231,7 @@ fn apply(
                         message: message.clone(),
                         deliveries: t.delivered as u32,
                         at,
+                        held_until,
                     },
                 );
             }

@@ -42,6 +42,7 @@ pub fn copies(bytes: &[u8], head: u64, index: &Index) -> Vec<Record> {
             targets,
             message,
             at,
+            held_until,
             ..
         }) = Record::decode_payload(payload)
         else {
@@ -70,6 +71,7 @@ pub fn copies(bytes: &[u8], head: u64, index: &Index) -> Vec<Record> {
                 remove: None,
                 message,
                 at,
+                held_until,
             });
             out.extend(deliveries);
         }

@@ -354,6 +354,7 @@ impl Broker {
             args: parsed,
             state: QueueState::new(queue_limits(&settings, st.options.keep_dead_letters)),
             settings,
+            retry_hold: Default::default(),
             consumers: Vec::new(),
             next_consumer: 0,
             unacked: 0,
@@ -397,6 +398,7 @@ impl Broker {
             .collect();
         let n = q.state.purge() as u32;
         self.store_removed(gone);
+        self.purge_retries(&mut st, vhost, name);
         self.update_depth(&mut st, vhost, name);
         Ok(n)
     }

@@ -1,5 +1,5 @@
-//! Settling deliveries: basic.ack, basic.reject/nack (requeue, or dead-letter as `rejected`)
-//! and basic.recover. Each delivery leaves its channel exactly once and frees its queue's and
+//! Settling deliveries: basic.ack, basic.reject/nack (requeue, hold for a retry tier, or
+//! dead-letter as `rejected`) and basic.recover. Each delivery leaves its channel exactly once and frees its queue's and
 //! consumer's unacked counters then.
 
 use std::collections::BTreeMap;
@@ -139,8 +139,13 @@ impl Broker {
                 if !still_there {
                     continue;
                 }
+                // Retry tiers: held for the next delay instead of dead-lettered.
+                let Some(entry) = self.hold_for_retry(&mut st, &vhost, &u.queue, u.entry, now)
+                else {
+                    continue;
+                };
                 let death = Death {
-                    entry: u.entry,
+                    entry,
                     reason: DeadLetterReason::Rejected,
                 };
                 match by_queue.last_mut() {

@@ -1,5 +1,5 @@
 //! What keeps queues in shape between client methods: the timer deadline of each queue
-//! (message and queue expiry), its depth gauges, and re-applying policies when they change;
+//! (message and queue expiry, held retries coming due), its depth gauges, and re-applying policies when they change;
 //! and the channels whose consumer timeout came due, handed to their connection task.
 
 use super::queue_limits;
@@ -141,6 +141,8 @@ pub(crate) fn on_timer(b: &Broker, st: &mut State, vhost: &str, queue: &str, id:
         b.delete_queue_locked(st, vhost, queue);
         return;
     }
+    // Held retries first: their return reschedules the queue with the hold's next due time.
+    b.return_due_retries(st, vhost, queue, now);
     b.after_queue_change(st, vhost, queue, deaths, now);
 }
 

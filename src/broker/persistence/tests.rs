@@ -256,6 +256,7 @@ fn stored_with_ages(dir: &std::path::Path, ttl_ms: i64, messages: &[(&str, u64)]
             remove: None,
             message: message("src", body, 2),
             at: Some(wall_now - age),
+            held_until: None,
         });
     }
     s.close();
@@ -303,6 +304,78 @@ fn messages_whose_ttl_ran_out_while_stopped_are_dead_lettered_at_start() {
     let b = open(&dir);
     assert_eq!(bodies(&b, "dlq").map(|d| d.len()), Some(2));
     assert_eq!(bodies(&b, "src").map(|d| d.len()), Some(1));
+    b.storage().unwrap().close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_held_retry_is_held_again_after_a_restart_until_its_due_time() {
+    use amq_protocol::types::{AMQPValue, FieldArray};
+    let dir = scratch("retry");
+    let tiers = |ms: i64| {
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-retry-delays".into(),
+            AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::LongLongInt(ms)])),
+        );
+        args
+    };
+    {
+        let b = open(&dir);
+        let conn = connect(&b);
+        declare(&b, conn, "long", true, &tiers(60_000));
+        declare(&b, conn, "short", true, &tiers(1));
+        for q in ["long", "short"] {
+            b.publish("/", "", message(q, q, 2), None).unwrap();
+            b.get(conn, 1, "/", q, false).unwrap();
+        }
+        b.reject(conn, 1, 1, false, false).unwrap();
+        b.reject(conn, 1, 2, false, false).unwrap();
+        assert_eq!(bodies(&b, "long"), Some(vec![]));
+        b.storage().unwrap().close();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let b = open(&dir);
+    let due = |q: &str| b.lock().vhosts["/"].queues[q].retry_hold.next_due();
+    // Not returned at start: the one past its due time comes back with the queue's timer.
+    assert_eq!(bodies(&b, "short"), Some(vec![]));
+    assert!(due("short").is_some_and(|d| d <= b.now()));
+    let long = due("long").expect("still held");
+    assert!(
+        long > b.now() + 55_000 && long <= b.now() + 60_000,
+        "due {long}, now {}",
+        b.now()
+    );
+    b.run_timers();
+    assert_eq!(
+        bodies(&b, "short"),
+        Some(vec![("short".to_string(), false)])
+    );
+    assert_eq!(bodies(&b, "long"), Some(vec![]));
+    let st = b.lock();
+    let back = st.vhosts["/"].queues["short"].state.iter().next().unwrap();
+    assert_eq!(back.message.routing_key(), "short");
+    let props = back.message.properties().unwrap();
+    assert_eq!(
+        props
+            .headers()
+            .as_ref()
+            .unwrap()
+            .inner()
+            .get("x-retry-count"),
+        Some(&AMQPValue::LongLongInt(1))
+    );
+    drop(st);
+    b.storage().unwrap().close();
+    // The return was written too: a third start has it queued, not held.
+    let b = open(&dir);
+    let due = |q: &str| b.lock().vhosts["/"].queues[q].retry_hold.next_due();
+    assert_eq!(
+        bodies(&b, "short"),
+        Some(vec![("short".to_string(), false)])
+    );
+    assert!(due("short").is_none());
+    assert!(due("long").is_some());
     b.storage().unwrap().close();
     std::fs::remove_dir_all(&dir).unwrap();
 }

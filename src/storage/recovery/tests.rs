@@ -80,6 +80,7 @@ fn publishes_removals_deliveries_and_moves_replay_in_order() {
         remove: Some((1, b)),
         message: Arc::new(Message::new("dlx", &["k"], &[0, 0], b"b", None, true)),
         at: Some(5_000),
+        held_until: None,
     });
     assert_eq!(durable.blocking_recv(), Ok(true));
     s.close();
