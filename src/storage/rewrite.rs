@@ -113,6 +113,41 @@ mod tests {
     }
 
     #[test]
+    fn a_held_retry_is_copied_with_its_due_time() {
+        let held = |held_until| {
+            let Record::Publish {
+                targets,
+                message,
+                at,
+                ..
+            } = publish(7, 1, "m1")
+            else {
+                unreachable!("test_publish is a publish");
+            };
+            Record::Publish {
+                targets,
+                remove: Some((7, 0)),
+                message,
+                at,
+                held_until,
+            }
+        };
+        let mut bytes = Vec::new();
+        held(Some(9_000)).encode(&mut bytes);
+        let mut index = Index::default();
+        index.add_segment(0);
+        index.add(1, 7, 0, 0);
+        let copied = copies(&bytes, 0, &index);
+        let Some(Record::Publish {
+            remove, held_until, ..
+        }) = copied.first()
+        else {
+            panic!("{copied:?}");
+        };
+        assert_eq!((*remove, *held_until), (None, Some(9_000)));
+    }
+
+    #[test]
     fn a_backlog_or_too_few_segments_is_left_alone() {
         let mut index = Index::default();
         index.add_segment(0);

@@ -288,6 +288,41 @@ mod tests {
     }
 
     #[test]
+    fn a_returned_message_meets_the_queue_overflow_like_a_publish() {
+        for (overflow, queued, dead) in [
+            ("drop-head", vec![b"1".to_vec()], vec![b"2".to_vec()]),
+            (
+                "reject-publish-dlx",
+                vec![b"2".to_vec()],
+                vec![b"1".to_vec()],
+            ),
+            ("reject-publish", vec![b"2".to_vec()], vec![]),
+        ] {
+            let b = broker();
+            let c = Client::connect(&b);
+            dead_letter_target(&b, c.conn);
+            let args = table(&[
+                ("x-retry-delays", delays(&[10])),
+                ("x-dead-letter-exchange", text("dlx")),
+                ("x-max-length", long(1)),
+                ("x-overflow", text(overflow)),
+            ]);
+            b.queue_declare(c.conn, "/", &declare("q", &args)).unwrap();
+            publish_to(&b, "q", b"1");
+            b.get(c.conn, 1, "/", "q", false).unwrap();
+            b.reject(c.conn, 1, 1, false, false).unwrap();
+            publish_to(&b, "q", b"2");
+            after(&b, 11);
+            assert_eq!(bodies(&b, "q"), queued, "{overflow}");
+            assert_eq!(bodies(&b, "dead"), dead, "{overflow}");
+            let dropped = b.metrics.encode().contains(
+                "dlx_proxy_dead_letter_dropped_total{cause=\"target_full\",queue=\"q\",vhost=\"/\"} 1",
+            );
+            assert_eq!(dropped, overflow == "reject-publish", "{overflow}");
+        }
+    }
+
+    #[test]
     fn purge_drops_held_messages_and_a_queue_without_tiers_dead_letters() {
         let (b, c) = taken(&[1_000], 1);
         b.reject(c.conn, 1, 1, false, false).unwrap();
