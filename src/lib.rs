@@ -31,6 +31,7 @@ pub mod policy;
 pub mod policy_cli;
 pub mod proxy;
 pub mod rabbit;
+pub mod redrive;
 pub mod reload;
 pub mod secret;
 pub mod server;

@@ -188,6 +188,9 @@ struct QueueSeries {
     consumer_timeouts: bool,
     dead_letters_kept: bool,
     has_depth: bool,
+    redriven: bool,
+    redrive_skipped: bool,
+    redrive_failures: BTreeSet<String>,
 }
 
 /// Admits at most `max` distinct (vhost, queue) pairs as label values.
@@ -258,6 +261,10 @@ pub struct Metrics {
     service_declares_refused: IntCounter,
     upstream_connect_attempts: IntCounterVec,
     upstream_reachable: IntGauge,
+    redriven: IntCounterVec,
+    redrive_skipped: IntCounterVec,
+    redrive_failed: IntCounterVec,
+    redrive_jobs: IntGauge,
     upstream_policy_sync: IntCounterVec,
     upstream_policies_synced: IntGauge,
     storage_bytes: IntGauge,
@@ -390,6 +397,25 @@ impl Metrics {
                  client's user may not publish to (403), handed to the vhost's service \
                  connection to be published as the proxy's service user.",
             )?,
+            redriven: b.counter_vec(
+                "redriven_total",
+                "Messages a redrive moved out of a dead-letter queue, by vhost and target queue.",
+                &["vhost", "queue"],
+            )?,
+            redrive_skipped: b.counter_vec(
+                "redrive_skipped_total",
+                "Messages a redrive left in their dead-letter queue because of its filter, by \
+                 dead-letter queue.",
+                &["vhost", "queue"],
+            )?,
+            redrive_failed: b.counter_vec(
+                "redrive_failed_total",
+                "Messages a redrive could not move (they stay in the dead-letter queue), by \
+                 dead-letter queue and cause (no_queue, target_full, no_source, same_queue, \
+                 undecodable).",
+                &["vhost", "queue", "cause"],
+            )?,
+            redrive_jobs: b.gauge("redrive_jobs_running", "Redrive jobs running.")?,
             dead_letters_held: b.gauge(
                 "dead_letters_held",
                 "Dead letters (proxy mode) whose publish was refused, held unacked upstream \
@@ -952,6 +978,17 @@ impl Metrics {
         if series.dead_letters_kept {
             let _ = self.dead_letters_kept.remove_label_values(&[vhost, queue]);
         }
+        if series.redriven {
+            let _ = self.redriven.remove_label_values(&[vhost, queue]);
+        }
+        if series.redrive_skipped {
+            let _ = self.redrive_skipped.remove_label_values(&[vhost, queue]);
+        }
+        for cause in &series.redrive_failures {
+            let _ = self
+                .redrive_failed
+                .remove_label_values(&[vhost, queue, cause.as_str()]);
+        }
         if series.has_depth {
             let _ = self.queue_messages.remove_label_values(&[vhost, queue]);
             let _ = self.queue_bytes.remove_label_values(&[vhost, queue]);
@@ -1054,6 +1091,50 @@ impl Metrics {
     /// Free allocator memory was handed back to the operating system.
     pub fn memory_released(&self) {
         self.memory_releases.inc();
+    }
+
+    /// What one redrive batch did on dead-letter queue `from`: the target of each moved
+    /// message, how many it skipped, the cause of each failure.
+    pub fn redrive_counted(
+        &self,
+        vhost: &str,
+        from: &str,
+        moved: &[String],
+        skipped: u64,
+        failed: &[&str],
+    ) {
+        let mut counts: HashMap<&str, u64> = HashMap::new();
+        for target in moved {
+            *counts.entry(target.as_str()).or_default() += 1;
+        }
+        for (target, n) in counts {
+            let own = self.queue_label(vhost, target, |s| s.redriven = true);
+            let target = if own { target } else { OTHER_QUEUE };
+            self.redriven.with_label_values(&[vhost, target]).inc_by(n);
+        }
+        if skipped > 0 {
+            let own = self.queue_label(vhost, from, |s| s.redrive_skipped = true);
+            let queue = if own { from } else { OTHER_QUEUE };
+            self.redrive_skipped
+                .with_label_values(&[vhost, queue])
+                .inc_by(skipped);
+        }
+        for cause in failed {
+            let own = self.queue_label(vhost, from, |s| {
+                if !s.redrive_failures.contains(*cause) {
+                    s.redrive_failures.insert(cause.to_string());
+                }
+            });
+            let queue = if own { from } else { OTHER_QUEUE };
+            self.redrive_failed
+                .with_label_values(&[vhost, queue, cause])
+                .inc();
+        }
+    }
+
+    /// How many redrive jobs run.
+    pub fn set_redrive_jobs(&self, running: usize) {
+        self.redrive_jobs.set(running as i64);
     }
 
     /// A configuration reload finished (`succeeded` or not).

@@ -54,6 +54,10 @@ async fn start_with_token(token: Option<&str>) -> Server {
         policies: Arc::new(MemoryPolicies::default()),
         token: AdminToken::new(token.map(Secret::from)),
         inspector: Inspector::Unavailable,
+        redrive: crate::redrive::Redriver::new(
+            crate::redrive::Backend::Unavailable,
+            Metrics::new(10),
+        ),
     };
     let trigger = ShutdownTrigger::new();
     let task = tokio::spawn(serve(listener, state.clone(), trigger.subscribe()));

@@ -1,6 +1,7 @@
 //! The client's AMQP methods as operations on the broker state, one file per method family:
 //! [`declare`] (exchanges, queues, bindings), [`publish`] (route and enqueue), [`deliver`]
-//! (consume, get, dispatch to consumers), [`settle`] (ack, reject, nack, recover), plus the
+//! (consume, get, dispatch to consumers), [`settle`] (ack, reject, nack, recover), [`redrive`]
+//! (moving dead letters back, for [`crate::redrive`]), plus the
 //! channel and connection [`lifecycle`] and the [`upkeep`] of timers, depth gauges and
 //! policies. (Proxy mode's `proxy::ops` is something else: its publishes awaiting a confirm.)
 //!
@@ -14,6 +15,7 @@ mod declare;
 mod deliver;
 mod lifecycle;
 mod publish;
+mod redrive;
 mod settle;
 #[cfg(test)]
 pub(crate) mod test_support;
@@ -21,6 +23,7 @@ mod upkeep;
 
 pub use declare::{DeclaredQueue, ExchangeDeclare, QueueDeclare};
 pub use publish::PublishResult;
+pub use redrive::{BatchLimits, RedriveBatch, RedriveCursor};
 pub(crate) use upkeep::{on_ack_timers, on_timer};
 
 use super::queue::QueueLimits;
