@@ -76,7 +76,11 @@ mod tests {
         bucket.give_back(3);
         assert_eq!(bucket.take(100, much_later), 3);
         bucket.give_back(100);
-        assert_eq!(bucket.take(100, much_later), 10, "given back up to the burst");
+        assert_eq!(
+            bucket.take(100, much_later),
+            10,
+            "given back up to the burst"
+        );
     }
 
     #[test]
@@ -94,8 +98,16 @@ mod tests {
                     now += bucket.wait(now);
                 }
             }
-            assert!(now - start >= Duration::from_secs(2), "{want}: {:?}", now - start);
-            assert!(now - start < Duration::from_millis(2050), "{want}: {:?}", now - start);
+            assert!(
+                now - start >= Duration::from_secs(2),
+                "{want}: {:?}",
+                now - start
+            );
+            assert!(
+                now - start < Duration::from_millis(2050),
+                "{want}: {:?}",
+                now - start
+            );
         }
     }
 

@@ -63,7 +63,9 @@ impl RedriveRequest {
         if let Some(rate) = self.rate
             && !(rate > 0.0 && rate <= MAX_RATE)
         {
-            return Err(format!("rate: {rate} is not in (0, {MAX_RATE}] messages per second"));
+            return Err(format!(
+                "rate: {rate} is not in (0, {MAX_RATE}] messages per second"
+            ));
         }
         if self.max == Some(0) {
             return Err("max: must be at least 1".into());
@@ -266,7 +268,10 @@ impl JobTable {
 
 fn snapshot(e: &Entry, now: Instant) -> JobStatus {
     let mut status = e.status.clone();
-    let elapsed = e.finished.unwrap_or(now).saturating_duration_since(e.started);
+    let elapsed = e
+        .finished
+        .unwrap_or(now)
+        .saturating_duration_since(e.started);
     status.elapsed_secs = elapsed.as_secs_f64();
     status.rate = if elapsed.is_zero() {
         0.0
@@ -293,7 +298,10 @@ mod tests {
         let now = Instant::now();
         let mut table = JobTable::default();
         let (first, _) = table.start(request("dlq"), 5, now).unwrap();
-        assert_eq!(table.start(request("dlq"), 5, now).unwrap_err(), StartRefusal::Busy(first));
+        assert_eq!(
+            table.start(request("dlq"), 5, now).unwrap_err(),
+            StartRefusal::Busy(first)
+        );
         table.finish(first, JobState::Done, None, now);
         let (second, _) = table.start(request("dlq"), 5, now).unwrap();
         assert_ne!(first, second);
@@ -304,7 +312,10 @@ mod tests {
         table.start(request("more"), 0, now).unwrap();
         assert!(table.status(first, now).is_none());
         assert_eq!(table.running(), MAX_JOBS);
-        assert_eq!(table.start(request("again"), 0, now).unwrap_err(), StartRefusal::Full);
+        assert_eq!(
+            table.start(request("again"), 0, now).unwrap_err(),
+            StartRefusal::Full
+        );
     }
 
     #[test]
@@ -312,14 +323,19 @@ mod tests {
         let now = Instant::now();
         let mut table = JobTable::default();
         let (id, cancel) = table.start(request("dlq"), 10, now).unwrap();
-        table.update(id, |s| s.add(4, &["a".into(), "a".into(), "b".into()], 1, &["no_queue"]));
+        table.update(id, |s| {
+            s.add(4, &["a".into(), "a".into(), "b".into()], 1, &["no_queue"])
+        });
         let later = now + Duration::from_secs(2);
         assert!(table.cancel(id, later).is_some());
         assert!(cancel.is_cancelled());
         table.finish(id, JobState::Cancelled, None, later);
         let status = table.status(id, later + Duration::from_secs(10)).unwrap();
         assert_eq!(status.state, JobState::Cancelled);
-        assert_eq!((status.moved, status.skipped, status.failed, status.examined), (3, 1, 1, 4));
+        assert_eq!(
+            (status.moved, status.skipped, status.failed, status.examined),
+            (3, 1, 1, 4)
+        );
         assert_eq!(status.by_target["a"], 2);
         assert_eq!(status.failed_by_cause["no_queue"], 1);
         assert_eq!(status.elapsed_secs, 2.0, "counted to the end");
@@ -327,7 +343,9 @@ mod tests {
         // A finish after the first does not change it.
         table.finish(id, JobState::Done, None, later);
         assert_eq!(table.status(id, later).unwrap().state, JobState::Cancelled);
-        table.start(request("other"), 0, later + KEEP_FINISHED).unwrap();
+        table
+            .start(request("other"), 0, later + KEEP_FINISHED)
+            .unwrap();
         assert!(table.status(id, later + KEEP_FINISHED).is_none());
         assert!(table.cancel(id, later).is_none());
     }
@@ -342,10 +360,34 @@ mod tests {
         assert!(ok.plan().is_ok());
         for (bad, says) in [
             (request(""), "from:"),
-            (RedriveRequest { rate: Some(0.0), ..request("d") }, "rate: 0"),
-            (RedriveRequest { max: Some(0), ..request("d") }, "max:"),
-            (RedriveRequest { to: Some(String::new()), ..request("d") }, "to:"),
-            (RedriveRequest { filter: vec!["x".into()], ..request("d") }, "filter"),
+            (
+                RedriveRequest {
+                    rate: Some(0.0),
+                    ..request("d")
+                },
+                "rate: 0",
+            ),
+            (
+                RedriveRequest {
+                    max: Some(0),
+                    ..request("d")
+                },
+                "max:",
+            ),
+            (
+                RedriveRequest {
+                    to: Some(String::new()),
+                    ..request("d")
+                },
+                "to:",
+            ),
+            (
+                RedriveRequest {
+                    filter: vec!["x".into()],
+                    ..request("d")
+                },
+                "filter",
+            ),
         ] {
             let error = bad.plan().unwrap_err();
             assert!(error.starts_with(says), "{error}");

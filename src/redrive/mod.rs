@@ -119,18 +119,19 @@ impl Redriver {
             .map_err(RedriveError::NotFound)?;
         let now = Instant::now();
         let mut table = self.table();
-        let (id, cancel) = table
-            .start(request.clone(), total, now)
-            .map_err(|refusal| match refusal {
-                StartRefusal::Busy(id) => RedriveError::Conflict(format!(
-                    "redrive job {id} is running on queue {:?} in vhost {:?}",
-                    request.from, request.vhost
-                )),
-                StartRefusal::Full => RedriveError::Full(format!(
-                    "{} redrive jobs are running; cancel one or wait",
-                    jobs::MAX_JOBS
-                )),
-            })?;
+        let (id, cancel) =
+            table
+                .start(request.clone(), total, now)
+                .map_err(|refusal| match refusal {
+                    StartRefusal::Busy(id) => RedriveError::Conflict(format!(
+                        "redrive job {id} is running on queue {:?} in vhost {:?}",
+                        request.from, request.vhost
+                    )),
+                    StartRefusal::Full => RedriveError::Full(format!(
+                        "{} redrive jobs are running; cancel one or wait",
+                        jobs::MAX_JOBS
+                    )),
+                })?;
         table.update(id, |s| s.resumes = resumes);
         self.inner.metrics.set_redrive_jobs(table.running());
         let status = table.status(id, now);
@@ -270,7 +271,13 @@ impl EmbeddedJob {
             }
             left = left.saturating_sub(moved);
             if !request.dry_run {
-                metrics.redrive_counted(&request.vhost, &request.from, &batch.moved, batch.skipped, &batch.failed);
+                metrics.redrive_counted(
+                    &request.vhost,
+                    &request.from,
+                    &batch.moved,
+                    batch.skipped,
+                    &batch.failed,
+                );
             }
             self.redriver.table().update(self.id, |s| {
                 s.add(batch.examined, &batch.moved, batch.skipped, &batch.failed)

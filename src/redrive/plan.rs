@@ -13,7 +13,7 @@
 //!   detection and hop limits still see the message's past.
 
 use amq_protocol::protocol::BasicProperties;
-use amq_protocol::types::{AMQPValue, FieldTable, ShortString};
+use amq_protocol::types::{AMQPValue, ShortString};
 
 use crate::deadletter::{DeadLetterReason, x_death_entries};
 use crate::rabbit::args::amqp_integer;
@@ -99,7 +99,7 @@ pub fn redriven_count(props: &BasicProperties) -> i64 {
 /// `props` with `x-redriven-count` one higher, everything else kept.
 pub fn stamp(props: &BasicProperties) -> BasicProperties {
     let count = redriven_count(props).saturating_add(1);
-    let mut headers = props.headers().clone().unwrap_or_else(FieldTable::default);
+    let mut headers = props.headers().clone().unwrap_or_default();
     headers.insert(
         ShortString::from(X_REDRIVEN_COUNT),
         AMQPValue::LongLongInt(count),
@@ -111,7 +111,7 @@ pub fn stamp(props: &BasicProperties) -> BasicProperties {
 mod tests {
     use super::*;
     use crate::deadletter::XDeathEntry;
-    use amq_protocol::types::FieldArray;
+    use amq_protocol::types::{FieldArray, FieldTable};
 
     fn dead(deaths: &[(&str, &str)]) -> BasicProperties {
         let entries: Vec<AMQPValue> = deaths
@@ -132,7 +132,10 @@ mod tests {
             })
             .collect();
         let mut headers = FieldTable::default();
-        headers.insert("x-death".into(), AMQPValue::FieldArray(FieldArray::from(entries)));
+        headers.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(FieldArray::from(entries)),
+        );
         BasicProperties::default().with_headers(headers)
     }
 
@@ -154,7 +157,10 @@ mod tests {
             to.decide(&BasicProperties::default(), "dlq"),
             Decision::Move("other".into())
         );
-        assert_eq!(plan.decide(&dead(&[("dlq", "expired")]), "dlq"), Decision::Fail("same_queue"));
+        assert_eq!(
+            plan.decide(&dead(&[("dlq", "expired")]), "dlq"),
+            Decision::Fail("same_queue")
+        );
     }
 
     #[test]
@@ -171,14 +177,23 @@ mod tests {
             plan.decide(&dead(&[("b", "rejected"), ("a", "expired")]), "dlq"),
             Decision::Skip
         );
-        assert_eq!(plan.decide(&BasicProperties::default(), "dlq"), Decision::Skip);
+        assert_eq!(
+            plan.decide(&BasicProperties::default(), "dlq"),
+            Decision::Skip
+        );
     }
 
     #[test]
     fn filters_parse_or_name_the_problem() {
         assert_eq!(
-            parse_filter(&["reason=rejected,delivery_limit".into(), "reason=rejected".into()]),
-            Ok(vec![DeadLetterReason::Rejected, DeadLetterReason::DeliveryLimit])
+            parse_filter(&[
+                "reason=rejected,delivery_limit".into(),
+                "reason=rejected".into()
+            ]),
+            Ok(vec![
+                DeadLetterReason::Rejected,
+                DeadLetterReason::DeliveryLimit
+            ])
         );
         assert_eq!(parse_filter(&[]), Ok(vec![]));
         let error = parse_filter(&["queue=x".into()]).unwrap_err();
@@ -196,14 +211,22 @@ mod tests {
             headers.inner().get(X_REDRIVEN_COUNT),
             Some(&AMQPValue::LongLongInt(1))
         );
-        assert_eq!(headers.inner().get("x-death"), props.headers().as_ref().unwrap().inner().get("x-death"));
+        assert_eq!(
+            headers.inner().get("x-death"),
+            props.headers().as_ref().unwrap().inner().get("x-death")
+        );
         assert_eq!(redriven_count(&stamp(&once)), 2);
         // A client-set value of another integer type is read and replaced by a long-long.
         let mut h = FieldTable::default();
         h.insert(X_REDRIVEN_COUNT.into(), AMQPValue::ShortInt(4));
         let props = BasicProperties::default().with_headers(h);
         assert_eq!(
-            stamp(&props).headers().as_ref().unwrap().inner().get(X_REDRIVEN_COUNT),
+            stamp(&props)
+                .headers()
+                .as_ref()
+                .unwrap()
+                .inner()
+                .get(X_REDRIVEN_COUNT),
             Some(&AMQPValue::LongLongInt(5))
         );
     }

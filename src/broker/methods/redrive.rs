@@ -214,7 +214,14 @@ mod tests {
             )])),
         );
         let props = encode_properties(&BasicProperties::default().with_headers(headers));
-        let m = Arc::new(Message::new("", &["dead"], &props, body.as_bytes(), None, false));
+        let m = Arc::new(Message::new(
+            "",
+            &["dead"],
+            &props,
+            body.as_bytes(),
+            None,
+            false,
+        ));
         b.publish("/", "", m, None).unwrap();
     }
 
@@ -261,10 +268,16 @@ mod tests {
         assert_eq!(texts(&b, "dead"), ["b1"]);
         let st = b.lock();
         let moved = st.vhosts["/"].queues["work"].state.iter().next().unwrap();
-        assert_eq!((moved.message.exchange(), moved.message.routing_key()), ("", "work"));
+        assert_eq!(
+            (moved.message.exchange(), moved.message.routing_key()),
+            ("", "work")
+        );
         let props = moved.message.properties().unwrap();
         let headers = props.headers().clone().unwrap();
-        assert_eq!(headers.inner().get(X_REDRIVEN_COUNT), Some(&AMQPValue::LongLongInt(1)));
+        assert_eq!(
+            headers.inner().get(X_REDRIVEN_COUNT),
+            Some(&AMQPValue::LongLongInt(1))
+        );
         assert_eq!(crate::deadletter::x_death_entries(&props)[0].queue, "work");
         drop(st);
         // The next pass, unfiltered, takes the rest to its own source.
@@ -288,10 +301,14 @@ mod tests {
             to: Some("other".into()),
             reasons: vec![],
         };
-        let first = b.redrive_batch("/", "dead", &plan, cursor, limits(2, false)).unwrap();
+        let first = b
+            .redrive_batch("/", "dead", &plan, cursor, limits(2, false))
+            .unwrap();
         assert_eq!((first.moved.len(), first.done), (2, false));
         cursor.after = first.after;
-        let second = b.redrive_batch("/", "dead", &plan, cursor, limits(2, false)).unwrap();
+        let second = b
+            .redrive_batch("/", "dead", &plan, cursor, limits(2, false))
+            .unwrap();
         assert_eq!((second.moved.len(), second.done), (1, true));
         assert_eq!(texts(&b, "other"), ["a1", "b1", "a2"]);
     }
