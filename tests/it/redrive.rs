@@ -313,7 +313,26 @@ async fn embedded_redrive_rate_limit_cancel_and_resume() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawn redrive");
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Interrupted once the job has moved some (the CLI is following it by then).
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, text) = admin_call(admin, "GET", "/api/redrive", None, None).await;
+        let jobs: Value = serde_json::from_str(&text).unwrap();
+        let moved = jobs
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|job| job["request"]["from"] == dlq2.as_str())
+            .and_then(|job| job["moved"].as_u64());
+        if moved.is_some_and(|n| n >= 20) {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the CLI's job never got going: {jobs:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let status = std::process::Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()
