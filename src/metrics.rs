@@ -84,6 +84,10 @@ pub const METRIC_NAMES: &[&str] = &[
     "disk_alarm",
     "disk_free_bytes",
     "disk_free_limit_bytes",
+    "redriven_total",
+    "redrive_skipped_total",
+    "redrive_failed_total",
+    "redrive_jobs_running",
 ];
 
 /// The `outcome` label of `captured_total`: the captured message was dead-lettered (the
@@ -1103,7 +1107,8 @@ impl Metrics {
         skipped: u64,
         failed: &[&str],
     ) {
-        let mut counts: HashMap<&str, u64> = HashMap::new();
+        // In name order, so which queues get a label of their own under the cap is stable.
+        let mut counts: std::collections::BTreeMap<&str, u64> = Default::default();
         for target in moved {
             *counts.entry(target.as_str()).or_default() += 1;
         }
