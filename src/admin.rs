@@ -1,5 +1,5 @@
-//! The admin HTTP server: `/metrics`, `/healthz`, `/readyz`, the runtime policy API and the
-//! dead-letter queue inspection.
+//! The admin HTTP server: `/metrics`, `/healthz`, `/readyz`, the runtime policy API, the
+//! dead-letter queue inspection and redrive.
 //!
 //! Routes (axum):
 //! - `GET /metrics`: every metric, Prometheus text format 0.0.4;
@@ -14,6 +14,11 @@
 //!   without consuming them ([`crate::dlq_view::MessagePage`]; `limit` 1..=1000, default 20);
 //! - `GET /api/queues/{vhost}/{queue}/messages/summary`: counts by newest death reason and
 //!   source queue ([`crate::dlq_view::Summary`]); both read through [`crate::dlq_inspect`].
+//! - `POST /api/redrive` with a [`crate::redrive::jobs::RedriveRequest`] starts a redrive job
+//!   (201 with its status; 409 while one runs on that queue), `GET /api/redrive` lists the
+//!   jobs, `GET /api/redrive/{id}` is one job's status, `DELETE /api/redrive/{id}` (or `POST
+//!   .../cancel`) cancels it, `POST /api/redrive/{id}/resume` starts a job for what it left
+//!   ([`crate::redrive`]).
 //!
 //! Reads (`GET`, `HEAD`) are open, except message contents (`/api/queues/...`); every other
 //! request, on every route present or future, passes the bearer-token guard of
@@ -27,6 +32,8 @@ pub use crate::admin_auth::{AdminToken, Refusal};
 use crate::config::{DEFAULT_APPLY_TO, PolicyConfig};
 use crate::dlq_inspect::{InspectError, Inspector};
 use crate::metrics::Metrics;
+use crate::redrive::jobs::RedriveRequest;
+use crate::redrive::{RedriveError, Redriver};
 use crate::secret::Secret;
 use crate::shutdown::Shutdown;
 use axum::Router;
@@ -35,7 +42,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use serde::{Deserialize, Deserializer, Serialize};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -108,6 +115,8 @@ pub struct AdminState {
     pub token: AdminToken,
     /// Where queue inspections read messages.
     pub inspector: Inspector,
+    /// The redrive jobs.
+    pub redrive: Redriver,
 }
 
 /// Serves the admin API on `listener` until `shutdown` fires.
@@ -137,6 +146,13 @@ pub fn router(state: AdminState) -> Router {
             "/api/queues/{vhost}/{queue}/messages/summary",
             get(queue_summary),
         )
+        .route("/api/redrive", get(list_redrives).post(start_redrive))
+        .route(
+            "/api/redrive/{id}",
+            get(redrive_status).delete(cancel_redrive),
+        )
+        .route("/api/redrive/{id}/cancel", post(cancel_redrive))
+        .route("/api/redrive/{id}/resume", post(resume_redrive))
         .layer(middleware::from_fn_with_state(
             state.token.clone(),
             crate::admin_auth::guard_writes,
@@ -325,6 +341,59 @@ fn inspect_error(error: InspectError) -> Response {
         InspectError::NotFound(_) => StatusCode::NOT_FOUND,
         InspectError::Unavailable(_) => StatusCode::NOT_IMPLEMENTED,
         InspectError::Upstream(_) => StatusCode::BAD_GATEWAY,
+    };
+    (status, error.to_string()).into_response()
+}
+
+async fn list_redrives(State(state): State<AdminState>) -> Response {
+    axum::Json(state.redrive.list()).into_response()
+}
+
+async fn start_redrive(State(state): State<AdminState>, body: Bytes) -> Response {
+    let request: RedriveRequest = match serde_json::from_slice(&body) {
+        Ok(request) => request,
+        Err(error) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("invalid redrive request: {error}"),
+            )
+                .into_response();
+        }
+    };
+    match state.redrive.start(request) {
+        Ok(status) => (StatusCode::CREATED, axum::Json(status)).into_response(),
+        Err(error) => redrive_error(error),
+    }
+}
+
+async fn redrive_status(State(state): State<AdminState>, Path(id): Path<u64>) -> Response {
+    match state.redrive.status(id) {
+        Some(status) => axum::Json(status).into_response(),
+        None => redrive_error(RedriveError::NotFound(format!("no redrive job {id}"))),
+    }
+}
+
+async fn cancel_redrive(State(state): State<AdminState>, Path(id): Path<u64>) -> Response {
+    match state.redrive.cancel(id) {
+        Some(status) => (StatusCode::ACCEPTED, axum::Json(status)).into_response(),
+        None => redrive_error(RedriveError::NotFound(format!("no redrive job {id}"))),
+    }
+}
+
+async fn resume_redrive(State(state): State<AdminState>, Path(id): Path<u64>) -> Response {
+    match state.redrive.resume(id) {
+        Ok(status) => (StatusCode::CREATED, axum::Json(status)).into_response(),
+        Err(error) => redrive_error(error),
+    }
+}
+
+fn redrive_error(error: RedriveError) -> Response {
+    let status = match error {
+        RedriveError::BadRequest(_) => StatusCode::BAD_REQUEST,
+        RedriveError::NotFound(_) => StatusCode::NOT_FOUND,
+        RedriveError::Conflict(_) => StatusCode::CONFLICT,
+        RedriveError::Full(_) => StatusCode::SERVICE_UNAVAILABLE,
+        RedriveError::Unavailable(_) => StatusCode::NOT_IMPLEMENTED,
     };
     (status, error.to_string()).into_response()
 }

@@ -31,6 +31,8 @@ pub mod policy;
 pub mod policy_cli;
 pub mod proxy;
 pub mod rabbit;
+pub mod redrive;
+pub mod redrive_cli;
 pub mod reload;
 pub mod secret;
 pub mod server;

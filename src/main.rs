@@ -14,6 +14,10 @@
 //! - `dlx-proxy dlq list --vhost V --queue Q [--limit N] [--format text|json]` and `dlq summary
 //!   --vhost V --queue Q`: a dead-letter queue's messages or their counts by death reason and
 //!   source queue, through the admin API ([`dlx_proxy::dlq_cli`]), found the same way.
+//! - `dlx-proxy redrive --from DLQ [--vhost V] [--to QUEUE] [--rate N/s] [--max N] [--filter
+//!   reason=R1|R2] [--dry-run] [--resume ID] [--detach] [--format text|json]`: a redrive job
+//!   started and followed through the admin API ([`dlx_proxy::redrive_cli`]), found the same
+//!   way; Ctrl-C cancels it.
 
 use clap::{Parser, Subcommand, ValueEnum};
 use dlx_proxy::config::{self, Config, ConfigError};
@@ -84,6 +88,53 @@ enum Command {
         #[command(subcommand)]
         action: DlqAction,
     },
+    /// Move the messages of a dead-letter queue back to the queues they died in (or to
+    /// --to) through the admin API of a running instance, following the job to its end;
+    /// Ctrl-C cancels it (docs/redrive.md).
+    Redrive(RedriveArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct RedriveArgs {
+    /// Admin address (default: listen.admin from the configuration).
+    #[arg(long, value_name = "HOST:PORT")]
+    admin: Option<String>,
+    /// Configuration file with the admin address and token (default: ./config.toml if it
+    /// exists, else built-in defaults; DLX_PROXY_* variables on top).
+    #[arg(long, short = 'c', value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Virtual host.
+    #[arg(long, short = 'p', default_value = "/")]
+    vhost: String,
+    /// The dead-letter queue to redrive.
+    #[arg(long, required_unless_present = "resume")]
+    from: Option<String>,
+    /// Send every message to this queue (default: each to the queue of its newest x-death
+    /// entry).
+    #[arg(long)]
+    to: Option<String>,
+    /// Messages moved per second at most, e.g. 100 or 100/s (default: unlimited).
+    #[arg(long, value_parser = dlx_proxy::redrive_cli::parse_rate)]
+    rate: Option<f64>,
+    /// Messages moved at most.
+    #[arg(long)]
+    max: Option<u64>,
+    /// Only messages whose newest death has one of these reasons:
+    /// reason=expired|rejected|maxlen|delivery_limit (repeatable).
+    #[arg(long, value_name = "reason=R1|R2")]
+    filter: Vec<String>,
+    /// Count what would move and where; move nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Start a job for what job ID left (after a cancel or a failure) instead of a new one.
+    #[arg(long, value_name = "ID", conflicts_with_all = ["from", "to", "rate", "max", "filter", "dry_run"])]
+    resume: Option<u64>,
+    /// Start the job and print its status without following it.
+    #[arg(long)]
+    detach: bool,
+    /// The summary as text, or the final job status as JSON.
+    #[arg(long, value_enum, default_value_t = DlqFormat::Text)]
+    format: DlqFormat,
 }
 
 #[derive(Debug, Subcommand)]
@@ -195,7 +246,54 @@ fn main() -> ExitCode {
                 ExitCode::from(EXIT_FAILURE)
             }
         },
+        Command::Redrive(args) => match redrive(args) {
+            Ok(code) => code,
+            Err(message) => {
+                eprintln!("dlx-proxy redrive: {message}");
+                ExitCode::from(EXIT_FAILURE)
+            }
+        },
     }
+}
+
+/// Starts (or resumes) a job and follows it; exits 0 when it is done, 1 when it was
+/// cancelled or failed.
+fn redrive(args: RedriveArgs) -> Result<ExitCode, String> {
+    use dlx_proxy::redrive::jobs::{JobState, RedriveRequest};
+    use dlx_proxy::redrive_cli::{self, Follow};
+    let client = admin_client(args.admin, args.config.as_deref())?;
+    let started = match args.resume {
+        Some(id) => redrive_cli::resume(&client, id)?,
+        None => {
+            let request = RedriveRequest {
+                vhost: args.vhost,
+                from: args.from.unwrap_or_default(),
+                to: args.to,
+                rate: args.rate,
+                max: args.max,
+                filter: args.filter,
+                dry_run: args.dry_run,
+            };
+            redrive_cli::start(&client, &request)?
+        }
+    };
+    let json = matches!(args.format, DlqFormat::Json);
+    let last = if args.detach {
+        started
+    } else {
+        if !json {
+            eprintln!("redrive job {} started", started.id);
+        }
+        redrive_cli::follow(client, started, Follow::detect(json))?
+    };
+    match args.format {
+        DlqFormat::Text => print!("{}", redrive_cli::summary_text(&last)),
+        DlqFormat::Json => println!("{}", pretty(&last)?),
+    }
+    Ok(match last.state {
+        JobState::Done | JobState::Running => ExitCode::SUCCESS,
+        JobState::Cancelled | JobState::Failed => ExitCode::from(EXIT_FAILURE),
+    })
 }
 
 /// The named file, else `./config.toml` if it exists, else none (built-in defaults).

@@ -87,6 +87,10 @@ pub const METRIC_NAMES: &[&str] = &[
     "disk_alarm",
     "disk_free_bytes",
     "disk_free_limit_bytes",
+    "redriven_total",
+    "redrive_skipped_total",
+    "redrive_failed_total",
+    "redrive_jobs_running",
 ];
 
 /// The `outcome` label of `captured_total`: the captured message was dead-lettered (the
@@ -194,6 +198,9 @@ struct QueueSeries {
     retry_held: bool,
     retry_exhausted: bool,
     has_depth: bool,
+    redriven: bool,
+    redrive_skipped: bool,
+    redrive_failures: BTreeSet<String>,
 }
 
 /// Admits at most `max` distinct (vhost, queue) pairs as label values.
@@ -267,6 +274,10 @@ pub struct Metrics {
     service_declares_refused: IntCounter,
     upstream_connect_attempts: IntCounterVec,
     upstream_reachable: IntGauge,
+    redriven: IntCounterVec,
+    redrive_skipped: IntCounterVec,
+    redrive_failed: IntCounterVec,
+    redrive_jobs: IntGauge,
     upstream_policy_sync: IntCounterVec,
     upstream_policies_synced: IntGauge,
     storage_bytes: IntGauge,
@@ -416,6 +427,25 @@ impl Metrics {
                  client's user may not publish to (403), handed to the vhost's service \
                  connection to be published as the proxy's service user.",
             )?,
+            redriven: b.counter_vec(
+                "redriven_total",
+                "Messages a redrive moved out of a dead-letter queue, by vhost and target queue.",
+                &["vhost", "queue"],
+            )?,
+            redrive_skipped: b.counter_vec(
+                "redrive_skipped_total",
+                "Messages a redrive left in their dead-letter queue because of its filter, by \
+                 dead-letter queue.",
+                &["vhost", "queue"],
+            )?,
+            redrive_failed: b.counter_vec(
+                "redrive_failed_total",
+                "Messages a redrive could not move (they stay in the dead-letter queue), by \
+                 dead-letter queue and cause (no_queue, target_full, no_source, same_queue, \
+                 undecodable).",
+                &["vhost", "queue", "cause"],
+            )?,
+            redrive_jobs: b.gauge("redrive_jobs_running", "Redrive jobs running.")?,
             dead_letters_held: b.gauge(
                 "dead_letters_held",
                 "Dead letters (proxy mode) whose publish was refused, held unacked upstream \
@@ -1018,6 +1048,17 @@ impl Metrics {
         if series.retry_exhausted {
             let _ = self.retry_exhausted.remove_label_values(&[vhost, queue]);
         }
+        if series.redriven {
+            let _ = self.redriven.remove_label_values(&[vhost, queue]);
+        }
+        if series.redrive_skipped {
+            let _ = self.redrive_skipped.remove_label_values(&[vhost, queue]);
+        }
+        for cause in &series.redrive_failures {
+            let _ = self
+                .redrive_failed
+                .remove_label_values(&[vhost, queue, cause.as_str()]);
+        }
         if series.has_depth {
             let _ = self.queue_messages.remove_label_values(&[vhost, queue]);
             let _ = self.queue_bytes.remove_label_values(&[vhost, queue]);
@@ -1120,6 +1161,51 @@ impl Metrics {
     /// Free allocator memory was handed back to the operating system.
     pub fn memory_released(&self) {
         self.memory_releases.inc();
+    }
+
+    /// What one redrive batch did on dead-letter queue `from`: the target of each moved
+    /// message, how many it skipped, the cause of each failure.
+    pub fn redrive_counted(
+        &self,
+        vhost: &str,
+        from: &str,
+        moved: &[String],
+        skipped: u64,
+        failed: &[&str],
+    ) {
+        // In name order, so which queues get a label of their own under the cap is stable.
+        let mut counts: std::collections::BTreeMap<&str, u64> = Default::default();
+        for target in moved {
+            *counts.entry(target.as_str()).or_default() += 1;
+        }
+        for (target, n) in counts {
+            let own = self.queue_label(vhost, target, |s| s.redriven = true);
+            let target = if own { target } else { OTHER_QUEUE };
+            self.redriven.with_label_values(&[vhost, target]).inc_by(n);
+        }
+        if skipped > 0 {
+            let own = self.queue_label(vhost, from, |s| s.redrive_skipped = true);
+            let queue = if own { from } else { OTHER_QUEUE };
+            self.redrive_skipped
+                .with_label_values(&[vhost, queue])
+                .inc_by(skipped);
+        }
+        for cause in failed {
+            let own = self.queue_label(vhost, from, |s| {
+                if !s.redrive_failures.contains(*cause) {
+                    s.redrive_failures.insert(cause.to_string());
+                }
+            });
+            let queue = if own { from } else { OTHER_QUEUE };
+            self.redrive_failed
+                .with_label_values(&[vhost, queue, cause])
+                .inc();
+        }
+    }
+
+    /// How many redrive jobs run.
+    pub fn set_redrive_jobs(&self, running: usize) {
+        self.redrive_jobs.set(running as i64);
     }
 
     /// A configuration reload finished (`succeeded` or not).

@@ -652,6 +652,13 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             policies: policies.clone(),
             token: admin_token.clone(),
             inspector: inspector(&config, broker_handle.clone())?,
+            redrive: crate::redrive::Redriver::new(
+                match &broker_handle {
+                    Some(broker) => crate::redrive::Backend::Broker(broker.clone()),
+                    None => crate::redrive::Backend::Unavailable,
+                },
+                metrics.clone(),
+            ),
         };
         let stop = tasks.clone();
         tasks.spawn(async move {

@@ -54,6 +54,10 @@ async fn start_with_token(token: Option<&str>) -> Server {
         policies: Arc::new(MemoryPolicies::default()),
         token: AdminToken::new(token.map(Secret::from)),
         inspector: Inspector::Unavailable,
+        redrive: crate::redrive::Redriver::new(
+            crate::redrive::Backend::Unavailable,
+            Metrics::new(10),
+        ),
     };
     let trigger = ShutdownTrigger::new();
     let task = tokio::spawn(serve(listener, state.clone(), trigger.subscribe()));
@@ -376,4 +380,41 @@ fn chunked_responses_are_decoded() {
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
     assert_eq!(parse_response(response), Some((200, "abcde".to_string())));
     assert_eq!(parse_response(b"garbage"), None);
+}
+
+#[tokio::test]
+async fn redrive_routes_are_writes_and_name_what_is_wrong() {
+    let server = start().await;
+    let body = r#"{"from": "dlq"}"#;
+    assert_eq!(
+        call_as(&server, None, "POST", "/api/redrive", Some(body))
+            .await
+            .0,
+        401
+    );
+    assert_eq!(
+        call_as(&server, None, "DELETE", "/api/redrive/1", None)
+            .await
+            .0,
+        401
+    );
+    let (status, text) = call(&server, "POST", "/api/redrive", Some(r#"{"to": "x"}"#)).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("missing field `from`"), "{text}");
+    let (status, text) = call(&server, "POST", "/api/redrive", Some(body)).await;
+    assert_eq!(status, 501, "{text}");
+    assert!(text.contains("not available in proxy mode"), "{text}");
+    assert_eq!(
+        call(&server, "GET", "/api/redrive/9", None).await,
+        (404, "no redrive job 9".into())
+    );
+    assert_eq!(call(&server, "DELETE", "/api/redrive/9", None).await.0, 404);
+    assert_eq!(
+        call(&server, "POST", "/api/redrive/9/resume", None).await.0,
+        404
+    );
+    assert_eq!(
+        call(&server, "GET", "/api/redrive", None).await,
+        (200, "[]".into())
+    );
 }

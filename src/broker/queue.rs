@@ -131,10 +131,15 @@ impl QueueState {
     /// plus it would pass max-length or max-length-bytes. RabbitMQ checks this before trying
     /// consumers, so even a waiting consumer does not get a refused message.
     pub fn refuses(&self, entry: &QueuedMessage) -> bool {
+        self.refuses_len(entry.body_len())
+    }
+
+    /// [`QueueState::refuses`] for a message of `body_len` bytes not admitted yet.
+    pub fn refuses_len(&self, body_len: u64) -> bool {
         matches!(
             self.limits.overflow,
             Overflow::RejectPublish | Overflow::RejectPublishDlx
-        ) && self.would_overflow(entry)
+        ) && self.would_overflow(body_len)
     }
 
     /// Appends a published message, applying the overflow behaviour.
@@ -183,7 +188,7 @@ impl QueueState {
             .is_some_and(|limit| entry.delivery_count as u64 > limit)
     }
 
-    fn would_overflow(&self, entry: &QueuedMessage) -> bool {
+    fn would_overflow(&self, body_len: u64) -> bool {
         let over_len = self
             .limits
             .max_length
@@ -191,7 +196,7 @@ impl QueueState {
         let over_bytes = self
             .limits
             .max_length_bytes
-            .is_some_and(|max| self.ready_bytes + entry.body_len() > max);
+            .is_some_and(|max| self.ready_bytes + body_len > max);
         over_len || over_bytes
     }
 
@@ -320,6 +325,39 @@ impl QueueState {
 
     pub fn iter(&self) -> impl Iterator<Item = &QueuedMessage> {
         self.ready.iter()
+    }
+
+    /// The ready messages after position `seq` (all of them for `None`), in order: the
+    /// cursor of a redrive pass ([`crate::redrive`]). Ready messages are kept in `seq` order.
+    pub fn iter_after(&self, seq: Option<u64>) -> impl Iterator<Item = &QueuedMessage> {
+        let start = seq.map_or(0, |seq| self.ready.partition_point(|e| e.seq <= seq));
+        self.ready.range(start..)
+    }
+
+    /// The position of the last ready message (the end of a redrive pass started now).
+    pub fn last_seq(&self) -> Option<u64> {
+        self.ready.back().map(|e| e.seq)
+    }
+
+    /// Takes out the ready messages at positions `seqs` (ascending), wherever they are,
+    /// without dead-lettering them (a redrive moved them); the others keep their order.
+    pub fn take_seqs(&mut self, seqs: &[u64]) -> Vec<QueuedMessage> {
+        let mut taken = Vec::with_capacity(seqs.len());
+        // Backwards, so each index found stays valid for the next.
+        for &seq in seqs.iter().rev() {
+            let at = self.ready.partition_point(|e| e.seq < seq);
+            if self.ready.get(at).is_some_and(|e| e.seq == seq)
+                && let Some(entry) = self.ready.remove(at)
+            {
+                self.ready_bytes -= entry.body_len();
+                if at < self.exempt_prefix {
+                    self.exempt_prefix -= 1;
+                }
+                taken.push(entry);
+            }
+        }
+        taken.reverse();
+        taken
     }
 
     fn push_back(&mut self, entry: QueuedMessage) {

@@ -25,6 +25,7 @@ fn every_metric_is_exported_with_its_prefix() {
     metrics.service_started("/");
     metrics.upstream_target("rabbit:5672");
     metrics.upstream_policy_sync_results(&["success"]);
+    metrics.redrive_counted("/", "dlq", &["q".into()], 1, &["no_queue"]);
     let text = metrics.encode();
     for name in METRIC_NAMES {
         assert!(
@@ -244,4 +245,34 @@ fn retry_series_are_labelled_by_tier_and_removed_with_their_queue() {
     }
     metrics.remove_queue("/", "work");
     assert!(!metrics.encode().contains("queue=\"work\""));
+}
+
+#[test]
+fn redrive_counts_by_target_and_by_dead_letter_queue_and_go_with_the_queue() {
+    let metrics = Metrics::new(2);
+    let moved = ["a".to_string(), "b".to_string(), "a".to_string()];
+    metrics.redrive_counted(
+        "/",
+        "dlq",
+        &moved,
+        4,
+        &["no_queue", "no_queue", "target_full"],
+    );
+    metrics.set_redrive_jobs(3);
+    let text = metrics.encode();
+    for line in [
+        r#"dlx_proxy_redriven_total{queue="a",vhost="/"} 2"#,
+        r#"dlx_proxy_redriven_total{queue="b",vhost="/"} 1"#,
+        // Over the cap of two queues: folded into the shared label.
+        r#"dlx_proxy_redrive_skipped_total{queue="_other",vhost="/"} 4"#,
+        r#"dlx_proxy_redrive_failed_total{cause="no_queue",queue="_other",vhost="/"} 2"#,
+        r#"dlx_proxy_redrive_failed_total{cause="target_full",queue="_other",vhost="/"} 1"#,
+        "dlx_proxy_redrive_jobs_running 3",
+    ] {
+        assert!(has_line(&text, line), "{line} missing:\n{text}");
+    }
+    metrics.remove_queue("/", "a");
+    let text = metrics.encode();
+    assert!(!text.contains(r#"queue="a""#), "{text}");
+    assert!(text.contains(r#"queue="b""#), "{text}");
 }

@@ -17,12 +17,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::dl::{dead_letter_to, declare, get, get_and_reject, int, payload, publish};
-use common::{
-    ServiceProcess, TempDir, admin_call, free_addresses, poll, process_config, unique,
-    write_atomically,
-};
+use common::{TokenService, admin_call, poll, unique};
+use lapin::Channel;
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ConnectionProperties};
 use serde_json::Value;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
@@ -169,32 +166,16 @@ fn cli(config: &std::path::Path, args: &[&str]) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_inspection_reads_the_queue_in_place() {
-    let dir = TempDir::new("dlx-proxy-dlq-inspect");
-    let (amqp, admin) = free_addresses();
-    let path = dir.join("config.toml");
-    write_atomically(
-        &path,
-        &format!(
-            "{}\n[admin]\ntoken = {TOKEN:?}\n",
-            process_config(amqp, admin, 1)
-        ),
-    );
-    let _process = ServiceProcess::start(BINARY, dir.path(), &path, amqp, admin).await;
-    let conn = Connection::connect(
-        &format!("amqp://guest:guest@{amqp}/%2f"),
-        ConnectionProperties::default(),
-    )
-    .await
-    .expect("connect");
-    let ch = conn.create_channel().await.unwrap();
+    let service = TokenService::start(BINARY, "dlx-proxy-dlq-inspect", TOKEN).await;
+    let (ch, path, admin) = (&service.ch, &service.config, service.process.admin);
     let (work, ttl, dlq) = (unique("work"), unique("ttl"), unique("dlq"));
-    three_dead_letters(&ch, &work, &ttl, &dlq).await;
+    three_dead_letters(ch, &work, &ttl, &dlq).await;
 
     check_page_and_summary(admin, &dlq, &work, &ttl).await;
 
     // The CLI finds the address and token in the same configuration file.
     let listed = cli(
-        &path,
+        path,
         &["list", "--vhost", "/", "--queue", &dlq, "--limit", "1"],
     );
     assert!(
@@ -211,7 +192,7 @@ async fn embedded_inspection_reads_the_queue_in_place() {
     );
     assert!(listed.contains("body (string): r1\n"), "{listed}");
     assert!(!listed.contains("r2"), "limit 1: {listed}");
-    let summary = cli(&path, &["summary", "--queue", &dlq]);
+    let summary = cli(path, &["summary", "--queue", &dlq]);
     assert!(summary.contains("3 messages, 3 inspected\n"), "{summary}");
     assert!(
         summary.contains("by reason:\n  expired\t1\n  rejected\t2\n"),
@@ -219,7 +200,7 @@ async fn embedded_inspection_reads_the_queue_in_place() {
     );
     assert!(summary.contains(&format!("  {work}\t2\n")), "{summary}");
     let json: Value =
-        serde_json::from_str(&cli(&path, &["list", "--queue", &dlq, "--format", "json"]))
+        serde_json::from_str(&cli(path, &["list", "--queue", &dlq, "--format", "json"]))
             .expect("JSON");
     assert_eq!(
         json["messages"][0]["headers"]["x-death"]["type"], "array",
@@ -228,7 +209,7 @@ async fn embedded_inspection_reads_the_queue_in_place() {
 
     // Nothing was delivered: all three are still there, in order, never redelivered.
     assert_eq!(
-        drain(&ch, &dlq).await,
+        drain(ch, &dlq).await,
         [
             ("r1".to_string(), false),
             ("r2".to_string(), false),

@@ -62,6 +62,7 @@ mod proxy_service;
 mod proxy_streams;
 mod proxy_upstream_policies;
 mod proxy_upstream_tls;
+mod redrive;
 mod retry_tiers_embedded;
 mod storage_disk;
 mod storage_policies;

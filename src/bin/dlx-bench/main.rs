@@ -203,6 +203,17 @@ pub enum Scenario {
         #[arg(long, default_value_t = 16_384)]
         client_frame_max: u32,
     },
+    /// Fill a dead-letter queue (--messages, default 100,000) and move it twice: with a
+    /// shovel-like consume/publish-with-confirms/ack loop, then with the embedded broker's
+    /// redrive (admin API); msg/s of both and the speedup.
+    Redrive {
+        /// The broker's admin address (listen.admin).
+        #[arg(long, default_value = "127.0.0.1:15692")]
+        admin: String,
+        /// The admin token (admin.token).
+        #[arg(long)]
+        token: Option<String>,
+    },
     /// Queue K messages (--messages, default 1,000,000) and report the broker's RSS per
     /// queued message.
     Memory {

@@ -6,6 +6,7 @@ mod expire;
 mod idle;
 mod memory;
 mod ping;
+mod redrive;
 mod throughput;
 
 use std::time::{Duration, Instant};
@@ -45,6 +46,7 @@ pub async fn run(cli: &Cli) -> Result<Report> {
             client_frame_max,
         } => idle::run(c, *count, *hold_seconds, *client_frame_max).await,
         Scenario::Memory { settle_seconds } => memory::run(c, *settle_seconds).await,
+        Scenario::Redrive { admin, token } => redrive::run(c, admin, token.as_deref()).await,
     }
 }
 

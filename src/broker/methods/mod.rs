@@ -1,7 +1,8 @@
 //! The client's AMQP methods as operations on the broker state, one file per method family:
 //! [`declare`] (exchanges, queues, bindings), [`publish`] (route and enqueue), [`deliver`]
 //! (consume, get, dispatch to consumers), [`settle`] (ack, reject, nack, recover), [`retry`]
-//! (rejections held for a retry tier and returned when due), plus the
+//! (rejections held for a retry tier and returned when due), [`redrive`] (moving dead letters
+//! back, for [`crate::redrive`]), plus the
 //! channel and connection [`lifecycle`] and the [`upkeep`] of timers, depth gauges and
 //! policies. (Proxy mode's `proxy::ops` is something else: its publishes awaiting a confirm.)
 //!
@@ -15,6 +16,7 @@ mod declare;
 mod deliver;
 mod lifecycle;
 mod publish;
+mod redrive;
 mod retry;
 mod settle;
 #[cfg(test)]
@@ -23,6 +25,7 @@ mod upkeep;
 
 pub use declare::{DeclaredQueue, ExchangeDeclare, QueueDeclare};
 pub use publish::PublishResult;
+pub use redrive::{BatchLimits, RedriveBatch, RedriveCursor};
 pub(crate) use upkeep::{on_ack_timers, on_timer};
 
 use super::queue::QueueLimits;

@@ -414,3 +414,41 @@ fn a_requeued_message_keeps_the_exempt_prefix_right() {
     assert_eq!(dead(&d), vec![("fresh".into(), DeadLetterReason::Expired)]);
     assert_eq!(bodies(&q), vec!["dl"]);
 }
+
+#[test]
+fn a_redrive_cursor_steps_over_what_stays_and_takes_what_moves() {
+    let mut q = QueueState::new(QueueLimits {
+        max_length_bytes: Some(100),
+        ..Default::default()
+    });
+    let mut d = Vec::new();
+    for body in ["a", "b", "c", "d", "e"] {
+        publish(&mut q, body, 0, &mut d);
+    }
+    let seqs: Vec<u64> = q.iter().map(|e| e.seq).collect();
+    assert_eq!(q.last_seq(), Some(seqs[4]));
+    let after: Vec<u64> = q.iter_after(Some(seqs[1])).map(|e| e.seq).collect();
+    assert_eq!(after, seqs[2..]);
+    assert_eq!(q.iter_after(None).count(), 5);
+    let taken = q.take_seqs(&[seqs[1], seqs[3], 999]);
+    let bodies_taken: Vec<&[u8]> = taken.iter().map(|e| e.message.body()).collect();
+    assert_eq!(bodies_taken, [b"b", b"d"]);
+    assert_eq!(bodies(&q), ["a", "c", "e"]);
+    assert_eq!(q.bytes(), 3);
+    // The cursor still finds its place after the removals.
+    let after: Vec<u64> = q.iter_after(Some(seqs[1])).map(|e| e.seq).collect();
+    assert_eq!(after, [seqs[2], seqs[4]]);
+    assert!(d.is_empty());
+}
+
+#[test]
+fn refuses_len_is_the_reject_publish_check_before_admission() {
+    let mut q = QueueState::new(QueueLimits {
+        max_length: Some(1),
+        overflow: Overflow::RejectPublish,
+        ..Default::default()
+    });
+    assert!(!q.refuses_len(10));
+    publish(&mut q, "a", 0, &mut Vec::new());
+    assert!(q.refuses_len(10));
+}

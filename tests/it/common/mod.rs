@@ -457,6 +457,47 @@ impl ServiceProcess {
     }
 }
 
+/// The binary in embedded mode with `[admin] token`, started in a fresh directory, and a
+/// lapin connection with a channel to it (the CLI tests run the binary's subcommands on
+/// `config`).
+pub struct TokenService {
+    pub dir: TempDir,
+    pub config: std::path::PathBuf,
+    pub process: ServiceProcess,
+    pub conn: Connection,
+    pub ch: Channel,
+}
+
+impl TokenService {
+    pub async fn start(binary: &str, tag: &str, token: &str) -> TokenService {
+        let dir = TempDir::new(tag);
+        let (amqp, admin) = free_addresses();
+        let config = dir.join("config.toml");
+        write_atomically(
+            &config,
+            &format!(
+                "{}\n[admin]\ntoken = {token:?}\n",
+                process_config(amqp, admin, 1)
+            ),
+        );
+        let process = ServiceProcess::start(binary, dir.path(), &config, amqp, admin).await;
+        let conn = Connection::connect(
+            &format!("amqp://guest:guest@{amqp}/%2f"),
+            ConnectionProperties::default(),
+        )
+        .await
+        .expect("connect");
+        let ch = conn.create_channel().await.expect("channel");
+        TokenService {
+            dir,
+            config,
+            process,
+            conn,
+            ch,
+        }
+    }
+}
+
 impl Drop for ServiceProcess {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
