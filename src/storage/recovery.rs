@@ -101,12 +101,18 @@ pub fn recover(dir: &Path) -> Result<Recovered, RecoveryError> {
     let mut messages: BTreeMap<(u64, u64), Entry> = BTreeMap::new();
     let mut max_id = 0u64;
     let mut index = Index::default();
+    // One buffer for every segment: its pages are faulted in once, not once per segment.
+    let mut buf = Vec::new();
     for &number in &numbers {
         index.add_segment(number);
         let path = segment::segment_path(dir, number);
-        let bytes = std::fs::read(&path).map_err(io(&path))?;
+        buf.clear();
+        std::fs::File::open(&path)
+            .and_then(|mut f| std::io::Read::read_to_end(&mut f, &mut buf))
+            .map_err(io(&path))?;
+        let bytes = &buf[..];
         stats.segments += 1;
-        let end = replay_segment(&bytes, number, &mut messages, &mut max_id, &mut stats);
+        let end = replay_segment(bytes, number, &mut messages, &mut max_id, &mut stats);
         if end < bytes.len() {
             tracing::warn!(
                 segment = %path.display(),
