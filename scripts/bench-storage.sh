@@ -96,6 +96,10 @@ stop_embedded() {
     EMB_PID=""
   fi
 }
+# CPU seconds (user + system) the process PID has used.
+cpu_secs() {
+  python3 -c 'import os,sys; f=open(f"/proc/{sys.argv[1]}/stat").read().rsplit(")",1)[1].split(); print((int(f[11])+int(f[12]))/os.sysconf("SC_CLK_TCK"))' "$1"
+}
 metric() {
   curl -s "http://127.0.0.1:$EMB_ADMIN/metrics" | awk -v m="$1" '$1 == m {print $2}'
 }
@@ -149,6 +153,7 @@ extra() {
   echo "cores: $(nproc)  memory: $(free -h | awk '/Mem:/ {print $2}')  kernel: $(uname -r)"
   echo "storage dir file system: $(df -hT "$OUT" | awk 'NR==2 {print $2, $1}')"
   echo "rabbitmq: $RMQ_URL (pid $RMQ_PID)"
+  echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 } | tee "$OUT/conditions.txt"
 
 PERSISTENT=(throughput --client raw --confirms on --persistent -n "$P_MESSAGES")
@@ -172,8 +177,10 @@ for round in $(seq 1 "$ROUNDS"); do
   stop_embedded -KILL
   start_embedded "$OUT/data"
   ready=$(python3 -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$EMB_STARTED" "$EMB_READY")
-  echo "   restart: ready after $ready s; storage_recovery_seconds $(metric dlx_proxy_storage_recovery_seconds); recovered $(metric dlx_proxy_storage_recovered_messages)"
+  cpu=$(cpu_secs "$EMB_PID")
+  echo "   restart: ready after $ready s; storage_recovery_seconds $(metric dlx_proxy_storage_recovery_seconds); CPU until then $cpu s; recovered $(metric dlx_proxy_storage_recovered_messages)"
   extra "$round" embedded recovery start_to_ready_secs "$ready"
+  extra "$round" embedded recovery start_cpu_secs "$cpu"
   extra "$round" embedded recovery recovery_secs "$(metric dlx_proxy_storage_recovery_seconds)"
   extra "$round" embedded recovery recovered_messages "$(metric dlx_proxy_storage_recovered_messages)"
   bench "$round" embedded recovery-drain "$EMB_URL" "$EMB_PID" drain --client raw --queue-type classic \
@@ -219,6 +226,7 @@ print(f"recovery of {fmt(med(runs('embedded', 'recovery-fill', 'published')))} p
 print(f"  fill rate (msg/s, confirms):           {cell('embedded', 'recovery-fill', 'publish_rate_msg_s')}")
 print(f"  start to /readyz 200 (s):              {cell('embedded', 'recovery', 'start_to_ready_secs')}")
 print(f"  storage_recovery_seconds:              {cell('embedded', 'recovery', 'recovery_secs')}")
+print(f"  broker CPU from start to ready (s):     {cell('embedded', 'recovery', 'start_cpu_secs')}")
 print(f"  recovered messages:                    {cell('embedded', 'recovery', 'recovered_messages')}")
 print(f"  drained, each exactly once:            {cell('embedded', 'recovery-drain', 'distinct')}")
 print()
