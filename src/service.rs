@@ -374,6 +374,10 @@ fn fixed_settings(config: &Config) -> BTreeMap<&'static str, serde_json::Value> 
         ("shutdown", json(&config.shutdown)),
         ("runtime", json(&config.runtime)),
         ("vhosts", json(&config.vhosts)),
+        // The storage thread and its files are set up at start (disk_free_limit reloads).
+        ("storage.dir", json(&config.storage.dir)),
+        ("storage.fsync", json(&config.storage.fsync)),
+        ("storage.segment_size", json(&config.storage.segment_size)),
     ])
 }
 
@@ -794,6 +798,7 @@ mod tests {
         let mut reloadable = running.clone();
         reloadable.limits.max_connections += 1;
         reloadable.users.clear();
+        reloadable.storage.disk_free_limit = "1.5x".into();
         reloadable.policies.push(PolicyConfig {
             name: "p".into(),
             vhost: "/".into(),
@@ -812,6 +817,15 @@ mod tests {
         assert_eq!(
             changed_fixed_settings(&fixed, &moved),
             vec!["limits.consumer_timeout", "listen", "shutdown", "vhosts"]
+        );
+
+        let mut storage = running.clone();
+        storage.storage.dir = "elsewhere".into();
+        storage.storage.fsync = "never".into();
+        storage.storage.segment_size = 1 << 20;
+        assert_eq!(
+            changed_fixed_settings(&fixed, &storage),
+            vec!["storage.dir", "storage.fsync", "storage.segment_size"]
         );
     }
 }

@@ -382,7 +382,9 @@ pub struct StorageConfig {
     /// Bytes after which the log starts a new segment.
     pub segment_size: u64,
     /// Free space on the file system of `dir` below which publishers are blocked (the disk
-    /// alarm): bytes (50000000, "50MB", "1GiB"); 0 = no disk alarm. Changes on reload.
+    /// alarm): bytes (50000000, "50MB", "1GiB") or a multiple of the memory available to the
+    /// process ("1.5x", RabbitMQ's `disk_free_limit.relative`); 0 = no disk alarm. Changes on
+    /// reload.
     #[serde(deserialize_with = "string_or_number")]
     pub disk_free_limit: String,
 }
@@ -414,13 +416,23 @@ impl StorageConfig {
         })
     }
 
-    /// `disk_free_limit` in bytes (0 when invalid: validation refuses that first).
+    /// `disk_free_limit` in bytes (0 when invalid: validation refuses that first); a relative
+    /// limit reads the memory limit now (cgroup, else total RAM).
     pub fn disk_free_limit_bytes(&self) -> u64 {
-        crate::memory::watermark::parse_size(&self.disk_free_limit).unwrap_or(0)
+        use crate::storage::disk::Limit;
+        match Limit::parse(&self.disk_free_limit) {
+            Ok(limit @ Limit::Relative(_)) => limit.bytes(
+                crate::memory::system::MemorySources::default()
+                    .limit()
+                    .map(|(bytes, _)| bytes),
+            ),
+            Ok(limit) => limit.bytes(None),
+            Err(_) => 0,
+        }
     }
 
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
-        crate::memory::watermark::parse_size(&self.disk_free_limit)
+        crate::storage::disk::Limit::parse(&self.disk_free_limit)
             .map_err(|message| ConfigError::invalid("storage.disk_free_limit", message))?;
         if !matches!(self.fsync.as_str(), "always" | "never") {
             return Err(ConfigError::invalid(

@@ -76,6 +76,27 @@ fn storage_settings_are_checked_by_key() {
         text.contains("key `storage.disk_free_limit`: \"lots\" does not start with a number"),
         "{text}"
     );
+    let text = error_text("[storage]\ndisk_free_limit = 1.5\n");
+    assert!(
+        text.contains("key `storage.disk_free_limit`: \"1.5\" is not a size; write a multiple of memory with an x (\"1.5x\")"),
+        "{text}"
+    );
+    let text = error_text("[storage]\ndisk_free_limit = \"0x\"\n");
+    assert!(
+        text.contains(
+            "key `storage.disk_free_limit`: \"0x\": the multiple of memory must be more than 0"
+        ),
+        "{text}"
+    );
+    let config = load_text("[storage]\ndisk_free_limit = \"1.5x\"\n").unwrap();
+    let memory = crate::memory::system::MemorySources::default()
+        .limit()
+        .map(|(bytes, _)| bytes)
+        .expect("memory limit");
+    assert_eq!(
+        config.storage.disk_free_limit_bytes(),
+        (memory as f64 * 1.5) as u64
+    );
     let config = load_text("[storage]\ndisk_free_limit = 1048576\n").unwrap();
     assert_eq!(config.storage.disk_free_limit_bytes(), 1 << 20);
     let config = load_text("[storage]\ndisk_free_limit = \"2GiB\"\n").unwrap();

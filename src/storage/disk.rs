@@ -4,6 +4,10 @@
 //! [`crate::server::blocking`], like the memory alarm) until free space is back above it, as
 //! RabbitMQ's disk alarm does. Consumers keep draining queues meanwhile.
 //!
+//! The limit is a size (`"50MB"`) or, as RabbitMQ's `disk_free_limit.relative`, a multiple of
+//! the memory available to the process (`"1.5x"`: the memory limit of
+//! [`crate::memory::system`], the cgroup's or else total RAM): [`Limit`].
+//!
 //! [`raised`] is the decision (pure); [`free_bytes`] the one system call; [`run`] the task
 //! that ties them to the alarm's `watch` channel and the metrics.
 
@@ -18,6 +22,54 @@ use crate::shutdown::Shutdown;
 
 /// Time between two reads of free space.
 pub const CHECK_INTERVAL: Duration = Duration::from_millis(500);
+
+/// A parsed `storage.disk_free_limit`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Limit {
+    /// This many bytes (0: no disk alarm).
+    Absolute(u64),
+    /// This multiple of the memory available to the process.
+    Relative(f64),
+}
+
+/// Largest multiple of memory accepted (RabbitMQ suggests 1.0 to 2.0).
+const MAX_RELATIVE: f64 = 100.0;
+
+impl Limit {
+    /// Reads the setting's text: a size (`"50MB"`, `"1048576"`, `0`) or a multiple of memory
+    /// (`"1.5x"`, `"2x"`). The error says what is wrong (the caller names the key).
+    pub fn parse(text: &str) -> Result<Limit, String> {
+        let text = text.trim();
+        let Some(multiple) = text.strip_suffix(['x', 'X']) else {
+            if text.contains('.') {
+                return Err(format!(
+                    "{text:?} is not a size; write a multiple of memory with an x (\"{text}x\")"
+                ));
+            }
+            return crate::memory::watermark::parse_size(text).map(Limit::Absolute);
+        };
+        let factor: f64 = multiple.trim().parse().map_err(|_| {
+            format!("{text:?} is not a multiple of memory such as \"1.5x\" (or a size)")
+        })?;
+        if !(factor > 0.0 && factor <= MAX_RELATIVE) {
+            return Err(format!(
+                "{text:?}: the multiple of memory must be more than 0 and at most {MAX_RELATIVE}"
+            ));
+        }
+        Ok(Limit::Relative(factor))
+    }
+
+    /// The limit in bytes, given the process's memory limit (`None`: unknown, then a
+    /// relative limit falls back to RabbitMQ's default of 50 MB).
+    pub fn bytes(self, memory: Option<u64>) -> u64 {
+        match (self, memory) {
+            (Limit::Absolute(bytes), _) => bytes,
+            // Saturates at u64::MAX; a relative limit is never 0 (which would mean off).
+            (Limit::Relative(factor), Some(memory)) => ((memory as f64 * factor) as u64).max(1),
+            (Limit::Relative(_), None) => 50_000_000,
+        }
+    }
+}
 
 /// Whether `free` bytes are below `limit` (a limit of 0 never raises the alarm).
 pub fn raised(free: u64, limit: u64) -> bool {
@@ -95,6 +147,23 @@ mod tests {
         assert!(raised(99, 100));
         assert!(!raised(100, 100));
         assert!(!raised(0, 0), "0: no disk alarm");
+    }
+
+    #[test]
+    fn a_limit_is_a_size_or_a_multiple_of_memory() {
+        assert_eq!(Limit::parse("50MB"), Ok(Limit::Absolute(50_000_000)));
+        assert_eq!(Limit::parse("0"), Ok(Limit::Absolute(0)));
+        assert_eq!(Limit::parse(" 1.5x "), Ok(Limit::Relative(1.5)));
+        assert_eq!(Limit::parse("2X"), Ok(Limit::Relative(2.0)));
+        for bad in [
+            "x", "0x", "-1x", "1.5", "abcx", "101x", "NaNx", "infx", "1.5 GiB",
+        ] {
+            assert!(Limit::parse(bad).is_err(), "{bad:?} accepted");
+        }
+        assert_eq!(Limit::Relative(1.5).bytes(Some(1 << 30)), 3 << 29);
+        assert_eq!(Limit::Relative(1.0).bytes(None), 50_000_000);
+        assert_eq!(Limit::Relative(100.0).bytes(Some(u64::MAX)), u64::MAX);
+        assert_eq!(Limit::Absolute(7).bytes(Some(1 << 30)), 7);
     }
 
     #[test]

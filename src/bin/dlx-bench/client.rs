@@ -82,10 +82,21 @@ pub struct QueueArgs {
     pub overflow_drop_head: bool,
     /// A durable quorum queue (needed for x-delivery-limit on RabbitMQ 3.10).
     pub quorum: bool,
+    /// A durable queue (implied by `quorum`).
+    pub durable: bool,
     pub delivery_limit: Option<u32>,
 }
 
 impl QueueArgs {
+    /// The queue --queue-type names, without other arguments.
+    pub fn of_type(kind: crate::QueueType) -> QueueArgs {
+        QueueArgs {
+            quorum: kind == crate::QueueType::Quorum,
+            durable: kind != crate::QueueType::Transient,
+            ..QueueArgs::default()
+        }
+    }
+
     fn table(&self) -> FieldTable {
         let mut t = FieldTable::default();
         if let Some(x) = &self.dead_letter_exchange {
@@ -144,12 +155,17 @@ pub async fn delete_exchange(conn: &Connection, name: &str) {
     }
 }
 
-/// Declares a fresh (deleted first) non-durable queue.
+/// Declares a fresh (deleted first) queue, non-durable unless `args` say otherwise.
 pub async fn fresh_queue(conn: &Connection, name: &str, args: &QueueArgs) -> Result<()> {
     delete_queue(conn, name).await;
+    declare_queue(conn, name, args).await
+}
+
+/// Declares a queue (it may exist already with the same arguments).
+pub async fn declare_queue(conn: &Connection, name: &str, args: &QueueArgs) -> Result<()> {
     let ch = conn.create_channel().await?;
     let options = QueueDeclareOptions {
-        durable: args.quorum,
+        durable: args.quorum || args.durable,
         ..QueueDeclareOptions::default()
     };
     ch.queue_declare(short(name)?, options, args.table())
@@ -217,6 +233,17 @@ pub struct PublishSpec {
     pub confirm_window: usize,
     /// basic.publish calls in flight towards the client's I/O loop.
     pub pipeline: usize,
+    /// delivery_mode 2.
+    pub persistent: bool,
+}
+
+/// The properties of every published message.
+pub fn properties(persistent: bool) -> BasicProperties {
+    if persistent {
+        BasicProperties::default().with_delivery_mode(2)
+    } else {
+        BasicProperties::default()
+    }
 }
 
 /// What one producer did.
@@ -242,6 +269,7 @@ pub async fn publish(spec: PublishSpec) -> Result<PublishResult> {
         started_nanos: now_nanos(),
         ..PublishResult::default()
     };
+    let props = properties(spec.persistent);
     let mut sending = FuturesOrdered::new();
     let mut confirming: VecDeque<lapin::PublisherConfirm> = VecDeque::new();
     let pipeline = spec.pipeline.max(1);
@@ -261,15 +289,10 @@ pub async fn publish(spec: PublishSpec) -> Result<PublishResult> {
         );
         let ch2 = ch.clone();
         let key = routing_key.clone();
+        let props = props.clone();
         sending.push_back(async move {
-            ch2.basic_publish(
-                "".into(),
-                key,
-                BasicPublishOptions::default(),
-                &body,
-                BasicProperties::default(),
-            )
-            .await
+            ch2.basic_publish("".into(), key, BasicPublishOptions::default(), &body, props)
+                .await
         });
         seq += 1;
         while sending.len() >= pipeline {

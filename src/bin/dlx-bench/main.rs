@@ -59,6 +59,13 @@ pub struct Common {
     /// Publish for this many seconds instead of a fixed count.
     #[arg(long, global = true)]
     pub seconds: Option<f64>,
+    /// Kind of the queue the scenario declares: transient (non-durable classic), classic
+    /// (durable classic) or quorum (durable quorum queue). throughput, fill and drain.
+    #[arg(long, global = true, value_enum, default_value_t = QueueType::Transient)]
+    pub queue_type: QueueType,
+    /// Publish persistent messages (delivery_mode 2): stored on disk in a durable queue.
+    #[arg(long, global = true)]
+    pub persistent: bool,
     /// basic.qos prefetch of each consumer.
     #[arg(long, global = true, default_value_t = 500)]
     pub prefetch: u16,
@@ -123,6 +130,26 @@ impl ClientKind {
         match self {
             ClientKind::Lapin => "lapin",
             ClientKind::Raw => "raw",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum QueueType {
+    /// A non-durable classic queue (memory only).
+    Transient,
+    /// A durable classic queue.
+    Classic,
+    /// A durable quorum queue (RabbitMQ; the embedded broker treats it as durable classic).
+    Quorum,
+}
+
+impl QueueType {
+    pub fn name(self) -> &'static str {
+        match self {
+            QueueType::Transient => "transient",
+            QueueType::Classic => "classic",
+            QueueType::Quorum => "quorum",
         }
     }
 }
@@ -213,6 +240,20 @@ pub enum Scenario {
         /// The admin token (admin.token).
         #[arg(long)]
         token: Option<String>,
+    },
+    /// Fill the queue --queue with --messages (default 1,000,000) messages with confirms and
+    /// leave it there (use with --queue-type classic --persistent to measure recovery: restart
+    /// the broker, then `drain`).
+    Fill {
+        /// Queue name (declared, not deleted first: fill adds to it).
+        #[arg(long, default_value = "dlxbench.fill")]
+        queue: String,
+    },
+    /// Consume everything in --queue and check that each of the --messages messages `fill`
+    /// published (with the same --producers) is there exactly once, then delete the queue.
+    Drain {
+        #[arg(long, default_value = "dlxbench.fill")]
+        queue: String,
     },
     /// Queue K messages (--messages, default 1,000,000) and report the broker's RSS per
     /// queued message.

@@ -3,6 +3,7 @@
 
 mod deadletter;
 mod expire;
+mod fill;
 mod idle;
 mod memory;
 mod ping;
@@ -47,6 +48,8 @@ pub async fn run(cli: &Cli) -> Result<Report> {
         } => idle::run(c, *count, *hold_seconds, *client_frame_max).await,
         Scenario::Memory { settle_seconds } => memory::run(c, *settle_seconds).await,
         Scenario::Redrive { admin, token } => redrive::run(c, admin, token.as_deref()).await,
+        Scenario::Fill { queue } => fill::fill(c, queue).await,
+        Scenario::Drain { queue } => fill::drain(c, queue).await,
     }
 }
 
@@ -178,6 +181,7 @@ async fn publish_all(
             confirms,
             confirm_window: c.confirm_window,
             pipeline: c.pipeline,
+            persistent: c.persistent,
         };
         tasks.push(match c.client_or(ClientKind::Lapin) {
             ClientKind::Lapin => tokio::spawn(client::publish(spec)),
@@ -204,6 +208,30 @@ async fn start_consumer(
     }
 }
 
+/// Starts --consumers consumers on `queue` that ack and record every delivery.
+async fn start_acking_consumers(
+    c: &Common,
+    queue: &str,
+    progress: &Arc<Progress>,
+    stop: &watch::Receiver<bool>,
+) -> Result<Vec<RunningConsumer>> {
+    let mut consumers = Vec::new();
+    for i in 0..c.consumers {
+        let spec = ConsumeSpec {
+            url: c.url.clone(),
+            name: format!("consumer {i}"),
+            queue: queue.to_string(),
+            prefetch: c.prefetch,
+            settle: client::Settle::Ack,
+            ack_every: c.ack_every,
+            record: true,
+            events: None,
+        };
+        consumers.push(start_consumer(c, spec, progress.clone(), stop.clone()).await?);
+    }
+    Ok(consumers)
+}
+
 /// The message count of a run: --messages, else the scenario's default unless --seconds.
 fn message_total(c: &Common, default: u64) -> Option<u64> {
     match (c.messages, c.seconds) {
@@ -221,6 +249,8 @@ fn describe(report: &mut Report, c: &Common, confirms: bool) {
     report.set("confirms", if confirms { "on" } else { "off" });
     report.set("prefetch", c.prefetch);
     report.set("client", c.client_or(ClientKind::Lapin).name());
+    report.set("queue_type", c.queue_type.name());
+    report.set("persistent", c.persistent);
 }
 
 /// Adds the exactly-once verdict; anything but exactly once is a failure.

@@ -21,7 +21,9 @@ use lapin::{Channel, Connection, ConnectionProperties};
 
 // Not every test binary uses all of it.
 #[allow(unused_imports)]
-pub use raw_client::{RawClient, RawDelivery, capabilities, encode_method, with_failure_close};
+pub use raw_client::{
+    RawClient, RawDelivery, capabilities, encode_method, encode_publish, with_failure_close,
+};
 
 /// An embedded broker started for one test.
 pub struct TestBroker {

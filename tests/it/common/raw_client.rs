@@ -29,6 +29,38 @@ const FRAME_WAIT: Duration = Duration::from_secs(15);
 /// How long [`RawClient::read_to_end`] waits for more bytes.
 const BYTES_WAIT: Duration = Duration::from_secs(5);
 
+/// basic.publish, its content header with `properties` and the body in frames of at most
+/// [`FRAME_MAX`] bytes, encoded (many of them can go out in one write).
+pub fn encode_publish(
+    channel: u16,
+    exchange: &str,
+    routing_key: &str,
+    properties: amq_protocol::protocol::BasicProperties,
+    body: &[u8],
+) -> Vec<u8> {
+    let mut bytes = encode_method(
+        channel,
+        AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+            exchange: ShortString::try_new(exchange).expect("an exchange name"),
+            routing_key: ShortString::try_new(routing_key).expect("a routing key"),
+            mandatory: false,
+            immediate: false,
+        })),
+    );
+    bytes.extend(encode_frame(&AMQPFrame::Header(
+        channel,
+        AMQPContentHeader {
+            class_id: 60,
+            body_size: body.len() as u64,
+            properties,
+        },
+    )));
+    for chunk in body.chunks(FRAME_MAX as usize - 8) {
+        bytes.extend(encode_frame(&AMQPFrame::Body(channel, chunk.to_vec())));
+    }
+    bytes
+}
+
 /// The encoded method frame (independent of the crate's own encoder).
 pub fn encode_method(channel: u16, method: AMQPClass) -> Vec<u8> {
     encode_frame(&AMQPFrame::Method(channel, method))
@@ -263,26 +295,7 @@ impl RawClient {
     /// Sends basic.publish, its content header (no properties) and the body in frames of at
     /// most [`FRAME_MAX`] bytes, all in one write.
     pub async fn publish(&mut self, channel: u16, exchange: &str, routing_key: &str, body: &[u8]) {
-        let mut bytes = encode_method(
-            channel,
-            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
-                exchange: ShortString::try_new(exchange).expect("an exchange name"),
-                routing_key: ShortString::try_new(routing_key).expect("a routing key"),
-                mandatory: false,
-                immediate: false,
-            })),
-        );
-        bytes.extend(encode_frame(&AMQPFrame::Header(
-            channel,
-            AMQPContentHeader {
-                class_id: 60,
-                body_size: body.len() as u64,
-                properties: Default::default(),
-            },
-        )));
-        for chunk in body.chunks(FRAME_MAX as usize - 8) {
-            bytes.extend(encode_frame(&AMQPFrame::Body(channel, chunk.to_vec())));
-        }
+        let bytes = encode_publish(channel, exchange, routing_key, Default::default(), body);
         self.send_raw(&bytes).await;
     }
 

@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use amq_protocol::frame::{AMQPContentHeader, AMQPFrame, WriteContext, gen_frame};
-use amq_protocol::protocol::{AMQPClass, BasicProperties, basic, confirm};
+use amq_protocol::protocol::{AMQPClass, basic, confirm};
 use anyhow::{Context, Result, anyhow};
 
 use super::wire::{CHANNEL, FRAME_OVERHEAD, Wire, broker_close, short};
@@ -135,6 +135,7 @@ impl Publisher {
         routing_key: &str,
         size: usize,
         confirms: bool,
+        persistent: bool,
     ) -> Result<Publisher> {
         let mut wire = Wire::open(url, name).await?;
         if confirms {
@@ -164,7 +165,7 @@ impl Publisher {
                 AMQPContentHeader {
                     class_id: 60,
                     body_size: body_len as u64,
-                    properties: BasicProperties::default(),
+                    properties: crate::client::properties(persistent),
                 },
             ),
         ] {
@@ -280,6 +281,7 @@ pub async fn publish(spec: PublishSpec) -> Result<PublishResult> {
         &spec.routing_key,
         spec.size,
         spec.confirms,
+        spec.persistent,
     )
     .await?;
     let window = spec.confirm_window.max(1);

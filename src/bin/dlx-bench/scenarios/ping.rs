@@ -53,9 +53,16 @@ impl Pair {
             ClientKind::Raw => {
                 let subscriber =
                     raw::Subscriber::open(&c.url, "ping consumer", queue, c.prefetch).await?;
-                let publisher =
-                    raw::Publisher::open(&c.url, "ping producer", 0, queue, c.size, confirms)
-                        .await?;
+                let publisher = raw::Publisher::open(
+                    &c.url,
+                    "ping producer",
+                    0,
+                    queue,
+                    c.size,
+                    confirms,
+                    c.persistent,
+                )
+                .await?;
                 Ok(Pair::Raw(Box::new(RawPair {
                     publisher,
                     subscriber,

@@ -6,7 +6,7 @@ use tokio::sync::watch;
 
 use super::{Watch, describe, message_total, name, publish_all, rate, secs_between};
 use crate::Common;
-use crate::client::{self, ConsumeSpec, Progress, QueueArgs, Settle};
+use crate::client::{self, Progress, QueueArgs};
 use crate::report::Report;
 
 pub async fn run(c: &Common) -> Result<Report> {
@@ -15,24 +15,11 @@ pub async fn run(c: &Common) -> Result<Report> {
     describe(&mut report, c, confirms);
     let queue = name("tp");
     let setup = client::connect(&c.url, "setup").await?;
-    client::fresh_queue(&setup, &queue, &QueueArgs::default()).await?;
+    client::fresh_queue(&setup, &queue, &QueueArgs::of_type(c.queue_type)).await?;
 
     let progress = Progress::new();
     let (stop, stop_rx) = watch::channel(false);
-    let mut consumers = Vec::new();
-    for i in 0..c.consumers {
-        let spec = ConsumeSpec {
-            url: c.url.clone(),
-            name: format!("consumer {i}"),
-            queue: queue.clone(),
-            prefetch: c.prefetch,
-            settle: Settle::Ack,
-            ack_every: c.ack_every,
-            record: true,
-            events: None,
-        };
-        consumers.push(super::start_consumer(c, spec, progress.clone(), stop_rx.clone()).await?);
-    }
+    let consumers = super::start_acking_consumers(c, &queue, &progress, &stop_rx).await?;
 
     let watch = Watch::start(c.pid);
     let published = publish_all(c, &queue, message_total(c, 200_000), confirms).await?;
