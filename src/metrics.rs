@@ -103,7 +103,14 @@ pub const CAPTURED_RETRIED: &str = "retried";
 /// ... an expired dead letter put back into its queue (`dead_letter.ttl_on_dead_letters =
 /// false`; also counted in `dead_letters_kept_total`).
 pub const CAPTURED_KEPT: &str = "kept";
+/// ... a message whose retry delay passed, published back into its queue (retry tiers).
+pub const CAPTURED_RETURNED: &str = "returned";
+/// ... a rejection the upstream dead-lettered on a queue with retry tiers, now waiting in its
+/// delay queue.
+pub const CAPTURED_HELD: &str = "held";
 const CAPTURED_OUTCOMES: &[&str] = &[
+    CAPTURED_RETURNED,
+    CAPTURED_HELD,
     CAPTURED_DEAD_LETTERED,
     CAPTURED_KEPT,
     CAPTURED_DISCARDED,
@@ -120,7 +127,13 @@ pub const REFUSED_LOOPBACK_ONLY: &str = "loopback_only";
 pub const REFUSED_UPSTREAM_UNREACHABLE: &str = "upstream_unreachable";
 /// `dead_letter_retries_total{reason}` labels (proxy mode): why a held dead letter is
 /// published again.
-pub const RETRY_REASONS: &[&str] = &["nacked", "timeout", "channel_lost", "access_refused"];
+pub const RETRY_REASONS: &[&str] = &[
+    "nacked",
+    "timeout",
+    "channel_lost",
+    "access_refused",
+    "unroutable",
+];
 
 const REFUSAL_REASONS: &[&str] = &[
     REFUSED_MAX_CONNECTIONS,

@@ -18,7 +18,10 @@
 //!   the exact text a direct client would get. Tags that differ only in a classic queue's
 //!   delivery limit are compared after every other argument, as RabbitMQ compares
 //!   `x-delivery-limit` last: the check is repeated with the queue's own tag, and the
-//!   limit's refusal is given only if nothing else differs;
+//!   limit's refusal is given only if nothing else differs; so are retry tiers
+//!   (`x-retry-delays`, which only the tag records): a redeclare with other tiers (or none)
+//!   is refused with `inequivalent arg 'x-retry-delays'`, so every instance uses the tiers
+//!   the queue was created with;
 //! - on an argument the proxy filled in from a policy (the client did not send it; RabbitMQ
 //!   never compares policy values): the check is repeated with the queue's current value.
 //!
@@ -31,10 +34,11 @@
 use amq_protocol::protocol::queue;
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 
-use super::declare::{CaptureTag, DeclareRewrite, upstream_declare};
+use super::declare::{CaptureTag, DeclareRewrite, delays_value, upstream_declare};
 use crate::rabbit::args::{
-    ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY, ARG_DELIVERY_LIMIT,
+    ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY, ARG_DELIVERY_LIMIT, ARG_RETRY_DELAYS,
     EQUIVALENCE_ARGUMENTS, check_equivalent, describe_presence, describe_value,
+    parse_queue_arguments,
 };
 
 /// Most declares one check sends (one per compared argument, and the first).
@@ -254,6 +258,15 @@ impl DeclareCheck {
         {
             self.limit_refusal = Some(format!("PRECONDITION_FAILED - {text}"));
         }
+        if self.limit_refusal.is_none()
+            && let Err(text) = retry_delays_equivalent(&existing, &self.client.arguments)
+        {
+            self.limit_refusal = Some(format!(
+                "PRECONDITION_FAILED - inequivalent arg '{ARG_RETRY_DELAYS}' for queue \
+                 '{queue}' in vhost '{}': {text}",
+                self.vhost
+            ));
+        }
         // Check the rest against the queue's own tag.
         let key = ShortString::from(ARG_DEAD_LETTER_ROUTING_KEY);
         match current {
@@ -275,6 +288,30 @@ impl DeclareCheck {
         self.rounds += 1;
         Next::Declare(self.request())
     }
+}
+
+/// Whether the retry tiers a client asks for are the ones the queue's tag carries (RabbitMQ
+/// does not compare an argument it does not know, and every instance must use the same tiers
+/// for the queue): `Err` holds the `received ... but current is ...` part of the refusal.
+fn retry_delays_equivalent(existing: &FieldTable, requested: &FieldTable) -> Result<(), String> {
+    let delays = |table: &FieldTable| {
+        parse_queue_arguments(&only(table, &[ARG_RETRY_DELAYS]))
+            .ok()
+            .and_then(|args| args.retry_delays)
+    };
+    let (current, received) = (delays(existing), delays(requested));
+    if current == received {
+        return Ok(());
+    }
+    let show = |d: &Option<Vec<u64>>| match d {
+        Some(d) => describe_value(&delays_value(d)),
+        None => "none".to_string(),
+    };
+    Err(format!(
+        "received {} but current is {}",
+        show(&received),
+        show(&current)
+    ))
 }
 
 /// The entries of `table` named in `keys`.

@@ -160,7 +160,8 @@
 //!
 //! Module map: [`client_session`] (the task of one client connection and its upstream
 //! connection, and its life), [`forward`] (frame dispatch), [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`retry`] (held dead
-//! letters and their backoff), [`bcc`], [`publisher`], [`capture`], [`death`] (what becomes of
+//! letters and their backoff), [`retry_tiers`] (rejections held for their retry delay),
+//! [`bcc`], [`publisher`], [`capture`], [`death`] (what becomes of
 //! a dead message), [`service`] (the service connections), [`declare`], [`arbiter`] (the
 //! declare check), [`readback`], [`probe`] (the check channel), [`permission`] (the probe of
 //! the client's permissions), [`capture_write`] (may the client's user write the capture
@@ -195,6 +196,7 @@ pub mod publisher;
 pub mod readback;
 pub mod registry;
 pub mod retry;
+pub mod retry_tiers;
 pub mod service;
 pub mod upstream;
 pub mod wire;
@@ -471,7 +473,9 @@ impl ProxyShared {
     /// dead-letters of them still reaches the proxy through the capture queue.
     pub(crate) fn may_take_over(&self, vhost: &str, queue: &str) -> bool {
         self.verified_view(vhost, queue).is_some_and(|view| {
-            view.settings.dead_letter_exchange.is_some() || view.proxy_delivery_limit
+            view.settings.dead_letter_exchange.is_some()
+                || view.settings.retry_delays.is_some()
+                || view.proxy_delivery_limit
         })
     }
 }

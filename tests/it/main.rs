@@ -62,6 +62,7 @@ mod proxy_service;
 mod proxy_streams;
 mod proxy_upstream_policies;
 mod proxy_upstream_tls;
+mod retry_tiers_proxy;
 mod storage_disk;
 mod storage_policies;
 mod storage_restart;

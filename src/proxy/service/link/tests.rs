@@ -74,6 +74,7 @@ fn captured(tag: u64, queue: &str) -> Vec<WireFrame> {
         dead_letter_exchange: Some("dlx".into()),
         dead_letter_routing_key: Some("dlq".into()),
         delivery_limit: None,
+        retry_delays: None,
     }
     .encode()
     .unwrap();
@@ -386,6 +387,7 @@ fn a_sessions_dead_letter_is_published_and_its_outcome_sent_back() {
     let request = |op| PublishRequest {
         op,
         message: message.clone(),
+        delay_ms: None,
         reply: reply.clone(),
     };
     let sent = methods(&link.publish_for(request(41), now).unwrap());
