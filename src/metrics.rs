@@ -572,8 +572,9 @@ impl Metrics {
             captured: b.counter_vec(
                 "captured_total",
                 "Proxy mode: messages taken from the capture queue, by vhost and outcome \
-                 (dead_lettered, discarded, dropped; retried: its dead letter was refused and is \
-                 held for another publish).",
+                 (dead_lettered, discarded, dropped, kept; retried: its dead letter was refused \
+                 and is held for another publish; held: a rejection now waiting for its retry \
+                 tier; returned: a message whose retry delay passed, back in its queue).",
                 &["vhost", "outcome"],
             )?,
             service_vhosts: b.gauge(
