@@ -139,6 +139,19 @@ fn rejected_history(d: &Delivery, queue: &str, count: i64) {
     assert_eq!(header(d, "x-dlx-proxy-retry-queue"), None);
 }
 
+/// Gets and acks `count` messages of `queue`, each back from its first tier; their bodies.
+async fn take_returned(ch: &Channel, queue: &str, count: usize) -> Vec<String> {
+    let mut bodies = Vec::new();
+    for _ in 0..count {
+        let d = get(ch, queue).await;
+        assert_eq!(retry_count(&d), Some(AMQPValue::LongLongInt(1)));
+        rejected_history(&d, queue, 1);
+        bodies.push(payload(&d));
+        d.acker.ack(Default::default()).await.unwrap();
+    }
+    bodies
+}
+
 /// Deletes the delay queues of `capture` for `ms` on the upstream.
 async fn delete_delay_queues(capture: &str, ms: &[i64]) {
     let upstream = upstream_connection().await;
@@ -341,14 +354,7 @@ async fn messages_held_when_the_proxy_is_killed_come_back_through_its_restart() 
     wait_count(&up, &q, 3).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    let mut bodies = Vec::new();
-    for _ in 0..3 {
-        let d = get(&ch, &q).await;
-        assert_eq!(retry_count(&d), Some(AMQPValue::LongLongInt(1)));
-        rejected_history(&d, &q, 1);
-        bodies.push(payload(&d));
-        d.acker.ack(Default::default()).await.unwrap();
-    }
+    let bodies = take_returned(&ch, &q, 3).await;
     assert_eq!(bodies, ["a", "b", "c"]);
     assert_eq!(
         proxy
@@ -386,4 +392,85 @@ async fn a_rejection_no_proxy_saw_takes_its_tier_through_the_capture_queue() {
     assert_eq!(proxy.counter("retry_exhausted_total", &queue), 1.0);
     let _ = upstream.close(200, "done".into()).await;
     setup.finish(&[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_messages_survive_the_loss_of_their_delay_queue_leaders_node() {
+    const WAIT: Duration = Duration::from_secs(60);
+    let cluster = crate::rabbit::cluster();
+    let mut outage = cluster.exclusive().await;
+    let fleet = proxy_support::fleet::Fleet::in_front_of_cluster(2, &[], "").await;
+    let q = unique("tiered-cluster");
+    let delay_queue = format!("{}.retry.6000", fleet.capture);
+    {
+        let conn = fleet.proxy(0).connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        let args = [
+            ("x-queue-type", ls("quorum")),
+            ("x-retry-delays", delays(&[6000])),
+        ];
+        crate::common::dl::declare_durable(&ch, &q, table(&args)).await;
+        crate::common::dl::publish(&ch, &q, &["a", "b", "c"]).await;
+        let mut rx = consume(&ch, &q, manual()).await;
+        for _ in 0..3 {
+            reject(&next(&mut rx).await).await;
+        }
+        let tier = [("queue", q.as_str()), ("tier", "1"), ("vhost", "/")];
+        fleet
+            .proxy(0)
+            .wait_counter("retries_total", &tier, 3.0)
+            .await;
+        let _ = conn.close(200, "done".into()).await;
+    }
+    // The node leading the delay queue goes while the messages wait in it.
+    let home = crate::common::poll(WAIT, Duration::from_millis(200), async || {
+        cluster.queue_home("/", &delay_queue)
+    })
+    .await
+    .expect("the delay queue has a leader");
+    let waiting = proxy_support::fleet::count_at(&cluster.node(home).uri(), &delay_queue).await;
+    assert_eq!(waiting, Some(3), "the messages wait when the node goes");
+    outage.kill(home);
+    let survivor = cluster.node((home + 1) % 3);
+    if let Err(last) = proxy_support::fleet::wait_count_at(&survivor.uri(), &q, 3, WAIT).await {
+        panic!("{q} holds {last:?} messages after the node loss, expected 3");
+    }
+    let (conn, ch) = crate::fleet_cluster::channel_on(survivor).await;
+    let mut bodies = take_returned(&ch, &q, 3).await;
+    bodies.sort();
+    assert_eq!(bodies, ["a", "b", "c"]);
+    let _ = conn.close(200, "done".into()).await;
+    outage.restore();
+    fleet.stop_deleting(&[&q, &delay_queue], &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policys_tiers_apply_to_a_queue_declared_without_them() {
+    let tiers = policy(
+        "tiers",
+        "^t-ptiered",
+        serde_json::json!({"retry-delays": [300]}),
+    );
+    let proxy = TestProxy::start(vec![tiers]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("ptiered");
+    declare(&ch, &q, FieldTable::default()).await;
+    crate::common::dl::publish(&ch, &q, &["job"]).await;
+    let mut rx = consume(&ch, &q, manual()).await;
+    let first = next(&mut rx).await;
+    let back = reject_and_wait(&first, &mut rx, 300).await;
+    assert_eq!(retry_count(&back), Some(AMQPValue::LongLongInt(1)));
+    rejected_history(&back, &q, 1);
+    // Past the last tier, without a dead-letter exchange: discarded, as RabbitMQ does.
+    reject(&back).await;
+    let queue = [("queue", q.as_str()), ("vhost", "/")];
+    proxy
+        .wait_counter("retry_exhausted_total", &queue, 1.0)
+        .await;
+    wait_upstream_empty(&q).await;
+    let capture = proxy.capture.clone();
+    delete_upstream(&ch, &[&q], &[]).await;
+    proxy.stop().await;
+    delete_delay_queues(&capture, &[300]).await;
 }
