@@ -34,6 +34,10 @@
 //!   confirm (one carrying a `user_id` stays held on the client's connection). Without
 //!   verified settings the rejection is passed through and the upstream dead-letters it into
 //!   the capture exchange;
+//! - the same rejections on a queue with retry tiers (`x-retry-delays`, policy `retry-delays`)
+//!   while tiers remain: held in a proxy-owned delay queue on the upstream and published back
+//!   into the queue when the delay has passed ([`retry_tiers`], docs/semantics.md "Retry
+//!   tiers (proxy mode)");
 //! - requeues on classic queues with a delivery limit (verified settings): republished with
 //!   `x-delivery-count`, and dead-lettered as `delivery_limit` past the limit; the same for
 //!   the deliveries a client leaves unsettled when it closes a channel or its connection, or
@@ -149,6 +153,10 @@
 //!   fewer channels are open (RabbitMQ counts channels only): those numbers are the proxy's;
 //! - a method of an unknown class or method gets 540 NOT_IMPLEMENTED (RabbitMQ drops the
 //!   connection without a reply);
+//! - retry tiers: a message carrying a `user_id` is not retried (it dies at once); a redeclare
+//!   with other tiers is refused (`inequivalent arg 'x-retry-delays'`, embedded mode does not
+//!   compare them); tiers whose capture tag would exceed 255 bytes are refused at the declare;
+//!   none with `proxy.delegate_to_upstream`;
 //! - queue.declare and basic.consume whose arguments nest deeper than
 //!   `limits.max_table_depth` are refused by the proxy (501, the client connection closed);
 //!   other methods with tables are forwarded unread, and RabbitMQ accepts them;
@@ -411,11 +419,15 @@ impl ProxyShared {
         arguments: &QueueArguments,
     ) -> QueueView {
         let policies = self.policies.read().unwrap_or_else(|e| e.into_inner());
-        let settings = effective_settings_with_policy(
+        let mut settings = effective_settings_with_policy(
             arguments,
             policies.for_queue(vhost, queue),
             self.default_delivery_limit,
         );
+        if self.delegate_to_upstream {
+            // No service connection holds retried messages: no tiers (docs/semantics.md).
+            settings.retry_delays = None;
+        }
         QueueView {
             proxy_delivery_limit: settings.delivery_limit.is_some()
                 && arguments.queue_type != QueueType::Quorum
