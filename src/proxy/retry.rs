@@ -268,6 +268,7 @@ mod tests {
             RetryReason::Timeout,
             RetryReason::ChannelLost,
             RetryReason::AccessRefused,
+            RetryReason::Unroutable,
         ]
         .map(RetryReason::as_str);
         assert_eq!(labels.as_slice(), crate::metrics::RETRY_REASONS);

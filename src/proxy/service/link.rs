@@ -19,11 +19,19 @@
 //! connection ends, the upstream requeues every capture delivery not acked yet, and what was
 //! held is let go.
 //!
+//! Retry tiers ([`retry_tiers`]): a captured message that waited out its delay in a delay
+//! queue is published back into its queue (`captured_total{outcome="returned"}`), and a
+//! rejection the upstream dead-lettered on a queue with tiers is published to the delay queue
+//! of its tier (`held`); a publish to a delay queue is preceded, once per connection and
+//! delay, by that queue's `nowait` declare on the publisher channel. Both are acked only once
+//! confirmed, as dead letters are.
+//!
 //! The same publisher channel publishes, for client sessions of the vhost, the dead letters
 //! their client's user may not publish ([`PublishRequest`]: a 403 on the session's own
-//! channel; RabbitMQ dead-letters as the broker, without permission checks). Each outcome goes
-//! back to the session, which settles its client's original only on a confirm and otherwise
-//! holds and retries it as before; at most [`FORWARD_LIMIT`] are in flight, and a connection
+//! channel; RabbitMQ dead-letters as the broker, without permission checks), and the
+//! sessions' rejections held for a retry tier (always published by the service identity).
+//! Each outcome goes back to the session, which settles its client's original only on a
+//! confirm and otherwise holds and retries it as before; at most [`FORWARD_LIMIT`] are in flight, and a connection
 //! that ends fails the rest back to their sessions.
 
 use std::collections::{HashMap, HashSet};
