@@ -107,7 +107,14 @@ pub const CAPTURED_RETRIED: &str = "retried";
 /// ... an expired dead letter put back into its queue (`dead_letter.ttl_on_dead_letters =
 /// false`; also counted in `dead_letters_kept_total`).
 pub const CAPTURED_KEPT: &str = "kept";
+/// ... a message whose retry delay passed, published back into its queue (retry tiers).
+pub const CAPTURED_RETURNED: &str = "returned";
+/// ... a rejection the upstream dead-lettered on a queue with retry tiers, now waiting in its
+/// delay queue.
+pub const CAPTURED_HELD: &str = "held";
 const CAPTURED_OUTCOMES: &[&str] = &[
+    CAPTURED_RETURNED,
+    CAPTURED_HELD,
     CAPTURED_DEAD_LETTERED,
     CAPTURED_KEPT,
     CAPTURED_DISCARDED,
@@ -124,7 +131,13 @@ pub const REFUSED_LOOPBACK_ONLY: &str = "loopback_only";
 pub const REFUSED_UPSTREAM_UNREACHABLE: &str = "upstream_unreachable";
 /// `dead_letter_retries_total{reason}` labels (proxy mode): why a held dead letter is
 /// published again.
-pub const RETRY_REASONS: &[&str] = &["nacked", "timeout", "channel_lost", "access_refused"];
+pub const RETRY_REASONS: &[&str] = &[
+    "nacked",
+    "timeout",
+    "channel_lost",
+    "access_refused",
+    "unroutable",
+];
 
 const REFUSAL_REASONS: &[&str] = &[
     REFUSED_MAX_CONNECTIONS,
@@ -589,8 +602,9 @@ impl Metrics {
             captured: b.counter_vec(
                 "captured_total",
                 "Proxy mode: messages taken from the capture queue, by vhost and outcome \
-                 (dead_lettered, discarded, dropped; retried: its dead letter was refused and is \
-                 held for another publish).",
+                 (dead_lettered, discarded, dropped, kept; retried: its dead letter was refused \
+                 and is held for another publish; held: a rejection now waiting for its retry \
+                 tier; returned: a message whose retry delay passed, back in its queue).",
                 &["vhost", "outcome"],
             )?,
             service_vhosts: b.gauge(

@@ -18,7 +18,10 @@
 //!   the exact text a direct client would get. Tags that differ only in a classic queue's
 //!   delivery limit are compared after every other argument, as RabbitMQ compares
 //!   `x-delivery-limit` last: the check is repeated with the queue's own tag, and the
-//!   limit's refusal is given only if nothing else differs;
+//!   limit's refusal is given only if nothing else differs; so are retry tiers
+//!   (`x-retry-delays`, which only the tag records): a redeclare with other tiers (or none)
+//!   is refused with `inequivalent arg 'x-retry-delays'`, so every instance uses the tiers
+//!   the queue was created with;
 //! - on an argument the proxy filled in from a policy (the client did not send it; RabbitMQ
 //!   never compares policy values): the check is repeated with the queue's current value.
 //!
@@ -34,7 +37,8 @@ use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 use super::declare::{CaptureTag, DeclareRewrite, upstream_declare};
 use crate::rabbit::args::{
     ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY, ARG_DELIVERY_LIMIT,
-    EQUIVALENCE_ARGUMENTS, check_equivalent, describe_presence, describe_value,
+    EQUIVALENCE_ARGUMENTS, check_equivalent, check_retry_delays_equivalent, describe_presence,
+    describe_value,
 };
 
 /// Most declares one check sends (one per compared argument, and the first).
@@ -251,6 +255,12 @@ impl DeclareCheck {
         let current_limit = only(&existing, &[ARG_DELIVERY_LIMIT]);
         if let Err(text) = check_equivalent(&current_limit, &requested_limit, queue, &self.vhost)
             && self.limit_refusal.is_none()
+        {
+            self.limit_refusal = Some(format!("PRECONDITION_FAILED - {text}"));
+        }
+        if self.limit_refusal.is_none()
+            && let Err(text) =
+                check_retry_delays_equivalent(&existing, &self.client.arguments, queue, &self.vhost)
         {
             self.limit_refusal = Some(format!("PRECONDITION_FAILED - {text}"));
         }

@@ -21,6 +21,7 @@ use super::declare::CaptureTag;
 use super::ops::{Op, Purpose, Settlement};
 use super::outgoing::{back_to_queue, dead_letter_publish, keys_after_cycle_rule};
 use super::publisher::{Outcome, OutgoingMessage};
+use super::retry::RetryReason;
 use crate::amqp::content::{decode_properties, keep_opaque_headers};
 use crate::deadletter::{
     DeadLetterOptions, DeadLetterReason, DeadLetterTarget, DeathEvent, dead_letter,
@@ -51,6 +52,20 @@ pub(crate) struct Death {
     pub body: Bytes,
 }
 
+impl Death {
+    /// The death as the pure dead-letter rules see it.
+    pub(crate) fn event(&self) -> DeathEvent<'_> {
+        DeathEvent {
+            queue: &self.queue,
+            reason: self.reason,
+            exchange: &self.exchange,
+            routing_keys: &self.routing_keys,
+            now_secs: self.time,
+            trust_existing_history: true,
+        }
+    }
+}
+
 /// What becomes of a dead message.
 #[derive(Debug)]
 pub(crate) enum Plan {
@@ -68,14 +83,7 @@ pub(crate) fn plan(death: Death, view: &QueueView, options: &DeadLetterOptions) 
     let Some(dlx) = view.settings.dead_letter_exchange.as_deref() else {
         return Plan::Discard;
     };
-    let event = DeathEvent {
-        queue: &death.queue,
-        reason: death.reason,
-        exchange: &death.exchange,
-        routing_keys: &death.routing_keys,
-        now_secs: death.time,
-        trust_existing_history: true,
-    };
+    let event = death.event();
     let target = DeadLetterTarget {
         exchange: dlx,
         routing_key: view.settings.dead_letter_routing_key.as_deref(),
@@ -215,8 +223,36 @@ pub(crate) fn settle(
         (Purpose::KeepDeadLetter, Outcome::Unroutable | Outcome::ExchangeMissing) => {
             Settlement::Ack
         }
+        (Purpose::RetryHold { tier, .. }, Outcome::Confirmed) => {
+            metrics.retried(vhost, &op.queue, tier);
+            metrics.add_retry_held(vhost, &op.queue, 1);
+            Settlement::Ack
+        }
+        // The delay queue is missing (deleted since it was declared): held and retried, see
+        // [`retry_reason`].
+        (Purpose::RetryHold { .. }, Outcome::Unroutable | Outcome::ExchangeMissing) => {
+            return None;
+        }
+        // Back in its queue, or its queue is gone (deleted while the message waited).
+        (Purpose::RetryReturn, Outcome::Confirmed)
+        | (Purpose::RetryReturn, Outcome::Unroutable | Outcome::ExchangeMissing) => {
+            metrics.add_retry_held(vhost, &op.queue, -1);
+            Settlement::Ack
+        }
         (_, Outcome::Failed(_) | Outcome::TimedOut | Outcome::AccessRefused) => return None,
     })
+}
+
+/// Why a finished publish is held and published again (`None`: it ended). As
+/// [`RetryReason::of`], and a message for a delay queue that routed nowhere (the queue was
+/// deleted; the next publish declares it again) is retried too rather than lost.
+pub(crate) fn retry_reason(op: &Op, outcome: &Outcome) -> Option<RetryReason> {
+    match (op.purpose, outcome) {
+        (Purpose::RetryHold { .. }, Outcome::Unroutable | Outcome::ExchangeMissing) => {
+            Some(RetryReason::Unroutable)
+        }
+        _ => RetryReason::of(outcome),
+    }
 }
 
 /// A dead letter no publish can carry (a name that is not a short string, such as a

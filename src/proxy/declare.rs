@@ -27,11 +27,12 @@ use amq_protocol::protocol::queue;
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 use crate::policy::{EffectiveQueueSettings, PolicyDefinition, effective_settings};
+pub use crate::rabbit::args::delays_value;
 use crate::rabbit::args::{
     ARG_CONSUMER_TIMEOUT, ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY,
     ARG_DEAD_LETTER_STRATEGY, ARG_DELIVERY_LIMIT, ARG_EXPIRES, ARG_MAX_LENGTH,
-    ARG_MAX_LENGTH_BYTES, ARG_MESSAGE_TTL, ARG_OVERFLOW, ARG_QUEUE_TYPE, ArgumentError,
-    QueueArguments, QueueType, parse_queue_arguments,
+    ARG_MAX_LENGTH_BYTES, ARG_MESSAGE_TTL, ARG_OVERFLOW, ARG_QUEUE_TYPE, ARG_RETRY_DELAYS,
+    ArgumentError, ArgumentErrorKind, QueueArguments, QueueType, parse_queue_arguments,
 };
 
 /// Prefix of a capture tag in an upstream queue's dead-letter routing key.
@@ -48,6 +49,10 @@ pub struct CaptureTag {
     /// `x-delivery-limit` of a classic queue (quorum queues carry it natively).
     #[serde(rename = "l", default, skip_serializing_if = "Option::is_none")]
     pub delivery_limit: Option<u64>,
+    /// `x-retry-delays` (RabbitMQ stores but never compares an argument it does not know, so
+    /// the tag, which it compares, is where every instance reads the queue's tiers).
+    #[serde(rename = "r", default, skip_serializing_if = "Option::is_none")]
+    pub retry_delays: Option<Vec<u64>>,
 }
 
 impl CaptureTag {
@@ -59,6 +64,7 @@ impl CaptureTag {
         if args.dead_letter_exchange.is_none()
             && args.dead_letter_routing_key.is_none()
             && delivery_limit.is_none()
+            && args.retry_delays.is_none()
         {
             return None;
         }
@@ -66,6 +72,7 @@ impl CaptureTag {
             dead_letter_exchange: args.dead_letter_exchange.clone(),
             dead_letter_routing_key: args.dead_letter_routing_key.clone(),
             delivery_limit,
+            retry_delays: args.retry_delays.clone(),
         })
     }
 
@@ -88,6 +95,7 @@ impl CaptureTag {
             dead_letter_exchange: self.dead_letter_exchange.clone(),
             dead_letter_routing_key: self.dead_letter_routing_key.clone(),
             delivery_limit: self.delivery_limit,
+            retry_delays: self.retry_delays.clone(),
             ..QueueArguments::default()
         }
     }
@@ -109,7 +117,22 @@ impl CaptureTag {
             };
             table.insert(ShortString::from(ARG_DELIVERY_LIMIT), value);
         }
+        if let Some(delays) = &self.retry_delays {
+            table.insert(ShortString::from(ARG_RETRY_DELAYS), delays_value(delays));
+        }
         table
+    }
+}
+
+/// The refusal of retry tiers whose capture tag does not fit the dead-letter routing key
+/// (a short string): every instance must read them back from the queue, so they are refused
+/// at the declare rather than kept by this instance alone.
+fn tiers_do_not_fit() -> ArgumentError {
+    ArgumentError {
+        argument: ARG_RETRY_DELAYS.to_string(),
+        detail: "{too_long,\"the delays with the dead-letter arguments exceed 255 bytes in proxy mode\"}"
+            .into(),
+        kind: ArgumentErrorKind::InvalidValue,
     }
 }
 
@@ -175,6 +198,8 @@ pub fn rewrite_declare(
             ARG_DELIVERY_LIMIT => !quorum,
             // Only quorum queues accept it; the proxy dead-letters anyway.
             ARG_DEAD_LETTER_STRATEGY => *handling != DeadLetterHandling::Delegate && !quorum,
+            // The proxy holds and returns retried messages; the delays go into the tag.
+            ARG_RETRY_DELAYS => *handling != DeadLetterHandling::Delegate,
             _ => false,
         };
         if !proxy_owned {
@@ -236,8 +261,12 @@ pub fn rewrite_declare(
     match handling {
         DeadLetterHandling::Capture { exchange } => {
             put_text(&mut upstream, ARG_DEAD_LETTER_EXCHANGE, exchange);
-            if let Some(tag) = CaptureTag::from_arguments(&parsed).and_then(|t| t.encode()) {
-                put_text(&mut upstream, ARG_DEAD_LETTER_ROUTING_KEY, &tag);
+            if let Some(tag) = CaptureTag::from_arguments(&parsed) {
+                match tag.encode() {
+                    Some(tag) => put_text(&mut upstream, ARG_DEAD_LETTER_ROUTING_KEY, &tag),
+                    None if tag.retry_delays.is_some() => return Err(tiers_do_not_fit()),
+                    None => {}
+                }
             }
         }
         DeadLetterHandling::Delegate => {
@@ -534,6 +563,43 @@ mod tests {
     }
 
     #[test]
+    fn retry_delays_travel_in_the_tag_and_are_refused_when_it_does_not_fit() {
+        let client = args(&[(ARG_RETRY_DELAYS, delays_value(&[300, 900]))]);
+        let rewrite = rewrite_declare(&client, None, None, &capture()).unwrap();
+        let up = rewrite.upstream_arguments.inner();
+        assert!(up.get(ARG_RETRY_DELAYS).is_none());
+        let Some(AMQPValue::LongString(tag)) = up.get(ARG_DEAD_LETTER_ROUTING_KEY) else {
+            panic!("no tag");
+        };
+        let tag = CaptureTag::decode(&String::from_utf8_lossy(tag.as_bytes())).unwrap();
+        assert_eq!(tag.retry_delays, Some(vec![300, 900]));
+        assert_eq!(tag.to_arguments().retry_delays, Some(vec![300, 900]));
+        assert_eq!(
+            parse_queue_arguments(&tag.to_field_table())
+                .unwrap()
+                .retry_delays,
+            Some(vec![300, 900])
+        );
+        // 32 delays of ten digits do not fit 255 bytes.
+        let long = args(&[(ARG_RETRY_DELAYS, delays_value(&[4_000_000_000; 32]))]);
+        let err = rewrite_declare(&long, None, None, &capture()).unwrap_err();
+        assert_eq!(err.reply_code(), 406);
+        assert!(
+            err.reply_text("q", "/")
+                .contains("x-retry-delays' for queue 'q' in vhost '/': {too_long,")
+        );
+        // Delegated, the upstream keeps it as sent (the proxy retries nothing there).
+        let rewrite = rewrite_declare(&client, None, None, &DeadLetterHandling::Delegate).unwrap();
+        assert!(
+            rewrite
+                .upstream_arguments
+                .inner()
+                .get(ARG_RETRY_DELAYS)
+                .is_some()
+        );
+    }
+
+    #[test]
     fn long_tags_do_not_fit() {
         let tag = CaptureTag {
             dead_letter_exchange: Some("x".repeat(250)),
@@ -544,6 +610,7 @@ mod tests {
             dead_letter_exchange: Some(String::new()),
             dead_letter_routing_key: Some("q\"1".into()),
             delivery_limit: Some(2),
+            retry_delays: Some(vec![300, 900]),
         };
         assert_eq!(CaptureTag::decode(&short.encode().unwrap()), Some(short));
         assert_eq!(CaptureTag::decode("plain-key"), None);

@@ -17,7 +17,7 @@ use super::QueueView;
 use super::arbiter::{DeclareCheck, Next, Verdict};
 use super::channels::PendingDeclare;
 use super::client_session::ClientSession;
-use super::death::{Death, Plan, drop_unpublishable, now_secs, plan, settle};
+use super::death::{Death, Plan, drop_unpublishable, now_secs, plan, retry_reason, settle};
 use super::declare::{
     DeadLetterHandling, keep_own_dead_letter_arguments, passes_through, rewrite_declare,
     upstream_declare,
@@ -31,6 +31,7 @@ use super::publisher::{OpId, Outcome, OutgoingMessage};
 use super::readback::{ReadBack, ReadNext, ReadOutcome};
 use super::registry::VerifiedQueue;
 use super::retry::RetryReason;
+use super::retry_tiers::{RetryPlan, plan_rejection};
 use super::service::judge::DeclareRequest;
 use super::service::link::PublishRequest;
 use super::wire::{WireFrame, method_frame};
@@ -675,7 +676,7 @@ impl ClientSession {
             if verb.requeues() {
                 view.proxy_delivery_limit
             } else {
-                view.settings.dead_letter_exchange.is_some()
+                view.settings.dead_letter_exchange.is_some() || view.settings.retry_delays.is_some()
             }
         });
         let released_count = kept_before - ch.deliveries.kept_len();
@@ -818,7 +819,31 @@ impl ClientSession {
             time: now_secs(),
             body: delivery.body,
         };
-        self.dead_letter_message(origin, death, view);
+        match plan_rejection(
+            &death,
+            view.settings.retry_delays.as_deref(),
+            &self.shared.dead_letter_options,
+            &self.shared.capture_name,
+        ) {
+            RetryPlan::Hold {
+                tier,
+                delay_ms,
+                message,
+            } => {
+                // The vhost's service connection declares the delay queue and publishes.
+                let purpose = Purpose::RetryHold { tier, delay_ms };
+                let mut op = Op::new(origin, purpose, death.queue, message, self.now);
+                op.via_service = true;
+                self.start_op(op);
+            }
+            RetryPlan::Exhausted => {
+                self.shared
+                    .metrics
+                    .retry_exhausted(&self.vhost, &death.queue);
+                self.dead_letter_message(origin, death, view);
+            }
+            RetryPlan::NotRetried => self.dead_letter_message(origin, death, view),
+        }
     }
 
     /// Rewrites a dead message with the pure rules and publishes it to its dead-letter
@@ -853,7 +878,11 @@ impl ClientSession {
         let op_id = self.next_op;
         self.next_op += 1;
         let published = if op.via_service {
-            self.publish_via_service(op_id, &op.message);
+            let delay_ms = match op.purpose {
+                Purpose::RetryHold { delay_ms, .. } => Some(delay_ms),
+                _ => None,
+            };
+            self.publish_via_service(op_id, &op.message, delay_ms);
             Ok(None)
         } else {
             match self.publisher.as_mut() {
@@ -891,10 +920,16 @@ impl ClientSession {
 
     /// Hands a dead letter to the vhost's service connection; its outcome comes back through
     /// `service_outcomes` (at once, as a failure to retry, when the service cannot take it).
-    fn publish_via_service(&mut self, op_id: OpId, message: &OutgoingMessage) {
+    fn publish_via_service(
+        &mut self,
+        op_id: OpId,
+        message: &OutgoingMessage,
+        delay_ms: Option<u64>,
+    ) {
         let request = PublishRequest {
             op: op_id,
             message: message.clone(),
+            delay_ms,
             reply: self.service_outcomes.0.clone(),
         };
         let taken = self
@@ -952,7 +987,7 @@ impl ClientSession {
             self.op_finished(origin);
             return;
         }
-        if let Some(reason) = RetryReason::of(&outcome) {
+        if let Some(reason) = retry_reason(&op, &outcome) {
             self.refused(op, &outcome, reason);
             return;
         }

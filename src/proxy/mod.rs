@@ -34,6 +34,10 @@
 //!   confirm (one carrying a `user_id` stays held on the client's connection). Without
 //!   verified settings the rejection is passed through and the upstream dead-letters it into
 //!   the capture exchange;
+//! - the same rejections on a queue with retry tiers (`x-retry-delays`, policy `retry-delays`)
+//!   while tiers remain: held in a proxy-owned delay queue on the upstream and published back
+//!   into the queue when the delay has passed ([`retry_tiers`], docs/semantics.md "Retry
+//!   tiers (proxy mode)");
 //! - requeues on classic queues with a delivery limit (verified settings): republished with
 //!   `x-delivery-count`, and dead-lettered as `delivery_limit` past the limit; the same for
 //!   the deliveries a client leaves unsettled when it closes a channel or its connection, or
@@ -149,6 +153,10 @@
 //!   fewer channels are open (RabbitMQ counts channels only): those numbers are the proxy's;
 //! - a method of an unknown class or method gets 540 NOT_IMPLEMENTED (RabbitMQ drops the
 //!   connection without a reply);
+//! - retry tiers: a message carrying a `user_id` is not retried (it dies at once); a redeclare
+//!   with other tiers is refused (`inequivalent arg 'x-retry-delays'`, embedded mode does not
+//!   compare them); tiers whose capture tag would exceed 255 bytes are refused at the declare;
+//!   none with `proxy.delegate_to_upstream`;
 //! - queue.declare and basic.consume whose arguments nest deeper than
 //!   `limits.max_table_depth` are refused by the proxy (501, the client connection closed);
 //!   other methods with tables are forwarded unread, and RabbitMQ accepts them;
@@ -160,7 +168,8 @@
 //!
 //! Module map: [`client_session`] (the task of one client connection and its upstream
 //! connection, and its life), [`forward`] (frame dispatch), [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`retry`] (held dead
-//! letters and their backoff), [`bcc`], [`publisher`], [`capture`], [`death`] (what becomes of
+//! letters and their backoff), [`retry_tiers`] (rejections held for their retry delay),
+//! [`bcc`], [`publisher`], [`capture`], [`death`] (what becomes of
 //! a dead message), [`service`] (the service connections), [`declare`], [`arbiter`] (the
 //! declare check), [`readback`], [`probe`] (the check channel), [`permission`] (the probe of
 //! the client's permissions), [`capture_write`] (may the client's user write the capture
@@ -195,6 +204,7 @@ pub mod publisher;
 pub mod readback;
 pub mod registry;
 pub mod retry;
+pub mod retry_tiers;
 pub mod service;
 pub mod upstream;
 pub mod wire;
@@ -409,11 +419,15 @@ impl ProxyShared {
         arguments: &QueueArguments,
     ) -> QueueView {
         let policies = self.policies.read().unwrap_or_else(|e| e.into_inner());
-        let settings = effective_settings_with_policy(
+        let mut settings = effective_settings_with_policy(
             arguments,
             policies.for_queue(vhost, queue),
             self.default_delivery_limit,
         );
+        if self.delegate_to_upstream {
+            // No service connection holds retried messages: no tiers (docs/semantics.md).
+            settings.retry_delays = None;
+        }
         QueueView {
             proxy_delivery_limit: settings.delivery_limit.is_some()
                 && arguments.queue_type != QueueType::Quorum
@@ -471,7 +485,9 @@ impl ProxyShared {
     /// dead-letters of them still reaches the proxy through the capture queue.
     pub(crate) fn may_take_over(&self, vhost: &str, queue: &str) -> bool {
         self.verified_view(vhost, queue).is_some_and(|view| {
-            view.settings.dead_letter_exchange.is_some() || view.proxy_delivery_limit
+            view.settings.dead_letter_exchange.is_some()
+                || view.settings.retry_delays.is_some()
+                || view.proxy_delivery_limit
         })
     }
 }

@@ -35,6 +35,11 @@ pub enum Purpose {
     /// A dead letter the upstream expired, put back into its queue unchanged
     /// (`dead_letter.ttl_on_dead_letters = false`).
     KeepDeadLetter,
+    /// A rejection on a queue with retry tiers: the publish goes to the delay queue of
+    /// `delay_ms` ([`super::retry_tiers`]), through the vhost's service connection.
+    RetryHold { tier: u64, delay_ms: u64 },
+    /// A message whose delay passed, published back into its queue.
+    RetryReturn,
 }
 
 /// One operation.

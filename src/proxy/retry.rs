@@ -35,6 +35,9 @@ pub enum RetryReason {
     /// channel). RabbitMQ dead-letters without checking permissions, so the message is kept
     /// until an operator grants them.
     AccessRefused,
+    /// A message for a retry tier's delay queue routed nowhere (the queue was deleted): the
+    /// next publish declares it again.
+    Unroutable,
 }
 
 impl RetryReason {
@@ -45,6 +48,7 @@ impl RetryReason {
             RetryReason::Timeout => "timeout",
             RetryReason::ChannelLost => "channel_lost",
             RetryReason::AccessRefused => "access_refused",
+            RetryReason::Unroutable => "unroutable",
         }
     }
 
@@ -264,6 +268,7 @@ mod tests {
             RetryReason::Timeout,
             RetryReason::ChannelLost,
             RetryReason::AccessRefused,
+            RetryReason::Unroutable,
         ]
         .map(RetryReason::as_str);
         assert_eq!(labels.as_slice(), crate::metrics::RETRY_REASONS);

@@ -736,5 +736,48 @@ pub fn check_equivalent(
     Ok(())
 }
 
+/// Retry tiers as a field array of longs (how this service writes `x-retry-delays`).
+pub fn delays_value(delays: &[u64]) -> AMQPValue {
+    AMQPValue::FieldArray(amq_protocol::types::FieldArray::from(
+        delays
+            .iter()
+            .map(|d| AMQPValue::LongLongInt(i64::try_from(*d).unwrap_or(i64::MAX)))
+            .collect::<Vec<_>>(),
+    ))
+}
+
+/// This service's redeclare check of retry tiers, in both modes: RabbitMQ does not compare
+/// an argument it does not know, but a queue has one set of tiers, so a redeclare with other
+/// tiers (or none, or tiers where it has none) is refused like an inequivalent argument.
+/// Tiers compare by value, whatever the integer widths. `Err` holds the whole text after
+/// `PRECONDITION_FAILED - `.
+pub fn check_retry_delays_equivalent(
+    existing: &FieldTable,
+    requested: &FieldTable,
+    queue: &str,
+    vhost: &str,
+) -> Result<(), String> {
+    let delays = |table: &FieldTable| {
+        table
+            .inner()
+            .get(ARG_RETRY_DELAYS)
+            .and_then(|value| retry_delays_argument(value).ok())
+    };
+    let (current, received) = (delays(existing), delays(requested));
+    if current == received {
+        return Ok(());
+    }
+    let show = |d: &Option<Vec<u64>>| match d {
+        Some(d) => describe_value(&delays_value(d)),
+        None => "none".to_string(),
+    };
+    Err(format!(
+        "inequivalent arg '{ARG_RETRY_DELAYS}' for queue '{queue}' in vhost '{vhost}': \
+         received {} but current is {}",
+        show(&received),
+        show(&current)
+    ))
+}
+
 #[cfg(test)]
 mod tests;

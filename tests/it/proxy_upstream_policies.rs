@@ -186,6 +186,7 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
             dead_letter_exchange: Some(dlx.clone()),
             dead_letter_routing_key: Some(dlq.clone()),
             delivery_limit: None,
+            retry_delays: None,
         })
     );
     assert_eq!(

@@ -251,6 +251,43 @@ async fn embedded_invalid_retry_delays_are_refused_with_406() {
     );
 }
 
+#[tokio::test]
+async fn embedded_a_redeclare_with_other_tiers_is_refused_with_406() {
+    let b = start().await;
+    let (conn, ch) = b.channel().await;
+    try_declare(
+        &ch,
+        "tiers",
+        table(&[("x-retry-delays", delays(&[300, 600]))]),
+    )
+    .await
+    .expect("first declare");
+    // The same tiers, in another integer width, are the same.
+    let same =
+        AMQPValue::FieldArray(vec![AMQPValue::LongInt(300), AMQPValue::ShortInt(600)].into());
+    try_declare(&ch, "tiers", table(&[("x-retry-delays", same)]))
+        .await
+        .expect("an equivalent redeclare");
+    let err = try_declare(&ch, "tiers", table(&[("x-retry-delays", delays(&[300]))]))
+        .await
+        .expect_err("other tiers");
+    assert_eq!(amqp_code(&err), Some(406));
+    assert_eq!(
+        amqp_text(&err),
+        "PRECONDITION_FAILED - inequivalent arg 'x-retry-delays' for queue 'tiers' in vhost \
+         '/': received '[{long,300}]' but current is '[{long,300},{long,600}]'"
+    );
+    let ch = conn.create_channel().await.expect("channel");
+    let err = try_declare(&ch, "tiers", table(&[]))
+        .await
+        .expect_err("no tiers");
+    assert_eq!(
+        amqp_text(&err),
+        "PRECONDITION_FAILED - inequivalent arg 'x-retry-delays' for queue 'tiers' in vhost \
+         '/': received none but current is '[{long,300},{long,600}]'"
+    );
+}
+
 /// Persistent messages held in a durable queue's retry hold survive a SIGKILL: after the
 /// restart they are still held (not in the queue, counted by the held gauge) until their
 /// original due time, then all come back with their `x-retry-count`.

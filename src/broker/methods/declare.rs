@@ -283,6 +283,8 @@ impl Broker {
                 }
                 args::check_equivalent(&q.arguments, req.arguments, req.name, vhost)
                     .map_err(AmqpError::precondition)?;
+                args::check_retry_delays_equivalent(&q.arguments, req.arguments, req.name, vhost)
+                    .map_err(AmqpError::precondition)?;
             }
             q.last_used = now;
             let out = DeclaredQueue {

@@ -3,7 +3,7 @@
 use super::*;
 use crate::policy::PolicyDefinition;
 use crate::proxy::declare::{DeadLetterHandling, rewrite_declare};
-use crate::rabbit::args::ARG_MESSAGE_TTL;
+use crate::rabbit::args::{ARG_MESSAGE_TTL, ARG_RETRY_DELAYS, delays_value};
 
 const CAPTURE: &str = "dlx-proxy.capture";
 
@@ -171,6 +171,18 @@ fn tag_refusals_are_given_in_the_clients_terms() {
     );
 }
 
+/// The check answers RabbitMQ's `refusal` of the tag by declaring again with the queue's own
+/// tag `stored`.
+fn repeated_with(check: &mut DeclareCheck, refusal: &str, stored: &str) {
+    let Next::Declare(again) = check.on_close(406, refusal) else {
+        panic!("not repeated");
+    };
+    assert_eq!(
+        again.arguments.inner().get(ARG_DEAD_LETTER_ROUTING_KEY),
+        Some(&ls(stored))
+    );
+}
+
 #[test]
 fn a_different_delivery_limit_is_refused_only_after_the_rest_is_compared() {
     let declared = args(&[(ARG_DELIVERY_LIMIT, AMQPValue::LongInt(2))]);
@@ -182,13 +194,7 @@ fn a_different_delivery_limit_is_refused_only_after_the_rest_is_compared() {
     );
     // Nothing else differs: the limit's refusal.
     let mut check = check(client.clone());
-    let Next::Declare(again) = check.on_close(406, &refusal) else {
-        panic!("not repeated");
-    };
-    assert_eq!(
-        again.arguments.inner().get(ARG_DEAD_LETTER_ROUTING_KEY),
-        Some(&ls(&stored))
-    );
+    repeated_with(&mut check, &refusal, &stored);
     assert_eq!(
         check.on_declare_ok(),
         Verdict::Refused {
@@ -321,5 +327,42 @@ fn flags_and_other_refusals_pass_through() {
             "RESOURCE_LOCKED - cannot obtain exclusive access to locked queue 'q' in vhost '/'"
         ),
         Next::Done(Verdict::Undecided)
+    );
+}
+
+#[test]
+fn other_retry_tiers_are_refused_after_the_rest_is_compared() {
+    let delays = |ms: &[u64]| args(&[(ARG_RETRY_DELAYS, delays_value(ms))]);
+    let stored = tag(delays(&[300]));
+    for (client, received) in [
+        (delays(&[300, 600]), "'[{long,300},{long,600}]'"),
+        (FieldTable::default(), "none"),
+    ] {
+        let sent = match CaptureTag::from_arguments(
+            &crate::rabbit::args::parse_queue_arguments(&client).unwrap(),
+        ) {
+            Some(tag) => format!("'{}'", tag.encode().unwrap()),
+            None => "none".into(),
+        };
+        let refusal = format!(
+            "PRECONDITION_FAILED - inequivalent arg 'x-dead-letter-routing-key' for queue 'q' in vhost '/': received {sent} but current is '{stored}'"
+        );
+        let mut check = check(client);
+        repeated_with(&mut check, &refusal, &stored);
+        assert_eq!(
+            check.on_declare_ok(),
+            Verdict::Refused {
+                code: 406,
+                text: format!(
+                    "PRECONDITION_FAILED - inequivalent arg 'x-retry-delays' for queue 'q' in vhost '/': received {received} but current is '[{{long,300}}]'"
+                )
+            }
+        );
+    }
+    // The same tiers: verified.
+    let mut check = check(delays(&[300]));
+    assert_eq!(
+        check.on_declare_ok(),
+        Verdict::Verified(check.upstream_arguments().clone())
     );
 }

@@ -73,6 +73,8 @@ impl UpstreamPolicy {
                     dead_letter_routing_key: d.dead_letter_routing_key.clone(),
                     // A policy's delivery limit is read from the TOML policy itself.
                     delivery_limit: None,
+                    // So are its retry tiers.
+                    retry_delays: None,
                 };
                 // A tag too long for a routing key is left out: the capture consumer then
                 // reads the proxy's policy, as for a queue declared without dead-letter

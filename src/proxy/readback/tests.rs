@@ -41,6 +41,7 @@ fn reads_a_proxy_queue_one_argument_at_a_time() {
         dead_letter_exchange: Some("dlx".into()),
         dead_letter_routing_key: None,
         delivery_limit: Some(2),
+        retry_delays: None,
     }
     .encode()
     .unwrap();

@@ -19,14 +19,22 @@
 //! connection ends, the upstream requeues every capture delivery not acked yet, and what was
 //! held is let go.
 //!
+//! Retry tiers ([`retry_tiers`]): a captured message that waited out its delay in a delay
+//! queue is published back into its queue (`captured_total{outcome="returned"}`), and a
+//! rejection the upstream dead-lettered on a queue with tiers is published to the delay queue
+//! of its tier (`held`); a publish to a delay queue is preceded, once per connection and
+//! delay, by that queue's `nowait` declare on the publisher channel. Both are acked only once
+//! confirmed, as dead letters are.
+//!
 //! The same publisher channel publishes, for client sessions of the vhost, the dead letters
 //! their client's user may not publish ([`PublishRequest`]: a 403 on the session's own
-//! channel; RabbitMQ dead-letters as the broker, without permission checks). Each outcome goes
-//! back to the session, which settles its client's original only on a confirm and otherwise
-//! holds and retries it as before; at most [`FORWARD_LIMIT`] are in flight, and a connection
+//! channel; RabbitMQ dead-letters as the broker, without permission checks), and the
+//! sessions' rejections held for a retry tier (always published by the service identity).
+//! Each outcome goes back to the session, which settles its client's original only on a
+//! confirm and otherwise holds and retries it as before; at most [`FORWARD_LIMIT`] are in flight, and a connection
 //! that ends fails the rest back to their sessions.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -34,7 +42,8 @@ use bytes::{Bytes, BytesMut};
 use tokio::sync::mpsc;
 
 use crate::metrics::{
-    CAPTURED_DEAD_LETTERED, CAPTURED_DISCARDED, CAPTURED_DROPPED, CAPTURED_KEPT, CAPTURED_RETRIED,
+    CAPTURED_DEAD_LETTERED, CAPTURED_DISCARDED, CAPTURED_DROPPED, CAPTURED_HELD, CAPTURED_KEPT,
+    CAPTURED_RETRIED, CAPTURED_RETURNED,
 };
 use crate::proxy::ProxyShared;
 use crate::proxy::capture::{CaptureConsumer, CapturedMessage};
@@ -42,6 +51,7 @@ use crate::proxy::death::{self, Plan};
 use crate::proxy::ops::{Op, Origin, Purpose, Settlement};
 use crate::proxy::publisher::{OpId, Outcome, OutgoingMessage, Publisher, Settled};
 use crate::proxy::retry::{RetryReason, RetrySchedule};
+use crate::proxy::retry_tiers::{self, RetryPlan};
 use crate::proxy::wire::WireFrame;
 
 /// The capture consumer's channel on a service connection.
@@ -51,6 +61,8 @@ pub const PUBLISHER_CHANNEL: u16 = 2;
 
 /// Dead-letter publishes of client sessions in flight on one service connection, at most.
 pub const FORWARD_LIMIT: usize = 1024;
+/// Delay queues one service connection remembers having declared, at most.
+pub const DECLARED_DELAYS: usize = 1024;
 /// Why a forwarded publish failed when its service connection ended.
 pub const FORWARD_LOST: &str = "service connection lost";
 
@@ -63,6 +75,8 @@ pub struct PublishRequest {
     /// The session's operation.
     pub op: OpId,
     pub message: OutgoingMessage,
+    /// A message for the delay queue of this retry delay, which is declared first.
+    pub delay_ms: Option<u64>,
     pub reply: OutcomeSender,
 }
 
@@ -98,8 +112,13 @@ pub struct CaptureLink {
     held: RetrySchedule<Op>,
     next_op: OpId,
     cancel_confirmed: bool,
-    /// Publishes made for client sessions, by this connection's operation id.
-    forwarded: HashMap<OpId, (OpId, OutcomeSender)>,
+    /// Publishes made for client sessions, by this connection's operation id (with the
+    /// retry delay of a message for a delay queue).
+    forwarded: HashMap<OpId, (OpId, OutcomeSender, Option<u64>)>,
+    /// The retry delays whose delay queue this connection declared (at most
+    /// [`DECLARED_DELAYS`]; past that, each publish declares its queue again).
+    declared_delays: HashSet<u64>,
+    capture_name: String,
     /// `dlx_proxy_capture_unacked{vhost}`.
     unacked: prometheus::IntGauge,
 }
@@ -123,6 +142,8 @@ impl CaptureLink {
             next_op: 1,
             cancel_confirmed: false,
             forwarded: HashMap::new(),
+            declared_delays: HashSet::new(),
+            capture_name: shared.capture_name.clone(),
             unacked: shared.metrics.capture_unacked(vhost),
         }
     }
@@ -151,14 +172,38 @@ impl CaptureLink {
         self.next_op += 1;
         match self.publisher.publish(id, &request.message, now) {
             Ok(bytes) => {
-                self.forwarded.insert(id, (request.op, request.reply));
-                Some(bytes)
+                self.forwarded
+                    .insert(id, (request.op, request.reply, request.delay_ms));
+                Some(self.with_delay_queue(request.delay_ms, bytes))
             }
             Err(why) => {
                 let _ = request.reply.send((request.op, Outcome::Failed(why)));
                 None
             }
         }
+    }
+
+    /// `publish` preceded by the declare of the delay queue of `delay_ms` (nowait, on the
+    /// same channel, so it is in place when the publish is routed) unless this connection
+    /// declared it already.
+    fn with_delay_queue(&mut self, delay_ms: Option<u64>, publish: Bytes) -> Bytes {
+        let Some(delay_ms) = delay_ms else {
+            return publish;
+        };
+        if self.declared_delays.contains(&delay_ms) {
+            return publish;
+        }
+        let Some(declare) =
+            retry_tiers::delay_queue_declare(PUBLISHER_CHANNEL, &self.capture_name, delay_ms)
+        else {
+            return publish;
+        };
+        if self.declared_delays.len() < DECLARED_DELAYS {
+            self.declared_delays.insert(delay_ms);
+        }
+        let mut out = BytesMut::from(&declare[..]);
+        out.extend_from_slice(&publish);
+        out.freeze()
     }
 
     /// Refused dead-letter publishes waiting for their retry.
@@ -197,7 +242,7 @@ impl CaptureLink {
     pub fn end(&mut self, shared: &ProxyShared) {
         self.let_go_held(shared);
         // The sessions hold theirs and try again.
-        for (_, (op, reply)) in self.forwarded.drain() {
+        for (_, (op, reply, _)) in self.forwarded.drain() {
             let _ = reply.send((op, Outcome::Failed(FORWARD_LOST)));
         }
         self.unacked.set(0);
@@ -284,6 +329,26 @@ impl CaptureLink {
                 return;
             }
         };
+        // A message whose retry delay passed goes back to its queue.
+        match retry_tiers::returning(&death, &self.capture_name) {
+            Some(Ok((target, publish))) => {
+                let origin = Origin::Capture {
+                    tag: origin.0,
+                    epoch: origin.1,
+                };
+                let op = Op::new(origin, Purpose::RetryReturn, target.into(), publish, now);
+                self.start_op(shared, op, now, step);
+                return;
+            }
+            Some(Err(_)) => {
+                tracing::warn!(vhost = %self.vhost, queue = &*death.queue, "message from a delay queue names no queue to go back to; dropped");
+                metrics.dropped(&self.vhost, &death.queue, "no_retry_target");
+                metrics.captured(&self.vhost, CAPTURED_DROPPED);
+                self.consumer.ack(origin.0, origin.1);
+                return;
+            }
+            None => {}
+        }
         // The tag is the queue's own record of its dead-letter arguments (the upstream's
         // truth); without one (none given, or too long for a tag) the cached ones or the policy.
         let arguments = tagged
@@ -299,6 +364,31 @@ impl CaptureLink {
             let op = Op::new(origin, Purpose::KeepDeadLetter, queue, publish, now);
             self.start_op(shared, op, now, step);
             return;
+        }
+        // A rejection the upstream dead-lettered (the proxy did not see it) on a queue with
+        // retry tiers waits for its delay as one the proxy intercepted.
+        match retry_tiers::plan_rejection(
+            &death,
+            view.settings.retry_delays.as_deref(),
+            &shared.dead_letter_options,
+            &self.capture_name,
+        ) {
+            RetryPlan::Hold {
+                tier,
+                delay_ms,
+                message,
+            } => {
+                let origin = Origin::Capture {
+                    tag: origin.0,
+                    epoch: origin.1,
+                };
+                let purpose = Purpose::RetryHold { tier, delay_ms };
+                let op = Op::new(origin, purpose, queue, message, now);
+                self.start_op(shared, op, now, step);
+                return;
+            }
+            RetryPlan::Exhausted => metrics.retry_exhausted(&self.vhost, &queue),
+            RetryPlan::NotRetried => {}
         }
         let purpose = Purpose::DeadLetter(death.reason);
         match death::plan(death, &view, &shared.dead_letter_options) {
@@ -336,6 +426,11 @@ impl CaptureLink {
         self.next_op += 1;
         match self.publisher.publish(id, &op.message, now) {
             Ok(bytes) => {
+                let delay_ms = match op.purpose {
+                    Purpose::RetryHold { delay_ms, .. } => Some(delay_ms),
+                    _ => None,
+                };
+                let bytes = self.with_delay_queue(delay_ms, bytes);
                 step.write.extend_from_slice(&bytes);
                 self.ops.insert(id, op);
             }
@@ -350,7 +445,8 @@ impl CaptureLink {
 
     /// A dead-letter publish ended: ack the capture delivery, or hold it for a retry.
     fn complete(&mut self, shared: &ProxyShared, settled: Settled, now: Instant) {
-        if let Some((op, reply)) = self.forwarded.remove(&settled.op) {
+        if let Some((op, reply, delay_ms)) = self.forwarded.remove(&settled.op) {
+            self.forget_missing_delay_queue(delay_ms, &settled.outcome);
             // The session may be gone: its client's original went back to its queue then.
             let _ = reply.send((op, settled.outcome));
             return;
@@ -361,7 +457,10 @@ impl CaptureLink {
         let Origin::Capture { tag, epoch } = op.origin else {
             return;
         };
-        if let Some(reason) = RetryReason::of(&settled.outcome) {
+        if let Purpose::RetryHold { delay_ms, .. } = op.purpose {
+            self.forget_missing_delay_queue(Some(delay_ms), &settled.outcome);
+        }
+        if let Some(reason) = death::retry_reason(&op, &settled.outcome) {
             self.refused(shared, op, &settled.outcome, reason, now);
             return;
         }
@@ -369,6 +468,8 @@ impl CaptureLink {
         let metrics = &shared.metrics;
         let outcome = match (&settled.outcome, op.purpose) {
             (Outcome::Confirmed, Purpose::KeepDeadLetter) => CAPTURED_KEPT,
+            (Outcome::Confirmed, Purpose::RetryHold { .. }) => CAPTURED_HELD,
+            (_, Purpose::RetryReturn) => CAPTURED_RETURNED,
             (Outcome::Confirmed, _) => CAPTURED_DEAD_LETTERED,
             _ => CAPTURED_DROPPED,
         };
@@ -406,6 +507,16 @@ impl CaptureLink {
         }
         let attempt = op.note_refusal(reason);
         self.held.schedule(now, attempt, rand::random::<f64>(), op);
+    }
+
+    /// A message for a delay queue routed nowhere: the queue was deleted since this connection
+    /// declared it, so the next publish for that delay declares it again.
+    fn forget_missing_delay_queue(&mut self, delay_ms: Option<u64>, outcome: &Outcome) {
+        if let Some(delay_ms) = delay_ms
+            && matches!(outcome, Outcome::Unroutable | Outcome::ExchangeMissing)
+        {
+            self.declared_delays.remove(&delay_ms);
+        }
     }
 
     /// Ends an operation's hold (the held gauge).

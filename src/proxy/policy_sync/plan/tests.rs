@@ -52,6 +52,7 @@ fn limits_are_mirrored_and_the_target_becomes_the_capture_route() {
         dead_letter_exchange: Some("dlx".into()),
         dead_letter_routing_key: Some("dead".into()),
         delivery_limit: None,
+        retry_delays: None,
     };
     assert_eq!(
         Value::Object(mirror.definition.clone()),

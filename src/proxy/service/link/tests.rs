@@ -74,6 +74,7 @@ fn captured(tag: u64, queue: &str) -> Vec<WireFrame> {
         dead_letter_exchange: Some("dlx".into()),
         dead_letter_routing_key: Some("dlq".into()),
         delivery_limit: None,
+        retry_delays: None,
     }
     .encode()
     .unwrap();
@@ -386,6 +387,7 @@ fn a_sessions_dead_letter_is_published_and_its_outcome_sent_back() {
     let request = |op| PublishRequest {
         op,
         message: message.clone(),
+        delay_ms: None,
         reply: reply.clone(),
     };
     let sent = methods(&link.publish_for(request(41), now).unwrap());
@@ -463,4 +465,44 @@ fn a_message_without_a_death_record_is_dropped_and_counted() {
         AMQPClass::Basic(basic::AMQPMethod::Ack(_))
     ));
     assert!(counter(&shared, CAPTURED_DROPPED));
+}
+
+#[test]
+fn a_message_for_a_delay_queue_declares_it_once_per_connection_first() {
+    let shared = shared();
+    let mut link = CaptureLink::new(&shared, "/", 131_072);
+    let now = Instant::now();
+    let (reply, _outcomes) = mpsc::unbounded_channel();
+    let request = |op, delay_ms| PublishRequest {
+        op,
+        message: OutgoingMessage {
+            exchange: String::new(),
+            routing_key: "dlx-proxy.capture.retry.300".into(),
+            raw_properties: Bytes::from_static(&[0, 0]),
+            body: Bytes::from_static(b"x"),
+        },
+        delay_ms,
+        reply: reply.clone(),
+    };
+    let sent = methods(&link.publish_for(request(1, Some(300)), now).unwrap());
+    assert!(matches!(
+        sent.as_slice(),
+        [
+            (PUBLISHER_CHANNEL, AMQPClass::Queue(queue::AMQPMethod::Declare(d))),
+            (PUBLISHER_CHANNEL, AMQPClass::Basic(basic::AMQPMethod::Publish(_))),
+        ] if d.queue.as_str() == "dlx-proxy.capture.retry.300" && d.nowait
+    ));
+    // Declared on this connection: the next message for that delay goes straight out.
+    let sent = methods(&link.publish_for(request(2, Some(300)), now).unwrap());
+    assert!(matches!(
+        sent.as_slice(),
+        [(
+            PUBLISHER_CHANNEL,
+            AMQPClass::Basic(basic::AMQPMethod::Publish(_))
+        )]
+    ));
+    // A message routed nowhere (the queue was deleted): the next one declares it again.
+    link.forget_missing_delay_queue(Some(300), &Outcome::Unroutable);
+    let sent = methods(&link.publish_for(request(3, Some(300)), now).unwrap());
+    assert_eq!(sent.len(), 2);
 }
