@@ -141,6 +141,35 @@ impl Message {
     pub fn body_len(&self) -> u64 {
         (self.content.len() - self.header_len() - self.props_len as usize) as u64
     }
+
+    /// Bytes of its one allocation (exchange, keys, properties, body): what paging it out
+    /// frees.
+    pub fn content_len(&self) -> u64 {
+        self.content.len() as u64
+    }
+
+    /// What a queue keeps of it while its content is on disk only.
+    pub fn paged_meta(&self) -> PagedMeta {
+        // Decoding the properties only when they may hold an x-death header at all.
+        let death_history = self.dead_lettered
+            || (self.raw_properties().windows(7).any(|w| w == b"x-death")
+                && self.has_death_history());
+        PagedMeta {
+            body_len: self.body_len(),
+            expiration_ms: self.expiration_ms,
+            death_history,
+        }
+    }
+}
+
+/// What a queue keeps of a message whose content is on disk only (paged out): enough for
+/// its length limits, its TTL and the dead-letter TTL exemption, without the content.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedMeta {
+    pub body_len: u64,
+    pub expiration_ms: Option<u64>,
+    /// It carries an x-death history ([`Message::has_death_history`]).
+    pub death_history: bool,
 }
 
 /// Whether raw properties (flags, then the list) say delivery_mode 2, read without decoding

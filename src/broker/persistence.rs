@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use super::message::Message;
 use super::methods::{ExchangeDeclare, QueueDeclare};
+use super::paging::Paging;
 use super::queue::PublishOutcome;
 use super::routing::Destination;
 use super::vhost::Queue;
@@ -106,6 +107,11 @@ impl Broker {
     /// The attached storage, if any.
     pub fn storage(&self) -> Option<&Storage> {
         self.storage.get().map(|s| &**s)
+    }
+
+    /// The paging account (with storage attached).
+    pub fn paging(&self) -> Option<&Arc<Paging>> {
+        self.paging.get()
     }
 
     /// Hands storage the definitions snapshot when the durable definitions changed.
@@ -246,9 +252,17 @@ impl Broker {
                 unrestored.bindings.push(b.clone());
             }
         }
+        let paging = Paging::new(storage.clone(), storage.paging_budget());
         let _ = self.storage.set(storage);
+        let _ = self.paging.set(paging.clone());
         let now = self.now();
         let mut st = self.lock();
+        for (vhost, name) in names.values() {
+            if let Some(q) = st.queue_mut(vhost, name) {
+                q.state.set_paging(paging.clone());
+            }
+        }
+        self.metrics.set_paging(&paging.stats());
         st.unrestored_definitions = unrestored;
         st.runtime_policies = defs.policies.clone();
         self.sync_definitions(&mut st);
@@ -265,12 +279,12 @@ impl Broker {
                 for m in messages {
                     // Its TTL counts from when it entered the queue, before the restart.
                     let entered = m.at.map_or(now, |at| self.broker_ms(at).min(now));
-                    let mut entry = q.state.admit(m.message, entered);
-                    entry.store_id = Some(m.id);
-                    entry.redelivered = m.deliveries > 0;
-                    entry.delivery_count = m.deliveries;
-                    // Time `entered`: nothing expires while the queue is loaded.
-                    if q.state.restore(entry, entered, &mut died) == PublishOutcome::Rejected {
+                    // Paged: the content stays on disk until it is needed. Time `entered`:
+                    // nothing expires while the queue is loaded.
+                    let outcome =
+                        q.state
+                            .restore_paged(m.id, m.meta, entered, m.deliveries, &mut died);
+                    if outcome == PublishOutcome::Rejected {
                         refused.push((queue_id, m.id));
                     }
                 }

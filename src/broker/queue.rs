@@ -11,11 +11,20 @@
 //! stepped over, so the first message that can expire is the one checked (a kept dead letter
 //! never holds back the expiry of the messages behind it). `exempt_prefix` remembers how many
 //! front messages are known to be exempt, so the step-over costs nothing per publish.
+//!
+//! Paging ([`super::paging`]): in a queue that can page, a message with a record in the log
+//! may be held without its content (a paged slot). Everything that takes a message out of the
+//! queue (delivery, death, inspection) reads its content back first, so callers only ever see
+//! whole [`QueuedMessage`]s; a message whose content cannot be read back is lost (counted in
+//! [`QueueState::take_lost`] for its removal record). Which messages page out: the newest
+//! resident ones with a written record, while the resident content of all queues is over the
+//! budget (`candidates` lists them without walking the queue).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use super::message::{Message, QueuedMessage};
+use super::message::{Message, PagedMeta, QueuedMessage};
+use super::paging::Paging;
 use crate::deadletter::DeadLetterReason;
 use crate::rabbit::args::Overflow;
 
@@ -58,24 +67,98 @@ impl PublishOutcome {
     }
 }
 
+/// A ready message whose content is on disk only: its queue bookkeeping and what the queue
+/// needs of the message ([`PagedMeta`]).
+#[derive(Clone, Debug)]
+struct PagedEntry {
+    seq: u64,
+    enqueued_at: u64,
+    expires_at: Option<u64>,
+    delivery_count: u32,
+    redelivered: bool,
+    ttl_exempt: bool,
+    store_id: u64,
+    meta: PagedMeta,
+}
+
+/// A ready message, with its content in memory or on disk only.
+#[derive(Clone, Debug)]
+enum Slot {
+    Resident(QueuedMessage),
+    Paged(PagedEntry),
+}
+
+impl Slot {
+    fn seq(&self) -> u64 {
+        match self {
+            Slot::Resident(e) => e.seq,
+            Slot::Paged(p) => p.seq,
+        }
+    }
+    fn body_len(&self) -> u64 {
+        match self {
+            Slot::Resident(e) => e.body_len(),
+            Slot::Paged(p) => p.meta.body_len,
+        }
+    }
+    fn expires_at(&self) -> Option<u64> {
+        match self {
+            Slot::Resident(e) => e.expires_at,
+            Slot::Paged(p) => p.expires_at,
+        }
+    }
+    fn ttl_exempt(&self) -> bool {
+        match self {
+            Slot::Resident(e) => e.ttl_exempt,
+            Slot::Paged(p) => p.ttl_exempt,
+        }
+    }
+    /// Content bytes held in memory for a message with a record (what paging accounts).
+    fn resident_stored(&self) -> u64 {
+        match self {
+            Slot::Resident(e) if e.store_id.is_some() => e.message.content_len(),
+            _ => 0,
+        }
+    }
+}
+
 /// The ready messages of one queue.
 #[derive(Debug, Default)]
 pub struct QueueState {
-    ready: VecDeque<QueuedMessage>,
+    ready: VecDeque<Slot>,
     ready_bytes: u64,
     next_seq: u64,
     limits: QueueLimits,
     /// The first `exempt_prefix` ready messages are exempt from expiry (a lower bound: the
     /// run may be longer; [`QueueState::first_expirable`] extends it).
     exempt_prefix: usize,
+    /// Set when the queue's messages can page (durable queue, storage attached).
+    paging: Option<Arc<Paging>>,
+    /// Positions (seq) of resident messages with a record that arrived by publish, oldest
+    /// first: what may page out. Stale positions (gone, paged) are dropped when met.
+    candidates: VecDeque<u64>,
+    /// Resident content with a record, paged messages and their body bytes, in this queue
+    /// (its share of the [`Paging`] account).
+    resident_stored: u64,
+    paged: u64,
+    paged_bytes: u64,
+    /// Stored content added since the last page-out walk.
+    grown: u64,
+    /// Message ids whose content could not be read back (lost), for their removal record.
+    lost: Vec<u64>,
+}
+
+impl Drop for QueueState {
+    fn drop(&mut self) {
+        self.forget_all();
+    }
 }
 
 impl QueueState {
     pub fn new(limits: QueueLimits) -> Self {
-        QueueState {
-            limits,
-            ..Default::default()
-        }
+        let mut q = QueueState::default();
+        q.limits = limits;
+        q
     }
 
     pub fn limits(&self) -> &QueueLimits {
@@ -111,30 +194,48 @@ impl QueueState {
             store_id: None,
             ttl_exempt,
         };
-        entry.expires_at = self.expiry_of(&entry);
+        entry.expires_at = self.expiry_of(
+            entry.ttl_exempt,
+            entry.message.expiration_ms,
+            entry.enqueued_at,
+        );
         entry
     }
 
-    /// When `entry` expires under the current limits (never when it is exempt).
-    fn expiry_of(&self, entry: &QueuedMessage) -> Option<u64> {
-        if entry.ttl_exempt {
+    /// When a message expires under the current limits (never when it is exempt).
+    fn expiry_of(&self, exempt: bool, expiration_ms: Option<u64>, enqueued_at: u64) -> Option<u64> {
+        if exempt {
             return None;
         }
-        let ttl = match (self.limits.message_ttl, entry.message.expiration_ms) {
+        let ttl = match (self.limits.message_ttl, expiration_ms) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        ttl.map(|t| entry.enqueued_at.saturating_add(t))
+        ttl.map(|t| enqueued_at.saturating_add(t))
+    }
+
+    /// Lets the queue page (its persistent messages are kept on disk).
+    pub fn set_paging(&mut self, paging: Arc<Paging>) {
+        self.forget_all();
+        self.paging = Some(paging);
+        let slots: Vec<Slot> = self.ready.iter().cloned().collect();
+        for slot in &slots {
+            self.note_in(slot);
+        }
     }
 
     /// Whether reject-publish / reject-publish-dlx refuses this message: the ready messages
     /// plus it would pass max-length or max-length-bytes. RabbitMQ checks this before trying
     /// consumers, so even a waiting consumer does not get a refused message.
     pub fn refuses(&self, entry: &QueuedMessage) -> bool {
+        self.refuses_len(entry.body_len())
+    }
+
+    fn refuses_len(&self, body_len: u64) -> bool {
         matches!(
             self.limits.overflow,
             Overflow::RejectPublish | Overflow::RejectPublishDlx
-        ) && self.would_overflow(entry)
+        ) && self.would_overflow(body_len)
     }
 
     /// Appends a published message, applying the overflow behaviour.
@@ -144,16 +245,24 @@ impl QueueState {
         now: u64,
         deaths: &mut Vec<Death>,
     ) -> PublishOutcome {
+        let outcome = self.publish_slot(Slot::Resident(entry), now, deaths);
+        self.page_out_over_budget();
+        outcome
+    }
+
+    fn publish_slot(&mut self, slot: Slot, now: u64, deaths: &mut Vec<Death>) -> PublishOutcome {
         match self.limits.overflow {
-            Overflow::RejectPublish | Overflow::RejectPublishDlx if self.refuses(&entry) => {
+            Overflow::RejectPublish | Overflow::RejectPublishDlx
+                if self.refuses_len(slot.body_len()) =>
+            {
                 if self.limits.overflow == Overflow::RejectPublishDlx {
-                    Self::kill(entry, DeadLetterReason::MaxLen, deaths);
+                    self.kill(slot, DeadLetterReason::MaxLen, deaths);
                     return PublishOutcome::RejectedDeadLettered;
                 }
                 PublishOutcome::Rejected
             }
             _ => {
-                self.push_back(entry);
+                self.push_back(slot);
                 self.expire(now, deaths);
                 self.drop_head_over_limit(deaths);
                 PublishOutcome::Accepted
@@ -170,20 +279,55 @@ impl QueueState {
         now: u64,
         deaths: &mut Vec<Death>,
     ) -> PublishOutcome {
-        if self.over_delivery_limit(&entry) {
-            Self::kill(entry, DeadLetterReason::DeliveryLimit, deaths);
+        if self.over_delivery_limit(entry.delivery_count) {
+            self.kill(
+                Slot::Resident(entry),
+                DeadLetterReason::DeliveryLimit,
+                deaths,
+            );
             return PublishOutcome::Accepted;
         }
         self.publish(entry, now, deaths)
     }
 
-    fn over_delivery_limit(&self, entry: &QueuedMessage) -> bool {
-        self.limits
-            .delivery_limit
-            .is_some_and(|limit| entry.delivery_count as u64 > limit)
+    /// Puts back a message recovered from storage without its content (paged: read back
+    /// when it leaves the queue), `deliveries` being its unsettled deliveries before the stop.
+    /// As [`QueueState::restore`] otherwise.
+    pub fn restore_paged(
+        &mut self,
+        store_id: u64,
+        meta: PagedMeta,
+        entered: u64,
+        deliveries: u32,
+        deaths: &mut Vec<Death>,
+    ) -> PublishOutcome {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let ttl_exempt = self.limits.keep_dead_letters && meta.death_history;
+        let slot = Slot::Paged(PagedEntry {
+            seq,
+            enqueued_at: entered,
+            expires_at: self.expiry_of(ttl_exempt, meta.expiration_ms, entered),
+            delivery_count: deliveries,
+            redelivered: deliveries > 0,
+            ttl_exempt,
+            store_id,
+            meta,
+        });
+        if self.over_delivery_limit(deliveries) {
+            self.kill(slot, DeadLetterReason::DeliveryLimit, deaths);
+            return PublishOutcome::Accepted;
+        }
+        self.publish_slot(slot, entered, deaths)
     }
 
-    fn would_overflow(&self, entry: &QueuedMessage) -> bool {
+    fn over_delivery_limit(&self, delivery_count: u32) -> bool {
+        self.limits
+            .delivery_limit
+            .is_some_and(|limit| delivery_count as u64 > limit)
+    }
+
+    fn would_overflow(&self, body_len: u64) -> bool {
         let over_len = self
             .limits
             .max_length
@@ -191,7 +335,7 @@ impl QueueState {
         let over_bytes = self
             .limits
             .max_length_bytes
-            .is_some_and(|max| self.ready_bytes + entry.body_len() > max);
+            .is_some_and(|max| self.ready_bytes + body_len > max);
         over_len || over_bytes
     }
 
@@ -211,7 +355,7 @@ impl QueueState {
         }
         while self.over_limit() {
             match self.pop_front() {
-                Some(entry) => Self::kill(entry, DeadLetterReason::MaxLen, deaths),
+                Some(slot) => self.kill(slot, DeadLetterReason::MaxLen, deaths),
                 None => break,
             }
         }
@@ -225,14 +369,15 @@ impl QueueState {
             let due = self
                 .ready
                 .get(at)
-                .and_then(|e| e.expires_at)
+                .and_then(Slot::expires_at)
                 .is_some_and(|t| t <= now);
             if !due {
                 break;
             }
-            if let Some(entry) = self.ready.remove(at) {
-                self.ready_bytes -= entry.body_len();
-                Self::kill(entry, DeadLetterReason::Expired, deaths);
+            if let Some(slot) = self.ready.remove(at) {
+                self.ready_bytes -= slot.body_len();
+                self.note_out(&slot);
+                self.kill(slot, DeadLetterReason::Expired, deaths);
             }
         }
     }
@@ -243,7 +388,7 @@ impl QueueState {
         while self
             .ready
             .get(self.exempt_prefix)
-            .is_some_and(|e| e.ttl_exempt)
+            .is_some_and(Slot::ttl_exempt)
         {
             self.exempt_prefix += 1;
         }
@@ -253,13 +398,19 @@ impl QueueState {
     /// When the first message that can expire does (the only deadline a timer needs).
     pub fn next_expiry(&mut self) -> Option<u64> {
         let at = self.first_expirable();
-        self.ready.get(at).and_then(|e| e.expires_at)
+        self.ready.get(at).and_then(Slot::expires_at)
     }
 
-    /// Takes the head for delivery, expiring dead heads first.
+    /// Takes the head for delivery, expiring dead heads first (its content read back when it
+    /// was paged out; one that cannot be read is lost and the next is taken).
     pub fn pop(&mut self, now: u64, deaths: &mut Vec<Death>) -> Option<QueuedMessage> {
         self.expire(now, deaths);
-        self.pop_front()
+        loop {
+            let slot = self.pop_front()?;
+            if let Some(entry) = self.page_in(slot) {
+                return Some(entry);
+            }
+        }
     }
 
     /// Returns unacked messages to the queue at their original positions, counting the return
@@ -275,11 +426,15 @@ impl QueueState {
         for mut entry in entries {
             entry.delivery_count = entry.delivery_count.saturating_add(1);
             entry.redelivered = true;
-            if self.over_delivery_limit(&entry) {
-                Self::kill(entry, DeadLetterReason::DeliveryLimit, deaths);
+            if self.over_delivery_limit(entry.delivery_count) {
+                self.kill(
+                    Slot::Resident(entry),
+                    DeadLetterReason::DeliveryLimit,
+                    deaths,
+                );
                 continue;
             }
-            let pos = self.ready.partition_point(|e| e.seq < entry.seq);
+            let pos = self.ready.partition_point(|e| e.seq() < entry.seq);
             if pos <= self.exempt_prefix {
                 if entry.ttl_exempt {
                     self.exempt_prefix += 1;
@@ -288,7 +443,9 @@ impl QueueState {
                 }
             }
             self.ready_bytes += entry.body_len();
-            self.ready.insert(pos, entry);
+            let slot = Slot::Resident(entry);
+            self.note_in(&slot);
+            self.ready.insert(pos, slot);
         }
         self.expire(now, deaths);
         self.drop_head_over_limit(deaths);
@@ -300,8 +457,17 @@ impl QueueState {
         self.limits = limits;
         if ttl_changed {
             let mut ready = std::mem::take(&mut self.ready);
-            for e in ready.iter_mut() {
-                e.expires_at = self.expiry_of(e);
+            for slot in ready.iter_mut() {
+                match slot {
+                    Slot::Resident(e) => {
+                        e.expires_at =
+                            self.expiry_of(e.ttl_exempt, e.message.expiration_ms, e.enqueued_at);
+                    }
+                    Slot::Paged(p) => {
+                        p.expires_at =
+                            self.expiry_of(p.ttl_exempt, p.meta.expiration_ms, p.enqueued_at);
+                    }
+                }
             }
             self.ready = ready;
         }
@@ -312,31 +478,236 @@ impl QueueState {
     /// Removes every ready message without dead-lettering (queue.purge, queue.delete).
     pub fn purge(&mut self) -> usize {
         let n = self.ready.len();
+        self.forget_all();
         self.ready.clear();
+        self.candidates.clear();
         self.ready_bytes = 0;
         self.exempt_prefix = 0;
         n
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &QueuedMessage> {
-        self.ready.iter()
+    /// The ready messages in order, as copies (the queue is unchanged): contents paged out
+    /// are read back for the copy (one that cannot be read is left out).
+    pub fn iter(&self) -> impl Iterator<Item = QueuedMessage> + '_ {
+        self.ready.iter().filter_map(|slot| match slot {
+            Slot::Resident(e) => Some(e.clone()),
+            Slot::Paged(p) => {
+                let message = self.paging.as_ref()?.read(p.store_id)?;
+                Some(p.with(message))
+            }
+        })
     }
 
-    fn push_back(&mut self, entry: QueuedMessage) {
-        self.ready_bytes += entry.body_len();
-        self.ready.push_back(entry);
+    /// Messages whose content could not be read back since the last call (lost): their
+    /// message ids, for the removal record.
+    pub fn take_lost(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.lost)
     }
 
-    fn pop_front(&mut self) -> Option<QueuedMessage> {
-        let entry = self.ready.pop_front()?;
-        self.ready_bytes -= entry.body_len();
+    /// Whether the queue can page (its persistent messages are kept on disk).
+    pub fn pages(&self) -> bool {
+        self.paging.is_some()
+    }
+
+    /// Ready messages held without their content.
+    pub fn paged(&self) -> u64 {
+        self.paged
+    }
+
+    fn push_back(&mut self, slot: Slot) {
+        self.ready_bytes += slot.body_len();
+        self.note_in(&slot);
+        if let Slot::Resident(e) = &slot
+            && e.store_id.is_some()
+            && self.paging.is_some()
+        {
+            self.candidates.push_back(e.seq);
+            self.grown += e.message.content_len();
+        }
+        self.ready.push_back(slot);
+    }
+
+    fn pop_front(&mut self) -> Option<Slot> {
+        let slot = self.ready.pop_front()?;
+        self.ready_bytes -= slot.body_len();
         self.exempt_prefix = self.exempt_prefix.saturating_sub(1);
-        Some(entry)
+        self.note_out(&slot);
+        while self.candidates.front().is_some_and(|&c| c <= slot.seq()) {
+            self.candidates.pop_front();
+        }
+        Some(slot)
     }
 
-    /// The single place a message dies in a queue.
-    fn kill(entry: QueuedMessage, reason: DeadLetterReason, deaths: &mut Vec<Death>) {
-        deaths.push(Death { entry, reason });
+    /// The single place a message dies in a queue (its content read back first; one that
+    /// cannot be read is lost, not dead-lettered).
+    fn kill(&mut self, slot: Slot, reason: DeadLetterReason, deaths: &mut Vec<Death>) {
+        if let Some(entry) = self.page_in(slot) {
+            deaths.push(Death { entry, reason });
+        }
+    }
+
+    /// The whole message of a slot that left the queue.
+    fn page_in(&mut self, slot: Slot) -> Option<QueuedMessage> {
+        match slot {
+            Slot::Resident(e) => Some(e),
+            Slot::Paged(p) => {
+                match self
+                    .paging
+                    .as_ref()
+                    .and_then(|paging| paging.read(p.store_id))
+                {
+                    Some(message) => Some(p.with(message)),
+                    None => {
+                        self.lost.push(p.store_id);
+                        None
+                    }
+                }
+            }
+        }
+    }
+
+    /// A slot entered `ready`: its share of the paging account.
+    fn note_in(&mut self, slot: &Slot) {
+        let Some(paging) = &self.paging else { return };
+        match slot {
+            Slot::Resident(_) => {
+                let n = slot.resident_stored();
+                self.resident_stored += n;
+                paging.add_resident(n);
+            }
+            Slot::Paged(p) => {
+                self.paged += 1;
+                self.paged_bytes += p.meta.body_len;
+                paging.add_paged(1, p.meta.body_len);
+            }
+        }
+    }
+
+    /// A slot left `ready`.
+    fn note_out(&mut self, slot: &Slot) {
+        let Some(paging) = &self.paging else { return };
+        match slot {
+            Slot::Resident(_) => {
+                let n = slot.resident_stored();
+                self.resident_stored = self.resident_stored.saturating_sub(n);
+                paging.sub_resident(n);
+            }
+            Slot::Paged(p) => {
+                self.paged = self.paged.saturating_sub(1);
+                self.paged_bytes = self.paged_bytes.saturating_sub(p.meta.body_len);
+                paging.sub_paged(1, p.meta.body_len);
+            }
+        }
+    }
+
+    /// Takes this queue's share out of the paging account (purge, drop).
+    fn forget_all(&mut self) {
+        if let Some(paging) = &self.paging {
+            paging.sub_resident(self.resident_stored);
+            paging.sub_paged(self.paged, self.paged_bytes);
+        }
+        self.resident_stored = 0;
+        self.paged = 0;
+        self.paged_bytes = 0;
+    }
+
+    /// While the resident content of all queues is over the budget, drops the content of
+    /// this queue's newest messages whose record is written (newest first: the head is
+    /// delivered soonest). Runs once the queue has grown by a step since the last walk, and
+    /// then frees what is over plus a step.
+    fn page_out_over_budget(&mut self) {
+        let Some(paging) = self.paging.clone() else {
+            return;
+        };
+        let over = paging.over_budget();
+        if over == 0 || self.grown < paging.step().min(over) {
+            return;
+        }
+        self.grown = 0;
+        let want = over + paging.step();
+        // Candidates from the newest back until they hold `want` bytes.
+        let mut picked = Vec::new();
+        let mut sum = 0u64;
+        let mut from = self.candidates.len();
+        while from > 0 && sum < want {
+            from -= 1;
+            let seq = self.candidates[from];
+            if let Ok(at) = self.ready.binary_search_by_key(&seq, Slot::seq)
+                && let Slot::Resident(e) = &self.ready[at]
+                && let Some(id) = e.store_id
+            {
+                sum += e.message.content_len();
+                picked.push((at, id));
+            }
+        }
+        let ids: Vec<u64> = picked.iter().map(|(_, id)| *id).collect();
+        let written = paging.written(&ids);
+        let mut out = 0u64;
+        for ((at, _), written) in picked.into_iter().zip(written) {
+            if !written {
+                continue;
+            }
+            let Some(Slot::Resident(e)) = self.ready.get(at) else {
+                continue;
+            };
+            let paged = Slot::Paged(PagedEntry::of(e));
+            let resident = std::mem::replace(&mut self.ready[at], paged);
+            self.note_out(&resident);
+            if let Some(paging) = &self.paging {
+                let bytes = self.ready[at].body_len();
+                self.paged += 1;
+                self.paged_bytes += bytes;
+                paging.add_paged(1, bytes);
+            }
+            out += 1;
+        }
+        paging.paged_out(out);
+        // Keep the candidates that are still resident (records not written yet).
+        let tail: Vec<u64> = self
+            .candidates
+            .drain(from..)
+            .filter(|seq| {
+                self.ready
+                    .binary_search_by_key(seq, Slot::seq)
+                    .is_ok_and(|at| matches!(self.ready[at], Slot::Resident(_)))
+            })
+            .collect();
+        self.candidates.extend(tail);
+    }
+}
+
+impl PagedEntry {
+    /// What stays of a resident message with a record once its content is dropped.
+    fn of(e: &QueuedMessage) -> PagedEntry {
+        PagedEntry {
+            seq: e.seq,
+            enqueued_at: e.enqueued_at,
+            expires_at: e.expires_at,
+            delivery_count: e.delivery_count,
+            redelivered: e.redelivered,
+            ttl_exempt: e.ttl_exempt,
+            store_id: e.store_id.unwrap_or_default(),
+            // Its exemption is decided already: no need to look into the properties.
+            meta: PagedMeta {
+                body_len: e.message.body_len(),
+                expiration_ms: e.message.expiration_ms,
+                death_history: e.ttl_exempt,
+            },
+        }
+    }
+
+    /// The whole message again, with its content read back.
+    fn with(&self, message: Arc<Message>) -> QueuedMessage {
+        QueuedMessage {
+            message,
+            seq: self.seq,
+            enqueued_at: self.enqueued_at,
+            expires_at: self.expires_at,
+            delivery_count: self.delivery_count,
+            redelivered: self.redelivered,
+            store_id: Some(self.store_id),
+            ttl_exempt: self.ttl_exempt,
+        }
     }
 }
 

@@ -6,22 +6,27 @@
 //! it is skipped: the scan moves byte by byte to the next offset where a whole record with a
 //! matching CRC starts, and the skipped records are counted (each message publish is one
 //! record, so that is an upper bound on the messages lost).
+//!
+//! Message contents are not kept: a recovered message is its id, its record's location (in
+//! the index) and what its queue needs without the content ([`PagedMeta`]). The broker
+//! restores every one paged out and reads contents back as they are needed, so a backlog
+//! larger than memory comes back without loading it.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
-use std::sync::Arc;
 
 use super::definitions::{self, Definitions};
 use super::index::Index;
 use super::record::{Frame, Record, decode_frame};
 use super::segment;
-use crate::broker::message::Message;
+use crate::broker::message::PagedMeta;
 
 /// A message of a durable queue as recovered, in queue order.
 #[derive(Debug, Clone)]
 pub struct RecoveredMessage {
     pub id: u64,
-    pub message: Arc<Message>,
+    /// What its queue keeps while the content stays on disk.
+    pub meta: PagedMeta,
     /// How many times it was delivered without being settled (> 0: redelivered).
     pub deliveries: u32,
     /// When it entered the queue (Unix milliseconds; `None` from records of the first
@@ -80,7 +85,8 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RecoveryError + '_ {
 
 struct Entry {
     segment: u64,
-    message: Arc<Message>,
+    offset: u32,
+    meta: PagedMeta,
     deliveries: u32,
     at: Option<u64>,
 }
@@ -130,11 +136,11 @@ pub fn recover(dir: &Path) -> Result<Recovered, RecoveryError> {
             stats.orphans += 1;
             continue;
         }
-        index.add(id, queue, entry.segment, entry.deliveries);
+        index.add(id, queue, entry.segment, entry.offset, entry.deliveries);
         stats.messages += 1;
         queues.entry(queue).or_default().push(RecoveredMessage {
             id,
-            message: entry.message,
+            meta: entry.meta,
             deliveries: entry.deliveries,
             at: entry.at,
         });
@@ -171,7 +177,8 @@ fn replay_segment(
             Frame::Whole(payload, used) => match Record::decode_payload(payload) {
                 Ok(record) => {
                     stats.records += 1;
-                    apply(record, number, messages, max_id);
+                    let offset = u32::try_from(pos).unwrap_or(u32::MAX);
+                    apply(record, (number, offset), messages, max_id);
                     pos += used;
                 }
                 Err(_) => {
@@ -201,9 +208,10 @@ fn next_valid(bytes: &[u8], from: usize) -> Option<usize> {
     })
 }
 
+/// Applies one record found at `at` (segment, offset).
 fn apply(
     record: Record,
-    segment: u64,
+    (segment, offset): (u64, u32),
     messages: &mut BTreeMap<(u64, u64), Entry>,
     max_id: &mut u64,
 ) {
@@ -217,13 +225,15 @@ fn apply(
             if let Some(key) = remove {
                 messages.remove(&key);
             }
+            let meta = message.paged_meta();
             for t in targets {
                 *max_id = (*max_id).max(t.id);
                 messages.insert(
                     (t.queue, t.id),
                     Entry {
                         segment,
-                        message: message.clone(),
+                        offset,
+                        meta,
                         deliveries: t.delivered as u32,
                         at,
                     },
