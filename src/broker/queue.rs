@@ -625,41 +625,33 @@ impl QueueState {
         }
         self.grown = 0;
         let want = over + paging.step();
-        // Candidates from the newest back until they hold `want` bytes.
-        let mut picked = Vec::new();
-        let mut sum = 0u64;
-        let mut from = self.candidates.len();
-        while from > 0 && sum < want {
-            from -= 1;
-            let seq = self.candidates[from];
-            if let Ok(at) = self.ready.binary_search_by_key(&seq, Slot::seq)
-                && let Slot::Resident(e) = &self.ready[at]
-                && let Some(id) = e.store_id
-            {
-                sum += e.message.content_len();
-                picked.push((at, id));
-            }
-        }
-        let ids: Vec<u64> = picked.iter().map(|(_, id)| *id).collect();
-        let written = paging.written(&ids);
+        // Candidates from the newest back, in rounds that hold what is still wanted: those
+        // whose record is not written yet (the newest, usually) stay and are stepped over.
+        let mut freed = 0u64;
         let mut out = 0u64;
-        for ((at, _), written) in picked.into_iter().zip(written) {
-            if !written {
-                continue;
+        let mut from = self.candidates.len();
+        while freed < want && from > 0 {
+            let mut picked = Vec::new();
+            let mut sum = 0u64;
+            while from > 0 && sum < want - freed {
+                from -= 1;
+                let seq = self.candidates[from];
+                if let Ok(at) = self.ready.binary_search_by_key(&seq, Slot::seq)
+                    && let Slot::Resident(e) = &self.ready[at]
+                    && let Some(id) = e.store_id
+                {
+                    sum += e.message.content_len();
+                    picked.push((at, id));
+                }
             }
-            let Some(Slot::Resident(e)) = self.ready.get(at) else {
-                continue;
-            };
-            let paged = Slot::Paged(PagedEntry::of(e));
-            let resident = std::mem::replace(&mut self.ready[at], paged);
-            self.note_out(&resident);
-            if let Some(paging) = &self.paging {
-                let bytes = self.ready[at].body_len();
-                self.paged += 1;
-                self.paged_bytes += bytes;
-                paging.add_paged(1, bytes);
+            let ids: Vec<u64> = picked.iter().map(|(_, id)| *id).collect();
+            let written = paging.written(&ids);
+            for ((at, _), written) in picked.into_iter().zip(written) {
+                if written {
+                    freed += self.page_out_at(at);
+                    out += 1;
+                }
             }
-            out += 1;
         }
         paging.paged_out(out);
         // Keep the candidates that are still resident (records not written yet).
@@ -673,6 +665,20 @@ impl QueueState {
             })
             .collect();
         self.candidates.extend(tail);
+    }
+
+    /// Drops the content of the resident message at `at` (its record is written); returns
+    /// the bytes freed.
+    fn page_out_at(&mut self, at: usize) -> u64 {
+        let Some(Slot::Resident(e)) = self.ready.get(at) else {
+            return 0;
+        };
+        let paged = Slot::Paged(PagedEntry::of(e));
+        let resident = std::mem::replace(&mut self.ready[at], paged);
+        let freed = resident.resident_stored();
+        self.note_out(&resident);
+        self.note_in(&self.ready[at].clone());
+        freed
     }
 }
 

@@ -63,6 +63,7 @@ mod proxy_streams;
 mod proxy_upstream_policies;
 mod proxy_upstream_tls;
 mod storage_disk;
+mod storage_paging;
 mod storage_policies;
 mod storage_restart;
 mod storage_ttl;

@@ -532,6 +532,26 @@ mod paging {
             q.paged()
         );
         assert!(paging.resident() <= paging.step() + BODY as u64 + 64);
+        // Messages not written yet (in flight to the log) are stepped over: older ones page
+        // out behind them.
+        store.unwritten.lock().unwrap().extend(41..=60);
+        for id in 41..=60 {
+            publish_stored(&mut q, &store, id, 0, &mut d);
+        }
+        store.unwritten.lock().unwrap().retain(|id| *id > 50);
+        for id in 61..=70 {
+            publish_stored(&mut q, &store, id, 0, &mut d);
+        }
+        let paged: Vec<u64> = q
+            .ready
+            .iter()
+            .filter_map(|s| match s {
+                Slot::Paged(p) => Some(p.store_id),
+                Slot::Resident(_) => None,
+            })
+            .collect();
+        assert!((41..=50).all(|id| paged.contains(&id)), "{paged:?}");
+        assert!((51..=60).all(|id| !paged.contains(&id)), "{paged:?}");
         // Non-persistent messages (no record) never page.
         let mut e = q.admit(msg("transient", None), 0);
         e.store_id = None;
