@@ -82,6 +82,8 @@ pub struct QueueArgs {
     pub overflow_drop_head: bool,
     /// A durable quorum queue (needed for x-delivery-limit on RabbitMQ 3.10).
     pub quorum: bool,
+    /// A durable (classic) queue: persistent messages are kept on disk.
+    pub durable: bool,
     pub delivery_limit: Option<u32>,
 }
 
@@ -144,12 +146,12 @@ pub async fn delete_exchange(conn: &Connection, name: &str) {
     }
 }
 
-/// Declares a fresh (deleted first) non-durable queue.
+/// Declares a fresh (deleted first) queue, non-durable unless `args` say otherwise.
 pub async fn fresh_queue(conn: &Connection, name: &str, args: &QueueArgs) -> Result<()> {
     delete_queue(conn, name).await;
     let ch = conn.create_channel().await?;
     let options = QueueDeclareOptions {
-        durable: args.quorum,
+        durable: args.quorum || args.durable,
         ..QueueDeclareOptions::default()
     };
     ch.queue_declare(short(name)?, options, args.table())
@@ -217,6 +219,8 @@ pub struct PublishSpec {
     pub confirm_window: usize,
     /// basic.publish calls in flight towards the client's I/O loop.
     pub pipeline: usize,
+    /// delivery_mode 2.
+    pub persistent: bool,
 }
 
 /// What one producer did.
@@ -242,6 +246,11 @@ pub async fn publish(spec: PublishSpec) -> Result<PublishResult> {
         started_nanos: now_nanos(),
         ..PublishResult::default()
     };
+    let properties = if spec.persistent {
+        BasicProperties::default().with_delivery_mode(2)
+    } else {
+        BasicProperties::default()
+    };
     let mut sending = FuturesOrdered::new();
     let mut confirming: VecDeque<lapin::PublisherConfirm> = VecDeque::new();
     let pipeline = spec.pipeline.max(1);
@@ -261,15 +270,10 @@ pub async fn publish(spec: PublishSpec) -> Result<PublishResult> {
         );
         let ch2 = ch.clone();
         let key = routing_key.clone();
+        let props = properties.clone();
         sending.push_back(async move {
-            ch2.basic_publish(
-                "".into(),
-                key,
-                BasicPublishOptions::default(),
-                &body,
-                BasicProperties::default(),
-            )
-            .await
+            ch2.basic_publish("".into(), key, BasicPublishOptions::default(), &body, props)
+                .await
         });
         seq += 1;
         while sending.len() >= pipeline {

@@ -53,6 +53,10 @@ pub struct Common {
     /// Publisher confirms.
     #[arg(long, global = true, value_enum, default_value_t = OnOff::On)]
     pub confirms: OnOff,
+    /// Persistent messages (delivery_mode 2) in durable queues: what embedded mode keeps on
+    /// disk (memory scenario; lapin client).
+    #[arg(long, global = true)]
+    pub persistent: bool,
     /// Messages to publish in total (default depends on the scenario).
     #[arg(long, short = 'n', global = true, conflicts_with = "seconds")]
     pub messages: Option<u64>,
@@ -209,6 +213,9 @@ pub enum Scenario {
         /// Seconds to let the broker settle before each RSS reading.
         #[arg(long, default_value_t = 3.0)]
         settle_seconds: f64,
+        /// Leave the queue and its messages in place (to restart the broker with the backlog).
+        #[arg(long)]
+        keep: bool,
     },
 }
 

@@ -44,7 +44,10 @@ pub async fn run(cli: &Cli) -> Result<Report> {
             hold_seconds,
             client_frame_max,
         } => idle::run(c, *count, *hold_seconds, *client_frame_max).await,
-        Scenario::Memory { settle_seconds } => memory::run(c, *settle_seconds).await,
+        Scenario::Memory {
+            settle_seconds,
+            keep,
+        } => memory::run(c, *settle_seconds, *keep).await,
     }
 }
 
@@ -176,7 +179,11 @@ async fn publish_all(
             confirms,
             confirm_window: c.confirm_window,
             pipeline: c.pipeline,
+            persistent: c.persistent,
         };
+        if c.persistent && c.client_or(ClientKind::Lapin) == ClientKind::Raw {
+            anyhow::bail!("--persistent publishes with the lapin client only");
+        }
         tasks.push(match c.client_or(ClientKind::Lapin) {
             ClientKind::Lapin => tokio::spawn(client::publish(spec)),
             ClientKind::Raw => tokio::spawn(raw::publish(spec)),
