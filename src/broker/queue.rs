@@ -78,7 +78,9 @@ struct PagedEntry {
     redelivered: bool,
     ttl_exempt: bool,
     store_id: u64,
-    meta: PagedMeta,
+    body_len: u64,
+    /// The message's own TTL (its `expiration`), for a policy change.
+    expiration_ms: Option<u64>,
 }
 
 /// A ready message, with its content in memory or on disk only.
@@ -98,7 +100,7 @@ impl Slot {
     fn body_len(&self) -> u64 {
         match self {
             Slot::Resident(e) => e.body_len(),
-            Slot::Paged(p) => p.meta.body_len,
+            Slot::Paged(p) => p.body_len,
         }
     }
     fn expires_at(&self) -> Option<u64> {
@@ -312,7 +314,8 @@ impl QueueState {
             redelivered: deliveries > 0,
             ttl_exempt,
             store_id,
-            meta,
+            body_len: meta.body_len,
+            expiration_ms: meta.expiration_ms,
         });
         if self.over_delivery_limit(deliveries) {
             self.kill(slot, DeadLetterReason::DeliveryLimit, deaths);
@@ -464,8 +467,7 @@ impl QueueState {
                             self.expiry_of(e.ttl_exempt, e.message.expiration_ms, e.enqueued_at);
                     }
                     Slot::Paged(p) => {
-                        p.expires_at =
-                            self.expiry_of(p.ttl_exempt, p.meta.expiration_ms, p.enqueued_at);
+                        p.expires_at = self.expiry_of(p.ttl_exempt, p.expiration_ms, p.enqueued_at);
                     }
                 }
             }
@@ -577,8 +579,8 @@ impl QueueState {
             }
             Slot::Paged(p) => {
                 self.paged += 1;
-                self.paged_bytes += p.meta.body_len;
-                paging.add_paged(1, p.meta.body_len);
+                self.paged_bytes += p.body_len;
+                paging.add_paged(1, p.body_len);
             }
         }
     }
@@ -594,8 +596,8 @@ impl QueueState {
             }
             Slot::Paged(p) => {
                 self.paged = self.paged.saturating_sub(1);
-                self.paged_bytes = self.paged_bytes.saturating_sub(p.meta.body_len);
-                paging.sub_paged(1, p.meta.body_len);
+                self.paged_bytes = self.paged_bytes.saturating_sub(p.body_len);
+                paging.sub_paged(1, p.body_len);
             }
         }
     }
@@ -693,12 +695,8 @@ impl PagedEntry {
             redelivered: e.redelivered,
             ttl_exempt: e.ttl_exempt,
             store_id: e.store_id.unwrap_or_default(),
-            // Its exemption is decided already: no need to look into the properties.
-            meta: PagedMeta {
-                body_len: e.message.body_len(),
-                expiration_ms: e.message.expiration_ms,
-                death_history: e.ttl_exempt,
-            },
+            body_len: e.message.body_len(),
+            expiration_ms: e.message.expiration_ms,
         }
     }
 

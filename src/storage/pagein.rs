@@ -32,21 +32,22 @@ pub struct PagedIn {
 }
 
 impl ChunkReader {
-    /// Whether the whole record at `offset` of `segment` is in the chunk.
+    /// Whether the whole record at `offset` of `segment` is in the chunk (by its length; the
+    /// CRC is checked when it is decoded).
     pub fn covers(&self, segment: u64, offset: u64) -> bool {
         self.frame_at(segment, offset).is_some()
     }
 
+    /// The bytes of the record at `offset` of `segment`, when the chunk holds all of them.
     fn frame_at(&self, segment: u64, offset: u64) -> Option<&[u8]> {
         if segment != self.segment || offset < self.start {
             return None;
         }
         let from = usize::try_from(offset - self.start).ok()?;
         let rest = self.bytes.get(from..)?;
-        match decode_frame(rest) {
-            Frame::Whole(_, used) => rest.get(..used),
-            _ => None,
-        }
+        let head = rest.get(..FRAME_HEADER)?;
+        let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+        rest.get(..FRAME_HEADER.checked_add(len)?)
     }
 
     /// Message `id` from its record at `offset` of `segment`: from the chunk when it holds

@@ -624,3 +624,12 @@ mod paging {
         );
     }
 }
+
+#[test]
+fn a_paged_slot_costs_no_more_than_a_resident_entry() {
+    // What a queued message costs in the queue itself, paged or not (docs/storage.md): one
+    // word more than the entry of a resident message.
+    let slot = std::mem::size_of::<Slot>();
+    assert!(slot <= 72, "{slot} bytes");
+    assert!(std::mem::size_of::<PagedEntry>() <= std::mem::size_of::<QueuedMessage>() + 8);
+}
