@@ -400,7 +400,7 @@ impl Default for StorageConfig {
             fsync: "always".into(),
             segment_size: 64 << 20,
             disk_free_limit: "50MB".into(),
-            paging_budget: "64MiB".into(),
+            paging_budget: "16MiB".into(),
         }
     }
 }
