@@ -3,7 +3,7 @@
 //! say so and the process's resident memory stays well below the backlog), every message
 //! comes back byte for byte in order (during the run, and after a SIGKILL and restart,
 //! which does not load the backlog into memory either), and paged messages that expire are
-//! dead-lettered with their whole content.
+//! dead-lettered with their whole content; the budget changes on a reload.
 
 use crate::common;
 use crate::storage_restart::{Node, count, persistent};
@@ -226,4 +226,15 @@ async fn paged_messages_that_expire_are_dead_lettered_with_their_content() {
     let text = scrape(node.admin).await;
     assert!(metric(&text, "storage_page_ins_total") >= (N / 2) as f64);
     assert_eq!(metric(&text, "storage_page_in_failures_total"), 0.0);
+
+    // The budget changes on a reload (in force from the next queue change).
+    node.configure("paging_budget = \"1MiB\"\n");
+    common::wait_until("the new budget", Duration::from_secs(20), async || {
+        publish(&ch, "paged-dead", 0..1, BODY).await;
+        metric_value(
+            &scrape(node.admin).await,
+            "dlx_proxy_storage_paging_budget_bytes",
+        ) == Some(1_048_576.0)
+    })
+    .await;
 }
