@@ -17,7 +17,7 @@ use std::path::Path;
 
 use super::definitions::{self, Definitions};
 use super::index::Index;
-use super::record::{Frame, Record, decode_frame};
+use super::record::{Frame, Parts, Record, decode_frame};
 use super::segment;
 use crate::broker::message::PagedMeta;
 
@@ -174,7 +174,7 @@ fn replay_segment(
     let mut pos = 0;
     while pos < bytes.len() {
         match decode_frame(&bytes[pos..]) {
-            Frame::Whole(payload, used) => match Record::decode_payload(payload) {
+            Frame::Whole(payload, used) => match Parts::decode(payload) {
                 Ok(record) => {
                     stats.records += 1;
                     let offset = u32::try_from(pos).unwrap_or(u32::MAX);
@@ -203,29 +203,32 @@ fn replay_segment(
 /// The first offset at or after `from` where a whole record with a matching CRC starts.
 fn next_valid(bytes: &[u8], from: usize) -> Option<usize> {
     (from..bytes.len()).find(|&p| match decode_frame(&bytes[p..]) {
-        Frame::Whole(payload, _) => Record::decode_payload(payload).is_ok(),
+        Frame::Whole(payload, _) => Parts::decode(payload).is_ok(),
         _ => false,
     })
 }
 
-/// Applies one record found at `at` (segment, offset).
+/// Applies one record found at `at` (segment, offset): a publish as its borrowed parts, of
+/// which only what the queue keeps is taken (no message is built).
 fn apply(
-    record: Record,
+    record: Parts<'_>,
     (segment, offset): (u64, u32),
     messages: &mut BTreeMap<(u64, u64), Entry>,
     max_id: &mut u64,
 ) {
     match record {
-        Record::Publish {
-            targets,
-            remove,
-            message,
-            at,
-        } => {
-            if let Some(key) = remove {
+        Parts::Publish(p) => {
+            let at = p.at;
+            if let Some(key) = p.remove {
                 messages.remove(&key);
             }
-            let meta = message.paged_meta();
+            let meta = PagedMeta::from_parts(
+                p.properties,
+                p.body.len() as u64,
+                p.expiration,
+                p.dead_lettered,
+            );
+            let targets = p.targets;
             for t in targets {
                 *max_id = (*max_id).max(t.id);
                 messages.insert(
@@ -240,12 +243,13 @@ fn apply(
                 );
             }
         }
-        Record::Remove { items } => {
+        Parts::Other(Record::Remove { items }) => {
             for key in items {
                 messages.remove(&key);
             }
         }
-        Record::Delivered { queue, id } => {
+        Parts::Other(Record::Publish { .. }) => {}
+        Parts::Other(Record::Delivered { queue, id }) => {
             if let Some(e) = messages.get_mut(&(queue, id)) {
                 e.deliveries = e.deliveries.saturating_add(1);
             }
