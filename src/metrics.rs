@@ -84,6 +84,14 @@ pub const METRIC_NAMES: &[&str] = &[
     "storage_recovery_damaged_records",
     "storage_recovery_torn_bytes",
     "storage_recovery_seconds",
+    "storage_paging_budget_bytes",
+    "storage_resident_bytes",
+    "storage_paged_messages",
+    "storage_paged_bytes",
+    "storage_page_outs_total",
+    "storage_page_ins_total",
+    "storage_page_in_reads_total",
+    "storage_page_in_failures_total",
     "disk_alarm",
     "disk_free_bytes",
     "disk_free_limit_bytes",
@@ -300,6 +308,14 @@ pub struct Metrics {
     storage_damaged: IntGauge,
     storage_torn: IntGauge,
     storage_recovery_seconds: Gauge,
+    paging_budget: IntGauge,
+    paging_resident: IntGauge,
+    paged_messages: IntGauge,
+    paged_bytes: IntGauge,
+    page_outs: IntCounter,
+    page_ins: IntCounter,
+    page_in_reads: IntCounter,
+    page_in_failures: IntCounter,
     disk_alarm: IntGauge,
     disk_free: IntGauge,
     disk_free_limit: IntGauge,
@@ -673,6 +689,42 @@ impl Metrics {
                 "storage_recovery_seconds",
                 "Seconds the last start took to read the storage directory and load the \
                  definitions and messages into the broker.",
+            )?,
+            paging_budget: b.gauge(
+                "storage_paging_budget_bytes",
+                "storage.paging_budget: content bytes of queued persistent messages held in \
+                 memory before queues page out.",
+            )?,
+            paging_resident: b.gauge(
+                "storage_resident_bytes",
+                "Content bytes (exchange, keys, properties, body) of queued messages kept on \
+                 disk that are also held in memory.",
+            )?,
+            paged_messages: b.gauge(
+                "storage_paged_messages",
+                "Queued messages whose content is on disk only (paged out).",
+            )?,
+            paged_bytes: b.gauge(
+                "storage_paged_bytes",
+                "Body bytes of the queued messages whose content is on disk only.",
+            )?,
+            page_outs: b.counter(
+                "storage_page_outs_total",
+                "Queued messages whose content was dropped from memory (paged out).",
+            )?,
+            page_ins: b.counter(
+                "storage_page_ins_total",
+                "Paged-out messages whose content was read back (delivery, dead-lettering, \
+                 inspection).",
+            )?,
+            page_in_reads: b.counter(
+                "storage_page_in_reads_total",
+                "Positioned reads of the message log for page-ins (one serves the messages \
+                 after it too: read-ahead).",
+            )?,
+            page_in_failures: b.counter(
+                "storage_page_in_failures_total",
+                "Paged-out messages whose content could not be read back (lost: disk fault).",
             )?,
             disk_alarm: b.gauge(
                 "disk_alarm",
@@ -1136,6 +1188,22 @@ impl Metrics {
     /// How long the last start's recovery took.
     pub fn set_storage_recovery_time(&self, took: std::time::Duration) {
         self.storage_recovery_seconds.set(took.as_secs_f64());
+    }
+
+    /// The paging account (gauges) and its counters (raised to their new totals).
+    pub fn set_paging(&self, s: &crate::broker::paging::PagingStats) {
+        self.paging_budget.set(saturating_i64(s.budget));
+        self.paging_resident.set(saturating_i64(s.resident_bytes));
+        self.paged_messages.set(saturating_i64(s.paged_messages));
+        self.paged_bytes.set(saturating_i64(s.paged_bytes));
+        for (counter, total) in [
+            (&self.page_outs, s.page_outs),
+            (&self.page_ins, s.page_ins),
+            (&self.page_in_reads, s.page_in_reads),
+            (&self.page_in_failures, s.page_in_failures),
+        ] {
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
     }
 
     /// The disk alarm was raised (`true`) or cleared.

@@ -311,7 +311,7 @@ impl RunningService {
 
     /// Applies a new configuration without dropping connections: policies, users (each
     /// `password_file` is read again), limits (except `limits.consumer_timeout`),
-    /// `storage.disk_free_limit` and the admin token (`admin.token_file` is read again). Every
+    /// `storage.disk_free_limit`, `storage.paging_budget` and the admin token (`admin.token_file` is read again). Every
     /// other setting (listeners,
     /// mode, TLS file names, vhosts, ...) needs a restart; a change to one is logged as a
     /// warning and the running value stays. (The content of the TLS files is reloaded
@@ -344,6 +344,9 @@ impl RunningService {
             }
             ctx.disk_free_limit
                 .store(config.storage.disk_free_limit_bytes(), Ordering::Relaxed);
+        }
+        if let Some(paging) = self.broker.as_ref().and_then(|b| b.paging()) {
+            paging.set_budget(config.storage.paging_budget_bytes());
         }
         self.connection_slots.set_max(config.limits.max_connections);
         self.admin_token.set(admin_token);

@@ -124,22 +124,70 @@ impl Message {
     /// a non-empty `x-death` array (a dead letter republished by a client or a shovel). The
     /// properties are decoded only for a message the broker did not dead-letter itself.
     pub fn has_death_history(&self) -> bool {
-        if self.dead_lettered {
-            return true;
-        }
-        self.properties().is_ok_and(|props| {
-            props.headers().as_ref().is_some_and(|h| {
-                matches!(
-                    h.inner().get("x-death"),
-                    Some(amq_protocol::types::AMQPValue::FieldArray(a)) if !a.as_slice().is_empty()
-                )
-            })
-        })
+        self.dead_lettered || death_history_in(self.raw_properties())
     }
 
     /// Body bytes, the unit of max-length-bytes.
     pub fn body_len(&self) -> u64 {
         (self.content.len() - self.header_len() - self.props_len as usize) as u64
+    }
+
+    /// Bytes of its one allocation (exchange, keys, properties, body): what paging it out
+    /// frees.
+    pub fn content_len(&self) -> u64 {
+        self.content.len() as u64
+    }
+
+    /// What a queue keeps of it while its content is on disk only.
+    pub fn paged_meta(&self) -> PagedMeta {
+        PagedMeta::from_parts(
+            self.raw_properties(),
+            self.body_len(),
+            self.expiration_ms,
+            self.dead_lettered,
+        )
+    }
+}
+
+/// Whether raw properties carry a non-empty `x-death` array.
+fn death_history_in(raw_properties: &[u8]) -> bool {
+    decode_properties(raw_properties).is_ok_and(|props| {
+        props.headers().as_ref().is_some_and(|h| {
+            matches!(
+                h.inner().get("x-death"),
+                Some(amq_protocol::types::AMQPValue::FieldArray(a)) if !a.as_slice().is_empty()
+            )
+        })
+    })
+}
+
+/// What a queue keeps of a message whose content is on disk only (paged out): enough for
+/// its length limits, its TTL and the dead-letter TTL exemption, without the content.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedMeta {
+    pub body_len: u64,
+    pub expiration_ms: Option<u64>,
+    /// It carries an x-death history ([`Message::has_death_history`]).
+    pub death_history: bool,
+}
+
+impl PagedMeta {
+    /// From a message's parts (recovery reads them from its record without building the
+    /// message). The properties are decoded only when they may hold an x-death header.
+    pub fn from_parts(
+        raw_properties: &[u8],
+        body_len: u64,
+        expiration_ms: Option<u64>,
+        dead_lettered: bool,
+    ) -> PagedMeta {
+        let death_history = dead_lettered
+            || (raw_properties.windows(7).any(|w| w == b"x-death")
+                && death_history_in(raw_properties));
+        PagedMeta {
+            body_len,
+            expiration_ms,
+            death_history,
+        }
     }
 }
 
@@ -247,6 +295,33 @@ mod tests {
         }
         assert!(!persistent_in(&[0x10]));
         assert!(!persistent_in(&[0x30, 0x00, 0, 0]));
+    }
+
+    #[test]
+    fn paged_meta_finds_an_x_death_history_only_in_the_x_death_header() {
+        use amq_protocol::protocol::BasicProperties;
+        use amq_protocol::types::{AMQPValue, FieldArray, FieldTable};
+        let with = |name: &str, value: AMQPValue| {
+            let mut headers = FieldTable::default();
+            headers.insert(name.into(), value);
+            let raw = crate::amqp::content::encode_properties(
+                &BasicProperties::default().with_headers(headers),
+            );
+            Message::new("", &["k"], &raw, b"body", Some(7), false).paged_meta()
+        };
+        let mut deaths = FieldArray::default();
+        deaths.push(AMQPValue::FieldTable(FieldTable::default()));
+        let meta = with("x-death", AMQPValue::FieldArray(deaths));
+        assert_eq!(
+            meta,
+            PagedMeta {
+                body_len: 4,
+                expiration_ms: Some(7),
+                death_history: true
+            }
+        );
+        assert!(!with("note", AMQPValue::LongString("x-death".into())).death_history);
+        assert!(!with("x-death", AMQPValue::FieldArray(FieldArray::default())).death_history);
     }
 
     #[test]

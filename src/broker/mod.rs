@@ -16,6 +16,7 @@ pub mod dead_letter_routing;
 pub mod delivery;
 pub mod message;
 pub mod methods;
+pub mod paging;
 pub mod persistence;
 pub mod queue;
 pub mod retry_hold;
@@ -138,6 +139,8 @@ pub struct Broker {
     pub metrics: Arc<Metrics>,
     /// Durable storage, once attached (embedded mode with `storage.dir` set).
     storage: std::sync::OnceLock<Arc<crate::storage::Storage>>,
+    /// The paging account of the queues that keep messages on disk (with storage).
+    paging: std::sync::OnceLock<Arc<paging::Paging>>,
 }
 
 impl Broker {
@@ -173,6 +176,7 @@ impl Broker {
             timer_wake: Notify::new(),
             metrics,
             storage: std::sync::OnceLock::new(),
+            paging: std::sync::OnceLock::new(),
         })
     }
 

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use super::message::Message;
 use super::methods::{ExchangeDeclare, QueueDeclare};
+use super::paging::Paging;
 use super::queue::PublishOutcome;
 use super::retry_hold::HeldMessage;
 use super::routing::Destination;
@@ -107,6 +108,11 @@ impl Broker {
     /// The attached storage, if any.
     pub fn storage(&self) -> Option<&Storage> {
         self.storage.get().map(|s| &**s)
+    }
+
+    /// The paging account (with storage attached).
+    pub fn paging(&self) -> Option<&Arc<Paging>> {
+        self.paging.get()
     }
 
     /// Hands storage the definitions snapshot when the durable definitions changed.
@@ -275,9 +281,17 @@ impl Broker {
                 unrestored.bindings.push(b.clone());
             }
         }
+        let paging = Paging::new(storage.clone(), storage.paging_budget());
         let _ = self.storage.set(storage);
+        let _ = self.paging.set(paging.clone());
         let now = self.now();
         let mut st = self.lock();
+        for (vhost, name) in names.values() {
+            if let Some(q) = st.queue_mut(vhost, name) {
+                q.state.set_paging(paging.clone());
+            }
+        }
+        self.metrics.set_paging(&paging.stats());
         st.unrestored_definitions = unrestored;
         st.runtime_policies = defs.policies.clone();
         self.sync_definitions(&mut st);
@@ -294,9 +308,15 @@ impl Broker {
             if let Some(q) = st.queue_mut(vhost, name) {
                 for m in messages {
                     // Held for a retry tier: held again until its due time (at once if past).
+                    // Held messages are kept whole (never paged): read back now; one that
+                    // cannot be read is lost (logged and counted by the paging account).
                     if let Some(until) = m.held_until {
+                        let Some(message) = paging.read(m.id) else {
+                            refused.push((queue_id, m.id));
+                            continue;
+                        };
                         let message = HeldMessage {
-                            message: m.message,
+                            message,
                             store_id: Some(m.id),
                         };
                         q.retry_hold.hold(self.broker_ms(until), message);
@@ -305,12 +325,12 @@ impl Broker {
                     }
                     // Its TTL counts from when it entered the queue, before the restart.
                     let entered = m.at.map_or(now, |at| self.broker_ms(at).min(now));
-                    let mut entry = q.state.admit(m.message, entered);
-                    entry.store_id = Some(m.id);
-                    entry.redelivered = m.deliveries > 0;
-                    entry.delivery_count = m.deliveries;
-                    // Time `entered`: nothing expires while the queue is loaded.
-                    if q.state.restore(entry, entered, &mut died) == PublishOutcome::Rejected {
+                    // Paged: the content stays on disk until it is needed. Time `entered`:
+                    // nothing expires while the queue is loaded.
+                    let outcome =
+                        q.state
+                            .restore_paged(m.id, m.meta, entered, m.deliveries, &mut died);
+                    if outcome == PublishOutcome::Rejected {
                         refused.push((queue_id, m.id));
                     }
                 }

@@ -11,11 +11,20 @@
 //! stepped over, so the first message that can expire is the one checked (a kept dead letter
 //! never holds back the expiry of the messages behind it). `exempt_prefix` remembers how many
 //! front messages are known to be exempt, so the step-over costs nothing per publish.
+//!
+//! Paging ([`super::paging`]): in a queue that can page, a message with a record in the log
+//! may be held without its content (a paged slot). Everything that takes a message out of the
+//! queue (delivery, death, inspection) reads its content back first, so callers only ever see
+//! whole [`QueuedMessage`]s; a message whose content cannot be read back is lost (counted in
+//! [`QueueState::take_lost`] for its removal record). Which messages page out: the newest
+//! resident ones with a written record, while the resident content of all queues is over the
+//! budget (`candidates` lists them without walking the queue).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use super::message::{Message, QueuedMessage};
+use super::message::{Message, PagedMeta, QueuedMessage};
+use super::paging::Paging;
 use crate::deadletter::DeadLetterReason;
 use crate::rabbit::args::Overflow;
 
@@ -58,24 +67,100 @@ impl PublishOutcome {
     }
 }
 
+/// A ready message whose content is on disk only: its queue bookkeeping and what the queue
+/// needs of the message ([`PagedMeta`]).
+#[derive(Clone, Debug)]
+struct PagedEntry {
+    seq: u64,
+    enqueued_at: u64,
+    expires_at: Option<u64>,
+    delivery_count: u32,
+    redelivered: bool,
+    ttl_exempt: bool,
+    store_id: u64,
+    body_len: u64,
+    /// The message's own TTL (its `expiration`), for a policy change.
+    expiration_ms: Option<u64>,
+}
+
+/// A ready message, with its content in memory or on disk only.
+#[derive(Clone, Debug)]
+enum Slot {
+    Resident(QueuedMessage),
+    Paged(PagedEntry),
+}
+
+impl Slot {
+    fn seq(&self) -> u64 {
+        match self {
+            Slot::Resident(e) => e.seq,
+            Slot::Paged(p) => p.seq,
+        }
+    }
+    fn body_len(&self) -> u64 {
+        match self {
+            Slot::Resident(e) => e.body_len(),
+            Slot::Paged(p) => p.body_len,
+        }
+    }
+    fn expires_at(&self) -> Option<u64> {
+        match self {
+            Slot::Resident(e) => e.expires_at,
+            Slot::Paged(p) => p.expires_at,
+        }
+    }
+    fn ttl_exempt(&self) -> bool {
+        match self {
+            Slot::Resident(e) => e.ttl_exempt,
+            Slot::Paged(p) => p.ttl_exempt,
+        }
+    }
+    /// Content bytes held in memory for a message with a record (what paging accounts).
+    fn resident_stored(&self) -> u64 {
+        match self {
+            Slot::Resident(e) if e.store_id.is_some() => e.message.content_len(),
+            _ => 0,
+        }
+    }
+}
+
 /// The ready messages of one queue.
 #[derive(Debug, Default)]
 pub struct QueueState {
-    ready: VecDeque<QueuedMessage>,
+    ready: VecDeque<Slot>,
     ready_bytes: u64,
     next_seq: u64,
     limits: QueueLimits,
     /// The first `exempt_prefix` ready messages are exempt from expiry (a lower bound: the
     /// run may be longer; [`QueueState::first_expirable`] extends it).
     exempt_prefix: usize,
+    /// Set when the queue's messages can page (durable queue, storage attached).
+    paging: Option<Arc<Paging>>,
+    /// Positions (seq) of resident messages with a record that arrived by publish, oldest
+    /// first: what may page out. Stale positions (gone, paged) are dropped when met.
+    candidates: VecDeque<u64>,
+    /// Resident content with a record, paged messages and their body bytes, in this queue
+    /// (its share of the [`Paging`] account).
+    resident_stored: u64,
+    paged: u64,
+    paged_bytes: u64,
+    /// Stored content added since the last page-out walk.
+    grown: u64,
+    /// Message ids whose content could not be read back (lost), for their removal record.
+    lost: Vec<u64>,
+}
+
+impl Drop for QueueState {
+    fn drop(&mut self) {
+        self.forget_all();
+    }
 }
 
 impl QueueState {
     pub fn new(limits: QueueLimits) -> Self {
-        QueueState {
-            limits,
-            ..Default::default()
-        }
+        let mut q = QueueState::default();
+        q.limits = limits;
+        q
     }
 
     pub fn limits(&self) -> &QueueLimits {
@@ -111,20 +196,34 @@ impl QueueState {
             store_id: None,
             ttl_exempt,
         };
-        entry.expires_at = self.expiry_of(&entry);
+        entry.expires_at = self.expiry_of(
+            entry.ttl_exempt,
+            entry.message.expiration_ms,
+            entry.enqueued_at,
+        );
         entry
     }
 
-    /// When `entry` expires under the current limits (never when it is exempt).
-    fn expiry_of(&self, entry: &QueuedMessage) -> Option<u64> {
-        if entry.ttl_exempt {
+    /// When a message expires under the current limits (never when it is exempt).
+    fn expiry_of(&self, exempt: bool, expiration_ms: Option<u64>, enqueued_at: u64) -> Option<u64> {
+        if exempt {
             return None;
         }
-        let ttl = match (self.limits.message_ttl, entry.message.expiration_ms) {
+        let ttl = match (self.limits.message_ttl, expiration_ms) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        ttl.map(|t| entry.enqueued_at.saturating_add(t))
+        ttl.map(|t| enqueued_at.saturating_add(t))
+    }
+
+    /// Lets the queue page (its persistent messages are kept on disk).
+    pub fn set_paging(&mut self, paging: Arc<Paging>) {
+        self.forget_all();
+        self.paging = Some(paging);
+        let slots: Vec<Slot> = self.ready.iter().cloned().collect();
+        for slot in &slots {
+            self.note_in(slot);
+        }
     }
 
     /// Whether reject-publish / reject-publish-dlx refuses this message: the ready messages
@@ -149,16 +248,24 @@ impl QueueState {
         now: u64,
         deaths: &mut Vec<Death>,
     ) -> PublishOutcome {
+        let outcome = self.publish_slot(Slot::Resident(entry), now, deaths);
+        self.page_out_over_budget();
+        outcome
+    }
+
+    fn publish_slot(&mut self, slot: Slot, now: u64, deaths: &mut Vec<Death>) -> PublishOutcome {
         match self.limits.overflow {
-            Overflow::RejectPublish | Overflow::RejectPublishDlx if self.refuses(&entry) => {
+            Overflow::RejectPublish | Overflow::RejectPublishDlx
+                if self.refuses_len(slot.body_len()) =>
+            {
                 if self.limits.overflow == Overflow::RejectPublishDlx {
-                    Self::kill(entry, DeadLetterReason::MaxLen, deaths);
+                    self.kill(slot, DeadLetterReason::MaxLen, deaths);
                     return PublishOutcome::RejectedDeadLettered;
                 }
                 PublishOutcome::Rejected
             }
             _ => {
-                self.push_back(entry);
+                self.push_back(slot);
                 self.expire(now, deaths);
                 self.drop_head_over_limit(deaths);
                 PublishOutcome::Accepted
@@ -175,17 +282,53 @@ impl QueueState {
         now: u64,
         deaths: &mut Vec<Death>,
     ) -> PublishOutcome {
-        if self.over_delivery_limit(&entry) {
-            Self::kill(entry, DeadLetterReason::DeliveryLimit, deaths);
+        if self.over_delivery_limit(entry.delivery_count) {
+            self.kill(
+                Slot::Resident(entry),
+                DeadLetterReason::DeliveryLimit,
+                deaths,
+            );
             return PublishOutcome::Accepted;
         }
         self.publish(entry, now, deaths)
     }
 
-    fn over_delivery_limit(&self, entry: &QueuedMessage) -> bool {
+    /// Puts back a message recovered from storage without its content (paged: read back
+    /// when it leaves the queue), `deliveries` being its unsettled deliveries before the stop.
+    /// As [`QueueState::restore`] otherwise.
+    pub fn restore_paged(
+        &mut self,
+        store_id: u64,
+        meta: PagedMeta,
+        entered: u64,
+        deliveries: u32,
+        deaths: &mut Vec<Death>,
+    ) -> PublishOutcome {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let ttl_exempt = self.limits.keep_dead_letters && meta.death_history;
+        let slot = Slot::Paged(PagedEntry {
+            seq,
+            enqueued_at: entered,
+            expires_at: self.expiry_of(ttl_exempt, meta.expiration_ms, entered),
+            delivery_count: deliveries,
+            redelivered: deliveries > 0,
+            ttl_exempt,
+            store_id,
+            body_len: meta.body_len,
+            expiration_ms: meta.expiration_ms,
+        });
+        if self.over_delivery_limit(deliveries) {
+            self.kill(slot, DeadLetterReason::DeliveryLimit, deaths);
+            return PublishOutcome::Accepted;
+        }
+        self.publish_slot(slot, entered, deaths)
+    }
+
+    fn over_delivery_limit(&self, delivery_count: u32) -> bool {
         self.limits
             .delivery_limit
-            .is_some_and(|limit| entry.delivery_count as u64 > limit)
+            .is_some_and(|limit| delivery_count as u64 > limit)
     }
 
     fn would_overflow(&self, body_len: u64) -> bool {
@@ -216,7 +359,7 @@ impl QueueState {
         }
         while self.over_limit() {
             match self.pop_front() {
-                Some(entry) => Self::kill(entry, DeadLetterReason::MaxLen, deaths),
+                Some(slot) => self.kill(slot, DeadLetterReason::MaxLen, deaths),
                 None => break,
             }
         }
@@ -230,14 +373,15 @@ impl QueueState {
             let due = self
                 .ready
                 .get(at)
-                .and_then(|e| e.expires_at)
+                .and_then(Slot::expires_at)
                 .is_some_and(|t| t <= now);
             if !due {
                 break;
             }
-            if let Some(entry) = self.ready.remove(at) {
-                self.ready_bytes -= entry.body_len();
-                Self::kill(entry, DeadLetterReason::Expired, deaths);
+            if let Some(slot) = self.ready.remove(at) {
+                self.ready_bytes -= slot.body_len();
+                self.note_out(&slot);
+                self.kill(slot, DeadLetterReason::Expired, deaths);
             }
         }
     }
@@ -248,7 +392,7 @@ impl QueueState {
         while self
             .ready
             .get(self.exempt_prefix)
-            .is_some_and(|e| e.ttl_exempt)
+            .is_some_and(Slot::ttl_exempt)
         {
             self.exempt_prefix += 1;
         }
@@ -258,13 +402,19 @@ impl QueueState {
     /// When the first message that can expire does (the only deadline a timer needs).
     pub fn next_expiry(&mut self) -> Option<u64> {
         let at = self.first_expirable();
-        self.ready.get(at).and_then(|e| e.expires_at)
+        self.ready.get(at).and_then(Slot::expires_at)
     }
 
-    /// Takes the head for delivery, expiring dead heads first.
+    /// Takes the head for delivery, expiring dead heads first (its content read back when it
+    /// was paged out; one that cannot be read is lost and the next is taken).
     pub fn pop(&mut self, now: u64, deaths: &mut Vec<Death>) -> Option<QueuedMessage> {
         self.expire(now, deaths);
-        self.pop_front()
+        loop {
+            let slot = self.pop_front()?;
+            if let Some(entry) = self.page_in(slot) {
+                return Some(entry);
+            }
+        }
     }
 
     /// Returns unacked messages to the queue at their original positions, counting the return
@@ -280,11 +430,15 @@ impl QueueState {
         for mut entry in entries {
             entry.delivery_count = entry.delivery_count.saturating_add(1);
             entry.redelivered = true;
-            if self.over_delivery_limit(&entry) {
-                Self::kill(entry, DeadLetterReason::DeliveryLimit, deaths);
+            if self.over_delivery_limit(entry.delivery_count) {
+                self.kill(
+                    Slot::Resident(entry),
+                    DeadLetterReason::DeliveryLimit,
+                    deaths,
+                );
                 continue;
             }
-            let pos = self.ready.partition_point(|e| e.seq < entry.seq);
+            let pos = self.ready.partition_point(|e| e.seq() < entry.seq);
             if pos <= self.exempt_prefix {
                 if entry.ttl_exempt {
                     self.exempt_prefix += 1;
@@ -293,7 +447,9 @@ impl QueueState {
                 }
             }
             self.ready_bytes += entry.body_len();
-            self.ready.insert(pos, entry);
+            let slot = Slot::Resident(entry);
+            self.note_in(&slot);
+            self.ready.insert(pos, slot);
         }
         self.expire(now, deaths);
         self.drop_head_over_limit(deaths);
@@ -305,8 +461,16 @@ impl QueueState {
         self.limits = limits;
         if ttl_changed {
             let mut ready = std::mem::take(&mut self.ready);
-            for e in ready.iter_mut() {
-                e.expires_at = self.expiry_of(e);
+            for slot in ready.iter_mut() {
+                match slot {
+                    Slot::Resident(e) => {
+                        e.expires_at =
+                            self.expiry_of(e.ttl_exempt, e.message.expiration_ms, e.enqueued_at);
+                    }
+                    Slot::Paged(p) => {
+                        p.expires_at = self.expiry_of(p.ttl_exempt, p.expiration_ms, p.enqueued_at);
+                    }
+                }
             }
             self.ready = ready;
         }
@@ -317,64 +481,287 @@ impl QueueState {
     /// Removes every ready message without dead-lettering (queue.purge, queue.delete).
     pub fn purge(&mut self) -> usize {
         let n = self.ready.len();
+        self.forget_all();
         self.ready.clear();
+        self.candidates.clear();
         self.ready_bytes = 0;
         self.exempt_prefix = 0;
         n
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &QueuedMessage> {
-        self.ready.iter()
+    /// The ready messages in order, as copies (the queue is unchanged): contents paged out
+    /// are read back for the copy (one that cannot be read is left out).
+    pub fn iter(&self) -> impl Iterator<Item = QueuedMessage> + '_ {
+        self.ready.iter().filter_map(|slot| match slot {
+            Slot::Resident(e) => Some(e.clone()),
+            Slot::Paged(p) => {
+                let message = self.paging.as_ref()?.read(p.store_id)?;
+                Some(p.with(message))
+            }
+        })
     }
 
-    /// The ready messages after position `seq` (all of them for `None`), in order: the
-    /// cursor of a redrive pass ([`crate::redrive`]). Ready messages are kept in `seq` order.
-    pub fn iter_after(&self, seq: Option<u64>) -> impl Iterator<Item = &QueuedMessage> {
-        let start = seq.map_or(0, |seq| self.ready.partition_point(|e| e.seq <= seq));
-        self.ready.range(start..)
+    /// The ready messages after position `seq` (all of them for `None`), in order, as copies
+    /// ([`QueueState::iter`]): the cursor of a redrive pass ([`crate::redrive`]). Ready
+    /// messages are kept in `seq` order.
+    pub fn iter_after(&self, seq: Option<u64>) -> impl Iterator<Item = QueuedMessage> + '_ {
+        let start = seq.map_or(0, |seq| self.ready.partition_point(|e| e.seq() <= seq));
+        self.ready.range(start..).filter_map(|slot| match slot {
+            Slot::Resident(e) => Some(e.clone()),
+            Slot::Paged(p) => {
+                let message = self.paging.as_ref()?.read(p.store_id)?;
+                Some(p.with(message))
+            }
+        })
+    }
+
+    /// The position of the first ready message after `seq` (the first of all for `None`),
+    /// without reading any content back.
+    pub fn seq_after(&self, seq: Option<u64>) -> Option<u64> {
+        let start = seq.map_or(0, |seq| self.ready.partition_point(|e| e.seq() <= seq));
+        self.ready.get(start).map(Slot::seq)
     }
 
     /// The position of the last ready message (the end of a redrive pass started now).
     pub fn last_seq(&self) -> Option<u64> {
-        self.ready.back().map(|e| e.seq)
+        self.ready.back().map(Slot::seq)
     }
 
-    /// Takes out the ready messages at positions `seqs` (ascending), wherever they are,
-    /// without dead-lettering them (a redrive moved them); the others keep their order.
-    pub fn take_seqs(&mut self, seqs: &[u64]) -> Vec<QueuedMessage> {
-        let mut taken = Vec::with_capacity(seqs.len());
+    /// Removes the ready messages at positions `seqs` (ascending), wherever they are, without
+    /// dead-lettering them (a redrive moved them; their content is not read back); the others
+    /// keep their order. Returns how many were there.
+    pub fn remove_seqs(&mut self, seqs: &[u64]) -> usize {
+        let mut removed = 0;
         // Backwards, so each index found stays valid for the next.
         for &seq in seqs.iter().rev() {
-            let at = self.ready.partition_point(|e| e.seq < seq);
-            if self.ready.get(at).is_some_and(|e| e.seq == seq)
-                && let Some(entry) = self.ready.remove(at)
+            let at = self.ready.partition_point(|e| e.seq() < seq);
+            if self.ready.get(at).is_some_and(|e| e.seq() == seq)
+                && let Some(slot) = self.ready.remove(at)
             {
-                self.ready_bytes -= entry.body_len();
+                self.ready_bytes -= slot.body_len();
                 if at < self.exempt_prefix {
                     self.exempt_prefix -= 1;
                 }
-                taken.push(entry);
+                // A stale paging candidate is stepped over by the next page-out walk.
+                self.note_out(&slot);
+                removed += 1;
             }
         }
-        taken.reverse();
-        taken
+        removed
     }
 
-    fn push_back(&mut self, entry: QueuedMessage) {
-        self.ready_bytes += entry.body_len();
-        self.ready.push_back(entry);
+    /// Messages whose content could not be read back since the last call (lost): their
+    /// message ids, for the removal record.
+    pub fn take_lost(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.lost)
     }
 
-    fn pop_front(&mut self) -> Option<QueuedMessage> {
-        let entry = self.ready.pop_front()?;
-        self.ready_bytes -= entry.body_len();
+    /// Whether the queue can page (its persistent messages are kept on disk).
+    pub fn pages(&self) -> bool {
+        self.paging.is_some()
+    }
+
+    /// Ready messages held without their content.
+    pub fn paged(&self) -> u64 {
+        self.paged
+    }
+
+    fn push_back(&mut self, slot: Slot) {
+        self.ready_bytes += slot.body_len();
+        self.note_in(&slot);
+        if let Slot::Resident(e) = &slot
+            && e.store_id.is_some()
+            && self.paging.is_some()
+        {
+            self.candidates.push_back(e.seq);
+            self.grown += e.message.content_len();
+        }
+        self.ready.push_back(slot);
+    }
+
+    fn pop_front(&mut self) -> Option<Slot> {
+        let slot = self.ready.pop_front()?;
+        self.ready_bytes -= slot.body_len();
         self.exempt_prefix = self.exempt_prefix.saturating_sub(1);
-        Some(entry)
+        self.note_out(&slot);
+        while self.candidates.front().is_some_and(|&c| c <= slot.seq()) {
+            self.candidates.pop_front();
+        }
+        Some(slot)
     }
 
-    /// The single place a message dies in a queue.
-    fn kill(entry: QueuedMessage, reason: DeadLetterReason, deaths: &mut Vec<Death>) {
-        deaths.push(Death { entry, reason });
+    /// The single place a message dies in a queue (its content read back first; one that
+    /// cannot be read is lost, not dead-lettered).
+    fn kill(&mut self, slot: Slot, reason: DeadLetterReason, deaths: &mut Vec<Death>) {
+        if let Some(entry) = self.page_in(slot) {
+            deaths.push(Death { entry, reason });
+        }
+    }
+
+    /// The whole message of a slot that left the queue.
+    fn page_in(&mut self, slot: Slot) -> Option<QueuedMessage> {
+        match slot {
+            Slot::Resident(e) => Some(e),
+            Slot::Paged(p) => {
+                match self
+                    .paging
+                    .as_ref()
+                    .and_then(|paging| paging.read(p.store_id))
+                {
+                    Some(message) => Some(p.with(message)),
+                    None => {
+                        self.lost.push(p.store_id);
+                        None
+                    }
+                }
+            }
+        }
+    }
+
+    /// A slot entered `ready`: its share of the paging account.
+    fn note_in(&mut self, slot: &Slot) {
+        let Some(paging) = &self.paging else { return };
+        match slot {
+            Slot::Resident(_) => {
+                let n = slot.resident_stored();
+                self.resident_stored += n;
+                paging.add_resident(n);
+            }
+            Slot::Paged(p) => {
+                self.paged += 1;
+                self.paged_bytes += p.body_len;
+                paging.add_paged(1, p.body_len);
+            }
+        }
+    }
+
+    /// A slot left `ready`.
+    fn note_out(&mut self, slot: &Slot) {
+        let Some(paging) = &self.paging else { return };
+        match slot {
+            Slot::Resident(_) => {
+                let n = slot.resident_stored();
+                self.resident_stored = self.resident_stored.saturating_sub(n);
+                paging.sub_resident(n);
+            }
+            Slot::Paged(p) => {
+                self.paged = self.paged.saturating_sub(1);
+                self.paged_bytes = self.paged_bytes.saturating_sub(p.body_len);
+                paging.sub_paged(1, p.body_len);
+            }
+        }
+    }
+
+    /// Takes this queue's share out of the paging account (purge, drop).
+    fn forget_all(&mut self) {
+        if let Some(paging) = &self.paging {
+            paging.sub_resident(self.resident_stored);
+            paging.sub_paged(self.paged, self.paged_bytes);
+        }
+        self.resident_stored = 0;
+        self.paged = 0;
+        self.paged_bytes = 0;
+    }
+
+    /// While the resident content of all queues is over the budget, drops the content of
+    /// this queue's newest messages whose record is written (newest first: the head is
+    /// delivered soonest). Runs once the queue has grown by a step since the last walk, and
+    /// then frees what is over plus a step.
+    fn page_out_over_budget(&mut self) {
+        let Some(paging) = self.paging.clone() else {
+            return;
+        };
+        let over = paging.over_budget();
+        if over == 0 || self.grown < paging.step().min(over) {
+            return;
+        }
+        self.grown = 0;
+        let want = over + paging.step();
+        // Candidates from the newest back, in rounds that hold what is still wanted: those
+        // whose record is not written yet (the newest, usually) stay and are stepped over.
+        let mut freed = 0u64;
+        let mut out = 0u64;
+        let mut from = self.candidates.len();
+        while freed < want && from > 0 {
+            let mut picked = Vec::new();
+            let mut sum = 0u64;
+            while from > 0 && sum < want - freed {
+                from -= 1;
+                let seq = self.candidates[from];
+                if let Ok(at) = self.ready.binary_search_by_key(&seq, Slot::seq)
+                    && let Slot::Resident(e) = &self.ready[at]
+                    && let Some(id) = e.store_id
+                {
+                    sum += e.message.content_len();
+                    picked.push((at, id));
+                }
+            }
+            let ids: Vec<u64> = picked.iter().map(|(_, id)| *id).collect();
+            let written = paging.written(&ids);
+            for ((at, _), written) in picked.into_iter().zip(written) {
+                if written {
+                    freed += self.page_out_at(at);
+                    out += 1;
+                }
+            }
+        }
+        paging.paged_out(out);
+        // Keep the candidates that are still resident (records not written yet).
+        let tail: Vec<u64> = self
+            .candidates
+            .drain(from..)
+            .filter(|seq| {
+                self.ready
+                    .binary_search_by_key(seq, Slot::seq)
+                    .is_ok_and(|at| matches!(self.ready[at], Slot::Resident(_)))
+            })
+            .collect();
+        self.candidates.extend(tail);
+    }
+
+    /// Drops the content of the resident message at `at` (its record is written); returns
+    /// the bytes freed.
+    fn page_out_at(&mut self, at: usize) -> u64 {
+        let Some(Slot::Resident(e)) = self.ready.get(at) else {
+            return 0;
+        };
+        let paged = Slot::Paged(PagedEntry::of(e));
+        let resident = std::mem::replace(&mut self.ready[at], paged);
+        let freed = resident.resident_stored();
+        self.note_out(&resident);
+        self.note_in(&self.ready[at].clone());
+        freed
+    }
+}
+
+impl PagedEntry {
+    /// What stays of a resident message with a record once its content is dropped.
+    fn of(e: &QueuedMessage) -> PagedEntry {
+        PagedEntry {
+            seq: e.seq,
+            enqueued_at: e.enqueued_at,
+            expires_at: e.expires_at,
+            delivery_count: e.delivery_count,
+            redelivered: e.redelivered,
+            ttl_exempt: e.ttl_exempt,
+            store_id: e.store_id.unwrap_or_default(),
+            body_len: e.message.body_len(),
+            expiration_ms: e.message.expiration_ms,
+        }
+    }
+
+    /// The whole message again, with its content read back.
+    fn with(&self, message: Arc<Message>) -> QueuedMessage {
+        QueuedMessage {
+            message,
+            seq: self.seq,
+            enqueued_at: self.enqueued_at,
+            expires_at: self.expires_at,
+            delivery_count: self.delivery_count,
+            redelivered: self.redelivered,
+            store_id: Some(self.store_id),
+            ttl_exempt: self.ttl_exempt,
+        }
     }
 }
 

@@ -387,6 +387,12 @@ pub struct StorageConfig {
     /// reload.
     #[serde(deserialize_with = "string_or_number")]
     pub disk_free_limit: String,
+    /// Content bytes of queued persistent messages (in durable queues) held in memory; past
+    /// it, queues keep the newest ones on disk only and read them back when needed (paging):
+    /// bytes or a size with a unit ("64MiB"); 0 = page out every message once written.
+    /// Changes on reload.
+    #[serde(deserialize_with = "string_or_number")]
+    pub paging_budget: String,
 }
 
 impl Default for StorageConfig {
@@ -396,6 +402,7 @@ impl Default for StorageConfig {
             fsync: "always".into(),
             segment_size: 64 << 20,
             disk_free_limit: "50MB".into(),
+            paging_budget: "16MiB".into(),
         }
     }
 }
@@ -405,6 +412,8 @@ pub const DEFAULT_STORAGE_DIR: &str = "data";
 
 /// Smallest `storage.segment_size`.
 const MIN_SEGMENT_SIZE: u64 = 4096;
+/// Largest `storage.segment_size`: record offsets in a segment are kept as 32 bits.
+const MAX_SEGMENT_SIZE: u64 = 1 << 30;
 
 impl StorageConfig {
     /// The storage settings, or None when storage is off (`dir` empty).
@@ -413,7 +422,13 @@ impl StorageConfig {
             dir: std::path::PathBuf::from(&self.dir),
             fsync: self.fsync != "never",
             segment_size: self.segment_size,
+            paging_budget: self.paging_budget_bytes(),
         })
+    }
+
+    /// `paging_budget` in bytes (0 when invalid: validation refuses that first).
+    pub fn paging_budget_bytes(&self) -> u64 {
+        crate::memory::watermark::parse_size(&self.paging_budget).unwrap_or(0)
     }
 
     /// `disk_free_limit` in bytes (0 when invalid: validation refuses that first); a relative
@@ -434,6 +449,8 @@ impl StorageConfig {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         crate::storage::disk::Limit::parse(&self.disk_free_limit)
             .map_err(|message| ConfigError::invalid("storage.disk_free_limit", message))?;
+        crate::memory::watermark::parse_size(&self.paging_budget)
+            .map_err(|message| ConfigError::invalid("storage.paging_budget", message))?;
         if !matches!(self.fsync.as_str(), "always" | "never") {
             return Err(ConfigError::invalid(
                 "storage.fsync",
@@ -444,6 +461,12 @@ impl StorageConfig {
             return Err(ConfigError::invalid(
                 "storage.segment_size",
                 format!("must be at least {MIN_SEGMENT_SIZE} bytes"),
+            ));
+        }
+        if self.segment_size > MAX_SEGMENT_SIZE {
+            return Err(ConfigError::invalid(
+                "storage.segment_size",
+                format!("must be at most {MAX_SEGMENT_SIZE} bytes (1 GiB)"),
             ));
         }
         Ok(())

@@ -105,6 +105,21 @@ fn storage_settings_are_checked_by_key() {
         Config::default().storage.disk_free_limit_bytes(),
         50_000_000
     );
+    let text = error_text("[storage]\npaging_budget = \"half\"\n");
+    assert!(
+        text.contains("key `storage.paging_budget`: \"half\" does not start with a number"),
+        "{text}"
+    );
+    let config = load_text("[storage]\npaging_budget = 0\n").unwrap();
+    assert_eq!(config.storage.paging_budget_bytes(), 0);
+    let config = load_text("[storage]\npaging_budget = \"256MiB\"\n").unwrap();
+    assert_eq!(config.storage.paging_budget_bytes(), 256 << 20);
+    assert_eq!(Config::default().storage.paging_budget_bytes(), 16 << 20);
+    let text = error_text("[storage]\nsegment_size = 2147483648\n");
+    assert!(
+        text.contains("key `storage.segment_size`: must be at most 1073741824 bytes (1 GiB)"),
+        "{text}"
+    );
     let text = error_text("[storage]\nsegment_size = 100\n");
     assert!(
         text.contains("key `storage.segment_size`: must be at least 4096 bytes"),

@@ -2,6 +2,11 @@
 //! live messages each segment still has. A segment is deleted once it has none left **and**
 //! every older segment is gone: removal records in a segment refer to messages in older ones,
 //! so deleting from the head only keeps every removal that still matters.
+//!
+//! The index also says where each live message's Publish record starts (segment and offset):
+//! paged-out messages ([`crate::broker::paging`]) are read back from there. The storage thread
+//! records a location only once the record's bytes are written, so a location the index gives
+//! can always be read.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -10,6 +15,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 pub struct Live {
     pub queue: u64,
     pub segment: u64,
+    /// Where its Publish record starts in the segment (segments are smaller than 4 GiB).
+    pub offset: u32,
     /// Deliveries not settled (Delivered records, a delivered publish), kept so that a
     /// rewritten message keeps its delivery count.
     pub deliveries: u32,
@@ -29,14 +36,15 @@ impl Index {
         self.segments.entry(number).or_insert(0);
     }
 
-    /// A message written to `segment` (moved there when it was live elsewhere).
-    pub fn add(&mut self, id: u64, queue: u64, segment: u64, deliveries: u32) {
+    /// A message written to `segment` at `offset` (moved there when it was live elsewhere).
+    pub fn add(&mut self, id: u64, queue: u64, segment: u64, offset: u32, deliveries: u32) {
         self.remove(id);
         self.live.insert(
             id,
             Live {
                 queue,
                 segment,
+                offset,
                 deliveries,
             },
         );
@@ -113,9 +121,9 @@ mod tests {
         for s in 0..3 {
             ix.add_segment(s);
         }
-        ix.add(1, 7, 0, 0);
-        ix.add(2, 7, 1, 0);
-        ix.add(3, 8, 2, 0);
+        ix.add(1, 7, 0, 0, 0);
+        ix.add(2, 7, 1, 0, 0);
+        ix.add(3, 8, 2, 0, 0);
         assert!(ix.take_deletable(2).is_empty());
         ix.remove(2);
         assert!(
@@ -138,13 +146,17 @@ mod tests {
     fn a_message_written_again_moves_with_its_deliveries() {
         let mut ix = Index::default();
         ix.add_segment(0);
-        ix.add(1, 7, 0, 1);
+        ix.add(1, 7, 0, 40, 1);
         ix.delivered(1);
         assert_eq!(ix.head(), Some((0, 1)));
         let live = ix.get(1).unwrap();
-        ix.add(1, live.queue, 3, live.deliveries);
+        ix.add(1, live.queue, 3, 96, live.deliveries);
         assert_eq!(ix.head(), Some((0, 0)), "moved out of segment 0");
-        assert_eq!(ix.get(1).map(|l| (l.segment, l.deliveries)), Some((3, 2)));
+        assert_eq!(
+            ix.get(1).map(|l| (l.segment, l.offset, l.deliveries)),
+            Some((3, 96, 2)),
+            "its location follows the copy"
+        );
         assert_eq!(ix.take_deletable(3), vec![0]);
         assert_eq!(ix.live_messages(), 1);
     }

@@ -6,7 +6,9 @@
 //! - [`segment`]: append-only segment files, rotated at `segment_size`;
 //! - [`definitions`]: the snapshot of durable exchanges, queues and bindings;
 //! - [`recovery`]: replays the files into [`Recovered`] (torn tails cut, damage skipped);
-//! - [`index`]: live messages per segment, for deleting segments whose messages are gone;
+//! - [`index`]: live messages per segment, for deleting segments whose messages are gone,
+//!   and where each one's record is;
+//! - [`pagein`]: reading a paged-out message back from its record (with read-ahead);
 //! - [`rewrite`]: a head segment pinned by a few live messages is written again at the end;
 //! - [`writer`]: the storage thread (group commit: one write and one fsync per batch);
 //! - [`disk`]: the disk alarm (free space below `storage.disk_free_limit`).
@@ -16,6 +18,7 @@ pub mod crc;
 pub mod definitions;
 pub mod disk;
 pub mod index;
+pub mod pagein;
 pub mod record;
 pub mod recovery;
 pub mod rewrite;
@@ -23,17 +26,28 @@ pub mod segment;
 mod writer;
 
 use std::path::PathBuf;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
 
 pub use definitions::Definitions;
+use index::Index;
+use pagein::{ChunkReader, PagedIn};
 pub use record::{Record, Target};
 pub use recovery::{Recovered, RecoveredMessage, RecoveryError, RecoveryStats};
 use writer::{Op, Request};
+
+/// Takes the index lock (a panic elsewhere cannot leave it half-updated: each change is one
+/// map operation).
+pub(crate) fn lock_index(index: &Mutex<Index>) -> MutexGuard<'_, Index> {
+    match index.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
 
 /// Settings from `[storage]`.
 #[derive(Clone, Debug)]
@@ -42,6 +56,9 @@ pub struct StorageOptions {
     /// fsync before a durable request is answered (false: written to the page cache only).
     pub fsync: bool,
     pub segment_size: u64,
+    /// `storage.paging_budget`: content bytes of queued persistent messages held in memory
+    /// before queues page out ([`crate::broker::paging`]).
+    pub paging_budget: u64,
 }
 
 /// Counters the storage thread keeps (read by the metrics).
@@ -93,6 +110,12 @@ pub struct Storage {
     next_id: AtomicU64,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     pub stats: std::sync::Arc<StorageStats>,
+    /// Shared with the storage thread: where each live message's record is.
+    index: Arc<Mutex<Index>>,
+    /// The last chunk read for page-ins (read-ahead).
+    reader: Mutex<ChunkReader>,
+    dir: PathBuf,
+    paging_budget: u64,
 }
 
 impl std::fmt::Debug for Storage {
@@ -113,7 +136,7 @@ impl Storage {
         metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
     ) -> Result<(Storage, Recovered), RecoveryError> {
         let mut recovered = recovery::recover(&options.dir)?;
-        let index = std::mem::take(&mut recovered.index);
+        let index = Arc::new(Mutex::new(std::mem::take(&mut recovered.index)));
         let segment = segment::SegmentWriter::open(
             &options.dir,
             recovered.current_segment,
@@ -131,7 +154,7 @@ impl Storage {
             .map(|m| m.len())
             .sum();
         stats.add_bytes(on_disk);
-        stats.set_segments(index.segment_count().max(1) as u64);
+        stats.set_segments(lock_index(&index).segment_count().max(1) as u64);
         if let Some(m) = &metrics {
             let r = &recovered.stats;
             m.set_storage_recovery(r.messages, r.damaged_records, r.torn_bytes);
@@ -139,9 +162,12 @@ impl Storage {
         }
         let (tx, rx) = std::sync::mpsc::channel();
         let thread_stats = stats.clone();
+        let thread_index = index.clone();
+        let dir = options.dir.clone();
+        let paging_budget = options.paging_budget;
         let thread = std::thread::Builder::new()
             .name("dlx-storage".into())
-            .spawn(move || writer::run(rx, segment, index, options, thread_stats, metrics))
+            .spawn(move || writer::run(rx, segment, thread_index, options, thread_stats, metrics))
             .map_err(|source| RecoveryError::Io {
                 path: "storage thread".into(),
                 source,
@@ -152,9 +178,18 @@ impl Storage {
                 next_id: AtomicU64::new(recovered.next_id),
                 thread: Mutex::new(Some(thread)),
                 stats,
+                index,
+                reader: Mutex::new(ChunkReader::default()),
+                dir,
+                paging_budget,
             },
             recovered,
         ))
+    }
+
+    /// `storage.paging_budget` at start.
+    pub fn paging_budget(&self) -> u64 {
+        self.paging_budget
     }
 
     /// A new message id (ids only grow: queue order is id order).
@@ -178,6 +213,43 @@ impl Storage {
             done: Some(done),
         });
         rx
+    }
+
+    /// Which of the messages `ids` have their record written (they can be paged out: read
+    /// back with [`Storage::read`]).
+    pub fn written(&self, ids: &[u64]) -> Vec<bool> {
+        let index = lock_index(&self.index);
+        ids.iter().map(|id| index.get(*id).is_some()).collect()
+    }
+
+    /// Reads message `id` back from its record (a page-in): from the chunk read last when
+    /// it holds the record, else with a positioned read of a new chunk (read-ahead).
+    pub fn read(&self, id: u64) -> std::io::Result<PagedIn> {
+        let mut reader = match self.reader.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        let (segment, offset, file) = {
+            let index = lock_index(&self.index);
+            let live = index.get(id).ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("message {id} is not in the log"),
+                )
+            })?;
+            let offset = u64::from(live.offset);
+            // Opened under the index lock: the segment cannot be deleted before it is open.
+            let file = if reader.covers(live.segment, offset) {
+                None
+            } else {
+                Some(std::fs::File::open(segment::segment_path(
+                    &self.dir,
+                    live.segment,
+                ))?)
+            };
+            (live.segment, offset, file)
+        };
+        reader.message(segment, offset, id, file)
     }
 
     /// Replaces the definitions snapshot.

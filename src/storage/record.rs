@@ -140,6 +140,53 @@ impl Record {
 
     /// Decodes a payload (CRC already checked).
     pub fn decode_payload(payload: &[u8]) -> Result<Record, Short> {
+        Ok(match Parts::decode(payload)? {
+            Parts::Publish(p) => Record::Publish {
+                message: Arc::new(Message::new(
+                    p.exchange,
+                    &p.keys,
+                    p.properties,
+                    p.body,
+                    p.expiration,
+                    p.dead_lettered,
+                )),
+                targets: p.targets,
+                remove: p.remove,
+                at: p.at,
+                held_until: p.held_until,
+            },
+            Parts::Other(record) => record,
+        })
+    }
+}
+
+/// A Publish record's fields, borrowed from its payload (recovery reads what it keeps of a
+/// message without building the message).
+#[derive(Debug)]
+pub struct PublishParts<'a> {
+    pub targets: Vec<Target>,
+    pub remove: Option<(u64, u64)>,
+    pub at: Option<u64>,
+    /// A message held for a retry tier until this wall-clock time (Unix ms).
+    pub held_until: Option<u64>,
+    pub exchange: &'a str,
+    pub keys: Vec<&'a str>,
+    pub properties: &'a [u8],
+    pub body: &'a [u8],
+    pub expiration: Option<u64>,
+    pub dead_lettered: bool,
+}
+
+/// A decoded payload: a Publish as borrowed parts, any other record whole.
+#[derive(Debug)]
+pub enum Parts<'a> {
+    Publish(PublishParts<'a>),
+    Other(Record),
+}
+
+impl<'a> Parts<'a> {
+    /// Decodes a payload (CRC already checked).
+    pub fn decode(payload: &'a [u8]) -> Result<Parts<'a>, Short> {
         let mut r = Reader::new(payload);
         let record = match r.u8()? {
             kind @ (KIND_PUBLISH | KIND_PUBLISH_AT | KIND_PUBLISH_HELD) => {
@@ -176,24 +223,18 @@ impl Record {
                 if keys.is_empty() {
                     return Err(Short);
                 }
-                let props = r.bytes()?;
-                let body = r.bytes()?;
-                let expiration = r.opt_u64()?;
-                let dead_lettered = r.bool()?;
-                Record::Publish {
+                Parts::Publish(PublishParts {
                     targets,
                     remove,
-                    message: Arc::new(Message::new(
-                        exchange,
-                        &keys,
-                        props,
-                        body,
-                        expiration,
-                        dead_lettered,
-                    )),
                     at,
                     held_until,
-                }
+                    exchange,
+                    keys,
+                    properties: r.bytes()?,
+                    body: r.bytes()?,
+                    expiration: r.opt_u64()?,
+                    dead_lettered: r.bool()?,
+                })
             }
             KIND_REMOVE => {
                 let n = r.count(16)?;
@@ -201,12 +242,12 @@ impl Record {
                 for _ in 0..n {
                     items.push((r.u64()?, r.u64()?));
                 }
-                Record::Remove { items }
+                Parts::Other(Record::Remove { items })
             }
-            KIND_DELIVERED => Record::Delivered {
+            KIND_DELIVERED => Parts::Other(Record::Delivered {
                 queue: r.u64()?,
                 id: r.u64()?,
-            },
+            }),
             _ => return Err(Short),
         };
         if !r.is_empty() {

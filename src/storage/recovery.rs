@@ -6,22 +6,27 @@
 //! it is skipped: the scan moves byte by byte to the next offset where a whole record with a
 //! matching CRC starts, and the skipped records are counted (each message publish is one
 //! record, so that is an upper bound on the messages lost).
+//!
+//! Message contents are not kept: a recovered message is its id, its record's location (in
+//! the index) and what its queue needs without the content ([`PagedMeta`]). The broker
+//! restores every one paged out and reads contents back as they are needed, so a backlog
+//! larger than memory comes back without loading it.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
-use std::sync::Arc;
 
 use super::definitions::{self, Definitions};
 use super::index::Index;
-use super::record::{Frame, Record, decode_frame};
+use super::record::{Frame, Parts, Record, decode_frame};
 use super::segment;
-use crate::broker::message::Message;
+use crate::broker::message::PagedMeta;
 
 /// A message of a durable queue as recovered, in queue order.
 #[derive(Debug, Clone)]
 pub struct RecoveredMessage {
     pub id: u64,
-    pub message: Arc<Message>,
+    /// What its queue keeps while the content stays on disk.
+    pub meta: PagedMeta,
     /// How many times it was delivered without being settled (> 0: redelivered).
     pub deliveries: u32,
     /// When it entered the queue (Unix milliseconds; `None` from records of the first
@@ -82,7 +87,8 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RecoveryError + '_ {
 
 struct Entry {
     segment: u64,
-    message: Arc<Message>,
+    offset: u32,
+    meta: PagedMeta,
     deliveries: u32,
     at: Option<u64>,
     held_until: Option<u64>,
@@ -140,11 +146,11 @@ pub fn recover(dir: &Path) -> Result<Recovered, RecoveryError> {
             stats.orphans += 1;
             continue;
         }
-        index.add(id, queue, entry.segment, entry.deliveries);
+        index.add(id, queue, entry.segment, entry.offset, entry.deliveries);
         stats.messages += 1;
         queues.entry(queue).or_default().push(RecoveredMessage {
             id,
-            message: entry.message,
+            meta: entry.meta,
             deliveries: entry.deliveries,
             at: entry.at,
             held_until: entry.held_until,
@@ -212,10 +218,11 @@ fn replay_segment(
     let mut pos = 0;
     while pos < bytes.len() {
         match decode_frame(&bytes[pos..]) {
-            Frame::Whole(payload, used) => match Record::decode_payload(payload) {
+            Frame::Whole(payload, used) => match Parts::decode(payload) {
                 Ok(record) => {
                     stats.records += 1;
-                    apply(record, number, messages, max_id);
+                    let offset = u32::try_from(pos).unwrap_or(u32::MAX);
+                    apply(record, (number, offset), messages, max_id);
                     pos += used;
                 }
                 Err(_) => {
@@ -240,35 +247,41 @@ fn replay_segment(
 /// The first offset at or after `from` where a whole record with a matching CRC starts.
 fn next_valid(bytes: &[u8], from: usize) -> Option<usize> {
     (from..bytes.len()).find(|&p| match decode_frame(&bytes[p..]) {
-        Frame::Whole(payload, _) => Record::decode_payload(payload).is_ok(),
+        Frame::Whole(payload, _) => Parts::decode(payload).is_ok(),
         _ => false,
     })
 }
 
+/// Applies one record found at `at` (segment, offset): a publish as its borrowed parts, of
+/// which only what the queue keeps is taken (no message is built).
 fn apply(
-    record: Record,
-    segment: u64,
+    record: Parts<'_>,
+    (segment, offset): (u64, u32),
     messages: &mut BTreeMap<(u64, u64), Entry>,
     max_id: &mut u64,
 ) {
     match record {
-        Record::Publish {
-            targets,
-            remove,
-            message,
-            at,
-            held_until,
-        } => {
-            if let Some(key) = remove {
+        Parts::Publish(p) => {
+            let at = p.at;
+            let held_until = p.held_until;
+            if let Some(key) = p.remove {
                 messages.remove(&key);
             }
+            let meta = PagedMeta::from_parts(
+                p.properties,
+                p.body.len() as u64,
+                p.expiration,
+                p.dead_lettered,
+            );
+            let targets = p.targets;
             for t in targets {
                 *max_id = (*max_id).max(t.id);
                 messages.insert(
                     (t.queue, t.id),
                     Entry {
                         segment,
-                        message: message.clone(),
+                        offset,
+                        meta,
                         deliveries: t.delivered as u32,
                         at,
                         held_until,
@@ -276,12 +289,13 @@ fn apply(
                 );
             }
         }
-        Record::Remove { items } => {
+        Parts::Other(Record::Remove { items }) => {
             for key in items {
                 messages.remove(&key);
             }
         }
-        Record::Delivered { queue, id } => {
+        Parts::Other(Record::Publish { .. }) => {}
+        Parts::Other(Record::Delivered { queue, id }) => {
             if let Some(e) = messages.get_mut(&(queue, id)) {
                 e.deliveries = e.deliveries.saturating_add(1);
             }

@@ -95,7 +95,7 @@ mod tests {
             index.add_segment(s);
         }
         for id in 1..=4 {
-            index.add(id, 7, 0, 0);
+            index.add(id, 7, 0, 0, 0);
         }
         index.remove(1);
         index.remove(3);
@@ -136,7 +136,7 @@ mod tests {
         held(Some(9_000)).encode(&mut bytes);
         let mut index = Index::default();
         index.add_segment(0);
-        index.add(1, 7, 0, 0);
+        index.add(1, 7, 0, 0, 0);
         let copied = copies(&bytes, 0, &index);
         let Some(Record::Publish {
             remove, held_until, ..
@@ -152,13 +152,13 @@ mod tests {
         let mut index = Index::default();
         index.add_segment(0);
         index.add_segment(1);
-        index.add(1, 7, 0, 0);
+        index.add(1, 7, 0, 0, 0);
         assert_eq!(due(&index, 1), None, "two segments");
         index.add_segment(2);
         assert_eq!(due(&index, 2), Some(0));
         assert_eq!(due(&index, 0), None, "the head is the current segment");
         for id in 2..=MAX_LIVE + 1 {
-            index.add(id, 7, 0, 0);
+            index.add(id, 7, 0, 0, 0);
         }
         assert_eq!(due(&index, 2), None, "a backlog, not stragglers");
         index.remove(1);

@@ -60,6 +60,11 @@ impl SegmentWriter {
         self.number
     }
 
+    /// Bytes written to the current segment so far (where the next append starts).
+    pub fn written(&self) -> u64 {
+        self.len
+    }
+
     /// True when `more` bytes, after `pending` bytes not written yet, would take a non-empty
     /// segment past `segment_size` (a record larger than a segment gets one of its own).
     pub fn should_rotate(&self, pending: usize, more: usize) -> bool {

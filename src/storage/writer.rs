@@ -3,8 +3,13 @@
 //! already waiting, writes them with one `write`, makes them stable with one fsync when any
 //! requester waits for it (group commit), and only then tells each requester. It also keeps
 //! the [`Index`] and deletes head segments whose messages are all gone.
+//!
+//! The index is shared with the broker's page-in reads ([`super::Storage::read`]): a record's
+//! location enters it only after the record's bytes are written (the records of a batch are
+//! tracked after the batch's `write`), so every location the index gives can be read.
 
 use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use tokio::sync::oneshot;
@@ -14,7 +19,7 @@ use super::index::Index;
 use super::record::Record;
 use super::rewrite;
 use super::segment::{SegmentWriter, segment_path};
-use super::{StorageOptions, StorageStats};
+use super::{StorageOptions, StorageStats, lock_index};
 
 /// Most requests taken into one batch.
 const MAX_BATCH: usize = 4096;
@@ -32,16 +37,70 @@ pub(super) struct Request {
     pub done: Option<oneshot::Sender<bool>>,
 }
 
+/// Records encoded into the buffer but not written yet, with where each one starts: they
+/// enter the index once the buffer is written.
+#[derive(Default)]
+struct Pending {
+    buf: Vec<u8>,
+    records: Vec<(Record, u64, u32)>,
+}
+
+impl Pending {
+    /// Encodes `record` after what is pending (rotating first when the segment is full).
+    fn push(
+        &mut self,
+        record: Record,
+        segment: &mut SegmentWriter,
+        index: &Mutex<Index>,
+        options: &StorageOptions,
+        stats: &StorageStats,
+    ) -> bool {
+        let start = self.buf.len();
+        record.encode(&mut self.buf);
+        let len = self.buf.len() - start;
+        let mut ok = true;
+        if segment.should_rotate(start, len) {
+            let encoded = self.buf.split_off(start);
+            ok &= self.write(segment, index);
+            self.buf = encoded;
+            ok &= report(segment.rotate(options.fsync), "start a new segment");
+            lock_index(index).add_segment(segment.number());
+        }
+        let offset = segment.written() + (self.buf.len() - len) as u64;
+        stats.add_bytes(len as u64);
+        self.records
+            .push((record, segment.number(), offset.min(u32::MAX as u64) as u32));
+        ok
+    }
+
+    /// Writes the buffer, then tracks its records in the index (only when written: a
+    /// location in the index can be read).
+    fn write(&mut self, segment: &mut SegmentWriter, index: &Mutex<Index>) -> bool {
+        let ok = self.buf.is_empty() || report(segment.append(&self.buf), "write a segment");
+        self.buf.clear();
+        let records = std::mem::take(&mut self.records);
+        if ok {
+            let mut index = lock_index(index);
+            for (record, number, offset) in &records {
+                track(&mut index, record, *number, *offset);
+            }
+        }
+        ok
+    }
+}
+
 pub(super) fn run(
     rx: Receiver<Request>,
     mut segment: SegmentWriter,
-    mut index: Index,
+    index: Arc<Mutex<Index>>,
     options: StorageOptions,
     stats: std::sync::Arc<StorageStats>,
     metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
 ) {
-    let mut buf = Vec::with_capacity(1 << 16);
-    let mut record = Vec::new();
+    let mut pending = Pending {
+        buf: Vec::with_capacity(1 << 16),
+        records: Vec::new(),
+    };
     loop {
         let Ok(first) = rx.recv() else {
             // Every handle is gone: make what was written stable and stop.
@@ -61,21 +120,13 @@ pub(super) fn run(
         for req in batch {
             match req.op {
                 Op::Append(r) => {
-                    record.clear();
-                    r.encode(&mut record);
-                    if segment.should_rotate(buf.len(), record.len()) {
-                        ok &= report(segment.append(&buf), "write a segment");
-                        buf.clear();
-                        ok &= report(segment.rotate(options.fsync), "start a new segment");
-                        index.add_segment(segment.number());
-                    }
-                    buf.extend_from_slice(&record);
-                    stats.add_bytes(record.len() as u64);
-                    track(&mut index, &r, segment.number());
+                    ok &= pending.push(r, &mut segment, &index, &options, &stats);
                 }
                 Op::Definitions(defs) => {
+                    // What came before is indexed before the deleted queues are forgotten.
+                    ok &= pending.write(&mut segment, &index);
                     ok &= report(defs.write_to(&options.dir), "write the definitions");
-                    index.retain_queues(&defs.queues.iter().map(|q| q.id).collect());
+                    lock_index(&index).retain_queues(&defs.queues.iter().map(|q| q.id).collect());
                 }
                 Op::Close => closing = true,
             }
@@ -83,10 +134,7 @@ pub(super) fn run(
                 waiters.push(w);
             }
         }
-        if !buf.is_empty() {
-            ok &= report(segment.append(&buf), "write a segment");
-            buf.clear();
-        }
+        ok &= pending.write(&mut segment, &index);
         if options.fsync && (!waiters.is_empty() || closing) {
             let started = Instant::now();
             ok &= report(segment.sync(), "fsync a segment");
@@ -98,17 +146,19 @@ pub(super) fn run(
         for w in waiters {
             let _ = w.send(ok);
         }
-        if let Some(head) = rewrite::due(&index, segment.number()) {
-            rewrite_head(head, &mut segment, &mut index, &options, &stats);
+        let due = rewrite::due(&lock_index(&index), segment.number());
+        if let Some(head) = due {
+            rewrite_head(head, &mut segment, &index, &options, &stats);
         }
-        for number in index.take_deletable(segment.number()) {
+        let deletable = lock_index(&index).take_deletable(segment.number());
+        for number in deletable {
             let path = segment_path(&options.dir, number);
             let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
             if report(std::fs::remove_file(&path), "delete a segment") {
                 stats.add_bytes_removed(size);
             }
         }
-        stats.set_segments(index.segment_count() as u64);
+        stats.set_segments(lock_index(&index).segment_count() as u64);
         if let Some(m) = &metrics {
             m.set_storage(stats.bytes_on_disk(), stats.segments());
         }
@@ -119,11 +169,12 @@ pub(super) fn run(
 }
 
 /// Writes the live messages of segment `head` again at the end of the log and syncs them, so
-/// that the head holds nothing live and is deleted ([`rewrite`]).
+/// that the head holds nothing live and is deleted ([`rewrite`]). The copies enter the index
+/// once written; until then (and if they cannot be written) the messages stay where they were.
 fn rewrite_head(
     head: u64,
     segment: &mut SegmentWriter,
-    index: &mut Index,
+    index: &Mutex<Index>,
     options: &StorageOptions,
     stats: &StorageStats,
 ) {
@@ -135,55 +186,47 @@ fn rewrite_head(
             return;
         }
     };
-    let records = rewrite::copies(&bytes, head, index);
-    // Where the copied messages were, to put them back if the copies fail.
-    let before: Vec<(u64, super::index::Live)> = records
-        .iter()
-        .filter_map(|r| match r {
-            Record::Publish { targets, .. } => Some(targets),
-            _ => None,
-        })
-        .flatten()
-        .filter_map(|t| Some((t.id, index.get(t.id)?)))
-        .collect();
-    let mut buf = Vec::new();
+    let records = rewrite::copies(&bytes, head, &lock_index(index));
+    let mut pending = Pending::default();
     let mut ok = true;
     let mut copied = 0u64;
+    let mut written = Vec::new();
     for r in records {
-        let start = buf.len();
-        r.encode(&mut buf);
-        let len = buf.len() - start;
+        let start = pending.buf.len();
+        r.encode(&mut pending.buf);
+        let len = pending.buf.len() - start;
         if segment.should_rotate(start, len) {
-            let record = buf.split_off(start);
-            ok &= report(segment.append(&buf), "write a segment");
-            buf = record;
+            let encoded = pending.buf.split_off(start);
+            ok &= report(segment.append(&pending.buf), "write a segment");
+            pending.buf = encoded;
             ok &= report(segment.rotate(options.fsync), "start a new segment");
-            index.add_segment(segment.number());
+            lock_index(index).add_segment(segment.number());
         }
+        let offset = segment.written() + (pending.buf.len() - len) as u64;
         stats.add_bytes(len as u64);
         copied += matches!(r, Record::Publish { .. }) as u64;
-        track(index, &r, segment.number());
+        written.push((r, segment.number(), offset.min(u32::MAX as u64) as u32));
     }
-    if !buf.is_empty() {
-        ok &= report(segment.append(&buf), "write a segment");
+    if !pending.buf.is_empty() {
+        ok &= report(segment.append(&pending.buf), "write a segment");
     }
     // The copies must be stable before the head they replace is deleted.
     if ok && options.fsync {
         ok &= report(segment.sync(), "fsync a segment");
     }
     if ok {
-        tracing::debug!(segment = head, messages = copied, "head segment rewritten");
-    } else {
-        // Not known to be on disk: the messages stay in the head, which is kept (the copies
-        // are duplicates of them at worst).
-        for (id, live) in before {
-            index.add(id, live.queue, live.segment, live.deliveries);
+        let mut index = lock_index(index);
+        for (record, number, offset) in &written {
+            track(&mut index, record, *number, *offset);
         }
+        tracing::debug!(segment = head, messages = copied, "head segment rewritten");
     }
+    // Otherwise the copies are not known to be on disk: the messages stay in the head, which
+    // is kept (the copies are duplicates of them at worst).
 }
 
-/// Keeps the index in step with a record written to segment `number`.
-fn track(index: &mut Index, record: &Record, number: u64) {
+/// Keeps the index in step with a record written to segment `number` at `offset`.
+fn track(index: &mut Index, record: &Record, number: u64, offset: u32) {
     match record {
         Record::Publish {
             targets, remove, ..
@@ -192,7 +235,7 @@ fn track(index: &mut Index, record: &Record, number: u64) {
                 index.remove(*id);
             }
             for t in targets {
-                index.add(t.id, t.queue, number, t.delivered as u32);
+                index.add(t.id, t.queue, number, offset, t.delivered as u32);
             }
         }
         Record::Remove { items } => {

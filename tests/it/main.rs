@@ -67,6 +67,7 @@ mod retry_tiers_embedded;
 mod retry_tiers_proxy;
 mod storage_crash;
 mod storage_disk;
+mod storage_paging;
 mod storage_policies;
 mod storage_restart;
 mod storage_ttl;

@@ -27,7 +27,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{
-    RawClient, ServiceProcess, TempDir, free_addresses, metric_value, scrape, unique, wait_until,
+    RawClient, ServiceProcess, TempDir, free_addresses, metric_value, rss_bytes, scrape, unique,
+    wait_until,
 };
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicRejectOptions,
@@ -168,17 +169,6 @@ impl Metrics {
             upstream_in_bytes: value("bytes_total{direction=\"upstream_in\"}"),
         }
     }
-}
-
-/// The resident set size of a process, in bytes.
-fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc/<pid>/status");
-    kib * 1024
 }
 
 /// The most a TCP socket's send buffer grows to by itself (the third value of tcp_wmem).

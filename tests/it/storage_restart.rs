@@ -70,6 +70,11 @@ impl Node {
         );
     }
 
+    /// The running process's id.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.process.as_ref().map(|p| p.pid())
+    }
+
     pub(crate) fn logs(&self) -> String {
         self.process.as_ref().map(|p| p.logs()).unwrap_or_default()
     }

@@ -63,7 +63,8 @@ pub struct Common {
     /// (durable classic) or quorum (durable quorum queue). throughput, fill and drain.
     #[arg(long, global = true, value_enum, default_value_t = QueueType::Transient)]
     pub queue_type: QueueType,
-    /// Publish persistent messages (delivery_mode 2): stored on disk in a durable queue.
+    /// Publish persistent messages (delivery_mode 2): stored on disk in a durable queue (the
+    /// memory scenario then declares its queue durable).
     #[arg(long, global = true)]
     pub persistent: bool,
     /// basic.qos prefetch of each consumer.
@@ -261,6 +262,9 @@ pub enum Scenario {
         /// Seconds to let the broker settle before each RSS reading.
         #[arg(long, default_value_t = 3.0)]
         settle_seconds: f64,
+        /// Leave the queue and its messages in place (to restart the broker with the backlog).
+        #[arg(long)]
+        keep: bool,
     },
 }
 

@@ -46,7 +46,10 @@ pub async fn run(cli: &Cli) -> Result<Report> {
             hold_seconds,
             client_frame_max,
         } => idle::run(c, *count, *hold_seconds, *client_frame_max).await,
-        Scenario::Memory { settle_seconds } => memory::run(c, *settle_seconds).await,
+        Scenario::Memory {
+            settle_seconds,
+            keep,
+        } => memory::run(c, *settle_seconds, *keep).await,
         Scenario::Redrive { admin, token } => redrive::run(c, admin, token.as_deref()).await,
         Scenario::Fill { queue } => fill::fill(c, queue).await,
         Scenario::Drain { queue } => fill::drain(c, queue).await,
@@ -183,6 +186,9 @@ async fn publish_all(
             pipeline: c.pipeline,
             persistent: c.persistent,
         };
+        if c.persistent && c.client_or(ClientKind::Lapin) == ClientKind::Raw {
+            anyhow::bail!("--persistent publishes with the lapin client only");
+        }
         tasks.push(match c.client_or(ClientKind::Lapin) {
             ClientKind::Lapin => tokio::spawn(client::publish(spec)),
             ClientKind::Raw => tokio::spawn(raw::publish(spec)),

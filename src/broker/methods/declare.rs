@@ -345,7 +345,7 @@ impl Broker {
         );
         let id = st.next_id;
         st.next_id += 1;
-        let queue = Queue {
+        let mut queue = Queue {
             id,
             shared_name: std::sync::Arc::from(name.as_str()),
             name: name.clone(),
@@ -365,6 +365,11 @@ impl Broker {
             timer_at: None,
             depth_gauges: None,
         };
+        if let Some(paging) = self.paging()
+            && crate::broker::persistence::keeps(&queue)
+        {
+            queue.state.set_paging(paging.clone());
+        }
         let v = st.vhosts.get_mut(vhost).ok_or_else(|| no_vhost(vhost))?;
         v.queues.insert(name.clone(), queue);
         self.reschedule(st, vhost, &name);

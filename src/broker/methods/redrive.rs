@@ -93,7 +93,7 @@ impl Broker {
             .iter_after(cursor.after)
             .take_while(|e| e.seq <= cursor.end)
             .take(limits.examine)
-            .map(|e| (e.seq, e.message.clone(), e.store_id))
+            .map(|e| (e.seq, e.message, e.store_id))
             .collect();
         let mut batch = RedriveBatch {
             after: cursor.after,
@@ -151,12 +151,11 @@ impl Broker {
         }
         let State { vhosts, .. } = &mut *st;
         if let Some(q) = vhosts.get_mut(vhost).and_then(|v| v.queues.get_mut(from)) {
-            q.state.take_seqs(&moved_seqs);
+            q.state.remove_seqs(&moved_seqs);
             batch.done = q
                 .state
-                .iter_after(batch.after)
-                .next()
-                .is_none_or(|e| e.seq > cursor.end);
+                .seq_after(batch.after)
+                .is_none_or(|seq| seq > cursor.end);
         }
         for (q, d) in deaths {
             self.process_deaths(&mut st, vhost, &q, d, now);

@@ -45,6 +45,14 @@ impl Broker {
 
     pub(crate) fn update_depth(&self, st: &mut State, vhost: &str, queue: &str) {
         if let Some(q) = st.queue_mut(vhost, queue) {
+            if q.state.pages() {
+                let lost = q.state.take_lost();
+                let id = q.id;
+                self.store_removed(lost.into_iter().map(|m| (id, m)).collect());
+                if let Some(paging) = self.paging() {
+                    self.metrics.set_paging(&paging.stats());
+                }
+            }
             if q.depth_gauges.is_none() {
                 q.depth_gauges = self.metrics.queue_depth_gauges(vhost, queue);
             }

@@ -15,13 +15,22 @@ use crate::broker::routing::Destination;
 use crate::broker::write_queue::WriteQueue;
 use crate::storage::{Storage, StorageOptions};
 
-/// Storage on `dir` (no fsync, 1 MiB segments) and what it recovered.
+/// Storage on `dir` (no fsync, 1 MiB segments, a 64 MiB paging budget) and what it
+/// recovered.
 fn open_storage(dir: &std::path::Path) -> (Storage, crate::storage::Recovered) {
+    open_storage_with(dir, 64 << 20)
+}
+
+fn open_storage_with(
+    dir: &std::path::Path,
+    paging_budget: u64,
+) -> (Storage, crate::storage::Recovered) {
     Storage::open(
         StorageOptions {
             dir: dir.to_path_buf(),
             fsync: false,
             segment_size: 1 << 20,
+            paging_budget,
         },
         None,
     )
@@ -29,8 +38,12 @@ fn open_storage(dir: &std::path::Path) -> (Storage, crate::storage::Recovered) {
 }
 
 fn open(dir: &std::path::Path) -> Arc<Broker> {
+    open_with(dir, 64 << 20)
+}
+
+fn open_with(dir: &std::path::Path, paging_budget: u64) -> Arc<Broker> {
     let b = broker();
-    let (storage, recovered) = open_storage(dir);
+    let (storage, recovered) = open_storage_with(dir, paging_budget);
     b.restore(recovered, Arc::new(storage));
     b
 }

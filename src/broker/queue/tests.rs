@@ -430,14 +430,14 @@ fn a_redrive_cursor_steps_over_what_stays_and_takes_what_moves() {
     let after: Vec<u64> = q.iter_after(Some(seqs[1])).map(|e| e.seq).collect();
     assert_eq!(after, seqs[2..]);
     assert_eq!(q.iter_after(None).count(), 5);
-    let taken = q.take_seqs(&[seqs[1], seqs[3], 999]);
-    let bodies_taken: Vec<&[u8]> = taken.iter().map(|e| e.message.body()).collect();
-    assert_eq!(bodies_taken, [b"b", b"d"]);
+    assert_eq!(q.remove_seqs(&[seqs[1], seqs[3], 999]), 2);
     assert_eq!(bodies(&q), ["a", "c", "e"]);
     assert_eq!(q.bytes(), 3);
     // The cursor still finds its place after the removals.
     let after: Vec<u64> = q.iter_after(Some(seqs[1])).map(|e| e.seq).collect();
     assert_eq!(after, [seqs[2], seqs[4]]);
+    assert_eq!(q.seq_after(Some(seqs[1])), Some(seqs[2]));
+    assert_eq!(q.seq_after(Some(seqs[4])), None);
     assert!(d.is_empty());
 }
 
@@ -451,4 +451,223 @@ fn refuses_len_is_the_reject_publish_check_before_admission() {
     assert!(!q.refuses_len(10));
     publish(&mut q, "a", 0, &mut Vec::new());
     assert!(q.refuses_len(10));
+}
+
+mod paging {
+    //! Paging in one queue, over a store in memory.
+
+    use super::*;
+    use crate::broker::paging::test_store::MemoryStore;
+
+    const BODY: usize = 8 << 10;
+
+    /// A queue that pages with `budget`, its store and the shared account.
+    fn paged_queue(
+        budget: u64,
+        limits: QueueLimits,
+    ) -> (QueueState, Arc<MemoryStore>, Arc<Paging>) {
+        let store = Arc::new(MemoryStore::default());
+        let paging = Paging::new(store.clone(), budget);
+        let mut q = QueueState::new(limits);
+        q.set_paging(paging.clone());
+        (q, store, paging)
+    }
+
+    /// Publishes a persistent message with id `id` whose record is in `store`.
+    fn publish_stored(
+        q: &mut QueueState,
+        store: &MemoryStore,
+        id: u64,
+        now: u64,
+        d: &mut Vec<Death>,
+    ) {
+        let body = format!("{id:0>width$}", width = BODY);
+        let m = msg(&body, None);
+        store.put(id, &m);
+        let mut e = q.admit(m, now);
+        e.store_id = Some(id);
+        assert_eq!(q.publish(e, now, d), PublishOutcome::Accepted);
+    }
+
+    fn ids(entries: impl Iterator<Item = QueuedMessage>) -> Vec<u64> {
+        entries
+            .map(|e| {
+                let body = String::from_utf8_lossy(e.message.body()).into_owned();
+                assert_eq!(e.store_id, body.parse().ok(), "content of its own record");
+                e.store_id.unwrap_or_default()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn newest_messages_page_out_first_and_come_back_whole_in_order() {
+        let budget = 128 << 10;
+        let (mut q, store, paging) = paged_queue(budget, QueueLimits::default());
+        let mut d = Vec::new();
+        for id in 1..=100 {
+            publish_stored(&mut q, &store, id, 0, &mut d);
+            assert!(
+                paging.resident() <= budget + paging.step() + BODY as u64 + 64,
+                "resident {} after {id}",
+                paging.resident()
+            );
+        }
+        let stats = paging.stats();
+        assert!(stats.paged_messages > 80, "{stats:?}");
+        assert_eq!(stats.paged_messages, q.paged());
+        assert_eq!(stats.paged_bytes, stats.paged_messages * BODY as u64);
+        assert_eq!(stats.page_outs, stats.paged_messages);
+        assert_eq!(
+            q.bytes(),
+            100 * BODY as u64,
+            "max-length-bytes still counts them"
+        );
+        // The head stays in memory: the oldest messages were never paged.
+        let resident: Vec<bool> = q
+            .ready
+            .iter()
+            .map(|s| matches!(s, Slot::Resident(_)))
+            .collect();
+        let first_paged = resident.iter().position(|r| !r).expect("some paged");
+        assert!(first_paged >= 5, "{resident:?}");
+        // Behind it only those published since the last page-out walk are still in memory.
+        let late = resident[first_paged..].iter().filter(|r| **r).count() as u64;
+        assert!(late <= paging.step() / BODY as u64 + 1, "{resident:?}");
+        // Inspection reads paged ones back and leaves the queue as it was.
+        assert_eq!(ids(q.iter()), (1..=100).collect::<Vec<_>>());
+        assert_eq!(q.paged(), stats.paged_messages);
+        let popped = std::iter::from_fn(|| q.pop(0, &mut d));
+        assert_eq!(ids(popped), (1..=100).collect::<Vec<_>>());
+        assert!(d.is_empty());
+        let after = paging.stats();
+        assert_eq!(
+            (
+                after.resident_bytes,
+                after.paged_messages,
+                after.paged_bytes
+            ),
+            (0, 0, 0)
+        );
+        assert!(after.page_ins >= stats.paged_messages, "{after:?}");
+    }
+
+    #[test]
+    fn a_message_whose_record_is_not_written_stays_until_it_is() {
+        let (mut q, store, paging) = paged_queue(0, QueueLimits::default());
+        let mut d = Vec::new();
+        store.unwritten.lock().unwrap().extend(1..=20);
+        for id in 1..=20 {
+            publish_stored(&mut q, &store, id, 0, &mut d);
+        }
+        assert_eq!(q.paged(), 0, "nothing written yet");
+        store.unwritten.lock().unwrap().clear();
+        for id in 21..=40 {
+            publish_stored(&mut q, &store, id, 0, &mut d);
+        }
+        assert!(
+            q.paged() >= 30,
+            "the earlier ones page out too: {}",
+            q.paged()
+        );
+        assert!(paging.resident() <= paging.step() + BODY as u64 + 64);
+        // Messages not written yet (in flight to the log) are stepped over: older ones page
+        // out behind them.
+        store.unwritten.lock().unwrap().extend(41..=60);
+        for id in 41..=60 {
+            publish_stored(&mut q, &store, id, 0, &mut d);
+        }
+        store.unwritten.lock().unwrap().retain(|id| *id > 50);
+        for id in 61..=70 {
+            publish_stored(&mut q, &store, id, 0, &mut d);
+        }
+        let paged: Vec<u64> = q
+            .ready
+            .iter()
+            .filter_map(|s| match s {
+                Slot::Paged(p) => Some(p.store_id),
+                Slot::Resident(_) => None,
+            })
+            .collect();
+        assert!((41..=50).all(|id| paged.contains(&id)), "{paged:?}");
+        assert!((51..=60).all(|id| !paged.contains(&id)), "{paged:?}");
+        // Non-persistent messages (no record) never page.
+        let mut e = q.admit(msg("transient", None), 0);
+        e.store_id = None;
+        q.publish(e, 0, &mut d);
+        assert!(matches!(q.ready.back(), Some(Slot::Resident(_))));
+    }
+
+    #[test]
+    fn paged_messages_die_whole_and_unreadable_ones_are_lost() {
+        let (mut q, store, paging) = paged_queue(
+            0,
+            QueueLimits {
+                message_ttl: Some(10),
+                max_length: Some(30),
+                ..Default::default()
+            },
+        );
+        let mut d = Vec::new();
+        for id in 1..=31 {
+            publish_stored(&mut q, &store, id, 0, &mut d);
+        }
+        assert!(q.paged() > 20);
+        // Over max-length: the head (resident or not) is dead-lettered with its content.
+        assert_eq!(ids(d.drain(..).map(|death| death.entry)), vec![1]);
+        // Message 3's record is gone: it cannot be read back.
+        store.messages.lock().unwrap().remove(&3);
+        q.expire(10, &mut d);
+        let died = ids(d.iter().map(|death| death.entry.clone()));
+        let want: Vec<u64> = (2..=31).filter(|id| *id != 3).collect();
+        assert_eq!(died, want);
+        assert!(
+            d.iter()
+                .all(|death| death.reason == DeadLetterReason::Expired)
+        );
+        assert_eq!(q.take_lost(), vec![3]);
+        assert!(q.is_empty());
+        assert_eq!(paging.stats().page_in_failures, 1);
+        assert_eq!((paging.resident(), paging.stats().paged_messages), (0, 0));
+    }
+
+    #[test]
+    fn recovered_messages_come_back_paged_and_requeue_resident() {
+        let (mut q, store, paging) = paged_queue(64 << 20, QueueLimits::default());
+        let mut d = Vec::new();
+        for id in [4, 9] {
+            let m = msg(&format!("{id}"), None);
+            store.put(id, &m);
+            let meta = m.paged_meta();
+            q.restore_paged(id, meta, 0, 1, &mut d);
+        }
+        assert_eq!(q.paged(), 2);
+        assert_eq!(q.bytes(), 2);
+        let first = q.pop(0, &mut d).expect("head");
+        assert_eq!((first.message.body(), first.redelivered), (&b"4"[..], true));
+        assert_eq!(first.delivery_count, 1);
+        q.requeue([first], 0, &mut d);
+        assert_eq!(q.paged(), 1, "the requeued one is back in memory");
+        assert_eq!(
+            paging.resident(),
+            4,
+            "its content: key, properties and body"
+        );
+        let bodies: Vec<Vec<u8>> = q.iter().map(|e| e.message.body().to_vec()).collect();
+        assert_eq!(bodies, vec![b"4".to_vec(), b"9".to_vec()]);
+        drop(q);
+        assert_eq!(
+            (paging.resident(), paging.stats().paged_messages),
+            (0, 0),
+            "a deleted queue leaves the account"
+        );
+    }
+}
+
+#[test]
+fn a_paged_slot_costs_no_more_than_a_resident_entry() {
+    // What a queued message costs in the queue itself, paged or not (docs/storage.md): one
+    // word more than the entry of a resident message.
+    let slot = std::mem::size_of::<Slot>();
+    assert!(slot <= 72, "{slot} bytes");
+    assert!(std::mem::size_of::<PagedEntry>() <= std::mem::size_of::<QueuedMessage>() + 8);
 }

@@ -304,6 +304,17 @@ async fn wait_metric_where(
 }
 
 /// A scratch directory removed on drop.
+/// The resident set size of a process, in bytes (VmRSS of /proc/PID/status).
+pub fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS in /proc/<pid>/status");
+    kib * 1024
+}
+
 pub struct TempDir(pub std::path::PathBuf);
 
 impl TempDir {

@@ -1,5 +1,7 @@
 //! `memory`: queue K messages (--messages, default 1,000,000; 100 bytes by default) in one
 //! queue with no consumer and report the broker's RSS growth per queued message (needs --pid).
+//! With `--persistent`, a durable queue of persistent messages (paged out past
+//! `storage.paging_budget` in embedded mode); with `--keep`, the queue stays for a restart.
 
 use std::time::Duration;
 
@@ -10,13 +12,17 @@ use crate::Common;
 use crate::client::{self, QueueArgs};
 use crate::report::Report;
 
-pub async fn run(c: &Common, settle_seconds: f64) -> Result<Report> {
+pub async fn run(c: &Common, settle_seconds: f64, keep: bool) -> Result<Report> {
     let mut report = Report::new("memory", &c.label);
     describe(&mut report, c, true);
     let settle = Duration::from_secs_f64(settle_seconds.max(0.0));
     let queue = name("mem");
     let setup = client::connect(&c.url, "setup").await?;
-    client::fresh_queue(&setup, &queue, &QueueArgs::default()).await?;
+    let args = QueueArgs {
+        durable: c.persistent,
+        ..QueueArgs::default()
+    };
+    client::fresh_queue(&setup, &queue, &args).await?;
     let ch = setup.create_channel().await?;
     tokio::time::sleep(settle).await;
     let watch = Watch::start(c.pid);
@@ -43,10 +49,14 @@ pub async fn run(c: &Common, settle_seconds: f64) -> Result<Report> {
         }
         _ => report.note("no --pid: broker memory not measured"),
     }
-    client::delete_queue(&setup, &queue).await;
-    tokio::time::sleep(settle).await;
-    if let Some(s) = watch.broker() {
-        report.set("rss_after_delete_mib", s.rss_mib());
+    if keep {
+        report.note(format!("queue {queue} kept with its messages"));
+    } else {
+        client::delete_queue(&setup, &queue).await;
+        tokio::time::sleep(settle).await;
+        if let Some(s) = watch.broker() {
+            report.set("rss_after_delete_mib", s.rss_mib());
+        }
     }
     client::close(&setup).await;
     Ok(report)
