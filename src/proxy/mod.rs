@@ -193,6 +193,7 @@ pub mod policy_sync;
 pub mod probe;
 pub mod publisher;
 pub mod readback;
+pub mod redrive;
 pub mod registry;
 pub mod retry;
 pub mod service;
