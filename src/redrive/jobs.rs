@@ -105,7 +105,7 @@ pub struct JobStatus {
     /// Moved per target queue.
     pub by_target: BTreeMap<String, u64>,
     /// Failed per cause (`no_queue`, `target_full`, `no_source`, `same_queue`,
-    /// `undecodable`).
+    /// `undecodable`; proxy mode also `timed_out`, `publish_failed`).
     pub failed_by_cause: BTreeMap<String, u64>,
     /// Messages moved per second since the start (to the end, once finished).
     pub rate: f64,
