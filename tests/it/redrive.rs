@@ -8,7 +8,8 @@
 //! target after the restart. In proxy mode (`proxy_*`, the binary in front of the reference
 //! node) the same requests move the messages upstream: to their sources, `--to`, by filter,
 //! dry-run, a missing target (`no_queue`, the message stays), more skipped messages than a
-//! consumer's window, cancel and resume with none lost or doubled.
+//! consumer's window, cancel and resume with none lost or doubled, and a SIGKILL of the proxy
+//! mid-pass leaving every message in the dead-letter queue or its target.
 
 use crate::common;
 use crate::proxy_support::fleet::{ProxyProcess, fleet_toml};
@@ -719,5 +720,60 @@ async fn proxy_redrive_skips_past_a_window_then_cancel_and_resume_lose_nothing()
         metric_value(&metrics, "dlx_proxy_redrive_jobs_running"),
         Some(0.0),
         "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_redrive_loses_nothing_when_the_proxy_is_killed() {
+    let mut proxy = proxy_service().await;
+    let (dlq, target) = (unique("dlq"), unique("target"));
+    const N: usize = 400;
+    {
+        let conn = proxy.connect().await;
+        let ch = &conn.create_channel().await.unwrap();
+        declare(ch, &target, FieldTable::default()).await;
+        expired_into(ch, &unique("src"), &dlq, "k", N).await;
+        let (status, job) = post(
+            proxy.admin,
+            serde_json::json!({"from": dlq, "to": target, "rate": 200}),
+        )
+        .await;
+        assert_eq!(status, 201, "{job:#}");
+        let until = Instant::now() + Duration::from_secs(20);
+        while count(ch, &target).await < 40 {
+            assert!(Instant::now() < until, "the job never got going");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    // SIGKILL mid-pass: the upstream requeues every delivery the job had not acked.
+    proxy.kill();
+    let upstream = lapin::Connection::connect(
+        &crate::rabbit::reference().uri(),
+        lapin::ConnectionProperties::default(),
+    )
+    .await
+    .expect("connect to the upstream");
+    let ch = &upstream.create_channel().await.unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while (count(ch, &dlq).await + count(ch, &target).await) < N as u32 {
+        assert!(Instant::now() < until, "messages missing after the kill");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (in_dlq, in_target) = (drain(ch, &dlq).await, drain(ch, &target).await);
+    assert!(
+        !in_dlq.is_empty() && !in_target.is_empty(),
+        "killed mid-redrive: {} + {}",
+        in_dlq.len(),
+        in_target.len()
+    );
+    let all = crate::storage_restart::distinct_bodies(&in_dlq, &in_target);
+    assert_eq!(all.len(), N, "every message in the DLQ or the target");
+    // At least once: a duplicate only for a confirmed publish whose ack did not get out
+    // (at most the window of 256 unacked deliveries).
+    assert!(
+        in_dlq.len() + in_target.len() <= N + 256,
+        "{} + {}",
+        in_dlq.len(),
+        in_target.len()
     );
 }
