@@ -20,36 +20,43 @@
 //!   passive declare's `message_count`), or at the `max`, or on cancel (messages waiting for
 //!   their publish are given back too).
 //!
+//! The bookkeeping of a pass (frames in, frames out, no socket) is [`pass`]; this file dials,
+//! logs in and moves the bytes.
+//!
 //! At-least-once: when the connection breaks (the proxy crashes, the upstream goes away) the
 //! upstream requeues every delivery not acked; a message whose publish was confirmed but whose
 //! ack did not get out is then in both queues (a duplicate), never in neither.
 
-use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use amq_protocol::protocol::{AMQPClass, basic, channel, connection, queue};
+use amq_protocol::protocol::{AMQPClass, channel, connection, queue};
 use amq_protocol::types::{FieldTable, ShortString};
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio_util::sync::CancellationToken;
 
+mod pass;
+
+use pass::PassState;
+
 use super::ProxyShared;
-use super::publisher::{NACKED, Outcome, OutgoingMessage, Publisher};
+use super::publisher::Publisher;
 use super::service::handshake;
 use super::service::handshake::ClientHandshake;
 use super::upstream::UpstreamStream;
-use super::wire::{FrameReader, WireFrame, content_body_size, method_frame};
-use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method, put_heartbeat};
-use crate::amqp::content::{BodyCollector, encode_properties_from, parse_content_header};
+use super::wire::{FrameReader, WireFrame, method_frame};
+use crate::amqp::codec::{FRAME_METHOD, decode_method, put_heartbeat};
 use crate::amqp::reply;
 use crate::config::ServiceIdentity;
 use crate::redrive::bucket::TokenBucket;
-use crate::redrive::plan::{Decision, Plan, stamp};
+use crate::redrive::plan::Plan;
 
 /// Deliveries a consumer of the pass holds unacked at most (its prefetch).
 pub const WINDOW: u16 = 256;
-const CONSUME_CHANNEL: u16 = 1;
-const PUBLISH_CHANNEL: u16 = 2;
+/// The channel that consumes the dead-letter queue.
+pub const CONSUME_CHANNEL: u16 = 1;
+/// The channel that publishes the moved messages (confirm mode).
+pub const PUBLISH_CHANNEL: u16 = 2;
 /// How long the upstream gets to answer connection.close.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
@@ -100,22 +107,6 @@ pub struct RedriveConnection {
     queue: String,
     /// Messages in the queue when it was opened.
     pub total: u64,
-}
-
-/// A message on its way in (a delivery's method, header and body frames).
-struct Incoming {
-    tag: u64,
-    consumer_tag: String,
-    header: Option<Bytes>,
-    body: Option<BodyCollector>,
-}
-
-/// A message decided to move, waiting for a token.
-struct Pending {
-    tag: u64,
-    /// The consumer it was delivered to.
-    consumer: u64,
-    message: OutgoingMessage,
 }
 
 /// Connects, logs in to `vhost` and reads the length of `queue` (passive declare).
@@ -248,39 +239,16 @@ impl RedriveConnection {
         pass: Pass,
         mut report: impl FnMut(Progress),
     ) -> Result<PassEnd, String> {
-        let mut state = PassState {
-            publisher: Publisher::new(
+        let mut state = PassState::new(
+            &self.queue,
+            self.total,
+            &pass,
+            Publisher::new(
                 PUBLISH_CHANNEL,
                 self.frame_max as usize,
                 self.confirm_timeout,
             ),
-            inflight: HashMap::new(),
-            pending: VecDeque::new(),
-            incoming: None,
-            seen: 0,
-            left: pass.max.unwrap_or(u64::MAX),
-            consumer: 0,
-            kept_here: 0,
-            consuming: false,
-            left_behind: 0,
-            cancelled: false,
-            out: BytesMut::new(),
-            queue: self.queue.clone(),
-            total: self.total,
-        };
-        if !pass.dry_run {
-            state.out.extend_from_slice(&state.publisher.open_frames());
-        }
-        state.out.extend_from_slice(&method_frame(
-            CONSUME_CHANNEL,
-            AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
-                prefetch_count: WINDOW,
-                global: false,
-            })),
-        ));
-        if self.total > 0 {
-            state.consume()?;
-        }
+        )?;
         let mut bucket = pass.rate.map(|rate| {
             let burst = (rate / 10.0).ceil() as u64;
             TokenBucket::new(rate, burst.clamp(1, u64::from(WINDOW)), Instant::now())
@@ -288,53 +256,13 @@ impl RedriveConnection {
         let mut last_tx = Instant::now();
         let mut last_rx = Instant::now();
         loop {
-            let reading_done = state.seen >= self.total || state.left == 0 || state.cancelled;
-            if reading_done && state.consuming {
-                state.cancel_consumer();
-            }
-            if !reading_done && !state.consuming {
-                // Failed publishes gave back some of the max: carry on reading.
-                state.consume()?;
-            }
-            if state.cancelled {
-                for p in state.pending.drain(..) {
-                    state.left_behind = state.left_behind.max(p.tag);
-                }
-            }
-            // Publish what the rate allows.
-            while let Some(p) = state.pending.front() {
-                let now = Instant::now();
-                if let Some(b) = &mut bucket
-                    && b.take(1, now) == 0
-                {
-                    break;
-                }
-                let tag = p.tag;
-                match state.publisher.publish(tag, &p.message, now) {
-                    Ok(bytes) => {
-                        state.out.extend_from_slice(&bytes);
-                        state
-                            .inflight
-                            .insert(tag, (p.message.routing_key.clone(), p.consumer));
-                    }
-                    Err(_) => {
-                        // A name longer than a short string: no such queue can exist.
-                        state.left_behind = state.left_behind.max(tag);
-                        state.left = state.left.saturating_add(1);
-                        report(Progress {
-                            failed: vec!["no_queue"],
-                            ..Progress::default()
-                        });
-                    }
-                }
-                state.pending.pop_front();
-            }
+            let over = state.step(bucket.as_mut(), Instant::now(), &mut report)?;
             if !state.out.is_empty() {
                 let out = std::mem::take(&mut state.out);
                 self.send(&out).await?;
                 last_tx = Instant::now();
             }
-            if reading_done && state.pending.is_empty() && state.publisher.unconfirmed() == 0 {
+            if over {
                 break;
             }
             let now = Instant::now();
@@ -342,7 +270,7 @@ impl RedriveConnection {
             if let Some(at) = state.publisher.next_deadline() {
                 wake = wake.min(at);
             }
-            if !state.pending.is_empty()
+            if state.waiting()
                 && let Some(b) = &mut bucket
             {
                 wake = wake.min(now + b.wait(now));
@@ -362,9 +290,7 @@ impl RedriveConnection {
                 }
                 () = tokio::time::sleep_until(wake.into()) => {
                     let now = Instant::now();
-                    for settled in state.publisher.expire(now) {
-                        state.settle(settled.op, &settled.outcome, &mut report)?;
-                    }
+                    state.expire(now, &mut report)?;
                     if let Some(interval) = self.heartbeat {
                         if now >= last_rx + interval * 2 {
                             return Err("the upstream missed its heartbeats".into());
@@ -378,16 +304,7 @@ impl RedriveConnection {
             }
         }
         // Everything not moved goes back, in its order; then the connection closes.
-        if state.left_behind > 0 {
-            state.out.extend_from_slice(&method_frame(
-                CONSUME_CHANNEL,
-                AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
-                    delivery_tag: state.left_behind,
-                    multiple: true,
-                    requeue: true,
-                })),
-            ));
-        }
+        state.give_back();
         state.out.extend_from_slice(&method_frame(
             0,
             AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
@@ -412,285 +329,5 @@ impl RedriveConnection {
         } else {
             PassEnd::Done
         })
-    }
-}
-
-/// The bookkeeping of a running pass.
-struct PassState {
-    publisher: Publisher,
-    /// The target and consumer of each publish in flight, by dead-letter delivery tag.
-    inflight: HashMap<u64, (String, u64)>,
-    pending: VecDeque<Pending>,
-    incoming: Option<Incoming>,
-    /// Messages looked at.
-    seen: u64,
-    /// Moves still allowed (in flight and waiting ones taken off).
-    left: u64,
-    /// The current consumer's number and the deliveries it holds that stay.
-    consumer: u64,
-    kept_here: u16,
-    consuming: bool,
-    /// The highest delivery tag that is not acked (the end's nack covers it and all before).
-    left_behind: u64,
-    cancelled: bool,
-    out: BytesMut,
-    queue: String,
-    total: u64,
-}
-
-fn consumer_tag(n: u64) -> String {
-    format!("dlx-proxy-redrive-{n}")
-}
-
-impl PassState {
-    /// Starts the next consumer (with a window of its own) and cancels the current one.
-    fn consume(&mut self) -> Result<(), String> {
-        if self.consuming {
-            self.cancel_consumer();
-        }
-        self.consumer += 1;
-        self.kept_here = 0;
-        self.consuming = true;
-        let queue = ShortString::try_new(self.queue.clone()).map_err(|_| "queue name too long")?;
-        self.out.extend_from_slice(&method_frame(
-            CONSUME_CHANNEL,
-            AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
-                queue,
-                consumer_tag: ShortString::from(consumer_tag(self.consumer)),
-                no_local: false,
-                no_ack: false,
-                exclusive: false,
-                nowait: false,
-                arguments: FieldTable::default(),
-            })),
-        ));
-        Ok(())
-    }
-
-    fn cancel_consumer(&mut self) {
-        self.consuming = false;
-        self.out.extend_from_slice(&method_frame(
-            CONSUME_CHANNEL,
-            AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
-                consumer_tag: ShortString::from(consumer_tag(self.consumer)),
-                nowait: false,
-            })),
-        ));
-    }
-
-    fn on_frame(
-        &mut self,
-        frame: &WireFrame,
-        pass: &Pass,
-        report: &mut impl FnMut(Progress),
-    ) -> Result<(), String> {
-        match frame.channel {
-            0 => {
-                if frame.kind == FRAME_METHOD
-                    && let Some(AMQPClass::Connection(connection::AMQPMethod::Close(close))) =
-                        decode_method(&frame.payload)
-                {
-                    return Err(format!(
-                        "the upstream closed the connection: {} {}",
-                        close.reply_code,
-                        close.reply_text.as_str()
-                    ));
-                }
-            }
-            PUBLISH_CHANNEL => {
-                let step = self.publisher.on_frame(frame);
-                if let Some(bytes) = step.write {
-                    self.out.extend_from_slice(&bytes);
-                }
-                for settled in step.settled {
-                    self.settle(settled.op, &settled.outcome, report)?;
-                }
-            }
-            CONSUME_CHANNEL => self.on_consume_frame(frame, pass, report)?,
-            _ => {}
-        }
-        Ok(())
-    }
-
-    fn on_consume_frame(
-        &mut self,
-        frame: &WireFrame,
-        pass: &Pass,
-        report: &mut impl FnMut(Progress),
-    ) -> Result<(), String> {
-        match frame.kind {
-            FRAME_METHOD => match decode_method(&frame.payload) {
-                Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => {
-                    self.incoming = Some(Incoming {
-                        tag: d.delivery_tag,
-                        consumer_tag: d.consumer_tag.as_str().to_string(),
-                        header: None,
-                        body: None,
-                    });
-                }
-                Some(AMQPClass::Basic(basic::AMQPMethod::Cancel(_))) => {
-                    return Err(format!(
-                        "the upstream cancelled the consumer of {:?} (queue deleted?)",
-                        self.queue
-                    ));
-                }
-                Some(AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
-                    return Err(format!(
-                        "the upstream closed the consuming channel: {} {}",
-                        close.reply_code,
-                        close.reply_text.as_str()
-                    ));
-                }
-                _ => {}
-            },
-            FRAME_HEADER => {
-                if let Some(incoming) = &mut self.incoming {
-                    let size = content_body_size(&frame.payload).unwrap_or(0);
-                    incoming.header = Some(frame.payload.clone());
-                    incoming.body = Some(BodyCollector::new(size));
-                }
-            }
-            FRAME_BODY => {
-                if let Some(body) = self.incoming.as_mut().and_then(|i| i.body.as_mut()) {
-                    body.push(frame.payload.clone())
-                        .map_err(|e| format!("upstream delivery: {e}"))?;
-                }
-            }
-            _ => {}
-        }
-        let complete = self
-            .incoming
-            .as_ref()
-            .is_some_and(|i| i.body.as_ref().is_some_and(BodyCollector::is_complete));
-        if complete && let Some(incoming) = self.incoming.take() {
-            self.on_message(incoming, pass, report)?;
-        }
-        Ok(())
-    }
-
-    /// The number of the consumer a delivery came to (0: not one of the pass's).
-    fn consumer_of(&self, tag: &str) -> u64 {
-        tag.strip_prefix("dlx-proxy-redrive-")
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0)
-    }
-
-    /// A delivery of `consumer` stays in the queue: the end's nack gives it back. When the
-    /// current consumer's window is all such deliveries, a new consumer carries on.
-    fn keep(&mut self, tag: u64, consumer: u64) -> Result<(), String> {
-        self.left_behind = self.left_behind.max(tag);
-        if consumer == self.consumer && self.consuming {
-            self.kept_here = self.kept_here.saturating_add(1);
-            if self.kept_here >= WINDOW
-                && self.seen < self.total
-                && self.left > 0
-                && !self.cancelled
-            {
-                self.consume()?;
-            }
-        }
-        Ok(())
-    }
-
-    fn on_message(
-        &mut self,
-        incoming: Incoming,
-        pass: &Pass,
-        report: &mut impl FnMut(Progress),
-    ) -> Result<(), String> {
-        let Incoming {
-            tag,
-            consumer_tag,
-            header,
-            body,
-        } = incoming;
-        if self.seen >= self.total || self.left == 0 || self.cancelled {
-            // After the pass's end: it goes back untouched.
-            self.left_behind = self.left_behind.max(tag);
-            return Ok(());
-        }
-        self.seen += 1;
-        let consumer = self.consumer_of(&consumer_tag);
-        let mut progress = Progress {
-            examined: 1,
-            ..Progress::default()
-        };
-        let header = header.map(|h| parse_content_header(&h));
-        match header {
-            Some(Ok(header)) => match pass.plan.decide(&header.properties, &self.queue) {
-                Decision::Skip => {
-                    progress.skipped = 1;
-                    self.keep(tag, consumer)?;
-                }
-                Decision::Fail(cause) => {
-                    progress.failed.push(cause);
-                    self.keep(tag, consumer)?;
-                }
-                Decision::Move(target) if pass.dry_run => {
-                    progress.moved.push(target);
-                    self.left = self.left.saturating_sub(1);
-                    self.keep(tag, consumer)?;
-                }
-                Decision::Move(target) => {
-                    self.left = self.left.saturating_sub(1);
-                    let properties =
-                        encode_properties_from(&stamp(&header.properties), &header.raw_properties);
-                    self.pending.push_back(Pending {
-                        tag,
-                        consumer,
-                        message: OutgoingMessage {
-                            exchange: String::new(),
-                            routing_key: target,
-                            raw_properties: properties,
-                            body: body.map(BodyCollector::finish).unwrap_or_default(),
-                        },
-                    });
-                }
-            },
-            _ => {
-                progress.failed.push("undecodable");
-                self.keep(tag, consumer)?;
-            }
-        }
-        report(progress);
-        Ok(())
-    }
-
-    /// A publish settled: ack its dead-letter delivery, or leave it there.
-    fn settle(
-        &mut self,
-        tag: u64,
-        outcome: &Outcome,
-        report: &mut impl FnMut(Progress),
-    ) -> Result<(), String> {
-        let Some((target, consumer)) = self.inflight.remove(&tag) else {
-            return Ok(());
-        };
-        let cause = match outcome {
-            Outcome::Confirmed => {
-                self.out.extend_from_slice(&method_frame(
-                    CONSUME_CHANNEL,
-                    AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
-                        delivery_tag: tag,
-                        multiple: false,
-                    })),
-                ));
-                report(Progress {
-                    moved: vec![target],
-                    ..Progress::default()
-                });
-                return Ok(());
-            }
-            Outcome::Unroutable | Outcome::ExchangeMissing => "no_queue",
-            Outcome::Failed(NACKED) => "target_full",
-            Outcome::TimedOut => "timed_out",
-            Outcome::AccessRefused | Outcome::Failed(_) => "publish_failed",
-        };
-        self.left = self.left.saturating_add(1);
-        report(Progress {
-            failed: vec![cause],
-            ..Progress::default()
-        });
-        self.keep(tag, consumer)
     }
 }
