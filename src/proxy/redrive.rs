@@ -18,7 +18,8 @@
 //!   window of its own) and cancels the full one: messages left behind cost no window;
 //! - the pass ends once as many messages were looked at as the queue held at the start (its
 //!   passive declare's `message_count`), or at the `max`, or on cancel (messages waiting for
-//!   their publish are given back too).
+//!   their publish are given back too). When another consumer takes messages the pass counted,
+//!   the pass ends once no delivery came for [`pass::IDLE`] with room in its window.
 //!
 //! The bookkeeping of a pass (frames in, frames out, no socket) is [`pass`]; this file dials,
 //! logs in and moves the bytes.
@@ -267,6 +268,9 @@ impl RedriveConnection {
             }
             let now = Instant::now();
             let mut wake = now + Duration::from_secs(30);
+            if let Some(at) = state.idle_until() {
+                wake = wake.min(at);
+            }
             if let Some(at) = state.publisher.next_deadline() {
                 wake = wake.min(at);
             }

@@ -6,7 +6,7 @@
 //! consumer when one's window is full of messages that stay.
 
 use std::collections::{HashMap, VecDeque};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use amq_protocol::protocol::{AMQPClass, basic, channel, connection};
 use amq_protocol::types::{FieldTable, ShortString};
@@ -19,6 +19,10 @@ use crate::proxy::publisher::{NACKED, Outcome, OutgoingMessage, Publisher};
 use crate::proxy::wire::{WireFrame, content_body_size, method_frame};
 use crate::redrive::bucket::TokenBucket;
 use crate::redrive::plan::{Decision, stamp};
+
+/// How long a pass waits for a delivery, with room in its window, before it takes the queue
+/// for empty of ready messages.
+pub const IDLE: Duration = Duration::from_secs(3);
 
 /// A message on its way in (a delivery's method, header and body frames).
 struct Incoming {
@@ -54,6 +58,10 @@ pub(super) struct PassState {
     /// The highest delivery tag that is not acked (the end's nack covers it and all before).
     left_behind: u64,
     pub(super) cancelled: bool,
+    /// When the last delivery came (or the consumer started), and whether the queue ran out
+    /// of ready messages before the pass's count (others consumed some).
+    last_delivery: Option<Instant>,
+    ran_out: bool,
     /// Frames to write.
     pub(super) out: BytesMut,
     queue: String,
@@ -84,6 +92,8 @@ impl PassState {
             kept_here: 0,
             consuming: false,
             left_behind: 0,
+            last_delivery: None,
+            ran_out: false,
             cancelled: false,
             out: BytesMut::new(),
             queue: queue.to_string(),
@@ -105,6 +115,14 @@ impl PassState {
         Ok(state)
     }
 
+    /// When the pass gives up waiting for deliveries: the window has room (nothing waits or is
+    /// in flight) and none came for [`IDLE`], so the queue has no ready message left for it
+    /// (another consumer took some of those it counted at the start).
+    pub(super) fn idle_until(&self) -> Option<Instant> {
+        let idle = self.consuming && self.pending.is_empty() && self.inflight.is_empty();
+        self.last_delivery.filter(|_| idle).map(|at| at + IDLE)
+    }
+
     /// Messages decided to move wait for a token.
     pub(super) fn waiting(&self) -> bool {
         !self.pending.is_empty()
@@ -118,7 +136,13 @@ impl PassState {
         now: Instant,
         report: &mut impl FnMut(Progress),
     ) -> Result<bool, String> {
-        let reading_done = self.seen >= self.total || self.left == 0 || self.cancelled;
+        if let Some(at) = self.idle_until()
+            && now >= at
+        {
+            self.ran_out = true;
+        }
+        let reading_done =
+            self.seen >= self.total || self.left == 0 || self.cancelled || self.ran_out;
         if reading_done && self.consuming {
             self.cancel_consumer();
         }
@@ -195,6 +219,7 @@ impl PassState {
         self.consumer += 1;
         self.kept_here = 0;
         self.consuming = true;
+        self.last_delivery = Some(Instant::now());
         let queue = ShortString::try_new(self.queue.clone()).map_err(|_| "queue name too long")?;
         self.out.extend_from_slice(&method_frame(
             CONSUME_CHANNEL,
@@ -265,6 +290,7 @@ impl PassState {
         match frame.kind {
             FRAME_METHOD => match decode_method(&frame.payload) {
                 Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => {
+                    self.last_delivery = Some(Instant::now());
                     self.incoming = Some(Incoming {
                         tag: d.delivery_tag,
                         consumer_tag: d.consumer_tag.as_str().to_string(),

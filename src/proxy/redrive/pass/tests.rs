@@ -308,3 +308,18 @@ fn a_cancel_gives_back_what_waits_for_its_token() {
     )));
     assert_eq!(seen.moved, ["q"]);
 }
+
+#[test]
+fn a_queue_that_runs_out_before_the_count_ends_the_pass() {
+    let pass = pass(Plan::default(), true);
+    let mut s = state(5, &pass);
+    let mut seen = Seen::default();
+    feed(&mut s, &pass, delivery(1, 1, "a", "expired"), &mut seen);
+    let now = Instant::now();
+    assert!(!s.step(None, now, &mut |p| seen.add(p)).unwrap());
+    let idle = s.idle_until().unwrap();
+    assert!(idle >= now + IDLE - Duration::from_millis(100));
+    // Another consumer took the other four: nothing comes, the pass ends.
+    assert!(s.step(None, idle, &mut |p| seen.add(p)).unwrap());
+    assert_eq!(seen.examined, 1);
+}
