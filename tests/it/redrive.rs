@@ -711,6 +711,10 @@ async fn proxy_redrive_skips_past_a_window_then_cancel_and_resume_lose_nothing()
         .into_iter()
         .map(|(b, _, _)| b)
         .collect();
+    // Skipped messages went back at their place, and what a cancel left too: the target got
+    // them in the dead-letter queue's order.
+    let in_order: Vec<String> = (0..N).map(|i| format!("n{i}")).collect();
+    assert_eq!(bodies, in_order, "in order");
     assert_eq!(bodies.len(), N);
     bodies.sort();
     bodies.dedup();
