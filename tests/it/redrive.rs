@@ -705,6 +705,13 @@ async fn proxy_redrive_skips_past_a_window_then_cancel_and_resume_lose_nothing()
         Some(N as u64 - moved),
         "{resumed:#}"
     );
+    // The rate limit holds in proxy mode too: N messages at R/s take at least (N - 1)/R s.
+    let left = (N as u64 - moved) as f64;
+    assert!(
+        resumed["elapsed_secs"].as_f64().unwrap() >= (left - 1.0) / 200.0 * 0.95,
+        "{resumed:#}"
+    );
+    assert!(resumed["rate"].as_f64().unwrap() <= 220.0, "{resumed:#}");
     assert_eq!(count(ch, &dlq).await, 0);
     let mut bodies: Vec<String> = drain(ch, &target)
         .await
