@@ -360,7 +360,7 @@ async fn start_redrive(State(state): State<AdminState>, body: Bytes) -> Response
                 .into_response();
         }
     };
-    match state.redrive.start(request) {
+    match state.redrive.start(request).await {
         Ok(status) => (StatusCode::CREATED, axum::Json(status)).into_response(),
         Err(error) => redrive_error(error),
     }
@@ -381,7 +381,7 @@ async fn cancel_redrive(State(state): State<AdminState>, Path(id): Path<u64>) ->
 }
 
 async fn resume_redrive(State(state): State<AdminState>, Path(id): Path<u64>) -> Response {
-    match state.redrive.resume(id) {
+    match state.redrive.resume(id).await {
         Ok(status) => (StatusCode::CREATED, axum::Json(status)).into_response(),
         Err(error) => redrive_error(error),
     }
@@ -394,6 +394,7 @@ fn redrive_error(error: RedriveError) -> Response {
         RedriveError::Conflict(_) => StatusCode::CONFLICT,
         RedriveError::Full(_) => StatusCode::SERVICE_UNAVAILABLE,
         RedriveError::Unavailable(_) => StatusCode::NOT_IMPLEMENTED,
+        RedriveError::Upstream(_) => StatusCode::BAD_GATEWAY,
     };
     (status, error.to_string()).into_response()
 }

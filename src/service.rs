@@ -481,6 +481,8 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         from_config: config.policies.clone(),
         runtime: BTreeMap::new(),
     };
+    // Proxy mode: redrives log in to the upstream as the service identity.
+    let mut proxy_redrive = None;
     let (sink, broker_handle, server_ctx, connection_slots) = match config.mode {
         Mode::Embedded => {
             let users = UserDb::from_config(&config.users).map_err(|e| anyhow::anyhow!(e))?;
@@ -612,6 +614,16 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     },
                 )));
             }
+            if let Some(identity) = config
+                .upstream
+                .service_identity()
+                .map_err(|e| anyhow::anyhow!("{e}"))?
+            {
+                proxy_redrive = Some(crate::redrive::Backend::Proxy {
+                    shared: proxy.clone(),
+                    identity,
+                });
+            }
             // The service connections (capture objects and consumers) run until the
             // connections are closed, after the drain.
             if !config.proxy.delegate_to_upstream
@@ -660,9 +672,10 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
             token: admin_token.clone(),
             inspector: inspector(&config, broker_handle.clone())?,
             redrive: crate::redrive::Redriver::new(
-                match &broker_handle {
-                    Some(broker) => crate::redrive::Backend::Broker(broker.clone()),
-                    None => crate::redrive::Backend::Unavailable,
+                match (&broker_handle, proxy_redrive) {
+                    (Some(broker), _) => crate::redrive::Backend::Broker(broker.clone()),
+                    (None, Some(proxy)) => proxy,
+                    (None, None) => crate::redrive::Backend::Unavailable,
                 },
                 metrics.clone(),
             ),

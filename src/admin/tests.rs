@@ -403,7 +403,10 @@ async fn redrive_routes_are_writes_and_name_what_is_wrong() {
     assert!(text.contains("missing field `from`"), "{text}");
     let (status, text) = call(&server, "POST", "/api/redrive", Some(body)).await;
     assert_eq!(status, 501, "{text}");
-    assert!(text.contains("not available in proxy mode"), "{text}");
+    assert!(
+        text.contains("needs the proxy's own login") && text.contains("upstream.user"),
+        "{text}"
+    );
     assert_eq!(
         call(&server, "GET", "/api/redrive/9", None).await,
         (404, "no redrive job 9".into())

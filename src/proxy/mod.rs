@@ -202,6 +202,7 @@ pub mod policy_sync;
 pub mod probe;
 pub mod publisher;
 pub mod readback;
+pub mod redrive;
 pub mod registry;
 pub mod retry;
 pub mod retry_tiers;

@@ -105,7 +105,7 @@ pub struct JobStatus {
     /// Moved per target queue.
     pub by_target: BTreeMap<String, u64>,
     /// Failed per cause (`no_queue`, `target_full`, `no_source`, `same_queue`,
-    /// `undecodable`).
+    /// `undecodable`; proxy mode also `timed_out`, `publish_failed`).
     pub failed_by_cause: BTreeMap<String, u64>,
     /// Messages moved per second since the start (to the end, once finished).
     pub rate: f64,
@@ -188,12 +188,8 @@ impl JobTable {
             e.finished
                 .is_none_or(|at| now.saturating_duration_since(at) < KEEP_FINISHED)
         });
-        if let Some((id, _)) = self.jobs.iter().find(|(_, e)| {
-            e.status.state == JobState::Running
-                && e.status.request.vhost == request.vhost
-                && e.status.request.from == request.from
-        }) {
-            return Err(StartRefusal::Busy(*id));
+        if let Some(id) = self.running_on(&request.vhost, &request.from) {
+            return Err(StartRefusal::Busy(id));
         }
         while self.jobs.len() >= MAX_JOBS {
             let oldest = self
@@ -255,6 +251,18 @@ impl JobTable {
         let e = self.jobs.get(&id)?;
         e.cancel.cancel();
         Some(snapshot(e, now))
+    }
+
+    /// The job running on `queue` of `vhost`, if one is.
+    pub fn running_on(&self, vhost: &str, queue: &str) -> Option<u64> {
+        self.jobs
+            .iter()
+            .find(|(_, e)| {
+                e.status.state == JobState::Running
+                    && e.status.request.vhost == vhost
+                    && e.status.request.from == queue
+            })
+            .map(|(id, _)| *id)
     }
 
     /// Running jobs.

@@ -10,7 +10,9 @@
 //! - this file: [`Redriver`], which checks a request, registers the job and runs it: in
 //!   embedded mode batches of [`crate::broker::Broker::redrive_batch`] (each one move under the
 //!   broker lock, crash-atomic with storage) paced by the bucket, until the pass is over, the
-//!   `max` is reached, or the job is cancelled. Proxy mode has no redrive yet (501).
+//!   `max` is reached, or the job is cancelled; in proxy mode one pass of
+//!   [`crate::proxy::redrive`] on a connection of its own to the upstream (consume, publish
+//!   with confirms, ack), reported here message by message.
 
 pub mod bucket;
 pub mod jobs;
@@ -23,7 +25,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::broker::Broker;
 use crate::broker::methods::{BatchLimits, RedriveCursor};
+use crate::config::ServiceIdentity;
 use crate::metrics::Metrics;
+use crate::proxy::ProxyShared;
+use crate::proxy::redrive::{OpenError, Pass, PassEnd, RedriveConnection};
 use bucket::TokenBucket;
 use jobs::{JobState, JobStatus, JobTable, RedriveRequest, StartRefusal};
 use plan::Plan;
@@ -46,6 +51,8 @@ pub enum RedriveError {
     Full(String),
     /// 501: not possible in this mode.
     Unavailable(String),
+    /// 502: the upstream could not be reached or refused the proxy's login.
+    Upstream(String),
 }
 
 impl std::fmt::Display for RedriveError {
@@ -55,7 +62,8 @@ impl std::fmt::Display for RedriveError {
             | RedriveError::NotFound(m)
             | RedriveError::Conflict(m)
             | RedriveError::Full(m)
-            | RedriveError::Unavailable(m) => f.write_str(m),
+            | RedriveError::Unavailable(m)
+            | RedriveError::Upstream(m) => f.write_str(m),
         }
     }
 }
@@ -65,12 +73,17 @@ impl std::fmt::Display for RedriveError {
 pub enum Backend {
     /// Embedded mode: inside the broker.
     Broker(Arc<Broker>),
-    /// Proxy mode: not implemented.
+    /// Proxy mode: through the upstream, logged in as the service identity.
+    Proxy {
+        shared: Arc<ProxyShared>,
+        identity: ServiceIdentity,
+    },
+    /// Proxy mode without a service identity (`upstream.user`).
     Unavailable,
 }
 
-const PROXY_UNAVAILABLE: &str = "redrive is not available in proxy mode yet: \
-                                 shovel the messages with a client (docs/redrive.md)";
+const PROXY_UNAVAILABLE: &str = "redrive in proxy mode needs the proxy's own login on the \
+                                 upstream: set upstream.user and upstream.password";
 
 /// The instance's redrive jobs (cheap to clone).
 #[derive(Clone)]
@@ -101,32 +114,49 @@ impl Redriver {
     }
 
     /// Checks `request`, registers the job and starts it (in the current tokio runtime).
-    pub fn start(&self, request: RedriveRequest) -> Result<JobStatus, RedriveError> {
-        self.start_resuming(request, None)
+    pub async fn start(&self, request: RedriveRequest) -> Result<JobStatus, RedriveError> {
+        self.start_resuming(request, None).await
     }
 
-    fn start_resuming(
+    async fn start_resuming(
         &self,
         request: RedriveRequest,
         resumes: Option<u64>,
     ) -> Result<JobStatus, RedriveError> {
         let plan = request.plan().map_err(RedriveError::BadRequest)?;
-        let Backend::Broker(broker) = &self.inner.backend else {
-            return Err(RedriveError::Unavailable(PROXY_UNAVAILABLE.into()));
+        let (start, total) = match &self.inner.backend {
+            Backend::Broker(broker) => {
+                let (end, total) = broker
+                    .redrive_start(&request.vhost, &request.from)
+                    .map_err(RedriveError::NotFound)?;
+                (Start::Broker(broker.clone(), end), total)
+            }
+            Backend::Proxy { shared, identity } => {
+                // A busy queue is refused before any connection is opened.
+                if let Some(id) = self.table().running_on(&request.vhost, &request.from) {
+                    return Err(busy(id, &request));
+                }
+                let conn =
+                    crate::proxy::redrive::open(shared, identity, &request.vhost, &request.from)
+                        .await
+                        .map_err(|e| match e {
+                            OpenError::NotFound(m) => RedriveError::NotFound(m),
+                            OpenError::Upstream(m) => RedriveError::Upstream(m),
+                        })?;
+                let total = conn.total;
+                (Start::Proxy(Box::new(conn)), total)
+            }
+            Backend::Unavailable => {
+                return Err(RedriveError::Unavailable(PROXY_UNAVAILABLE.into()));
+            }
         };
-        let (end, total) = broker
-            .redrive_start(&request.vhost, &request.from)
-            .map_err(RedriveError::NotFound)?;
         let now = Instant::now();
         let mut table = self.table();
         let (id, cancel) =
             table
                 .start(request.clone(), total, now)
                 .map_err(|refusal| match refusal {
-                    StartRefusal::Busy(id) => RedriveError::Conflict(format!(
-                        "redrive job {id} is running on queue {:?} in vhost {:?}",
-                        request.from, request.vhost
-                    )),
+                    StartRefusal::Busy(id) => busy(id, &request),
                     StartRefusal::Full => RedriveError::Full(format!(
                         "{} redrive jobs are running; cancel one or wait",
                         jobs::MAX_JOBS
@@ -138,16 +168,23 @@ impl Redriver {
         drop(table);
         tracing::info!(id, vhost = %request.vhost, from = %request.from, to = ?request.to,
                        dry_run = request.dry_run, resumes, "redrive job started");
-        let job = EmbeddedJob {
-            redriver: self.clone(),
-            broker: broker.clone(),
-            id,
-            plan,
-            request,
-            end,
-            cancel,
-        };
-        tokio::spawn(job.run());
+        match start {
+            Start::Broker(broker, end) => {
+                let job = EmbeddedJob {
+                    redriver: self.clone(),
+                    broker,
+                    id,
+                    plan,
+                    request,
+                    end,
+                    cancel,
+                };
+                tokio::spawn(job.run());
+            }
+            Start::Proxy(conn) => {
+                tokio::spawn(self.clone().proxy_job(id, *conn, plan, request, cancel));
+            }
+        }
         status.ok_or_else(|| RedriveError::NotFound(format!("no redrive job {id}")))
     }
 
@@ -168,7 +205,7 @@ impl Redriver {
 
     /// A new job with the request of job `id`, for what it left: the same queue from its head
     /// again (moved messages are gone from it), `max` less what `id` moved.
-    pub fn resume(&self, id: u64) -> Result<JobStatus, RedriveError> {
+    pub async fn resume(&self, id: u64) -> Result<JobStatus, RedriveError> {
         let old = self
             .status(id)
             .ok_or_else(|| RedriveError::NotFound(format!("no redrive job {id}")))?;
@@ -187,7 +224,45 @@ impl Redriver {
             }
             request.max = Some(left);
         }
-        self.start_resuming(request, Some(id))
+        self.start_resuming(request, Some(id)).await
+    }
+
+    /// One job in proxy mode: one pass on its own upstream connection.
+    async fn proxy_job(
+        self,
+        id: u64,
+        conn: RedriveConnection,
+        plan: Plan,
+        request: RedriveRequest,
+        cancel: CancellationToken,
+    ) {
+        let pass = Pass {
+            plan,
+            dry_run: request.dry_run,
+            rate: request.rate,
+            max: request.max,
+            cancel,
+        };
+        let metrics = self.inner.metrics.clone();
+        let report = |p: crate::proxy::redrive::Progress| {
+            if !request.dry_run {
+                metrics.redrive_counted(
+                    &request.vhost,
+                    &request.from,
+                    &p.moved,
+                    p.skipped,
+                    &p.failed,
+                );
+            }
+            self.table()
+                .update(id, |s| s.add(p.examined, &p.moved, p.skipped, &p.failed));
+        };
+        let (state, error) = match conn.run(pass, report).await {
+            Ok(PassEnd::Done) => (JobState::Done, None),
+            Ok(PassEnd::Cancelled) => (JobState::Cancelled, None),
+            Err(error) => (JobState::Failed, Some(error)),
+        };
+        self.finish(id, state, error);
     }
 
     fn finish(&self, id: u64, state: JobState, error: Option<String>) {
@@ -199,6 +274,21 @@ impl Redriver {
                            failed = s.failed, error = ?s.error, "redrive job finished");
         }
     }
+}
+
+/// How a job starts, by mode.
+enum Start {
+    /// The broker and the pass's end.
+    Broker(Arc<Broker>, Option<u64>),
+    /// The pass's upstream connection, open.
+    Proxy(Box<RedriveConnection>),
+}
+
+fn busy(id: u64, request: &RedriveRequest) -> RedriveError {
+    RedriveError::Conflict(format!(
+        "redrive job {id} is running on queue {:?} in vhost {:?}",
+        request.from, request.vhost
+    ))
 }
 
 /// One job in embedded mode.

@@ -29,6 +29,8 @@ pub mod judge;
 pub mod link;
 mod task;
 
+pub(crate) use task::handshake;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};

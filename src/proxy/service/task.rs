@@ -172,8 +172,9 @@ async fn connect_and_serve(
     .await
 }
 
-/// Protocol header, then the handshake frames until connection.open-ok.
-async fn handshake(
+/// Protocol header, then the handshake frames until connection.open-ok (also the login of
+/// the redrive's own connection, [`crate::proxy::redrive`]).
+pub(crate) async fn handshake(
     reader: &mut FrameReader<ReadHalf<UpstreamStream>>,
     write: &mut WriteHalf<UpstreamStream>,
     mut machine: ClientHandshake,
