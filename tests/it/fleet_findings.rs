@@ -632,8 +632,19 @@ async fn killing_a_proxy_with_a_capture_backlog_loses_no_dead_letter() {
     fleet.stop_deleting(&[&queue, &dlq], &[&dlx]).await;
 }
 
+/// How long a publish of [`killing_the_node_under_a_proxy_loses_no_confirmed_message`] may
+/// keep being refused after the node is killed (measured in 5 runs on a 2-core machine with a
+/// load of 6 to 7.5: one or two nacks, then confirmed on a new channel within 0.3 s).
+const REFUSED_BUDGET: Duration = Duration::from_secs(30);
+
+/// RabbitMQ (3.10) nacks the publishes of a channel whose first publish to the quorum queue
+/// came while the queue's record still named the killed leader (about the first 0.3 to 0.7
+/// s): that channel's queue client asks the dead node for the machine version, takes
+/// `nodedown` as a refusal and asks it again at every publish, for as long as the channel
+/// lives (157 of 157 publishes over 40 s nacked, straight to RabbitMQ as through the proxy,
+/// which relays them). A new channel reads the record again: a publisher reopens its channel
+/// after a nack and sends the message again there.
 #[tokio::test]
-#[ignore = "fleet: passes alone at times; in other runs RabbitMQ nacks every publish to the quorum queue for over 10 s after its leader's node is killed (the proxy relays the nacks) - to be investigated"]
 async fn killing_the_node_under_a_proxy_loses_no_confirmed_message() {
     let cluster = cluster();
     let mut outage = cluster.exclusive().await;
@@ -659,12 +670,10 @@ async fn killing_the_node_under_a_proxy_loses_no_confirmed_message() {
         },
     )
     .await;
-    let (_again, ch) = again.expect("a new connection through the proxy within 10 s");
+    let (again, mut ch) = again.expect("a new connection through the proxy within 10 s");
     confirm_select(&ch).await;
-    // While the quorum queue elects a new leader RabbitMQ may nack a publish; a publisher
-    // sends a nacked message again, and what counts is that every acked one is kept.
     for i in 50..100 {
-        let mut attempts = 0;
+        let refused_since = std::time::Instant::now();
         loop {
             let confirm = publish_to(
                 &ch,
@@ -677,8 +686,13 @@ async fn killing_the_node_under_a_proxy_loses_no_confirmed_message() {
             if confirm.is_ack() {
                 break;
             }
-            attempts += 1;
-            assert!(attempts < 40, "publish m{i} still refused: {confirm:?}");
+            assert!(
+                refused_since.elapsed() < REFUSED_BUDGET,
+                "publish m{i} still refused after {REFUSED_BUDGET:?}: {confirm:?}"
+            );
+            let _ = ch.close(200, "nacked".into()).await;
+            ch = again.create_channel().await.expect("a new channel");
+            confirm_select(&ch).await;
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
     }
