@@ -17,6 +17,9 @@
 //! persistent one). When nothing waits, a publish settled at once is told at once, as one
 //! single ack or nack, as before.
 //!
+//! Not [`crate::proxy::ack_batch`]: that one batches a consumer's acks, where a delivery
+//! leaves without a nack; here a nack must be told, in order, and never covered by an ack.
+//!
 //! Pure logic, no sockets: the channel handler records publishes
 //! ([`super::content`]), and the channel's completion task
 //! ([`super::confirm_task`]) settles the persistent ones as storage answers; both then
