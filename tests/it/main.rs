@@ -65,6 +65,7 @@ mod proxy_upstream_tls;
 mod redrive;
 mod retry_tiers_embedded;
 mod retry_tiers_proxy;
+mod storage_confirms;
 mod storage_crash;
 mod storage_disk;
 mod storage_paging;

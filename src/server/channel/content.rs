@@ -1,11 +1,13 @@
 //! Content frames of a publish: the content header and body frames after basic.publish are
 //! collected (size checked against `limits.max_message_size`), then the message is prepared,
-//! published, returned when mandatory and unroutable, and confirmed in confirm mode.
+//! published, returned when mandatory and unroutable, and confirmed in confirm mode (through
+//! the channel's [`super::confirms`] tracker, so confirms of stored messages are coalesced).
 
 use amq_protocol::protocol::{AMQPClass, basic};
 
+use super::confirm_task::{Completions, settle_now};
 use super::{ChannelTable, Flow, Phase, method_frame};
-use crate::amqp::codec::{FRAME_HEADER, RawFrame, put_basic_ack, put_basic_nack};
+use crate::amqp::codec::{FRAME_HEADER, RawFrame};
 use crate::amqp::content::{BodyCollector, parse_content_header};
 use crate::amqp::reply::AmqpError;
 use crate::broker::delivery::short;
@@ -88,12 +90,12 @@ impl ChannelTable {
         let (Some(header), Some(body)) = (p.header, p.body) else {
             return Flow::Continue;
         };
-        let (confirm_seq, gate) = match self.channels.get_mut(&ch) {
+        let confirm_seq = match self.channels.get_mut(&ch) {
             Some(local) if local.confirm => {
                 local.publish_seq += 1;
-                (Some(local.publish_seq), Some(local.confirm_gate.clone()))
+                Some(local.publish_seq)
             }
-            _ => (None, None),
+            _ => None,
         };
         let prepared = match prepare(&p.exchange, &p.routing_key, header, body.finish(), &s.user) {
             Ok(m) => m,
@@ -134,35 +136,28 @@ impl ChannelTable {
                 );
             });
         }
-        match (confirm_seq, durable) {
+        let Some(seq) = confirm_seq else {
+            return Flow::Continue;
+        };
+        let Some(local) = self.channels.get_mut(&ch) else {
+            return Flow::Continue;
+        };
+        match durable {
             // Kept on disk: confirmed once storage says it is stable (nack if it could not
-            // be written).
-            (Some(seq), Some(durable)) if !result.rejected => {
-                let write_queue = s.write_queue.clone();
-                tokio::spawn(async move {
-                    let stored = durable.await.unwrap_or(false);
-                    let Some(gate) = gate else { return };
-                    let open = gate.lock().unwrap_or_else(|e| e.into_inner());
-                    if !*open {
-                        return;
-                    }
-                    write_queue.push(|o| {
-                        if stored {
-                            put_basic_ack(o, ch, seq, false)
-                        } else {
-                            put_basic_nack(o, ch, seq, false, false)
-                        }
-                    });
+            // be written), coalesced with the others of the same group commit.
+            Some(durable) if !result.rejected => {
+                let completions = local.completions.get_or_insert_with(|| {
+                    Completions::start(local.confirm_gate.clone(), s.write_queue.clone(), ch)
                 });
+                completions.wait(&local.confirm_gate, seq, durable);
             }
-            (Some(seq), _) => s.write_queue.push(|o| {
-                if result.rejected {
-                    put_basic_nack(o, ch, seq, false, false)
-                } else {
-                    put_basic_ack(o, ch, seq, false)
-                }
-            }),
-            (None, _) => {}
+            _ => settle_now(
+                &local.confirm_gate,
+                &s.write_queue,
+                ch,
+                seq,
+                !result.rejected,
+            ),
         }
         Flow::Continue
     }

@@ -3,7 +3,8 @@
 //!
 //! One file per method class, each a handler of one `match` over that class's methods:
 //! [`exchange`], [`queue`], [`basic`], [`confirm`]; the bindings of exchange and queue share
-//! [`binding`], and the content frames of a publish go to [`content`]. Each handler checks
+//! [`binding`], and the content frames of a publish go to [`content`]. Publisher confirms are
+//! tracked and coalesced by [`confirms`] and written by [`confirm_task`]. Each handler checks
 //! permissions and calls the broker operation ([`crate::broker::methods`]).
 //!
 //! Channel errors close the channel (`channel.close`, the broker requeues its unacked
@@ -12,6 +13,8 @@
 mod basic;
 mod binding;
 mod confirm;
+mod confirm_task;
+mod confirms;
 mod content;
 mod exchange;
 mod queue;
@@ -53,18 +56,12 @@ struct ChannelLocal {
     pending: Option<PendingPublish>,
     confirm: bool,
     publish_seq: u64,
-    /// Open while confirms of this channel may still be written: a confirm that waited for
-    /// storage is written under this lock only if the channel was not closed meanwhile, so
-    /// it never reaches a closed channel or a new one with the same number.
-    confirm_gate: ConfirmGate,
-}
-
-/// See [`ChannelLocal::confirm_gate`].
-pub(crate) type ConfirmGate = std::sync::Arc<std::sync::Mutex<bool>>;
-
-/// Closes a channel's confirm gate (before its channel.close or close-ok is written).
-fn close_gate(gate: &ConfirmGate) {
-    *gate.lock().unwrap_or_else(|e| e.into_inner()) = false;
+    /// The channel's unconfirmed publishes, open while confirms may still be written: they
+    /// are written under this lock only if the channel was not closed meanwhile, so none
+    /// reaches a closed channel or a new one with the same number.
+    confirm_gate: confirm_task::ConfirmGate,
+    /// The task confirming persistent publishes once stored (started by the first one).
+    completions: Option<confirm_task::Completions>,
 }
 
 /// The channels of one connection.
@@ -164,7 +161,8 @@ impl ChannelTable {
                         pending: None,
                         confirm: false,
                         publish_seq: 0,
-                        confirm_gate: std::sync::Arc::new(std::sync::Mutex::new(true)),
+                        confirm_gate: confirm_task::new_gate(),
+                        completions: None,
                     },
                 );
                 ctx.broker.open_channel(s.conn_id, ch);
@@ -198,7 +196,7 @@ impl ChannelTable {
             }
             (AMQPClass::Channel(chan::AMQPMethod::Close(_)), Some(_)) => {
                 if let Some(local) = self.channels.remove(&ch) {
-                    close_gate(&local.confirm_gate);
+                    confirm_task::close_gate(&local.confirm_gate);
                 }
                 ctx.broker.close_channel(s.conn_id, ch);
                 ctx.broker.metrics.channels_closed(1);
@@ -261,7 +259,7 @@ impl ChannelTable {
         if let Some(local) = self.channels.get_mut(&ch) {
             local.phase = Phase::Closing;
             local.pending = None;
-            close_gate(&local.confirm_gate);
+            confirm_task::close_gate(&local.confirm_gate);
         }
         ctx.broker.close_channel(s.conn_id, ch);
         ctx.broker.metrics.channels_closed(1);
