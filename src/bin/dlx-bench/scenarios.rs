@@ -186,9 +186,6 @@ async fn publish_all(
             pipeline: c.pipeline,
             persistent: c.persistent,
         };
-        if c.persistent && c.client_or(ClientKind::Lapin) == ClientKind::Raw {
-            anyhow::bail!("--persistent publishes with the lapin client only");
-        }
         tasks.push(match c.client_or(ClientKind::Lapin) {
             ClientKind::Lapin => tokio::spawn(client::publish(spec)),
             ClientKind::Raw => tokio::spawn(raw::publish(spec)),
