@@ -107,42 +107,43 @@ pub fn stamp(props: &BasicProperties) -> BasicProperties {
     props.clone().with_headers(headers)
 }
 
+/// Properties whose `x-death` holds one entry per (queue, reason), newest first: the dead
+/// letters the unit tests of a redrive (both modes) start from.
+#[cfg(test)]
+pub(crate) fn dead_letter_properties(deaths: &[(&str, &str)]) -> BasicProperties {
+    let entries: Vec<AMQPValue> = deaths
+        .iter()
+        .map(|(queue, reason)| {
+            AMQPValue::FieldTable(
+                crate::deadletter::XDeathEntry {
+                    queue: queue.to_string(),
+                    reason: reason.to_string(),
+                    time: 1,
+                    exchange: String::new(),
+                    routing_keys: vec![queue.to_string()],
+                    count: 1,
+                    original_expiration: None,
+                }
+                .to_field_table(),
+            )
+        })
+        .collect();
+    let mut headers = amq_protocol::types::FieldTable::default();
+    headers.insert(
+        "x-death".into(),
+        AMQPValue::FieldArray(amq_protocol::types::FieldArray::from(entries)),
+    );
+    BasicProperties::default().with_headers(headers)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::deadletter::XDeathEntry;
-    use amq_protocol::types::{FieldArray, FieldTable};
-
-    fn dead(deaths: &[(&str, &str)]) -> BasicProperties {
-        let entries: Vec<AMQPValue> = deaths
-            .iter()
-            .map(|(queue, reason)| {
-                AMQPValue::FieldTable(
-                    XDeathEntry {
-                        queue: queue.to_string(),
-                        reason: reason.to_string(),
-                        time: 1,
-                        exchange: String::new(),
-                        routing_keys: vec![queue.to_string()],
-                        count: 1,
-                        original_expiration: None,
-                    }
-                    .to_field_table(),
-                )
-            })
-            .collect();
-        let mut headers = FieldTable::default();
-        headers.insert(
-            "x-death".into(),
-            AMQPValue::FieldArray(FieldArray::from(entries)),
-        );
-        BasicProperties::default().with_headers(headers)
-    }
 
     #[test]
     fn each_message_goes_back_to_its_newest_source() {
         let plan = Plan::default();
-        let props = dead(&[("retry", "expired"), ("work", "rejected")]);
+        let props = dead_letter_properties(&[("retry", "expired"), ("work", "rejected")]);
         assert_eq!(plan.decide(&props, "dlq"), Decision::Move("retry".into()));
         let to = Plan {
             to: Some("other".into()),
@@ -158,7 +159,7 @@ mod tests {
             Decision::Move("other".into())
         );
         assert_eq!(
-            plan.decide(&dead(&[("dlq", "expired")]), "dlq"),
+            plan.decide(&dead_letter_properties(&[("dlq", "expired")]), "dlq"),
             Decision::Fail("same_queue")
         );
     }
@@ -170,11 +171,17 @@ mod tests {
             reasons: parse_filter(&["reason=expired|maxlen".into()]).unwrap(),
         };
         assert_eq!(
-            plan.decide(&dead(&[("a", "expired"), ("b", "rejected")]), "dlq"),
+            plan.decide(
+                &dead_letter_properties(&[("a", "expired"), ("b", "rejected")]),
+                "dlq"
+            ),
             Decision::Move("a".into())
         );
         assert_eq!(
-            plan.decide(&dead(&[("b", "rejected"), ("a", "expired")]), "dlq"),
+            plan.decide(
+                &dead_letter_properties(&[("b", "rejected"), ("a", "expired")]),
+                "dlq"
+            ),
             Decision::Skip
         );
         assert_eq!(
@@ -204,7 +211,7 @@ mod tests {
 
     #[test]
     fn stamping_counts_up_and_keeps_the_history() {
-        let props = dead(&[("work", "rejected")]);
+        let props = dead_letter_properties(&[("work", "rejected")]);
         let once = stamp(&props);
         let headers = once.headers().clone().unwrap();
         assert_eq!(
@@ -217,7 +224,7 @@ mod tests {
         );
         assert_eq!(redriven_count(&stamp(&once)), 2);
         // A client-set value of another integer type is read and replaced by a long-long.
-        let mut h = FieldTable::default();
+        let mut h = amq_protocol::types::FieldTable::default();
         h.insert(X_REDRIVEN_COUNT.into(), AMQPValue::ShortInt(4));
         let props = BasicProperties::default().with_headers(h);
         assert_eq!(

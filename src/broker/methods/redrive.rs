@@ -181,10 +181,9 @@ mod tests {
     use super::super::test_support::{Client, bodies, broker, declare, long, table, text};
     use super::*;
     use crate::amqp::content::encode_properties;
-    use crate::deadletter::{DeadLetterReason, XDeathEntry};
+    use crate::deadletter::DeadLetterReason;
     use crate::redrive::plan::X_REDRIVEN_COUNT;
-    use amq_protocol::protocol::BasicProperties;
-    use amq_protocol::types::{AMQPValue, FieldArray, FieldTable};
+    use amq_protocol::types::{AMQPValue, FieldTable};
 
     fn limits(moves: u64, dry_run: bool) -> BatchLimits {
         BatchLimits {
@@ -196,23 +195,9 @@ mod tests {
 
     /// Publishes to `dead` a message whose newest death is (`queue`, `reason`).
     fn dead_letter(b: &Broker, body: &str, queue: &str, reason: &str) {
-        let entry = XDeathEntry {
-            queue: queue.into(),
-            reason: reason.into(),
-            time: 1,
-            exchange: String::new(),
-            routing_keys: vec![queue.into()],
-            count: 1,
-            original_expiration: None,
-        };
-        let mut headers = FieldTable::default();
-        headers.insert(
-            "x-death".into(),
-            AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(
-                entry.to_field_table(),
-            )])),
-        );
-        let props = encode_properties(&BasicProperties::default().with_headers(headers));
+        let props = encode_properties(&crate::redrive::plan::dead_letter_properties(&[(
+            queue, reason,
+        )]));
         let m = Arc::new(Message::new(
             "",
             &["dead"],

@@ -2,11 +2,10 @@
 
 use super::*;
 use crate::amqp::content::{decode_properties, encode_properties, put_content};
-use crate::deadletter::{DeadLetterReason, XDeathEntry};
+use crate::deadletter::DeadLetterReason;
 use crate::proxy::wire::WireCodec;
 use crate::redrive::plan::{Plan, X_REDRIVEN_COUNT};
-use amq_protocol::protocol::BasicProperties;
-use amq_protocol::types::{AMQPValue, FieldArray};
+use amq_protocol::types::AMQPValue;
 use std::time::Duration;
 use tokio_util::codec::Decoder;
 use tokio_util::sync::CancellationToken;
@@ -51,23 +50,9 @@ fn with_content(channel: u16, method: AMQPClass, raw: &[u8], body: &[u8]) -> Vec
 
 /// A delivery of a message that died in `queue` for `reason`.
 fn delivery(tag: u64, consumer: u64, queue: &str, reason: &str) -> Vec<WireFrame> {
-    let entry = XDeathEntry {
-        queue: queue.into(),
-        reason: reason.into(),
-        time: 1,
-        exchange: String::new(),
-        routing_keys: vec![queue.into()],
-        count: 1,
-        original_expiration: None,
-    };
-    let mut headers = FieldTable::default();
-    headers.insert(
-        "x-death".into(),
-        AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(
-            entry.to_field_table(),
-        )])),
-    );
-    let raw = encode_properties(&BasicProperties::default().with_headers(headers));
+    let raw = encode_properties(&crate::redrive::plan::dead_letter_properties(&[(
+        queue, reason,
+    )]));
     with_content(
         CONSUME_CHANNEL,
         AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
