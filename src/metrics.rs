@@ -31,6 +31,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "dead_letter_dropped_total",
     "dead_letter_publish_failures_total",
     "dead_letter_retries_total",
+    "publisher_channel_reopens_total",
     "dead_letters_by_service_total",
     "dead_letters_held",
     "consumer_timeouts_total",
@@ -245,6 +246,7 @@ pub struct Metrics {
     dead_letter_dropped: IntCounterVec,
     dead_letter_publish_failures: IntCounterVec,
     dead_letter_retries: IntCounterVec,
+    publisher_channel_reopens: IntCounterVec,
     dead_letters_by_service: IntCounter,
     dead_letters_held: IntGauge,
     consumer_timeouts: IntCounterVec,
@@ -442,6 +444,13 @@ impl Metrics {
                 "Dead-letter publishes to the upstream that failed, by cause (nack, timeout, \
                  channel closed, access_refused); the original stays unacked upstream, held by \
                  the proxy, and the publish is retried.",
+                &["cause"],
+            )?,
+            publisher_channel_reopens: b.counter_vec(
+                "publisher_channel_reopens_total",
+                "The proxy's own confirm-mode publisher channels opened again (proxy mode), by \
+                 cause: closed (the upstream closed the channel) or nacks (the channel only \
+                 nacked and was recycled).",
                 &["cause"],
             )?,
             dead_letter_retries: b.counter_vec(
@@ -748,6 +757,14 @@ impl Metrics {
         for reason in RETRY_REASONS {
             metrics.dead_letter_retries.with_label_values(&[reason]);
         }
+        for cause in [
+            crate::proxy::publisher::REOPEN_CLOSED,
+            crate::proxy::publisher::REOPEN_NACKS,
+        ] {
+            metrics
+                .publisher_channel_reopens
+                .with_label_values(&[cause]);
+        }
         metrics.register_process_metrics()?;
         Ok(metrics)
     }
@@ -911,6 +928,14 @@ impl Metrics {
     /// [`RETRY_REASONS`]).
     pub fn dead_letter_retry(&self, reason: &str) {
         self.dead_letter_retries.with_label_values(&[reason]).inc();
+    }
+
+    /// A proxy publisher channel is being opened again (`cause`:
+    /// [`crate::proxy::publisher::REOPEN_CLOSED`] or [`crate::proxy::publisher::REOPEN_NACKS`]).
+    pub fn publisher_channel_reopened(&self, cause: &str) {
+        self.publisher_channel_reopens
+            .with_label_values(&[cause])
+            .inc();
     }
 
     /// Held dead letters went up or down by `delta`.

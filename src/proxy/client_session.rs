@@ -635,7 +635,13 @@ impl ClientSession {
         self.service_wait_expired(now);
         if let Some(publisher) = self.publisher.as_mut() {
             let expired = publisher.expire(now);
-            for settled in expired {
+            if let Some(write) = expired.write {
+                self.send_upstream(write);
+            }
+            if let Some(cause) = expired.reopened {
+                self.shared.metrics.publisher_channel_reopened(cause);
+            }
+            for settled in expired.settled {
                 self.complete_op(settled.op, settled.outcome);
             }
         }

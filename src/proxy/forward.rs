@@ -805,6 +805,9 @@ impl ClientSession {
         if let Some(write) = step.write {
             self.send_upstream(write);
         }
+        if let Some(cause) = step.reopened {
+            self.shared.metrics.publisher_channel_reopened(cause);
+        }
         for settled in step.settled {
             self.complete_op(settled.op, settled.outcome);
         }

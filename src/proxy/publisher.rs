@@ -16,6 +16,16 @@
 //!   lost); the channel is reopened in confirm mode right away;
 //! - no confirm within `proxy.confirm_timeout_secs` → [`Outcome::TimedOut`].
 //!
+//! A channel that only nacks is recycled. RabbitMQ 3.10's quorum-queue client can be left
+//! pointing at a dead leader after a node loss and then nacks every publish on that channel
+//! for as long as it lives; a fresh channel asks the queue's members again. After
+//! [`RECYCLE_AFTER_NACKS`] nacks in a row with no ack between, the publisher stops sending,
+//! waits for the publishes in flight to settle (or time out), closes the channel itself and
+//! reopens it in confirm mode on `close-ok`. Publishes asked for meanwhile are kept, in
+//! order, and sent right after the reopen (counted in [`Publisher::unconfirmed`]). A DLQ that
+//! refuses with `reject-publish` also nacks in a row; its dead letters are held and retried
+//! with backoff by the caller, so recycling then costs one channel round trip per few retries.
+//!
 //! What the session does with each outcome (settle, drop, or hold and retry) is in
 //! [`super::intercept`] and [`super::retry`].
 
@@ -36,6 +46,13 @@ pub const NACKED: &str = "nack";
 /// Why publishes failed when the upstream refused a dead letter's `user_id` (406: it names
 /// another user than the publishing one, which has no `impersonator` tag).
 pub const USER_ID_REFUSED: &str = "user_id_refused";
+
+/// Nacks in a row (no ack between) after which the channel is closed and opened again.
+pub const RECYCLE_AFTER_NACKS: u32 = 3;
+/// Why the publisher channel was opened again: the upstream closed it.
+pub const REOPEN_CLOSED: &str = "closed";
+/// ... it only nacked, and the publisher recycled it.
+pub const REOPEN_NACKS: &str = "nacks";
 
 /// Identifies the operation a publish belongs to (chosen by the caller).
 pub type OpId = u64;
@@ -96,6 +113,40 @@ struct ReturnedContent {
 pub struct PublisherStep {
     pub settled: Vec<Settled>,
     pub write: Option<Bytes>,
+    /// The channel is being opened again, and why ([`REOPEN_CLOSED`], [`REOPEN_NACKS`]).
+    pub reopened: Option<&'static str>,
+}
+
+impl PublisherStep {
+    fn send(&mut self, bytes: Bytes) {
+        self.write = Some(match self.write.take() {
+            None => bytes,
+            Some(first) => {
+                let mut both = BytesMut::with_capacity(first.len() + bytes.len());
+                both.extend_from_slice(&first);
+                both.extend_from_slice(&bytes);
+                both.freeze()
+            }
+        });
+    }
+}
+
+/// Where the channel is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChannelState {
+    Open,
+    /// Recycling: nothing new is sent until the publishes in flight have settled.
+    Draining,
+    /// `channel.close` sent; waiting for `close-ok` to open it again.
+    Closing,
+}
+
+/// A publish asked for while the channel is being recycled.
+#[derive(Debug)]
+struct Waiting {
+    op: OpId,
+    message: OutgoingMessage,
+    deadline: Instant,
 }
 
 /// The publisher channel.
@@ -109,8 +160,9 @@ pub struct Publisher {
     deadlines: VecDeque<(Instant, u64, u64)>,
     epoch: u64,
     returned: Option<ReturnedContent>,
-    /// How often the channel was reopened after an error.
-    pub reopened: u64,
+    state: ChannelState,
+    nacks_in_a_row: u32,
+    waiting: VecDeque<Waiting>,
 }
 
 impl Publisher {
@@ -124,7 +176,9 @@ impl Publisher {
             deadlines: VecDeque::new(),
             epoch: 1,
             returned: None,
-            reopened: 0,
+            state: ChannelState::Open,
+            nacks_in_a_row: 0,
+            waiting: VecDeque::new(),
         }
     }
 
@@ -132,8 +186,9 @@ impl Publisher {
         self.channel
     }
 
+    /// Publishes not settled yet: in flight, or waiting for a recycled channel.
     pub fn unconfirmed(&self) -> usize {
-        self.unconfirmed.len()
+        self.unconfirmed.len() + self.waiting.len()
     }
 
     /// channel.open + confirm.select.
@@ -153,6 +208,8 @@ impl Publisher {
     }
 
     /// Encodes a publish (mandatory, confirm-tracked). `Err` if a name is not a short string.
+    /// While the channel is recycled the publish is kept and the bytes are empty; it goes
+    /// out with the reopen.
     pub fn publish(
         &mut self,
         op: OpId,
@@ -163,6 +220,26 @@ impl Publisher {
             ShortString::try_new(message.exchange.clone()).map_err(|_| "exchange name too long")?;
         let routing_key = ShortString::try_new(message.routing_key.clone())
             .map_err(|_| "routing key too long")?;
+        let deadline = now + self.confirm_timeout;
+        if self.state != ChannelState::Open {
+            self.waiting.push_back(Waiting {
+                op,
+                message: message.clone(),
+                deadline,
+            });
+            return Ok(Bytes::new());
+        }
+        Ok(self.encode(op, message, exchange, routing_key, deadline))
+    }
+
+    fn encode(
+        &mut self,
+        op: OpId,
+        message: &OutgoingMessage,
+        exchange: ShortString,
+        routing_key: ShortString,
+        deadline: Instant,
+    ) -> Bytes {
         let mut out = BytesMut::with_capacity(message.body.len() + 256);
         out.extend_from_slice(&method_frame(
             self.channel,
@@ -182,7 +259,6 @@ impl Publisher {
         );
         let seq = self.next_seq;
         self.next_seq += 1;
-        let deadline = now + self.confirm_timeout;
         self.unconfirmed.insert(
             seq,
             Record {
@@ -195,7 +271,62 @@ impl Publisher {
             },
         );
         self.deadlines.push_back((deadline, seq, self.epoch));
-        Ok(out.freeze())
+        out.freeze()
+    }
+
+    /// The publishes kept while the channel was recycled, encoded on the reopened channel.
+    fn send_waiting(&mut self) -> Bytes {
+        let mut out = BytesMut::new();
+        while let Some(w) = self.waiting.pop_front() {
+            // The names were checked when the publish was asked for.
+            let (Ok(exchange), Ok(routing_key)) = (
+                ShortString::try_new(w.message.exchange.clone()),
+                ShortString::try_new(w.message.routing_key.clone()),
+            ) else {
+                continue;
+            };
+            out.extend_from_slice(&self.encode(
+                w.op,
+                &w.message,
+                exchange,
+                routing_key,
+                w.deadline,
+            ));
+        }
+        out.freeze()
+    }
+
+    /// A fresh epoch: confirm numbering starts again at 1, late confirms are ignored.
+    fn new_epoch(&mut self) {
+        self.next_seq = 1;
+        self.epoch += 1;
+        self.deadlines.clear();
+        self.returned = None;
+        self.nacks_in_a_row = 0;
+    }
+
+    /// Closes a recycling channel once nothing is in flight on it.
+    fn close_when_drained(&mut self, step: &mut PublisherStep) {
+        if self.state != ChannelState::Draining || !self.unconfirmed.is_empty() {
+            return;
+        }
+        self.state = ChannelState::Closing;
+        self.new_epoch();
+        step.send(method_frame(
+            self.channel,
+            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: 200,
+                reply_text: ShortString::from("reopening after repeated nacks"),
+                class_id: 0,
+                method_id: 0,
+            })),
+        ));
+        step.reopened = Some(REOPEN_NACKS);
+        tracing::warn!(
+            channel = self.channel,
+            nacks = RECYCLE_AFTER_NACKS,
+            "dead-letter publisher channel only nacks: closing it and opening a new one"
+        );
     }
 
     /// Handles one upstream frame on the publisher channel.
@@ -204,6 +335,7 @@ impl Publisher {
         match frame.kind {
             FRAME_METHOD => match decode_method(&frame.payload) {
                 Some(AMQPClass::Basic(basic::AMQPMethod::Ack(ack))) => {
+                    self.nacks_in_a_row = 0;
                     for record in self.take_confirmed(ack.delivery_tag, ack.multiple) {
                         let outcome = if record.returned {
                             Outcome::Unroutable
@@ -217,11 +349,20 @@ impl Publisher {
                     }
                 }
                 Some(AMQPClass::Basic(basic::AMQPMethod::Nack(nack))) => {
-                    for record in self.take_confirmed(nack.delivery_tag, nack.multiple) {
+                    let settled = self.take_confirmed(nack.delivery_tag, nack.multiple);
+                    if !settled.is_empty() {
+                        self.nacks_in_a_row = self.nacks_in_a_row.saturating_add(1);
+                    }
+                    for record in settled {
                         step.settled.push(Settled {
                             op: record.op,
                             outcome: Outcome::Failed(NACKED),
                         });
+                    }
+                    if self.nacks_in_a_row >= RECYCLE_AFTER_NACKS
+                        && self.state == ChannelState::Open
+                    {
+                        self.state = ChannelState::Draining;
                     }
                 }
                 Some(AMQPClass::Basic(basic::AMQPMethod::Return(ret))) => {
@@ -233,14 +374,27 @@ impl Publisher {
                     });
                 }
                 Some(AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
-                    step.settled = self.fail_on_close(close.reply_code, close.reply_text.as_str());
-                    let mut out = BytesMut::new();
-                    out.extend_from_slice(&method_frame(
+                    let close_ok = method_frame(
                         self.channel,
                         AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
-                    ));
-                    out.extend_from_slice(&self.open_frames());
-                    step.write = Some(out.freeze());
+                    );
+                    if self.state == ChannelState::Closing {
+                        // Both sides closed at once: answer, and reopen on the close-ok of
+                        // ours (nothing was in flight).
+                        step.send(close_ok);
+                    } else {
+                        step.settled =
+                            self.fail_on_close(close.reply_code, close.reply_text.as_str());
+                        step.send(close_ok);
+                        self.reopen(&mut step, REOPEN_CLOSED);
+                    }
+                }
+                Some(AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)))
+                    if self.state == ChannelState::Closing =>
+                {
+                    self.reopen(&mut step, REOPEN_NACKS);
+                    // Counted when the close was sent.
+                    step.reopened = None;
                 }
                 _ => {}
             },
@@ -268,7 +422,19 @@ impl Publisher {
             }
             _ => {}
         }
+        self.close_when_drained(&mut step);
         step
+    }
+
+    /// Opens the channel again in confirm mode and sends what waited for it.
+    fn reopen(&mut self, step: &mut PublisherStep, cause: &'static str) {
+        self.state = ChannelState::Open;
+        step.send(self.open_frames());
+        let waiting = self.send_waiting();
+        if !waiting.is_empty() {
+            step.send(waiting);
+        }
+        step.reopened = Some(cause);
     }
 
     fn finish_return(&mut self) {
@@ -353,30 +519,29 @@ impl Publisher {
                 "dead-letter publisher channel closed by the upstream"
             );
         }
-        self.next_seq = 1;
-        self.epoch += 1;
-        self.reopened += 1;
-        self.deadlines.clear();
-        self.returned = None;
+        self.new_epoch();
         settled
     }
 
     /// The earliest confirm deadline.
     pub fn next_deadline(&mut self) -> Option<Instant> {
+        let waiting = self.waiting.front().map(|w| w.deadline);
         while let Some(&(at, seq, epoch)) = self.deadlines.front() {
             let live =
                 epoch == self.epoch && self.unconfirmed.get(&seq).is_some_and(|r| r.deadline == at);
             if live {
-                return Some(at);
+                return Some(waiting.map_or(at, |w| w.min(at)));
             }
             self.deadlines.pop_front();
         }
-        None
+        waiting
     }
 
-    /// Publishes whose confirm did not come in time. Their late confirms are ignored.
-    pub fn expire(&mut self, now: Instant) -> Vec<Settled> {
-        let mut settled = Vec::new();
+    /// Publishes whose confirm did not come in time (their late confirms are ignored), and
+    /// kept ones whose deadline passed while the channel was recycled. A recycling channel
+    /// left with nothing in flight is closed.
+    pub fn expire(&mut self, now: Instant) -> PublisherStep {
+        let mut step = PublisherStep::default();
         while let Some(&(at, seq, epoch)) = self.deadlines.front() {
             if at > now {
                 break;
@@ -386,23 +551,35 @@ impl Publisher {
                 continue;
             }
             if let Some(record) = self.unconfirmed.remove(&seq) {
-                settled.push(Settled {
+                step.settled.push(Settled {
                     op: record.op,
                     outcome: Outcome::TimedOut,
                 });
             }
         }
-        settled
+        while self.waiting.front().is_some_and(|w| w.deadline <= now) {
+            if let Some(w) = self.waiting.pop_front() {
+                step.settled.push(Settled {
+                    op: w.op,
+                    outcome: Outcome::TimedOut,
+                });
+            }
+        }
+        self.close_when_drained(&mut step);
+        step
     }
 
     /// Every unconfirmed publish, failed (the connection is going away).
     pub fn fail_all(&mut self) -> Vec<Settled> {
         let records = std::mem::take(&mut self.unconfirmed);
         self.deadlines.clear();
+        let waiting = std::mem::take(&mut self.waiting);
         records
             .into_values()
-            .map(|r| Settled {
-                op: r.op,
+            .map(|r| r.op)
+            .chain(waiting.into_iter().map(|w| w.op))
+            .map(|op| Settled {
+                op,
                 outcome: Outcome::Failed("connection closed"),
             })
             .collect()

@@ -175,6 +175,20 @@ async fn a_rejected_message_refused_by_a_full_dlq_is_held_until_it_has_room() {
     wait_held(&proxy, 1.0).await;
     // Held: not redelivered, retried a handful of times, the original unacked upstream.
     stays_held(&proxy, Some(&mut rx)).await;
+    // A channel that only nacks is recycled after every third nack in a row (RabbitMQ 3.10
+    // can leave a channel nacking for good after a node loss); the retries go on across the
+    // new channels.
+    let nacks = proxy.counter("dead_letter_publish_failures_total", &[("cause", "nack")]);
+    assert!(nacks >= 3.0, "{nacks} nacks in {WATCH:?}");
+    let reopens = proxy.counter("publisher_channel_reopens_total", &[("cause", "nacks")]);
+    assert!(
+        reopens >= (nacks / 3.0).floor() - 1.0 && reopens <= (nacks / 3.0).floor(),
+        "{reopens} reopens after {nacks} nacks"
+    );
+    assert_eq!(
+        proxy.counter("publisher_channel_reopens_total", &[("cause", "closed")]),
+        0.0
+    );
     let upstream = upstream_connection().await;
     let uch = upstream.create_channel().await.unwrap();
     assert_eq!(message_count(&uch, &q).await, 0);

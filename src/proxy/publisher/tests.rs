@@ -170,9 +170,9 @@ fn confirms_time_out() {
     let now = Instant::now();
     p.publish(1, &message("dlx", "a"), now).unwrap();
     assert_eq!(p.next_deadline(), Some(now + Duration::from_secs(5)));
-    assert!(p.expire(now).is_empty());
+    assert!(p.expire(now).settled.is_empty());
     let expired = p.expire(now + Duration::from_secs(5));
-    assert_eq!(expired[0].outcome, Outcome::TimedOut);
+    assert_eq!(expired.settled[0].outcome, Outcome::TimedOut);
     assert!(p.on_frame(&ack(5, 1, false)).settled.is_empty());
     assert_eq!(p.next_deadline(), None);
 }
@@ -205,4 +205,177 @@ fn missing_exchange_names_are_read_from_the_reply() {
         .as_deref(),
         Some("x")
     );
+}
+
+fn nack(ch: u16, tag: u64) -> WireFrame {
+    frame(method_frame(
+        ch,
+        AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+            delivery_tag: tag,
+            multiple: false,
+            requeue: false,
+        })),
+    ))
+}
+
+/// The methods in `bytes`, in order, with their channel.
+fn methods(bytes: &Bytes) -> Vec<(u16, AMQPClass)> {
+    let mut buf = BytesMut::from(&bytes[..]);
+    let mut codec = WireCodec::new(1 << 20);
+    let mut out = Vec::new();
+    while let Some(f) = codec.decode(&mut buf).unwrap() {
+        if f.kind == FRAME_METHOD {
+            out.push((f.channel, decode_method(&f.payload).unwrap()));
+        }
+    }
+    out
+}
+
+/// The upstream closes the channel with 541.
+fn internal_error_close(ch: u16) -> WireFrame {
+    frame(method_frame(
+        ch,
+        AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+            reply_code: 541,
+            reply_text: "INTERNAL_ERROR".into(),
+            class_id: 0,
+            method_id: 0,
+        })),
+    ))
+}
+
+fn close_ok(ch: u16) -> WireFrame {
+    frame(method_frame(
+        ch,
+        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+    ))
+}
+
+#[test]
+fn a_channel_that_only_nacks_is_closed_once_drained_and_reopened_with_what_waited() {
+    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+    let now = Instant::now();
+    for op in 1..=4 {
+        p.publish(op, &message("dlx", "k"), now).unwrap();
+    }
+    // Two nacks, an ack (the run starts again), then three nacks in a row.
+    assert!(p.on_frame(&nack(5, 1)).write.is_none());
+    assert!(p.on_frame(&nack(5, 2)).write.is_none());
+    p.on_frame(&ack(5, 3, false));
+    assert!(p.on_frame(&nack(5, 4)).write.is_none());
+    p.publish(5, &message("dlx", "k"), now).unwrap();
+    p.publish(6, &message("dlx", "k"), now).unwrap();
+    p.on_frame(&nack(5, 5));
+    let step = p.on_frame(&nack(5, 6));
+    // Recycling: the third nack in a row, and nothing else in flight: the channel is closed.
+    assert_eq!(step.settled[0].outcome, Outcome::Failed(NACKED));
+    assert_eq!(step.reopened, Some(REOPEN_NACKS));
+    let sent = methods(&step.write.unwrap());
+    assert!(matches!(
+        &sent[..],
+        [(5, AMQPClass::Channel(channel::AMQPMethod::Close(c)))] if c.reply_code == 200
+    ));
+    // Publishes asked for while closing wait, and count as unconfirmed.
+    assert!(p.publish(7, &message("dlx", "a"), now).unwrap().is_empty());
+    assert!(p.publish(8, &message("dlx", "b"), now).unwrap().is_empty());
+    assert_eq!(p.unconfirmed(), 2);
+    // close-ok: open, confirm.select, then the two publishes numbered from 1 again.
+    let step = p.on_frame(&close_ok(5));
+    assert_eq!(step.reopened, None, "counted once, when the close was sent");
+    let sent = methods(&step.write.unwrap());
+    assert!(matches!(
+        sent[0].1,
+        AMQPClass::Channel(channel::AMQPMethod::Open(_))
+    ));
+    assert!(matches!(
+        sent[1].1,
+        AMQPClass::Confirm(confirm::AMQPMethod::Select(_))
+    ));
+    let keys: Vec<String> = sent[2..]
+        .iter()
+        .map(|(_, m)| match m {
+            AMQPClass::Basic(basic::AMQPMethod::Publish(p)) => p.routing_key.to_string(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(keys, ["a", "b"]);
+    let step = p.on_frame(&ack(5, 2, true));
+    let settled: Vec<_> = step
+        .settled
+        .iter()
+        .map(|s| (s.op, s.outcome.clone()))
+        .collect();
+    assert_eq!(settled, [(7, Outcome::Confirmed), (8, Outcome::Confirmed)]);
+    assert_eq!(p.unconfirmed(), 0);
+}
+
+#[test]
+fn a_recycling_channel_waits_for_publishes_in_flight_and_sends_nothing_new() {
+    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+    let now = Instant::now();
+    for op in 1..=4 {
+        p.publish(op, &message("dlx", "k"), now).unwrap();
+    }
+    for tag in 1..=3 {
+        assert!(
+            p.on_frame(&nack(5, tag)).write.is_none(),
+            "4 is still in flight"
+        );
+    }
+    // New publishes wait; the one in flight is not failed by the recycle.
+    assert!(p.publish(9, &message("dlx", "k"), now).unwrap().is_empty());
+    assert_eq!(p.unconfirmed(), 2);
+    // Its confirm times out: that drains the channel, and the timer closes it.
+    assert_eq!(p.next_deadline(), Some(now + Duration::from_secs(5)));
+    let step = p.expire(now + Duration::from_secs(5));
+    let ops: Vec<_> = step
+        .settled
+        .iter()
+        .map(|s| (s.op, s.outcome.clone()))
+        .collect();
+    assert_eq!(ops, [(4, Outcome::TimedOut), (9, Outcome::TimedOut)]);
+    assert_eq!(step.reopened, Some(REOPEN_NACKS));
+    assert!(matches!(
+        &methods(&step.write.unwrap())[..],
+        [(5, AMQPClass::Channel(channel::AMQPMethod::Close(_)))]
+    ));
+}
+
+#[test]
+fn a_close_from_the_upstream_while_recycling_is_answered_and_the_reopen_waits_for_close_ok() {
+    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+    let now = Instant::now();
+    for op in 1..=3 {
+        p.publish(op, &message("dlx", "k"), now).unwrap();
+        p.on_frame(&nack(5, op));
+    }
+    p.publish(4, &message("dlx", "k"), now).unwrap();
+    let step = p.on_frame(&internal_error_close(5));
+    assert!(step.settled.is_empty());
+    assert!(matches!(
+        &methods(&step.write.unwrap())[..],
+        [(5, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)))]
+    ));
+    let step = p.on_frame(&close_ok(5));
+    let sent = methods(&step.write.unwrap());
+    assert_eq!(sent.len(), 3, "open, select, the waiting publish: {sent:?}");
+}
+
+#[test]
+fn a_channel_closed_by_the_upstream_is_reopened_and_counted_as_closed() {
+    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+    let now = Instant::now();
+    p.publish(1, &message("dlx", "k"), now).unwrap();
+    let step = p.on_frame(&internal_error_close(5));
+    assert_eq!(step.reopened, Some(REOPEN_CLOSED));
+    assert_eq!(step.settled[0].outcome, Outcome::Failed("channel closed"));
+    let sent = methods(&step.write.unwrap());
+    assert!(matches!(
+        sent[0].1,
+        AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))
+    ));
+    assert!(matches!(
+        sent[1].1,
+        AMQPClass::Channel(channel::AMQPMethod::Open(_))
+    ));
 }

@@ -190,7 +190,11 @@ impl PassState {
         now: Instant,
         report: &mut impl FnMut(Progress),
     ) -> Result<(), String> {
-        for settled in self.publisher.expire(now) {
+        let expired = self.publisher.expire(now);
+        if let Some(bytes) = expired.write {
+            self.out.extend_from_slice(&bytes);
+        }
+        for settled in expired.settled {
             self.settle(settled.op, &settled.outcome, report)?;
         }
         Ok(())

@@ -282,6 +282,9 @@ impl CaptureLink {
             PUBLISHER_CHANNEL => {
                 let got = self.publisher.on_frame(frame);
                 step.send(got.write);
+                if let Some(cause) = got.reopened {
+                    shared.metrics.publisher_channel_reopened(cause);
+                }
                 for settled in got.settled {
                     self.complete(shared, settled, now);
                 }
@@ -297,7 +300,12 @@ impl CaptureLink {
     /// Confirm timeouts and held publishes whose backoff is over.
     pub fn on_timer(&mut self, shared: &ProxyShared, now: Instant) -> LinkStep {
         let mut step = LinkStep::default();
-        for settled in self.publisher.expire(now) {
+        let expired = self.publisher.expire(now);
+        step.send(expired.write);
+        if let Some(cause) = expired.reopened {
+            shared.metrics.publisher_channel_reopened(cause);
+        }
+        for settled in expired.settled {
             self.complete(shared, settled, now);
         }
         for op in self.held.take_due(now) {

@@ -506,3 +506,61 @@ fn a_message_for_a_delay_queue_declares_it_once_per_connection_first() {
     let sent = methods(&link.publish_for(request(3, Some(300)), now).unwrap());
     assert_eq!(sent.len(), 2);
 }
+
+#[test]
+fn a_publisher_channel_that_only_nacks_is_recycled_and_the_held_dead_letter_lands_on_the_new_one() {
+    let shared = shared();
+    let mut link = CaptureLink::new(&shared, "/", 4096);
+    let now = Instant::now();
+    feed(&mut link, &shared, &captured(3, "q"), now);
+    let mut at = now;
+    let mut last = LinkStep::default();
+    for seq in 1..=3u64 {
+        last = link.on_frame(&shared, &confirm("nack", seq), at);
+        at = link.next_deadline().unwrap();
+        if seq < 3 {
+            link.on_timer(&shared, at);
+        }
+    }
+    // The third nack in a row, nothing else in flight: the channel is closed.
+    assert!(matches!(
+        methods(&last.write).as_slice(),
+        [(
+            PUBLISHER_CHANNEL,
+            AMQPClass::Channel(channel::AMQPMethod::Close(_))
+        )]
+    ));
+    assert!(gauge(
+        &shared,
+        "dlx_proxy_publisher_channel_reopens_total{cause=\"nacks\"} 1"
+    ));
+    // The retry comes due while the channel closes: it waits for the new channel.
+    assert!(link.on_timer(&shared, at).write.is_empty());
+    assert_eq!(link.held(), 0);
+    let step = link.on_frame(
+        &shared,
+        &one(
+            PUBLISHER_CHANNEL,
+            AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+        ),
+        at,
+    );
+    let sent = methods(&step.write);
+    assert!(
+        matches!(
+            sent.as_slice(),
+            [
+                (PUBLISHER_CHANNEL, AMQPClass::Channel(channel::AMQPMethod::Open(_))),
+                (PUBLISHER_CHANNEL, AMQPClass::Confirm(_)),
+                (PUBLISHER_CHANNEL, AMQPClass::Basic(basic::AMQPMethod::Publish(p))),
+            ] if p.exchange.as_str() == "dlx"
+        ),
+        "{sent:?}"
+    );
+    // Confirmed as publish 1 of the new channel: the capture delivery is acked.
+    let step = link.on_frame(&shared, &confirm("ack", 1), at);
+    assert_eq!(
+        methods(&step.write),
+        vec![(CAPTURE_CHANNEL, basic_ack(3, false))]
+    );
+}
