@@ -1,19 +1,19 @@
-//! One client connection and its upstream connection ([`ClientSession`], as opposed to the
-//! proxy's own service connections of [`super::service`]): the task that owns both, the event
-//! loop, and the connection's life and death.
-//!
-//! A single task reads frames from both sockets (each read only when the opposite outbox has
-//! room, and upstream reads also only while kept deliveries and held dead letters are under
-//! `proxy.max_inflight_bytes`), decides what each frame means ([`super::forward`],
-//! [`super::intercept`]) and queues bytes in two outboxes ([`super::outbox`]), which it writes
-//! to the sockets as they accept them. It never blocks on a socket write, so a slow peer only
-//! slows the other side's reads.
+//! One client connection and its upstream connection as a state machine ([`ClientSession`], as
+//! opposed to the proxy's own service connections of [`super::service`]), with no socket: the
+//! task around it ([`super::session_task`]) hands it each frame read from either side
+//! ([`ClientSession::client_read`], [`ClientSession::upstream_read`]) and the time
+//! ([`ClientSession::on_timer`]), and writes what it queued in its two outboxes
+//! ([`super::outbox`]) to the sockets. What each frame means is decided in
+//! [`super::forward`] (the handshake, channels, pass-through) and [`super::intercept`]
+//! (declares, settlements, dead letters); unit tests drive it with in-memory frames
+//! (`client_session/tests.rs`).
 //!
 //! Each side is `Open`, `Draining` (upstream only: the client is gone; the deliveries it held
 //! of queues whose delivery limit the proxy counts are republished with their count, and the
 //! proxy's publishes are settled before the upstream connection is closed so nothing the
-//! client rejected is lost), `Closing` (a connection.close is out, waiting for close-ok, with a deadline) or
-//! `Closed`. The task ends when both sides are closed.
+//! client rejected is lost), `Closing` (a connection.close is out, waiting for close-ok, with
+//! a deadline) or `Closed`. The connection ends when both sides are closed
+//! ([`ClientSession::is_done`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -23,27 +23,24 @@ use std::time::{Duration, Instant};
 use amq_protocol::protocol::{AMQPClass, connection};
 use amq_protocol::types::ShortString;
 use bytes::Bytes;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::ProxyShared;
-use super::busy_poll::BusyPoll;
 use super::channels::ClientChannel;
 use super::handshake::Negotiated;
 use super::ops::Op;
 use super::outbox::Outbox;
+use super::pending::{HeldDeclare, PendingCheck, PendingRead};
 use super::probe::{CheckAnswer, CheckChannel};
 use super::publisher::{OpId, Outcome, Publisher};
 use super::retry::RetrySchedule;
 use super::service::ServiceHandle;
 use super::service::Status;
 use super::service::link::OutcomeSender;
-use super::wire::{FrameReader, WireFrame, method_frame};
-use crate::admission::refuse_client_after_header;
-use crate::amqp::codec::{FrameError, PROTOCOL_HEADER, put_heartbeat};
-use crate::amqp::reply::{self, AmqpError};
-use crate::metrics::{Direction, REFUSED_UPSTREAM_UNREACHABLE};
-use crate::shutdown::Shutdown;
+use super::wire::{WireFrame, method_frame};
+use crate::amqp::codec::{FrameError, put_heartbeat};
+use crate::amqp::reply;
+use crate::metrics::Direction;
 
 /// How long a peer gets to answer our connection.close.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
@@ -52,9 +49,6 @@ const CLOSE_GRACE: Duration = Duration::from_secs(5);
 /// (or after [`TALLY_FLUSH`]), to keep label lookups off the per-frame path.
 const TALLY_FRAMES: u64 = 64;
 
-/// Most frames already read that one turn of the connection loop handles before it checks
-/// timers, shutdown and the sockets again.
-const BUFFERED_FRAMES_PER_TURN: usize = 256;
 const TALLY_FLUSH: Duration = Duration::from_secs(1);
 
 /// Frames and bytes read from one side, not yet added to the metrics.
@@ -79,24 +73,6 @@ pub(super) enum Side {
         forward_ok: bool,
     },
     Closed,
-}
-
-/// What woke the connection loop.
-enum Event {
-    Client(Option<Result<WireFrame, FrameError>>),
-    Upstream(Option<Result<WireFrame, FrameError>>),
-    /// An outbox wrote bytes (or failed).
-    Wrote,
-    Timer,
-    Shutdown,
-    /// The vhost's capture objects were declared (a held queue.declare may go on).
-    CaptureDeclared,
-    /// The service connection answered a declare (`None`: it was lost before answering).
-    ServiceAnswer(Option<CheckAnswer>),
-    /// A dead letter the service connection published for this session ended.
-    ServiceOutcome(Option<(OpId, Outcome)>),
-    /// Nothing was ready; the task yielded instead of sleeping.
-    Polled,
 }
 
 /// The connection's state, owned by its task.
@@ -132,7 +108,7 @@ pub(super) struct ClientSession {
     /// The channel on which declares are checked with the upstream (open only during a check).
     pub(super) check: Option<CheckChannel>,
     /// A queue.declare waiting for the check's verdict (client reads pause meanwhile).
-    pub(super) pending_check: Option<super::intercept::PendingCheck>,
+    pub(super) pending_check: Option<PendingCheck>,
     /// Whether the client's user may write the capture exchange (for its own queues).
     pub(super) capture_write: super::capture_write::CaptureWrite,
     /// The declare of an own queue waiting for the capture-write probe (client reads pause
@@ -140,7 +116,7 @@ pub(super) struct ClientSession {
     pub(super) held_for_write_probe: Option<WireFrame>,
     /// A basic.consume or basic.get waiting for its queue's arguments to be read back (client
     /// reads pause meanwhile).
-    pub(super) pending_read: Option<super::intercept::PendingRead>,
+    pub(super) pending_read: Option<PendingRead>,
     /// The status of this vhost's service connection (known once the connection is open;
     /// `None` when the vhost has none).
     pub(super) capture_status: Option<watch::Receiver<Status>>,
@@ -156,7 +132,7 @@ pub(super) struct ClientSession {
     pub(super) service_deadline: Option<Instant>,
     /// A queue.declare naming the capture exchange, waiting for the capture objects to exist
     /// (client reads pause meanwhile).
-    pub(super) held_for_capture: Option<super::intercept::HeldDeclare>,
+    pub(super) held_for_capture: Option<HeldDeclare>,
     /// A client's channel.open for a channel number the proxy closed upstream whose close-ok
     /// has not come back yet (client reads pause meanwhile; see `forward`).
     pub(super) held_channel_open: Option<WireFrame>,
@@ -178,262 +154,73 @@ pub(super) struct ClientSession {
     pub(super) ack_epoch: Instant,
 }
 
-/// Serves one client connection until both legs are closed.
-pub(super) async fn run<S>(
-    mut client: S,
-    peer: SocketAddr,
-    shared: Arc<ProxyShared>,
-    mut shutdown: Shutdown,
-) where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
-    let handshake_timeout = shared.handshake_timeout;
-    let handshake_deadline = Instant::now() + handshake_timeout;
-    // The protocol header comes first; anything else gets ours back (AMQP 0-9-1 §4.2.2).
-    let mut header = [0u8; 8];
-    let read = tokio::select! {
-        r = tokio::time::timeout(handshake_timeout, client.read_exact(&mut header)) => r,
-        _ = shutdown.recv() => return,
-    };
-    match read {
-        Ok(Ok(_)) if header == PROTOCOL_HEADER => {}
-        Ok(Ok(_)) => {
-            tracing::debug!(%peer, "client sent an unsupported protocol header");
-            let _ = client.write_all(&PROTOCOL_HEADER).await;
-            let _ = client.shutdown().await;
-            return;
-        }
-        _ => return,
-    }
-    let upstream = match shared.upstream.connect().await {
-        Ok((stream, target)) => {
-            tracing::debug!(%peer, upstream = %target.address(), "upstream connected");
-            stream
-        }
-        Err(err) => {
-            tracing::warn!(%peer, %err, "no upstream reachable: client refused");
-            shared
-                .metrics
-                .connection_refused(REFUSED_UPSTREAM_UNREACHABLE);
-            let refusal = AmqpError::new(reply::CONNECTION_FORCED, err.to_string());
-            refuse_client_after_header(client, &refusal, handshake_timeout).await;
-            return;
-        }
-    };
-    let (client_read, client_write) = tokio::io::split(client);
-    let (upstream_read, mut upstream_write) = tokio::io::split(upstream);
-    if upstream_write.write_all(&PROTOCOL_HEADER).await.is_err() {
-        tracing::warn!(%peer, "upstream closed before the handshake");
-        return;
-    }
-    let outbox_limit = shared.outbox_bytes;
-    let metrics = shared.metrics.clone();
-    let client_out = Outbox::new(
-        client_write,
-        outbox_limit,
-        Direction::ClientOut,
-        metrics.clone(),
-    );
-    let upstream_out = Outbox::new(
-        upstream_write,
-        outbox_limit,
-        Direction::UpstreamOut,
-        metrics.clone(),
-    );
-    let mut client_reader = FrameReader::new(client_read, shared.handshake_frame_max);
-    let mut upstream_reader = FrameReader::new(upstream_read, shared.handshake_frame_max);
-    let now = Instant::now();
-    let backoff = shared.retry_backoff;
-    let mut session = ClientSession {
-        shared,
-        peer,
-        client_out,
-        upstream_out,
-        client_side: Side::Open,
-        upstream_side: Side::Open,
-        running: false,
-        handshake_deadline,
-        vhost: String::from("/"),
-        upstream_tune: None,
-        negotiated: None,
-        new_frame_max: None,
-        frame_max: crate::amqp::codec::FRAME_MIN_SIZE as usize,
-        heartbeat: None,
-        last_client_rx: now,
-        last_upstream_rx: now,
-        last_upstream_tx: now,
-        channels: HashMap::new(),
-        next_channel_id: 1,
-        upstream_drain: HashMap::new(),
-        inflight_bytes: 0,
-        inflight_count: 0,
-        incoming_in_progress: 0,
-        publisher: None,
-        check: None,
-        pending_check: None,
-        capture_write: Default::default(),
-        held_for_write_probe: None,
-        pending_read: None,
-        capture_status: None,
-        service: None,
-        service_outcomes: mpsc::unbounded_channel(),
-        service_answer: None,
-        service_deadline: None,
-        held_for_capture: None,
-        held_channel_open: None,
-        ops: HashMap::new(),
-        next_op: 1,
-        held: RetrySchedule::new(backoff),
-        retrying: 0,
-        parked_connection_close: None,
-        shutdown_seen: false,
-        client_in: Tally::default(),
-        upstream_in: Tally::default(),
-        tally_since: now,
-        ack_epoch: now,
-        now,
-    };
-
-    let timer = tokio::time::sleep_until((now + Duration::from_secs(60)).into());
-    tokio::pin!(timer);
-    let mut busy_poll = BusyPoll::new(session.shared.busy_poll, now);
-    loop {
-        session.handle_buffered(&mut client_reader, &mut upstream_reader);
-        session.check_writers();
-        if session.client_side == Side::Closed && session.upstream_side == Side::Closed {
-            break;
-        }
-        if let Some(frame_max) = session.new_frame_max.take() {
-            client_reader.set_frame_max(frame_max);
-            upstream_reader.set_frame_max(frame_max);
-        }
-        let read_client = session.wants_client_frames();
-        let read_upstream = session.wants_upstream_frames();
-        // Heartbeat silence only counts while a side is being read.
-        let now = session.now;
-        if !read_client {
-            session.last_client_rx = now;
-        }
-        if !read_upstream {
-            session.last_upstream_rx = now;
-        }
-        let write_client = session.client_out.has_work();
-        let write_upstream = session.upstream_out.has_work();
-        let deadline = tokio::time::Instant::from(
-            session
-                .next_deadline()
-                .unwrap_or_else(|| now + Duration::from_secs(60)),
-        );
-        // A later deadline leaves the earlier timer armed (an early wake-up only re-checks),
-        // so traffic that pushes heartbeat deadlines back does not re-arm the timer per frame.
-        if deadline < timer.deadline() || timer.is_elapsed() {
-            timer.as_mut().reset(deadline);
-        }
-        let poll_again = busy_poll.should_poll(now);
-        let held = session.held_for_capture.is_some();
-        let judging = session.service_answer.is_some();
-        let event = tokio::select! {
-            _ = capture_declared(&mut session.capture_status), if held => Event::CaptureDeclared,
-            answer = service_answer(&mut session.service_answer), if judging => {
-                Event::ServiceAnswer(answer)
-            }
-            outcome = session.service_outcomes.1.recv() => Event::ServiceOutcome(outcome),
-            frame = client_reader.next(), if read_client => Event::Client(frame),
-            frame = upstream_reader.next(), if read_upstream => Event::Upstream(frame),
-            _ = session.client_out.write_some(), if write_client => Event::Wrote,
-            _ = session.upstream_out.write_some(), if write_upstream => Event::Wrote,
-            _ = &mut timer => Event::Timer,
-            _ = shutdown.recv(), if !session.shutdown_seen => Event::Shutdown,
-            // Nothing is ready: yield to the runtime (which polls the sockets without
-            // sleeping) instead of parking, while traffic is recent (`busy_poll`).
-            _ = tokio::task::yield_now(), if poll_again => Event::Polled,
-        };
-        // One clock read per turn: every frame handled in it is stamped with this time.
-        session.now = Instant::now();
-        match event {
-            Event::Client(frame) => {
-                busy_poll.traffic(session.now);
-                session.client_read(frame);
-            }
-            Event::Upstream(frame) => {
-                busy_poll.traffic(session.now);
-                session.upstream_read(frame);
-            }
-            Event::Wrote => busy_poll.traffic(session.now),
-            Event::Timer => session.on_timer(session.now),
-            Event::Shutdown => session.on_shutdown(),
-            Event::CaptureDeclared => session.resume_held_declare(),
-            Event::ServiceAnswer(answer) => session.on_service_answer(answer),
-            Event::ServiceOutcome(outcome) => {
-                // The session holds a sender itself, so the channel never ends.
-                if let Some((op, outcome)) = outcome {
-                    session.complete_op(op, outcome);
-                }
-            }
-            Event::Polled => {}
-        }
-    }
-    session.finish();
-    // What is queued (a final close-ok) is written before the sockets go.
-    let grace = Duration::from_secs(2);
-    tokio::join!(
-        session.client_out.close(grace),
-        session.upstream_out.close(grace)
-    );
-}
-
-/// Resolves once the capture objects are declared; never when there is no service
-/// connection, or it stopped (the held declare's deadline ends the wait then).
-async fn capture_declared(status: &mut Option<watch::Receiver<Status>>) {
-    if let Some(status) = status.as_mut()
-        && status.wait_for(|s| s.declared).await.is_ok()
-    {
-        return;
-    }
-    std::future::pending::<()>().await
-}
-
-/// The service connection's answer to this session's declare; `None` when it was lost first.
-async fn service_answer(
-    answer: &mut Option<oneshot::Receiver<CheckAnswer>>,
-) -> Option<CheckAnswer> {
-    match answer.as_mut() {
-        Some(receiver) => receiver.await.ok(),
-        None => std::future::pending().await,
-    }
-}
-
 impl ClientSession {
-    /// Handles frames that are already in the read buffers (a burst read in one go), up to
-    /// [`BUFFERED_FRAMES_PER_TURN`], so a burst costs one wake-up rather than one per frame.
-    /// The same flow-control checks apply as before a socket read.
-    fn handle_buffered<C, U>(&mut self, client: &mut FrameReader<C>, upstream: &mut FrameReader<U>)
-    where
-        C: AsyncRead + Unpin,
-        U: AsyncRead + Unpin,
-    {
-        for _ in 0..BUFFERED_FRAMES_PER_TURN {
-            if let Some(frame_max) = self.new_frame_max.take() {
-                client.set_frame_max(frame_max);
-                upstream.set_frame_max(frame_max);
-            }
-            let mut handled = false;
-            if self.wants_client_frames()
-                && let Some(frame) = client.buffered()
-            {
-                self.client_read(Some(frame));
-                handled = true;
-            }
-            if self.wants_upstream_frames()
-                && let Some(frame) = upstream.buffered()
-            {
-                self.upstream_read(Some(frame));
-                handled = true;
-            }
-            if !handled {
-                break;
-            }
+    /// The state of a connection whose client sent the protocol header at `now` and whose
+    /// upstream was reached; the handshake must be done by `handshake_deadline`.
+    pub(super) fn new(
+        shared: Arc<ProxyShared>,
+        peer: SocketAddr,
+        now: Instant,
+        handshake_deadline: Instant,
+    ) -> Self {
+        let metrics = shared.metrics.clone();
+        let client_out = Outbox::new(shared.outbox_bytes, Direction::ClientOut, metrics.clone());
+        let upstream_out = Outbox::new(shared.outbox_bytes, Direction::UpstreamOut, metrics);
+        let backoff = shared.retry_backoff;
+        ClientSession {
+            shared,
+            peer,
+            client_out,
+            upstream_out,
+            client_side: Side::Open,
+            upstream_side: Side::Open,
+            running: false,
+            handshake_deadline,
+            vhost: String::from("/"),
+            upstream_tune: None,
+            negotiated: None,
+            new_frame_max: None,
+            frame_max: crate::amqp::codec::FRAME_MIN_SIZE as usize,
+            heartbeat: None,
+            last_client_rx: now,
+            last_upstream_rx: now,
+            last_upstream_tx: now,
+            channels: HashMap::new(),
+            next_channel_id: 1,
+            upstream_drain: HashMap::new(),
+            inflight_bytes: 0,
+            inflight_count: 0,
+            incoming_in_progress: 0,
+            publisher: None,
+            check: None,
+            pending_check: None,
+            capture_write: Default::default(),
+            held_for_write_probe: None,
+            pending_read: None,
+            capture_status: None,
+            service: None,
+            service_outcomes: mpsc::unbounded_channel(),
+            service_answer: None,
+            service_deadline: None,
+            held_for_capture: None,
+            held_channel_open: None,
+            ops: HashMap::new(),
+            next_op: 1,
+            held: RetrySchedule::new(backoff),
+            retrying: 0,
+            parked_connection_close: None,
+            shutdown_seen: false,
+            client_in: Tally::default(),
+            upstream_in: Tally::default(),
+            tally_since: now,
+            ack_epoch: now,
+            now,
         }
+    }
+
+    /// Whether both sides are closed: the connection is over.
+    pub(super) fn is_done(&self) -> bool {
+        self.client_side == Side::Closed && self.upstream_side == Side::Closed
     }
 
     /// Queues bytes for the client (dropped once the client side is closed).
@@ -469,7 +256,7 @@ impl ClientSession {
         }
     }
 
-    fn wants_client_frames(&self) -> bool {
+    pub(super) fn wants_client_frames(&self) -> bool {
         match self.client_side {
             Side::Closed => false,
             Side::Closing { .. } => true,
@@ -491,7 +278,7 @@ impl ClientSession {
             || self.service_answer.is_some()
     }
 
-    fn wants_upstream_frames(&self) -> bool {
+    pub(super) fn wants_upstream_frames(&self) -> bool {
         if self.upstream_side == Side::Closed {
             return false;
         }
@@ -512,7 +299,7 @@ impl ClientSession {
             || self.retrying > 0
     }
 
-    fn next_deadline(&mut self) -> Option<Instant> {
+    pub(super) fn next_deadline(&mut self) -> Option<Instant> {
         let mut next: Option<Instant> = None;
         let mut consider = |at: Option<Instant>| {
             if let Some(at) = at {
@@ -556,7 +343,7 @@ impl ClientSession {
         next
     }
 
-    fn client_read(&mut self, frame: Option<Result<WireFrame, FrameError>>) {
+    pub(super) fn client_read(&mut self, frame: Option<Result<WireFrame, FrameError>>) {
         match frame {
             Some(Ok(frame)) => {
                 self.last_client_rx = self.now;
@@ -582,7 +369,7 @@ impl ClientSession {
         }
     }
 
-    fn upstream_read(&mut self, frame: Option<Result<WireFrame, FrameError>>) {
+    pub(super) fn upstream_read(&mut self, frame: Option<Result<WireFrame, FrameError>>) {
         match frame {
             Some(Ok(frame)) => {
                 self.last_upstream_rx = self.now;
@@ -612,7 +399,7 @@ impl ClientSession {
     }
 
     /// Notices writer failures (a peer gone while we only write to it).
-    fn check_writers(&mut self) {
+    pub(super) fn check_writers(&mut self) {
         if self.client_out.has_failed() && self.client_side != Side::Closed {
             self.client_lost();
         }
@@ -621,7 +408,7 @@ impl ClientSession {
         }
     }
 
-    fn on_timer(&mut self, now: Instant) {
+    pub(super) fn on_timer(&mut self, now: Instant) {
         if now >= self.tally_since + TALLY_FLUSH {
             self.flush_traffic();
         }
@@ -678,7 +465,7 @@ impl ClientSession {
         }
     }
 
-    fn on_shutdown(&mut self) {
+    pub(super) fn on_shutdown(&mut self) {
         self.shutdown_seen = true;
         if self.client_side == Side::Open {
             self.close_client(
@@ -831,7 +618,7 @@ impl ClientSession {
     }
 
     /// Releases everything the connection still holds (gauges).
-    fn finish(&mut self) {
+    pub(super) fn finish(&mut self) {
         self.flush_traffic();
         self.let_go_held(|_| true);
         let channels: Vec<u16> = self.channels.keys().copied().collect();
@@ -840,3 +627,6 @@ impl ClientSession {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -16,7 +16,7 @@ use super::ProxyShared;
 use super::QueueView;
 use super::arbiter::{DeclareCheck, Next, Verdict};
 use super::channels::PendingDeclare;
-use super::client_session::ClientSession;
+use super::client_session::{ClientSession, Side};
 use super::death::{Death, Plan, drop_unpublishable, now_secs, plan, retry_reason, settle};
 use super::declare::{
     DeadLetterHandling, keep_own_dead_letter_arguments, passes_through, rewrite_declare,
@@ -25,6 +25,7 @@ use super::declare::{
 use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{delivery_count, delivery_routing_keys, requeue_publish};
+use super::pending::{HeldDeclare, PendingCheck, PendingRead};
 use super::permission::{self, Permission};
 use super::probe::{CheckAnswer, CheckRequest};
 use super::publisher::{OpId, Outcome, OutgoingMessage};
@@ -39,7 +40,7 @@ use crate::amqp::codec::decode_method;
 use crate::amqp::content::{decode_properties, keep_opaque_headers};
 use crate::amqp::reply;
 use crate::deadletter::DeadLetterReason;
-use crate::rabbit::args::{ARG_DEAD_LETTER_EXCHANGE, ArgumentError, QueueArguments};
+use crate::rabbit::args::{ARG_DEAD_LETTER_EXCHANGE, ArgumentError};
 
 /// Why a dead letter handed to the service connection failed before it was published.
 const SERVICE_UNAVAILABLE: &str = "service connection unavailable";
@@ -82,40 +83,6 @@ fn settle_frame(channel: u16, settle: NativeSettle) -> Bytes {
         }),
     };
     method_frame(channel, AMQPClass::Basic(method))
-}
-
-/// A queue.declare held while the check channel asks the upstream ([`super::arbiter`]).
-#[derive(Debug)]
-pub(super) struct PendingCheck {
-    channel: u16,
-    declare: queue::Declare,
-    client_arguments: QueueArguments,
-    /// The computed upstream arguments (declared for the client when the check cannot tell).
-    upstream_arguments: FieldTable,
-    check: DeclareCheck,
-    /// The permission probe on the client's connection runs ([`super::permission`]); then
-    /// the check's rounds on the service connection.
-    probing: bool,
-    /// A queue of the client's connection (exclusive, server-named): once the probe grants
-    /// it, it is declared on the client's channel with the upstream arguments, not by the
-    /// service connection.
-    own: bool,
-}
-
-/// A queue.declare held until the vhost's capture objects exist.
-#[derive(Debug)]
-pub(super) struct HeldDeclare {
-    frame: WireFrame,
-    pub(super) deadline: Instant,
-}
-
-/// A basic.consume or basic.get held while its queue's arguments are read back
-/// ([`super::readback`]).
-#[derive(Debug)]
-pub(super) struct PendingRead {
-    frame: WireFrame,
-    queue: Arc<str>,
-    read: ReadBack,
 }
 
 impl ClientSession {
@@ -1038,8 +1005,8 @@ impl ClientSession {
     /// Whether a refused publish may be held for a retry: both sides are open and the
     /// original's client channel is the one it came on.
     fn can_hold(&self, origin: Origin) -> bool {
-        if self.client_side != super::client_session::Side::Open
-            || self.upstream_side != super::client_session::Side::Open
+        if self.client_side != Side::Open
+            || self.upstream_side != Side::Open
             || self.publisher.is_none()
         {
             return false;

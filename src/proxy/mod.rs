@@ -166,8 +166,11 @@
 //!   to such a delivery only through the capture queue (queues declared through the proxy),
 //!   see docs/semantics.md.
 //!
-//! Module map: [`client_session`] (the task of one client connection and its upstream
-//! connection, and its life), [`forward`] (frame dispatch), [`intercept`] (the changed methods), [`inflight`] (kept deliveries), [`retry`] (held dead
+//! Module map: [`session_task`] (the task of one client connection: sockets in, sockets
+//! out), [`client_session`] (that connection and its upstream connection as a state machine
+//! with no socket, and its life), [`forward`] (frame dispatch), [`intercept`] (the changed
+//! methods), [`pending`] (what a connection holds back while it waits), [`inflight`] (kept
+//! deliveries), [`retry`] (held dead
 //! letters and their backoff), [`retry_tiers`] (rejections held for their retry delay),
 //! [`bcc`], [`publisher`], [`capture`], [`death`] (what becomes of
 //! a dead message), [`service`] (the service connections), [`declare`], [`arbiter`] (the
@@ -197,6 +200,7 @@ mod intercept;
 pub mod ops;
 pub mod outbox;
 pub mod outgoing;
+mod pending;
 pub mod permission;
 pub mod policy_sync;
 pub mod probe;
@@ -207,6 +211,7 @@ pub mod registry;
 pub mod retry;
 pub mod retry_tiers;
 pub mod service;
+mod session_task;
 pub mod upstream;
 pub mod wire;
 
@@ -508,7 +513,7 @@ pub fn spawn_connection<S>(
     let within = shared.handshake_timeout;
     let tasks = shutdown.clone();
     slots.spawn(client, peer, within, &tasks, move |client| {
-        client_session::run(client, peer, shared, shutdown)
+        session_task::run(client, peer, shared, shutdown)
     });
 }
 

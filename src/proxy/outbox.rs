@@ -1,5 +1,10 @@
-//! Byte-counted outboxes: what the connection task has to write to one socket half, written
-//! by the connection task itself as the socket accepts it.
+//! Byte-counted outboxes: what the connection has to write to one socket half, written by the
+//! connection task itself as the socket accepts it.
+//!
+//! The outbox holds bytes only; the socket's write half is the task's, passed to
+//! [`Outbox::write_some`] and [`Outbox::close`]. So the session state that fills outboxes
+//! ([`super::client_session`]) owns no socket and runs in unit tests, which take what it queued
+//! with [`Outbox::take_queued`].
 //!
 //! The connection task never waits on a socket write. It hands encoded frames to an
 //! [`Outbox`] and checks [`Outbox::is_full`] before it reads the next frame that would be
@@ -40,9 +45,8 @@ const WRITE_SLICES: usize = 64;
 /// A socket's write half, as the outbox sees it.
 pub type SocketWriter = Pin<Box<dyn AsyncWrite + Send>>;
 
-/// The bytes waiting for one socket, and the socket.
+/// The bytes waiting for one socket.
 pub struct Outbox {
-    writer: SocketWriter,
     /// Pieces in order; the first may be partly written.
     pieces: VecDeque<Bytes>,
     /// Small frames queued after the last piece, not yet a piece of their own.
@@ -72,13 +76,9 @@ impl std::fmt::Debug for Outbox {
 }
 
 impl Outbox {
-    /// An outbox for `writer`, full at `limit` bytes.
-    pub fn new<W>(writer: W, limit: usize, direction: Direction, metrics: Arc<Metrics>) -> Self
-    where
-        W: AsyncWrite + Send + 'static,
-    {
+    /// An outbox full at `limit` bytes.
+    pub fn new(limit: usize, direction: Direction, metrics: Arc<Metrics>) -> Self {
         Outbox {
-            writer: Box::pin(writer),
             pieces: VecDeque::new(),
             gathered: BytesMut::new(),
             queued: 0,
@@ -145,13 +145,29 @@ impl Outbox {
         !self.failed && (self.queued > 0 || self.unflushed)
     }
 
-    /// Writes what the socket accepts now; resolves after any progress (or a failure).
-    /// Cancel-safe: what was written is accounted for before it resolves.
-    pub async fn write_some(&mut self) {
-        poll_fn(|cx| self.poll_write_some(cx)).await
+    /// Everything queued, as if written (counted in the metrics the same way): for a caller
+    /// that sends the bytes elsewhere, such as a test.
+    pub fn take_queued(&mut self) -> Bytes {
+        self.seal_gathered();
+        let mut all = BytesMut::with_capacity(self.queued);
+        for piece in &self.pieces {
+            all.extend_from_slice(piece);
+        }
+        let n = all.len();
+        if n > 0 {
+            self.consume(n);
+        }
+        self.unflushed = false;
+        all.freeze()
     }
 
-    fn poll_write_some(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+    /// Writes what `writer` accepts now; resolves after any progress (or a failure).
+    /// Cancel-safe: what was written is accounted for before it resolves.
+    pub async fn write_some(&mut self, writer: &mut SocketWriter) {
+        poll_fn(|cx| self.poll_write_some(writer, cx)).await
+    }
+
+    fn poll_write_some(&mut self, writer: &mut SocketWriter, cx: &mut Context<'_>) -> Poll<()> {
         if self.failed {
             return Poll::Ready(());
         }
@@ -160,7 +176,7 @@ impl Outbox {
             if !self.unflushed {
                 return Poll::Ready(());
             }
-            return match self.writer.as_mut().poll_flush(cx) {
+            return match writer.as_mut().poll_flush(cx) {
                 Poll::Ready(Ok(())) => {
                     self.unflushed = false;
                     Poll::Ready(())
@@ -172,17 +188,17 @@ impl Outbox {
                 Poll::Pending => Poll::Pending,
             };
         }
-        let written = if self.pieces.len() > 1 && self.writer.is_write_vectored() {
+        let written = if self.pieces.len() > 1 && writer.is_write_vectored() {
             let slices: Vec<IoSlice<'_>> = self
                 .pieces
                 .iter()
                 .take(WRITE_SLICES)
                 .map(|piece| IoSlice::new(piece))
                 .collect();
-            self.writer.as_mut().poll_write_vectored(cx, &slices)
+            writer.as_mut().poll_write_vectored(cx, &slices)
         } else {
             match self.pieces.front() {
-                Some(front) => self.writer.as_mut().poll_write(cx, front),
+                Some(front) => writer.as_mut().poll_write(cx, front),
                 None => Poll::Ready(Ok(0)),
             }
         };
@@ -253,16 +269,16 @@ impl Outbox {
         self.report_traffic();
     }
 
-    /// Writes what is queued (for at most `grace`), then shuts the write side down.
-    pub async fn close(&mut self, grace: Duration) {
+    /// Writes what is queued to `writer` (for at most `grace`), then shuts it down.
+    pub async fn close(&mut self, writer: &mut SocketWriter, grace: Duration) {
         let drain = async {
             while self.has_work() {
-                self.write_some().await;
+                self.write_some(writer).await;
             }
         };
         let _ = tokio::time::timeout(grace, drain).await;
         if !self.failed {
-            let _ = tokio::time::timeout(grace, self.writer.shutdown()).await;
+            let _ = tokio::time::timeout(grace, writer.shutdown()).await;
         }
         if self.queued > 0 && self.count_outbox_gauge {
             self.metrics.add_outbox_bytes(-(self.queued as i64));
@@ -288,22 +304,27 @@ mod tests {
     use super::*;
     use tokio::io::AsyncReadExt;
 
-    async fn drain(outbox: &mut Outbox) {
+    async fn drain(outbox: &mut Outbox, writer: &mut SocketWriter) {
         while outbox.has_work() {
-            outbox.write_some().await;
+            outbox.write_some(writer).await;
         }
+    }
+
+    fn writer(w: tokio::io::DuplexStream) -> SocketWriter {
+        Box::pin(w)
     }
 
     #[tokio::test]
     async fn writes_in_order_and_counts_bytes() {
         let (a, mut b) = tokio::io::duplex(1024);
         let metrics = Metrics::new(10);
-        let mut outbox = Outbox::new(a, 8, Direction::ClientOut, metrics.clone());
+        let mut w = writer(a);
+        let mut outbox = Outbox::new(8, Direction::ClientOut, metrics.clone());
         assert!(outbox.send(Bytes::from_static(b"hello ")));
         assert!(outbox.send(Bytes::from_static(b"world")));
         assert_eq!(outbox.queued(), 11);
         assert!(outbox.is_full());
-        outbox.close(Duration::from_secs(1)).await;
+        outbox.close(&mut w, Duration::from_secs(1)).await;
         let mut got = String::new();
         b.read_to_string(&mut got).await.unwrap();
         assert_eq!(got, "hello world");
@@ -317,13 +338,15 @@ mod tests {
     async fn stays_full_while_the_peer_does_not_read() {
         let (a, mut b) = tokio::io::duplex(16);
         let metrics = Metrics::new(10);
-        let mut outbox = Outbox::new(a, 32, Direction::UpstreamOut, metrics);
+        let mut w = writer(a);
+        let mut outbox = Outbox::new(32, Direction::UpstreamOut, metrics);
         outbox.send(Bytes::from(vec![1u8; 64]));
         assert!(outbox.is_full());
         // The pipe takes 16 bytes; then the write waits for the reader.
-        outbox.write_some().await;
+        outbox.write_some(&mut w).await;
         assert_eq!(outbox.queued(), 48);
-        let blocked = tokio::time::timeout(Duration::from_millis(50), outbox.write_some()).await;
+        let blocked =
+            tokio::time::timeout(Duration::from_millis(50), outbox.write_some(&mut w)).await;
         assert!(blocked.is_err(), "no progress without a reader");
         assert!(outbox.is_full());
         let reader = tokio::spawn(async move {
@@ -331,7 +354,7 @@ mod tests {
             b.read_exact(&mut sink).await.unwrap();
             sink
         });
-        drain(&mut outbox).await;
+        drain(&mut outbox, &mut w).await;
         assert_eq!(outbox.queued(), 0);
         assert_eq!(reader.await.unwrap(), vec![1u8; 64]);
     }
@@ -341,9 +364,10 @@ mod tests {
         let (a, b) = tokio::io::duplex(16);
         drop(b);
         let metrics = Metrics::new(10);
-        let mut outbox = Outbox::new(a, 32, Direction::ClientOut, metrics.clone());
+        let mut w = writer(a);
+        let mut outbox = Outbox::new(32, Direction::ClientOut, metrics.clone());
         outbox.send(Bytes::from_static(b"x"));
-        drain(&mut outbox).await;
+        drain(&mut outbox, &mut w).await;
         assert!(outbox.has_failed());
         assert!(!outbox.send(Bytes::from_static(b"y")));
         assert_eq!(outbox.queued(), 0);
@@ -354,7 +378,8 @@ mod tests {
     async fn large_frames_keep_their_place_between_gathered_ones() {
         let (a, mut b) = tokio::io::duplex(64 * 1024);
         let metrics = Metrics::new(10);
-        let mut outbox = Outbox::new(a, 1 << 20, Direction::ClientOut, metrics.clone());
+        let mut w = writer(a);
+        let mut outbox = Outbox::new(1 << 20, Direction::ClientOut, metrics.clone());
         let large = vec![b'b'; GATHER_FRAME_MAX + 10];
         assert!(outbox.send(Bytes::from_static(b"a")));
         assert!(outbox.send(Bytes::from(large.clone())));
@@ -365,8 +390,9 @@ mod tests {
             b.read_to_end(&mut got).await.unwrap();
             got
         });
-        outbox.close(Duration::from_secs(1)).await;
+        outbox.close(&mut w, Duration::from_secs(1)).await;
         drop(outbox);
+        drop(w);
         let mut expected = b"a".to_vec();
         expected.extend_from_slice(&large);
         expected.push(b'c');
@@ -376,5 +402,23 @@ mod tests {
             text.contains(r#"dlx_proxy_frames_total{direction="client_out"} 3"#),
             "three frames counted, however they were written: {text}"
         );
+    }
+
+    #[test]
+    fn taking_what_is_queued_empties_the_outbox_and_counts_it_as_written() {
+        let metrics = Metrics::new(10);
+        let mut outbox = Outbox::new(8, Direction::ClientOut, metrics.clone());
+        outbox.send(Bytes::from_static(b"hello "));
+        outbox.send(Bytes::from(vec![b'x'; GATHER_FRAME_MAX]));
+        outbox.send(Bytes::from_static(b"!"));
+        assert!(outbox.is_full());
+        let got = outbox.take_queued();
+        assert_eq!(got.len(), 7 + GATHER_FRAME_MAX);
+        assert!(got.starts_with(b"hello x") && got.ends_with(b"x!"));
+        assert_eq!(outbox.queued(), 0);
+        assert!(!outbox.has_work() && !outbox.is_full());
+        let text = metrics.encode();
+        assert!(text.contains(r#"dlx_proxy_frames_total{direction="client_out"} 3"#));
+        assert!(text.contains("dlx_proxy_outbox_bytes 0"), "{text}");
     }
 }

@@ -1,0 +1,464 @@
+//! Unit tests of [`crate::proxy::client_session`]: a whole client connection driven with
+//! in-memory frames and a hand-set clock, no socket. Each test plays both peers: it hands
+//! the session what the client and the upstream send and reads what the session queued for
+//! each of them.
+
+use super::*;
+use crate::amqp::codec::{FRAME_METHOD, decode_method};
+use crate::amqp::content::{decode_properties, put_content};
+use crate::config::{Config, Mode};
+use crate::metrics::Metrics;
+use crate::policy::PolicySet;
+use crate::proxy::registry::VerifiedQueue;
+use crate::proxy::wire::WireCodec;
+use crate::rabbit::args::parse_queue_arguments;
+use amq_protocol::protocol::{BasicProperties, basic, channel, confirm};
+use amq_protocol::types::{AMQPValue, FieldTable, LongString};
+use bytes::BytesMut;
+use std::sync::RwLock;
+use tokio_util::codec::Decoder;
+
+const PEER: &str = "127.0.0.1:40000";
+
+fn shared() -> Arc<ProxyShared> {
+    let mut config = Config {
+        mode: Mode::Proxy,
+        ..Config::default()
+    };
+    config.upstream.url = "amqp://127.0.0.1:1".into();
+    ProxyShared::new(
+        &config,
+        Arc::new(RwLock::new(PolicySet::from_configs(&[]).unwrap())),
+        Metrics::new(10),
+    )
+    .unwrap()
+}
+
+fn frames(bytes: &[u8]) -> Vec<WireFrame> {
+    let mut buf = BytesMut::from(bytes);
+    let mut codec = WireCodec::new(1 << 20);
+    std::iter::from_fn(|| codec.decode(&mut buf).unwrap()).collect()
+}
+
+/// A session and its clock.
+struct Harness {
+    session: ClientSession,
+    now: Instant,
+}
+
+impl Harness {
+    fn new() -> Self {
+        let now = Instant::now();
+        let session = ClientSession::new(
+            shared(),
+            PEER.parse().unwrap(),
+            now,
+            now + Duration::from_secs(10),
+        );
+        Harness { session, now }
+    }
+
+    fn client_sends(&mut self, bytes: Bytes) {
+        for f in frames(&bytes) {
+            self.session.now = self.now;
+            self.session.client_read(Some(Ok(f)));
+        }
+    }
+
+    fn upstream_sends(&mut self, bytes: Bytes) {
+        for f in frames(&bytes) {
+            self.session.now = self.now;
+            self.session.upstream_read(Some(Ok(f)));
+        }
+    }
+
+    fn at(&mut self, now: Instant) {
+        self.now = now;
+        self.session.now = now;
+        self.session.on_timer(now);
+    }
+
+    /// The methods queued for the client since the last call.
+    fn client_got(&mut self) -> Vec<(u16, AMQPClass)> {
+        methods(&self.session.client_out.take_queued())
+    }
+
+    fn upstream_got(&mut self) -> Vec<(u16, AMQPClass)> {
+        methods(&self.session.upstream_out.take_queued())
+    }
+
+    fn upstream_got_frames(&mut self) -> Vec<WireFrame> {
+        frames(&self.session.upstream_out.take_queued())
+    }
+
+    /// Plays the handshake through to connection.open-ok; returns the publisher channel.
+    fn open(&mut self, heartbeat: u16) -> u16 {
+        self.upstream_sends(method_frame(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
+                version_major: 0,
+                version_minor: 9,
+                server_properties: FieldTable::default(),
+                mechanisms: LongString::from("PLAIN"),
+                locales: LongString::from("en_US"),
+            })),
+        ));
+        assert!(matches!(
+            self.client_got()[..],
+            [(0, AMQPClass::Connection(connection::AMQPMethod::Start(_)))]
+        ));
+        self.client_sends(method_frame(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
+                client_properties: FieldTable::default(),
+                mechanism: "PLAIN".into(),
+                response: LongString::from("\0guest\0guest"),
+                locale: "en_US".into(),
+            })),
+        ));
+        assert!(matches!(
+            self.upstream_got()[..],
+            [(0, AMQPClass::Connection(connection::AMQPMethod::StartOk(_)))]
+        ));
+        self.upstream_sends(method_frame(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Tune(connection::Tune {
+                channel_max: 2047,
+                frame_max: 131_072,
+                heartbeat,
+            })),
+        ));
+        let offered = match &self.client_got()[..] {
+            [(0, AMQPClass::Connection(connection::AMQPMethod::Tune(t)))] => t.clone(),
+            other => panic!("{other:?}"),
+        };
+        // Two channels are kept for the proxy's own use.
+        assert!(offered.channel_max < 2047, "{offered:?}");
+        self.client_sends(method_frame(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
+                channel_max: offered.channel_max,
+                frame_max: offered.frame_max,
+                heartbeat,
+            })),
+        ));
+        assert!(matches!(
+            self.upstream_got()[..],
+            [(0, AMQPClass::Connection(connection::AMQPMethod::TuneOk(_)))]
+        ));
+        self.client_sends(method_frame(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
+                virtual_host: "/".into(),
+            })),
+        ));
+        self.upstream_got();
+        self.upstream_sends(method_frame(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::OpenOk(connection::OpenOk {})),
+        ));
+        assert!(matches!(
+            self.client_got()[..],
+            [(0, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_)))]
+        ));
+        // The proxy opens its dead-letter publisher channel, in confirm mode.
+        let sent = self.upstream_got();
+        let publisher = match &sent[..] {
+            [
+                (ch, AMQPClass::Channel(channel::AMQPMethod::Open(_))),
+                (ch2, AMQPClass::Confirm(confirm::AMQPMethod::Select(_))),
+            ] if ch == ch2 => *ch,
+            other => panic!("{other:?}"),
+        };
+        assert!(publisher > offered.channel_max);
+        publisher
+    }
+}
+
+fn methods(bytes: &[u8]) -> Vec<(u16, AMQPClass)> {
+    frames(bytes)
+        .into_iter()
+        .filter(|f| f.kind == FRAME_METHOD)
+        .map(|f| (f.channel, decode_method(&f.payload).unwrap()))
+        .collect()
+}
+
+fn connection_close(sent: &[(u16, AMQPClass)]) -> (u16, String) {
+    match sent {
+        [(0, AMQPClass::Connection(connection::AMQPMethod::Close(c)))] => {
+            (c.reply_code, c.reply_text.to_string())
+        }
+        other => panic!("expected one connection.close: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn the_handshake_passes_through_and_the_proxy_opens_its_publisher_channel() {
+    let mut h = Harness::new();
+    let publisher = h.open(0);
+    assert!(h.session.running);
+    assert!(h.session.publisher.is_some());
+    assert_eq!(h.session.publisher.as_ref().unwrap().channel(), publisher);
+    assert!(!h.session.is_done());
+}
+
+#[tokio::test]
+async fn an_upstream_that_goes_away_gets_the_client_a_320_and_the_connection_ends_on_close_ok() {
+    let mut h = Harness::new();
+    h.open(0);
+    h.session.upstream_read(None);
+    let (code, text) = connection_close(&h.client_got());
+    assert_eq!(code, reply::CONNECTION_FORCED);
+    assert_eq!(text, "CONNECTION_FORCED - upstream connection closed");
+    assert!(!h.session.is_done(), "waiting for the client's close-ok");
+    h.client_sends(method_frame(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+    ));
+    assert!(h.session.is_done());
+}
+
+#[tokio::test]
+async fn a_malformed_client_frame_gets_frame_error_and_the_upstream_is_closed() {
+    let mut h = Harness::new();
+    h.open(0);
+    h.session.client_read(Some(Err(FrameError::TooLarge {
+        size: 1 << 30,
+        max: 131_072,
+    })));
+    let (code, text) = connection_close(&h.client_got());
+    assert_eq!(code, reply::FRAME_ERROR);
+    assert!(text.starts_with("FRAME_ERROR - "), "{text}");
+    // Nothing of the proxy's is unsettled: the upstream is closed at once.
+    let (code, _) = connection_close(&h.upstream_got());
+    assert_eq!(code, reply::REPLY_SUCCESS);
+    h.upstream_sends(method_frame(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+    ));
+    assert!(h.session.is_done());
+}
+
+#[tokio::test]
+async fn a_client_that_misses_heartbeats_is_dropped_and_the_upstream_closed() {
+    let mut h = Harness::new();
+    h.open(5);
+    let start = h.now;
+    // Traffic from the upstream only; the client stays silent.
+    h.at(start + Duration::from_secs(6));
+    h.upstream_sends(Bytes::from_static(&[8, 0, 0, 0, 0, 0, 0, 0xce]));
+    assert!(h.upstream_got().is_empty());
+    assert_eq!(h.session.client_side, Side::Open);
+    // Two intervals of silence: the client is gone.
+    h.at(start + Duration::from_secs(10));
+    assert_eq!(h.session.client_side, Side::Closed);
+    let (code, text) = connection_close(&h.upstream_got());
+    assert_eq!((code, text.as_str()), (200, "client connection closed"));
+}
+
+#[tokio::test]
+async fn a_handshake_that_does_not_finish_in_time_ends_the_connection() {
+    let mut h = Harness::new();
+    let start = h.now;
+    assert_eq!(
+        h.session.next_deadline(),
+        Some(start + Duration::from_secs(10))
+    );
+    h.at(start + Duration::from_secs(9));
+    assert!(!h.session.is_done());
+    h.at(start + Duration::from_secs(10));
+    assert!(h.session.is_done());
+}
+
+/// A delivery of "m" from `queue` on `channel`, as the upstream sends it.
+fn delivery(channel: u16, tag: u64, queue: &str) -> Bytes {
+    let mut out = BytesMut::new();
+    out.extend_from_slice(&method_frame(
+        channel,
+        AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+            consumer_tag: "ctag".into(),
+            delivery_tag: tag,
+            redelivered: false,
+            exchange: "".into(),
+            routing_key: queue.into(),
+        })),
+    ));
+    let props = crate::amqp::content::encode_properties(&BasicProperties::default());
+    put_content(&mut out, channel, &props, b"m", 131_072);
+    out.freeze()
+}
+
+/// A running session whose client consumes from "q" (dead-letter exchange "dlx"), got
+/// delivery 7 and rejected it. Returns the harness and the publisher channel.
+async fn rejected() -> (Harness, u16) {
+    let mut h = Harness::new();
+    let publisher = h.open(0);
+    // The queue's settings, as a verified declare of any instance left them.
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString("dlx".into()),
+    );
+    h.session.shared.queues.record(
+        "/",
+        "q",
+        VerifiedQueue::Proxied(parse_queue_arguments(&args).unwrap()),
+    );
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    ));
+    h.upstream_sends(method_frame(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+    ));
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+            queue: "q".into(),
+            consumer_tag: "ctag".into(),
+            no_local: false,
+            no_ack: false,
+            exclusive: false,
+            nowait: false,
+            arguments: FieldTable::default(),
+        })),
+    ));
+    assert!(matches!(
+        h.upstream_got()[..],
+        [
+            (1, AMQPClass::Channel(channel::AMQPMethod::Open(_))),
+            (1, AMQPClass::Basic(basic::AMQPMethod::Consume(_)))
+        ]
+    ));
+    h.upstream_sends(method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
+            consumer_tag: "ctag".into(),
+        })),
+    ));
+    h.upstream_sends(delivery(1, 7, "q"));
+    let got = h.client_got();
+    assert!(
+        matches!(
+            &got[..],
+            [(1, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))), (1, AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(_))), (1, AMQPClass::Basic(basic::AMQPMethod::Deliver(d)))] if d.delivery_tag == 7
+        ),
+        "{got:?}"
+    );
+
+    // The client rejects it: the proxy publishes the dead letter itself, nothing goes
+    // upstream on the client's channel yet.
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject {
+            delivery_tag: 7,
+            requeue: false,
+        })),
+    ));
+    (h, publisher)
+}
+
+#[tokio::test]
+async fn a_reject_is_dead_lettered_on_the_publisher_channel_and_acked_upstream_after_the_confirm() {
+    let (mut h, publisher) = rejected().await;
+    let sent = h.upstream_got_frames();
+    assert!(sent.iter().all(|f| f.channel == publisher), "{sent:?}");
+    let publish = match decode_method(&sent[0].payload) {
+        Some(AMQPClass::Basic(basic::AMQPMethod::Publish(p))) => p,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        (publish.exchange.as_str(), publish.routing_key.as_str()),
+        ("dlx", "q")
+    );
+    let props = decode_properties(&sent[1].payload[12..]).unwrap();
+    let headers = props.headers().clone().unwrap();
+    let Some(AMQPValue::FieldArray(deaths)) = headers.inner().get("x-death") else {
+        panic!("no x-death: {headers:?}");
+    };
+    let AMQPValue::FieldTable(death) = &deaths.as_slice()[0] else {
+        panic!("{deaths:?}");
+    };
+    assert_eq!(death.inner().get("count"), Some(&AMQPValue::LongLongInt(1)));
+    assert_eq!(
+        death.inner().get("reason"),
+        Some(&AMQPValue::LongString("rejected".into()))
+    );
+    assert_eq!(
+        death.inner().get("queue"),
+        Some(&AMQPValue::LongString("q".into()))
+    );
+    assert_eq!(
+        headers.inner().get("x-first-death-reason"),
+        Some(&AMQPValue::LongString("rejected".into()))
+    );
+    assert_eq!(&sent[2].payload[..], b"m");
+
+    // Confirmed: the original is acked upstream, with the client's delivery tag.
+    h.upstream_sends(method_frame(
+        publisher,
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag: 1,
+            multiple: false,
+        })),
+    ));
+    let sent = h.upstream_got();
+    assert!(
+        matches!(
+            &sent[..],
+            [(1, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))] if a.delivery_tag == 7 && !a.multiple
+        ),
+        "{sent:?}"
+    );
+    assert!(h.client_got().is_empty());
+    let text = h.session.shared.metrics.encode();
+    assert!(
+        text.contains(r#"dlx_proxy_dead_lettered_total{queue="q",reason="rejected",vhost="/"} 1"#),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_nacked_dead_letter_is_held_not_settled_and_published_again_after_the_backoff() {
+    let (mut h, publisher) = rejected().await;
+    let first = h.upstream_got_frames();
+    h.upstream_sends(method_frame(
+        publisher,
+        AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+            delivery_tag: 1,
+            multiple: false,
+            requeue: false,
+        })),
+    ));
+    // Held: the original is neither acked nor given back, the client hears nothing.
+    assert!(h.upstream_got().is_empty());
+    assert!(h.client_got().is_empty());
+    let due = h.session.next_deadline().expect("a retry is due");
+    assert!(
+        due > h.now && due <= h.now + Duration::from_millis(100),
+        "{:?}",
+        due - h.now
+    );
+    h.at(due);
+    let again = h.upstream_got_frames();
+    assert!(again.iter().all(|f| f.channel == publisher));
+    let raws = |fs: &[WireFrame]| fs.iter().map(|f| f.payload.clone()).collect::<Vec<_>>();
+    assert_eq!(raws(&again), raws(&first), "the same publish");
+    h.upstream_sends(method_frame(
+        publisher,
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag: 2,
+            multiple: false,
+        })),
+    ));
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))] if a.delivery_tag == 7
+    ));
+    let text = h.session.shared.metrics.encode();
+    assert!(
+        text.contains(r#"dlx_proxy_dead_letter_retries_total{reason="nacked"} 1"#),
+        "{text}"
+    );
+}

@@ -1,0 +1,254 @@
+//! The task of one client connection ([`run`]): it reads the protocol header, connects to
+//! the upstream, and then only moves bytes. Frames read from either socket go to the
+//! connection's state ([`super::client_session::ClientSession`], which owns no socket), what
+//! that state queued in its outboxes ([`super::outbox`]) is written to the sockets as they
+//! accept it, and its timers, the service connection's answers and the shutdown signal are
+//! waited on in one `select!`.
+//!
+//! Reads are flow-controlled by the state: a side is read only when the opposite outbox has
+//! room (and upstream reads only while kept deliveries and held dead letters are under
+//! `proxy.max_inflight_bytes`). Frames already in the read buffers are handled in bursts of
+//! up to [`BUFFERED_FRAMES_PER_TURN`] per wake-up. The task never blocks on a socket write,
+//! so a slow peer only slows the other side's reads.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{oneshot, watch};
+
+use super::ProxyShared;
+use super::busy_poll::BusyPoll;
+use super::client_session::ClientSession;
+use super::outbox::SocketWriter;
+use super::probe::CheckAnswer;
+use super::publisher::{OpId, Outcome};
+use super::service::Status;
+use super::wire::{FrameReader, WireFrame};
+use crate::admission::refuse_client_after_header;
+use crate::amqp::codec::{FrameError, PROTOCOL_HEADER};
+use crate::amqp::reply::{self, AmqpError};
+use crate::metrics::REFUSED_UPSTREAM_UNREACHABLE;
+use crate::shutdown::Shutdown;
+
+/// Most frames already read that one turn of the connection loop handles before it checks
+/// timers, shutdown and the sockets again.
+const BUFFERED_FRAMES_PER_TURN: usize = 256;
+
+/// What woke the connection loop.
+enum Event {
+    Client(Option<Result<WireFrame, FrameError>>),
+    Upstream(Option<Result<WireFrame, FrameError>>),
+    /// An outbox wrote bytes (or failed).
+    Wrote,
+    Timer,
+    Shutdown,
+    /// The vhost's capture objects were declared (a held queue.declare may go on).
+    CaptureDeclared,
+    /// The service connection answered a declare (`None`: it was lost before answering).
+    ServiceAnswer(Option<CheckAnswer>),
+    /// A dead letter the service connection published for this session ended.
+    ServiceOutcome(Option<(OpId, Outcome)>),
+    /// Nothing was ready; the task yielded instead of sleeping.
+    Polled,
+}
+
+/// Serves one client connection until both legs are closed.
+pub(super) async fn run<S>(
+    mut client: S,
+    peer: SocketAddr,
+    shared: Arc<ProxyShared>,
+    mut shutdown: Shutdown,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let handshake_timeout = shared.handshake_timeout;
+    let handshake_deadline = Instant::now() + handshake_timeout;
+    // The protocol header comes first; anything else gets ours back (AMQP 0-9-1 §4.2.2).
+    let mut header = [0u8; 8];
+    let read = tokio::select! {
+        r = tokio::time::timeout(handshake_timeout, client.read_exact(&mut header)) => r,
+        _ = shutdown.recv() => return,
+    };
+    match read {
+        Ok(Ok(_)) if header == PROTOCOL_HEADER => {}
+        Ok(Ok(_)) => {
+            tracing::debug!(%peer, "client sent an unsupported protocol header");
+            let _ = client.write_all(&PROTOCOL_HEADER).await;
+            let _ = client.shutdown().await;
+            return;
+        }
+        _ => return,
+    }
+    let upstream = match shared.upstream.connect().await {
+        Ok((stream, target)) => {
+            tracing::debug!(%peer, upstream = %target.address(), "upstream connected");
+            stream
+        }
+        Err(err) => {
+            tracing::warn!(%peer, %err, "no upstream reachable: client refused");
+            shared
+                .metrics
+                .connection_refused(REFUSED_UPSTREAM_UNREACHABLE);
+            let refusal = AmqpError::new(reply::CONNECTION_FORCED, err.to_string());
+            refuse_client_after_header(client, &refusal, handshake_timeout).await;
+            return;
+        }
+    };
+    let (client_read, client_write) = tokio::io::split(client);
+    let (upstream_read, mut upstream_write) = tokio::io::split(upstream);
+    if upstream_write.write_all(&PROTOCOL_HEADER).await.is_err() {
+        tracing::warn!(%peer, "upstream closed before the handshake");
+        return;
+    }
+    let mut client_writer: SocketWriter = Box::pin(client_write);
+    let mut upstream_writer: SocketWriter = Box::pin(upstream_write);
+    let mut client_reader = FrameReader::new(client_read, shared.handshake_frame_max);
+    let mut upstream_reader = FrameReader::new(upstream_read, shared.handshake_frame_max);
+    let now = Instant::now();
+    let mut session = ClientSession::new(shared, peer, now, handshake_deadline);
+
+    let timer = tokio::time::sleep_until((now + Duration::from_secs(60)).into());
+    tokio::pin!(timer);
+    let mut busy_poll = BusyPoll::new(session.shared.busy_poll, now);
+    loop {
+        handle_buffered(&mut session, &mut client_reader, &mut upstream_reader);
+        session.check_writers();
+        if session.is_done() {
+            break;
+        }
+        if let Some(frame_max) = session.new_frame_max.take() {
+            client_reader.set_frame_max(frame_max);
+            upstream_reader.set_frame_max(frame_max);
+        }
+        let read_client = session.wants_client_frames();
+        let read_upstream = session.wants_upstream_frames();
+        // Heartbeat silence only counts while a side is being read.
+        let now = session.now;
+        if !read_client {
+            session.last_client_rx = now;
+        }
+        if !read_upstream {
+            session.last_upstream_rx = now;
+        }
+        let write_client = session.client_out.has_work();
+        let write_upstream = session.upstream_out.has_work();
+        let deadline = tokio::time::Instant::from(
+            session
+                .next_deadline()
+                .unwrap_or_else(|| now + Duration::from_secs(60)),
+        );
+        // A later deadline leaves the earlier timer armed (an early wake-up only re-checks),
+        // so traffic that pushes heartbeat deadlines back does not re-arm the timer per frame.
+        if deadline < timer.deadline() || timer.is_elapsed() {
+            timer.as_mut().reset(deadline);
+        }
+        let poll_again = busy_poll.should_poll(now);
+        let held = session.held_for_capture.is_some();
+        let judging = session.service_answer.is_some();
+        let event = tokio::select! {
+            _ = capture_declared(&mut session.capture_status), if held => Event::CaptureDeclared,
+            answer = service_answer(&mut session.service_answer), if judging => {
+                Event::ServiceAnswer(answer)
+            }
+            outcome = session.service_outcomes.1.recv() => Event::ServiceOutcome(outcome),
+            frame = client_reader.next(), if read_client => Event::Client(frame),
+            frame = upstream_reader.next(), if read_upstream => Event::Upstream(frame),
+            _ = session.client_out.write_some(&mut client_writer), if write_client => Event::Wrote,
+            _ = session.upstream_out.write_some(&mut upstream_writer), if write_upstream => Event::Wrote,
+            _ = &mut timer => Event::Timer,
+            _ = shutdown.recv(), if !session.shutdown_seen => Event::Shutdown,
+            // Nothing is ready: yield to the runtime (which polls the sockets without
+            // sleeping) instead of parking, while traffic is recent (`busy_poll`).
+            _ = tokio::task::yield_now(), if poll_again => Event::Polled,
+        };
+        // One clock read per turn: every frame handled in it is stamped with this time.
+        session.now = Instant::now();
+        match event {
+            Event::Client(frame) => {
+                busy_poll.traffic(session.now);
+                session.client_read(frame);
+            }
+            Event::Upstream(frame) => {
+                busy_poll.traffic(session.now);
+                session.upstream_read(frame);
+            }
+            Event::Wrote => busy_poll.traffic(session.now),
+            Event::Timer => session.on_timer(session.now),
+            Event::Shutdown => session.on_shutdown(),
+            Event::CaptureDeclared => session.resume_held_declare(),
+            Event::ServiceAnswer(answer) => session.on_service_answer(answer),
+            Event::ServiceOutcome(outcome) => {
+                // The session holds a sender itself, so the channel never ends.
+                if let Some((op, outcome)) = outcome {
+                    session.complete_op(op, outcome);
+                }
+            }
+            Event::Polled => {}
+        }
+    }
+    session.finish();
+    // What is queued (a final close-ok) is written before the sockets go.
+    let grace = Duration::from_secs(2);
+    tokio::join!(
+        session.client_out.close(&mut client_writer, grace),
+        session.upstream_out.close(&mut upstream_writer, grace)
+    );
+}
+
+/// Resolves once the capture objects are declared; never when there is no service
+/// connection, or it stopped (the held declare's deadline ends the wait then).
+async fn capture_declared(status: &mut Option<watch::Receiver<Status>>) {
+    if let Some(status) = status.as_mut()
+        && status.wait_for(|s| s.declared).await.is_ok()
+    {
+        return;
+    }
+    std::future::pending::<()>().await
+}
+
+/// The service connection's answer to this session's declare; `None` when it was lost first.
+async fn service_answer(
+    answer: &mut Option<oneshot::Receiver<CheckAnswer>>,
+) -> Option<CheckAnswer> {
+    match answer.as_mut() {
+        Some(receiver) => receiver.await.ok(),
+        None => std::future::pending().await,
+    }
+}
+
+/// Handles frames that are already in the read buffers (a burst read in one go), up to
+/// [`BUFFERED_FRAMES_PER_TURN`], so a burst costs one wake-up rather than one per frame.
+/// The same flow-control checks apply as before a socket read.
+fn handle_buffered<C, U>(
+    session: &mut ClientSession,
+    client: &mut FrameReader<C>,
+    upstream: &mut FrameReader<U>,
+) where
+    C: AsyncRead + Unpin,
+    U: AsyncRead + Unpin,
+{
+    for _ in 0..BUFFERED_FRAMES_PER_TURN {
+        if let Some(frame_max) = session.new_frame_max.take() {
+            client.set_frame_max(frame_max);
+            upstream.set_frame_max(frame_max);
+        }
+        let mut handled = false;
+        if session.wants_client_frames()
+            && let Some(frame) = client.buffered()
+        {
+            session.client_read(Some(frame));
+            handled = true;
+        }
+        if session.wants_upstream_frames()
+            && let Some(frame) = upstream.buffered()
+        {
+            session.upstream_read(Some(frame));
+            handled = true;
+        }
+        if !handled {
+            break;
+        }
+    }
+}
