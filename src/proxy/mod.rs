@@ -212,6 +212,8 @@ pub mod retry;
 pub mod retry_tiers;
 pub mod service;
 mod session_task;
+#[cfg(test)]
+mod test_support;
 pub mod upstream;
 pub mod wire;
 

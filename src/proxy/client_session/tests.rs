@@ -4,41 +4,16 @@
 //! each of them.
 
 use super::*;
-use crate::amqp::codec::{FRAME_METHOD, decode_method};
+use crate::amqp::codec::decode_method;
 use crate::amqp::content::{decode_properties, put_content};
-use crate::config::{Config, Mode};
-use crate::metrics::Metrics;
-use crate::policy::PolicySet;
 use crate::proxy::registry::VerifiedQueue;
-use crate::proxy::wire::WireCodec;
+use crate::proxy::test_support::{frames, methods, shared};
 use crate::rabbit::args::parse_queue_arguments;
 use amq_protocol::protocol::{BasicProperties, basic, channel, confirm};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString};
 use bytes::BytesMut;
-use std::sync::RwLock;
-use tokio_util::codec::Decoder;
 
 const PEER: &str = "127.0.0.1:40000";
-
-fn shared() -> Arc<ProxyShared> {
-    let mut config = Config {
-        mode: Mode::Proxy,
-        ..Config::default()
-    };
-    config.upstream.url = "amqp://127.0.0.1:1".into();
-    ProxyShared::new(
-        &config,
-        Arc::new(RwLock::new(PolicySet::from_configs(&[]).unwrap())),
-        Metrics::new(10),
-    )
-    .unwrap()
-}
-
-fn frames(bytes: &[u8]) -> Vec<WireFrame> {
-    let mut buf = BytesMut::from(bytes);
-    let mut codec = WireCodec::new(1 << 20);
-    std::iter::from_fn(|| codec.decode(&mut buf).unwrap()).collect()
-}
 
 /// A session and its clock.
 struct Harness {
@@ -173,14 +148,6 @@ impl Harness {
         assert!(publisher > offered.channel_max);
         publisher
     }
-}
-
-fn methods(bytes: &[u8]) -> Vec<(u16, AMQPClass)> {
-    frames(bytes)
-        .into_iter()
-        .filter(|f| f.kind == FRAME_METHOD)
-        .map(|f| (f.channel, decode_method(&f.payload).unwrap()))
-        .collect()
 }
 
 fn connection_close(sent: &[(u16, AMQPClass)]) -> (u16, String) {

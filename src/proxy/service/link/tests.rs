@@ -2,49 +2,12 @@
 
 use super::*;
 use crate::amqp::content::{decode_properties, encode_properties, put_content};
-use crate::config::{Config, Mode};
-use crate::metrics::Metrics;
-use crate::policy::PolicySet;
 use crate::proxy::declare::CaptureTag;
-use crate::proxy::wire::{WireCodec, method_frame};
+use crate::proxy::test_support::{frames, methods, shared};
+use crate::proxy::wire::method_frame;
 use amq_protocol::protocol::{AMQPClass, BasicProperties, basic, channel, queue};
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
-use std::sync::RwLock;
 use std::time::Duration;
-use tokio_util::codec::Decoder;
-
-fn shared() -> Arc<ProxyShared> {
-    let mut config = Config {
-        mode: Mode::Proxy,
-        ..Config::default()
-    };
-    config.upstream.url = "amqp://127.0.0.1:1".into();
-    ProxyShared::new(
-        &config,
-        Arc::new(RwLock::new(PolicySet::from_configs(&[]).unwrap())),
-        Metrics::new(10),
-    )
-    .unwrap()
-}
-
-fn frames(bytes: &[u8]) -> Vec<WireFrame> {
-    let mut buf = BytesMut::from(bytes);
-    let mut codec = WireCodec::new(1 << 20);
-    std::iter::from_fn(|| codec.decode(&mut buf).unwrap()).collect()
-}
-
-fn methods(bytes: &[u8]) -> Vec<(u16, AMQPClass)> {
-    frames(bytes)
-        .into_iter()
-        .filter(|f| f.kind == crate::amqp::codec::FRAME_METHOD)
-        .map(|f| {
-            (
-                f.channel,
-                crate::amqp::codec::decode_method(&f.payload).unwrap(),
-            )
-        })
-        .collect()
-}
 
 fn one(channel: u16, method: AMQPClass) -> WireFrame {
     frames(&method_frame(channel, method)).pop().unwrap()
