@@ -28,9 +28,8 @@ BIN=${BIN:-$PWD/target/release}
 OUT=${BENCH_OUT:-$PWD/target/bench-paging-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT/config"
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 PORT=$(free_port)
 ADMIN=$(free_port)
 # The config has a directory of its own: the broker reloads on any change next to its file.

@@ -95,7 +95,8 @@ echo "== building (release, feature bench)"
 cargo build --release --features bench --bins --quiet
 BIN="$CARGO_TARGET_DIR/release"
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 port=$(free_port)
 # RabbitMQ's address without credentials and vhost, for upstream.url.
 upstream=$(python3 -c 'import sys, urllib.parse as u; p=u.urlsplit(sys.argv[1]); print(f"{p.scheme}://{p.hostname}:{p.port or 5672}")' "$RABBIT_URL")

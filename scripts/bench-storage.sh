@@ -48,9 +48,8 @@ echo "== building (release, feature bench)"
 cargo build --release --features bench --bins --quiet
 BIN="$CARGO_TARGET_DIR/release"
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 
 # ---- embedded broker -------------------------------------------------------------------------
 EMB_PID="" EMB_URL="" EMB_PORT="" EMB_ADMIN=""
@@ -121,27 +120,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# bench ROUND BROKER CASE URL PID ARGS...: one dlx-bench run; its JSON result goes to results.jsonl.
-bench() {
-  local round=$1 broker=$2 case=$3 url=$4 pid=$5
-  shift 5
-  local log="$OUT/$broker-$case-r$round.log" load rc=0 json
-  load=$(cut -d' ' -f1 /proc/loadavg)
-  echo "-- round $round  $broker  $case  (load $load)"
-  "$BIN/dlx-bench" --url "$url" --pid "$pid" --label "$broker" --json "$@" > "$log" 2>&1 || rc=$?
-  if [ "$rc" != 0 ]; then
-    echo "   FAILED (exit $rc): see $log"
-    grep -E 'FAILED|dlx-bench:' "$log" | sed 's/^/   /' || true
-    FAILED=1
-  fi
-  json=$(tail -n 1 "$log")
-  if [ "${json:0:1}" = "{" ]; then
-    python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(round=int(sys.argv[2]), broker=sys.argv[3], case=sys.argv[4], load_before=float(sys.argv[5]), exit=int(sys.argv[6])); print(json.dumps(d))' \
-      "$json" "$round" "$broker" "$case" "$load" "$rc" >> "$RESULTS"
-  else
-    echo "{\"round\": $round, \"broker\": \"$broker\", \"case\": \"$case\", \"exit\": $rc, \"ok\": false}" >> "$RESULTS"
-  fi
-}
+# bench ROUND BROKER CASE URL PID ARGS...: one dlx-bench run (scripts/lib.sh).
+bench() { bench_run "$@"; }
 # extra ROUND BROKER CASE KEY VALUE: one more measured value (not from dlx-bench).
 extra() {
   echo "{\"round\": $1, \"broker\": \"$2\", \"case\": \"$3\", \"$4\": $5, \"ok\": true}" >> "$RESULTS"

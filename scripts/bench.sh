@@ -55,17 +55,8 @@ echo "== building (release, feature bench)"
 cargo build --release --features bench --bins --quiet
 BIN="$CARGO_TARGET_DIR/release"
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-wait_port() {
-  for _ in $(seq 1 200); do
-    if (echo > "/dev/tcp/127.0.0.1/$1") 2>/dev/null; then return 0; fi
-    sleep 0.1
-  done
-  return 1
-}
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 
 # ---- embedded broker -------------------------------------------------------------------------
 EMB_PID=""
@@ -168,30 +159,11 @@ stop_broker() { if [ "$1" = embedded ]; then stop_embedded; else stop_rabbit; fi
 broker_url() { if [ "$1" = embedded ]; then echo "$EMB_URL"; else echo "$RMQ_URL"; fi; }
 broker_pid() { if [ "$1" = embedded ]; then echo "$EMB_PID"; else echo "$RMQ_PID"; fi; }
 
-# bench ROUND BROKER CASE ARGS...: one dlx-bench run; its JSON result goes to results.jsonl.
+# bench ROUND BROKER CASE ARGS...: one dlx-bench run against BROKER (scripts/lib.sh).
 bench() {
   local round=$1 broker=$2 case=$3
   shift 3
-  local log="$OUT/$broker-$case-r$round.log"
-  local load
-  load=$(cut -d' ' -f1 /proc/loadavg)
-  echo "-- round $round  $broker  $case  (load $load)"
-  local rc=0
-  "$BIN/dlx-bench" --url "$(broker_url "$broker")" --pid "$(broker_pid "$broker")" \
-    --label "$broker" --json "$@" > "$log" 2>&1 || rc=$?
-  if [ "$rc" != 0 ]; then
-    echo "   FAILED (exit $rc): see $log"
-    grep -E 'FAILED|dlx-bench:' "$log" | sed 's/^/   /' || true
-    FAILED=1
-  fi
-  local json
-  json=$(tail -n 1 "$log")
-  if [ "${json:0:1}" = "{" ]; then
-    python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(round=int(sys.argv[2]), broker=sys.argv[3], case=sys.argv[4], load_before=float(sys.argv[5]), exit=int(sys.argv[6])); print(json.dumps(d))' \
-      "$json" "$round" "$broker" "$case" "$load" "$rc" >> "$RESULTS"
-  else
-    echo "{\"round\": $round, \"broker\": \"$broker\", \"case\": \"$case\", \"exit\": $rc, \"ok\": false}" >> "$RESULTS"
-  fi
+  bench_run "$round" "$broker" "$case" "$(broker_url "$broker")" "$(broker_pid "$broker")" "$@"
 }
 
 {

@@ -115,6 +115,46 @@ async fn expired_into(ch: &Channel, source: &str, dlq: &str, prefix: &str, n: us
     wait_count(ch, dlq, n as u32).await;
 }
 
+/// The redrive metrics both modes export: `redriven_total` by target queue,
+/// `redrive_skipped_total` and `redrive_failed_total{cause}` of the source queue.
+async fn assert_redrive_metrics(
+    admin: std::net::SocketAddr,
+    moved: &[(&str, f64)],
+    (source, skipped): (&str, f64),
+    failed: &[(&str, f64)],
+) {
+    let metrics = scrape(admin).await;
+    let value = |name: &str, labels: &[(&str, &str)]| metric_value(&metrics, &series(name, labels));
+    for (queue, n) in moved {
+        assert_eq!(
+            value(
+                "dlx_proxy_redriven_total",
+                &[("queue", queue), ("vhost", "/")]
+            ),
+            Some(*n),
+            "moved to {queue}\n{metrics}"
+        );
+    }
+    assert_eq!(
+        value(
+            "dlx_proxy_redrive_skipped_total",
+            &[("queue", source), ("vhost", "/")]
+        ),
+        Some(skipped),
+        "{metrics}"
+    );
+    for (cause, n) in failed {
+        assert_eq!(
+            value(
+                "dlx_proxy_redrive_failed_total",
+                &[("cause", cause), ("queue", source), ("vhost", "/")]
+            ),
+            Some(*n),
+            "{metrics}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_redrive_to_sources_by_filter_and_to_one_queue() {
     let service = TokenService::start(BINARY, "dlx-proxy-redrive", TOKEN).await;
@@ -214,30 +254,13 @@ async fn embedded_redrive_to_sources_by_filter_and_to_one_queue() {
     assert_eq!(count(ch, &dlq).await, 0);
 
     // Metrics by target queue; writes need the token; a missing queue is a 404.
-    let metrics = scrape(admin).await;
-    let value = |name: &str, queue: &str| {
-        metric_value(&metrics, &series(name, &[("queue", queue), ("vhost", "/")]))
-    };
-    assert_eq!(
-        value("dlx_proxy_redriven_total", &work),
-        Some(2.0),
-        "{metrics}"
-    );
-    assert_eq!(
-        value("dlx_proxy_redriven_total", &other),
-        Some(2.0),
-        "{metrics}"
-    );
-    assert_eq!(
-        value("dlx_proxy_redriven_total", &park),
-        Some(1.0),
-        "{metrics}"
-    );
-    assert_eq!(
-        value("dlx_proxy_redrive_skipped_total", &dlq),
-        Some(2.0),
-        "{metrics}"
-    );
+    assert_redrive_metrics(
+        admin,
+        &[(&work, 2.0), (&other, 2.0), (&park, 1.0)],
+        (&dlq, 2.0),
+        &[],
+    )
+    .await;
     let body = serde_json::json!({"from": dlq}).to_string();
     let (status, _) = admin_call(admin, "POST", "/api/redrive", Some(&body), None).await;
     assert_eq!(status, 401);
@@ -588,36 +611,13 @@ async fn proxy_redrive_to_sources_by_filter_to_one_queue_and_a_missing_target() 
     assert_eq!(count(ch, &dlq).await, 0);
 
     // Metrics as in embedded mode; a missing queue is a 404.
-    let metrics = scrape(admin).await;
-    let value = |name: &str, queue: &str| {
-        metric_value(&metrics, &series(name, &[("queue", queue), ("vhost", "/")]))
-    };
-    assert_eq!(
-        value("dlx_proxy_redriven_total", &work),
-        Some(2.0),
-        "{metrics}"
-    );
-    assert_eq!(
-        value("dlx_proxy_redriven_total", &park),
-        Some(1.0),
-        "{metrics}"
-    );
-    assert_eq!(
-        value("dlx_proxy_redrive_skipped_total", &dlq),
-        Some(2.0),
-        "{metrics}"
-    );
-    assert_eq!(
-        metric_value(
-            &metrics,
-            &series(
-                "dlx_proxy_redrive_failed_total",
-                &[("cause", "no_queue"), ("queue", &dlq), ("vhost", "/")]
-            )
-        ),
-        Some(1.0),
-        "{metrics}"
-    );
+    assert_redrive_metrics(
+        admin,
+        &[(&work, 2.0), (&park, 1.0)],
+        (&dlq, 2.0),
+        &[("no_queue", 1.0)],
+    )
+    .await;
     let (status, answer) = post(admin, serde_json::json!({"from": unique("none")})).await;
     assert_eq!(status, 404, "{answer}");
 }
