@@ -18,14 +18,8 @@ SETTLE=${SETTLE:-15}
 OUT=$(mktemp -d /tmp/dlx-bench-memory.XXXXXX)
 echo 'int malloc_trim(unsigned long pad) { (void)pad; return 0; }' > "$OUT/notrim.c"
 cc -shared -fPIC -o "$OUT/notrim.so" "$OUT/notrim.c"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_port() {
-  for _ in $(seq 1 200); do
-    if (echo > "/dev/tcp/127.0.0.1/$1") 2>/dev/null; then return 0; fi
-    sleep 0.1
-  done
-  return 1
-}
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 run() {
   local label=$1 preload=$2 conf=$3 port pid
   port=$(free_port)
