@@ -5,4 +5,5 @@ pub mod codec;
 pub mod content;
 pub mod depth;
 pub mod headers;
+pub mod peek;
 pub mod reply;

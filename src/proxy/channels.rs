@@ -14,6 +14,33 @@ use bytes::{Bytes, BytesMut};
 
 use super::inflight::{ChannelDeliveries, KeptDelivery};
 
+/// A map keyed by channel number, looked up several times per forwarded frame. The keys are
+/// bounded by the negotiated channel_max (no peer can pick colliding keys at will), so a
+/// multiplicative hash does instead of SipHash, which profiles showed on the forwarding path.
+pub type ChannelMap<V> = HashMap<u16, V, std::hash::BuildHasherDefault<ChannelNumberHasher>>;
+
+/// Fibonacci hashing of a channel number: spreads consecutive numbers over the whole word
+/// (hashbrown takes its tag from the top bits).
+#[derive(Default, Clone, Copy)]
+pub struct ChannelNumberHasher(u64);
+
+impl std::hash::Hasher for ChannelNumberHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Not reached for u16 keys (write_u16 below); kept total for any other use.
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u16(&mut self, n: u16) {
+        self.0 = (u64::from(n) ^ self.0).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
 /// Where a channel is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ChannelPhase {
@@ -247,6 +274,23 @@ impl ClientChannel {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::hash::BuildHasher;
+
+    #[test]
+    fn channel_numbers_hash_apart_in_the_top_bits() {
+        let build = std::hash::BuildHasherDefault::<ChannelNumberHasher>::default();
+        let hashes: Vec<u64> = (0..=2047u16).map(|n| build.hash_one(n)).collect();
+        let distinct: std::collections::HashSet<u64> = hashes.iter().copied().collect();
+        assert_eq!(distinct.len(), hashes.len());
+        // hashbrown's 7-bit tag comes from the top bits: every tag is used.
+        let tags: std::collections::HashSet<u64> = hashes.iter().map(|h| h >> 57).collect();
+        assert_eq!(tags.len(), 128);
+        let mut map = ChannelMap::default();
+        for n in 1..=2047u16 {
+            map.insert(n, n);
+        }
+        assert!((1..=2047u16).all(|n| map.get(&n) == Some(&n)));
+    }
 
     #[test]
     fn empty_queue_names_mean_the_last_declared_queue() {

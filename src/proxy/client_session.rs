@@ -26,7 +26,7 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::ProxyShared;
-use super::channels::ClientChannel;
+use super::channels::{ChannelMap, ClientChannel};
 use super::handshake::Negotiated;
 use super::ops::Op;
 use super::outbox::Outbox;
@@ -96,10 +96,10 @@ pub(super) struct ClientSession {
     pub(super) last_client_rx: Instant,
     pub(super) last_upstream_rx: Instant,
     pub(super) last_upstream_tx: Instant,
-    pub(super) channels: HashMap<u16, ClientChannel>,
+    pub(super) channels: ChannelMap<ClientChannel>,
     pub(super) next_channel_id: u64,
     /// Channels the proxy closed upstream: close-oks still to swallow.
-    pub(super) upstream_drain: HashMap<u16, u32>,
+    pub(super) upstream_drain: ChannelMap<u32>,
     pub(super) inflight_bytes: usize,
     pub(super) inflight_count: usize,
     /// Client channels with upstream content in progress.
@@ -185,9 +185,9 @@ impl ClientSession {
             last_client_rx: now,
             last_upstream_rx: now,
             last_upstream_tx: now,
-            channels: HashMap::new(),
+            channels: ChannelMap::default(),
             next_channel_id: 1,
-            upstream_drain: HashMap::new(),
+            upstream_drain: ChannelMap::default(),
             inflight_bytes: 0,
             inflight_count: 0,
             incoming_in_progress: 0,

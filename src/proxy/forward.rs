@@ -25,6 +25,7 @@ use crate::amqp::codec::{
     FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, decode_method, decode_method_within,
     is_known_method,
 };
+use crate::amqp::peek;
 use crate::amqp::reply;
 
 /// How long the client gets to answer the proxy's closes.
@@ -420,19 +421,36 @@ impl ClientSession {
                 self.send_upstream(frame.raw);
             }
             BASIC_ACK | BASIC_REJECT | BASIC_NACK => {
-                let settle = match decode_method(&frame.payload) {
-                    Some(AMQPClass::Basic(basic::AMQPMethod::Ack(m))) => {
-                        Some((Verb::Ack, m.delivery_tag, m.multiple))
-                    }
-                    Some(AMQPClass::Basic(basic::AMQPMethod::Reject(m))) => {
-                        Some((Verb::Reject { requeue: m.requeue }, m.delivery_tag, false))
-                    }
-                    Some(AMQPClass::Basic(basic::AMQPMethod::Nack(m))) => Some((
-                        Verb::Nack { requeue: m.requeue },
-                        m.delivery_tag,
-                        m.multiple,
-                    )),
-                    _ => None,
+                // Read in place (every delivery is settled so); what does not read as one of
+                // the three is judged by the full decoder.
+                let settle = match peek::settle(&frame.payload) {
+                    Some(peek::Settle::Ack {
+                        delivery_tag,
+                        multiple,
+                    }) => Some((Verb::Ack, delivery_tag, multiple)),
+                    Some(peek::Settle::Reject {
+                        delivery_tag,
+                        requeue,
+                    }) => Some((Verb::Reject { requeue }, delivery_tag, false)),
+                    Some(peek::Settle::Nack {
+                        delivery_tag,
+                        multiple,
+                        requeue,
+                    }) => Some((Verb::Nack { requeue }, delivery_tag, multiple)),
+                    None => match decode_method(&frame.payload) {
+                        Some(AMQPClass::Basic(basic::AMQPMethod::Ack(m))) => {
+                            Some((Verb::Ack, m.delivery_tag, m.multiple))
+                        }
+                        Some(AMQPClass::Basic(basic::AMQPMethod::Reject(m))) => {
+                            Some((Verb::Reject { requeue: m.requeue }, m.delivery_tag, false))
+                        }
+                        Some(AMQPClass::Basic(basic::AMQPMethod::Nack(m))) => Some((
+                            Verb::Nack { requeue: m.requeue },
+                            m.delivery_tag,
+                            m.multiple,
+                        )),
+                        _ => None,
+                    },
                 };
                 match settle {
                     Some((verb, tag, multiple)) => self.client_settle(frame, verb, tag, multiple),
@@ -862,9 +880,8 @@ impl ClientSession {
         let ids = frame.method_ids();
         match ids {
             BASIC_DELIVER => {
-                let Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(deliver))) =
-                    decode_method(&frame.payload)
-                else {
+                // Read in place: one per message, forwarded as it came.
+                let Some(deliver) = peek::deliver(&frame.payload) else {
                     self.send_client(frame.raw);
                     return;
                 };
@@ -875,7 +892,7 @@ impl ClientSession {
                 let vhost = &self.vhost;
                 let keep = self.channels.get_mut(&channel).and_then(|ch| {
                     let open = ch.is_open();
-                    let source = ch.consumers.get_mut(deliver.consumer_tag.as_str())?;
+                    let source = ch.consumers.get_mut(deliver.consumer_tag)?;
                     if source.no_ack || !open || !keeps {
                         return None;
                     }
@@ -883,8 +900,7 @@ impl ClientSession {
                     let mut keep = KeepBuilder::new(
                         deliver.delivery_tag,
                         source.queue.clone(),
-                        with_content
-                            .then(|| (deliver.exchange.as_str(), deliver.routing_key.as_str())),
+                        with_content.then_some((deliver.exchange, deliver.routing_key)),
                         deliver.redelivered,
                     );
                     keep.timeout = source.consumer_timeout(shared, vhost);
@@ -894,9 +910,7 @@ impl ClientSession {
                 self.send_client(frame.raw);
             }
             BASIC_GET_OK => {
-                let Some(AMQPClass::Basic(basic::AMQPMethod::GetOk(get_ok))) =
-                    decode_method(&frame.payload)
-                else {
+                let Some(get_ok) = peek::get_ok(&frame.payload) else {
                     self.send_client(frame.raw);
                     return;
                 };
@@ -915,8 +929,7 @@ impl ClientSession {
                     let mut keep = KeepBuilder::new(
                         get_ok.delivery_tag,
                         source.queue,
-                        with_content
-                            .then(|| (get_ok.exchange.as_str(), get_ok.routing_key.as_str())),
+                        with_content.then_some((get_ok.exchange, get_ok.routing_key)),
                         get_ok.redelivered,
                     );
                     keep.timeout = timeout;
