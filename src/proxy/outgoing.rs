@@ -102,46 +102,50 @@ pub fn dead_letter_publish(
     body: Bytes,
 ) -> OutgoingMessage {
     let routing_key = keys.first().cloned().unwrap_or_default();
-    let mut headers = message
-        .properties
-        .headers()
-        .as_ref()
-        .map(|h| h.inner().clone())
-        .unwrap_or_default();
+    let current = message.properties.headers().as_ref().map(|h| h.inner());
+    let has = |name: &str| current.is_some_and(|h| h.contains_key(name));
     let cc = cc_keys(&message.properties);
-    let mut properties = message.properties.clone();
-    let mut changed = false;
-    if headers.contains_key(HEADER_CC) {
-        let kept: Vec<String> = cc.iter().filter(|k| keys.contains(k)).cloned().collect();
-        if kept.len() != cc.len() {
-            changed = true;
-            if kept.is_empty() {
-                headers.remove(HEADER_CC);
-            } else {
-                headers.insert(ShortString::from(HEADER_CC), long_strings(&kept));
-            }
-        }
-    }
+    // CC keys the publish does not route with are dropped from the header.
+    let kept_cc: Option<Vec<String>> = has(HEADER_CC)
+        .then(|| cc.iter().filter(|k| keys.contains(k)).cloned().collect())
+        .filter(|kept: &Vec<String>| kept.len() != cc.len());
     let extra: Vec<String> = keys
         .iter()
         .skip(1)
         .filter(|k| **k != routing_key && !cc.contains(k))
         .cloned()
         .collect();
-    if !extra.is_empty() {
-        changed = true;
-        headers.insert(ShortString::from(HEADER_BCC), long_strings(&extra));
-        headers.insert(ShortString::from(PRIVATE_BCC_HEADER), long_strings(&extra));
-    } else if headers.remove(PRIVATE_BCC_HEADER).is_some() {
-        changed = true;
-    }
-    if changed {
-        properties = properties.with_headers(FieldTable::from(headers));
-    }
+    let raw_properties = if kept_cc.is_none() && extra.is_empty() && !has(PRIVATE_BCC_HEADER) {
+        // The common case: the headers go out as the rewrite left them, with no copy.
+        encode_properties(&message.properties)
+    } else {
+        let mut headers = current.cloned().unwrap_or_default();
+        match kept_cc {
+            Some(kept) if kept.is_empty() => {
+                headers.remove(HEADER_CC);
+            }
+            Some(kept) => {
+                headers.insert(ShortString::from(HEADER_CC), long_strings(&kept));
+            }
+            None => {}
+        }
+        if extra.is_empty() {
+            headers.remove(PRIVATE_BCC_HEADER);
+        } else {
+            headers.insert(ShortString::from(HEADER_BCC), long_strings(&extra));
+            headers.insert(ShortString::from(PRIVATE_BCC_HEADER), long_strings(&extra));
+        }
+        encode_properties(
+            &message
+                .properties
+                .clone()
+                .with_headers(FieldTable::from(headers)),
+        )
+    };
     OutgoingMessage {
         exchange: message.exchange.clone(),
         routing_key,
-        raw_properties: encode_properties(&properties),
+        raw_properties,
         body,
     }
 }
