@@ -255,17 +255,35 @@ fn delivery(channel: u16, tag: u64, queue: &str) -> Bytes {
     out.freeze()
 }
 
-/// A running session whose client consumes from "q" (dead-letter exchange "dlx"), got
-/// delivery 7 and rejected it. Returns the harness and the publisher channel.
+/// [`consuming`] from a queue with dead-letter exchange "dlx", and delivery 7 rejected.
 async fn rejected() -> (Harness, u16) {
+    let (mut h, publisher) = consuming(&[(
+        "x-dead-letter-exchange",
+        AMQPValue::LongString("dlx".into()),
+    )])
+    .await;
+    // The client rejects it: the proxy publishes the dead letter itself, nothing goes
+    // upstream on the client's channel yet.
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject {
+            delivery_tag: 7,
+            requeue: false,
+        })),
+    ));
+    (h, publisher)
+}
+
+/// A running session whose client consumes from "q" (with these arguments, as a verified
+/// declare of any instance left them) and got delivery 7 ("m"). Returns the harness and the
+/// publisher channel.
+async fn consuming(arguments: &[(&str, AMQPValue)]) -> (Harness, u16) {
     let mut h = Harness::new();
     let publisher = h.open(0);
-    // The queue's settings, as a verified declare of any instance left them.
     let mut args = FieldTable::default();
-    args.insert(
-        "x-dead-letter-exchange".into(),
-        AMQPValue::LongString("dlx".into()),
-    );
+    for (name, value) in arguments {
+        args.insert((*name).into(), value.clone());
+    }
     h.session.shared.queues.record(
         "/",
         "q",
@@ -313,16 +331,6 @@ async fn rejected() -> (Harness, u16) {
         ),
         "{got:?}"
     );
-
-    // The client rejects it: the proxy publishes the dead letter itself, nothing goes
-    // upstream on the client's channel yet.
-    h.client_sends(method_frame(
-        1,
-        AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject {
-            delivery_tag: 7,
-            requeue: false,
-        })),
-    ));
     (h, publisher)
 }
 
@@ -427,5 +435,162 @@ async fn a_nacked_dead_letter_is_held_not_settled_and_published_again_after_the_
     assert!(
         text.contains(r#"dlx_proxy_dead_letter_retries_total{reason="nacked"} 1"#),
         "{text}"
+    );
+}
+
+/// The publish the proxy made on its publisher channel: (exchange, routing key, headers).
+fn published(frames: &[WireFrame], publisher: u16) -> (String, String, FieldTable) {
+    assert!(frames.iter().all(|f| f.channel == publisher), "{frames:?}");
+    let Some(AMQPClass::Basic(basic::AMQPMethod::Publish(p))) = decode_method(&frames[0].payload)
+    else {
+        panic!("{frames:?}");
+    };
+    let props = decode_properties(&frames[1].payload[12..]).unwrap();
+    (
+        p.exchange.to_string(),
+        p.routing_key.to_string(),
+        props.headers().clone().unwrap_or_default(),
+    )
+}
+
+fn confirm(publisher: u16, tag: u64) -> Bytes {
+    method_frame(
+        publisher,
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag: tag,
+            multiple: false,
+        })),
+    )
+}
+
+#[tokio::test]
+async fn requeues_past_a_classic_queues_delivery_limit_are_counted_then_dead_lettered() {
+    let (mut h, publisher) = consuming(&[
+        (
+            "x-dead-letter-exchange",
+            AMQPValue::LongString("dlx".into()),
+        ),
+        ("x-delivery-limit", AMQPValue::LongInt(1)),
+    ])
+    .await;
+    let nack_requeue = |tag| {
+        method_frame(
+            1,
+            AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                delivery_tag: tag,
+                multiple: false,
+                requeue: true,
+            })),
+        )
+    };
+    // First requeue: the proxy puts the message back at the tail with its count (RabbitMQ's
+    // classic queues do not count), and acks the original once that is confirmed.
+    h.client_sends(nack_requeue(7));
+    let (exchange, key, headers) = published(&h.upstream_got_frames(), publisher);
+    assert_eq!((exchange.as_str(), key.as_str()), ("", "q"));
+    assert_eq!(
+        headers.inner().get("x-delivery-count"),
+        Some(&AMQPValue::LongLongInt(1))
+    );
+    h.upstream_sends(confirm(publisher, 1));
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))] if a.delivery_tag == 7
+    ));
+    // It comes back carrying the count; a second requeue is past the limit: dead-lettered.
+    let mut again = BytesMut::new();
+    again.extend_from_slice(&method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+            consumer_tag: "ctag".into(),
+            delivery_tag: 8,
+            redelivered: false,
+            exchange: "".into(),
+            routing_key: "q".into(),
+        })),
+    ));
+    let mut counted = FieldTable::default();
+    counted.insert("x-delivery-count".into(), AMQPValue::LongLongInt(1));
+    let props =
+        crate::amqp::content::encode_properties(&BasicProperties::default().with_headers(counted));
+    put_content(&mut again, 1, &props, b"m", 131_072);
+    h.upstream_sends(again.freeze());
+    h.client_got();
+    h.client_sends(nack_requeue(8));
+    let (exchange, key, headers) = published(&h.upstream_got_frames(), publisher);
+    assert_eq!((exchange.as_str(), key.as_str()), ("dlx", "q"));
+    let Some(AMQPValue::FieldArray(deaths)) = headers.inner().get("x-death") else {
+        panic!("{headers:?}");
+    };
+    let AMQPValue::FieldTable(death) = &deaths.as_slice()[0] else {
+        panic!("{deaths:?}");
+    };
+    assert_eq!(
+        death.inner().get("reason"),
+        Some(&AMQPValue::LongString("delivery_limit".into()))
+    );
+    assert_eq!(headers.inner().get("x-delivery-count"), None);
+    h.upstream_sends(confirm(publisher, 2));
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))] if a.delivery_tag == 8
+    ));
+    let text = h.session.shared.metrics.encode();
+    assert!(
+        text.contains(
+            r#"dlx_proxy_dead_lettered_total{queue="q",reason="delivery_limit",vhost="/"} 1"#
+        ),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_delivery_held_past_its_consumer_timeout_closes_the_channel_on_both_sides() {
+    let (mut h, _) = consuming(&[("x-consumer-timeout", AMQPValue::LongInt(1000))]).await;
+    let start = h.now;
+    let due = h.session.next_deadline().expect("the delivery's deadline");
+    assert!(
+        due >= start + Duration::from_millis(999) && due <= start + Duration::from_millis(1001),
+        "{:?}",
+        due - start
+    );
+    h.at(start + Duration::from_millis(999));
+    assert!(h.client_got().is_empty());
+    h.at(due);
+    let (code, text) = match &h.client_got()[..] {
+        [(1, AMQPClass::Channel(channel::AMQPMethod::Close(c)))] => {
+            (c.reply_code, c.reply_text.to_string())
+        }
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(code, reply::PRECONDITION_FAILED);
+    assert!(
+        text.starts_with(
+            "PRECONDITION_FAILED - delivery acknowledgement on channel 1 timed out. Timeout \
+             value used: 1000 ms."
+        ),
+        "{text}"
+    );
+    // Closed upstream as if the client had closed it: the upstream requeues the delivery.
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Channel(channel::AMQPMethod::Close(_)))]
+    ));
+    // Each side's close-ok ends its half; neither is passed to the other.
+    h.upstream_sends(method_frame(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+    ));
+    assert!(h.client_got().is_empty());
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+    ));
+    assert!(h.upstream_got().is_empty());
+    assert!(h.session.channels.is_empty());
+    let metrics = h.session.shared.metrics.encode();
+    assert!(
+        metrics.contains(r#"dlx_proxy_consumer_timeouts_total{queue="q",vhost="/"} 1"#),
+        "{metrics}"
     );
 }
