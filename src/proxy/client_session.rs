@@ -31,6 +31,7 @@ use super::handshake::Negotiated;
 use super::ops::Op;
 use super::outbox::Outbox;
 use super::pending::{HeldDeclare, PendingCheck, PendingRead};
+use super::policy_sync::management::ArgumentsListing;
 use super::probe::{CheckAnswer, CheckChannel};
 use super::publisher::{OpId, Outcome, Publisher};
 use super::retry::RetrySchedule;
@@ -130,6 +131,9 @@ pub(super) struct ClientSession {
     /// waited for (client reads pause meanwhile).
     pub(super) service_answer: Option<oneshot::Receiver<CheckAnswer>>,
     pub(super) service_deadline: Option<Instant>,
+    /// The management API's listing of the queue of `pending_read`, asked when the reply
+    /// texts could not finish the read-back (client reads pause meanwhile).
+    pub(super) listing_answer: Option<oneshot::Receiver<ArgumentsListing>>,
     /// A queue.declare naming the capture exchange, waiting for the capture objects to exist
     /// (client reads pause meanwhile).
     pub(super) held_for_capture: Option<HeldDeclare>,
@@ -202,6 +206,7 @@ impl ClientSession {
             service_outcomes: mpsc::unbounded_channel(),
             service_answer: None,
             service_deadline: None,
+            listing_answer: None,
             held_for_capture: None,
             held_channel_open: None,
             ops: HashMap::new(),

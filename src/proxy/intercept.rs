@@ -27,6 +27,7 @@ use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{delivery_count, delivery_routing_keys, requeue_publish};
 use super::pending::{HeldDeclare, PendingCheck, PendingRead};
 use super::permission::{self, Permission};
+use super::policy_sync::management::{ArgumentsListing, lookup_queue_arguments};
 use super::probe::{CheckAnswer, CheckRequest};
 use super::publisher::{OpId, Outcome, OutgoingMessage};
 use super::readback::{ReadBack, ReadNext, ReadOutcome};
@@ -497,20 +498,54 @@ impl ClientSession {
             }
             ReadNext::Done(outcome) => outcome,
         };
+        if outcome == ReadOutcome::Unknown
+            && let Some(management) = self.shared.management.as_ref()
+        {
+            // The reply texts could not tell (cut at 255 bytes, most often): the management
+            // API lists the arguments whole. The client's method waits for its answer.
+            self.listing_answer = Some(lookup_queue_arguments(
+                management,
+                &self.vhost,
+                &pending.queue,
+            ));
+            self.pending_read = Some(pending);
+            return;
+        }
+        self.finish_read(pending.frame, &pending.queue, outcome);
+    }
+
+    /// The management API answered the listing asked by [`Self::on_read_answer`] (`None`: the
+    /// lookup task ended without an answer).
+    pub(super) fn on_listing_answer(&mut self, answer: Option<ArgumentsListing>) {
+        self.listing_answer = None;
+        let Some(PendingRead { frame, queue, read }) = self.pending_read.take() else {
+            return;
+        };
+        let outcome = match answer {
+            Some(Ok(listing)) => read.from_listing(listing.as_ref()),
+            Some(Err(why)) => {
+                tracing::warn!(queue = &*queue, %why, "management API did not list the queue");
+                ReadOutcome::Unknown
+            }
+            None => ReadOutcome::Unknown,
+        };
+        self.finish_read(frame, &queue, outcome);
+    }
+
+    /// Caches what a read-back learned and lets the client's method go.
+    fn finish_read(&mut self, frame: WireFrame, queue: &str, outcome: ReadOutcome) {
         match outcome {
             ReadOutcome::Learned(verified) => {
-                self.shared
-                    .queues
-                    .record(&self.vhost, &pending.queue, verified)
+                self.shared.queues.record(&self.vhost, queue, verified)
             }
-            ReadOutcome::Missing => self.shared.queues.forget(&self.vhost, &pending.queue),
+            ReadOutcome::Missing => self.shared.queues.forget(&self.vhost, queue),
             ReadOutcome::Unknown => {
-                tracing::debug!(queue = &*pending.queue, "queue arguments not readable");
+                tracing::debug!(queue, "queue arguments not readable");
             }
         }
-        let channel = pending.frame.channel;
+        let channel = frame.channel;
         if self.channels.get(&channel).is_some_and(|ch| ch.is_open()) {
-            self.client_method_now(pending.frame);
+            self.client_method_now(frame);
         }
     }
 

@@ -124,9 +124,11 @@
 //! - a queue this instance has not verified (its clients did not declare it through this
 //!   instance since it started) is read back from the upstream at the first basic.consume or
 //!   basic.get on it ([`readback`]), by the vhost's service connection: a passive declare,
-//!   then one non-passive declare per argument RabbitMQ names, a round trip each. A queue
-//!   that cannot be read (a reply cut at 255 bytes, exclusive to another connection, no
-//!   configure permission for the service user) is tried again at
+//!   then one non-passive declare per argument RabbitMQ names, a round trip each; what those
+//!   replies cannot tell (a reply cut at 255 bytes, most often) is read from the management
+//!   API's listing of the queue when `upstream.management_url` is set. A queue
+//!   that cannot be read (a reply cut at 255 bytes without the management API, exclusive to
+//!   another connection, no configure permission for the service user) is tried again at
 //!   the next consume or get; meanwhile its rejections are passed through (they still reach
 //!   the dead-letter exchange through the capture) and its requeues are not counted against a
 //!   classic queue's delivery limit. A queue deleted in the round trip between the passive
@@ -286,6 +288,9 @@ pub struct ProxyShared {
     /// `proxy.capture_ready_timeout_secs`: how long a declare naming the capture exchange
     /// waits for the vhost's capture objects.
     pub(crate) capture_ready_timeout: Duration,
+    /// The upstream's management API (`upstream.management_url`, as the service identity):
+    /// where a read-back that the reply texts cannot finish asks for the queue's arguments.
+    pub(crate) management: Option<policy_sync::management::ManagementClient>,
 }
 
 impl std::fmt::Debug for ProxyShared {
@@ -334,7 +339,22 @@ impl ProxyShared {
         let dead_letter_options = DeadLetterOptions::from_config(&config.dead_letter)
             .map_err(|e| anyhow::anyhow!("dead_letter.compat: {e}"))?;
         let limits = &config.limits;
+        let management = if config.upstream.management_url.is_empty() {
+            None
+        } else {
+            let endpoint =
+                policy_sync::management::ManagementEndpoint::parse(&config.upstream.management_url)
+                    .map_err(|e| anyhow::anyhow!("upstream.management_url: {e}"))?;
+            let (user, password) = crate::config::service_credentials(config);
+            Some(policy_sync::management::ManagementClient::new(
+                endpoint,
+                &user,
+                &password,
+                Duration::from_secs(config.upstream.connect_timeout_secs.max(1) * 2),
+            ))
+        };
         Ok(Arc::new(ProxyShared {
+            management,
             upstream,
             policies,
             queues: QueueRegistry::new(

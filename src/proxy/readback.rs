@@ -177,6 +177,30 @@ impl ReadBack {
         ReadNext::Declare(self.request())
     }
 
+    /// What the management API listed for the queue (`None`: the queue does not exist), read
+    /// as the rounds would have read it. The fallback for a read-back the reply texts cannot
+    /// finish: RabbitMQ cuts them at 255 bytes, so long queue, exchange or routing-key names
+    /// leave the current value unreadable ([`ReadOutcome::Unknown`]).
+    pub fn from_listing(
+        mut self,
+        listing: Option<&serde_json::Map<String, serde_json::Value>>,
+    ) -> ReadOutcome {
+        let Some(listed) = listing else {
+            return ReadOutcome::Missing;
+        };
+        let mut arguments = FieldTable::default();
+        for (name, value) in listed {
+            let (Ok(key), Some(value)) =
+                (ShortString::try_new(name.as_str()), json_value(value, 0))
+            else {
+                return ReadOutcome::Unknown;
+            };
+            arguments.insert(key, value);
+        }
+        self.declare.arguments = arguments;
+        self.outcome()
+    }
+
     /// The queue's arguments in the client's terms.
     fn outcome(&self) -> ReadOutcome {
         let arguments = &self.declare.arguments;
@@ -213,6 +237,45 @@ impl ReadBack {
             Err(_) => ReadOutcome::Unknown,
         }
     }
+}
+
+/// Deepest nesting read from a management listing (queue arguments are flat in practice).
+const LISTING_DEPTH: usize = 8;
+
+/// A JSON value of a management listing as the AMQP value RabbitMQ compares as equal:
+/// strings as longstr, integers by value, booleans, arrays and tables; `None` past
+/// [`LISTING_DEPTH`] or for what AMQP has no value for.
+fn json_value(value: &serde_json::Value, depth: usize) -> Option<AMQPValue> {
+    use serde_json::Value;
+    if depth > LISTING_DEPTH {
+        return None;
+    }
+    Some(match value {
+        Value::String(text) => AMQPValue::LongString(LongString::from(text.as_str())),
+        Value::Bool(b) => AMQPValue::Boolean(*b),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => AMQPValue::LongLongInt(i),
+            None => AMQPValue::Double(n.as_f64()?),
+        },
+        Value::Array(items) => AMQPValue::FieldArray(
+            items
+                .iter()
+                .map(|v| json_value(v, depth + 1))
+                .collect::<Option<Vec<_>>>()?
+                .into(),
+        ),
+        Value::Object(fields) => {
+            let mut table = FieldTable::default();
+            for (name, v) in fields {
+                table.insert(
+                    ShortString::try_new(name.as_str()).ok()?,
+                    json_value(v, depth + 1)?,
+                );
+            }
+            AMQPValue::FieldTable(table)
+        }
+        Value::Null => AMQPValue::Void,
+    })
 }
 
 /// The current value of `none but current is the value 'X' of type 'T'`, as an AMQP value

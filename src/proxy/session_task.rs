@@ -22,6 +22,7 @@ use super::ProxyShared;
 use super::busy_poll::BusyPoll;
 use super::client_session::ClientSession;
 use super::outbox::SocketWriter;
+use super::policy_sync::management::ArgumentsListing;
 use super::probe::CheckAnswer;
 use super::publisher::{OpId, Outcome};
 use super::service::Status;
@@ -48,6 +49,8 @@ enum Event {
     CaptureDeclared,
     /// The service connection answered a declare (`None`: it was lost before answering).
     ServiceAnswer(Option<CheckAnswer>),
+    /// The management API listed a queue's arguments for a read-back (`None`: no answer).
+    Listing(Option<ArgumentsListing>),
     /// A dead letter the service connection published for this session ended.
     ServiceOutcome(Option<(OpId, Outcome)>),
     /// Nothing was ready; the task yielded instead of sleeping.
@@ -147,10 +150,14 @@ pub(super) async fn run<S>(
         let poll_again = busy_poll.should_poll(now);
         let held = session.held_for_capture.is_some();
         let judging = session.service_answer.is_some();
+        let listing = session.listing_answer.is_some();
         let event = tokio::select! {
             _ = capture_declared(&mut session.capture_status), if held => Event::CaptureDeclared,
             answer = service_answer(&mut session.service_answer), if judging => {
                 Event::ServiceAnswer(answer)
+            }
+            answer = listing_answer(&mut session.listing_answer), if listing => {
+                Event::Listing(answer)
             }
             outcome = session.service_outcomes.1.recv() => Event::ServiceOutcome(outcome),
             frame = client_reader.next(), if read_client => Event::Client(frame),
@@ -179,6 +186,7 @@ pub(super) async fn run<S>(
             Event::Shutdown => session.on_shutdown(),
             Event::CaptureDeclared => session.resume_held_declare(),
             Event::ServiceAnswer(answer) => session.on_service_answer(answer),
+            Event::Listing(answer) => session.on_listing_answer(answer),
             Event::ServiceOutcome(outcome) => {
                 // The session holds a sender itself, so the channel never ends.
                 if let Some((op, outcome)) = outcome {
@@ -206,6 +214,16 @@ async fn capture_declared(status: &mut Option<watch::Receiver<Status>>) {
         return;
     }
     std::future::pending::<()>().await
+}
+
+/// The management API's listing for a read-back; `None` when the lookup ended without one.
+async fn listing_answer(
+    answer: &mut Option<oneshot::Receiver<ArgumentsListing>>,
+) -> Option<ArgumentsListing> {
+    match answer.as_mut() {
+        Some(receiver) => receiver.await.ok(),
+        None => std::future::pending().await,
+    }
 }
 
 /// The service connection's answer to this session's declare; `None` when it was lost first.

@@ -326,7 +326,8 @@ async fn f2_every_reject_through_an_instance_that_was_told_no_dlx_is_dead_letter
 /// The names are short on purpose: an instance that did not see the declare reads the queue's
 /// settings back from RabbitMQ's reply texts, which RabbitMQ cuts at 255 bytes; with long
 /// queue and dead-letter names that read-back fails and the instance passes requeues through
-/// uncounted (a documented limit, docs/semantics.md).
+/// uncounted (a documented limit, docs/semantics.md, lifted by `upstream.management_url`:
+/// proxy_upstream_policies.rs tests that).
 async fn limited_queue(fleet: &Fleet, prefix: &str) -> (String, String, String) {
     use std::sync::atomic::{AtomicU32, Ordering};
     static N: AtomicU32 = AtomicU32::new(0);

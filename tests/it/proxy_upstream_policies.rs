@@ -427,3 +427,93 @@ async fn the_sync_routes_into_the_capture_follows_the_admin_api_and_counts_failu
     // The policy of the first proxy is left alone by a proxy that cannot reach the API.
     assert!(named(&upstream_policies(node).await, "dlx-proxy.early-ttl").is_some());
 }
+
+/// Gets the one message of `queue` through `ch` and requeues it until it stops coming (or 10
+/// times); returns how often it was delivered.
+async fn requeue_until_gone(ch: &lapin::Channel, queue: &str) -> usize {
+    let mut deliveries = 0;
+    while deliveries < 10 {
+        let Some(delivery) = common::dl::get(ch, queue).await else {
+            // A requeue or a dead letter may still be on its way.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            match common::dl::get(ch, queue).await {
+                Some(delivery) => {
+                    deliveries += 1;
+                    common::dl::nack(ch, delivery.delivery_tag, false, true).await;
+                    continue;
+                }
+                None => break,
+            }
+        };
+        deliveries += 1;
+        common::dl::nack(ch, delivery.delivery_tag, false, true).await;
+    }
+    deliveries
+}
+
+/// A classic queue with x-delivery-limit 2 whose names are too long for RabbitMQ's reply texts
+/// (cut at 255 bytes), declared through `declaring` and holding one message "m"; requeued
+/// through `counting` until it stops coming. Returns (deliveries, DLQ message count).
+async fn long_named_limit(declaring: &ProxyProcess, counting: &ProxyProcess) -> (usize, u32) {
+    let queue = format!("{}-{}", unique("long-limit"), "q".repeat(150));
+    let dlx = format!("{}-{}", unique("long-dlx"), "x".repeat(120));
+    let dlq = unique("long-dlq");
+    let a = declaring.connect().await;
+    let ch = a.create_channel().await.unwrap();
+    declare_dlx(&ch, &dlx, &dlq).await;
+    let args = common::dl::table(&[
+        ("x-dead-letter-exchange", common::dl::ls(&dlx)),
+        ("x-dead-letter-routing-key", common::dl::ls(&dlq)),
+        ("x-delivery-limit", lapin::types::AMQPValue::LongInt(2)),
+    ]);
+    common::dl::declare(&ch, &queue, args).await;
+    publish(&ch, &queue, &["m"]).await;
+    let b = counting.connect().await;
+    let ch_b = b.create_channel().await.unwrap();
+    let deliveries = requeue_until_gone(&ch_b, &queue).await;
+    let dead = poll(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        async || {
+            let n = crate::proxy_support::message_count(&ch, &dlq).await;
+            (n > 0).then_some(n)
+        },
+    )
+    .await
+    .unwrap_or(0);
+    if dead > 0 {
+        let letter = get(&ch, &dlq).await.expect("the dead letter");
+        assert_eq!(payload(&letter), "m");
+        assert_first_death(&letter, "delivery_limit", &queue, "");
+    }
+    let _ = a.close(200, "done".into()).await;
+    let _ = b.close(200, "done".into()).await;
+    (deliveries, dead)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_that_did_not_see_the_declare_reads_long_names_from_the_management_api() {
+    let node = node();
+    let capture = unique("capture");
+    let plain = ProxyProcess::spawn(&fleet_toml(&[node.uri()], &[], &capture, "")).await;
+    let other_plain = ProxyProcess::spawn(&fleet_toml(&[node.uri()], &[], &capture, "")).await;
+    let with_api = ProxyProcess::spawn(&fleet_toml(
+        &[node.uri()],
+        &[],
+        &capture,
+        &management_toml(node, "guest", "guest"),
+    ))
+    .await;
+    // The reply texts cannot carry these names: an instance reading the queue back through
+    // them alone passes the requeues through uncounted (the documented limit without the API).
+    let (deliveries, dead) = long_named_limit(&plain, &other_plain).await;
+    assert_eq!((deliveries, dead), (10, 0), "without the management API");
+    // With the management API the instance that did not see the declare reads the limit.
+    let (deliveries, dead) = long_named_limit(&plain, &with_api).await;
+    assert_eq!(
+        (deliveries, dead),
+        (3, 1),
+        "x-delivery-limit 2: the third requeue dead-letters"
+    );
+    drop((plain, other_plain, with_api));
+}

@@ -176,6 +176,30 @@ impl ManagementClient {
     }
 }
 
+/// What [`lookup_queue_arguments`] answers: the queue's arguments, `None` when it does not
+/// exist, or why the API could not say.
+pub type ArgumentsListing = Result<Option<serde_json::Map<String, Value>>, String>;
+
+/// Asks the management API for the arguments of queue `name` in `vhost` on a task of its own
+/// (one connection, the client's timeouts); the answer comes on the returned receiver.
+pub fn lookup_queue_arguments(
+    client: &ManagementClient,
+    vhost: &str,
+    name: &str,
+) -> tokio::sync::oneshot::Receiver<ArgumentsListing> {
+    let (answer, receiver) = tokio::sync::oneshot::channel();
+    let (client, vhost, name) = (client.clone(), vhost.to_string(), name.to_string());
+    tokio::spawn(async move {
+        let listing = async {
+            let mut session = client.session().await?;
+            session.queue_arguments(&vhost, &name).await
+        }
+        .await;
+        let _ = answer.send(listing.map_err(|e| e.to_string()));
+    });
+    receiver
+}
+
 /// A connection to the management API, used for one round of calls.
 pub struct ManagementSession {
     client: ManagementClient,
@@ -236,6 +260,32 @@ impl ManagementSession {
             Ok(_) => Ok(true),
             Err(err) if err.is_not_found() => Ok(false),
             Err(err) => Err(err),
+        }
+    }
+
+    /// The arguments of queue `name` in `vhost` as `GET /api/queues/{vhost}/{name}` lists
+    /// them (`None`: no such queue).
+    pub async fn queue_arguments(
+        &mut self,
+        vhost: &str,
+        name: &str,
+    ) -> Result<Option<serde_json::Map<String, Value>>, ManagementError> {
+        let path = format!("/api/queues/{}/{}", segment(vhost), segment(name));
+        let answer = match self.call(Method::GET, &path, None, &[StatusCode::OK]).await {
+            Ok(answer) => answer,
+            Err(err) if err.is_not_found() => return Ok(None),
+            Err(err) => return Err(err),
+        };
+        let queue: Value = serde_json::from_slice(&answer).map_err(|e| ManagementError::Body {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        match queue.get("arguments") {
+            Some(Value::Object(arguments)) => Ok(Some(arguments.clone())),
+            _ => Err(ManagementError::Body {
+                path,
+                reason: "no arguments object".into(),
+            }),
         }
     }
 

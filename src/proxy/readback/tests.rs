@@ -199,3 +199,68 @@ fn is_bounded_and_gives_up_on_what_it_cannot_read() {
         ReadNext::Done(ReadOutcome::Unknown)
     );
 }
+
+/// A listing as `GET /api/queues/{vhost}/{name}` gives its `arguments`.
+fn listing(json: serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+    match json {
+        serde_json::Value::Object(map) => map,
+        other => panic!("{other}"),
+    }
+}
+
+#[test]
+fn a_management_listing_reads_a_proxy_queue_whatever_the_length_of_its_names() {
+    let long = "d".repeat(200);
+    let tag = CaptureTag {
+        dead_letter_exchange: Some(long.clone()),
+        dead_letter_routing_key: None,
+        delivery_limit: Some(2),
+        retry_delays: None,
+    };
+    let queue = "q".repeat(200);
+    let read = ReadBack::new(&queue, "/", CAPTURE).unwrap();
+    let listed = listing(serde_json::json!({
+        "x-dead-letter-exchange": CAPTURE,
+        "x-dead-letter-routing-key": tag.encode().unwrap(),
+        "x-message-ttl": 60000,
+    }));
+    let ReadOutcome::Learned(VerifiedQueue::Proxied(args)) = read.from_listing(Some(&listed))
+    else {
+        panic!("not read as a proxy queue");
+    };
+    assert_eq!(args.dead_letter_exchange.as_deref(), Some(long.as_str()));
+    assert_eq!(args.delivery_limit, Some(2));
+    assert_eq!(args.message_ttl, Some(60000));
+}
+
+#[test]
+fn a_management_listing_reads_an_upstream_owned_queue_a_stream_or_a_missing_one() {
+    let read = || ReadBack::new("q", "/", CAPTURE).unwrap();
+    let listed = listing(serde_json::json!({
+        "x-dead-letter-exchange": "dlx",
+        "x-queue-type": "quorum",
+        "x-delivery-limit": 5,
+    }));
+    let ReadOutcome::Learned(VerifiedQueue::UpstreamOwned(args)) =
+        read().from_listing(Some(&listed))
+    else {
+        panic!("not upstream-owned");
+    };
+    assert_eq!(args.dead_letter_exchange.as_deref(), Some("dlx"));
+    assert_eq!(args.queue_type, QueueType::Quorum);
+    assert_eq!(args.delivery_limit, Some(5));
+    let stream = listing(serde_json::json!({"x-queue-type": "stream"}));
+    assert_eq!(
+        read().from_listing(Some(&stream)),
+        ReadOutcome::Learned(VerifiedQueue::PassedThrough)
+    );
+    assert_eq!(read().from_listing(None), ReadOutcome::Missing);
+    // What RabbitMQ would refuse, or a tag that does not decode, is not guessed at.
+    let bad = listing(serde_json::json!({"x-max-length": "many"}));
+    assert_eq!(read().from_listing(Some(&bad)), ReadOutcome::Unknown);
+    let bad_tag = listing(serde_json::json!({
+        "x-dead-letter-exchange": CAPTURE,
+        "x-dead-letter-routing-key": "dlx-proxy:{not json",
+    }));
+    assert_eq!(read().from_listing(Some(&bad_tag)), ReadOutcome::Unknown);
+}
