@@ -348,7 +348,14 @@ impl ClientSession {
         next
     }
 
-    pub(super) fn client_read(&mut self, frame: Option<Result<WireFrame, FrameError>>) {
+    /// A frame read from the client at `now` (`None`: the client closed its socket; `Err`: a
+    /// read failed or the bytes are not a frame).
+    pub(super) fn client_read(
+        &mut self,
+        frame: Option<Result<WireFrame, FrameError>>,
+        now: Instant,
+    ) {
+        self.now = now;
         match frame {
             Some(Ok(frame)) => {
                 self.last_client_rx = self.now;
@@ -374,7 +381,13 @@ impl ClientSession {
         }
     }
 
-    pub(super) fn upstream_read(&mut self, frame: Option<Result<WireFrame, FrameError>>) {
+    /// A frame read from the upstream at `now` (as [`Self::client_read`]).
+    pub(super) fn upstream_read(
+        &mut self,
+        frame: Option<Result<WireFrame, FrameError>>,
+        now: Instant,
+    ) {
+        self.now = now;
         match frame {
             Some(Ok(frame)) => {
                 self.last_upstream_rx = self.now;
@@ -413,7 +426,10 @@ impl ClientSession {
         }
     }
 
+    /// The time is `now`: deadlines that passed (heartbeats, confirms, retries, consumer
+    /// timeouts, closes, the handshake) take effect.
     pub(super) fn on_timer(&mut self, now: Instant) {
+        self.now = now;
         if now >= self.tally_since + TALLY_FLUSH {
             self.flush_traffic();
         }

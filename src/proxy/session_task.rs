@@ -175,11 +175,11 @@ pub(super) async fn run<S>(
         match event {
             Event::Client(frame) => {
                 busy_poll.traffic(session.now);
-                session.client_read(frame);
+                session.client_read(frame, session.now);
             }
             Event::Upstream(frame) => {
                 busy_poll.traffic(session.now);
-                session.upstream_read(frame);
+                session.upstream_read(frame, session.now);
             }
             Event::Wrote => busy_poll.traffic(session.now),
             Event::Timer => session.on_timer(session.now),
@@ -256,13 +256,13 @@ fn handle_buffered<C, U>(
         if session.wants_client_frames()
             && let Some(frame) = client.buffered()
         {
-            session.client_read(Some(frame));
+            session.client_read(Some(frame), session.now);
             handled = true;
         }
         if session.wants_upstream_frames()
             && let Some(frame) = upstream.buffered()
         {
-            session.upstream_read(Some(frame));
+            session.upstream_read(Some(frame), session.now);
             handled = true;
         }
         if !handled {

@@ -35,21 +35,18 @@ impl Harness {
 
     fn client_sends(&mut self, bytes: Bytes) {
         for f in frames(&bytes) {
-            self.session.now = self.now;
-            self.session.client_read(Some(Ok(f)));
+            self.session.client_read(Some(Ok(f)), self.now);
         }
     }
 
     fn upstream_sends(&mut self, bytes: Bytes) {
         for f in frames(&bytes) {
-            self.session.now = self.now;
-            self.session.upstream_read(Some(Ok(f)));
+            self.session.upstream_read(Some(Ok(f)), self.now);
         }
     }
 
     fn at(&mut self, now: Instant) {
         self.now = now;
-        self.session.now = now;
         self.session.on_timer(now);
     }
 
@@ -173,7 +170,7 @@ async fn the_handshake_passes_through_and_the_proxy_opens_its_publisher_channel(
 async fn an_upstream_that_goes_away_gets_the_client_a_320_and_the_connection_ends_on_close_ok() {
     let mut h = Harness::new();
     h.open(0);
-    h.session.upstream_read(None);
+    h.session.upstream_read(None, h.now);
     let (code, text) = connection_close(&h.client_got());
     assert_eq!(code, reply::CONNECTION_FORCED);
     assert_eq!(text, "CONNECTION_FORCED - upstream connection closed");
@@ -189,10 +186,13 @@ async fn an_upstream_that_goes_away_gets_the_client_a_320_and_the_connection_end
 async fn a_malformed_client_frame_gets_frame_error_and_the_upstream_is_closed() {
     let mut h = Harness::new();
     h.open(0);
-    h.session.client_read(Some(Err(FrameError::TooLarge {
-        size: 1 << 30,
-        max: 131_072,
-    })));
+    h.session.client_read(
+        Some(Err(FrameError::TooLarge {
+            size: 1 << 30,
+            max: 131_072,
+        })),
+        h.now,
+    );
     let (code, text) = connection_close(&h.client_got());
     assert_eq!(code, reply::FRAME_ERROR);
     assert!(text.starts_with("FRAME_ERROR - "), "{text}");
