@@ -123,7 +123,9 @@ async fn after_a_sigkill_messages_expire_when_due_counted_from_their_publish() {
     let mut node = Node::start("storage-ttl-kill").await;
     let (conn, ch) = node.channel().await;
     confirm_select(&ch).await;
-    const TTL_MS: i32 = 3_000;
+    // Long enough for a restart on a loaded machine; the 3 s the node stays down keep the two
+    // readings apart (counted from the restart, nothing would be due before TTL + 3 s).
+    const TTL_MS: i32 = 8_000;
     ttl_queue_to_dlq(&ch, "ttl", Some(TTL_MS)).await;
     let published = Instant::now();
     publish_confirmed(
@@ -134,17 +136,17 @@ async fn after_a_sigkill_messages_expire_when_due_counted_from_their_publish() {
     .await;
     node.kill().await;
     drop(conn);
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
     node.up().await;
     let (_conn, ch) = node.channel().await;
     assert!(
-        published.elapsed() < Duration::from_millis(TTL_MS as u64 - 500),
+        published.elapsed() < Duration::from_millis(TTL_MS as u64 - 1_000),
         "the restart took too long for this test"
     );
     assert_eq!(count(&ch, "ttl").await, 20, "not due yet: {}", node.logs());
     assert_eq!(count(&ch, "dlq").await, 0);
-    // Due 3 s after the publish; counted from the restart they would stay ≥ 1.5 s longer.
-    let deadline = published + Duration::from_millis(TTL_MS as u64 + 700);
+    // Due 8 s after the publish; counted from the restart they would stay ≥ 3 s longer.
+    let deadline = published + Duration::from_millis(TTL_MS as u64 + 2_000);
     while count(&ch, "dlq").await < 20 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
