@@ -9,7 +9,7 @@ use crate::amqp::content::{decode_properties, put_content};
 use crate::proxy::registry::VerifiedQueue;
 use crate::proxy::test_support::{frames, methods, shared};
 use crate::rabbit::args::parse_queue_arguments;
-use amq_protocol::protocol::{BasicProperties, basic, channel, confirm};
+use amq_protocol::protocol::{BasicProperties, basic, channel, confirm, queue};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString};
 use bytes::BytesMut;
 
@@ -592,5 +592,65 @@ async fn a_delivery_held_past_its_consumer_timeout_closes_the_channel_on_both_si
     assert!(
         metrics.contains(r#"dlx_proxy_consumer_timeouts_total{queue="q",vhost="/"} 1"#),
         "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn a_declare_naming_a_dead_letter_exchange_waits_for_the_capture_path_then_gets_320() {
+    let mut h = Harness::new();
+    h.open(0);
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    ));
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString("dlx".into()),
+    );
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+            queue: "q".into(),
+            passive: false,
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            nowait: false,
+            arguments: args,
+        })),
+    ));
+    // The upstream queue would dead-letter into the capture exchange, which the vhost's
+    // service connection (its upstream unreachable here) has not declared: nothing is
+    // declared meanwhile, and the client's reads pause.
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Channel(channel::AMQPMethod::Open(_)))]
+    ));
+    assert!(!h.session.wants_client_frames());
+    let start = h.now;
+    let due = h.session.held_for_capture.as_ref().expect("held").deadline;
+    assert_eq!(due, start + h.session.shared.capture_ready_timeout);
+    assert!(h.session.next_deadline().is_some_and(|next| next <= due));
+    h.at(due - Duration::from_millis(1));
+    assert!(h.client_got().is_empty());
+    h.at(due);
+    let sent = h.client_got();
+    let (code, text) = connection_close(&sent);
+    assert_eq!(code, reply::CONNECTION_FORCED);
+    assert_eq!(
+        text,
+        "CONNECTION_FORCED - dead-letter capture for vhost '/' is unavailable: its service \
+         connection is not ready (upstream unreachable?); reconnect and retry"
+    );
+    assert!(matches!(
+        &sent[..],
+        [(0, AMQPClass::Connection(connection::AMQPMethod::Close(c)))]
+            if (c.class_id, c.method_id) == (50, 10)
+    ));
+    assert!(
+        h.upstream_got()
+            .iter()
+            .all(|(_, m)| !matches!(m, AMQPClass::Queue(queue::AMQPMethod::Declare(_))))
     );
 }
