@@ -284,7 +284,14 @@ mod tests {
         for (method, expected) in cases {
             let bytes = payload(method);
             assert_eq!(settle(&bytes), Some(expected));
-            assert_eq!(settle(&bytes[..bytes.len() - 1]), None);
+            // Cut short or with a byte more, neither reader takes it.
+            let short = &bytes[..bytes.len() - 1];
+            assert_eq!(settle(short), None);
+            assert!(decode_method(short).is_none());
+            let mut longer = bytes.clone();
+            longer.push(0);
+            assert_eq!(settle(&longer), None);
+            assert!(decode_method(&longer).is_none());
         }
         let other = payload(AMQPClass::Basic(basic::AMQPMethod::Recover(
             basic::Recover { requeue: true },

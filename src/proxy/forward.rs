@@ -421,8 +421,8 @@ impl ClientSession {
                 self.send_upstream(frame.raw);
             }
             BASIC_ACK | BASIC_REJECT | BASIC_NACK => {
-                // Read in place (every delivery is settled so); what does not read as one of
-                // the three is judged by the full decoder.
+                // Read in place (every delivery is settled so): what does not read is
+                // malformed (amq-protocol refuses the same, see `peek`).
                 let settle = match peek::settle(&frame.payload) {
                     Some(peek::Settle::Ack {
                         delivery_tag,
@@ -437,20 +437,7 @@ impl ClientSession {
                         multiple,
                         requeue,
                     }) => Some((Verb::Nack { requeue }, delivery_tag, multiple)),
-                    None => match decode_method(&frame.payload) {
-                        Some(AMQPClass::Basic(basic::AMQPMethod::Ack(m))) => {
-                            Some((Verb::Ack, m.delivery_tag, m.multiple))
-                        }
-                        Some(AMQPClass::Basic(basic::AMQPMethod::Reject(m))) => {
-                            Some((Verb::Reject { requeue: m.requeue }, m.delivery_tag, false))
-                        }
-                        Some(AMQPClass::Basic(basic::AMQPMethod::Nack(m))) => Some((
-                            Verb::Nack { requeue: m.requeue },
-                            m.delivery_tag,
-                            m.multiple,
-                        )),
-                        _ => None,
-                    },
+                    None => None,
                 };
                 match settle {
                     Some((verb, tag, multiple)) => self.client_settle(frame, verb, tag, multiple),
