@@ -146,6 +146,9 @@ enum ChannelState {
 struct Waiting {
     op: OpId,
     message: OutgoingMessage,
+    /// The names, checked when the publish was asked for.
+    exchange: ShortString,
+    routing_key: ShortString,
     deadline: Instant,
 }
 
@@ -225,6 +228,8 @@ impl Publisher {
             self.waiting.push_back(Waiting {
                 op,
                 message: message.clone(),
+                exchange,
+                routing_key,
                 deadline,
             });
             return Ok(Bytes::new());
@@ -278,18 +283,11 @@ impl Publisher {
     fn send_waiting(&mut self) -> Bytes {
         let mut out = BytesMut::new();
         while let Some(w) = self.waiting.pop_front() {
-            // The names were checked when the publish was asked for.
-            let (Ok(exchange), Ok(routing_key)) = (
-                ShortString::try_new(w.message.exchange.clone()),
-                ShortString::try_new(w.message.routing_key.clone()),
-            ) else {
-                continue;
-            };
             out.extend_from_slice(&self.encode(
                 w.op,
                 &w.message,
-                exchange,
-                routing_key,
+                w.exchange,
+                w.routing_key,
                 w.deadline,
             ));
         }
