@@ -624,6 +624,28 @@ pub mod dl {
         }
     }
 
+    /// The reason the broker closed a channel, when `e` only says that the channel was found
+    /// closed: lapin reports a channel.close that arrived between two calls that way, while a
+    /// client library such as pika reports the broker's reply. `events` must have been taken
+    /// from the connection (`events_listener`) before the close.
+    pub async fn broker_close(
+        events: &mut (impl futures_util::Stream<Item = lapin::Event> + Unpin),
+        e: lapin::Error,
+    ) -> lapin::Error {
+        if !matches!(e.kind(), lapin::ErrorKind::InvalidChannelState(..)) {
+            return e;
+        }
+        let end = tokio::time::Instant::now() + Duration::from_secs(1);
+        while let Ok(Some(event)) = tokio::time::timeout_at(end, events.next()).await {
+            if let lapin::Event::Error(reason) = event
+                && matches!(reason.kind(), lapin::ErrorKind::ProtocolError(_))
+            {
+                return reason;
+            }
+        }
+        e
+    }
+
     /// The reply text of a lapin protocol error.
     pub fn amqp_text(err: &lapin::Error) -> String {
         match err.kind() {

@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use amq_protocol::types::{AMQPValue, FieldTable};
-use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::*;
 use lapin::{
@@ -252,28 +251,6 @@ impl Ctx {
                 .await?;
         }
         Ok(Ch { channel, conn })
-    }
-
-    /// The reason the broker closed a channel of connection `conn`, when `e` only says that
-    /// the channel was found closed (lapin reports a close that arrived between two calls
-    /// that way; a client library such as pika reports the broker's reply). `events` must
-    /// have been taken from the connection before the close.
-    pub async fn broker_close(
-        events: &mut (impl futures_util::Stream<Item = lapin::Event> + Unpin),
-        e: lapin::Error,
-    ) -> lapin::Error {
-        if !matches!(e.kind(), lapin::ErrorKind::InvalidChannelState(..)) {
-            return e;
-        }
-        let end = Instant::now() + Duration::from_secs(1);
-        while let Ok(Some(event)) = tokio::time::timeout_at(end, events.next()).await {
-            if let lapin::Event::Error(reason) = event
-                && matches!(reason.kind(), lapin::ErrorKind::ProtocolError(_))
-            {
-                return reason;
-            }
-        }
-        e
     }
 
     // ---- topology (tracked for cleanup) -------------------------------------------------

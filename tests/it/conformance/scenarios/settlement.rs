@@ -169,7 +169,7 @@ async fn auto_ack_consumer_never_dead_letters(t: &mut Ctx) -> Outcome {
         .await;
         let result = match result {
             Ok(()) => Ok(()),
-            Err(e) => Err(Ctx::broker_close(&mut events, e).await.into()),
+            Err(e) => Err(crate::common::dl::broker_close(&mut events, e).await.into()),
         };
         let v = t.outcome(result);
         t.set("reject_auto_acked_tag", v);
