@@ -3,7 +3,8 @@
 //! through another instance or straight on RabbitMQ).
 //!
 //! AMQP 0-9-1 cannot read a queue's arguments, but RabbitMQ names the current value of the
-//! first argument a redeclare differs in. So, on the check channel ([`super::probe`]):
+//! first argument a redeclare differs in. So, on the vhost's service connection
+//! ([`super::service::judge`], a [`super::probe::CheckChannel`] of its own):
 //! 1. a passive declare: a missing queue (404) is never created, and its cached settings are
 //!    dropped;
 //! 2. a non-passive declare with no flags and only the capture exchange as its dead-letter

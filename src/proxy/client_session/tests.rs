@@ -654,3 +654,382 @@ async fn a_declare_naming_a_dead_letter_exchange_waits_for_the_capture_path_then
             .all(|(_, m)| !matches!(m, AMQPClass::Queue(queue::AMQPMethod::Declare(_))))
     );
 }
+
+// ---- declare checks and read-backs ------------------------------------------------------
+
+/// The upstream queue "q" and the vhost's service connection, played by the test as RabbitMQ
+/// would answer the service connection's declares ([`crate::rabbit::args::check_equivalent`]
+/// gives RabbitMQ's reply texts). Sessions of several instances can share it.
+struct UpstreamQueue {
+    /// The arguments and `durable` flag the queue exists with.
+    exists: Option<(FieldTable, bool)>,
+}
+
+/// A session's way to the service connection: what the session sends it, and the status
+/// that says the capture objects exist.
+struct ServiceEnd {
+    declares: tokio::sync::mpsc::Receiver<crate::proxy::service::judge::DeclareRequest>,
+    _publishes: tokio::sync::mpsc::Receiver<crate::proxy::service::link::PublishRequest>,
+    _status: tokio::sync::watch::Sender<crate::proxy::service::Status>,
+}
+
+impl Harness {
+    /// Gives the open session a service connection whose capture objects exist.
+    fn with_service(&mut self) -> ServiceEnd {
+        let (declares_tx, declares) = tokio::sync::mpsc::channel(4);
+        let (publishes_tx, publishes) = tokio::sync::mpsc::channel(4);
+        let (status, receiver) = tokio::sync::watch::channel(crate::proxy::service::Status {
+            declared: true,
+            consuming: true,
+        });
+        self.session.capture_status = Some(receiver);
+        self.session.service = Some(crate::proxy::service::ServiceHandle {
+            declares: declares_tx,
+            publishes: publishes_tx,
+        });
+        ServiceEnd {
+            declares,
+            _publishes: publishes,
+            _status: status,
+        }
+    }
+
+    /// Opens client channel 1 (and its upstream twin).
+    fn open_channel_1(&mut self) {
+        self.client_sends(method_frame(
+            1,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        ));
+        self.upstream_sends(method_frame(
+            1,
+            AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+        ));
+        assert!(matches!(
+            &self.upstream_got()[..],
+            [(1, AMQPClass::Channel(channel::AMQPMethod::Open(_)))]
+        ));
+        assert!(matches!(
+            &self.client_got()[..],
+            [(1, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))]
+        ));
+    }
+
+    /// Has the service connection answer every declare the session asked of it, as RabbitMQ
+    /// would for `queue`, until the session asks nothing more. Returns the declares made.
+    fn serve(
+        &mut self,
+        service: &mut ServiceEnd,
+        queue: &mut UpstreamQueue,
+    ) -> Vec<queue::Declare> {
+        let mut made = Vec::new();
+        while let Ok(request) = service.declares.try_recv() {
+            let answer = queue.answer(&request.declare);
+            made.push(request.declare);
+            request.answer.send(answer).unwrap();
+            let answer = self
+                .session
+                .service_answer
+                .as_mut()
+                .expect("the session waits for the answer")
+                .try_recv()
+                .ok();
+            self.session.on_service_answer(answer);
+        }
+        made
+    }
+
+    /// Answers the permission probe the session sent on its check channel with RabbitMQ's
+    /// 406 for the probe's argument: the client's user may declare the queue.
+    fn grant_probe(&mut self) {
+        let sent = self.upstream_got();
+        let (check, probe) = match &sent[..] {
+            [
+                (c, AMQPClass::Channel(channel::AMQPMethod::Open(_))),
+                (c2, AMQPClass::Queue(queue::AMQPMethod::Declare(probe))),
+            ] if c == c2 => (*c, probe.clone()),
+            other => panic!("no permission probe: {other:?}"),
+        };
+        assert!(check > 1);
+        assert_eq!(probe.queue.as_str(), "q");
+        assert!(!probe.passive);
+        assert!(matches!(
+            probe
+                .arguments
+                .inner()
+                .get(crate::proxy::permission::PROBE_ARGUMENT),
+            Some(AMQPValue::LongString(_))
+        ));
+        self.upstream_sends(method_frame(
+            check,
+            AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+        ));
+        self.upstream_sends(method_frame(
+            check,
+            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: 406,
+                reply_text: "PRECONDITION_FAILED - invalid arg 'x-max-length' for queue 'q' in \
+                             vhost '/': {unacceptable_type,longstr}"
+                    .into(),
+                class_id: 50,
+                method_id: 10,
+            })),
+        ));
+        assert!(matches!(
+            &self.upstream_got()[..],
+            [(c, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)))] if *c == check
+        ));
+    }
+}
+
+impl UpstreamQueue {
+    fn answer(&mut self, declare: &queue::Declare) -> CheckAnswer {
+        let refuse = |code: u16, text: String| CheckAnswer::Refused { code, text };
+        match (&self.exists, declare.passive) {
+            (None, true) => refuse(404, "NOT_FOUND - no queue 'q' in vhost '/'".into()),
+            (None, false) => {
+                self.exists = Some((declare.arguments.clone(), declare.durable));
+                CheckAnswer::DeclareOk
+            }
+            (Some(_), true) => CheckAnswer::DeclareOk,
+            (Some((current, durable)), false) => {
+                if *durable != declare.durable {
+                    return refuse(
+                        406,
+                        format!(
+                            "PRECONDITION_FAILED - inequivalent arg 'durable' for queue 'q' in \
+                             vhost '/': received '{}' but current is '{durable}'",
+                            declare.durable
+                        ),
+                    );
+                }
+                match crate::rabbit::args::check_equivalent(current, &declare.arguments, "q", "/") {
+                    Ok(()) => CheckAnswer::DeclareOk,
+                    Err(text) => refuse(406, format!("PRECONDITION_FAILED - {text}")),
+                }
+            }
+        }
+    }
+}
+
+fn client_arguments(dlx: &str) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString(dlx.into()),
+    );
+    args.insert("x-message-ttl".into(), AMQPValue::LongInt(1000));
+    args
+}
+
+fn declare_q(arguments: FieldTable) -> Bytes {
+    method_frame(
+        1,
+        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+            queue: "q".into(),
+            passive: false,
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            nowait: false,
+            arguments,
+        })),
+    )
+}
+
+/// One instance declares "q": the client's user is probed on its own connection, the
+/// service connection declares the queue with the capture exchange and the settings in its
+/// tag, and the client's declare follows passively. A second instance, which never saw that
+/// declare, refuses a contradicting redeclare with the text RabbitMQ gives a direct client,
+/// and a third reads the settings back when its client consumes.
+#[tokio::test]
+async fn every_instance_reaches_the_same_settings_for_a_queue_one_of_them_declared() {
+    let mut upstream = UpstreamQueue { exists: None };
+
+    // Instance A declares.
+    let mut a = Harness::new();
+    a.open(0);
+    let mut service = a.with_service();
+    a.open_channel_1();
+    a.client_sends(declare_q(client_arguments("dlx")));
+    assert!(!a.session.wants_client_frames(), "client reads pause");
+    a.grant_probe();
+    let made = a.serve(&mut service, &mut upstream);
+    let [made] = &made[..] else {
+        panic!("{made:?}")
+    };
+    let capture = a.session.shared.capture_name.clone();
+    assert_eq!(
+        made.arguments.inner().get("x-dead-letter-exchange"),
+        Some(&AMQPValue::LongString(capture.as_str().into()))
+    );
+    let tag = match made.arguments.inner().get("x-dead-letter-routing-key") {
+        Some(AMQPValue::LongString(tag)) => tag.to_string(),
+        other => panic!("{other:?}"),
+    };
+    let tagged = crate::proxy::declare::CaptureTag::decode(&tag).expect("a capture tag");
+    assert_eq!(tagged.dead_letter_exchange.as_deref(), Some("dlx"));
+    assert_eq!(
+        made.arguments.inner().get("x-message-ttl"),
+        Some(&AMQPValue::LongInt(1000))
+    );
+    // The client's declare goes upstream passively, and its declare-ok reaches the client.
+    match &a.upstream_got()[..] {
+        [(1, AMQPClass::Queue(queue::AMQPMethod::Declare(d)))] => {
+            assert!(d.passive);
+            assert_eq!(d.queue.as_str(), "q");
+        }
+        other => panic!("{other:?}"),
+    }
+    a.upstream_sends(method_frame(
+        1,
+        AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
+            queue: "q".into(),
+            message_count: 0,
+            consumer_count: 0,
+        })),
+    ));
+    assert!(matches!(
+        &a.client_got()[..],
+        [(1, AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_)))]
+    ));
+    let settings = parse_queue_arguments(&client_arguments("dlx")).unwrap();
+    assert_eq!(
+        a.session.shared.queues.lookup("/", "q"),
+        Some(VerifiedQueue::Proxied(settings.clone()))
+    );
+
+    // Instance B: a redeclare naming another dead-letter exchange gets RabbitMQ's 406, in
+    // the client's terms, and nothing is declared on the client's channel.
+    let mut b = Harness::new();
+    b.open(0);
+    let mut service = b.with_service();
+    b.open_channel_1();
+    b.client_sends(declare_q(client_arguments("other")));
+    b.grant_probe();
+    let made = b.serve(&mut service, &mut upstream);
+    assert!(!made.is_empty());
+    let expected = format!(
+        "PRECONDITION_FAILED - {}",
+        crate::rabbit::args::check_equivalent(
+            &client_arguments("dlx"),
+            &client_arguments("other"),
+            "q",
+            "/"
+        )
+        .unwrap_err()
+    );
+    let sent = b.client_got();
+    match &sent[..] {
+        [(1, AMQPClass::Channel(channel::AMQPMethod::Close(close)))] => {
+            assert_eq!(close.reply_code, 406);
+            assert_eq!(close.reply_text.as_str(), expected);
+            assert_eq!((close.class_id, close.method_id), (50, 10));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        b.upstream_got()
+            .iter()
+            .all(|(_, m)| !matches!(m, AMQPClass::Queue(_))),
+        "nothing declared for the client"
+    );
+    assert_eq!(b.session.shared.queues.lookup("/", "q"), None);
+
+    // Instance C: a consume from "q" waits while the settings are read back from RabbitMQ's
+    // refusals, then goes upstream; the instance now knows what A declared.
+    let mut c = Harness::new();
+    c.open(0);
+    let mut service = c.with_service();
+    c.open_channel_1();
+    c.client_sends(method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+            queue: "q".into(),
+            consumer_tag: "ctag".into(),
+            no_local: false,
+            no_ack: false,
+            exclusive: false,
+            nowait: false,
+            arguments: FieldTable::default(),
+        })),
+    ));
+    assert!(c.upstream_got().is_empty(), "the consume waits");
+    assert!(!c.session.wants_client_frames());
+    let made = c.serve(&mut service, &mut upstream);
+    assert!(made[0].passive, "existence is checked first: {made:?}");
+    assert!(made.len() > 2, "{made:?}");
+    assert!(made.len() <= crate::proxy::readback::MAX_ROUNDS);
+    assert!(made.iter().all(|d| d.queue.as_str() == "q"));
+    assert!(matches!(
+        &c.upstream_got()[..],
+        [(1, AMQPClass::Basic(basic::AMQPMethod::Consume(_)))]
+    ));
+    assert!(c.session.wants_client_frames());
+    assert_eq!(
+        c.session.shared.queues.lookup("/", "q"),
+        Some(VerifiedQueue::Proxied(settings))
+    );
+    // The upstream queue is as A declared it.
+    let (arguments, durable) = upstream.exists.as_ref().unwrap();
+    assert!(*durable);
+    assert_eq!(
+        arguments.inner().get("x-dead-letter-routing-key"),
+        Some(&AMQPValue::LongString(tag.as_str().into()))
+    );
+}
+
+/// The service connection goes away while it judges a declare: the client gets 320 (it
+/// reconnects and declares again), and nothing was declared for it.
+#[tokio::test]
+async fn a_service_connection_lost_during_a_declare_check_gets_the_client_320() {
+    let mut h = Harness::new();
+    h.open(0);
+    let mut service = h.with_service();
+    h.open_channel_1();
+    h.client_sends(declare_q(client_arguments("dlx")));
+    h.grant_probe();
+    let request = service.declares.try_recv().expect("the service is asked");
+    drop(request);
+    let answer = h.session.service_answer.as_mut().unwrap().try_recv().ok();
+    assert_eq!(answer, None);
+    h.session.on_service_answer(answer);
+    let (code, text) = connection_close(&h.client_got());
+    assert_eq!(code, reply::CONNECTION_FORCED);
+    assert!(
+        text.ends_with("its service connection was lost during a declare; reconnect and retry"),
+        "{text}"
+    );
+    assert!(
+        h.upstream_got()
+            .iter()
+            .all(|(_, m)| !matches!(m, AMQPClass::Queue(_)))
+    );
+}
+
+/// A get from a queue that does not exist is read back with one passive declare and goes
+/// upstream, which answers it as it would a direct client.
+#[tokio::test]
+async fn a_get_from_a_missing_queue_is_read_back_once_and_passed_on() {
+    let mut upstream = UpstreamQueue { exists: None };
+    let mut h = Harness::new();
+    h.open(0);
+    let mut service = h.with_service();
+    h.open_channel_1();
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get {
+            queue: "q".into(),
+            no_ack: false,
+        })),
+    ));
+    assert!(h.upstream_got().is_empty());
+    let made = h.serve(&mut service, &mut upstream);
+    assert_eq!(made.len(), 1);
+    assert!(made[0].passive);
+    assert!(upstream.exists.is_none(), "nothing created");
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Basic(basic::AMQPMethod::Get(_)))]
+    ));
+    assert_eq!(h.session.shared.queues.lookup("/", "q"), None);
+}
