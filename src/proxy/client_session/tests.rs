@@ -297,18 +297,7 @@ async fn consuming(arguments: &[(&str, AMQPValue)]) -> (Harness, u16) {
         1,
         AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
     ));
-    h.client_sends(method_frame(
-        1,
-        AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
-            queue: "q".into(),
-            consumer_tag: "ctag".into(),
-            no_local: false,
-            no_ack: false,
-            exclusive: false,
-            nowait: false,
-            arguments: FieldTable::default(),
-        })),
-    ));
+    h.client_sends(consume_q());
     assert!(matches!(
         h.upstream_got()[..],
         [
@@ -694,6 +683,15 @@ impl Harness {
         }
     }
 
+    /// An open session with a service connection and client channel 1 open.
+    fn serving() -> (Harness, ServiceEnd) {
+        let mut h = Harness::new();
+        h.open(0);
+        let service = h.with_service();
+        h.open_channel_1();
+        (h, service)
+    }
+
     /// Opens client channel 1 (and its upstream twin).
     fn open_channel_1(&mut self) {
         self.client_sends(method_frame(
@@ -821,6 +819,22 @@ fn client_arguments(dlx: &str) -> FieldTable {
     args
 }
 
+/// basic.consume from "q" on channel 1.
+fn consume_q() -> Bytes {
+    method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+            queue: "q".into(),
+            consumer_tag: "ctag".into(),
+            no_local: false,
+            no_ack: false,
+            exclusive: false,
+            nowait: false,
+            arguments: FieldTable::default(),
+        })),
+    )
+}
+
 fn declare_q(arguments: FieldTable) -> Bytes {
     method_frame(
         1,
@@ -846,10 +860,7 @@ async fn every_instance_reaches_the_same_settings_for_a_queue_one_of_them_declar
     let mut upstream = UpstreamQueue { exists: None };
 
     // Instance A declares.
-    let mut a = Harness::new();
-    a.open(0);
-    let mut service = a.with_service();
-    a.open_channel_1();
+    let (mut a, mut service) = Harness::serving();
     a.client_sends(declare_q(client_arguments("dlx")));
     assert!(!a.session.wants_client_frames(), "client reads pause");
     a.grant_probe();
@@ -900,10 +911,7 @@ async fn every_instance_reaches_the_same_settings_for_a_queue_one_of_them_declar
 
     // Instance B: a redeclare naming another dead-letter exchange gets RabbitMQ's 406, in
     // the client's terms, and nothing is declared on the client's channel.
-    let mut b = Harness::new();
-    b.open(0);
-    let mut service = b.with_service();
-    b.open_channel_1();
+    let (mut b, mut service) = Harness::serving();
     b.client_sends(declare_q(client_arguments("other")));
     b.grant_probe();
     let made = b.serve(&mut service, &mut upstream);
@@ -937,22 +945,8 @@ async fn every_instance_reaches_the_same_settings_for_a_queue_one_of_them_declar
 
     // Instance C: a consume from "q" waits while the settings are read back from RabbitMQ's
     // refusals, then goes upstream; the instance now knows what A declared.
-    let mut c = Harness::new();
-    c.open(0);
-    let mut service = c.with_service();
-    c.open_channel_1();
-    c.client_sends(method_frame(
-        1,
-        AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
-            queue: "q".into(),
-            consumer_tag: "ctag".into(),
-            no_local: false,
-            no_ack: false,
-            exclusive: false,
-            nowait: false,
-            arguments: FieldTable::default(),
-        })),
-    ));
+    let (mut c, mut service) = Harness::serving();
+    c.client_sends(consume_q());
     assert!(c.upstream_got().is_empty(), "the consume waits");
     assert!(!c.session.wants_client_frames());
     let made = c.serve(&mut service, &mut upstream);
@@ -982,10 +976,7 @@ async fn every_instance_reaches_the_same_settings_for_a_queue_one_of_them_declar
 /// reconnects and declares again), and nothing was declared for it.
 #[tokio::test]
 async fn a_service_connection_lost_during_a_declare_check_gets_the_client_320() {
-    let mut h = Harness::new();
-    h.open(0);
-    let mut service = h.with_service();
-    h.open_channel_1();
+    let (mut h, mut service) = Harness::serving();
     h.client_sends(declare_q(client_arguments("dlx")));
     h.grant_probe();
     let request = service.declares.try_recv().expect("the service is asked");
@@ -1011,10 +1002,7 @@ async fn a_service_connection_lost_during_a_declare_check_gets_the_client_320() 
 #[tokio::test]
 async fn a_get_from_a_missing_queue_is_read_back_once_and_passed_on() {
     let mut upstream = UpstreamQueue { exists: None };
-    let mut h = Harness::new();
-    h.open(0);
-    let mut service = h.with_service();
-    h.open_channel_1();
+    let (mut h, mut service) = Harness::serving();
     h.client_sends(method_frame(
         1,
         AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get {
