@@ -24,7 +24,7 @@ use super::declare::{
 };
 use super::inflight::{KeptDelivery, NativeSettle, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
-use super::outgoing::{delivery_count, delivery_routing_keys, requeue_publish};
+use super::outgoing::{delivery_routing_keys, requeue_publish};
 use super::pending::{HeldDeclare, PendingCheck, PendingRead};
 use super::permission::{self, Permission};
 use super::policy_sync::management::{ArgumentsListing, lookup_queue_arguments};
@@ -676,7 +676,7 @@ impl ClientSession {
                 return false;
             };
             if verb.requeues() {
-                view.proxy_delivery_limit
+                view.takes_over_requeue(d)
             } else {
                 view.settings.dead_letter_exchange.is_some() || view.settings.retry_delays.is_some()
             }
@@ -759,7 +759,7 @@ impl ClientSession {
         let (plan, released_bytes) = ch.deliveries.plan_settlement(verb, 0, true, |d| {
             d.with_content
                 && cached_view(&mut views, &shared, &vhost, &d.queue)
-                    .is_some_and(|view| view.proxy_delivery_limit)
+                    .is_some_and(|view| view.takes_over_requeue(d))
         });
         let released_count = kept_before - ch.deliveries.kept_len();
         self.release_inflight(released_count, released_bytes);
@@ -786,12 +786,15 @@ impl ClientSession {
         };
         let routing_keys = delivery_routing_keys(&delivery.routing_key, &props);
         if verb.requeues() {
-            let count = delivery_count(&props).saturating_add(1);
-            let limit = view
-                .settings
-                .delivery_limit
-                .map_or(i64::MAX, |l| i64::try_from(l).unwrap_or(i64::MAX));
-            if count <= limit {
+            let count = view
+                .returns_before(&props, delivery.redelivered)
+                .saturating_add(1);
+            if view.within_delivery_limit(count) {
+                if !view.proxy_delivery_limit {
+                    // A quorum queue counts this return itself.
+                    self.settle_origin(origin, Settlement::Requeue);
+                    return;
+                }
                 let mut message = requeue_publish(&props, &delivery.queue, count, delivery.body);
                 message.raw_properties =
                     keep_opaque_headers(message.raw_properties, &delivery.raw_properties);

@@ -41,7 +41,10 @@
 //! - requeues on classic queues with a delivery limit (verified settings): republished with
 //!   `x-delivery-count`, and dead-lettered as `delivery_limit` past the limit; the same for
 //!   the deliveries a client leaves unsettled when it closes a channel or its connection, or
-//!   dies (quorum queues count all of these upstream);
+//!   dies. Quorum queues count all of these upstream (`x-delivery-count`); the one return that
+//!   passes a quorum queue's limit, when it is a client's requeue or a delivery left on a
+//!   closed channel, is dead-lettered by the proxy as RabbitMQ would on that return, in one
+//!   hop instead of through the capture queue;
 //! - messages that expire or overflow upstream come back through the capture queue and are
 //!   dead-lettered as their original queue would have, by the vhost's *service connection*
 //!   ([`service`]): the proxy's own upstream connection, logged in as its own user
@@ -224,6 +227,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use amq_protocol::protocol::BasicProperties;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 
@@ -309,6 +313,49 @@ pub(crate) struct QueueView {
     /// The proxy counts requeues against the delivery limit (classic queues; quorum queues
     /// count natively upstream).
     pub proxy_delivery_limit: bool,
+    /// A quorum queue with a delivery limit: RabbitMQ counts every return (its
+    /// `x-delivery-count`), and the proxy dead-letters the client's requeue that passes the
+    /// limit itself, in one hop, instead of letting RabbitMQ dead-letter it into the capture
+    /// queue (the same decision, as RabbitMQ would make it on that return).
+    pub quorum_delivery_limit: bool,
+}
+
+impl QueueView {
+    /// Whether the proxy settles a client's requeue of `delivery` itself: every requeue of a
+    /// classic queue with a delivery limit (the proxy counts them), and the requeue of a
+    /// quorum queue's delivery that RabbitMQ would dead-letter on its return.
+    pub(crate) fn takes_over_requeue(&self, delivery: &inflight::KeptDelivery) -> bool {
+        if self.proxy_delivery_limit {
+            return true;
+        }
+        self.quorum_delivery_limit
+            && crate::amqp::content::decode_properties(&delivery.raw_properties).is_ok_and(
+                |props| {
+                    let returns = self.returns_before(&props, delivery.redelivered);
+                    !self.within_delivery_limit(returns.saturating_add(1))
+                },
+            )
+    }
+
+    /// How many times a delivery was returned to its queue before: the proxy's own count on a
+    /// classic queue, and a quorum queue's `x-delivery-count`, which RabbitMQ sets on every
+    /// redelivery (a delivery that is not a redelivery was returned 0 times, whatever a
+    /// publisher put in that header).
+    pub(crate) fn returns_before(&self, props: &BasicProperties, redelivered: bool) -> i64 {
+        if self.quorum_delivery_limit && !redelivered {
+            return 0;
+        }
+        outgoing::delivery_count(props)
+    }
+
+    /// Whether a message returned `count` times stays in its queue.
+    pub(crate) fn within_delivery_limit(&self, count: i64) -> bool {
+        let limit = self
+            .settings
+            .delivery_limit
+            .map_or(i64::MAX, |l| i64::try_from(l).unwrap_or(i64::MAX));
+        count <= limit
+    }
 }
 
 impl ProxyShared {
@@ -456,10 +503,11 @@ impl ProxyShared {
             // No service connection holds retried messages: no tiers (docs/semantics.md).
             settings.retry_delays = None;
         }
+        let limited = settings.delivery_limit.is_some() && !self.delegate_to_upstream;
+        let quorum = arguments.queue_type == QueueType::Quorum;
         QueueView {
-            proxy_delivery_limit: settings.delivery_limit.is_some()
-                && arguments.queue_type != QueueType::Quorum
-                && !self.delegate_to_upstream,
+            proxy_delivery_limit: limited && !quorum,
+            quorum_delivery_limit: limited && quorum,
             settings,
         }
     }

@@ -1,6 +1,7 @@
 //! Proxy mode, delivery limits: a requeue on a queue with a delivery limit comes back with an
 //! incremented `x-delivery-count`; past the limit the message is dead-lettered with reason
-//! `delivery_limit` (classic queues emulated by the proxy, quorum queues counted upstream).
+//! `delivery_limit` (classic queues emulated by the proxy; quorum queues counted upstream, the
+//! return past the limit dead-lettered by the proxy in one hop).
 
 use crate::proxy_support;
 
@@ -144,15 +145,13 @@ async fn past_the_limit_without_a_dead_letter_exchange_the_message_is_dropped() 
     proxy.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn quorum_queues_count_upstream_and_die_through_the_capture() {
-    let proxy = TestProxy::start(vec![]).await;
-    let conn = proxy.connect().await;
-    let ch = conn.create_channel().await.unwrap();
-    let q = unique("quorum-limit");
-    let dlx = unique("quorum-dlx");
-    let dlq = unique("quorum-dlq");
-    declare_dlx(&ch, &dlx, &dlq).await;
+/// A durable quorum queue with `x-delivery-limit` 1 and a dead-letter exchange, declared
+/// through `proxy`, and its DLQ; returns (queue, dlx, dlq).
+async fn quorum_limited(ch: &lapin::Channel, tag: &str) -> (String, String, String) {
+    let q = unique(&format!("{tag}-limit"));
+    let dlx = unique(&format!("{tag}-dlx"));
+    let dlq = unique(&format!("{tag}-dlq"));
+    declare_dlx(ch, &dlx, &dlq).await;
     ch.queue_declare(
         q.as_str().into(),
         QueueDeclareOptions {
@@ -168,21 +167,68 @@ async fn quorum_queues_count_upstream_and_die_through_the_capture() {
     )
     .await
     .unwrap();
+    (q, dlx, dlq)
+}
+
+/// The dead letter of "qm" from `q`: one x-death entry, reason `delivery_limit`, counted by
+/// the proxy without passing through the capture queue.
+async fn dead_lettered_in_one_hop(
+    proxy: &TestProxy,
+    ch: &lapin::Channel,
+    q: &str,
+    dlx: &str,
+    dlq: &str,
+) {
+    let dead = get(ch, dlq).await;
+    assert_eq!(payload(&dead), "qm");
+    let deaths = x_death(&dead);
+    assert_eq!(deaths.len(), 1, "{deaths:?}");
+    assert_eq!(field(&deaths[0], "reason"), &ls("delivery_limit"));
+    assert_eq!(field(&deaths[0], "queue"), &ls(q));
+    assert_eq!(field(&deaths[0], "count"), &AMQPValue::LongLongInt(1));
+    assert_eq!(dead.exchange.as_str(), dlx);
+    let headers = dead.properties.headers().clone().unwrap_or_default();
+    assert_eq!(headers.inner().get("x-delivery-count"), None);
+    let labels = [("queue", q), ("reason", "delivery_limit"), ("vhost", "/")];
+    assert_eq!(proxy.counter("dead_lettered_total", &labels), 1.0);
+    let captured = [("outcome", "dead_lettered"), ("vhost", "/")];
+    assert_eq!(proxy.counter("captured_total", &captured), 0.0);
+    consume_empty(ch, q).await;
+    ch.queue_delete(q.into(), Default::default()).await.unwrap();
+}
+
+/// RabbitMQ counts a quorum queue's returns (`x-delivery-count`); the requeue it would
+/// dead-letter on return is dead-lettered by the proxy itself, exactly as RabbitMQ would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_queues_count_upstream_and_the_requeue_past_the_limit_dies_in_one_hop() {
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let (q, dlx, dlq) = quorum_limited(&ch, "quorum").await;
     publish_one(&ch, &q, "qm").await;
     for _ in 0..2 {
         let d = get(&ch, &q).await;
         d.acker.nack(requeue()).await.unwrap();
     }
-    let dead = get(&ch, &dlq).await;
-    assert_eq!(payload(&dead), "qm");
-    let deaths = x_death(&dead);
-    assert_eq!(deaths.len(), 1, "{deaths:?}");
-    assert_eq!(field(&deaths[0], "reason"), &ls("delivery_limit"));
-    assert_eq!(field(&deaths[0], "queue"), &ls(&q));
-    assert_eq!(dead.exchange.as_str(), dlx);
-    consume_empty(&ch, &q).await;
-    ch.queue_delete(q.as_str().into(), Default::default())
-        .await
-        .unwrap();
+    dead_lettered_in_one_hop(&proxy, &ch, &q, &dlx, &dlq).await;
+    proxy.stop().await;
+}
+
+/// A consumer that closes its channel holding a quorum delivery that RabbitMQ would
+/// dead-letter on that return: the proxy dead-letters it before the channel closes upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_delivery_past_the_limit_left_on_a_closed_channel_dies_in_one_hop() {
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let (q, dlx, dlq) = quorum_limited(&ch, "quorum-close").await;
+    publish_one(&ch, &q, "qm").await;
+    let first = get(&ch, &q).await;
+    first.acker.nack(requeue()).await.unwrap();
+    let holder = conn.create_channel().await.unwrap();
+    let second = get(&holder, &q).await;
+    assert!(second.redelivered);
+    holder.close(200, "bye".into()).await.unwrap();
+    dead_lettered_in_one_hop(&proxy, &ch, &q, &dlx, &dlq).await;
     proxy.stop().await;
 }

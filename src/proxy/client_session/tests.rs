@@ -462,16 +462,6 @@ async fn requeues_past_a_classic_queues_delivery_limit_are_counted_then_dead_let
         ("x-delivery-limit", AMQPValue::LongInt(1)),
     ])
     .await;
-    let nack_requeue = |tag| {
-        method_frame(
-            1,
-            AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
-                delivery_tag: tag,
-                multiple: false,
-                requeue: true,
-            })),
-        )
-    };
     // First requeue: the proxy puts the message back at the tail with its count (RabbitMQ's
     // classic queues do not count), and acks the original once that is confirmed.
     h.client_sends(nack_requeue(7));
@@ -487,25 +477,48 @@ async fn requeues_past_a_classic_queues_delivery_limit_are_counted_then_dead_let
         [(1, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))] if a.delivery_tag == 7
     ));
     // It comes back carrying the count; a second requeue is past the limit: dead-lettered.
-    let mut again = BytesMut::new();
-    again.extend_from_slice(&method_frame(
+    h.upstream_sends(counted_delivery(8, false, 1));
+    h.client_got();
+    h.client_sends(nack_requeue(8));
+    dead_lettered_past_the_limit(&mut h, publisher, 8, 2);
+}
+
+/// Delivery `tag` of "m" from "q" on channel 1, with `x-delivery-count = count`.
+fn counted_delivery(tag: u64, redelivered: bool, count: i64) -> Bytes {
+    let mut out = BytesMut::new();
+    out.extend_from_slice(&method_frame(
         1,
         AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
             consumer_tag: "ctag".into(),
-            delivery_tag: 8,
-            redelivered: false,
+            delivery_tag: tag,
+            redelivered,
             exchange: "".into(),
             routing_key: "q".into(),
         })),
     ));
     let mut counted = FieldTable::default();
-    counted.insert("x-delivery-count".into(), AMQPValue::LongLongInt(1));
+    counted.insert("x-delivery-count".into(), AMQPValue::LongLongInt(count));
     let props =
         crate::amqp::content::encode_properties(&BasicProperties::default().with_headers(counted));
-    put_content(&mut again, 1, &props, b"m", 131_072);
-    h.upstream_sends(again.freeze());
-    h.client_got();
-    h.client_sends(nack_requeue(8));
+    put_content(&mut out, 1, &props, b"m", 131_072);
+    out.freeze()
+}
+
+fn nack_requeue(tag: u64) -> Bytes {
+    method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+            delivery_tag: tag,
+            multiple: false,
+            requeue: true,
+        })),
+    )
+}
+
+/// The client's requeue of delivery `tag` was dead-lettered on the publisher channel (its
+/// publish sequence number `confirm_tag`) as `delivery_limit`, with no `x-delivery-count`;
+/// the confirm acks the original upstream, and the metric counts it.
+fn dead_lettered_past_the_limit(h: &mut Harness, publisher: u16, tag: u64, confirm_tag: u64) {
     let (exchange, key, headers) = published(&h.upstream_got_frames(), publisher);
     assert_eq!((exchange.as_str(), key.as_str()), ("dlx", "q"));
     let Some(AMQPValue::FieldArray(deaths)) = headers.inner().get("x-death") else {
@@ -518,11 +531,12 @@ async fn requeues_past_a_classic_queues_delivery_limit_are_counted_then_dead_let
         death.inner().get("reason"),
         Some(&AMQPValue::LongString("delivery_limit".into()))
     );
+    assert_eq!(death.inner().get("count"), Some(&AMQPValue::LongLongInt(1)));
     assert_eq!(headers.inner().get("x-delivery-count"), None);
-    h.upstream_sends(confirm(publisher, 2));
+    h.upstream_sends(confirm(publisher, confirm_tag));
     assert!(matches!(
         &h.upstream_got()[..],
-        [(1, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))] if a.delivery_tag == 8
+        [(1, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))] if a.delivery_tag == tag
     ));
     let text = h.session.shared.metrics.encode();
     assert!(
@@ -531,6 +545,44 @@ async fn requeues_past_a_classic_queues_delivery_limit_are_counted_then_dead_let
         ),
         "{text}"
     );
+}
+
+/// A quorum queue counts returns itself: requeues within its limit go upstream as the client
+/// sent them (a first delivery was returned 0 times, whatever its header says), and the one
+/// RabbitMQ would dead-letter on its return is dead-lettered by the proxy in one hop.
+#[tokio::test]
+async fn the_requeue_past_a_quorum_queues_delivery_limit_is_dead_lettered_by_the_proxy() {
+    let (mut h, publisher) = consuming(&[
+        ("x-queue-type", AMQPValue::LongString("quorum".into())),
+        (
+            "x-dead-letter-exchange",
+            AMQPValue::LongString("dlx".into()),
+        ),
+        ("x-delivery-limit", AMQPValue::LongInt(1)),
+    ])
+    .await;
+    h.client_sends(nack_requeue(7));
+    let sent = h.upstream_got();
+    assert!(
+        matches!(
+            &sent[..],
+            [(1, AMQPClass::Basic(basic::AMQPMethod::Nack(n)))] if n.delivery_tag == 7 && n.requeue
+        ),
+        "{sent:?}"
+    );
+    // A publisher's own header on a first delivery counts for nothing.
+    h.upstream_sends(counted_delivery(8, false, 5));
+    h.client_got();
+    h.client_sends(nack_requeue(8));
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Basic(basic::AMQPMethod::Nack(n)))] if n.delivery_tag == 8 && n.requeue
+    ));
+    // RabbitMQ redelivers it with the count of its returns: this return would pass the limit.
+    h.upstream_sends(counted_delivery(9, true, 1));
+    h.client_got();
+    h.client_sends(nack_requeue(9));
+    dead_lettered_past_the_limit(&mut h, publisher, 9, 1);
 }
 
 #[tokio::test]
