@@ -1,7 +1,7 @@
 //! The embedded broker core: vhosts, exchanges and routing, queues, consumers, users and
 //! permissions. Plain data structures driven by the connection tasks in [`crate::server`].
 //!
-//! All broker state sits behind one mutex ([`Broker::state`]); a connection task parses a
+//! All broker state sits behind one mutex (`Broker::state`); a connection task parses a
 //! method, takes the lock, runs the operation and releases it. Deliveries are written into the
 //! consumer connection's [`write_queue::WriteQueue`] under the lock, so publish → route → enqueue →
 //! deliver happens in one step with no hand-off. Messages that die (rejected, expired, over a
@@ -189,7 +189,7 @@ impl Broker {
         }
     }
 
-    /// Broker milliseconds (monotonic; [`CLOCK_BASE_MS`] at the start).
+    /// Broker milliseconds (monotonic; `CLOCK_BASE_MS` at the start).
     pub fn now(&self) -> u64 {
         CLOCK_BASE_MS + self.epoch.elapsed().as_millis() as u64
     }

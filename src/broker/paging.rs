@@ -113,7 +113,7 @@ impl Paging {
     }
 
     /// How much a queue pages out past what is over the budget, so that it does not page
-    /// out one message per publish: a sixteenth of the budget, at least [`MIN_STEP`].
+    /// out one message per publish: a sixteenth of the budget, at least `MIN_STEP`.
     pub fn step(&self) -> u64 {
         (self.budget() / 16).max(MIN_STEP)
     }

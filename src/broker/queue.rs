@@ -3,7 +3,7 @@
 //!
 //! No I/O and no clock: the caller passes `now` (broker milliseconds) and gets back the messages
 //! that die, each with its [`DeadLetterReason`]. Every way a message leaves a queue because of
-//! a rule goes through [`QueueState::kill`], the one place deaths are recorded.
+//! a rule goes through `QueueState::kill`, the one place deaths are recorded.
 //!
 //! Expiry happens at the head, as in RabbitMQ, with one exception: with
 //! `dead_letter.ttl_on_dead_letters = false` ([`QueueLimits::keep_dead_letters`]) a message

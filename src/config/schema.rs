@@ -679,7 +679,7 @@ pub struct UserConfig {
     /// Plain-text password (use `password_hash` in production).
     #[serde(deserialize_with = "secret_string_or_number")]
     pub password: Secret<String>,
-    /// RabbitMQ `rabbit_password_hashing_sha256` hash: base64(salt[4] ++ sha256(salt ++ password)).
+    /// RabbitMQ `rabbit_password_hashing_sha256` hash: base64(salt\[4\] ++ sha256(salt ++ password)).
     #[serde(deserialize_with = "secret_string_or_number")]
     pub password_hash: Secret<String>,
     /// File holding the plain-text password (a mounted Kubernetes Secret); read at start and

@@ -12,7 +12,7 @@
 //! - gone: settled upstream.
 //!
 //! Client settlements that name a range (`multiple`) are planned here so the upstream never
-//! sees a `multiple` that would also settle a pending tag: [`plan_settlement`] turns one
+//! sees a `multiple` that would also settle a pending tag: [`ChannelDeliveries::plan_settlement`] turns one
 //! client frame into the native frames to forward and the tags the proxy takes over.
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -27,7 +27,7 @@
 //!   overflows natively);
 //! - `basic.reject` / `basic.nack` with `requeue=false` on a queue with verified settings and
 //!   a dead-letter exchange: the proxy publishes the rewritten message to the DLX on its own
-//!   channel with publisher confirms and only then acks the original ([`intercept`],
+//!   channel with publisher confirms and only then acks the original (`intercept`,
 //!   [`publisher`], [`outgoing`]): at-least-once. When that channel gets 403 (the client's
 //!   user may not publish to the DLX, which RabbitMQ does not check when it dead-letters), the
 //!   publish is handed to the vhost's service connection, and the original is acked on its
@@ -171,13 +171,13 @@
 //!   to such a delivery only through the capture queue (queues declared through the proxy),
 //!   see docs/semantics.md.
 //!
-//! Module map: [`session_task`] (the task of one client connection: sockets in, sockets
-//! out), [`client_session`] (that connection and its upstream connection as a state machine
-//! with no socket, and its life), [`forward`] (frame dispatch), [`intercept`] (the changed
-//! methods), [`pending`] (what a connection holds back while it waits), [`inflight`] (kept
+//! Module map: `session_task` (the task of one client connection: sockets in, sockets
+//! out), `client_session` (that connection and its upstream connection as a state machine
+//! with no socket, and its life), `forward` (frame dispatch), `intercept` (the changed
+//! methods), `pending` (what a connection holds back while it waits), [`inflight`] (kept
 //! deliveries), [`retry`] (held dead
 //! letters and their backoff), [`retry_tiers`] (rejections held for their retry delay),
-//! [`bcc`], [`publisher`], [`capture`], [`death`] (what becomes of
+//! [`bcc`], [`publisher`], [`capture`], `death` (what becomes of
 //! a dead message), [`service`] (the service connections), [`declare`], [`arbiter`] (the
 //! declare check), [`readback`], [`probe`] (the check channel), [`permission`] (the probe of
 //! the client's permissions), [`capture_write`] (may the client's user write the capture

@@ -3,7 +3,7 @@
 //!
 //! The outbox holds bytes only; the socket's write half is the task's, passed to
 //! [`Outbox::write_some`] and [`Outbox::close`]. So the session state that fills outboxes
-//! ([`super::client_session`]) owns no socket and runs in unit tests, which take what it queued
+//! (`super::client_session`) owns no socket and runs in unit tests, which take what it queued
 //! with [`Outbox::take_queued`].
 //!
 //! The connection task never waits on a socket write. It hands encoded frames to an

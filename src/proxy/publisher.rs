@@ -27,7 +27,7 @@
 //! with backoff by the caller, so recycling then costs one channel round trip per few retries.
 //!
 //! What the session does with each outcome (settle, drop, or hold and retry) is in
-//! [`super::intercept`] and [`super::retry`].
+//! `super::intercept` and [`super::retry`].
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};

@@ -19,9 +19,9 @@
 //! - the pass ends once as many messages were looked at as the queue held at the start (its
 //!   passive declare's `message_count`), or at the `max`, or on cancel (messages waiting for
 //!   their publish are given back too). When another consumer takes messages the pass counted,
-//!   the pass ends once no delivery came for [`pass::IDLE`] with room in its window.
+//!   the pass ends once no delivery came for `pass::IDLE` with room in its window.
 //!
-//! The bookkeeping of a pass (frames in, frames out, no socket) is [`pass`]; this file dials,
+//! The bookkeeping of a pass (frames in, frames out, no socket) is `pass`; this file dials,
 //! logs in and moves the bytes.
 //!
 //! At-least-once: when the connection breaks (the proxy crashes, the upstream goes away) the

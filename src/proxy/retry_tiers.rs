@@ -1,6 +1,6 @@
 //! Retry tiers in proxy mode (`x-retry-delays` / policy `retry-delays`): where a rejected
 //! message waits out its delay, and how it comes back. Pure: names, frames and messages; the
-//! client session ([`super::intercept`]) and the service connection ([`super::service`]) move
+//! client session (`super::intercept`) and the service connection ([`super::service`]) move
 //! them.
 //!
 //! A message waits on the upstream, in a proxy-owned durable **quorum** queue per delay and

@@ -10,7 +10,7 @@
 //!   and where each one's record is;
 //! - [`pagein`]: reading a paged-out message back from its record (with read-ahead);
 //! - [`rewrite`]: a head segment pinned by a few live messages is written again at the end;
-//! - [`writer`]: the storage thread (group commit: one write and one fsync per batch);
+//! - `writer`: the storage thread (group commit: one write and one fsync per batch);
 //! - [`disk`]: the disk alarm (free space below `storage.disk_free_limit`).
 
 pub mod codec;

@@ -1,11 +1,11 @@
 //! TLS with tokio-rustls: the client-facing amqps listener (certificate, key, optional client
 //! certificate verification) and the connector for amqps upstreams, both reloadable.
 //!
-//! - [`pem`]: reads the PEM files (rustls-pki-types), errors naming the key and the file;
-//! - [`server`] / [`client`]: build the rustls configurations from the settings;
-//! - [`material`]: [`Reloadable`], the configuration in force, swapped on a successful
+//! - `pem`: reads the PEM files (rustls-pki-types), errors naming the key and the file;
+//! - `server` / `client`: build the rustls configurations from the settings;
+//! - `material`: [`Reloadable`], the configuration in force, swapped on a successful
 //!   rebuild; each new connection takes the current one;
-//! - [`rotation`]: rebuilds them when their files change (Kubernetes Secret updates) or on
+//! - `rotation`: rebuilds them when their files change (Kubernetes Secret updates) or on
 //!   SIGHUP, and counts `tls_reloads_total`.
 //!
 //! Everything uses the aws-lc-rs crypto provider explicitly, so the result does not depend on

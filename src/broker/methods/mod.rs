@@ -1,9 +1,9 @@
 //! The client's AMQP methods as operations on the broker state, one file per method family:
-//! [`declare`] (exchanges, queues, bindings), [`publish`] (route and enqueue), [`deliver`]
-//! (consume, get, dispatch to consumers), [`settle`] (ack, reject, nack, recover), [`retry`]
-//! (rejections held for a retry tier and returned when due), [`redrive`] (moving dead letters
+//! `declare` (exchanges, queues, bindings), `publish` (route and enqueue), `deliver`
+//! (consume, get, dispatch to consumers), `settle` (ack, reject, nack, recover), `retry`
+//! (rejections held for a retry tier and returned when due), `redrive` (moving dead letters
 //! back, for [`crate::redrive`]), plus the
-//! channel and connection [`lifecycle`] and the [`upkeep`] of timers, depth gauges and
+//! channel and connection `lifecycle` and the `upkeep` of timers, depth gauges and
 //! policies. (Proxy mode's `proxy::ops` is something else: its publishes awaiting a confirm.)
 //!
 //! Each public method takes the broker lock once, validates like RabbitMQ (same reply codes

@@ -9,14 +9,14 @@
 //! change of the policy set (config reload, admin API) and every
 //! `upstream.management_sync_interval_secs` (undoing drift: a policy deleted or edited by
 //! hand upstream is put back), for every vhost the proxy serves and every vhost named by a
-//! policy. [`plan`] decides what to change (pure); [`management`] makes the calls.
+//! policy. [`plan`](mod@plan) decides what to change (pure); [`management`] makes the calls.
 //!
 //! The capture route is put only where the capture exchange exists (RabbitMQ drops what dies
 //! towards a missing dead-letter exchange): in a vhost without it the round puts nothing,
 //! counts `capture_missing` and tries again next time. Upstream policies named
 //! `dlx-proxy.*` that route into this proxy's capture exchange belong to it: it deletes those
 //! it no longer has and never touches any other. The capture queue itself is kept out of
-//! every pattern ([`plan`]).
+//! every pattern ([`plan`](mod@plan)).
 //!
 //! RabbitMQ applies one user policy per queue (the highest priority) and merges an operator
 //! policy into it (the lower numeric limit wins): see docs/semantics.md for what the proxy's

@@ -5,7 +5,7 @@
 //! need no permission.
 //!
 //! A session sends a [`DeclareRequest`] through the vhost's bounded queue
-//! ([`super::ServiceRegistry::declarer`]) and waits for the [`CheckAnswer`] on its oneshot:
+//! ([`super::ServiceHandle::declares`]) and waits for the [`CheckAnswer`] on its oneshot:
 //! the rounds of the declare check ([`crate::proxy::arbiter`]; a declare-ok creates the
 //! queue, so the queue is created by the service identity too) and of the read-back
 //! ([`crate::proxy::readback`]). One declare is in flight at a time on channel

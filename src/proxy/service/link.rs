@@ -1,10 +1,10 @@
 //! The work of one open service connection, as a pure state machine: the capture consumer on
 //! channel 1 ([`CaptureConsumer`]) and the dead-letter publisher on channel 2 ([`Publisher`],
-//! confirms on). Frames and `now` in, frames out; the task around it ([`super::task`]) only
+//! confirms on). Frames and `now` in, frames out; the task around it (`super::task`) only
 //! moves bytes.
 //!
 //! Each captured message is read back into the death its original queue saw
-//! ([`death::from_capture`]), decided with the queue's settings ([`death::plan`]) and published
+//! (`death::from_capture`), decided with the queue's settings (`death::plan`) and published
 //! to its dead-letter exchange; the capture delivery is acked only once that publish is
 //! confirmed. A publish the upstream refuses (nacked: a DLQ full with `reject-publish`; no
 //! confirm in time; lost with the publisher channel; 403) is *held*, as on client connections

@@ -7,7 +7,7 @@
 //! consumes the queue with a prefetch of `proxy.capture_prefetch` (the window of dead letters in
 //! flight) and dead-letters each captured message with publisher confirms, pipelined, acking it
 //! only once the publish is confirmed, confirmed runs with one multiple ack ([`link`]). It reconnects with backoff after any loss and subscribes
-//! again ([`task`], [`backoff`]); its login is a pure state machine ([`handshake`]). So
+//! again (`task`, [`backoff`]); its login is a pure state machine ([`handshake`]). So
 //! messages that expire or overflow upstream are dead-lettered whether or not any client is
 //! connected, and client connections carry no capture consumer.
 //!

@@ -2,9 +2,9 @@
 //! dispatch of each channel method to the handler of its class, and channel errors.
 //!
 //! One file per method class, each a handler of one `match` over that class's methods:
-//! [`exchange`], [`queue`], [`basic`], [`confirm`]; the bindings of exchange and queue share
-//! [`binding`], and the content frames of a publish go to [`content`]. Publisher confirms are
-//! tracked and coalesced by [`confirms`] and written by [`confirm_task`]. Each handler checks
+//! `exchange`, `queue`, `basic`, `confirm`; the bindings of exchange and queue share
+//! `binding`, and the content frames of a publish go to `content`. Publisher confirms are
+//! tracked and coalesced by `confirms` and written by `confirm_task`. Each handler checks
 //! permissions and calls the broker operation ([`crate::broker::methods`]).
 //!
 //! Channel errors close the channel (`channel.close`, the broker requeues its unacked
