@@ -237,7 +237,10 @@ async fn publishers_are_blocked_above_the_watermark_and_resume_after_a_consumer_
     let total = f64::from(stored) + 5.0;
     let text = wait_metric(admin, "dlx_proxy_messages_published_total", total).await;
     assert_eq!(gauge(&text, "dlx_proxy_memory_alarm"), 0.0);
-    assert!(gauge(&text, "dlx_proxy_memory_used_bytes") < WATERMARK as f64 * 0.95);
+    // The alarm cleared below 95 % of the watermark; the held messages taken since may have
+    // grown the resident size again, but not back over the watermark.
+    let used = gauge(&text, "dlx_proxy_memory_used_bytes");
+    assert!(used < WATERMARK as f64, "used {used} after the drain");
     assert_eq!(gauge(&text, "dlx_proxy_blocked_connections"), 0.0);
     assert_eq!(gauge(&text, "dlx_proxy_connection_blocks_total"), 2.0);
     assert!(gauge(&text, "dlx_proxy_memory_releases_total") >= 1.0);
