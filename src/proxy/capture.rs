@@ -361,7 +361,7 @@ impl CaptureConsumer {
     pub fn on_frame(&mut self, frame: &WireFrame) -> CaptureStep {
         let mut step = CaptureStep::default();
         match frame.kind {
-            FRAME_METHOD => match decode_method(&frame.payload) {
+            FRAME_METHOD => match decode_method(frame.payload()) {
                 Some(AMQPClass::Queue(queue::AMQPMethod::BindOk(_))) => {
                     step.declared = true;
                 }
@@ -409,9 +409,9 @@ impl CaptureConsumer {
             },
             FRAME_HEADER => {
                 if let Some(incoming) = self.incoming.as_mut() {
-                    let size = content_body_size(&frame.payload).unwrap_or(0);
+                    let size = content_body_size(frame.payload()).unwrap_or(0);
                     incoming.raw_properties = Some(Bytes::copy_from_slice(
-                        frame.payload.get(12..).unwrap_or_default(),
+                        frame.payload().get(12..).unwrap_or_default(),
                     ));
                     incoming.remaining = size;
                     incoming.body.reserve(size.min(16 * 1024 * 1024) as usize);
@@ -422,10 +422,10 @@ impl CaptureConsumer {
             }
             FRAME_BODY => {
                 if let Some(incoming) = self.incoming.as_mut() {
-                    incoming.body.extend_from_slice(&frame.payload);
+                    incoming.body.extend_from_slice(frame.payload());
                     incoming.remaining = incoming
                         .remaining
-                        .saturating_sub(frame.payload.len() as u64);
+                        .saturating_sub(frame.payload().len() as u64);
                     if incoming.remaining == 0 {
                         step.message = self.finish();
                     }

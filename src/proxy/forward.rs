@@ -221,7 +221,7 @@ impl ClientSession {
         match frame.method_ids() {
             CONNECTION_TUNE_OK => {
                 let Some(AMQPClass::Connection(connection::AMQPMethod::TuneOk(tune_ok))) =
-                    decode_method(&frame.payload)
+                    decode_method(frame.payload())
                 else {
                     self.close_client(reply::SYNTAX_ERROR, "SYNTAX_ERROR - bad tune-ok", 10, 31);
                     return;
@@ -256,7 +256,7 @@ impl ClientSession {
             }
             CONNECTION_START_OK => {
                 if let Some(AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok))) =
-                    decode_method(&frame.payload)
+                    decode_method(frame.payload())
                     && let LoginCheck::Refuse { user, close } = check_login(
                         &start_ok,
                         is_loopback(self.peer.ip()),
@@ -270,7 +270,7 @@ impl ClientSession {
             }
             CONNECTION_OPEN => {
                 if let Some(AMQPClass::Connection(connection::AMQPMethod::Open(open))) =
-                    decode_method(&frame.payload)
+                    decode_method(frame.payload())
                 {
                     self.vhost = open.virtual_host.as_str().to_string();
                 }
@@ -335,10 +335,10 @@ impl ClientSession {
                 (FRAME_HEADER, Some(OutgoingContent::AwaitingHeader)) => {
                     // A publish's BCC keys are kept for dead-lettering (see `bcc`).
                     rewritten = bcc::publish_header(
-                        &frame.payload,
+                        frame.payload(),
                         self.frame_max.saturating_sub(FRAME_OVERHEAD),
                     );
-                    let size = content_body_size(&frame.payload).unwrap_or(0);
+                    let size = content_body_size(frame.payload()).unwrap_or(0);
                     if size == 0 {
                         ch.outgoing = None;
                         finished = true;
@@ -347,7 +347,7 @@ impl ClientSession {
                     }
                 }
                 (FRAME_BODY, Some(OutgoingContent::Body { remaining })) => {
-                    let left = remaining.saturating_sub(frame.payload.len() as u64);
+                    let left = remaining.saturating_sub(frame.payload().len() as u64);
                     if left == 0 {
                         ch.outgoing = None;
                         finished = true;
@@ -388,7 +388,7 @@ impl ClientSession {
             // A queue this instance has not verified is read back from the upstream first.
             // Bounded like every client method with a table; a frame that does not decode is
             // refused by the dispatch below.
-            let queue = match decode_method_within(&frame.payload, self.shared.max_table_depth) {
+            let queue = match decode_method_within(frame.payload(), self.shared.max_table_depth) {
                 Ok(AMQPClass::Basic(basic::AMQPMethod::Consume(m))) => Some(m.queue),
                 Ok(AMQPClass::Basic(basic::AMQPMethod::Get(m))) => Some(m.queue),
                 _ => None,
@@ -423,7 +423,7 @@ impl ClientSession {
             BASIC_ACK | BASIC_REJECT | BASIC_NACK => {
                 // Read in place (every delivery is settled so): what does not read is
                 // malformed (amq-protocol refuses the same, see `peek`).
-                let settle = match peek::settle(&frame.payload) {
+                let settle = match peek::settle(frame.payload()) {
                     Some(peek::Settle::Ack {
                         delivery_tag,
                         multiple,
@@ -466,7 +466,7 @@ impl ClientSession {
             QUEUE_DECLARE => self.client_queue_declare(frame),
             QUEUE_DELETE => {
                 if let Some(AMQPClass::Queue(queue::AMQPMethod::Delete(delete))) =
-                    decode_method(&frame.payload)
+                    decode_method(frame.payload())
                 {
                     let name = match self.channels.get(&channel) {
                         Some(ch) => ch.resolve_queue(delete.queue.as_str()),
@@ -503,7 +503,7 @@ impl ClientSession {
                 self.send_upstream(frame.raw);
             }
             BASIC_GET => {
-                match decode_method(&frame.payload) {
+                match decode_method(frame.payload()) {
                     Some(AMQPClass::Basic(basic::AMQPMethod::Get(get))) => {
                         if let Some(ch) = self.channels.get_mut(&channel) {
                             let source =
@@ -602,7 +602,7 @@ impl ClientSession {
     /// (501 for tables nested too deep, 502 otherwise) and gives `None`. The upstream
     /// connection is then closed cleanly once the proxy's own work is settled.
     pub(super) fn decode_client_method(&mut self, frame: &WireFrame) -> Option<AMQPClass> {
-        match decode_method_within(&frame.payload, self.shared.max_table_depth) {
+        match decode_method_within(frame.payload(), self.shared.max_table_depth) {
             Ok(method) => Some(method),
             Err(err) => {
                 let (class_id, method_id) = frame.method_ids();
@@ -729,7 +729,7 @@ impl ClientSession {
         match frame.method_ids() {
             CONNECTION_TUNE if !self.running => {
                 let Some(AMQPClass::Connection(connection::AMQPMethod::Tune(tune))) =
-                    decode_method(&frame.payload)
+                    decode_method(frame.payload())
                 else {
                     self.upstream_lost("upstream sent a malformed connection.tune");
                     return;
@@ -750,7 +750,7 @@ impl ClientSession {
                 // Forwarded as is (e.g. 320 from the broker, 403 on a failed login); the
                 // client's close-ok goes back upstream.
                 let reply_code = frame
-                    .payload
+                    .payload()
                     .get(4..6)
                     .map(|code| u16::from_be_bytes([code[0], code[1]]));
                 if reply_code == Some(reply::CONNECTION_FORCED) {
@@ -868,7 +868,7 @@ impl ClientSession {
         match ids {
             BASIC_DELIVER => {
                 // Read in place: one per message, forwarded as it came.
-                let Some(deliver) = peek::deliver(&frame.payload) else {
+                let Some(deliver) = peek::deliver(frame.payload()) else {
                     self.send_client(frame.raw);
                     return;
                 };
@@ -897,7 +897,7 @@ impl ClientSession {
                 self.send_client(frame.raw);
             }
             BASIC_GET_OK => {
-                let Some(get_ok) = peek::get_ok(&frame.payload) else {
+                let Some(get_ok) = peek::get_ok(frame.payload()) else {
                     self.send_client(frame.raw);
                     return;
                 };
@@ -937,7 +937,7 @@ impl ClientSession {
             }
             BASIC_CONSUME_OK => {
                 if let Some(AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(ok))) =
-                    decode_method(&frame.payload)
+                    decode_method(frame.payload())
                     && let Some(ch) = self.channels.get_mut(&channel)
                     && let Some(source) = ch.pending_consumes.pop_front()
                 {
@@ -947,7 +947,7 @@ impl ClientSession {
                 self.send_client(frame.raw);
             }
             BASIC_CANCEL | BASIC_CANCEL_OK => {
-                let tag = match decode_method(&frame.payload) {
+                let tag = match decode_method(frame.payload()) {
                     Some(AMQPClass::Basic(basic::AMQPMethod::Cancel(c))) => {
                         Some(c.consumer_tag.as_str().to_string())
                     }
@@ -1043,19 +1043,19 @@ impl ClientSession {
         {
             if frame.kind == FRAME_HEADER {
                 // Clients never see the proxy's private header; the kept copy has it.
-                stripped = bcc::delivered_header(&frame.payload);
-                let size = content_body_size(&frame.payload).unwrap_or(0);
+                stripped = bcc::delivered_header(frame.payload());
+                let size = content_body_size(frame.payload()).unwrap_or(0);
                 incoming.remaining = Some(size);
                 if let Some(keep) = incoming.keep.as_mut().filter(|k| k.with_content) {
                     keep.raw_properties =
-                        Bytes::copy_from_slice(frame.payload.get(12..).unwrap_or_default());
+                        Bytes::copy_from_slice(frame.payload().get(12..).unwrap_or_default());
                     keep.body.reserve(size.min(16 * 1024 * 1024) as usize);
                 }
                 finished = size == 0;
             } else if let Some(remaining) = incoming.remaining.as_mut() {
-                *remaining = remaining.saturating_sub(frame.payload.len() as u64);
+                *remaining = remaining.saturating_sub(frame.payload().len() as u64);
                 if let Some(keep) = incoming.keep.as_mut().filter(|k| k.with_content) {
-                    keep.body.extend_from_slice(&frame.payload);
+                    keep.body.extend_from_slice(frame.payload());
                 }
                 finished = *remaining == 0;
             }

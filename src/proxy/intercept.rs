@@ -634,7 +634,7 @@ impl ClientSession {
 
     pub(super) fn upstream_declare_ok(&mut self, frame: &WireFrame) {
         let Some(AMQPClass::Queue(queue::AMQPMethod::DeclareOk(ok))) =
-            decode_method(&frame.payload)
+            decode_method(frame.payload())
         else {
             return;
         };

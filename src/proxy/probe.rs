@@ -177,7 +177,7 @@ impl CheckChannel {
         if frame.kind != FRAME_METHOD {
             return step;
         }
-        match decode_method(&frame.payload) {
+        match decode_method(frame.payload()) {
             Some(
                 AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_))
                 | AMQPClass::Tx(tx::AMQPMethod::RollbackOk(_)),
@@ -345,14 +345,14 @@ mod tests {
             ]
         );
         let Some(AMQPClass::Basic(basic::AMQPMethod::Publish(publish))) =
-            decode_method(&frames[2].payload)
+            decode_method(frames[2].payload())
         else {
             panic!("not a publish");
         };
         assert_eq!(publish.exchange.as_str(), "dlx-proxy.capture");
         assert!(!publish.mandatory);
         assert_eq!(
-            crate::proxy::wire::content_body_size(&frames[3].payload),
+            crate::proxy::wire::content_body_size(frames[3].payload()),
             Some(0)
         );
         assert!(frames.iter().all(|f| f.channel == 7));

@@ -331,7 +331,7 @@ impl Publisher {
     pub fn on_frame(&mut self, frame: &WireFrame) -> PublisherStep {
         let mut step = PublisherStep::default();
         match frame.kind {
-            FRAME_METHOD => match decode_method(&frame.payload) {
+            FRAME_METHOD => match decode_method(frame.payload()) {
                 Some(AMQPClass::Basic(basic::AMQPMethod::Ack(ack))) => {
                     self.nacks_in_a_row = 0;
                     for record in self.take_confirmed(ack.delivery_tag, ack.multiple) {
@@ -397,7 +397,7 @@ impl Publisher {
                 _ => {}
             },
             FRAME_HEADER => {
-                let size = content_body_size(&frame.payload).unwrap_or(0);
+                let size = content_body_size(frame.payload()).unwrap_or(0);
                 if let Some(returned) = self.returned.as_mut() {
                     returned.size = Some(size);
                     returned.remaining = size;
@@ -412,7 +412,7 @@ impl Publisher {
                 {
                     returned.remaining = returned
                         .remaining
-                        .saturating_sub(frame.payload.len() as u64);
+                        .saturating_sub(frame.payload().len() as u64);
                     if returned.remaining == 0 {
                         self.finish_return();
                     }

@@ -203,7 +203,7 @@ impl RedriveConnection {
             if frame.kind != FRAME_METHOD {
                 continue;
             }
-            match decode_method(&frame.payload) {
+            match decode_method(frame.payload()) {
                 Some(AMQPClass::Channel(channel::AMQPMethod::Close(close)))
                     if close.reply_code == reply::NOT_FOUND =>
                 {

@@ -41,6 +41,6 @@ pub fn methods(bytes: &[u8]) -> Vec<(u16, AMQPClass)> {
     frames(bytes)
         .into_iter()
         .filter(|f| f.kind == FRAME_METHOD)
-        .map(|f| (f.channel, decode_method(&f.payload).unwrap()))
+        .map(|f| (f.channel, decode_method(f.payload()).unwrap()))
         .collect()
 }

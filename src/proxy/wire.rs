@@ -16,24 +16,39 @@ use crate::amqp::codec::{
     FrameError, complete_frame, put_method, put_raw_frame,
 };
 
-/// One frame: header fields, the payload and the whole frame as received.
+/// One frame: header fields and the whole frame as received (its payload is read in place,
+/// [`WireFrame::payload`], so a frame costs one shared reference to the read buffer).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WireFrame {
     pub kind: u8,
     pub channel: u16,
-    /// The payload (a slice of `raw`).
-    pub payload: Bytes,
     /// The complete frame, header and end octet included.
     pub raw: Bytes,
 }
 
 impl WireFrame {
+    /// The payload: `raw` without the 7-byte header and the end octet.
+    pub fn payload(&self) -> &[u8] {
+        self.raw
+            .get(7..self.raw.len().saturating_sub(1))
+            .unwrap_or_default()
+    }
+
+    /// The payload as a shared slice of `raw` (for content kept past the frame).
+    pub fn payload_bytes(&self) -> Bytes {
+        let end = self.raw.len().saturating_sub(1);
+        if end <= 7 {
+            return Bytes::new();
+        }
+        self.raw.slice(7..end)
+    }
+
     /// Class and method ids of a method frame (`(0, 0)` for other frames or short payloads).
     pub fn method_ids(&self) -> (u16, u16) {
         if self.kind != FRAME_METHOD {
             return (0, 0);
         }
-        crate::amqp::codec::method_ids(&self.payload)
+        crate::amqp::codec::method_ids(self.payload())
     }
 
     pub fn is_heartbeat(&self) -> bool {
@@ -74,11 +89,9 @@ impl Decoder for WireCodec {
         };
         let total = header.size + FRAME_OVERHEAD;
         let raw = src.split_to(total).freeze();
-        let payload = raw.slice(7..total - 1);
         Ok(Some(WireFrame {
             kind: header.kind,
             channel: header.channel,
-            payload,
             raw,
         }))
     }
@@ -218,7 +231,7 @@ mod tests {
         let first = codec.decode(&mut buf).unwrap().unwrap();
         assert_eq!(first.kind, FRAME_BODY);
         assert_eq!(first.channel, 7);
-        assert_eq!(&first.payload[..], b"abc");
+        assert_eq!(first.payload(), b"abc");
         assert_eq!(&first.raw[..], &whole[..11]);
         let second = codec.decode(&mut buf).unwrap().unwrap();
         assert!(second.is_heartbeat());
@@ -272,7 +285,7 @@ mod tests {
         let mut reader = FrameReader::new(rx, 1 << 17);
         assert_eq!(reader.chunk(), READ_CHUNK_MIN);
         for _ in 0..64 {
-            assert_eq!(reader.next().await.unwrap().unwrap().payload.len(), 4000);
+            assert_eq!(reader.next().await.unwrap().unwrap().payload().len(), 4000);
         }
         assert_eq!(
             reader.chunk(),

@@ -230,12 +230,12 @@ async fn properties_round_trip_byte_for_byte() {
     let h = c.read_frame().await.expect("header frame");
     assert_eq!(h.kind, FRAME_HEADER);
     assert_eq!(
-        &h.payload[..],
+        h.payload(),
         &header[..],
         "content header differs from what was published"
     );
     let bf = c.read_frame().await.expect("body frame");
-    assert_eq!(&bf.payload[..], body);
+    assert_eq!(bf.payload(), body);
 }
 
 #[tokio::test]

@@ -168,7 +168,7 @@ fn consumer_assembles_deliveries_and_acks_by_epoch() {
     // The prefetch is the configured one.
     let qos = setup.iter().find(|f| f.method_ids() == (60, 10)).unwrap();
     assert!(matches!(
-        decode_method(&qos.payload),
+        decode_method(qos.payload()),
         Some(AMQPClass::Basic(basic::AMQPMethod::Qos(q))) if q.prefetch_count == 250
     ));
     assert!(!consumer.ack(4, message.epoch + 1), "an old epoch");

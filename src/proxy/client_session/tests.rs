@@ -328,7 +328,7 @@ async fn a_reject_is_dead_lettered_on_the_publisher_channel_and_acked_upstream_a
     let (mut h, publisher) = rejected().await;
     let sent = h.upstream_got_frames();
     assert!(sent.iter().all(|f| f.channel == publisher), "{sent:?}");
-    let publish = match decode_method(&sent[0].payload) {
+    let publish = match decode_method(sent[0].payload()) {
         Some(AMQPClass::Basic(basic::AMQPMethod::Publish(p))) => p,
         other => panic!("{other:?}"),
     };
@@ -336,7 +336,7 @@ async fn a_reject_is_dead_lettered_on_the_publisher_channel_and_acked_upstream_a
         (publish.exchange.as_str(), publish.routing_key.as_str()),
         ("dlx", "q")
     );
-    let props = decode_properties(&sent[1].payload[12..]).unwrap();
+    let props = decode_properties(&sent[1].payload()[12..]).unwrap();
     let headers = props.headers().clone().unwrap();
     let Some(AMQPValue::FieldArray(deaths)) = headers.inner().get("x-death") else {
         panic!("no x-death: {headers:?}");
@@ -357,7 +357,7 @@ async fn a_reject_is_dead_lettered_on_the_publisher_channel_and_acked_upstream_a
         headers.inner().get("x-first-death-reason"),
         Some(&AMQPValue::LongString("rejected".into()))
     );
-    assert_eq!(&sent[2].payload[..], b"m");
+    assert_eq!(sent[2].payload(), b"m");
 
     // Confirmed: the original is acked upstream, with the client's delivery tag.
     h.upstream_sends(method_frame(
@@ -407,7 +407,7 @@ async fn a_nacked_dead_letter_is_held_not_settled_and_published_again_after_the_
     h.at(due);
     let again = h.upstream_got_frames();
     assert!(again.iter().all(|f| f.channel == publisher));
-    let raws = |fs: &[WireFrame]| fs.iter().map(|f| f.payload.clone()).collect::<Vec<_>>();
+    let raws = |fs: &[WireFrame]| fs.iter().map(|f| f.payload_bytes()).collect::<Vec<_>>();
     assert_eq!(raws(&again), raws(&first), "the same publish");
     h.upstream_sends(method_frame(
         publisher,
@@ -430,11 +430,11 @@ async fn a_nacked_dead_letter_is_held_not_settled_and_published_again_after_the_
 /// The publish the proxy made on its publisher channel: (exchange, routing key, headers).
 fn published(frames: &[WireFrame], publisher: u16) -> (String, String, FieldTable) {
     assert!(frames.iter().all(|f| f.channel == publisher), "{frames:?}");
-    let Some(AMQPClass::Basic(basic::AMQPMethod::Publish(p))) = decode_method(&frames[0].payload)
+    let Some(AMQPClass::Basic(basic::AMQPMethod::Publish(p))) = decode_method(frames[0].payload())
     else {
         panic!("{frames:?}");
     };
-    let props = decode_properties(&frames[1].payload[12..]).unwrap();
+    let props = decode_properties(&frames[1].payload()[12..]).unwrap();
     (
         p.exchange.to_string(),
         p.routing_key.to_string(),

@@ -225,7 +225,7 @@ fn methods(bytes: &Bytes) -> Vec<(u16, AMQPClass)> {
     let mut out = Vec::new();
     while let Some(f) = codec.decode(&mut buf).unwrap() {
         if f.kind == FRAME_METHOD {
-            out.push((f.channel, decode_method(&f.payload).unwrap()));
+            out.push((f.channel, decode_method(f.payload()).unwrap()));
         }
     }
     out

@@ -261,7 +261,7 @@ impl PassState {
             0 => {
                 if frame.kind == FRAME_METHOD
                     && let Some(AMQPClass::Connection(connection::AMQPMethod::Close(close))) =
-                        decode_method(&frame.payload)
+                        decode_method(frame.payload())
                 {
                     return Err(format!(
                         "the upstream closed the connection: {} {}",
@@ -292,7 +292,7 @@ impl PassState {
         report: &mut impl FnMut(Progress),
     ) -> Result<(), String> {
         match frame.kind {
-            FRAME_METHOD => match decode_method(&frame.payload) {
+            FRAME_METHOD => match decode_method(frame.payload()) {
                 Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => {
                     self.last_delivery = Some(Instant::now());
                     self.incoming = Some(Incoming {
@@ -319,14 +319,14 @@ impl PassState {
             },
             FRAME_HEADER => {
                 if let Some(incoming) = &mut self.incoming {
-                    let size = content_body_size(&frame.payload).unwrap_or(0);
-                    incoming.header = Some(frame.payload.clone());
+                    let size = content_body_size(frame.payload()).unwrap_or(0);
+                    incoming.header = Some(frame.payload_bytes());
                     incoming.body = Some(BodyCollector::new(size));
                 }
             }
             FRAME_BODY => {
                 if let Some(body) = self.incoming.as_mut().and_then(|i| i.body.as_mut()) {
-                    body.push(frame.payload.clone())
+                    body.push(frame.payload_bytes())
                         .map_err(|e| format!("upstream delivery: {e}"))?;
                 }
             }

@@ -64,7 +64,8 @@ fn the_delay_queue_is_a_quorum_queue_that_expires_into_the_capture_exchange() {
     let mut buf = bytes::BytesMut::from(&bytes[..]);
     let frame = WireCodec::new(1 << 20).decode(&mut buf).unwrap().unwrap();
     assert_eq!(frame.channel, 2);
-    let Some(AMQPClass::Queue(queue::AMQPMethod::Declare(declare))) = decode_method(&frame.payload)
+    let Some(AMQPClass::Queue(queue::AMQPMethod::Declare(declare))) =
+        decode_method(frame.payload())
     else {
         panic!("not a queue.declare");
     };

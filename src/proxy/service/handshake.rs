@@ -96,7 +96,7 @@ impl ClientHandshake {
                 frame.kind, frame.channel
             )));
         }
-        let method = decode_method(&frame.payload).ok_or_else(|| {
+        let method = decode_method(frame.payload()).ok_or_else(|| {
             HandshakeError::Unexpected(format!("method {:?} does not parse", frame.method_ids()))
         })?;
         let AMQPClass::Connection(method) = method else {

@@ -338,7 +338,7 @@ impl Connection<'_> {
         if frame.channel == 0 {
             if frame.kind == FRAME_METHOD
                 && let Some(AMQPClass::Connection(connection::AMQPMethod::Close(close))) =
-                    crate::amqp::codec::decode_method(&frame.payload)
+                    crate::amqp::codec::decode_method(frame.payload())
             {
                 self.out.extend_from_slice(&method_frame(
                     0,

@@ -375,7 +375,7 @@ impl RawClient {
                         frame.kind, FRAME_METHOD,
                         "expected a method frame, got {frame:?}"
                     );
-                    let method = decode_method(&frame.payload).expect("decodable method");
+                    let method = decode_method(frame.payload()).expect("decodable method");
                     return Some((frame.channel, method));
                 }
                 Ok(None) => panic!("the connection closed while a method was awaited"),
@@ -392,7 +392,7 @@ impl RawClient {
             frame.kind, FRAME_METHOD,
             "expected a method frame, got {frame:?}"
         );
-        decode_method(&frame.payload).expect("decodable method")
+        decode_method(frame.payload()).expect("decodable method")
     }
 
     /// The next method frame (other frames are skipped): its channel, ids and payload.
@@ -400,7 +400,7 @@ impl RawClient {
         loop {
             let frame = self.next_frame().await;
             if frame.kind == FRAME_METHOD {
-                return (frame.channel, frame.method_ids(), frame.payload);
+                return (frame.channel, frame.method_ids(), frame.payload_bytes());
             }
         }
     }
@@ -453,25 +453,25 @@ impl RawClient {
                 );
                 continue;
             }
-            match decode_method(&frame.payload) {
+            match decode_method(frame.payload()) {
                 Some(AMQPClass::Basic(basic::AMQPMethod::Deliver(d))) => break (frame.channel, d),
                 other => panic!("expected basic.deliver, got {other:?}"),
             }
         };
         let header = self.next_frame().await;
         assert_eq!(header.kind, FRAME_HEADER, "content header after deliver");
-        let size = content_body_size(&header.payload).expect("a body size") as usize;
+        let size = content_body_size(header.payload()).expect("a body size") as usize;
         let mut body = Vec::with_capacity(size);
         while body.len() < size {
             let frame = self.next_frame().await;
             assert_eq!(frame.kind, FRAME_BODY, "content body");
-            body.extend_from_slice(&frame.payload);
+            body.extend_from_slice(frame.payload());
         }
         RawDelivery {
             channel,
             delivery_tag: deliver.delivery_tag,
             redelivered: deliver.redelivered,
-            properties: header.payload.slice(12..),
+            properties: header.payload_bytes().slice(12..),
             body,
         }
     }

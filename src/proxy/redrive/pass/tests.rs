@@ -22,7 +22,7 @@ fn methods(out: &mut BytesMut) -> Vec<(u16, AMQPClass)> {
     frames(&bytes)
         .into_iter()
         .filter(|f| f.kind == FRAME_METHOD)
-        .map(|f| (f.channel, decode_method(&f.payload).unwrap()))
+        .map(|f| (f.channel, decode_method(f.payload()).unwrap()))
         .collect()
 }
 
@@ -112,7 +112,7 @@ fn a_move_is_acked_after_its_confirm_and_a_returned_one_stays() {
     let written = frames(&bytes);
     let publishes: Vec<String> = written
         .iter()
-        .filter_map(|f| match decode_method(&f.payload) {
+        .filter_map(|f| match decode_method(f.payload()) {
             Some(AMQPClass::Basic(basic::AMQPMethod::Publish(p))) => {
                 assert!(p.mandatory && p.exchange.as_str().is_empty());
                 Some(p.routing_key.as_str().to_string())
@@ -122,7 +122,7 @@ fn a_move_is_acked_after_its_confirm_and_a_returned_one_stays() {
         .collect();
     assert_eq!(publishes, ["work", "gone"]);
     let header = written.iter().find(|f| f.kind == FRAME_HEADER).unwrap();
-    let props = decode_properties(&header.payload[12..]).unwrap();
+    let props = decode_properties(&header.payload()[12..]).unwrap();
     let headers = props.headers().clone().unwrap();
     assert_eq!(
         headers.inner().get(X_REDRIVEN_COUNT),
@@ -167,7 +167,7 @@ fn a_move_is_acked_after_its_confirm_and_a_returned_one_stays() {
     // All looked at: the consumer went with the first publishes; once both are settled the
     // pass is over and the returned one is given back.
     assert!(written.iter().any(|f| matches!(
-        decode_method(&f.payload),
+        decode_method(f.payload()),
         Some(AMQPClass::Basic(basic::AMQPMethod::Cancel(_)))
     )));
     assert!(s.step(None, Instant::now(), &mut |p| seen.add(p)).unwrap());

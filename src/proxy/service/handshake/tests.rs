@@ -17,7 +17,7 @@ fn one(method: connection::AMQPMethod) -> WireFrame {
 }
 
 fn decode(frame: &WireFrame) -> connection::AMQPMethod {
-    match decode_method(&frame.payload) {
+    match decode_method(frame.payload()) {
         Some(AMQPClass::Connection(m)) => m,
         other => panic!("not a connection method: {other:?}"),
     }

@@ -142,7 +142,7 @@ fn a_captured_message_is_acked_only_after_its_dead_letter_is_confirmed() {
         .into_iter()
         .find(|f| f.kind == crate::amqp::codec::FRAME_HEADER)
         .unwrap();
-    let props = decode_properties(&header.payload[12..]).unwrap();
+    let props = decode_properties(&header.payload()[12..]).unwrap();
     let deaths = crate::deadletter::x_death_entries(&props);
     assert_eq!(deaths.len(), 1);
     assert_eq!(deaths[0].queue, "q");
