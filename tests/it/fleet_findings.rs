@@ -329,15 +329,25 @@ async fn f2_every_reject_through_an_instance_that_was_told_no_dlx_is_dead_letter
 /// uncounted (a documented limit, docs/semantics.md, lifted by `upstream.management_url`:
 /// proxy_upstream_policies.rs tests that).
 async fn limited_queue(fleet: &Fleet, prefix: &str) -> (String, String, String) {
+    limited_queue_with(fleet, prefix, &[]).await
+}
+
+/// [`limited_queue`] with `extra` arguments (a quorum queue: `quorum()`).
+async fn limited_queue_with(
+    fleet: &Fleet,
+    prefix: &str,
+    extra: &[(&str, AMQPValue)],
+) -> (String, String, String) {
     use std::sync::atomic::{AtomicU32, Ordering};
     static N: AtomicU32 = AtomicU32::new(0);
     let (_a, ch) = open(fleet, 0).await;
-    let limit = ("x-delivery-limit", AMQPValue::LongInt(2));
+    let mut arguments = vec![("x-delivery-limit", AMQPValue::LongInt(2))];
+    arguments.extend(extra.iter().cloned());
     let n = N.fetch_add(1, Ordering::Relaxed);
     let queue = format!("{prefix}-{}-{n}", std::process::id());
     let (dlx, dlq) = (format!("{queue}-x"), format!("{queue}-q"));
     declare_dlx(&ch, &dlx, &dlq).await;
-    crate::common::dl::declare(&ch, &queue, dead_lettering(&dlx, &dlq, &[limit])).await;
+    crate::common::dl::declare_durable(&ch, &queue, dead_lettering(&dlx, &dlq, &arguments)).await;
     confirm_select(&ch).await;
     publish_confirmed(&ch, &queue, 1).await;
     (queue, dlx, dlq)
@@ -379,6 +389,31 @@ async fn f3_requeues_through_alternating_instances_count_against_the_limit() {
     let (_a, ch_a) = open(&fleet, 0).await;
     let (_b, ch_b) = open(&fleet, 1).await;
     let deliveries = requeue_until_gone(&[&ch_a, &ch_b], &names.0).await;
+    assert_died_of_the_limit(fleet, deliveries, names).await;
+}
+
+/// The fleet dead-lettered one message of `queue` as `delivery_limit`, and none came through
+/// the capture queue: the instance that handled the last return dead-lettered it itself.
+async fn assert_dead_lettered_in_one_hop(fleet: &Fleet, queue: &str) {
+    assert_eq!(
+        fleet_dead_lettered(fleet, queue, "delivery_limit").await,
+        1.0
+    );
+    let captured = [("outcome", "dead_lettered"), ("vhost", "/")];
+    assert_eq!(fleet.counter_sum("captured_total", &captured).await, 0.0);
+}
+
+/// A quorum queue counts the returns itself; whichever instance handles the requeue RabbitMQ
+/// would dead-letter on return dead-letters it in one hop (none goes through the capture).
+#[tokio::test]
+async fn f3_quorum_requeues_through_alternating_instances_die_at_the_limit_in_one_hop() {
+    let _steady = cluster().steady().await;
+    let fleet = Fleet::in_front_of_cluster(2, &[], "").await;
+    let names = limited_queue_with(&fleet, "f3q", &[quorum()]).await;
+    let (_a, ch_a) = open(&fleet, 0).await;
+    let (_b, ch_b) = open(&fleet, 1).await;
+    let deliveries = requeue_until_gone(&[&ch_a, &ch_b], &names.0).await;
+    assert_dead_lettered_in_one_hop(&fleet, &names.0).await;
     assert_died_of_the_limit(fleet, deliveries, names).await;
 }
 
@@ -435,6 +470,19 @@ async fn f4_consumers_that_die_holding_the_message_count_against_the_limit() {
     let fleet = Fleet::in_front_of_cluster(2, &[], "").await;
     let names = limited_queue(&fleet, "f4c").await;
     let deliveries = crash_until_gone(&fleet, &names.0).await;
+    assert_died_of_the_limit(fleet, deliveries, names).await;
+}
+
+/// The same on a quorum queue, which counts the returns itself: the connection that dies
+/// holding the delivery RabbitMQ would dead-letter on its return has it dead-lettered by its
+/// proxy before the upstream connection closes.
+#[tokio::test]
+async fn f4_consumers_that_die_holding_a_quorum_message_count_against_its_limit() {
+    let _steady = cluster().steady().await;
+    let fleet = Fleet::in_front_of_cluster(2, &[], "").await;
+    let names = limited_queue_with(&fleet, "f4q", &[quorum()]).await;
+    let deliveries = crash_until_gone(&fleet, &names.0).await;
+    assert_dead_lettered_in_one_hop(&fleet, &names.0).await;
     assert_died_of_the_limit(fleet, deliveries, names).await;
 }
 
