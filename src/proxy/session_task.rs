@@ -15,7 +15,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::sync::{oneshot, watch};
 
 use super::ProxyShared;
@@ -26,6 +26,7 @@ use super::policy_sync::management::ArgumentsListing;
 use super::probe::CheckAnswer;
 use super::publisher::{OpId, Outcome};
 use super::service::Status;
+use super::upstream::UpstreamStream;
 use super::wire::{FrameReader, WireFrame};
 use crate::admission::refuse_client_after_header;
 use crate::amqp::codec::{FrameError, PROTOCOL_HEADER};
@@ -57,6 +58,59 @@ enum Event {
     Polled,
 }
 
+/// The frame reader of an upstream connection's reading half.
+type UpstreamReader = FrameReader<ReadHalf<UpstreamStream>>;
+
+/// Dials the upstream for a client, sends the protocol header and reads the node's first frame
+/// (its connection.start). A node that accepts the connection and then closes it, or says
+/// nothing until the client's handshake deadline, is one that is going down: it backs off and
+/// the next target is tried, at most once each, so a client that reconnects right after a
+/// node died does not land on it. The error names every failure when no node greets.
+async fn open_upstream(
+    shared: &ProxyShared,
+    peer: SocketAddr,
+    deadline: Instant,
+) -> std::io::Result<(UpstreamReader, WriteHalf<UpstreamStream>, WireFrame)> {
+    let mut failures = Vec::new();
+    for _ in 0..shared.upstream.targets().len() {
+        let (stream, target) = match shared.upstream.connect().await {
+            Ok(connected) => connected,
+            Err(err) if failures.is_empty() => return Err(err),
+            Err(err) => {
+                failures.push(err.to_string());
+                break;
+            }
+        };
+        tracing::debug!(%peer, upstream = %target.address(), "upstream connected");
+        let (read, mut write) = tokio::io::split(stream);
+        let mut reader = FrameReader::new(read, shared.handshake_frame_max);
+        let greeting = match write.write_all(&PROTOCOL_HEADER).await {
+            Ok(()) => {
+                let within = tokio::time::Instant::from(deadline);
+                match tokio::time::timeout_at(within, reader.next()).await {
+                    Ok(Some(Ok(frame))) => Ok(frame),
+                    Ok(Some(Err(err))) => Err(err.to_string()),
+                    Ok(None) => Err("closed before its greeting".to_string()),
+                    Err(_) => Err("no greeting before the handshake deadline".to_string()),
+                }
+            }
+            Err(err) => Err(err.to_string()),
+        };
+        match greeting {
+            Ok(frame) => return Ok((reader, write, frame)),
+            Err(why) => {
+                tracing::warn!(%peer, upstream = %target.address(), %why, "upstream did not greet");
+                shared.upstream.greeting_failed(&target);
+                failures.push(format!("upstream {} {why}", target.address()));
+            }
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::ConnectionAborted,
+        failures.join("; "),
+    ))
+}
+
 /// Serves one client connection until both legs are closed.
 pub(super) async fn run<S>(
     mut client: S,
@@ -84,33 +138,27 @@ pub(super) async fn run<S>(
         }
         _ => return,
     }
-    let upstream = match shared.upstream.connect().await {
-        Ok((stream, target)) => {
-            tracing::debug!(%peer, upstream = %target.address(), "upstream connected");
-            stream
-        }
-        Err(err) => {
-            tracing::warn!(%peer, %err, "no upstream reachable: client refused");
-            shared
-                .metrics
-                .connection_refused(REFUSED_UPSTREAM_UNREACHABLE);
-            let refusal = AmqpError::new(reply::CONNECTION_FORCED, err.to_string());
-            refuse_client_after_header(client, &refusal, handshake_timeout).await;
-            return;
-        }
-    };
+    let (mut upstream_reader, upstream_write, greeting) =
+        match open_upstream(&shared, peer, handshake_deadline).await {
+            Ok(opened) => opened,
+            Err(err) => {
+                tracing::warn!(%peer, %err, "no upstream reachable: client refused");
+                shared
+                    .metrics
+                    .connection_refused(REFUSED_UPSTREAM_UNREACHABLE);
+                let refusal = AmqpError::new(reply::CONNECTION_FORCED, err.to_string());
+                refuse_client_after_header(client, &refusal, handshake_timeout).await;
+                return;
+            }
+        };
     let (client_read, client_write) = tokio::io::split(client);
-    let (upstream_read, mut upstream_write) = tokio::io::split(upstream);
-    if upstream_write.write_all(&PROTOCOL_HEADER).await.is_err() {
-        tracing::warn!(%peer, "upstream closed before the handshake");
-        return;
-    }
     let mut client_writer: SocketWriter = Box::pin(client_write);
     let mut upstream_writer: SocketWriter = Box::pin(upstream_write);
     let mut client_reader = FrameReader::new(client_read, shared.handshake_frame_max);
-    let mut upstream_reader = FrameReader::new(upstream_read, shared.handshake_frame_max);
     let now = Instant::now();
     let mut session = ClientSession::new(shared, peer, now, handshake_deadline);
+    // The upstream's connection.start, read while choosing the node.
+    session.upstream_read(Some(Ok(greeting)), now);
 
     let timer = tokio::time::sleep_until((now + Duration::from_secs(60)).into());
     tokio::pin!(timer);

@@ -296,6 +296,20 @@ impl UpstreamPool {
         Err(io::Error::new(kind, failures.join("; ")))
     }
 
+    /// `target` accepted the dial but closed the connection (or said nothing) before its
+    /// greeting, as a node does while it goes down: it backs off like a refused dial, so the
+    /// next dial starts at another target.
+    pub fn greeting_failed(&self, target: &UpstreamTarget) {
+        if let Some(index) = self
+            .targets
+            .iter()
+            .position(|t| std::ptr::eq(t.as_ref(), target))
+        {
+            self.order().failed(index, Instant::now());
+        }
+        self.check.notify_one();
+    }
+
     /// The last known state: whether some upstream accepted the last dial.
     pub fn is_reachable(&self) -> bool {
         self.reachable.load(Ordering::Acquire)

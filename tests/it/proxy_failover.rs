@@ -206,3 +206,61 @@ async fn clients_fail_over_to_the_next_node_and_readyz_follows_reachability() {
         .await
         .expect("shutdown completes");
 }
+
+/// A listener that accepts connections and closes them at once, as a node going down does
+/// while its listening socket still lives; returns its address and how many it accepted.
+async fn node_going_down() -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(socket);
+        }
+    });
+    (address, accepted)
+}
+
+/// The first node accepts connections but closes them before greeting (a node going down):
+/// a client connecting through the proxy is not dropped but served by the next node, and the
+/// next client does not dial the dying node again (it backs off like a refused one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_closes_before_its_greeting_is_skipped_for_the_next_one() {
+    let (dying, accepted) = node_going_down().await;
+    let proxy = TestProxy::start_with(vec![], |config| {
+        config.upstream.url = String::new();
+        config.upstream.urls = vec![
+            format!("amqp://{dying}"),
+            format!("amqp://{}", upstream_host()),
+        ];
+        // Client connections only: the service connections dial the same pool.
+        config.proxy.delegate_to_upstream = true;
+    })
+    .await;
+    for round in 0..2 {
+        let conn = proxy.connect().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let (queue, _) = ch
+            .queue_declare(
+                "".into(),
+                lapin::options::QueueDeclareOptions {
+                    exclusive: true,
+                    ..Default::default()
+                },
+                Default::default(),
+            )
+            .await
+            .map(|q| (q.name().to_string(), ()))
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        assert!(queue.starts_with("amq.gen-"), "{queue}");
+        let _ = conn.close(200, "done".into()).await;
+    }
+    assert_eq!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the dying node is dialled once, then skipped"
+    );
+    proxy.stop().await;
+}
