@@ -26,7 +26,7 @@ use super::policy_sync::management::ArgumentsListing;
 use super::probe::CheckAnswer;
 use super::publisher::{OpId, Outcome};
 use super::service::Status;
-use super::upstream::UpstreamStream;
+use super::upstream::{UpstreamStream, UpstreamTarget};
 use super::wire::{FrameReader, WireFrame};
 use crate::admission::refuse_client_after_header;
 use crate::amqp::codec::{FrameError, PROTOCOL_HEADER};
@@ -61,54 +61,35 @@ enum Event {
 /// The frame reader of an upstream connection's reading half.
 type UpstreamReader = FrameReader<ReadHalf<UpstreamStream>>;
 
-/// Dials the upstream for a client, sends the protocol header and reads the node's first frame
-/// (its connection.start). A node that accepts the connection and then closes it, or says
-/// nothing until the client's handshake deadline, is one that is going down: it backs off and
-/// the next target is tried, at most once each, so a client that reconnects right after a
-/// node died does not land on it. The error names every failure when no node greets.
+/// Dials the upstream for a client: a node counts as reached once it answered the protocol
+/// header with its first frame (the connection.start the session forwards) before the
+/// client's handshake deadline ([`super::upstream::UpstreamPool::connect_then`]).
 async fn open_upstream(
     shared: &ProxyShared,
-    peer: SocketAddr,
     deadline: Instant,
-) -> std::io::Result<(UpstreamReader, WriteHalf<UpstreamStream>, WireFrame)> {
-    let mut failures = Vec::new();
-    for _ in 0..shared.upstream.targets().len() {
-        let (stream, target) = match shared.upstream.connect().await {
-            Ok(connected) => connected,
-            Err(err) if failures.is_empty() => return Err(err),
-            Err(err) => {
-                failures.push(err.to_string());
-                break;
-            }
-        };
-        tracing::debug!(%peer, upstream = %target.address(), "upstream connected");
+) -> std::io::Result<(
+    UpstreamReader,
+    WriteHalf<UpstreamStream>,
+    WireFrame,
+    Arc<UpstreamTarget>,
+)> {
+    let frame_max = shared.handshake_frame_max;
+    let greet = |stream: UpstreamStream| async move {
         let (read, mut write) = tokio::io::split(stream);
-        let mut reader = FrameReader::new(read, shared.handshake_frame_max);
-        let greeting = match write.write_all(&PROTOCOL_HEADER).await {
-            Ok(()) => {
-                let within = tokio::time::Instant::from(deadline);
-                match tokio::time::timeout_at(within, reader.next()).await {
-                    Ok(Some(Ok(frame))) => Ok(frame),
-                    Ok(Some(Err(err))) => Err(err.to_string()),
-                    Ok(None) => Err("closed before its greeting".to_string()),
-                    Err(_) => Err("no greeting before the handshake deadline".to_string()),
-                }
-            }
-            Err(err) => Err(err.to_string()),
-        };
-        match greeting {
-            Ok(frame) => return Ok((reader, write, frame)),
-            Err(why) => {
-                tracing::warn!(%peer, upstream = %target.address(), %why, "upstream did not greet");
-                shared.upstream.greeting_failed(&target);
-                failures.push(format!("upstream {} {why}", target.address()));
-            }
+        let mut reader = FrameReader::new(read, frame_max);
+        write.write_all(&PROTOCOL_HEADER).await?;
+        let within = tokio::time::Instant::from(deadline);
+        let closed =
+            |why: &str| std::io::Error::new(std::io::ErrorKind::ConnectionAborted, why.to_string());
+        match tokio::time::timeout_at(within, reader.next()).await {
+            Ok(Some(Ok(frame))) => Ok((reader, write, frame)),
+            Ok(Some(Err(err))) => Err(closed(&err.to_string())),
+            Ok(None) => Err(closed("closed before its greeting")),
+            Err(_) => Err(closed("no greeting before the handshake deadline")),
         }
-    }
-    Err(std::io::Error::new(
-        std::io::ErrorKind::ConnectionAborted,
-        failures.join("; "),
-    ))
+    };
+    let ((reader, write, greeting), target) = shared.upstream.connect_then(greet).await?;
+    Ok((reader, write, greeting, target))
 }
 
 /// Serves one client connection until both legs are closed.
@@ -139,8 +120,11 @@ pub(super) async fn run<S>(
         _ => return,
     }
     let (mut upstream_reader, upstream_write, greeting) =
-        match open_upstream(&shared, peer, handshake_deadline).await {
-            Ok(opened) => opened,
+        match open_upstream(&shared, handshake_deadline).await {
+            Ok((reader, write, greeting, target)) => {
+                tracing::debug!(%peer, upstream = %target.address(), "upstream connected");
+                (reader, write, greeting)
+            }
             Err(err) => {
                 tracing::warn!(%peer, %err, "no upstream reachable: client refused");
                 shared

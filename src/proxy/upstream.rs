@@ -18,6 +18,7 @@
 
 pub mod order;
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::str::FromStr;
@@ -268,18 +269,47 @@ impl UpstreamPool {
     /// [`TargetOrder::attempts`]; returns it with the target it reached. When every target
     /// fails, the error names each (`upstream HOST:PORT unreachable: ...`, joined by `; `).
     pub async fn connect(&self) -> io::Result<(UpstreamStream, Arc<UpstreamTarget>)> {
+        self.connect_then(|stream| async { Ok(stream) }).await
+    }
+
+    /// [`connect`](Self::connect), where a target counts as reached only once `greet` has
+    /// succeeded on its connection (a client's dial reads the node's connection.start): a
+    /// node that accepts the connection and then closes it, as one going down does, or does not
+    /// greet within `upstream.connect_timeout_secs`, fails like a refused dial, backs off, and
+    /// the next target is dialled.
+    pub async fn connect_then<T, F, Fut>(
+        &self,
+        mut greet: F,
+    ) -> io::Result<(T, Arc<UpstreamTarget>)>
+    where
+        F: FnMut(UpstreamStream) -> Fut,
+        Fut: Future<Output = io::Result<T>>,
+    {
         let attempts = self.order().attempts(Instant::now());
         let mut failures = Vec::new();
         let mut kind = io::ErrorKind::ConnectionRefused;
         for index in attempts {
             let target = &self.targets[index];
-            match target.connect().await {
+            let attempt = match target.connect().await {
+                // The greeting gets the attempt's timeout too.
                 Ok(stream) => {
+                    match tokio::time::timeout(target.connect_timeout, greet(stream)).await {
+                        Ok(greeted) => greeted,
+                        Err(_) => Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!("no greeting within {:?}", target.connect_timeout),
+                        )),
+                    }
+                }
+                Err(err) => Err(err),
+            };
+            match attempt {
+                Ok(greeted) => {
                     self.order().succeeded(index);
                     self.metrics
                         .upstream_connect_attempt(&target.address(), true);
                     self.set_reachable(true);
-                    return Ok((stream, target.clone()));
+                    return Ok((greeted, target.clone()));
                 }
                 Err(err) => {
                     self.order().failed(index, Instant::now());
@@ -294,20 +324,6 @@ impl UpstreamPool {
         self.set_reachable(false);
         self.check.notify_one();
         Err(io::Error::new(kind, failures.join("; ")))
-    }
-
-    /// `target` accepted the dial but closed the connection (or said nothing) before its
-    /// greeting, as a node does while it goes down: it backs off like a refused dial, so the
-    /// next dial starts at another target.
-    pub fn greeting_failed(&self, target: &UpstreamTarget) {
-        if let Some(index) = self
-            .targets
-            .iter()
-            .position(|t| std::ptr::eq(t.as_ref(), target))
-        {
-            self.order().failed(index, Instant::now());
-        }
-        self.check.notify_one();
     }
 
     /// The last known state: whether some upstream accepted the last dial.

@@ -262,5 +262,17 @@ async fn a_node_that_closes_before_its_greeting_is_skipped_for_the_next_one() {
         1,
         "the dying node is dialled once, then skipped"
     );
+    let dying = dying.to_string();
+    for (result, count) in [("failure", 1.0), ("success", 0.0)] {
+        let labels = [("result", result), ("upstream", dying.as_str())];
+        let value = proxy.counter("upstream_connect_attempts_total", &labels);
+        assert_eq!(value, count, "{result} attempts of the dying node");
+    }
+    let node = upstream_host();
+    let reached = [("result", "success"), ("upstream", node.as_str())];
+    assert_eq!(
+        proxy.counter("upstream_connect_attempts_total", &reached),
+        2.0
+    );
     proxy.stop().await;
 }
