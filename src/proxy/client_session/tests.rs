@@ -649,18 +649,7 @@ async fn a_declare_naming_a_dead_letter_exchange_waits_for_the_capture_path_then
         "x-dead-letter-exchange".into(),
         AMQPValue::LongString("dlx".into()),
     );
-    h.client_sends(method_frame(
-        1,
-        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
-            queue: "q".into(),
-            passive: false,
-            durable: true,
-            exclusive: false,
-            auto_delete: false,
-            nowait: false,
-            arguments: args,
-        })),
-    ));
+    h.client_sends(declare_q(args));
     // The upstream queue would dead-letter into the capture exchange, which the vhost's
     // service connection (its upstream unreachable here) has not declared: nothing is
     // declared meanwhile, and the client's reads pause.
