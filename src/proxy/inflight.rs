@@ -14,8 +14,14 @@
 //! Client settlements that name a range (`multiple`) are planned here so the upstream never
 //! sees a `multiple` that would also settle a pending tag: [`ChannelDeliveries::plan_settlement`] turns one
 //! client frame into the native frames to forward and the tags the proxy takes over.
+//!
+//! The upstream numbers a channel's deliveries in increasing order, so the kept deliveries are
+//! a deque in tag order: a delivery joins at the back, a settlement in delivery order leaves
+//! from the front, and one settled out of order leaves an empty slot behind, dropped when it
+//! reaches either end or when empty slots outnumber the kept deliveries (so their number stays
+//! bounded by the kept ones, which `proxy.max_inflight_bytes` bounds).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -101,10 +107,17 @@ pub struct SettlementPlan {
     pub already_pending: Vec<u64>,
 }
 
+/// Empty slots tolerated in the kept deque beyond twice the kept deliveries before it is
+/// compacted.
+const EMPTY_SLOTS_SLACK: usize = 64;
+
 /// The deliveries of one client channel.
 #[derive(Debug, Default)]
 pub struct ChannelDeliveries {
-    kept: BTreeMap<u64, KeptDelivery>,
+    /// Kept deliveries in increasing tag order; `None`: settled, not yet dropped.
+    kept: VecDeque<(u64, Option<KeptDelivery>)>,
+    /// `Some` slots in `kept`.
+    live: usize,
     pending: BTreeSet<u64>,
     kept_bytes: usize,
     /// Deadlines of the kept deliveries that have a consumer timeout.
@@ -115,19 +128,60 @@ impl ChannelDeliveries {
     /// Adds a delivery; returns the bytes charged.
     pub fn keep(&mut self, tag: u64, delivery: KeptDelivery) -> usize {
         let charge = delivery.charge();
-        if let Some(old) = self.kept.insert(tag, delivery) {
-            self.kept_bytes -= old.charge();
-            if let Some(deadline) = old.deadline {
-                self.deadlines.remove(tag, deadline);
-            }
-        }
         self.kept_bytes += charge;
+        self.live += 1;
+        if self.kept.back().is_none_or(|(last, _)| *last < tag) {
+            self.kept.push_back((tag, Some(delivery)));
+            return charge;
+        }
+        // Not the upstream's order (a tag seen again): keep the deque sorted.
+        match self.kept.binary_search_by_key(&tag, |(t, _)| *t) {
+            Ok(at) => {
+                if let Some(old) = self.kept[at].1.replace(delivery) {
+                    self.live -= 1;
+                    self.forget(tag, &old);
+                }
+            }
+            Err(at) => self.kept.insert(at, (tag, Some(delivery))),
+        }
         charge
+    }
+
+    /// Where `tag`'s slot is.
+    fn slot(&self, tag: u64) -> Option<usize> {
+        match self.kept.front() {
+            Some((first, _)) if *first == tag => Some(0),
+            _ => self.kept.binary_search_by_key(&tag, |(t, _)| *t).ok(),
+        }
+    }
+
+    /// Removes a delivery that left the kept set from the byte count and the deadlines.
+    fn forget(&mut self, tag: u64, delivery: &KeptDelivery) {
+        self.kept_bytes -= delivery.charge();
+        if let Some(deadline) = delivery.deadline {
+            self.deadlines.remove(tag, deadline);
+        }
+    }
+
+    /// Drops empty slots at both ends, and all of them once they outnumber the kept ones.
+    fn drop_empty_slots(&mut self) {
+        while self.kept.front().is_some_and(|(_, d)| d.is_none()) {
+            self.kept.pop_front();
+        }
+        while self.kept.back().is_some_and(|(_, d)| d.is_none()) {
+            self.kept.pop_back();
+        }
+        if self.kept.len() > 2 * self.live + EMPTY_SLOTS_SLACK {
+            self.kept.retain(|(_, d)| d.is_some());
+        }
     }
 
     /// Gives kept delivery `tag`, delivered at `now` (ms), a consumer timeout of `timeout` ms.
     pub fn time(&mut self, tag: u64, now: u64, timeout: u64) {
-        if let Some(delivery) = self.kept.get_mut(&tag) {
+        let Some(at) = self.slot(tag) else {
+            return;
+        };
+        if let Some(delivery) = self.kept[at].1.as_mut() {
             if let Some(old) = delivery.deadline {
                 self.deadlines.remove(tag, old);
             }
@@ -147,7 +201,7 @@ impl ChannelDeliveries {
     }
 
     pub fn kept_len(&self) -> usize {
-        self.kept.len()
+        self.live
     }
 
     pub fn kept_bytes(&self) -> usize {
@@ -163,7 +217,7 @@ impl ChannelDeliveries {
     }
 
     pub fn get(&self, tag: u64) -> Option<&KeptDelivery> {
-        self.kept.get(&tag)
+        self.kept.get(self.slot(tag)?)?.1.as_ref()
     }
 
     /// The pending tag is settled upstream (or given up); true if it was pending.
@@ -173,8 +227,9 @@ impl ChannelDeliveries {
 
     /// Drops everything (channel closed or recovered); returns (deliveries, bytes) released.
     pub fn clear(&mut self) -> (usize, usize) {
-        let released = (self.kept.len(), self.kept_bytes);
+        let released = (self.live, self.kept_bytes);
         self.kept.clear();
+        self.live = 0;
         self.pending.clear();
         self.deadlines = AckDeadlines::default();
         self.kept_bytes = 0;
@@ -182,33 +237,36 @@ impl ChannelDeliveries {
     }
 
     fn take(&mut self, tag: u64) -> Option<KeptDelivery> {
-        let delivery = self.kept.remove(&tag)?;
-        self.kept_bytes -= delivery.charge();
-        if let Some(deadline) = delivery.deadline {
-            self.deadlines.remove(tag, deadline);
-        }
+        let at = self.slot(tag)?;
+        let delivery = self.kept[at].1.take()?;
+        self.live -= 1;
+        self.forget(tag, &delivery);
+        self.drop_empty_slots();
         Some(delivery)
     }
 
-    /// The kept tags a client settlement names: one tag, every tag up to `tag`, or every tag
-    /// (`multiple` with tag 0).
-    fn named_tags(&self, tag: u64, multiple: bool) -> Vec<u64> {
-        if !multiple {
-            return if self.kept.contains_key(&tag) {
-                vec![tag]
-            } else {
-                Vec::new()
+    /// Takes every kept delivery with a tag up to `last`, in tag order.
+    fn take_through(&mut self, last: u64) -> Vec<(u64, KeptDelivery)> {
+        let mut taken = Vec::new();
+        while let Some((tag, _)) = self.kept.front()
+            && *tag <= last
+        {
+            let Some((tag, slot)) = self.kept.pop_front() else {
+                break;
             };
+            if let Some(delivery) = slot {
+                self.live -= 1;
+                self.forget(tag, &delivery);
+                taken.push((tag, delivery));
+            }
         }
-        if tag == 0 {
-            self.kept.keys().copied().collect()
-        } else {
-            self.kept.range(..=tag).map(|(t, _)| *t).collect()
-        }
+        self.drop_empty_slots();
+        taken
     }
 
     /// Plans one client settlement. `take_over` decides, per kept delivery, whether the proxy
-    /// handles it instead of the upstream. Every named kept delivery leaves the kept set; the
+    /// handles it instead of the upstream. Every named kept delivery (one tag, every tag up to
+    /// `tag` with `multiple`, or every tag with `multiple` and tag 0) leaves the kept set; the
     /// taken-over ones become pending. Returns the plan and the bytes released.
     pub fn plan_settlement(
         &mut self,
@@ -219,23 +277,24 @@ impl ChannelDeliveries {
     ) -> (SettlementPlan, usize) {
         let mut plan = SettlementPlan::default();
         let before = self.kept_bytes;
-        let named = self.named_tags(tag, multiple);
-        if !multiple && named.is_empty() {
-            if self.pending.contains(&tag) {
-                plan.already_pending.push(tag);
-            } else {
+        if !multiple {
+            match self.take(tag) {
+                Some(delivery) if take_over(&delivery) => {
+                    self.pending.insert(tag);
+                    plan.taken_over.push((tag, delivery));
+                }
+                // The upstream settles it: the client's frame names exactly this tag.
+                Some(_) => plan.forward_original = true,
+                None if self.pending.contains(&tag) => plan.already_pending.push(tag),
                 // Unknown to the proxy (never kept, e.g. a no-ack delivery): the upstream decides.
-                plan.forward_original = true;
+                None => plan.forward_original = true,
             }
-            return (plan, 0);
+            return (plan, before - self.kept_bytes);
         }
-        let range_end = if multiple && tag == 0 { u64::MAX } else { tag };
+        let range_end = if tag == 0 { u64::MAX } else { tag };
         let pending_in_range = self.pending.range(..=range_end).next().is_some();
-        let mut native_tags = Vec::with_capacity(named.len());
-        for t in named {
-            let Some(delivery) = self.take(t) else {
-                continue;
-            };
+        let mut native_tags = Vec::new();
+        for (t, delivery) in self.take_through(range_end) {
             if take_over(&delivery) {
                 plan.taken_over.push((t, delivery));
             } else {

@@ -149,3 +149,44 @@ fn clear_releases_everything() {
     assert!(bytes > 0);
     assert_eq!(ch.pending_len(), 0);
 }
+
+#[test]
+fn settlements_out_of_order_leave_a_bounded_number_of_empty_slots() {
+    // The client holds tag 1 and settles every later delivery one by one, as they come.
+    let mut ch = channel_with(&[(1, "q")]);
+    for tag in 2..=10_000 {
+        ch.keep(tag, delivery("q", "x"));
+        let (plan, _) = ch.plan_settlement(Verb::Ack, tag, false, |_| false);
+        assert!(plan.forward_original);
+        assert!(ch.kept.len() <= 2 * ch.kept_len() + EMPTY_SLOTS_SLACK + 1);
+    }
+    assert_eq!(ch.kept_len(), 1);
+    assert!(ch.get(1).is_some());
+    assert!(ch.get(5).is_none());
+    // A multiple ack over the whole range settles the one left.
+    let (plan, released) = ch.plan_settlement(Verb::Ack, 10_000, true, |_| false);
+    assert!(plan.forward_original);
+    assert!(released > 0);
+    assert_eq!((ch.kept_len(), ch.kept_bytes(), ch.kept.len()), (0, 0, 0));
+}
+
+#[test]
+fn a_tag_kept_again_replaces_the_first_and_out_of_order_tags_stay_sorted() {
+    let mut ch = channel_with(&[(2, "a"), (5, "a")]);
+    let bytes = ch.kept_bytes();
+    ch.keep(5, delivery("b", "x"));
+    assert_eq!((ch.kept_len(), ch.kept_bytes()), (2, bytes));
+    assert_eq!(
+        &*ch.get(5).map(|d| d.queue.clone()).unwrap_or_default(),
+        "b"
+    );
+    ch.keep(3, delivery("c", "x"));
+    // A multiple settlement up to 3 names 2 and 3 only, in tag order.
+    let (plan, _) = ch.plan_settlement(Verb::Nack { requeue: false }, 3, true, |_| true);
+    assert_eq!(
+        plan.taken_over.iter().map(|(t, _)| *t).collect::<Vec<_>>(),
+        vec![2, 3]
+    );
+    assert_eq!(ch.kept_len(), 1);
+    assert!(ch.get(5).is_some());
+}
