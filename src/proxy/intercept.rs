@@ -13,7 +13,6 @@ use amq_protocol::types::FieldTable;
 use bytes::Bytes;
 
 use super::ProxyShared;
-use super::QueueView;
 use super::arbiter::{DeclareCheck, Next, Verdict};
 use super::channels::PendingDeclare;
 use super::client_session::{ClientSession, Side};
@@ -37,6 +36,7 @@ use super::retry_tiers::{RetryPlan, plan_rejection};
 use super::service::judge::DeclareRequest;
 use super::service::link::PublishRequest;
 use super::wire::{WireFrame, method_frame};
+use super::{QueueView, ReturnCounter};
 use crate::amqp::codec::decode_method;
 use crate::amqp::content::{decode_properties, keep_opaque_headers};
 use crate::amqp::reply;
@@ -790,7 +790,7 @@ impl ClientSession {
                 .returns_before(&props, delivery.redelivered)
                 .saturating_add(1);
             if view.within_delivery_limit(count) {
-                if !view.proxy_delivery_limit {
+                if view.returns_counted_by != ReturnCounter::Proxy {
                     // A quorum queue counts this return itself.
                     self.settle_origin(origin, Settlement::Requeue);
                     return;

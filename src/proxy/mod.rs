@@ -306,18 +306,26 @@ impl std::fmt::Debug for ProxyShared {
     }
 }
 
+/// Who counts a queue's returns against the delivery limit the proxy applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReturnCounter {
+    /// No delivery limit the proxy acts on (none set, or the upstream applies it).
+    Nobody,
+    /// The proxy counts every requeue and carries the count with the message (classic
+    /// queues).
+    Proxy,
+    /// A quorum queue: RabbitMQ counts every return (its `x-delivery-count`), and the proxy
+    /// dead-letters the client's requeue that passes the limit itself, in one hop, instead of
+    /// letting RabbitMQ dead-letter it into the capture queue (the same decision, as RabbitMQ
+    /// would make it on that return).
+    QuorumQueue,
+}
+
 /// A queue's settings as the proxy applies them.
 #[derive(Clone, Debug)]
 pub(crate) struct QueueView {
     pub settings: EffectiveQueueSettings,
-    /// The proxy counts requeues against the delivery limit (classic queues; quorum queues
-    /// count natively upstream).
-    pub proxy_delivery_limit: bool,
-    /// A quorum queue with a delivery limit: RabbitMQ counts every return (its
-    /// `x-delivery-count`), and the proxy dead-letters the client's requeue that passes the
-    /// limit itself, in one hop, instead of letting RabbitMQ dead-letter it into the capture
-    /// queue (the same decision, as RabbitMQ would make it on that return).
-    pub quorum_delivery_limit: bool,
+    pub returns_counted_by: ReturnCounter,
 }
 
 impl QueueView {
@@ -325,16 +333,15 @@ impl QueueView {
     /// classic queue with a delivery limit (the proxy counts them), and the requeue of a
     /// quorum queue's delivery that RabbitMQ would dead-letter on its return.
     pub(crate) fn takes_over_requeue(&self, delivery: &inflight::KeptDelivery) -> bool {
-        if self.proxy_delivery_limit {
-            return true;
+        match self.returns_counted_by {
+            ReturnCounter::Nobody => return false,
+            ReturnCounter::Proxy => return true,
+            ReturnCounter::QuorumQueue => {}
         }
-        self.quorum_delivery_limit
-            && crate::amqp::content::decode_properties(&delivery.raw_properties).is_ok_and(
-                |props| {
-                    let returns = self.returns_before(&props, delivery.redelivered);
-                    !self.within_delivery_limit(returns.saturating_add(1))
-                },
-            )
+        crate::amqp::content::decode_properties(&delivery.raw_properties).is_ok_and(|props| {
+            let returns = self.returns_before(&props, delivery.redelivered);
+            !self.within_delivery_limit(returns.saturating_add(1))
+        })
     }
 
     /// How many times a delivery was returned to its queue before: the proxy's own count on a
@@ -342,7 +349,7 @@ impl QueueView {
     /// redelivery (a delivery that is not a redelivery was returned 0 times, whatever a
     /// publisher put in that header).
     pub(crate) fn returns_before(&self, props: &BasicProperties, redelivered: bool) -> i64 {
-        if self.quorum_delivery_limit && !redelivered {
+        if self.returns_counted_by == ReturnCounter::QuorumQueue && !redelivered {
             return 0;
         }
         outgoing::delivery_count(props)
@@ -504,10 +511,13 @@ impl ProxyShared {
             settings.retry_delays = None;
         }
         let limited = settings.delivery_limit.is_some() && !self.delegate_to_upstream;
-        let quorum = arguments.queue_type == QueueType::Quorum;
+        let returns_counted_by = match (limited, arguments.queue_type) {
+            (false, _) => ReturnCounter::Nobody,
+            (true, QueueType::Quorum) => ReturnCounter::QuorumQueue,
+            (true, _) => ReturnCounter::Proxy,
+        };
         QueueView {
-            proxy_delivery_limit: limited && !quorum,
-            quorum_delivery_limit: limited && quorum,
+            returns_counted_by,
             settings,
         }
     }
@@ -563,7 +573,7 @@ impl ProxyShared {
         self.verified_view(vhost, queue).is_some_and(|view| {
             view.settings.dead_letter_exchange.is_some()
                 || view.settings.retry_delays.is_some()
-                || view.proxy_delivery_limit
+                || view.returns_counted_by == ReturnCounter::Proxy
         })
     }
 }
