@@ -1176,13 +1176,17 @@ impl Metrics {
     pub fn add_inflight(&self, deliveries: i64, bytes: i64) {
         self.inflight_deliveries.add(deliveries);
         self.inflight_bytes.add(bytes);
-        if deliveries < 0 {
+        // Only the drain waits, and only for zero: the release that brings the count to zero
+        // reads it afterwards and sees zero, unless a delivery was kept in between, whose own
+        // release to zero reads it again.
+        if deliveries < 0 && self.inflight_deliveries.get() <= 0 {
             self.settled.notify_waiters();
         }
     }
 
-    /// Resolves at the next settlement after it was created (see [`tokio::sync::Notify`]:
-    /// enable it, then check the count, then await it, so no settlement is missed).
+    /// Resolves the next time releases bring the unsettled deliveries to zero after it was
+    /// created (see [`tokio::sync::Notify`]: enable it, then check the count, then await it, so
+    /// none is missed).
     pub fn settled(&self) -> tokio::sync::futures::Notified<'_> {
         self.settled.notified()
     }

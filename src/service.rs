@@ -259,8 +259,8 @@ impl RunningService {
                 "draining: waiting for unsettled deliveries"
             );
         }
-        // Woken by each settlement, not by a timer: the notification is registered before the
-        // count is read, so one that lands in between is not missed.
+        // Woken when the count reaches zero, not by a timer: the notification is registered
+        // before the count is read, so one that lands in between is not missed.
         let metrics = Arc::clone(&self.metrics);
         loop {
             let settled = metrics.settled();

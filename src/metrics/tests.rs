@@ -276,3 +276,29 @@ fn redrive_counts_by_target_and_by_dead_letter_queue_and_go_with_the_queue() {
     assert!(!text.contains(r#"queue="a""#), "{text}");
     assert!(text.contains(r#"queue="b""#), "{text}");
 }
+
+#[test]
+fn the_drain_is_woken_when_releases_bring_the_deliveries_to_zero() {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context, Poll, Waker};
+    let metrics = Metrics::new(10);
+    metrics.add_inflight(3, 300);
+    let mut settled = pin!(metrics.settled());
+    settled.as_mut().enable();
+    let mut cx = Context::from_waker(Waker::noop());
+    metrics.add_inflight(-2, -200);
+    assert!(
+        settled.as_mut().poll(&mut cx).is_pending(),
+        "woken at 1 left"
+    );
+    metrics.add_inflight(1, 100);
+    metrics.add_inflight(-1, -100);
+    assert!(
+        settled.as_mut().poll(&mut cx).is_pending(),
+        "woken at 1 left"
+    );
+    metrics.add_inflight(-1, -100);
+    assert_eq!(settled.as_mut().poll(&mut cx), Poll::Ready(()));
+    assert_eq!(metrics.inflight_deliveries(), 0);
+}

@@ -36,6 +36,9 @@ use crate::metrics::{Direction, Metrics};
 /// as it is never holds on to a read buffer much larger than itself.
 const GATHER_FRAME_MAX: usize = super::wire::READ_CHUNK_MAX;
 
+/// Room a gathering buffer makes when a frame does not fit (more when the frame needs it).
+const GATHER_RESERVE: usize = 4 * 1024;
+
 /// A gathering buffer is queued once it holds this much.
 const GATHER_MAX: usize = 64 * 1024;
 
@@ -111,6 +114,11 @@ impl Outbox {
             self.seal_gathered();
             self.pieces.push_back(bytes);
         } else {
+            if self.gathered.capacity() - self.gathered.len() < len {
+                // Room for a run of small frames at once, rather than growing by doubling
+                // (a reallocation and a copy each time) from the first frame's size.
+                self.gathered.reserve(len.max(GATHER_RESERVE));
+            }
             self.gathered.extend_from_slice(&bytes);
             if self.gathered.len() >= GATHER_MAX {
                 self.seal_gathered();
