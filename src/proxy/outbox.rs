@@ -36,8 +36,8 @@ use crate::metrics::{Direction, Metrics};
 /// as it is never holds on to a read buffer much larger than itself.
 const GATHER_FRAME_MAX: usize = super::wire::READ_CHUNK_MAX;
 
-/// Room a gathering buffer makes when a frame does not fit (more when the frame needs it).
-const GATHER_RESERVE: usize = 4 * 1024;
+/// The room of a new gathering buffer (more when the frame needs it).
+const GATHER_RESERVE: usize = 16 * 1024;
 
 /// A gathering buffer is queued once it holds this much.
 const GATHER_MAX: usize = 64 * 1024;
@@ -115,8 +115,9 @@ impl Outbox {
             self.pieces.push_back(bytes);
         } else {
             if self.gathered.capacity() - self.gathered.len() < len {
-                // Room for a run of small frames at once, rather than growing by doubling
-                // (a reallocation and a copy each time) from the first frame's size.
+                // A full buffer becomes a piece of its own and a new one is made, with room for
+                // a run of small frames: growing it instead would copy what it holds again.
+                self.seal_gathered();
                 self.gathered.reserve(len.max(GATHER_RESERVE));
             }
             self.gathered.extend_from_slice(&bytes);
