@@ -413,6 +413,44 @@ mod tests {
         );
     }
 
+    #[tokio::test]
+    async fn small_frames_past_one_gathering_buffer_arrive_whole_and_in_order() {
+        // A slow reader: writes are partial, and frames keep coming in between.
+        let (a, mut b) = tokio::io::duplex(1000);
+        let metrics = Metrics::new(10);
+        let mut w = writer(a);
+        let mut outbox = Outbox::new(1 << 20, Direction::ClientOut, metrics.clone());
+        let frames: Vec<Vec<u8>> = (0..2000u32)
+            .map(|i| {
+                let mut frame = i.to_be_bytes().to_vec();
+                frame.resize(4 + (i as usize * 37) % 300, (i % 251) as u8);
+                frame
+            })
+            .collect();
+        let expected: Vec<u8> = frames.concat();
+        assert!(expected.len() > 4 * GATHER_RESERVE);
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            b.read_to_end(&mut got).await.unwrap();
+            got
+        });
+        for (i, frame) in frames.into_iter().enumerate() {
+            assert!(outbox.send(Bytes::from(frame)));
+            if i % 97 == 0 {
+                outbox.write_some(&mut w).await;
+            }
+        }
+        outbox.close(&mut w, Duration::from_secs(5)).await;
+        drop(outbox);
+        drop(w);
+        assert_eq!(reader.await.unwrap(), expected);
+        let text = metrics.encode();
+        assert!(
+            text.contains(r#"dlx_proxy_frames_total{direction="client_out"} 2000"#),
+            "{text}"
+        );
+    }
+
     #[test]
     fn taking_what_is_queued_empties_the_outbox_and_counts_it_as_written() {
         let metrics = Metrics::new(10);
