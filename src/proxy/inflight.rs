@@ -111,6 +111,9 @@ pub struct SettlementPlan {
 /// compacted.
 const EMPTY_SLOTS_SLACK: usize = 64;
 
+/// The kept deque keeps room for this many deliveries (four times as many before it shrinks).
+const SHRINK_BELOW: usize = 256;
+
 /// The deliveries of one client channel.
 #[derive(Debug, Default)]
 pub struct ChannelDeliveries {
@@ -173,6 +176,11 @@ impl ChannelDeliveries {
         }
         if self.kept.len() > 2 * self.live + EMPTY_SLOTS_SLACK {
             self.kept.retain(|(_, d)| d.is_some());
+        }
+        // After a burst, give back most of the room it needed.
+        if self.kept.capacity() > 4 * self.kept.len().max(SHRINK_BELOW) {
+            self.kept
+                .shrink_to(2 * self.kept.len().max(EMPTY_SLOTS_SLACK));
         }
     }
 

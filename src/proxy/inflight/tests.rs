@@ -190,3 +190,27 @@ fn a_tag_kept_again_replaces_the_first_and_out_of_order_tags_stay_sorted() {
     assert_eq!(ch.kept_len(), 1);
     assert!(ch.get(5).is_some());
 }
+
+#[test]
+fn the_room_of_a_burst_is_given_back_once_it_is_settled() {
+    let mut ch = ChannelDeliveries::default();
+    for tag in 1..=10_000 {
+        ch.keep(tag, delivery("q", "x"));
+    }
+    assert!(ch.kept.capacity() >= 10_000);
+    let (plan, _) = ch.plan_settlement(Verb::Ack, 9_990, true, |_| false);
+    assert!(plan.forward_original);
+    assert_eq!(ch.kept_len(), 10);
+    assert!(
+        ch.kept.capacity() <= 4 * SHRINK_BELOW,
+        "{}",
+        ch.kept.capacity()
+    );
+    // A steady window below that size keeps its room.
+    for tag in 10_001..=10_200 {
+        ch.keep(tag, delivery("q", "x"));
+        let before = ch.kept.capacity();
+        ch.plan_settlement(Verb::Ack, tag - 5, false, |_| false);
+        assert_eq!(ch.kept.capacity(), before);
+    }
+}
