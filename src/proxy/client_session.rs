@@ -38,6 +38,7 @@ use super::retry::RetrySchedule;
 use super::service::ServiceHandle;
 use super::service::Status;
 use super::service::link::OutcomeSender;
+use super::view_cache::ViewCache;
 use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::{FrameError, put_heartbeat};
 use crate::amqp::reply;
@@ -142,6 +143,8 @@ pub(super) struct ClientSession {
     pub(super) held_channel_open: Option<WireFrame>,
     pub(super) ops: HashMap<OpId, Op>,
     pub(super) next_op: OpId,
+    /// The settings of the queues this session's deliveries came from.
+    pub(super) view_cache: ViewCache,
     /// Operations whose publish was refused, waiting for their retry ([`super::retry`]).
     pub(super) held: RetrySchedule<Op>,
     /// Operations in `ops` that are retries of held messages.
@@ -211,6 +214,7 @@ impl ClientSession {
             held_channel_open: None,
             ops: HashMap::new(),
             next_op: 1,
+            view_cache: ViewCache::default(),
             held: RetrySchedule::new(backoff),
             retrying: 0,
             parked_connection_close: None,

@@ -35,6 +35,7 @@ use super::retry::RetryReason;
 use super::retry_tiers::{RetryPlan, plan_rejection};
 use super::service::judge::DeclareRequest;
 use super::service::link::PublishRequest;
+use super::view_cache::ViewCache;
 use super::wire::{WireFrame, method_frame};
 use super::{QueueView, ReturnCounter};
 use crate::amqp::codec::decode_method;
@@ -51,17 +52,23 @@ fn carries_user_id(message: &OutgoingMessage) -> bool {
     decode_properties(&message.raw_properties).map_or(true, |p| p.user_id().is_some())
 }
 
-/// The verified view of `queue`, looked up once per settlement.
+/// The views one settlement decides with: each queue's is taken once (from the session's
+/// [`ViewCache`]) and kept for the whole settlement, so its plan and its take-overs agree even
+/// if the shared settings change in between.
+type SettlementViews = Vec<(Arc<str>, Option<Arc<QueueView>>)>;
+
+/// The view of `queue` for this settlement.
 fn cached_view(
-    views: &mut Vec<(Arc<str>, Option<QueueView>)>,
+    views: &mut SettlementViews,
+    cache: &mut ViewCache,
     shared: &ProxyShared,
     vhost: &str,
     queue: &Arc<str>,
-) -> Option<QueueView> {
+) -> Option<Arc<QueueView>> {
     if let Some((_, view)) = views.iter().find(|(q, _)| q == queue) {
         return view.clone();
     }
-    let view = shared.verified_view(vhost, queue);
+    let view = cache.view(shared, vhost, queue);
     views.push((queue.clone(), view.clone()));
     view
 }
@@ -666,13 +673,14 @@ impl ClientSession {
         };
         let channel_id = ch.id;
         let kept_before = ch.deliveries.kept_len();
-        let mut views: Vec<(Arc<str>, Option<QueueView>)> = Vec::new();
+        let mut views = SettlementViews::new();
+        let cache = &mut self.view_cache;
         let (plan, released_bytes) = ch.deliveries.plan_settlement(verb, tag, multiple, |d| {
             if !proxy_active || !verb.is_negative() || !d.with_content {
                 return false;
             }
             // Only verified settings are acted on; otherwise the upstream decides.
-            let Some(view) = cached_view(&mut views, &shared, &vhost, &d.queue) else {
+            let Some(view) = cached_view(&mut views, cache, &shared, &vhost, &d.queue) else {
                 return false;
             };
             if verb.requeues() {
@@ -711,7 +719,7 @@ impl ClientSession {
         channel_id: u64,
         verb: Verb,
         taken_over: Vec<(u64, KeptDelivery)>,
-        views: &mut Vec<(Arc<str>, Option<QueueView>)>,
+        views: &mut SettlementViews,
     ) {
         let shared = self.shared.clone();
         for (delivery_tag, delivery) in taken_over {
@@ -720,7 +728,14 @@ impl ClientSession {
                 channel_id,
                 tag: delivery_tag,
             };
-            match cached_view(views, &shared, &self.vhost, &delivery.queue) {
+            let view = cached_view(
+                views,
+                &mut self.view_cache,
+                &shared,
+                &self.vhost,
+                &delivery.queue,
+            );
+            match view {
                 Some(view) => self.take_over(origin, verb, delivery, &view),
                 // Not planned without a view; given back to be safe.
                 None => self.settle_origin(origin, Settlement::Requeue),
@@ -752,13 +767,14 @@ impl ClientSession {
         }
         let channel_id = ch.id;
         let verb = Verb::Nack { requeue: true };
-        let mut views: Vec<(Arc<str>, Option<QueueView>)> = Vec::new();
+        let mut views = SettlementViews::new();
+        let cache = &mut self.view_cache;
         let kept_before = ch.deliveries.kept_len();
         // Every kept delivery leaves the kept set; the ones not taken over go back with the
         // channel (the plan's native frames are not needed).
         let (plan, released_bytes) = ch.deliveries.plan_settlement(verb, 0, true, |d| {
             d.with_content
-                && cached_view(&mut views, &shared, &vhost, &d.queue)
+                && cached_view(&mut views, cache, &shared, &vhost, &d.queue)
                     .is_some_and(|view| view.takes_over_requeue(d))
         });
         let released_count = kept_before - ch.deliveries.kept_len();

@@ -220,6 +220,7 @@ mod session_task;
 #[cfg(test)]
 mod test_support;
 pub mod upstream;
+mod view_cache;
 pub mod wire;
 
 use std::collections::HashSet;
@@ -337,6 +338,10 @@ impl QueueView {
             ReturnCounter::Nobody => return false,
             ReturnCounter::Proxy => return true,
             ReturnCounter::QuorumQueue => {}
+        }
+        if !delivery.redelivered {
+            // Never returned before (whatever its headers say): no need to read them.
+            return !self.within_delivery_limit(1);
         }
         crate::amqp::content::decode_properties(&delivery.raw_properties).is_ok_and(|props| {
             let returns = self.returns_before(&props, delivery.redelivered);

@@ -451,9 +451,16 @@ impl Publisher {
 
     fn take_confirmed(&mut self, seq: u64, multiple: bool) -> Vec<Record> {
         if multiple {
-            let rest = self.unconfirmed.split_off(&(seq.saturating_add(1)));
-            let done = std::mem::replace(&mut self.unconfirmed, rest);
-            done.into_values().collect()
+            // Taken from the front one by one: `split_off` would allocate a new tree for the
+            // publishes still unconfirmed at every multiple confirm.
+            let mut done = Vec::new();
+            while let Some(first) = self.unconfirmed.first_entry() {
+                if *first.key() > seq {
+                    break;
+                }
+                done.push(first.remove());
+            }
+            done
         } else {
             self.unconfirmed.remove(&seq).into_iter().collect()
         }

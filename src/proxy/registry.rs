@@ -135,13 +135,7 @@ impl QueueRegistry {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn with_dlx(dlx: &str) -> VerifiedQueue {
-        VerifiedQueue::Proxied(QueueArguments {
-            dead_letter_exchange: Some(dlx.into()),
-            ..QueueArguments::default()
-        })
-    }
+    use crate::proxy::test_support::with_dlx;
 
     fn registry(capacity: usize) -> (QueueRegistry, Arc<Metrics>) {
         let metrics = Metrics::new(10);

@@ -8,11 +8,13 @@ use bytes::BytesMut;
 use tokio_util::codec::Decoder;
 
 use super::ProxyShared;
+use super::registry::VerifiedQueue;
 use super::wire::{WireCodec, WireFrame};
 use crate::amqp::codec::{FRAME_METHOD, decode_method};
 use crate::config::{Config, Mode};
 use crate::metrics::Metrics;
 use crate::policy::PolicySet;
+use crate::rabbit::args::QueueArguments;
 
 /// Proxy-mode state whose upstream (`127.0.0.1:1`) refuses every connection.
 pub fn shared() -> Arc<ProxyShared> {
@@ -27,6 +29,14 @@ pub fn shared() -> Arc<ProxyShared> {
         Metrics::new(10),
     )
     .unwrap()
+}
+
+/// A queue declared through a proxy with `dlx` as its dead-letter exchange.
+pub fn with_dlx(dlx: &str) -> VerifiedQueue {
+    VerifiedQueue::Proxied(QueueArguments {
+        dead_letter_exchange: Some(dlx.into()),
+        ..QueueArguments::default()
+    })
 }
 
 /// Every frame in `bytes`.

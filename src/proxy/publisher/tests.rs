@@ -54,6 +54,33 @@ fn acks_settle_in_sequence_and_multiple() {
 }
 
 #[test]
+fn a_multiple_ack_settles_what_is_left_below_it_across_single_acks() {
+    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+    let now = Instant::now();
+    for op in 1..=5 {
+        p.publish(op, &message("dlx", "k"), now).unwrap();
+    }
+    let step = p.on_frame(&ack(5, 3, false));
+    assert_eq!(
+        step.settled.iter().map(|s| s.op).collect::<Vec<_>>(),
+        vec![3]
+    );
+    let step = p.on_frame(&ack(5, 4, true));
+    assert_eq!(
+        step.settled.iter().map(|s| s.op).collect::<Vec<_>>(),
+        vec![1, 2, 4],
+        "in publish order, without the one already settled"
+    );
+    assert_eq!(p.unconfirmed(), 1);
+    let step = p.on_frame(&ack(5, 9, true));
+    assert_eq!(
+        step.settled.iter().map(|s| s.op).collect::<Vec<_>>(),
+        vec![5]
+    );
+    assert_eq!(p.unconfirmed(), 0);
+}
+
+#[test]
 fn returns_mark_the_matching_publish_unroutable() {
     let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
     let now = Instant::now();
