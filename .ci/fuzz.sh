@@ -6,6 +6,8 @@
 #   FUZZ_MAX_LEN   largest input libFuzzer tries, in bytes (default 8192)
 #   FUZZ_TARGETS   space-separated targets to run (default: every target)
 #   FUZZ_SANITIZER address (default) or none
+#   FUZZ_BUILD_ONLY 1: build the targets and stop (.ci/run builds them this way in the
+#                  background while the tests run; the later full run finds them built)
 #
 # cargo-fuzz passes nightly-only compiler flags (-Zsanitizer, sancov passes);
 # RUSTC_BOOTSTRAP=1 lets the stable toolchain accept them. Builds go to fuzz/target.
@@ -36,6 +38,9 @@ echo "== building fuzz targets ($FUZZ_SANITIZER sanitizer)"
 start=$SECONDS
 cargo fuzz build "${build_flags[@]}"
 echo "   built in $((SECONDS - start)) s"
+if [[ ${FUZZ_BUILD_ONLY:-0} == 1 ]]; then
+    exit 0
+fi
 
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
