@@ -175,6 +175,9 @@ pub fn put_method(dst: &mut BytesMut, channel: u16, method: AMQPClass) {
     }
 }
 
+/// Longest AMQP short string (exchange names, routing keys), in bytes.
+pub const SHORT_STRING_MAX: usize = 255;
+
 /// Appends a method frame whose arguments `args` writes (hand-encoded hot-path methods).
 fn put_method_with(
     dst: &mut BytesMut,
@@ -196,7 +199,7 @@ fn put_method_with(
 }
 
 fn put_short_str(dst: &mut BytesMut, s: &str) {
-    let s = crate::amqp::reply::truncate_str(s, 255);
+    let s = crate::amqp::reply::truncate_str(s, SHORT_STRING_MAX);
     dst.put_u8(s.len() as u8);
     dst.put_slice(s.as_bytes());
 }
@@ -237,6 +240,30 @@ pub fn put_basic_get_ok(
         put_short_str(d, exchange);
         put_short_str(d, routing_key);
         d.put_u32(message_count);
+    });
+}
+
+/// basic.publish (the proxy's dead-letter and republish channel).
+pub fn put_basic_publish(
+    dst: &mut BytesMut,
+    channel: u16,
+    exchange: &str,
+    routing_key: &str,
+    mandatory: bool,
+) {
+    put_method_with(dst, channel, 60, 40, |d| {
+        d.put_u16(0);
+        put_short_str(d, exchange);
+        put_short_str(d, routing_key);
+        d.put_u8(mandatory as u8);
+    });
+}
+
+/// basic.reject.
+pub fn put_basic_reject(dst: &mut BytesMut, channel: u16, delivery_tag: u64, requeue: bool) {
+    put_method_with(dst, channel, 60, 90, |d| {
+        d.put_u64(delivery_tag);
+        d.put_u8(requeue as u8);
     });
 }
 

@@ -8,9 +8,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use amq_protocol::protocol::{AMQPClass, basic, queue};
+use amq_protocol::protocol::{AMQPClass, queue};
 use amq_protocol::types::FieldTable;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 
 use super::ProxyShared;
 use super::arbiter::{DeclareCheck, Next, Verdict};
@@ -38,7 +38,7 @@ use super::service::link::PublishRequest;
 use super::view_cache::ViewCache;
 use super::wire::{WireFrame, method_frame};
 use super::{QueueView, ReturnCounter};
-use crate::amqp::codec::decode_method;
+use crate::amqp::codec::{decode_method, put_basic_ack, put_basic_nack, put_basic_reject};
 use crate::amqp::content::{decode_properties, keep_opaque_headers};
 use crate::amqp::reply;
 use crate::deadletter::DeadLetterReason;
@@ -73,24 +73,17 @@ fn cached_view(
     view
 }
 
-/// The frame for a native settlement.
+/// The frame for a native settlement (encoded by hand: one per settled delivery).
 fn settle_frame(channel: u16, settle: NativeSettle) -> Bytes {
-    let method = match settle.verb {
-        Verb::Ack => basic::AMQPMethod::Ack(basic::Ack {
-            delivery_tag: settle.tag,
-            multiple: settle.multiple,
-        }),
-        Verb::Reject { requeue } => basic::AMQPMethod::Reject(basic::Reject {
-            delivery_tag: settle.tag,
-            requeue,
-        }),
-        Verb::Nack { requeue } => basic::AMQPMethod::Nack(basic::Nack {
-            delivery_tag: settle.tag,
-            multiple: settle.multiple,
-            requeue,
-        }),
-    };
-    method_frame(channel, AMQPClass::Basic(method))
+    let mut frame = BytesMut::with_capacity(24);
+    match settle.verb {
+        Verb::Ack => put_basic_ack(&mut frame, channel, settle.tag, settle.multiple),
+        Verb::Reject { requeue } => put_basic_reject(&mut frame, channel, settle.tag, requeue),
+        Verb::Nack { requeue } => {
+            put_basic_nack(&mut frame, channel, settle.tag, settle.multiple, requeue);
+        }
+    }
+    frame.freeze()
 }
 
 impl ClientSession {

@@ -37,7 +37,9 @@ use amq_protocol::types::ShortString;
 use bytes::{Bytes, BytesMut};
 
 use super::wire::{WireFrame, content_body_size, method_frame};
-use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method};
+use crate::amqp::codec::{
+    FRAME_BODY, FRAME_HEADER, FRAME_METHOD, SHORT_STRING_MAX, decode_method, put_basic_publish,
+};
 use crate::amqp::content::put_content;
 use crate::amqp::reply::{ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED};
 
@@ -145,10 +147,8 @@ enum ChannelState {
 #[derive(Debug)]
 struct Waiting {
     op: OpId,
+    /// Its names were checked when the publish was asked for.
     message: OutgoingMessage,
-    /// The names, checked when the publish was asked for.
-    exchange: ShortString,
-    routing_key: ShortString,
     deadline: Instant,
 }
 
@@ -219,42 +219,37 @@ impl Publisher {
         message: &OutgoingMessage,
         now: Instant,
     ) -> Result<Bytes, &'static str> {
-        let exchange =
-            ShortString::try_new(message.exchange.clone()).map_err(|_| "exchange name too long")?;
-        let routing_key = ShortString::try_new(message.routing_key.clone())
-            .map_err(|_| "routing key too long")?;
+        if message.exchange.len() > SHORT_STRING_MAX {
+            return Err("exchange name too long");
+        }
+        if message.routing_key.len() > SHORT_STRING_MAX {
+            return Err("routing key too long");
+        }
         let deadline = now + self.confirm_timeout;
         if self.state != ChannelState::Open {
             self.waiting.push_back(Waiting {
                 op,
                 message: message.clone(),
-                exchange,
-                routing_key,
                 deadline,
             });
             return Ok(Bytes::new());
         }
-        Ok(self.encode(op, message, exchange, routing_key, deadline))
+        Ok(self.encode(op, message, deadline))
     }
 
-    fn encode(
-        &mut self,
-        op: OpId,
-        message: &OutgoingMessage,
-        exchange: ShortString,
-        routing_key: ShortString,
-        deadline: Instant,
-    ) -> Bytes {
-        let mut out = BytesMut::with_capacity(message.body.len() + 256);
-        out.extend_from_slice(&method_frame(
+    fn encode(&mut self, op: OpId, message: &OutgoingMessage, deadline: Instant) -> Bytes {
+        // The three frames' overheads and fixed fields fit in 64 bytes (a body over one frame
+        // makes put_content reserve the rest).
+        let names = message.exchange.len() + message.routing_key.len();
+        let mut out =
+            BytesMut::with_capacity(message.body.len() + message.raw_properties.len() + names + 64);
+        put_basic_publish(
+            &mut out,
             self.channel,
-            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
-                exchange,
-                routing_key,
-                mandatory: true,
-                immediate: false,
-            })),
-        ));
+            &message.exchange,
+            &message.routing_key,
+            true,
+        );
         put_content(
             &mut out,
             self.channel,
@@ -283,13 +278,7 @@ impl Publisher {
     fn send_waiting(&mut self) -> Bytes {
         let mut out = BytesMut::new();
         while let Some(w) = self.waiting.pop_front() {
-            out.extend_from_slice(&self.encode(
-                w.op,
-                &w.message,
-                w.exchange,
-                w.routing_key,
-                w.deadline,
-            ));
+            out.extend_from_slice(&self.encode(w.op, &w.message, w.deadline));
         }
         out.freeze()
     }

@@ -137,6 +137,43 @@ fn hand_encoded_methods_match_amq_protocol() {
                 requeue: true,
             })),
         ),
+        (
+            {
+                let mut b = BytesMut::new();
+                put_basic_publish(&mut b, 3, "dlx", "orders.dead", true);
+                b
+            },
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: "dlx".into(),
+                routing_key: "orders.dead".into(),
+                mandatory: true,
+                immediate: false,
+            })),
+        ),
+        (
+            {
+                let mut b = BytesMut::new();
+                put_basic_publish(&mut b, 3, "", "q", false);
+                b
+            },
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: "".into(),
+                routing_key: "q".into(),
+                mandatory: false,
+                immediate: false,
+            })),
+        ),
+        (
+            {
+                let mut b = BytesMut::new();
+                put_basic_reject(&mut b, 3, 11, true);
+                b
+            },
+            AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject {
+                delivery_tag: 11,
+                requeue: true,
+            })),
+        ),
     ];
     for (hand, method) in cases {
         let mut generated = BytesMut::new();
