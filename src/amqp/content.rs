@@ -91,18 +91,41 @@ pub fn keep_opaque_headers(encoded: Bytes, original: &[u8]) -> Bytes {
     }
 }
 
-/// Encodes properties into a raw property section.
+thread_local! {
+    /// Where [`encode_properties`] generates, kept between calls: the encoder grows its buffer
+    /// as it writes, and a buffer started small was reallocated two or three times for a
+    /// dead letter's headers (x-death tables).
+    static PROPERTIES_SCRATCH: std::cell::RefCell<Vec<u8>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Room the scratch buffer starts with; larger property sections grow it.
+const SCRATCH_START: usize = 1024;
+/// Largest scratch buffer kept for the next call (one with huge headers is let go).
+const SCRATCH_KEPT: usize = 64 * 1024;
+
+/// Encodes properties into a raw property section, in an allocation of exactly its size.
 pub fn encode_properties(props: &BasicProperties) -> Bytes {
-    let ctx = WriteContext::from(Vec::with_capacity(64));
-    match gen_properties(props)(ctx) {
-        Ok(ctx) => Bytes::from(ctx.write),
-        Err(err) => {
-            // Only reachable for values amq-protocol cannot represent; every table we build
-            // comes from decoded input, so fall back to "no properties" and say so.
-            tracing::error!(%err, "failed to encode message properties");
-            Bytes::from_static(&[0, 0])
+    PROPERTIES_SCRATCH.with(|cell| {
+        let mut scratch = cell.take();
+        scratch.clear();
+        scratch.reserve(SCRATCH_START);
+        match gen_properties(props)(WriteContext::from(scratch)) {
+            Ok(ctx) => {
+                let encoded = Bytes::copy_from_slice(&ctx.write);
+                if ctx.write.capacity() <= SCRATCH_KEPT {
+                    cell.replace(ctx.write);
+                }
+                encoded
+            }
+            Err(err) => {
+                // Only reachable for values amq-protocol cannot represent; every table we
+                // build comes from decoded input, so fall back to "no properties" and say so.
+                tracing::error!(%err, "failed to encode message properties");
+                Bytes::from_static(&[0, 0])
+            }
         }
-    }
+    })
 }
 
 /// Appends the content header frame and the body frames of one message, splitting the body so
@@ -194,6 +217,32 @@ mod tests {
     use crate::amqp::codec::FrameCodec;
     use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
     use tokio_util::codec::Decoder;
+
+    #[test]
+    fn properties_encode_alike_before_and_after_one_larger_than_the_kept_scratch() {
+        let with_header = |value: &str| {
+            let mut headers = FieldTable::default();
+            headers.insert(
+                ShortString::from("k"),
+                AMQPValue::LongString(LongString::from(value)),
+            );
+            BasicProperties::default()
+                .with_headers(headers)
+                .with_correlation_id(ShortString::from("c-1"))
+        };
+        let small = with_header("v");
+        let first = encode_properties(&small);
+        let huge_value = "x".repeat(SCRATCH_KEPT * 2);
+        let huge = encode_properties(&with_header(&huge_value));
+        assert!(huge.len() > SCRATCH_KEPT * 2);
+        assert_eq!(decode_properties(&huge).unwrap(), with_header(&huge_value));
+        let again = encode_properties(&small);
+        assert_eq!(
+            first, again,
+            "the same bytes whatever the scratch went through"
+        );
+        assert_eq!(decode_properties(&again).unwrap(), small);
+    }
 
     #[test]
     fn content_split_and_parsed_back() {
