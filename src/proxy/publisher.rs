@@ -323,7 +323,7 @@ impl Publisher {
             FRAME_METHOD => match decode_method(frame.payload()) {
                 Some(AMQPClass::Basic(basic::AMQPMethod::Ack(ack))) => {
                     self.nacks_in_a_row = 0;
-                    for record in self.take_confirmed(ack.delivery_tag, ack.multiple) {
+                    self.take_confirmed(ack.delivery_tag, ack.multiple, |record| {
                         let outcome = if record.returned {
                             Outcome::Unroutable
                         } else {
@@ -333,18 +333,17 @@ impl Publisher {
                             op: record.op,
                             outcome,
                         });
-                    }
+                    });
                 }
                 Some(AMQPClass::Basic(basic::AMQPMethod::Nack(nack))) => {
-                    let settled = self.take_confirmed(nack.delivery_tag, nack.multiple);
-                    if !settled.is_empty() {
-                        self.nacks_in_a_row = self.nacks_in_a_row.saturating_add(1);
-                    }
-                    for record in settled {
+                    let settled = self.take_confirmed(nack.delivery_tag, nack.multiple, |record| {
                         step.settled.push(Settled {
                             op: record.op,
                             outcome: Outcome::Failed(NACKED),
                         });
+                    });
+                    if settled > 0 {
+                        self.nacks_in_a_row = self.nacks_in_a_row.saturating_add(1);
                     }
                     if self.nacks_in_a_row >= RECYCLE_AFTER_NACKS
                         && self.state == ChannelState::Open
@@ -438,20 +437,27 @@ impl Publisher {
         }
     }
 
-    fn take_confirmed(&mut self, seq: u64, multiple: bool) -> Vec<Record> {
+    /// Hands each publish `seq` confirms (or nacks) to `settle`, in publish order; how many.
+    fn take_confirmed(
+        &mut self,
+        seq: u64,
+        multiple: bool,
+        mut settle: impl FnMut(Record),
+    ) -> usize {
         if multiple {
             // Taken from the front one by one: `split_off` would allocate a new tree for the
             // publishes still unconfirmed at every multiple confirm.
-            let mut done = Vec::new();
+            let mut count = 0;
             while let Some(first) = self.unconfirmed.first_entry() {
                 if *first.key() > seq {
                     break;
                 }
-                done.push(first.remove());
+                settle(first.remove());
+                count += 1;
             }
-            done
+            count
         } else {
-            self.unconfirmed.remove(&seq).into_iter().collect()
+            self.unconfirmed.remove(&seq).map(settle).map_or(0, |()| 1)
         }
     }
 
