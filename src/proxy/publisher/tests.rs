@@ -406,3 +406,29 @@ fn a_channel_closed_by_the_upstream_is_reopened_and_counted_as_closed() {
         AMQPClass::Channel(channel::AMQPMethod::Open(_))
     ));
 }
+
+#[test]
+fn names_longer_than_a_short_string_are_refused_before_anything_is_sent() {
+    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+    let now = Instant::now();
+    let longest = "k".repeat(255);
+    assert_eq!(
+        p.publish(1, &message("dlx", &"k".repeat(256)), now),
+        Err("routing key too long")
+    );
+    assert_eq!(
+        p.publish(2, &message(&"x".repeat(256), "k"), now),
+        Err("exchange name too long")
+    );
+    assert_eq!(p.unconfirmed(), 0);
+    let sent = p.publish(3, &message("dlx", &longest), now).unwrap();
+    let publish = frame(sent.slice(..));
+    match decode_method(publish.payload()) {
+        Some(AMQPClass::Basic(basic::AMQPMethod::Publish(publish))) => {
+            assert_eq!(publish.routing_key.as_str(), longest);
+            assert!(publish.mandatory);
+        }
+        other => panic!("expected basic.publish, got {other:?}"),
+    }
+    assert_eq!(p.unconfirmed(), 1);
+}
