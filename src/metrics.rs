@@ -57,6 +57,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "inflight_deliveries",
     "inflight_bytes",
     "verified_queues",
+    "session_queue_settings",
     "outbox_bytes",
     "memory_alarm",
     "memory_used_bytes",
@@ -278,6 +279,7 @@ pub struct Metrics {
     settled: tokio::sync::Notify,
     inflight_bytes: IntGauge,
     verified_queues: IntGauge,
+    session_queue_settings: IntGauge,
     outbox_bytes: IntGauge,
     memory_alarm: IntGauge,
     memory_used: IntGauge,
@@ -558,6 +560,12 @@ impl Metrics {
                 "verified_queues",
                 "Proxy mode: queues whose settings the upstream confirmed to this instance \
                  (the bounded cache of verified declarations).",
+            )?,
+            session_queue_settings: b.gauge(
+                "session_queue_settings",
+                "Proxy mode: queue settings the client connections keep for their settlements \
+                 (at most 64 queues per connection, dropped when policies or verified queues \
+                 change).",
             )?,
             outbox_bytes: b.gauge(
                 "outbox_bytes",
@@ -1171,6 +1179,15 @@ impl Metrics {
 
     pub fn verified_queues(&self) -> i64 {
         self.verified_queues.get()
+    }
+
+    /// Queue settings kept by client sessions: `delta` more (or fewer).
+    pub fn add_session_queue_settings(&self, delta: i64) {
+        self.session_queue_settings.add(delta);
+    }
+
+    pub fn session_queue_settings(&self) -> i64 {
+        self.session_queue_settings.get()
     }
 
     pub fn add_inflight(&self, deliveries: i64, bytes: i64) {

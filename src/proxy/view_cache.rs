@@ -11,15 +11,19 @@
 use std::sync::Arc;
 
 use super::{ProxyShared, QueueView, SettingsRevision};
+use crate::metrics::Metrics;
 
 /// Most queues one session keeps settings for; past that the cache starts again.
 pub(crate) const MAX_QUEUES: usize = 64;
 
-/// Per-queue settings of one session, valid for one [`SettingsRevision`].
-#[derive(Debug, Default)]
+/// Per-queue settings of one session, valid for one [`SettingsRevision`]. Its size is in the
+/// gauge `session_queue_settings` (taken back out when the session ends).
+#[derive(Default)]
 pub(crate) struct ViewCache {
     revision: Option<SettingsRevision>,
     entries: Vec<(Arc<str>, Option<Arc<QueueView>>)>,
+    /// Where the entries are counted (set at the first lookup).
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl ViewCache {
@@ -33,7 +37,7 @@ impl ViewCache {
     ) -> Option<Arc<QueueView>> {
         let revision = shared.settings_revision();
         if self.revision != Some(revision) {
-            self.entries.clear();
+            self.clear();
             self.revision = Some(revision);
         }
         if let Some((_, view)) = self.entries.iter().find(|(q, _)| q == queue) {
@@ -41,16 +45,32 @@ impl ViewCache {
         }
         let view = shared.verified_view(vhost, queue).map(Arc::new);
         if self.entries.len() >= MAX_QUEUES {
-            self.entries.clear();
+            self.clear();
         }
         self.entries.push((queue.clone(), view.clone()));
+        self.metrics
+            .get_or_insert_with(|| shared.metrics.clone())
+            .add_session_queue_settings(1);
         view
+    }
+
+    fn clear(&mut self) {
+        if let Some(metrics) = &self.metrics {
+            metrics.add_session_queue_settings(-(self.entries.len() as i64));
+        }
+        self.entries.clear();
     }
 
     /// Queues with settings kept now.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.entries.len()
+    }
+}
+
+impl Drop for ViewCache {
+    fn drop(&mut self) {
+        self.clear();
     }
 }
 
@@ -93,6 +113,13 @@ mod tests {
             cache.view(&shared, "/", &queue).is_none(),
             "a forgotten queue is the upstream's to decide again"
         );
+        assert_eq!(shared.metrics.session_queue_settings(), 1);
+        drop(cache);
+        assert_eq!(
+            shared.metrics.session_queue_settings(),
+            0,
+            "a session that ends takes its entries out of the gauge"
+        );
     }
 
     #[test]
@@ -133,6 +160,7 @@ mod tests {
             let queue: Arc<str> = Arc::from(format!("q{i}").as_str());
             assert!(cache.view(&shared, "/", &queue).is_none());
             assert!(cache.len() <= MAX_QUEUES);
+            assert_eq!(shared.metrics.session_queue_settings(), cache.len() as i64);
         }
         // Unverified queues are cached as "the upstream decides" too.
         assert!(cache.len() > 0);

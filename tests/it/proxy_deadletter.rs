@@ -126,6 +126,11 @@ async fn nack_dead_letters_with_exact_headers() {
             3.0,
         )
         .await;
+    // The connection kept the settings of the one queue it rejected from, and gives them
+    // back when it closes.
+    assert_eq!(proxy.counter("session_queue_settings", &[]), 1.0);
+    conn.close(200, "done".into()).await.unwrap();
+    proxy.wait_gauge("session_queue_settings", &[], 0.0).await;
     proxy.stop().await;
 }
 

@@ -181,6 +181,20 @@ impl TestProxy {
         }
     }
 
+    /// Polls a gauge until it equals `value` (panics after 15 s).
+    pub async fn wait_gauge(&self, name: &str, labels: &[(&str, &str)], value: f64) {
+        let reached = poll(POLL_LIMIT, POLL_EVERY, async || {
+            (self.counter(name, labels) == value).then_some(())
+        })
+        .await;
+        if reached.is_none() {
+            panic!(
+                "gauge {name}{labels:?} is {}, expected {value}",
+                self.counter(name, labels)
+            );
+        }
+    }
+
     /// Fires the service's shutdown signal (connections are closed with 320).
     pub fn trigger_shutdown(&self) {
         self.trigger.trigger();
