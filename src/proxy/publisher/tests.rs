@@ -19,6 +19,15 @@ fn message(exchange: &str, key: &str) -> OutgoingMessage {
     }
 }
 
+/// A publisher on channel 5 with `ops` published to "dlx" with key "k" at `now`.
+fn published(ops: impl IntoIterator<Item = OpId>, now: Instant) -> Publisher {
+    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+    for op in ops {
+        p.publish(op, &message("dlx", "k"), now).unwrap();
+    }
+    p
+}
+
 fn ack(ch: u16, tag: u64, multiple: bool) -> WireFrame {
     frame(method_frame(
         ch,
@@ -31,11 +40,8 @@ fn ack(ch: u16, tag: u64, multiple: bool) -> WireFrame {
 
 #[test]
 fn acks_settle_in_sequence_and_multiple() {
-    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
     let now = Instant::now();
-    for op in 10..13 {
-        p.publish(op, &message("dlx", "k"), now).unwrap();
-    }
+    let mut p = published(10..13, now);
     let step = p.on_frame(&ack(5, 2, true));
     assert_eq!(
         step.settled.iter().map(|s| s.op).collect::<Vec<_>>(),
@@ -55,11 +61,8 @@ fn acks_settle_in_sequence_and_multiple() {
 
 #[test]
 fn a_multiple_ack_settles_what_is_left_below_it_across_single_acks() {
-    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
     let now = Instant::now();
-    for op in 1..=5 {
-        p.publish(op, &message("dlx", "k"), now).unwrap();
-    }
+    let mut p = published(1..=5, now);
     let step = p.on_frame(&ack(5, 3, false));
     assert_eq!(
         step.settled.iter().map(|s| s.op).collect::<Vec<_>>(),
@@ -280,11 +283,8 @@ fn close_ok(ch: u16) -> WireFrame {
 
 #[test]
 fn a_channel_that_only_nacks_is_closed_once_drained_and_reopened_with_what_waited() {
-    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
     let now = Instant::now();
-    for op in 1..=4 {
-        p.publish(op, &message("dlx", "k"), now).unwrap();
-    }
+    let mut p = published(1..=4, now);
     // Two nacks, an ack (the run starts again), then three nacks in a row.
     assert!(p.on_frame(&nack(5, 1)).write.is_none());
     assert!(p.on_frame(&nack(5, 2)).write.is_none());
@@ -338,11 +338,8 @@ fn a_channel_that_only_nacks_is_closed_once_drained_and_reopened_with_what_waite
 
 #[test]
 fn a_recycling_channel_waits_for_publishes_in_flight_and_sends_nothing_new() {
-    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
     let now = Instant::now();
-    for op in 1..=4 {
-        p.publish(op, &message("dlx", "k"), now).unwrap();
-    }
+    let mut p = published(1..=4, now);
     for tag in 1..=3 {
         assert!(
             p.on_frame(&nack(5, tag)).write.is_none(),
