@@ -26,6 +26,9 @@
 
 use std::borrow::Cow;
 
+use amq_protocol::types::AMQPValue;
+use amq_protocol::types::parsing::parse_value;
+
 use super::depth::{ScanError, skip_value};
 
 /// The deepest a decoded header entry nests, the headers table counted (so its value nests at
@@ -154,6 +157,34 @@ pub fn shallow_properties(raw: &[u8]) -> Result<Cow<'_, [u8]>, ScanError> {
         }
     }
     Ok(Cow::Owned(with_table_contents(raw, table, &contents)))
+}
+
+/// The value of the header `name` in a raw property section, read without decoding the
+/// properties (a requeue decision needs one header of a message it may never rewrite):
+/// `Ok(None)` when the message has no such header. The value is what [`shallow_properties`]
+/// and amq-protocol would decode: of two entries with one key the last one counts, and an
+/// entry nested deeper than [`HEADER_DECODE_DEPTH`] reads as void. `Err` when the headers
+/// table is malformed (a full decode fails then too).
+pub fn header_value(raw: &[u8], name: &str) -> Result<Option<AMQPValue>, ScanError> {
+    let Some(table) = headers_table(raw)? else {
+        return Ok(None);
+    };
+    let entries = entries(raw, table.0 + 4, table.1)?;
+    let Some(entry) = entries
+        .iter()
+        .rev()
+        .find(|e| &raw[e.key.0..e.key.1] == name.as_bytes())
+    else {
+        return Ok(None);
+    };
+    if entry.deep {
+        return Ok(Some(AMQPValue::Void));
+    }
+    // The entry was skipped by the same scan, so amq-protocol reads it within its bounds.
+    match parse_value(&raw[entry.tag_at..entry.end]) {
+        Ok((_, value)) => Ok(Some(value)),
+        Err(_) => Err(ScanError::Truncated),
+    }
 }
 
 /// `encoded` (properties encoded from ones decoded out of `original`) with every opaque

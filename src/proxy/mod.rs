@@ -219,6 +219,8 @@ pub mod service;
 mod session_task;
 #[cfg(test)]
 mod test_support;
+#[cfg(test)]
+mod tests;
 pub mod upstream;
 mod view_cache;
 pub mod wire;
@@ -235,9 +237,10 @@ use tokio::net::TcpListener;
 use crate::admission::ConnectionSlots;
 use crate::config::Config;
 use crate::deadletter::DeadLetterOptions;
+use crate::deadletter::X_DELIVERY_COUNT;
 use crate::metrics::Metrics;
 use crate::policy::{EffectiveQueueSettings, PolicySet, effective_settings_with_policy};
-use crate::rabbit::args::{QueueArguments, QueueType};
+use crate::rabbit::args::{QueueArguments, QueueType, amqp_integer};
 use crate::shutdown::Shutdown;
 
 pub use capture::DEFAULT_CAPTURE_NAME;
@@ -343,10 +346,15 @@ impl QueueView {
             // Never returned before (whatever its headers say): no need to read them.
             return !self.within_delivery_limit(1);
         }
-        crate::amqp::content::decode_properties(&delivery.raw_properties).is_ok_and(|props| {
-            let returns = self.returns_before(&props, delivery.redelivered);
-            !self.within_delivery_limit(returns.saturating_add(1))
-        })
+        // Only the count is needed: read that one header, not the whole properties (a message
+        // whose headers do not scan would not decode either, and is left to RabbitMQ).
+        let Ok(count) =
+            crate::amqp::headers::header_value(&delivery.raw_properties, X_DELIVERY_COUNT)
+        else {
+            return false;
+        };
+        let returns = count.as_ref().and_then(amqp_integer).unwrap_or(0).max(0);
+        !self.within_delivery_limit(returns.saturating_add(1))
     }
 
     /// How many times a delivery was returned to its queue before: the proxy's own count on a

@@ -184,3 +184,47 @@ fn malformed_headers_do_not_decode() {
     assert!(decode_properties(&properties(&[entry("a", b'?', &[])])).is_err());
     assert!(decode_properties(&[0x20, 0, 0, 0]).is_err());
 }
+
+#[test]
+fn one_header_reads_as_a_full_decode_reads_it() {
+    let key = "x-delivery-count";
+    let cases: Vec<Vec<u8>> = vec![
+        properties(&[entry(key, b'l', &7i64.to_be_bytes())]),
+        properties(&[entry(key, b'L', &7i64.to_be_bytes())]),
+        properties(&[entry(key, b'I', &(-2i32).to_be_bytes())]),
+        properties(&[entry(key, b'i', &3u32.to_be_bytes())]),
+        properties(&[entry(key, b's', &5i16.to_be_bytes())]),
+        properties(&[entry(key, b'u', &5u16.to_be_bytes())]),
+        properties(&[entry(key, b'b', &[0xfe])]),
+        properties(&[entry(key, b'B', &[9])]),
+        properties(&[entry(key, b'S', &long("4"))]),
+        properties(&[entry(key, b'V', &[])]),
+        // A repeated key: the last entry counts.
+        properties(&[
+            entry(key, b'l', &1i64.to_be_bytes()),
+            entry("other", b'S', &long("x")),
+            entry(key, b'l', &2i64.to_be_bytes()),
+        ]),
+        // Too deep to decode: void, as the full decode sees it.
+        properties(&[entry(key, b'A', &nested_arrays(100))]),
+        // Absent, with and without other headers.
+        properties(&[entry("x-death", b'A', &nested_arrays(2))]),
+        properties(&[]),
+        encode_properties(&BasicProperties::default().with_priority(1)).to_vec(),
+    ];
+    for raw in &cases {
+        let decoded = decode_properties(raw).expect("the case decodes");
+        assert_eq!(
+            header_value(raw, key).expect("the headers scan"),
+            header(&decoded, key).cloned(),
+            "{raw:?}"
+        );
+    }
+    // Malformed headers: both refuse.
+    let truncated = properties(&[entry(key, b'l', &[0, 0, 1])]);
+    assert!(decode_properties(&truncated).is_err());
+    assert!(header_value(&truncated, key).is_err());
+    let unknown = properties(&[entry("a", b'?', &[]), entry(key, b'l', &[0; 8])]);
+    assert!(decode_properties(&unknown).is_err());
+    assert!(header_value(&unknown, key).is_err());
+}
