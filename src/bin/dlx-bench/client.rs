@@ -85,6 +85,9 @@ pub struct QueueArgs {
     /// A durable queue (implied by `quorum`).
     pub durable: bool,
     pub delivery_limit: Option<u32>,
+    /// RabbitMQ's own at-least-once dead-lettering (a quorum queue only): the
+    /// at-least-once strategy with overflow reject-publish, which it requires.
+    pub at_least_once: bool,
 }
 
 impl QueueArgs {
@@ -119,6 +122,16 @@ impl QueueArgs {
         }
         if let Some(limit) = self.delivery_limit {
             t.insert("x-delivery-limit".into(), AMQPValue::LongInt(limit as i32));
+        }
+        if self.at_least_once {
+            t.insert(
+                "x-dead-letter-strategy".into(),
+                AMQPValue::LongString(LongString::from("at-least-once")),
+            );
+            t.insert(
+                "x-overflow".into(),
+                AMQPValue::LongString(LongString::from("reject-publish")),
+            );
         }
         if self.overflow_drop_head {
             t.insert(

@@ -204,6 +204,12 @@ pub enum Scenario {
         /// times plus one).
         #[arg(long, default_value_t = 1)]
         delivery_limit: u32,
+        /// The source queue dead-letters at least once, RabbitMQ's own way (quorum queues:
+        /// x-dead-letter-strategy at-least-once with x-overflow reject-publish); needs
+        /// --queue-type quorum, not with --kind overflow (reject-publish drops nothing). The
+        /// source queue is of --queue-type for every kind (delivery-limit: always quorum).
+        #[arg(long)]
+        at_least_once: bool,
     },
     /// Queue many messages with a queue TTL and no consumer; time until they all expired and
     /// the broker's RSS before, at the peak and after.

@@ -35,7 +35,16 @@ pub async fn run(cli: &Cli) -> Result<Report> {
             ttl_ms,
             max_length,
             delivery_limit,
-        } => deadletter::run(c, *kind, *ttl_ms, *max_length, *delivery_limit).await,
+            at_least_once,
+        } => {
+            let limits = deadletter::Limits {
+                ttl_ms: *ttl_ms,
+                max_length: *max_length,
+                delivery_limit: *delivery_limit,
+                at_least_once: *at_least_once,
+            };
+            deadletter::run(c, *kind, limits).await
+        }
         Scenario::ExpireBulk {
             ttl_ms,
             into_dlq,

@@ -8,21 +8,35 @@
 
 use std::sync::atomic::Ordering;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use tokio::sync::watch;
 
 use super::{Watch, describe, message_total, name, publish_all, rate, secs_between};
 use crate::client::{self, ConsumeSpec, EventTimes, Progress, QueueArgs, Settle};
 use crate::report::Report;
-use crate::{Common, DeadLetterKind};
+use crate::{Common, DeadLetterKind, QueueType};
 
-pub async fn run(
-    c: &Common,
-    kind: DeadLetterKind,
-    ttl_ms: u32,
-    max_length: u32,
-    delivery_limit: u32,
-) -> Result<Report> {
+/// The source queue's limits and dead-letter strategy.
+pub struct Limits {
+    pub ttl_ms: u32,
+    pub max_length: u32,
+    pub delivery_limit: u32,
+    pub at_least_once: bool,
+}
+
+pub async fn run(c: &Common, kind: DeadLetterKind, limits: Limits) -> Result<Report> {
+    let Limits {
+        ttl_ms,
+        max_length,
+        delivery_limit,
+        at_least_once,
+    } = limits;
+    if at_least_once && c.queue_type != QueueType::Quorum {
+        bail!("--at-least-once needs --queue-type quorum (RabbitMQ has it for quorum queues only)");
+    }
+    if at_least_once && kind == DeadLetterKind::Overflow {
+        bail!("--at-least-once needs x-overflow reject-publish, which dead-letters nothing");
+    }
     let kind_name = match kind {
         DeadLetterKind::Reject => "reject",
         DeadLetterKind::Nack => "nack",
@@ -40,8 +54,12 @@ pub async fn run(
     client::fanout_with_queue(&setup, &dlx, &dlq).await?;
     let mut args = QueueArgs {
         dead_letter_exchange: Some(dlx.clone()),
-        ..QueueArgs::default()
+        at_least_once,
+        ..QueueArgs::of_type(c.queue_type)
     };
+    if at_least_once {
+        report.set("dead_letter_strategy", "at-least-once");
+    }
     let mut after_publish_ns = 0;
     let settle = match kind {
         DeadLetterKind::Nack => Some(Settle::Nack { requeue: false }),
