@@ -60,7 +60,8 @@ pub struct Common {
     #[arg(long, global = true)]
     pub seconds: Option<f64>,
     /// Kind of the queue the scenario declares: transient (non-durable classic), classic
-    /// (durable classic) or quorum (durable quorum queue). throughput, fill and drain.
+    /// (durable classic) or quorum (durable quorum queue). throughput, fill, drain and deadletter
+    /// (its source queue).
     #[arg(long, global = true, value_enum, default_value_t = QueueType::Transient)]
     pub queue_type: QueueType,
     /// Publish persistent messages (delivery_mode 2): stored on disk in a durable queue (the
