@@ -6,8 +6,8 @@
 //! bytes that decode and re-encode identically; re-encoding with the opaque (too deep to
 //! decode) header entries restored from the original gives a section that decodes and is a
 //! fixed point of the same re-encoding; one header read from the raw section without decoding
-//! it (`headers::header_value`) is the value the full decode has; a prepared message carries no BCC header and
-//! an expiration only when `parse_expiration` accepted it.
+//! it (`headers::header_value`) is the value the full decode has; a prepared message carries
+//! no BCC header and an expiration only when `parse_expiration` accepted it.
 #![no_main]
 
 use bytes::Bytes;
