@@ -173,6 +173,9 @@ async fn round_trip(conn: &Connection) {
         .unwrap();
     assert_eq!(delivery.data, b"over-tls-2");
     delivery.ack(BasicAckOptions::default()).await.unwrap();
+    // Closed here, not dropped: lapin closes a dropped channel in the background, and a
+    // connection.close racing that close fails with "invalid channel state: Closing".
+    ch.close(200, "done".into()).await.unwrap();
 }
 
 #[tokio::test]
