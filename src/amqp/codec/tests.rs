@@ -82,16 +82,19 @@ fn refuses_bad_frame_end_and_type() {
     ));
 }
 
+/// What a hand encoder writes into an empty buffer.
+fn encoded(put: impl FnOnce(&mut BytesMut)) -> BytesMut {
+    let mut b = BytesMut::new();
+    put(&mut b);
+    b
+}
+
 #[test]
 fn hand_encoded_methods_match_amq_protocol() {
     use amq_protocol::protocol::basic;
     let cases: Vec<(BytesMut, AMQPClass)> = vec![
         (
-            {
-                let mut b = BytesMut::new();
-                put_basic_deliver(&mut b, 3, "ctag", 42, true, "x", "rk");
-                b
-            },
+            encoded(|b| put_basic_deliver(b, 3, "ctag", 42, true, "x", "rk")),
             AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
                 consumer_tag: "ctag".into(),
                 delivery_tag: 42,
@@ -101,11 +104,7 @@ fn hand_encoded_methods_match_amq_protocol() {
             })),
         ),
         (
-            {
-                let mut b = BytesMut::new();
-                put_basic_get_ok(&mut b, 3, 7, false, "", "q", 9);
-                b
-            },
+            encoded(|b| put_basic_get_ok(b, 3, 7, false, "", "q", 9)),
             AMQPClass::Basic(basic::AMQPMethod::GetOk(basic::GetOk {
                 delivery_tag: 7,
                 redelivered: false,
@@ -115,22 +114,14 @@ fn hand_encoded_methods_match_amq_protocol() {
             })),
         ),
         (
-            {
-                let mut b = BytesMut::new();
-                put_basic_ack(&mut b, 3, 5, true);
-                b
-            },
+            encoded(|b| put_basic_ack(b, 3, 5, true)),
             AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
                 delivery_tag: 5,
                 multiple: true,
             })),
         ),
         (
-            {
-                let mut b = BytesMut::new();
-                put_basic_nack(&mut b, 3, 5, false, true);
-                b
-            },
+            encoded(|b| put_basic_nack(b, 3, 5, false, true)),
             AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
                 delivery_tag: 5,
                 multiple: false,
@@ -138,11 +129,7 @@ fn hand_encoded_methods_match_amq_protocol() {
             })),
         ),
         (
-            {
-                let mut b = BytesMut::new();
-                put_basic_publish(&mut b, 3, "dlx", "orders.dead", true);
-                b
-            },
+            encoded(|b| put_basic_publish(b, 3, "dlx", "orders.dead", true)),
             AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
                 exchange: "dlx".into(),
                 routing_key: "orders.dead".into(),
@@ -151,11 +138,7 @@ fn hand_encoded_methods_match_amq_protocol() {
             })),
         ),
         (
-            {
-                let mut b = BytesMut::new();
-                put_basic_publish(&mut b, 3, "", "q", false);
-                b
-            },
+            encoded(|b| put_basic_publish(b, 3, "", "q", false)),
             AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
                 exchange: "".into(),
                 routing_key: "q".into(),
@@ -164,11 +147,7 @@ fn hand_encoded_methods_match_amq_protocol() {
             })),
         ),
         (
-            {
-                let mut b = BytesMut::new();
-                put_basic_reject(&mut b, 3, 11, true);
-                b
-            },
+            encoded(|b| put_basic_reject(b, 3, 11, true)),
             AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject {
                 delivery_tag: 11,
                 requeue: true,
