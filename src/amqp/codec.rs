@@ -110,18 +110,28 @@ pub fn complete_frame(
     src: &mut BytesMut,
     max_frame: usize,
 ) -> Result<Option<FrameHeader>, FrameError> {
-    if src.len() < 7 {
-        return Ok(None);
+    let header = frame_at(src, max_frame)?;
+    if header.is_none() && src.len() >= 7 {
+        let size = u32::from_be_bytes([src[3], src[4], src[5], src[6]]) as usize;
+        let total = size.saturating_add(FRAME_OVERHEAD);
+        src.reserve(total.saturating_sub(src.len()));
     }
-    let kind = src[0];
+    Ok(header)
+}
+
+/// The checks of [`complete_frame`] on bytes that are only read: the header of the frame at
+/// the start of `src`, `Ok(None)` while it is incomplete.
+pub fn frame_at(src: &[u8], max_frame: usize) -> Result<Option<FrameHeader>, FrameError> {
+    let Some(&[kind, c0, c1, s0, s1, s2, s3]) = src.get(..7) else {
+        return Ok(None);
+    };
     if !matches!(
         kind,
         FRAME_METHOD | FRAME_HEADER | FRAME_BODY | FRAME_HEARTBEAT
     ) {
         return Err(FrameError::UnknownType(kind));
     }
-    let channel = u16::from_be_bytes([src[1], src[2]]);
-    let size = u32::from_be_bytes([src[3], src[4], src[5], src[6]]) as usize;
+    let size = u32::from_be_bytes([s0, s1, s2, s3]) as usize;
     let total = size.saturating_add(FRAME_OVERHEAD);
     if total > max_frame {
         return Err(FrameError::TooLarge {
@@ -129,17 +139,15 @@ pub fn complete_frame(
             max: max_frame,
         });
     }
-    if src.len() < total {
-        src.reserve(total - src.len());
+    let Some(&end) = src.get(total - 1) else {
         return Ok(None);
-    }
-    let end = src[total - 1];
+    };
     if end != FRAME_END {
         return Err(FrameError::BadFrameEnd(end));
     }
     Ok(Some(FrameHeader {
         kind,
-        channel,
+        channel: u16::from_be_bytes([c0, c1]),
         size,
     }))
 }

@@ -266,6 +266,19 @@ impl ClientChannel {
         self.incoming.is_none()
     }
 
+    /// The consumer with this tag. A channel with one consumer (the usual case) compares
+    /// the tag instead of hashing it, once per delivery.
+    pub fn consumer_mut(&mut self, tag: &str) -> Option<&mut Source> {
+        if self.consumers.len() == 1 {
+            return self
+                .consumers
+                .iter_mut()
+                .next()
+                .and_then(|(known, source)| (known.as_str() == tag).then_some(source));
+        }
+        self.consumers.get_mut(tag)
+    }
+
     pub fn is_open(&self) -> bool {
         self.phase == ChannelPhase::Open
     }
@@ -290,6 +303,21 @@ mod tests {
             map.insert(n, n);
         }
         assert!((1..=2047u16).all(|n| map.get(&n) == Some(&n)));
+    }
+
+    #[test]
+    fn consumers_are_found_by_tag_with_one_or_several() {
+        let mut ch = ClientChannel::new(1);
+        assert!(ch.consumer_mut("a").is_none());
+        ch.consumers
+            .insert("a".into(), Source::new(Arc::from("qa"), false));
+        assert_eq!(&*ch.consumer_mut("a").unwrap().queue, "qa");
+        assert!(ch.consumer_mut("b").is_none(), "one consumer, another tag");
+        ch.consumers
+            .insert("b".into(), Source::new(Arc::from("qb"), true));
+        assert_eq!(&*ch.consumer_mut("b").unwrap().queue, "qb");
+        assert_eq!(&*ch.consumer_mut("a").unwrap().queue, "qa");
+        assert!(ch.consumer_mut("c").is_none());
     }
 
     #[test]

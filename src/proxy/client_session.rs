@@ -247,6 +247,22 @@ impl ClientSession {
         }
     }
 
+    /// Queues a run of frames read from the client for the upstream, as they are
+    /// ([`super::passthrough`]).
+    pub(super) fn send_upstream_run(&mut self, bytes: &[u8], frames: u64) {
+        if self.upstream_side != Side::Closed {
+            self.last_upstream_tx = self.now;
+            self.upstream_out.send_run(bytes, frames);
+        }
+    }
+
+    /// Queues a run of frames read from the upstream for the client, as they are.
+    pub(super) fn send_client_run(&mut self, bytes: &[u8], frames: u64) {
+        if self.client_side != Side::Closed {
+            self.client_out.send_run(bytes, frames);
+        }
+    }
+
     /// Sends (or holds back while the client's content is in progress) a frame the proxy
     /// writes upstream on a client channel.
     pub(super) fn inject_upstream(&mut self, channel: u16, bytes: Bytes) {
@@ -278,7 +294,7 @@ impl ClientSession {
 
     /// Whether client reads wait for an answer from the upstream (a declare check's, a
     /// read-back's, or the close-ok that frees a channel number the client is reopening).
-    fn awaits_upstream_answer(&self) -> bool {
+    pub(super) fn awaits_upstream_answer(&self) -> bool {
         self.pending_check.is_some()
             || self.held_for_write_probe.is_some()
             || self.pending_read.is_some()
@@ -294,9 +310,11 @@ impl ClientSession {
         if self.client_side != Side::Open {
             return true;
         }
-        if self.client_out.is_full() {
-            return false;
-        }
+        !self.client_out.is_full() && self.inflight_room()
+    }
+
+    /// Whether the kept deliveries leave room for reading more from the upstream.
+    pub(super) fn inflight_room(&self) -> bool {
         // At the bound, finish the content in progress, then pause until settlements free room.
         // Not while client reads wait for an upstream answer: the client cannot settle anything
         // then, so pausing here would wait forever. Nor while the retry of a held dead letter
@@ -362,12 +380,7 @@ impl ClientSession {
         self.now = now;
         match frame {
             Some(Ok(frame)) => {
-                self.last_client_rx = self.now;
-                self.client_in.frames += 1;
-                self.client_in.bytes += frame.raw.len() as u64;
-                if self.client_in.frames >= TALLY_FRAMES {
-                    self.flush_traffic();
-                }
+                self.client_frames_read(1, frame.raw.len());
                 self.on_client_frame(frame);
             }
             Some(Err(FrameError::Io(err))) => {
@@ -394,12 +407,7 @@ impl ClientSession {
         self.now = now;
         match frame {
             Some(Ok(frame)) => {
-                self.last_upstream_rx = self.now;
-                self.upstream_in.frames += 1;
-                self.upstream_in.bytes += frame.raw.len() as u64;
-                if self.upstream_in.frames >= TALLY_FRAMES {
-                    self.flush_traffic();
-                }
+                self.upstream_frames_read(1, frame.raw.len());
                 self.on_upstream_frame(frame);
             }
             Some(Err(err)) => {
@@ -407,6 +415,26 @@ impl ClientSession {
                 self.upstream_lost("upstream connection lost");
             }
             None => self.upstream_lost("upstream connection closed"),
+        }
+    }
+
+    /// Counts frames read from the client now (for heartbeats and the traffic metrics).
+    pub(super) fn client_frames_read(&mut self, frames: u64, bytes: usize) {
+        self.last_client_rx = self.now;
+        self.client_in.frames += frames;
+        self.client_in.bytes += bytes as u64;
+        if self.client_in.frames >= TALLY_FRAMES {
+            self.flush_traffic();
+        }
+    }
+
+    /// Counts frames read from the upstream now.
+    pub(super) fn upstream_frames_read(&mut self, frames: u64, bytes: usize) {
+        self.last_upstream_rx = self.now;
+        self.upstream_in.frames += frames;
+        self.upstream_in.bytes += bytes as u64;
+        if self.upstream_in.frames >= TALLY_FRAMES {
+            self.flush_traffic();
         }
     }
 
@@ -654,4 +682,4 @@ impl ClientSession {
 }
 
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;

@@ -49,18 +49,26 @@ const BASIC_CONSUME: (u16, u16) = (60, 20);
 const BASIC_CONSUME_OK: (u16, u16) = (60, 21);
 const BASIC_CANCEL: (u16, u16) = (60, 30);
 const BASIC_CANCEL_OK: (u16, u16) = (60, 31);
-const BASIC_PUBLISH: (u16, u16) = (60, 40);
+pub(super) const BASIC_PUBLISH: (u16, u16) = (60, 40);
 const BASIC_RETURN: (u16, u16) = (60, 50);
-const BASIC_DELIVER: (u16, u16) = (60, 60);
+pub(super) const BASIC_DELIVER: (u16, u16) = (60, 60);
 const BASIC_GET: (u16, u16) = (60, 70);
 const BASIC_GET_OK: (u16, u16) = (60, 71);
 const BASIC_GET_EMPTY: (u16, u16) = (60, 72);
-const BASIC_ACK: (u16, u16) = (60, 80);
+pub(super) const BASIC_ACK: (u16, u16) = (60, 80);
 const BASIC_REJECT: (u16, u16) = (60, 90);
 const BASIC_RECOVER_ASYNC: (u16, u16) = (60, 100);
 const BASIC_RECOVER: (u16, u16) = (60, 110);
 const BASIC_NACK: (u16, u16) = (60, 120);
 const TX_SELECT: (u16, u16) = (90, 10);
+
+/// Which of its channel's sources a delivery came from.
+enum DeliveredBy<'a> {
+    /// The consumer with this tag (basic.deliver).
+    Consumer(&'a str),
+    /// The oldest basic.get waiting for its answer (basic.get-ok).
+    Get,
+}
 
 pub(super) fn channel_close_ok(channel: u16) -> Bytes {
     method_frame(
@@ -328,41 +336,8 @@ impl ClientSession {
 
     fn client_content(&mut self, frame: WireFrame) {
         let channel = frame.channel;
-        let mut finished = false;
-        let mut rewritten = None;
-        if let Some(ch) = self.channels.get_mut(&channel) {
-            match (frame.kind, ch.outgoing) {
-                (FRAME_HEADER, Some(OutgoingContent::AwaitingHeader)) => {
-                    // A publish's BCC keys are kept for dead-lettering (see `bcc`).
-                    rewritten = bcc::publish_header(
-                        frame.payload(),
-                        self.frame_max.saturating_sub(FRAME_OVERHEAD),
-                    );
-                    let size = content_body_size(frame.payload()).unwrap_or(0);
-                    if size == 0 {
-                        ch.outgoing = None;
-                        finished = true;
-                    } else {
-                        ch.outgoing = Some(OutgoingContent::Body { remaining: size });
-                    }
-                }
-                (FRAME_BODY, Some(OutgoingContent::Body { remaining })) => {
-                    let left = remaining.saturating_sub(frame.payload().len() as u64);
-                    if left == 0 {
-                        ch.outgoing = None;
-                        finished = true;
-                    } else {
-                        ch.outgoing = Some(OutgoingContent::Body { remaining: left });
-                    }
-                }
-                // Out of sequence: the upstream will refuse it; stop tracking.
-                _ => {
-                    if ch.outgoing.take().is_some() {
-                        finished = true;
-                    }
-                }
-            }
-        }
+        let rewritten = self.publish_header_rewrite(channel, frame.kind, frame.payload());
+        let finished = self.client_content_seen(channel, frame.kind, frame.payload());
         match rewritten {
             Some(payload) => self.send_upstream(header_frame(channel, &payload)),
             None => self.send_upstream(frame.raw),
@@ -370,6 +345,44 @@ impl ClientSession {
         if finished {
             self.flush_deferred_upstream(channel);
         }
+    }
+
+    /// The content header of a publish as it goes upstream, when it is not the header the
+    /// client sent: a publish's BCC keys are kept for dead-lettering (see `bcc`). `None` for
+    /// other frames and for headers forwarded as they are.
+    pub(super) fn publish_header_rewrite(
+        &self,
+        channel: u16,
+        kind: u8,
+        payload: &[u8],
+    ) -> Option<Bytes> {
+        let awaiting = self.channels.get(&channel).is_some_and(|ch| {
+            kind == FRAME_HEADER && ch.outgoing == Some(OutgoingContent::AwaitingHeader)
+        });
+        if !awaiting {
+            return None;
+        }
+        bcc::publish_header(payload, self.frame_max.saturating_sub(FRAME_OVERHEAD))
+    }
+
+    /// Follows a content frame of the client's publish on `channel`; `true` when it ended the
+    /// content (frames deferred meanwhile may go then).
+    pub(super) fn client_content_seen(&mut self, channel: u16, kind: u8, payload: &[u8]) -> bool {
+        let Some(ch) = self.channels.get_mut(&channel) else {
+            return false;
+        };
+        let left = match (kind, ch.outgoing) {
+            (FRAME_HEADER, Some(OutgoingContent::AwaitingHeader)) => {
+                content_body_size(payload).unwrap_or(0)
+            }
+            (FRAME_BODY, Some(OutgoingContent::Body { remaining })) => {
+                remaining.saturating_sub(payload.len() as u64)
+            }
+            // Out of sequence: the upstream will refuse it; stop tracking.
+            _ => return ch.outgoing.take().is_some(),
+        };
+        ch.outgoing = (left > 0).then_some(OutgoingContent::Body { remaining: left });
+        left == 0
     }
 
     /// Sends what was held back while the client's content was in progress.
@@ -408,16 +421,21 @@ impl ClientSession {
         self.client_method_now(frame);
     }
 
+    /// A basic.publish on `channel`: its content follows.
+    pub(super) fn publish_started(&mut self, channel: u16) {
+        if let Some(ch) = self.channels.get_mut(&channel) {
+            ch.outgoing = Some(OutgoingContent::AwaitingHeader);
+        }
+        self.shared.metrics.published(1);
+    }
+
     /// Dispatches a client method (after any read-back it needed).
     pub(super) fn client_method_now(&mut self, frame: WireFrame) {
         let channel = frame.channel;
         let ids = frame.method_ids();
         match ids {
             BASIC_PUBLISH => {
-                if let Some(ch) = self.channels.get_mut(&channel) {
-                    ch.outgoing = Some(OutgoingContent::AwaitingHeader);
-                }
-                self.shared.metrics.published(1);
+                self.publish_started(channel);
                 self.send_upstream(frame.raw);
             }
             BASIC_ACK | BASIC_REJECT | BASIC_NACK => {
@@ -872,28 +890,7 @@ impl ClientSession {
                     self.send_client(frame.raw);
                     return;
                 };
-                self.shared.metrics.delivered(1);
-                let keeps = self.keeps_deliveries();
-                let takes_over = self.takes_over_settlements();
-                let shared = &self.shared;
-                let vhost = &self.vhost;
-                let keep = self.channels.get_mut(&channel).and_then(|ch| {
-                    let open = ch.is_open();
-                    let source = ch.consumers.get_mut(deliver.consumer_tag)?;
-                    if source.no_ack || !open || !keeps {
-                        return None;
-                    }
-                    let with_content = takes_over && source.keeps_content(shared, vhost);
-                    let mut keep = KeepBuilder::new(
-                        deliver.delivery_tag,
-                        source.queue.clone(),
-                        with_content.then_some((deliver.exchange, deliver.routing_key)),
-                        deliver.redelivered,
-                    );
-                    keep.timeout = source.consumer_timeout(shared, vhost);
-                    Some(keep)
-                });
-                self.start_incoming(channel, keep);
+                self.deliver_started(channel, &deliver);
                 self.send_client(frame.raw);
             }
             BASIC_GET_OK => {
@@ -901,28 +898,13 @@ impl ClientSession {
                     self.send_client(frame.raw);
                     return;
                 };
-                self.shared.metrics.delivered(1);
-                let keeps = self.keeps_deliveries();
-                let takes_over = self.takes_over_settlements();
-                let shared = &self.shared;
-                let vhost = &self.vhost;
-                let keep = self.channels.get_mut(&channel).and_then(|ch| {
-                    let mut source = ch.pending_gets.pop_front()?;
-                    if source.no_ack || ch.phase != ChannelPhase::Open || !keeps {
-                        return None;
-                    }
-                    let with_content = takes_over && source.keeps_content(shared, vhost);
-                    let timeout = source.consumer_timeout(shared, vhost);
-                    let mut keep = KeepBuilder::new(
-                        get_ok.delivery_tag,
-                        source.queue,
-                        with_content.then_some((get_ok.exchange, get_ok.routing_key)),
-                        get_ok.redelivered,
-                    );
-                    keep.timeout = timeout;
-                    Some(keep)
-                });
-                self.start_incoming(channel, keep);
+                self.delivery_started(
+                    channel,
+                    DeliveredBy::Get,
+                    get_ok.delivery_tag,
+                    get_ok.redelivered,
+                    (get_ok.exchange, get_ok.routing_key),
+                );
                 self.send_client(frame.raw);
             }
             BASIC_RETURN => {
@@ -1021,6 +1003,61 @@ impl ClientSession {
         self.publisher.is_some()
     }
 
+    /// A basic.deliver on `channel`: its content follows (see [`Self::delivery_started`]).
+    pub(super) fn deliver_started(&mut self, channel: u16, deliver: &peek::Deliver<'_>) {
+        self.delivery_started(
+            channel,
+            DeliveredBy::Consumer(deliver.consumer_tag),
+            deliver.delivery_tag,
+            deliver.redelivered,
+            (deliver.exchange, deliver.routing_key),
+        );
+    }
+
+    /// A delivery (basic.deliver or basic.get-ok) on `channel`: its content follows. It is
+    /// kept while the client must settle it: with its content (`exchange` and routing key,
+    /// then the properties and body as they arrive) when the proxy dead-letters for this
+    /// session and the queue may dead-letter, else as its tag; with the source's consumer
+    /// timeout.
+    fn delivery_started(
+        &mut self,
+        channel: u16,
+        by: DeliveredBy<'_>,
+        delivery_tag: u64,
+        redelivered: bool,
+        content: (&str, &str),
+    ) {
+        self.shared.metrics.delivered(1);
+        let keeps = self.keeps_deliveries();
+        let takes_over = self.takes_over_settlements();
+        let shared = &self.shared;
+        let vhost = &self.vhost;
+        let keep = self.channels.get_mut(&channel).and_then(|ch| {
+            let open = ch.is_open();
+            let mut got;
+            let source = match by {
+                DeliveredBy::Consumer(tag) => ch.consumer_mut(tag)?,
+                DeliveredBy::Get => {
+                    got = ch.pending_gets.pop_front()?;
+                    &mut got
+                }
+            };
+            if source.no_ack || !open || !keeps {
+                return None;
+            }
+            let with_content = takes_over && source.keeps_content(shared, vhost);
+            let mut keep = KeepBuilder::new(
+                delivery_tag,
+                source.queue.clone(),
+                with_content.then_some(content),
+                redelivered,
+            );
+            keep.timeout = source.consumer_timeout(shared, vhost);
+            Some(keep)
+        });
+        self.start_incoming(channel, keep);
+    }
+
     fn start_incoming(&mut self, channel: u16, keep: Option<KeepBuilder>) {
         if let Some(ch) = self.channels.get_mut(&channel) {
             if ch.incoming.is_none() {
@@ -1035,61 +1072,91 @@ impl ClientSession {
 
     fn upstream_content(&mut self, frame: WireFrame) {
         let channel = frame.channel;
-        let mut completed = None;
-        let mut finished = false;
-        let mut stripped = None;
-        if let Some(ch) = self.channels.get_mut(&channel)
-            && let Some(incoming) = ch.incoming.as_mut()
-        {
-            if frame.kind == FRAME_HEADER {
-                // Clients never see the proxy's private header; the kept copy has it.
-                stripped = bcc::delivered_header(frame.payload());
-                let size = content_body_size(frame.payload()).unwrap_or(0);
-                incoming.remaining = Some(size);
-                if let Some(keep) = incoming.keep.as_mut().filter(|k| k.with_content) {
-                    keep.raw_properties =
-                        Bytes::copy_from_slice(frame.payload().get(12..).unwrap_or_default());
-                    keep.body.reserve(size.min(16 * 1024 * 1024) as usize);
-                }
-                finished = size == 0;
-            } else if let Some(remaining) = incoming.remaining.as_mut() {
-                *remaining = remaining.saturating_sub(frame.payload().len() as u64);
-                if let Some(keep) = incoming.keep.as_mut().filter(|k| k.with_content) {
-                    keep.body.extend_from_slice(frame.payload());
-                }
-                finished = *remaining == 0;
-            }
-            if finished {
-                completed = ch.incoming.take().and_then(|i| i.keep);
-            }
-        }
+        let stripped = self.delivered_header_rewrite(channel, frame.kind, frame.payload());
+        let finished = self.upstream_content_seen(channel, frame.kind, frame.payload());
         match stripped {
             Some(payload) => self.send_client(header_frame(channel, &payload)),
             None => self.send_client(frame.raw),
         }
-        if finished {
-            self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
-            if let Some(builder) = completed {
-                let timeout = builder.timeout;
-                let (tag, delivery) = builder.finish(self.now);
-                let now = self.ack_clock();
-                if let Some(ch) = self.channels.get_mut(&channel) {
-                    let charge = ch.deliveries.keep(tag, delivery);
-                    if let Some(timeout) = timeout {
-                        ch.deliveries.time(tag, now, timeout);
-                    }
-                    self.inflight_bytes += charge;
-                    self.inflight_count += 1;
-                    self.shared.metrics.add_inflight(1, charge as i64);
+        if let Some(completed) = finished {
+            self.incoming_finished(channel, completed);
+        }
+    }
+
+    /// The content header of a delivery as it goes to the client, when it is not the header
+    /// the upstream sent: clients never see the proxy's private header (the kept copy has
+    /// it). `None` for other frames and for headers forwarded as they are.
+    pub(super) fn delivered_header_rewrite(
+        &self,
+        channel: u16,
+        kind: u8,
+        payload: &[u8],
+    ) -> Option<Bytes> {
+        let receiving = kind == FRAME_HEADER
+            && self
+                .channels
+                .get(&channel)
+                .is_some_and(|ch| ch.incoming.is_some());
+        if !receiving {
+            return None;
+        }
+        bcc::delivered_header(payload)
+    }
+
+    /// Follows a content frame of a delivery on `channel` (and keeps its content when the
+    /// delivery is kept with it). `Some` when it ended the content, with the delivery to keep
+    /// if any ([`Self::incoming_finished`] takes it).
+    pub(super) fn upstream_content_seen(
+        &mut self,
+        channel: u16,
+        kind: u8,
+        payload: &[u8],
+    ) -> Option<Option<KeepBuilder>> {
+        let ch = self.channels.get_mut(&channel)?;
+        let incoming = ch.incoming.as_mut()?;
+        let mut finished = false;
+        if kind == FRAME_HEADER {
+            let size = content_body_size(payload).unwrap_or(0);
+            incoming.remaining = Some(size);
+            if let Some(keep) = incoming.keep.as_mut().filter(|k| k.with_content) {
+                keep.raw_properties = Bytes::copy_from_slice(payload.get(12..).unwrap_or_default());
+                keep.body.reserve(size.min(16 * 1024 * 1024) as usize);
+            }
+            finished = size == 0;
+        } else if let Some(remaining) = incoming.remaining.as_mut() {
+            *remaining = remaining.saturating_sub(payload.len() as u64);
+            if let Some(keep) = incoming.keep.as_mut().filter(|k| k.with_content) {
+                keep.body.extend_from_slice(payload);
+            }
+            finished = *remaining == 0;
+        }
+        finished.then(|| ch.incoming.take().and_then(|i| i.keep))
+    }
+
+    /// A delivery's content ended on `channel` (its last frame is queued for the client):
+    /// the delivery is kept, and frames deferred meanwhile go to the client.
+    pub(super) fn incoming_finished(&mut self, channel: u16, completed: Option<KeepBuilder>) {
+        self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
+        if let Some(builder) = completed {
+            let timeout = builder.timeout;
+            let (tag, delivery) = builder.finish(self.now);
+            let now = self.ack_clock();
+            if let Some(ch) = self.channels.get_mut(&channel) {
+                let charge = ch.deliveries.keep(tag, delivery);
+                if let Some(timeout) = timeout {
+                    ch.deliveries.time(tag, now, timeout);
                 }
+                self.inflight_bytes += charge;
+                self.inflight_count += 1;
+                self.shared.metrics.add_inflight(1, charge as i64);
             }
-            let deferred = match self.channels.get_mut(&channel) {
-                Some(ch) => std::mem::take(&mut ch.deferred_client),
-                None => Vec::new(),
-            };
-            for bytes in deferred {
-                self.send_client(bytes);
-            }
+        }
+        let deferred = match self.channels.get_mut(&channel) {
+            Some(ch) => std::mem::take(&mut ch.deferred_client),
+            None => Vec::new(),
+        };
+        for bytes in deferred {
+            self.send_client(bytes);
         }
     }
 

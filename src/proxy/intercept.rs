@@ -21,7 +21,7 @@ use super::declare::{
     DeadLetterHandling, keep_own_dead_letter_arguments, passes_through, rewrite_declare,
     upstream_declare,
 };
-use super::inflight::{KeptDelivery, NativeSettle, Verb};
+use super::inflight::{KeptDelivery, NativeSettle, SettlementPlan, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{delivery_routing_keys, requeue_publish};
 use super::pending::{HeldDeclare, PendingCheck, PendingRead};
@@ -56,6 +56,22 @@ fn carries_user_id(message: &OutgoingMessage) -> bool {
 /// [`ViewCache`]) and kept for the whole settlement, so its plan and its take-overs agree even
 /// if the shared settings change in between.
 type SettlementViews = Vec<(Arc<str>, Option<Arc<QueueView>>)>;
+
+/// A client settlement planned by [`ClientSession::plan_client_settlement`], to be finished by
+/// [`ClientSession::finish_client_settlement`].
+pub(super) struct ClientSettlement {
+    pub(super) plan: SettlementPlan,
+    verb: Verb,
+    channel_id: u64,
+    views: SettlementViews,
+}
+
+impl ClientSettlement {
+    /// Whether the client's frame goes upstream as it is and nothing else follows.
+    pub(super) fn only_forwards(&self) -> bool {
+        self.plan.forward_original && self.plan.taken_over.is_empty()
+    }
+}
 
 /// The view of `queue` for this settlement.
 fn cached_view(
@@ -657,13 +673,33 @@ impl ClientSession {
 
     pub(super) fn client_settle(&mut self, frame: WireFrame, verb: Verb, tag: u64, multiple: bool) {
         let channel = frame.channel;
-        let shared = self.shared.clone();
-        let vhost = self.vhost.clone();
+        match self.plan_client_settlement(channel, verb, tag, multiple) {
+            Some(settlement) => {
+                if settlement.plan.forward_original {
+                    self.send_upstream(frame.raw);
+                }
+                self.finish_client_settlement(channel, settlement);
+            }
+            None => self.send_upstream(frame.raw),
+        }
+    }
+
+    /// Plans a client's basic.ack, basic.reject or basic.nack on `channel`: the kept
+    /// deliveries it settles are released, and what goes upstream instead of (or besides) the
+    /// client's frame is decided. `None` when the channel is not known (the frame goes on as
+    /// it is). The caller forwards the frame when the plan says so, then calls
+    /// [`Self::finish_client_settlement`].
+    pub(super) fn plan_client_settlement(
+        &mut self,
+        channel: u16,
+        verb: Verb,
+        tag: u64,
+        multiple: bool,
+    ) -> Option<ClientSettlement> {
+        let shared = &self.shared;
+        let vhost = &self.vhost;
         let proxy_active = self.publisher.is_some();
-        let Some(ch) = self.channels.get_mut(&channel) else {
-            self.send_upstream(frame.raw);
-            return;
-        };
+        let ch = self.channels.get_mut(&channel)?;
         let channel_id = ch.id;
         let kept_before = ch.deliveries.kept_len();
         let mut views = SettlementViews::new();
@@ -673,7 +709,7 @@ impl ClientSession {
                 return false;
             }
             // Only verified settings are acted on; otherwise the upstream decides.
-            let Some(view) = cached_view(&mut views, cache, &shared, &vhost, &d.queue) else {
+            let Some(view) = cached_view(&mut views, cache, shared, vhost, &d.queue) else {
                 return false;
             };
             if verb.requeues() {
@@ -695,9 +731,24 @@ impl ClientSession {
                 "client settled a delivery the proxy is already dead-lettering"
             );
         }
-        if plan.forward_original {
-            self.send_upstream(frame.raw);
-        } else {
+        Some(ClientSettlement {
+            plan,
+            verb,
+            channel_id,
+            views,
+        })
+    }
+
+    /// The rest of a planned settlement, once the client's frame was forwarded if the plan
+    /// said so: the native settlements sent instead of it, and the deliveries taken over.
+    pub(super) fn finish_client_settlement(&mut self, channel: u16, settlement: ClientSettlement) {
+        let ClientSettlement {
+            plan,
+            verb,
+            channel_id,
+            mut views,
+        } = settlement;
+        if !plan.forward_original {
             for native in &plan.native {
                 self.send_upstream(settle_frame(channel, *native));
             }

@@ -173,7 +173,8 @@
 //!
 //! Module map: `session_task` (the task of one client connection: sockets in, sockets
 //! out), `client_session` (that connection and its upstream connection as a state machine
-//! with no socket, and its life), `forward` (frame dispatch), `intercept` (the changed
+//! with no socket, and its life), `forward` (frame dispatch), `passthrough` (runs of frames
+//! that are only forwarded, handled on the read buffer), `intercept` (the changed
 //! methods), `pending` (what a connection holds back while it waits), [`inflight`] (kept
 //! deliveries), [`retry`] (held dead
 //! letters and their backoff), [`retry_tiers`] (rejections held for their retry delay),
@@ -205,6 +206,7 @@ mod intercept;
 pub mod ops;
 pub mod outbox;
 pub mod outgoing;
+mod passthrough;
 mod pending;
 pub mod permission;
 pub mod policy_sync;

@@ -104,28 +104,56 @@ impl Outbox {
         if bytes.is_empty() {
             return true;
         }
-        let len = bytes.len();
-        self.queued += len;
-        self.unreported_frames += 1;
-        if self.count_outbox_gauge {
-            self.metrics.add_outbox_bytes(len as i64);
-        }
-        if len >= GATHER_FRAME_MAX {
+        self.count(bytes.len(), 1);
+        if bytes.len() >= GATHER_FRAME_MAX {
             self.seal_gathered();
             self.pieces.push_back(bytes);
         } else {
-            if self.gathered.capacity() - self.gathered.len() < len {
-                // A full buffer becomes a piece of its own and a new one is made, with room for
-                // a run of small frames: growing it instead would copy what it holds again.
-                self.seal_gathered();
-                self.gathered.reserve(len.max(GATHER_RESERVE));
-            }
-            self.gathered.extend_from_slice(&bytes);
-            if self.gathered.len() >= GATHER_MAX {
-                self.seal_gathered();
-            }
+            self.gather(&bytes);
         }
         true
+    }
+
+    /// Queues `frames` complete frames that are still in a read buffer, copied in one go
+    /// (the pass-through runs of the proxy's `passthrough`); `false` once the socket failed.
+    pub fn send_run(&mut self, bytes: &[u8], frames: u64) -> bool {
+        if self.failed {
+            return false;
+        }
+        if bytes.is_empty() {
+            return true;
+        }
+        self.count(bytes.len(), frames);
+        self.gather(bytes);
+        true
+    }
+
+    fn count(&mut self, len: usize, frames: u64) {
+        self.queued += len;
+        self.unreported_frames += frames;
+        if self.count_outbox_gauge {
+            self.metrics.add_outbox_bytes(len as i64);
+        }
+    }
+
+    /// Copies bytes into the gathering buffer.
+    fn gather(&mut self, bytes: &[u8]) {
+        let len = bytes.len();
+        if self.gathered.capacity() - self.gathered.len() < len {
+            // A full buffer becomes a piece of its own and a new one is made, with room for
+            // a run of small frames: growing it instead would copy what it holds again.
+            self.seal_gathered();
+            self.gathered.reserve(len.max(GATHER_RESERVE));
+        }
+        self.gathered.extend_from_slice(bytes);
+        if self.gathered.len() >= GATHER_MAX {
+            self.seal_gathered();
+        }
+    }
+
+    /// Whether the outbox is full once `more` bytes are added.
+    pub fn is_full_with(&self, more: usize) -> bool {
+        self.queued + more >= self.limit
     }
 
     fn seal_gathered(&mut self) {
@@ -180,8 +208,7 @@ impl Outbox {
         if self.failed {
             return Poll::Ready(());
         }
-        self.seal_gathered();
-        if self.pieces.is_empty() {
+        if self.pieces.is_empty() && self.gathered.is_empty() {
             if !self.unflushed {
                 return Poll::Ready(());
             }
@@ -197,7 +224,14 @@ impl Outbox {
                 Poll::Pending => Poll::Pending,
             };
         }
-        let written = if self.pieces.len() > 1 && writer.is_write_vectored() {
+        if !self.pieces.is_empty() {
+            self.seal_gathered();
+        }
+        let written = if self.pieces.is_empty() {
+            // Only gathered frames: written from the gathering buffer itself, which keeps its
+            // allocation for the next frames (no buffer made and freed per write).
+            writer.as_mut().poll_write(cx, &self.gathered)
+        } else if self.pieces.len() > 1 && writer.is_write_vectored() {
             let slices: Vec<IoSlice<'_>> = self
                 .pieces
                 .iter()
@@ -241,6 +275,8 @@ impl Outbox {
         self.unreported_bytes += n as u64;
         while n > 0 {
             let Some(front) = self.pieces.front_mut() else {
+                // The rest was written from the gathering buffer.
+                self.gathered.advance(n.min(self.gathered.len()));
                 break;
             };
             if front.len() <= n {
@@ -321,6 +357,27 @@ mod tests {
 
     fn writer(w: tokio::io::DuplexStream) -> SocketWriter {
         Box::pin(w)
+    }
+
+    /// Everything the peer reads until the stream ends.
+    fn read_all(mut b: tokio::io::DuplexStream) -> tokio::task::JoinHandle<Vec<u8>> {
+        tokio::spawn(async move {
+            let mut got = Vec::new();
+            b.read_to_end(&mut got).await.unwrap();
+            got
+        })
+    }
+
+    /// Writes what is queued, ends the stream, and returns what the peer read.
+    async fn close_and_read(
+        mut outbox: Outbox,
+        mut w: SocketWriter,
+        reader: tokio::task::JoinHandle<Vec<u8>>,
+    ) -> Vec<u8> {
+        outbox.close(&mut w, Duration::from_secs(5)).await;
+        drop(outbox);
+        drop(w);
+        reader.await.unwrap()
     }
 
     #[tokio::test]
@@ -416,7 +473,7 @@ mod tests {
     #[tokio::test]
     async fn small_frames_past_one_gathering_buffer_arrive_whole_and_in_order() {
         // A slow reader: writes are partial, and frames keep coming in between.
-        let (a, mut b) = tokio::io::duplex(1000);
+        let (a, b) = tokio::io::duplex(1000);
         let metrics = Metrics::new(10);
         let mut w = writer(a);
         let mut outbox = Outbox::new(1 << 20, Direction::ClientOut, metrics.clone());
@@ -429,25 +486,47 @@ mod tests {
             .collect();
         let expected: Vec<u8> = frames.concat();
         assert!(expected.len() > 4 * GATHER_RESERVE);
-        let reader = tokio::spawn(async move {
-            let mut got = Vec::new();
-            b.read_to_end(&mut got).await.unwrap();
-            got
-        });
+        let reader = read_all(b);
         for (i, frame) in frames.into_iter().enumerate() {
             assert!(outbox.send(Bytes::from(frame)));
             if i % 97 == 0 {
                 outbox.write_some(&mut w).await;
             }
         }
-        outbox.close(&mut w, Duration::from_secs(5)).await;
-        drop(outbox);
-        drop(w);
-        assert_eq!(reader.await.unwrap(), expected);
+        assert_eq!(close_and_read(outbox, w, reader).await, expected);
         let text = metrics.encode();
         assert!(
             text.contains(r#"dlx_proxy_frames_total{direction="client_out"} 2000"#),
             "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn runs_copied_from_a_read_buffer_go_in_order_between_frames() {
+        // A slow reader: the gathering buffer is written from partly, then added to.
+        let (a, b) = tokio::io::duplex(100);
+        let metrics = Metrics::new(10);
+        let mut w = writer(a);
+        let mut outbox = Outbox::new(1 << 20, Direction::UpstreamOut, metrics.clone());
+        let reader = read_all(b);
+        let mut expected = Vec::new();
+        for i in 0..300u32 {
+            let run = vec![(i % 251) as u8; 40 + (i as usize * 13) % 200];
+            assert!(outbox.send_run(&run, 3));
+            expected.extend_from_slice(&run);
+            let frame = i.to_be_bytes().to_vec();
+            assert!(outbox.send(Bytes::from(frame.clone())));
+            expected.extend_from_slice(&frame);
+            if i % 7 == 0 {
+                outbox.write_some(&mut w).await;
+            }
+        }
+        assert!(outbox.send_run(&[], 0), "an empty run queues nothing");
+        assert_eq!(close_and_read(outbox, w, reader).await, expected);
+        let text = metrics.encode();
+        assert!(
+            text.contains(r#"dlx_proxy_frames_total{direction="upstream_out"} 1200"#),
+            "a run counts the frames it holds: {text}"
         );
     }
 

@@ -38,10 +38,14 @@ use crate::shutdown::Shutdown;
 /// timers, shutdown and the sockets again.
 const BUFFERED_FRAMES_PER_TURN: usize = 256;
 
+/// Most frames of one pass-through run.
+const RUN_FRAMES: u64 = 256;
+
 /// What woke the connection loop.
 enum Event {
-    Client(Option<Result<WireFrame, FrameError>>),
-    Upstream(Option<Result<WireFrame, FrameError>>),
+    /// Bytes were read (the frames are handled at the top of the loop), or the side ended.
+    Client(Option<Result<(), FrameError>>),
+    Upstream(Option<Result<(), FrameError>>),
     /// An outbox wrote bytes (or failed).
     Wrote,
     Timer,
@@ -192,8 +196,8 @@ pub(super) async fn run<S>(
                 Event::Listing(answer)
             }
             outcome = session.service_outcomes.1.recv() => Event::ServiceOutcome(outcome),
-            frame = client_reader.next(), if read_client => Event::Client(frame),
-            frame = upstream_reader.next(), if read_upstream => Event::Upstream(frame),
+            read = client_reader.fill(), if read_client => Event::Client(read),
+            read = upstream_reader.fill(), if read_upstream => Event::Upstream(read),
             _ = session.client_out.write_some(&mut client_writer), if write_client => Event::Wrote,
             _ = session.upstream_out.write_some(&mut upstream_writer), if write_upstream => Event::Wrote,
             _ = &mut timer => Event::Timer,
@@ -205,13 +209,21 @@ pub(super) async fn run<S>(
         // One clock read per turn: every frame handled in it is stamped with this time.
         session.now = Instant::now();
         match event {
-            Event::Client(frame) => {
+            Event::Client(read) => {
                 busy_poll.traffic(session.now);
-                session.client_read(frame, session.now);
+                match read {
+                    Some(Ok(())) => {}
+                    Some(Err(err)) => session.client_read(Some(Err(err)), session.now),
+                    None => session.client_read(None, session.now),
+                }
             }
-            Event::Upstream(frame) => {
+            Event::Upstream(read) => {
                 busy_poll.traffic(session.now);
-                session.upstream_read(frame, session.now);
+                match read {
+                    Some(Ok(())) => {}
+                    Some(Err(err)) => session.upstream_read(Some(Err(err)), session.now),
+                    None => session.upstream_read(None, session.now),
+                }
             }
             Event::Wrote => busy_poll.traffic(session.now),
             Event::Timer => session.on_timer(session.now),
@@ -269,8 +281,10 @@ async fn service_answer(
 }
 
 /// Handles frames that are already in the read buffers (a burst read in one go), up to
-/// [`BUFFERED_FRAMES_PER_TURN`], so a burst costs one wake-up rather than one per frame.
-/// The same flow-control checks apply as before a socket read.
+/// [`BUFFERED_FRAMES_PER_TURN`] turns of a pass-through run ([`super::passthrough`], at most
+/// [`RUN_FRAMES`] frames) and one frame handled on its own per side, so a burst costs one
+/// wake-up rather than one per frame. The same flow-control checks apply as before a socket
+/// read.
 fn handle_buffered<C, U>(
     session: &mut ClientSession,
     client: &mut FrameReader<C>,
@@ -285,17 +299,31 @@ fn handle_buffered<C, U>(
             upstream.set_frame_max(frame_max);
         }
         let mut handled = false;
-        if session.wants_client_frames()
-            && let Some(frame) = client.buffered()
-        {
-            session.client_read(Some(frame), session.now);
-            handled = true;
+        if session.wants_client_frames() {
+            let taken = session.client_run(client.unread(), client.max_frame(), RUN_FRAMES);
+            if taken > 0 {
+                client.consume(taken);
+                handled = true;
+            }
+            if session.wants_client_frames()
+                && let Some(frame) = client.buffered()
+            {
+                session.client_read(Some(frame), session.now);
+                handled = true;
+            }
         }
-        if session.wants_upstream_frames()
-            && let Some(frame) = upstream.buffered()
-        {
-            session.upstream_read(Some(frame), session.now);
-            handled = true;
+        if session.wants_upstream_frames() {
+            let taken = session.upstream_run(upstream.unread(), upstream.max_frame(), RUN_FRAMES);
+            if taken > 0 {
+                upstream.consume(taken);
+                handled = true;
+            }
+            if session.wants_upstream_frames()
+                && let Some(frame) = upstream.buffered()
+            {
+                session.upstream_read(Some(frame), session.now);
+                handled = true;
+            }
         }
         if !handled {
             break;

@@ -7,13 +7,13 @@
 //! proxy writes itself.
 
 use amq_protocol::protocol::AMQPClass;
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio_util::codec::Decoder;
 
 use crate::amqp::codec::{
     FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, FRAME_MIN_SIZE, FRAME_OVERHEAD,
-    FrameError, complete_frame, put_method, put_raw_frame,
+    FrameError, complete_frame, frame_at, put_method, put_raw_frame,
 };
 
 /// One frame: header fields and the whole frame as received (its payload is read in place,
@@ -76,6 +76,11 @@ impl WireCodec {
 
     pub fn set_frame_max(&mut self, frame_max: u32) {
         self.max_frame = frame_max.max(FRAME_MIN_SIZE) as usize;
+    }
+
+    /// The largest frame accepted, overhead included.
+    pub fn max_frame(&self) -> usize {
+        self.max_frame
     }
 }
 
@@ -146,6 +151,22 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         self.codec.decode(&mut self.buffer).transpose()
     }
 
+    /// The bytes read and not yet handed out, for a caller that handles frames in place
+    /// (the proxy's `passthrough`) and then [`FrameReader::consume`]s them.
+    pub fn unread(&self) -> &[u8] {
+        &self.buffer
+    }
+
+    /// Drops the first `n` unread bytes (frames handled in place).
+    pub fn consume(&mut self, n: usize) {
+        self.buffer.advance(n.min(self.buffer.len()));
+    }
+
+    /// The frame size limit in force, overhead included.
+    pub fn max_frame(&self) -> usize {
+        self.codec.max_frame()
+    }
+
     /// Bytes the next read asks for.
     pub fn chunk(&self) -> usize {
         self.chunk
@@ -166,6 +187,22 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             if let Some(frame) = self.buffered() {
                 return Some(frame);
             }
+            if let Err(err) = self.fill().await? {
+                return Some(Err(err));
+            }
+        }
+    }
+
+    /// Reads from the socket until a complete frame (or bytes that are not one) is buffered,
+    /// without taking it: for a caller that handles frames in place ([`Self::unread`]) and
+    /// takes the rest with [`Self::buffered`], which reports what is not a frame. `None` at
+    /// a clean end of stream; an error when the stream ends inside a frame or a read fails.
+    /// Cancel-safe.
+    pub async fn fill(&mut self) -> Option<Result<(), FrameError>> {
+        loop {
+            if !matches!(frame_at(&self.buffer, self.codec.max_frame()), Ok(None)) {
+                return Some(Ok(()));
+            }
             if self.eof {
                 if self.buffer.is_empty() {
                     return None;
@@ -185,6 +222,12 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             }
             if self.buffer.capacity() - self.buffer.len() < self.chunk / 4 {
                 self.buffer.reserve(self.chunk);
+            }
+            // Room for the rest of a frame that is larger than the read size.
+            if let Some(size) = self.buffer.get(3..7) {
+                let size = u32::from_be_bytes([size[0], size[1], size[2], size[3]]) as usize;
+                let total = size.saturating_add(FRAME_OVERHEAD);
+                self.buffer.reserve(total.saturating_sub(self.buffer.len()));
             }
             let room = self.buffer.capacity() - self.buffer.len();
             match self.reader.read_buf(&mut self.buffer).await {
@@ -271,6 +314,42 @@ mod tests {
         assert!(matches!(reader.next().await, Some(Err(FrameError::Io(_)))));
         let mut reader = FrameReader::new(&b""[..], 4096);
         assert!(reader.next().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn fill_reads_until_a_frame_is_complete_and_leaves_it_unread() {
+        use tokio::io::AsyncWriteExt;
+        let (mut tx, rx) = tokio::io::duplex(1 << 16);
+        let mut frame = BytesMut::new();
+        put_raw_frame(&mut frame, FRAME_BODY, 3, &[5u8; 100]);
+        let mut reader = FrameReader::new(rx, 4096);
+        // Half a frame is not enough: fill waits for the rest.
+        tx.write_all(&frame[..50]).await.unwrap();
+        let early = tokio::time::timeout(std::time::Duration::from_millis(50), reader.fill());
+        assert!(early.await.is_err(), "half a frame does not end the wait");
+        tx.write_all(&frame[50..]).await.unwrap();
+        assert!(matches!(reader.fill().await, Some(Ok(()))));
+        assert_eq!(reader.unread(), &frame[..]);
+        // A frame already buffered answers at once; consumed, it is gone.
+        assert!(matches!(reader.fill().await, Some(Ok(()))));
+        reader.consume(frame.len());
+        assert!(reader.unread().is_empty());
+        // Bytes that are not a frame are ready too: `buffered` reports them.
+        tx.write_all(&[9u8, 0, 0, 0, 0, 0, 0, 0xce]).await.unwrap();
+        assert!(matches!(reader.fill().await, Some(Ok(()))));
+        assert!(matches!(
+            reader.buffered(),
+            Some(Err(FrameError::UnknownType(9)))
+        ));
+        // The stream ends inside a frame, and cleanly.
+        let (mut tx, rx) = tokio::io::duplex(1 << 16);
+        let mut reader = FrameReader::new(rx, 4096);
+        tx.write_all(&frame[..20]).await.unwrap();
+        drop(tx);
+        assert!(matches!(reader.fill().await, Some(Err(FrameError::Io(_)))));
+        let (tx, rx) = tokio::io::duplex(16);
+        drop(tx);
+        assert!(FrameReader::new(rx, 4096).fill().await.is_none());
     }
 
     #[tokio::test]

@@ -16,13 +16,13 @@ use bytes::BytesMut;
 const PEER: &str = "127.0.0.1:40000";
 
 /// A session and its clock.
-struct Harness {
-    session: ClientSession,
-    now: Instant,
+pub(crate) struct Harness {
+    pub(crate) session: ClientSession,
+    pub(crate) now: Instant,
 }
 
 impl Harness {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let now = Instant::now();
         let session = ClientSession::new(
             shared(),
@@ -33,13 +33,13 @@ impl Harness {
         Harness { session, now }
     }
 
-    fn client_sends(&mut self, bytes: Bytes) {
+    pub(crate) fn client_sends(&mut self, bytes: Bytes) {
         for f in frames(&bytes) {
             self.session.client_read(Some(Ok(f)), self.now);
         }
     }
 
-    fn upstream_sends(&mut self, bytes: Bytes) {
+    pub(crate) fn upstream_sends(&mut self, bytes: Bytes) {
         for f in frames(&bytes) {
             self.session.upstream_read(Some(Ok(f)), self.now);
         }
@@ -51,20 +51,20 @@ impl Harness {
     }
 
     /// The methods queued for the client since the last call.
-    fn client_got(&mut self) -> Vec<(u16, AMQPClass)> {
+    pub(crate) fn client_got(&mut self) -> Vec<(u16, AMQPClass)> {
         methods(&self.session.client_out.take_queued())
     }
 
-    fn upstream_got(&mut self) -> Vec<(u16, AMQPClass)> {
+    pub(crate) fn upstream_got(&mut self) -> Vec<(u16, AMQPClass)> {
         methods(&self.session.upstream_out.take_queued())
     }
 
-    fn upstream_got_frames(&mut self) -> Vec<WireFrame> {
+    pub(crate) fn upstream_got_frames(&mut self) -> Vec<WireFrame> {
         frames(&self.session.upstream_out.take_queued())
     }
 
     /// Plays the handshake through to connection.open-ok; returns the publisher channel.
-    fn open(&mut self, heartbeat: u16) -> u16 {
+    pub(crate) fn open(&mut self, heartbeat: u16) -> u16 {
         self.upstream_sends(method_frame(
             0,
             AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
@@ -238,7 +238,7 @@ async fn a_handshake_that_does_not_finish_in_time_ends_the_connection() {
 }
 
 /// A delivery of "m" from `queue` on `channel`, as the upstream sends it.
-fn delivery(channel: u16, tag: u64, queue: &str) -> Bytes {
+pub(crate) fn delivery(channel: u16, tag: u64, queue: &str) -> Bytes {
     let mut out = BytesMut::new();
     out.extend_from_slice(&method_frame(
         channel,
@@ -256,7 +256,7 @@ fn delivery(channel: u16, tag: u64, queue: &str) -> Bytes {
 }
 
 /// [`consuming`] from a queue with dead-letter exchange "dlx", and delivery 7 rejected.
-async fn rejected() -> (Harness, u16) {
+pub(crate) async fn rejected() -> (Harness, u16) {
     let (mut h, publisher) = consuming(&[(
         "x-dead-letter-exchange",
         AMQPValue::LongString("dlx".into()),
@@ -277,7 +277,7 @@ async fn rejected() -> (Harness, u16) {
 /// A running session whose client consumes from "q" (with these arguments, as a verified
 /// declare of any instance left them) and got delivery 7 ("m"). Returns the harness and the
 /// publisher channel.
-async fn consuming(arguments: &[(&str, AMQPValue)]) -> (Harness, u16) {
+pub(crate) async fn consuming(arguments: &[(&str, AMQPValue)]) -> (Harness, u16) {
     let mut h = Harness::new();
     let publisher = h.open(0);
     let mut args = FieldTable::default();

@@ -1,0 +1,252 @@
+//! The forwarding fast path: the frames a client session forwards unchanged (publishes and
+//! their content from the client, deliveries and their content from the upstream, the
+//! client's acks) are handled where they lie in the read buffer. Each gets the bookkeeping
+//! [`super::forward`] gives it (the content in progress, the kept deliveries, the metrics),
+//! and a whole run of them is copied into the opposite outbox in one go, instead of each
+//! frame being cut out of the read buffer as a reference-counted slice and queued on its own.
+//!
+//! The first frame that needs anything else ends the run: the connection task
+//! ([`super::session_task`]) hands it to [`ClientSession::client_read`] or
+//! [`ClientSession::upstream_read`] as before, then starts the next run. A run also ends at a
+//! frame that is incomplete or does not check out (the frame reader reports it then), and
+//! where the opposite outbox or the kept deliveries reach their bounds (the checks made before
+//! any frame is read). Whether a frame is handled here or one by one, the peer gets the same
+//! bytes and the session ends in the same state; the tests below compare the two.
+
+use super::client_session::{ClientSession, Side};
+use super::forward::{BASIC_ACK, BASIC_DELIVER, BASIC_PUBLISH};
+use super::inflight::Verb;
+use super::intercept::ClientSettlement;
+use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, frame_at};
+use crate::amqp::{codec::method_ids, peek};
+
+/// What a run does with the client frame at hand.
+enum ClientFrame {
+    /// Not for the fast path: the run ends before it.
+    Stop,
+    /// Bookkept; forwarded as it is.
+    Forward,
+    /// An ack, planned: forwarded as it is when the plan says so, and the plan finished.
+    Settle(ClientSettlement),
+}
+
+/// One frame of a run: its type, channel and payload, and its length in the buffer.
+struct RunFrame<'a> {
+    kind: u8,
+    channel: u16,
+    payload: &'a [u8],
+    len: usize,
+}
+
+/// The complete, well-formed frame at the start of `unread`, if there is one.
+fn next_frame(unread: &[u8], max_frame: usize) -> Option<RunFrame<'_>> {
+    let header = frame_at(unread, max_frame).ok()??;
+    let len = header.size + FRAME_OVERHEAD;
+    Some(RunFrame {
+        kind: header.kind,
+        channel: header.channel,
+        payload: unread.get(7..len - 1)?,
+        len,
+    })
+}
+
+impl ClientSession {
+    /// Handles the run of pass-through frames at the start of `unread` (bytes read from the
+    /// client; frames up to `max_frame` bytes), at most `max_frames` of them. Returns how many
+    /// bytes it took; the caller drops them from its read buffer.
+    pub(super) fn client_run(&mut self, unread: &[u8], max_frame: usize, max_frames: u64) -> usize {
+        let running = self.running
+            && self.client_side == Side::Open
+            && self.upstream_side == Side::Open
+            && !self.awaits_upstream_answer();
+        let Some(channel_max) = self.negotiated.map(|n| n.client_channel_max) else {
+            return 0;
+        };
+        if !running {
+            return 0;
+        }
+        // Bytes taken, and where the run not yet queued starts.
+        let mut taken = 0;
+        let mut queued_to = 0;
+        let mut frames = 0;
+        let mut run_frames = 0;
+        while frames < max_frames && !self.upstream_out.is_full_with(taken - queued_to) {
+            let Some(frame) = next_frame(&unread[taken..], max_frame) else {
+                break;
+            };
+            if frame.channel == 0 || frame.channel > channel_max {
+                break;
+            }
+            match self.client_frame_in_run(&frame) {
+                ClientFrame::Stop => break,
+                ClientFrame::Forward => {
+                    taken += frame.len;
+                    frames += 1;
+                    run_frames += 1;
+                }
+                ClientFrame::Settle(settlement) => {
+                    let forward = settlement.plan.forward_original;
+                    let only_forwards = settlement.only_forwards();
+                    if forward {
+                        taken += frame.len;
+                        run_frames += 1;
+                    }
+                    if !only_forwards {
+                        // What the plan sends goes after the run so far (and the ack).
+                        self.send_upstream_run(&unread[queued_to..taken], run_frames);
+                        run_frames = 0;
+                        if !forward {
+                            taken += frame.len;
+                        }
+                        queued_to = taken;
+                        self.finish_client_settlement(frame.channel, settlement);
+                    }
+                    frames += 1;
+                }
+            }
+        }
+        self.send_upstream_run(&unread[queued_to..taken], run_frames);
+        if frames > 0 {
+            self.client_frames_read(frames, taken);
+        }
+        taken
+    }
+
+    /// The bookkeeping of one client frame in a run, or [`ClientFrame::Stop`] (with nothing
+    /// changed) when it is not one the fast path handles.
+    fn client_frame_in_run(&mut self, frame: &RunFrame<'_>) -> ClientFrame {
+        let Some(ch) = self.channels.get(&frame.channel) else {
+            return ClientFrame::Stop;
+        };
+        if !ch.is_open() || ch.closed_for_client.is_some() {
+            return ClientFrame::Stop;
+        }
+        match frame.kind {
+            FRAME_METHOD => {
+                if ch.outgoing.is_some() {
+                    return ClientFrame::Stop;
+                }
+                match method_ids(frame.payload) {
+                    BASIC_PUBLISH => {
+                        self.publish_started(frame.channel);
+                        ClientFrame::Forward
+                    }
+                    BASIC_ACK => match peek::settle(frame.payload) {
+                        Some(peek::Settle::Ack {
+                            delivery_tag,
+                            multiple,
+                        }) => self
+                            .plan_client_settlement(
+                                frame.channel,
+                                Verb::Ack,
+                                delivery_tag,
+                                multiple,
+                            )
+                            .map_or(ClientFrame::Stop, ClientFrame::Settle),
+                        _ => ClientFrame::Stop,
+                    },
+                    _ => ClientFrame::Stop,
+                }
+            }
+            FRAME_HEADER | FRAME_BODY => {
+                if ch.outgoing.is_none() || !ch.deferred_upstream.is_empty() {
+                    return ClientFrame::Stop;
+                }
+                if self
+                    .publish_header_rewrite(frame.channel, frame.kind, frame.payload)
+                    .is_some()
+                {
+                    return ClientFrame::Stop;
+                }
+                // Nothing was deferred, so a finished content has nothing to flush.
+                self.client_content_seen(frame.channel, frame.kind, frame.payload);
+                ClientFrame::Forward
+            }
+            _ => ClientFrame::Stop,
+        }
+    }
+
+    /// Handles the run of pass-through frames at the start of `unread` (bytes read from the
+    /// upstream), as [`Self::client_run`] does for the client's.
+    pub(super) fn upstream_run(
+        &mut self,
+        unread: &[u8],
+        max_frame: usize,
+        max_frames: u64,
+    ) -> usize {
+        let Some(agreed) = self.negotiated else {
+            return 0;
+        };
+        if !self.running || self.client_side != Side::Open || self.upstream_side != Side::Open {
+            return 0;
+        }
+        let mut taken = 0;
+        let mut frames = 0;
+        while frames < max_frames && !self.client_out.is_full_with(taken) && self.inflight_room() {
+            let Some(frame) = next_frame(&unread[taken..], max_frame) else {
+                break;
+            };
+            if frame.channel == 0
+                || Some(frame.channel) == agreed.publisher_channel
+                || Some(frame.channel) == agreed.probe_channel
+                || self.upstream_drain.contains_key(&frame.channel)
+                || !self.upstream_frame_in_run(&frame)
+            {
+                break;
+            }
+            taken += frame.len;
+            frames += 1;
+        }
+        if frames > 0 {
+            self.send_client_run(&unread[..taken], frames);
+            self.upstream_frames_read(frames, taken);
+        }
+        taken
+    }
+
+    /// The bookkeeping of one upstream frame in a run; `false` (with nothing changed) when it
+    /// is not one the fast path handles.
+    fn upstream_frame_in_run(&mut self, frame: &RunFrame<'_>) -> bool {
+        let Some(ch) = self.channels.get(&frame.channel) else {
+            return false;
+        };
+        if ch.closed_for_client.is_some() {
+            return false;
+        }
+        match frame.kind {
+            FRAME_METHOD => {
+                if method_ids(frame.payload) != BASIC_DELIVER {
+                    return false;
+                }
+                let Some(deliver) = peek::deliver(frame.payload) else {
+                    return false;
+                };
+                self.deliver_started(frame.channel, &deliver);
+                true
+            }
+            FRAME_HEADER | FRAME_BODY => {
+                if ch.incoming.is_none() || !ch.deferred_client.is_empty() {
+                    return false;
+                }
+                if self
+                    .delivered_header_rewrite(frame.channel, frame.kind, frame.payload)
+                    .is_some()
+                {
+                    return false;
+                }
+                if let Some(completed) =
+                    self.upstream_content_seen(frame.channel, frame.kind, frame.payload)
+                {
+                    // Nothing was deferred: this only keeps the delivery.
+                    self.incoming_finished(frame.channel, completed);
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "passthrough/tests.rs"]
+mod tests;

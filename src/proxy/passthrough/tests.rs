@@ -1,0 +1,299 @@
+//! Unit tests of [`crate::proxy::passthrough`]: the same traffic handed to two sessions, one
+//! frame at a time and in runs (as the connection task hands it), gives both peers the same
+//! bytes and leaves the same deliveries kept; a run stops where a frame needs more than
+//! forwarding and at the outbox and inflight bounds.
+
+use amq_protocol::protocol::{AMQPClass, BasicProperties, basic};
+use amq_protocol::types::{AMQPValue, FieldArray, FieldTable};
+use bytes::{Buf, Bytes, BytesMut};
+use tokio_util::codec::Decoder;
+
+use crate::amqp::codec::{FRAME_BODY, put_raw_frame};
+use crate::amqp::content::{encode_properties, put_content};
+use crate::amqp::reply;
+use crate::proxy::client_session::tests::{Harness, consuming, delivery};
+use crate::proxy::test_support::{frames, methods};
+use crate::proxy::wire::{WireCodec, method_frame};
+
+const FRAME_MAX: usize = 131_072;
+
+/// Hands `bytes` from one side to the session as the connection task does: a run, then one
+/// frame on its own, and again. Returns the bytes the runs took.
+fn in_runs(h: &mut Harness, bytes: &[u8], from_client: bool) -> usize {
+    let mut buf = BytesMut::from(bytes);
+    let mut codec = WireCodec::new(FRAME_MAX as u32);
+    let mut by_runs = 0;
+    loop {
+        let taken = if from_client {
+            h.session.client_run(&buf, FRAME_MAX, 256)
+        } else {
+            h.session.upstream_run(&buf, FRAME_MAX, 256)
+        };
+        buf.advance(taken);
+        by_runs += taken;
+        let frame = match codec.decode(&mut buf) {
+            Ok(Some(frame)) => Ok(frame),
+            Ok(None) => break,
+            Err(err) => Err(err),
+        };
+        let failed = frame.is_err();
+        if from_client {
+            h.session.client_read(Some(frame), h.now);
+        } else {
+            h.session.upstream_read(Some(frame), h.now);
+        }
+        if failed {
+            break;
+        }
+    }
+    by_runs
+}
+
+/// What the session queued for the client and for the upstream since the last call.
+fn queued(h: &mut Harness) -> (Bytes, Bytes) {
+    (
+        h.session.client_out.take_queued(),
+        h.session.upstream_out.take_queued(),
+    )
+}
+
+/// The kept deliveries: count, bytes, and those of channel 1.
+fn kept(h: &Harness) -> (usize, usize, usize) {
+    let channel = h
+        .session
+        .channels
+        .get(&1)
+        .map_or(0, |ch| ch.deliveries.kept_len());
+    (h.session.inflight_count, h.session.inflight_bytes, channel)
+}
+
+/// A publish on channel 1 whose body goes in frames of at most 40 bytes.
+fn publish(body: &[u8], properties: &BasicProperties) -> Bytes {
+    let mut out = BytesMut::new();
+    out.extend_from_slice(&method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+            exchange: "".into(),
+            routing_key: "q".into(),
+            mandatory: false,
+            immediate: false,
+        })),
+    ));
+    put_content(&mut out, 1, &encode_properties(properties), body, 48);
+    out.freeze()
+}
+
+fn ack(delivery_tag: u64, multiple: bool) -> Bytes {
+    method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag,
+            multiple,
+        })),
+    )
+}
+
+fn reject(delivery_tag: u64) -> Bytes {
+    method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject {
+            delivery_tag,
+            requeue: false,
+        })),
+    )
+}
+
+fn joined(parts: &[Bytes]) -> Bytes {
+    let mut out = BytesMut::new();
+    for part in parts {
+        out.extend_from_slice(part);
+    }
+    out.freeze()
+}
+
+/// Two sessions consuming from "q" (with these arguments) that got delivery 7, their output
+/// so far taken.
+async fn twins(arguments: &[(&str, AMQPValue)]) -> (Harness, Harness) {
+    let (mut one, _) = consuming(arguments).await;
+    let (mut other, _) = consuming(arguments).await;
+    queued(&mut one);
+    queued(&mut other);
+    (one, other)
+}
+
+#[tokio::test]
+async fn deliveries_publishes_and_acks_in_runs_give_the_peers_the_same_bytes() {
+    let (mut by_frame, mut by_run) = twins(&[]).await;
+    let deliveries = joined(&(8..40).map(|tag| delivery(1, tag, "q")).collect::<Vec<_>>());
+    by_frame.upstream_sends(deliveries.clone());
+    let taken = in_runs(&mut by_run, &deliveries, false);
+    assert_eq!(taken, deliveries.len(), "every delivery goes in a run");
+    assert_eq!(queued(&mut by_frame), queued(&mut by_run));
+    assert_eq!(kept(&by_frame), kept(&by_run));
+    assert_eq!(kept(&by_run).2, 33, "deliveries 7 to 39 are kept");
+
+    let mut traffic = Vec::new();
+    for n in 0..10u8 {
+        traffic.push(publish(&[n; 100], &BasicProperties::default()));
+        traffic.push(ack(8 + u64::from(n), false));
+    }
+    traffic.push(ack(30, true));
+    traffic.push(publish(b"", &BasicProperties::default()));
+    let traffic = joined(&traffic);
+    by_frame.client_sends(traffic.clone());
+    let taken = in_runs(&mut by_run, &traffic, true);
+    assert_eq!(taken, traffic.len(), "publishes and acks go in runs");
+    let (to_client, to_upstream) = queued(&mut by_run);
+    assert_eq!(
+        (to_client.clone(), to_upstream.clone()),
+        queued(&mut by_frame)
+    );
+    assert_eq!(to_upstream, traffic, "forwarded as the client sent them");
+    assert!(to_client.is_empty());
+    assert_eq!(kept(&by_frame), kept(&by_run));
+    assert_eq!(kept(&by_run).2, 9, "31 to 39 are still kept");
+}
+
+#[tokio::test]
+async fn a_reject_the_proxy_takes_over_ends_the_run_and_acks_around_it_stay_in_order() {
+    let dlx = [(
+        "x-dead-letter-exchange",
+        AMQPValue::LongString("dlx".into()),
+    )];
+    let (mut by_frame, mut by_run) = twins(&dlx).await;
+    let deliveries = joined(&(8..12).map(|tag| delivery(1, tag, "q")).collect::<Vec<_>>());
+    by_frame.upstream_sends(deliveries.clone());
+    in_runs(&mut by_run, &deliveries, false);
+    assert_eq!(queued(&mut by_frame), queued(&mut by_run));
+    // Delivery 9 is rejected (the proxy dead-letters it and holds the upstream's copy until
+    // the confirm); the multiple ack of 11 that follows cannot go as sent, since it would
+    // settle 9 too: it becomes single acks of the others still kept (7, 10, 11).
+    let traffic = joined(&[
+        publish(b"before", &BasicProperties::default()),
+        ack(8, false),
+        reject(9),
+        ack(11, true),
+        publish(b"after", &BasicProperties::default()),
+    ]);
+    by_frame.client_sends(traffic.clone());
+    let taken = in_runs(&mut by_run, &traffic, true);
+    assert!(taken > 0 && taken < traffic.len(), "{taken}");
+    let (to_client, to_upstream) = queued(&mut by_run);
+    assert_eq!((to_client, to_upstream.clone()), queued(&mut by_frame));
+    let sent: Vec<_> = methods(&to_upstream)
+        .into_iter()
+        .map(|(channel, method)| match method {
+            AMQPClass::Basic(basic::AMQPMethod::Publish(p)) => {
+                (channel, format!("publish {}", p.exchange))
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => {
+                (channel, format!("ack {} {}", a.delivery_tag, a.multiple))
+            }
+            other => (channel, format!("{other:?}")),
+        })
+        .collect();
+    let dead_letter = sent
+        .iter()
+        .find(|(channel, _)| *channel != 1)
+        .expect("the dead letter goes on the proxy's channel")
+        .clone();
+    assert_eq!(dead_letter.1, "publish dlx");
+    let on_client_channel: Vec<_> = sent
+        .iter()
+        .filter(|(channel, _)| *channel == 1)
+        .map(|(_, what)| what.as_str())
+        .collect();
+    assert_eq!(
+        on_client_channel,
+        [
+            "publish ",
+            "ack 8 false",
+            "ack 7 false",
+            "ack 10 false",
+            "ack 11 false",
+            "publish "
+        ]
+    );
+    assert_eq!(kept(&by_frame), kept(&by_run));
+}
+
+#[tokio::test]
+async fn a_publish_with_bcc_keys_is_rewritten_as_when_handled_alone() {
+    let (mut by_frame, mut by_run) = twins(&[]).await;
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "BCC".into(),
+        AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::LongString(
+            "audit".into(),
+        )])),
+    );
+    let traffic = joined(&[
+        publish(b"one", &BasicProperties::default()),
+        publish(b"two", &BasicProperties::default().with_headers(headers)),
+        publish(b"three", &BasicProperties::default()),
+    ]);
+    by_frame.client_sends(traffic.clone());
+    let taken = in_runs(&mut by_run, &traffic, true);
+    assert!(taken > 0 && taken < traffic.len(), "{taken}");
+    let (to_client, to_upstream) = queued(&mut by_run);
+    assert_eq!((to_client, to_upstream.clone()), queued(&mut by_frame));
+    assert_ne!(to_upstream, traffic, "the BCC header is rewritten");
+    assert_eq!(frames(&to_upstream).len(), frames(&traffic).len());
+}
+
+#[tokio::test]
+async fn a_malformed_frame_ends_the_run_and_gets_frame_error() {
+    let (mut by_frame, mut by_run) = twins(&[]).await;
+    let mut bad = BytesMut::new();
+    put_raw_frame(&mut bad, FRAME_BODY, 1, b"xyz");
+    let end = bad.len() - 1;
+    bad[end] = 0;
+    let traffic = joined(&[publish(b"fine", &BasicProperties::default()), bad.freeze()]);
+    let good = publish(b"fine", &BasicProperties::default()).len();
+    assert_eq!(in_runs(&mut by_run, &traffic, true), good);
+    let mut codec = WireCodec::new(FRAME_MAX as u32);
+    let mut buf = BytesMut::from(&traffic[..]);
+    while let Some(frame) = codec.decode(&mut buf).transpose() {
+        let failed = frame.is_err();
+        by_frame.session.client_read(Some(frame), by_frame.now);
+        if failed {
+            break;
+        }
+    }
+    let (to_client, to_upstream) = queued(&mut by_run);
+    assert_eq!((to_client.clone(), to_upstream), queued(&mut by_frame));
+    match &methods(&to_client)[..] {
+        [(0, AMQPClass::Connection(amq_protocol::protocol::connection::AMQPMethod::Close(c)))] => {
+            assert_eq!(c.reply_code, reply::FRAME_ERROR)
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn runs_stop_at_a_full_outbox_and_at_the_inflight_bound() {
+    let (mut h, _) = consuming(&[]).await;
+    queued(&mut h);
+    let limit = h.session.shared.outbox_bytes;
+    h.session.upstream_out.send(Bytes::from(vec![0u8; limit]));
+    let traffic = publish(b"held", &BasicProperties::default());
+    assert_eq!(h.session.client_run(&traffic, FRAME_MAX, 256), 0);
+    queued(&mut h);
+    assert_eq!(
+        h.session.client_run(&traffic, FRAME_MAX, 256),
+        traffic.len()
+    );
+
+    let max = h.session.shared.max_inflight_bytes;
+    h.session.inflight_bytes = max;
+    let next = delivery(1, 8, "q");
+    assert_eq!(h.session.upstream_run(&next, FRAME_MAX, 256), 0);
+    h.session.inflight_bytes = 0;
+    assert_eq!(h.session.upstream_run(&next, FRAME_MAX, 256), next.len());
+    // The run takes no more frames than it is allowed.
+    let two = joined(&[delivery(1, 9, "q"), delivery(1, 10, "q")]);
+    assert_eq!(
+        h.session.upstream_run(&two, FRAME_MAX, 3),
+        delivery(1, 9, "q").len()
+    );
+}
