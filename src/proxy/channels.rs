@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
-use super::inflight::{ChannelDeliveries, KeptDelivery};
+use super::inflight::{ChannelDeliveries, KeptDelivery, KeptMessage};
 
 /// A map keyed by channel number, looked up several times per forwarded frame. The keys are
 /// bounded by the negotiated channel_max (no peer can pick colliding keys at will), so a
@@ -130,16 +130,15 @@ pub struct IncomingContent {
 #[derive(Debug)]
 pub struct KeepBuilder {
     pub delivery_tag: u64,
-    /// Whether the properties and body are copied (else only the tag and queue are kept).
-    pub with_content: bool,
     pub queue: Arc<str>,
-    pub exchange: String,
-    pub routing_key: String,
     pub redelivered: bool,
-    pub raw_properties: Bytes,
-    pub body: BytesMut,
     /// Its consumer timeout (ms), if it has one.
     pub timeout: Option<u64>,
+    /// The message being copied (its exchange, routing key and properties) when the delivery
+    /// keeps its content; else only the tag and queue are kept.
+    pub message: Option<Box<KeptMessage>>,
+    /// The body as its frames arrive (with `message` only).
+    pub body: BytesMut,
 }
 
 impl KeepBuilder {
@@ -151,34 +150,37 @@ impl KeepBuilder {
         content: Option<(&str, &str)>,
         redelivered: bool,
     ) -> Self {
-        let (exchange, routing_key) = content.unwrap_or_default();
         KeepBuilder {
             delivery_tag,
-            with_content: content.is_some(),
             queue,
-            exchange: exchange.to_string(),
-            routing_key: routing_key.to_string(),
             redelivered,
-            raw_properties: Bytes::new(),
-            body: BytesMut::new(),
             timeout: None,
+            message: content.map(|(exchange, routing_key)| {
+                Box::new(KeptMessage {
+                    exchange: exchange.to_string(),
+                    routing_key: routing_key.to_string(),
+                    ..KeptMessage::default()
+                })
+            }),
+            body: BytesMut::new(),
         }
     }
 
     /// The kept delivery, received at `now`.
     pub fn finish(self, now: Instant) -> (u64, KeptDelivery) {
+        let body = self.body;
+        let message = self.message.map(|mut message| {
+            message.body = body.freeze();
+            message
+        });
         (
             self.delivery_tag,
             KeptDelivery {
                 queue: self.queue,
-                exchange: self.exchange,
-                routing_key: self.routing_key,
                 redelivered: self.redelivered,
-                raw_properties: self.raw_properties,
-                body: self.body.freeze(),
-                with_content: self.with_content,
                 received_at: now,
                 deadline: None,
+                message,
             },
         )
     }
@@ -287,6 +289,7 @@ impl ClientChannel {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::inflight::KEPT_OVERHEAD;
     use std::hash::BuildHasher;
 
     #[test]
@@ -339,12 +342,18 @@ mod tests {
         assert_eq!(tag, 9);
         assert_eq!(kept.received_at, at);
         assert_eq!(&*kept.queue, "orders");
+        assert!(kept.redelivered && kept.with_content());
+        assert_eq!(kept.deadline, None);
+        let message = kept.message.as_deref().unwrap();
         assert_eq!(
-            (kept.exchange.as_str(), kept.routing_key.as_str()),
+            (message.exchange.as_str(), message.routing_key.as_str()),
             ("ex", "rk")
         );
-        assert!(kept.redelivered && kept.with_content);
-        assert_eq!(&kept.body[..], b"payload");
-        assert_eq!(kept.deadline, None);
+        assert_eq!(&message.body[..], b"payload");
+        assert_eq!(kept.charge(), 2 + 2 + 7 + KEPT_OVERHEAD);
+        // Kept as a tag only: no message, only the overhead is charged.
+        let (_, tag_only) = KeepBuilder::new(10, Arc::from("orders"), None, false).finish(at);
+        assert!(!tag_only.with_content() && tag_only.raw_properties().is_empty());
+        assert_eq!(tag_only.charge(), KEPT_OVERHEAD);
     }
 }

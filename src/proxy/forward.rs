@@ -59,7 +59,7 @@ pub(super) const BASIC_ACK: (u16, u16) = (60, 80);
 const BASIC_REJECT: (u16, u16) = (60, 90);
 const BASIC_RECOVER_ASYNC: (u16, u16) = (60, 100);
 const BASIC_RECOVER: (u16, u16) = (60, 110);
-const BASIC_NACK: (u16, u16) = (60, 120);
+pub(super) const BASIC_NACK: (u16, u16) = (60, 120);
 const TX_SELECT: (u16, u16) = (90, 10);
 
 /// Which of its channel's sources a delivery came from.
@@ -1118,14 +1118,17 @@ impl ClientSession {
         if kind == FRAME_HEADER {
             let size = content_body_size(payload).unwrap_or(0);
             incoming.remaining = Some(size);
-            if let Some(keep) = incoming.keep.as_mut().filter(|k| k.with_content) {
-                keep.raw_properties = Bytes::copy_from_slice(payload.get(12..).unwrap_or_default());
+            if let Some(keep) = incoming.keep.as_mut()
+                && let Some(message) = keep.message.as_mut()
+            {
+                message.raw_properties =
+                    Bytes::copy_from_slice(payload.get(12..).unwrap_or_default());
                 keep.body.reserve(size.min(16 * 1024 * 1024) as usize);
             }
             finished = size == 0;
         } else if let Some(remaining) = incoming.remaining.as_mut() {
             *remaining = remaining.saturating_sub(payload.len() as u64);
-            if let Some(keep) = incoming.keep.as_mut().filter(|k| k.with_content) {
+            if let Some(keep) = incoming.keep.as_mut().filter(|k| k.message.is_some()) {
                 keep.body.extend_from_slice(payload);
             }
             finished = *remaining == 0;

@@ -32,34 +32,50 @@ use crate::broker::ack_timeout::{AckDeadlines, Deadline};
 /// Bytes charged per kept delivery on top of its properties and body.
 pub const KEPT_OVERHEAD: usize = 128;
 
-/// A delivery the client has not settled yet.
+/// A delivery the client has not settled yet. Small (a tag-only delivery is moved and kept
+/// by the thousand on the forwarding path); the message itself sits behind a box.
 #[derive(Clone, Debug)]
 pub struct KeptDelivery {
     /// The queue it came from.
     pub queue: Arc<str>,
-    pub exchange: String,
-    pub routing_key: String,
     pub redelivered: bool,
-    /// The property section exactly as delivered (empty without content).
-    pub raw_properties: Bytes,
-    pub body: Bytes,
-    /// Whether properties and body were kept; without them the proxy cannot take the
-    /// delivery over and settles it natively.
-    pub with_content: bool,
     /// When the proxy saw the delivery.
     pub received_at: Instant,
     /// When it times out unsettled (its consumer timeout), in the session's milliseconds.
     pub deadline: Option<Deadline>,
+    /// The message as delivered, when it was kept; without it the proxy cannot take the
+    /// delivery over and settles it natively.
+    pub message: Option<Box<KeptMessage>>,
+}
+
+/// The message of a kept delivery, as it was delivered.
+#[derive(Clone, Debug, Default)]
+pub struct KeptMessage {
+    pub exchange: String,
+    pub routing_key: String,
+    /// The property section exactly as delivered.
+    pub raw_properties: Bytes,
+    pub body: Bytes,
 }
 
 impl KeptDelivery {
+    /// Whether its message was kept (the proxy may take it over).
+    pub fn with_content(&self) -> bool {
+        self.message.is_some()
+    }
+
+    /// The property section as delivered (empty when the message was not kept).
+    pub fn raw_properties(&self) -> &[u8] {
+        self.message
+            .as_ref()
+            .map_or(&[][..], |message| &message.raw_properties)
+    }
+
     /// Bytes charged against `proxy.max_inflight_bytes`.
     pub fn charge(&self) -> usize {
-        self.raw_properties.len()
-            + self.body.len()
-            + self.exchange.len()
-            + self.routing_key.len()
-            + KEPT_OVERHEAD
+        self.message.as_ref().map_or(0, |m| {
+            m.raw_properties.len() + m.body.len() + m.exchange.len() + m.routing_key.len()
+        }) + KEPT_OVERHEAD
     }
 }
 

@@ -21,7 +21,7 @@ use super::declare::{
     DeadLetterHandling, keep_own_dead_letter_arguments, passes_through, rewrite_declare,
     upstream_declare,
 };
-use super::inflight::{KeptDelivery, NativeSettle, SettlementPlan, Verb};
+use super::inflight::{KeptDelivery, KeptMessage, NativeSettle, SettlementPlan, Verb};
 use super::ops::{Op, Origin, Purpose, Settlement};
 use super::outgoing::{delivery_routing_keys, requeue_publish};
 use super::pending::{HeldDeclare, PendingCheck, PendingRead};
@@ -705,7 +705,7 @@ impl ClientSession {
         let mut views = SettlementViews::new();
         let cache = &mut self.view_cache;
         let (plan, released_bytes) = ch.deliveries.plan_settlement(verb, tag, multiple, |d| {
-            if !proxy_active || !verb.is_negative() || !d.with_content {
+            if !proxy_active || !verb.is_negative() || !d.with_content() {
                 return false;
             }
             // Only verified settings are acted on; otherwise the upstream decides.
@@ -817,7 +817,7 @@ impl ClientSession {
         // Every kept delivery leaves the kept set; the ones not taken over go back with the
         // channel (the plan's native frames are not needed).
         let (plan, released_bytes) = ch.deliveries.plan_settlement(verb, 0, true, |d| {
-            d.with_content
+            d.with_content()
                 && cached_view(&mut views, cache, &shared, &vhost, &d.queue)
                     .is_some_and(|view| view.takes_over_requeue(d))
         });
@@ -828,7 +828,18 @@ impl ClientSession {
 
     /// Dead-letters a rejected delivery, or republishes a requeued one with its delivery count.
     fn take_over(&mut self, origin: Origin, verb: Verb, delivery: KeptDelivery, view: &QueueView) {
-        let props = match decode_properties(&delivery.raw_properties) {
+        let Some(kept) = delivery.message else {
+            // Only deliveries kept with their message are planned for this; given back.
+            self.settle_origin(origin, Settlement::Requeue);
+            return;
+        };
+        let KeptMessage {
+            exchange,
+            routing_key,
+            raw_properties,
+            body,
+        } = *kept;
+        let props = match decode_properties(&raw_properties) {
             Ok(props) => props,
             Err(err) => {
                 tracing::warn!(peer = %self.peer, %err, queue = &*delivery.queue, "delivered properties do not decode; settling natively");
@@ -844,7 +855,7 @@ impl ClientSession {
                 return;
             }
         };
-        let routing_keys = delivery_routing_keys(&delivery.routing_key, &props);
+        let routing_keys = delivery_routing_keys(&routing_key, &props);
         if verb.requeues() {
             let count = view
                 .returns_before(&props, delivery.redelivered)
@@ -855,9 +866,9 @@ impl ClientSession {
                     self.settle_origin(origin, Settlement::Requeue);
                     return;
                 }
-                let mut message = requeue_publish(&props, &delivery.queue, count, delivery.body);
+                let mut message = requeue_publish(&props, &delivery.queue, count, body);
                 message.raw_properties =
-                    keep_opaque_headers(message.raw_properties, &delivery.raw_properties);
+                    keep_opaque_headers(message.raw_properties, &raw_properties);
                 self.publish_op(origin, Purpose::Requeue, delivery.queue, message);
                 return;
             }
@@ -865,11 +876,11 @@ impl ClientSession {
                 queue: delivery.queue,
                 reason: DeadLetterReason::DeliveryLimit,
                 before: props,
-                raw_before: delivery.raw_properties,
-                exchange: delivery.exchange,
+                raw_before: raw_properties,
+                exchange,
                 routing_keys,
                 time: now_secs(),
-                body: delivery.body,
+                body,
             };
             self.dead_letter_message(origin, death, view);
             return;
@@ -878,11 +889,11 @@ impl ClientSession {
             queue: delivery.queue,
             reason: DeadLetterReason::Rejected,
             before: props,
-            raw_before: delivery.raw_properties,
-            exchange: delivery.exchange,
+            raw_before: raw_properties,
+            exchange,
             routing_keys,
             time: now_secs(),
-            body: delivery.body,
+            body,
         };
         match plan_rejection(
             &death,

@@ -351,7 +351,7 @@ impl QueueView {
         // Only the count is needed: read that one header, not the whole properties (a message
         // whose headers do not scan would not decode either, and is left to RabbitMQ).
         let Ok(count) =
-            crate::amqp::headers::header_value(&delivery.raw_properties, X_DELIVERY_COUNT)
+            crate::amqp::headers::header_value(delivery.raw_properties(), X_DELIVERY_COUNT)
         else {
             return false;
         };

@@ -1,9 +1,10 @@
 //! The forwarding fast path: the frames a client session forwards unchanged (publishes and
 //! their content from the client, deliveries and their content from the upstream, the
-//! client's acks) are handled where they lie in the read buffer. Each gets the bookkeeping
-//! [`super::forward`] gives it (the content in progress, the kept deliveries, the metrics),
-//! and a whole run of them is copied into the opposite outbox in one go, instead of each
-//! frame being cut out of the read buffer as a reference-counted slice and queued on its own.
+//! client's acks and the upstream's confirms) are handled where they lie in the read buffer.
+//! Each gets the bookkeeping [`super::forward`] gives it (the content in progress, the kept
+//! deliveries, the metrics), and a whole run of them is copied into the opposite outbox in
+//! one go, instead of each frame being cut out of the read buffer as a reference-counted
+//! slice and queued on its own.
 //!
 //! The first frame that needs anything else ends the run: the connection task
 //! ([`super::session_task`]) hands it to [`ClientSession::client_read`] or
@@ -14,7 +15,7 @@
 //! bytes and the session ends in the same state; the tests below compare the two.
 
 use super::client_session::{ClientSession, Side};
-use super::forward::{BASIC_ACK, BASIC_DELIVER, BASIC_PUBLISH};
+use super::forward::{BASIC_ACK, BASIC_DELIVER, BASIC_NACK, BASIC_PUBLISH};
 use super::inflight::Verb;
 use super::intercept::ClientSettlement;
 use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, frame_at};
@@ -214,16 +215,18 @@ impl ClientSession {
             return false;
         }
         match frame.kind {
-            FRAME_METHOD => {
-                if method_ids(frame.payload) != BASIC_DELIVER {
-                    return false;
+            FRAME_METHOD => match method_ids(frame.payload) {
+                BASIC_DELIVER => {
+                    let Some(deliver) = peek::deliver(frame.payload) else {
+                        return false;
+                    };
+                    self.deliver_started(frame.channel, &deliver);
+                    true
                 }
-                let Some(deliver) = peek::deliver(frame.payload) else {
-                    return false;
-                };
-                self.deliver_started(frame.channel, &deliver);
-                true
-            }
+                // Publisher confirms of the client's channel: forwarded as they are.
+                BASIC_ACK | BASIC_NACK => true,
+                _ => false,
+            },
             FRAME_HEADER | FRAME_BODY => {
                 if ch.incoming.is_none() || !ch.deferred_client.is_empty() {
                     return false;

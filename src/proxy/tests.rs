@@ -22,14 +22,15 @@ fn limited(queue_type: QueueType) -> QueueView {
 fn delivery(redelivered: bool, raw_properties: Bytes) -> inflight::KeptDelivery {
     inflight::KeptDelivery {
         queue: Arc::from("q"),
-        exchange: String::new(),
-        routing_key: "q".to_string(),
         redelivered,
-        raw_properties,
-        body: Bytes::from_static(b"m"),
-        with_content: true,
         received_at: Instant::now(),
         deadline: None,
+        message: Some(Box::new(inflight::KeptMessage {
+            exchange: String::new(),
+            routing_key: "q".to_string(),
+            raw_properties,
+            body: Bytes::from_static(b"m"),
+        })),
     }
 }
 

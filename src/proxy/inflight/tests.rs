@@ -5,14 +5,15 @@ use super::*;
 fn delivery(queue: &str, body: &str) -> KeptDelivery {
     KeptDelivery {
         queue: Arc::from(queue),
-        exchange: String::new(),
-        routing_key: queue.to_string(),
         redelivered: false,
-        raw_properties: Bytes::from_static(&[0, 0]),
-        body: Bytes::copy_from_slice(body.as_bytes()),
-        with_content: true,
         received_at: Instant::now(),
         deadline: None,
+        message: Some(Box::new(KeptMessage {
+            exchange: String::new(),
+            routing_key: queue.to_string(),
+            raw_properties: Bytes::from_static(&[0, 0]),
+            body: Bytes::copy_from_slice(body.as_bytes()),
+        })),
     }
 }
 

@@ -155,6 +155,33 @@ async fn deliveries_publishes_and_acks_in_runs_give_the_peers_the_same_bytes() {
 }
 
 #[tokio::test]
+async fn confirms_between_deliveries_go_in_runs() {
+    let (mut by_frame, mut by_run) = twins(&[]).await;
+    let nack = method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+            delivery_tag: 6,
+            multiple: false,
+            requeue: false,
+        })),
+    );
+    let traffic = joined(&[
+        ack(1, false),
+        delivery(1, 8, "q"),
+        ack(5, true),
+        nack,
+        delivery(1, 9, "q"),
+    ]);
+    by_frame.upstream_sends(traffic.clone());
+    assert_eq!(in_runs(&mut by_run, &traffic, false), traffic.len());
+    let (to_client, to_upstream) = queued(&mut by_run);
+    assert_eq!((to_client.clone(), to_upstream), queued(&mut by_frame));
+    assert_eq!(to_client, traffic, "forwarded as the upstream sent them");
+    assert_eq!(kept(&by_frame), kept(&by_run));
+    assert_eq!(kept(&by_run).2, 3, "deliveries 7, 8 and 9 are kept");
+}
+
+#[tokio::test]
 async fn a_reject_the_proxy_takes_over_ends_the_run_and_acks_around_it_stay_in_order() {
     let dlx = [(
         "x-dead-letter-exchange",
