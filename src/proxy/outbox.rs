@@ -39,6 +39,10 @@ const GATHER_FRAME_MAX: usize = super::wire::READ_CHUNK_MAX;
 /// The room of a new gathering buffer (more when the frame needs it).
 const GATHER_RESERVE: usize = 16 * 1024;
 
+/// A gathering buffer that lacks room is kept (its unwritten rest moved to its start) while
+/// that rest is at most this much; a larger one becomes a piece of its own.
+const GATHER_KEEP_REST: usize = 4 * 1024;
+
 /// A gathering buffer is queued once it holds this much.
 const GATHER_MAX: usize = 64 * 1024;
 
@@ -141,8 +145,12 @@ impl Outbox {
         let len = bytes.len();
         if self.gathered.capacity() - self.gathered.len() < len {
             // A full buffer becomes a piece of its own and a new one is made, with room for
-            // a run of small frames: growing it instead would copy what it holds again.
-            self.seal_gathered();
+            // a run of small frames: growing it instead would copy what it holds again. A
+            // buffer written from down to a small rest keeps its allocation instead (the rest
+            // moves to its start).
+            if self.gathered.len() > GATHER_KEEP_REST {
+                self.seal_gathered();
+            }
             self.gathered.reserve(len.max(GATHER_RESERVE));
         }
         self.gathered.extend_from_slice(bytes);

@@ -151,6 +151,10 @@ pub(super) async fn run<S>(
     let timer = tokio::time::sleep_until((now + Duration::from_secs(60)).into());
     tokio::pin!(timer);
     let mut busy_poll = BusyPoll::new(session.shared.busy_poll, now);
+    // One wait for the shutdown signal for the whole connection, not a new one per turn
+    // (registering and dropping a waiter takes the signal's lock).
+    let shutdown_signal = shutdown.recv();
+    tokio::pin!(shutdown_signal);
     loop {
         handle_buffered(&mut session, &mut client_reader, &mut upstream_reader);
         session.check_writers();
@@ -201,7 +205,7 @@ pub(super) async fn run<S>(
             _ = session.client_out.write_some(&mut client_writer), if write_client => Event::Wrote,
             _ = session.upstream_out.write_some(&mut upstream_writer), if write_upstream => Event::Wrote,
             _ = &mut timer => Event::Timer,
-            _ = shutdown.recv(), if !session.shutdown_seen => Event::Shutdown,
+            _ = &mut shutdown_signal, if !session.shutdown_seen => Event::Shutdown,
             // Nothing is ready: yield to the runtime (which polls the sockets without
             // sleeping) instead of parking, while traffic is recent (`busy_poll`).
             _ = tokio::task::yield_now(), if poll_again => Event::Polled,
