@@ -34,7 +34,7 @@ use crate::metrics::{Direction, Metrics};
 /// Frames smaller than this are copied into the gathering buffer; larger ones are queued as
 /// they are. As large as the largest read ([`super::wire::READ_CHUNK_MAX`]), so a frame kept
 /// as it is never holds on to a read buffer much larger than itself.
-const GATHER_FRAME_MAX: usize = super::wire::READ_CHUNK_MAX;
+pub(super) const GATHER_FRAME_MAX: usize = super::wire::READ_CHUNK_MAX;
 
 /// The room of a new gathering buffer (more when the frame needs it).
 const GATHER_RESERVE: usize = 16 * 1024;
@@ -141,21 +141,33 @@ impl Outbox {
     }
 
     /// Copies bytes into the gathering buffer.
-    fn gather(&mut self, bytes: &[u8]) {
-        let len = bytes.len();
-        if self.gathered.capacity() - self.gathered.len() < len {
-            // A full buffer becomes a piece of its own and a new one is made, with room for
-            // a run of small frames: growing it instead would copy what it holds again. A
-            // buffer written from down to a small rest keeps its allocation instead (the rest
-            // moves to its start).
-            if self.gathered.len() > GATHER_KEEP_REST {
+    fn gather(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            let room = self.gathered.capacity() - self.gathered.len();
+            if room < bytes.len().min(GATHER_RESERVE) {
+                // A full buffer becomes a piece of its own and a new one is made, with room
+                // for a run of small frames: growing it instead would copy what it holds
+                // again. A buffer written from down to a small rest keeps its allocation
+                // instead (the rest moves to its start).
+                if self.gathered.len() > GATHER_KEEP_REST {
+                    self.seal_gathered();
+                }
+                // Buffers of one of two sizes, which the allocator hands out again once
+                // written (a long run is copied into several).
+                let size = if bytes.len() > GATHER_RESERVE {
+                    GATHER_MAX
+                } else {
+                    GATHER_RESERVE
+                };
+                self.gathered.reserve(size);
+                continue;
+            }
+            let n = room.min(bytes.len());
+            self.gathered.extend_from_slice(&bytes[..n]);
+            bytes = &bytes[n..];
+            if self.gathered.len() >= GATHER_MAX {
                 self.seal_gathered();
             }
-            self.gathered.reserve(len.max(GATHER_RESERVE));
-        }
-        self.gathered.extend_from_slice(bytes);
-        if self.gathered.len() >= GATHER_MAX {
-            self.seal_gathered();
         }
     }
 
@@ -536,6 +548,18 @@ mod tests {
             text.contains(r#"dlx_proxy_frames_total{direction="upstream_out"} 1200"#),
             "a run counts the frames it holds: {text}"
         );
+    }
+
+    #[test]
+    fn a_long_run_is_copied_into_buffers_of_bounded_size() {
+        let metrics = Metrics::new(10);
+        let mut outbox = Outbox::new(1 << 22, Direction::ClientOut, metrics);
+        let run: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        assert!(outbox.send_run(&run, 40));
+        assert_eq!(outbox.queued(), run.len());
+        assert!(outbox.pieces.iter().all(|piece| piece.len() <= GATHER_MAX));
+        assert!(outbox.gathered.capacity() <= GATHER_MAX);
+        assert_eq!(&outbox.take_queued()[..], &run[..]);
     }
 
     #[test]

@@ -9,15 +9,16 @@
 //! The first frame that needs anything else ends the run: the connection task
 //! ([`super::session_task`]) hands it to [`ClientSession::client_read`] or
 //! [`ClientSession::upstream_read`] as before, then starts the next run. A run also ends at a
-//! frame that is incomplete or does not check out (the frame reader reports it then), and
-//! where the opposite outbox or the kept deliveries reach their bounds (the checks made before
-//! any frame is read). Whether a frame is handled here or one by one, the peer gets the same
+//! frame that is incomplete or does not check out (the frame reader reports it then), at a
+//! frame too large to copy (the outbox queues it as it is), and where the opposite outbox or
+//! the kept deliveries reach their bounds (the checks made before any frame is read). Whether a frame is handled here or one by one, the peer gets the same
 //! bytes and the session ends in the same state; the tests below compare the two.
 
 use super::client_session::{ClientSession, Side};
 use super::forward::{BASIC_ACK, BASIC_DELIVER, BASIC_NACK, BASIC_PUBLISH};
 use super::inflight::Verb;
 use super::intercept::ClientSettlement;
+use super::outbox::GATHER_FRAME_MAX;
 use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, frame_at};
 use crate::amqp::{codec::method_ids, peek};
 
@@ -39,10 +40,14 @@ struct RunFrame<'a> {
     len: usize,
 }
 
-/// The complete, well-formed frame at the start of `unread`, if there is one.
+/// The complete, well-formed frame at the start of `unread`, if there is one and it is small
+/// enough to copy (a larger one goes on its own: the outbox queues it without a copy).
 fn next_frame(unread: &[u8], max_frame: usize) -> Option<RunFrame<'_>> {
     let header = frame_at(unread, max_frame).ok()??;
     let len = header.size + FRAME_OVERHEAD;
+    if len >= GATHER_FRAME_MAX {
+        return None;
+    }
     Some(RunFrame {
         kind: header.kind,
         channel: header.channel,

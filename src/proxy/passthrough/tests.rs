@@ -298,6 +298,36 @@ async fn a_malformed_frame_ends_the_run_and_gets_frame_error() {
 }
 
 #[tokio::test]
+async fn a_frame_too_large_to_copy_goes_on_its_own() {
+    let (mut by_frame, mut by_run) = twins(&[]).await;
+    let mut large = BytesMut::new();
+    large.extend_from_slice(&publish(b"small", &BasicProperties::default()));
+    let publish_method = frames(&publish(b"", &BasicProperties::default()))[0]
+        .raw
+        .clone();
+    large.extend_from_slice(&publish_method);
+    let body = vec![7u8; 100_000];
+    put_content(
+        &mut large,
+        1,
+        &encode_properties(&BasicProperties::default()),
+        &body,
+        FRAME_MAX,
+    );
+    let traffic = large.freeze();
+    let body_frame = 100_000 + 8;
+    by_frame.client_sends(traffic.clone());
+    // Everything but the large body frame goes in runs.
+    assert_eq!(
+        in_runs(&mut by_run, &traffic, true),
+        traffic.len() - body_frame
+    );
+    let (to_client, to_upstream) = queued(&mut by_run);
+    assert_eq!((to_client, to_upstream.clone()), queued(&mut by_frame));
+    assert_eq!(to_upstream, traffic);
+}
+
+#[tokio::test]
 async fn runs_stop_at_a_full_outbox_and_at_the_inflight_bound() {
     let (mut h, _) = consuming(&[]).await;
     queued(&mut h);
