@@ -13,6 +13,8 @@ use std::time::Instant;
 use bytes::{Bytes, BytesMut};
 
 use super::inflight::{ChannelDeliveries, KeptDelivery, KeptMessage};
+use super::wire::content_body_size;
+use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER};
 
 /// A map keyed by channel number, looked up several times per forwarded frame. The keys are
 /// bounded by the negotiated channel_max (no peer can pick colliding keys at will), so a
@@ -268,6 +270,80 @@ impl ClientChannel {
         self.incoming.is_none()
     }
 
+    /// A basic.publish from the client: its content follows.
+    pub fn publish_started(&mut self) {
+        self.outgoing = Some(OutgoingContent::AwaitingHeader);
+    }
+
+    /// The content header of a publish as it goes upstream, when it is not the header the
+    /// client sent: a publish's BCC keys are kept for dead-lettering (see `bcc`), within
+    /// `max_payload` (the frame size less its overhead). `None` for other frames and for
+    /// headers forwarded as they are.
+    pub fn publish_header_rewrite(
+        &self,
+        kind: u8,
+        payload: &[u8],
+        max_payload: usize,
+    ) -> Option<Bytes> {
+        if kind != FRAME_HEADER || self.outgoing != Some(OutgoingContent::AwaitingHeader) {
+            return None;
+        }
+        super::bcc::publish_header(payload, max_payload)
+    }
+
+    /// Follows a content frame of the client's publish; `true` when it ended the content
+    /// (frames deferred meanwhile may go then).
+    pub fn outgoing_seen(&mut self, kind: u8, payload: &[u8]) -> bool {
+        let left = match (kind, self.outgoing) {
+            (FRAME_HEADER, Some(OutgoingContent::AwaitingHeader)) => {
+                content_body_size(payload).unwrap_or(0)
+            }
+            (FRAME_BODY, Some(OutgoingContent::Body { remaining })) => {
+                remaining.saturating_sub(payload.len() as u64)
+            }
+            // Out of sequence: the upstream will refuse it; stop tracking.
+            _ => return self.outgoing.take().is_some(),
+        };
+        self.outgoing = (left > 0).then_some(OutgoingContent::Body { remaining: left });
+        left == 0
+    }
+
+    /// The content header of a delivery as it goes to the client, when it is not the header
+    /// the upstream sent: clients never see the proxy's private header (the kept copy has
+    /// it). `None` for other frames and for headers forwarded as they are.
+    pub fn delivered_header_rewrite(&self, kind: u8, payload: &[u8]) -> Option<Bytes> {
+        if kind != FRAME_HEADER || self.incoming.is_none() {
+            return None;
+        }
+        super::bcc::delivered_header(payload)
+    }
+
+    /// Follows a content frame of a delivery (and keeps its content when the delivery is
+    /// kept with it). `Some` when it ended the content, with the delivery to keep if any.
+    pub fn incoming_seen(&mut self, kind: u8, payload: &[u8]) -> Option<Option<KeepBuilder>> {
+        let incoming = self.incoming.as_mut()?;
+        let mut finished = false;
+        if kind == FRAME_HEADER {
+            let size = content_body_size(payload).unwrap_or(0);
+            incoming.remaining = Some(size);
+            if let Some(keep) = incoming.keep.as_mut()
+                && let Some(message) = keep.message.as_mut()
+            {
+                message.raw_properties =
+                    Bytes::copy_from_slice(payload.get(12..).unwrap_or_default());
+                keep.body.reserve(size.min(16 * 1024 * 1024) as usize);
+            }
+            finished = size == 0;
+        } else if let Some(remaining) = incoming.remaining.as_mut() {
+            *remaining = remaining.saturating_sub(payload.len() as u64);
+            if let Some(keep) = incoming.keep.as_mut().filter(|k| k.message.is_some()) {
+                keep.body.extend_from_slice(payload);
+            }
+            finished = *remaining == 0;
+        }
+        finished.then(|| self.incoming.take().and_then(|i| i.keep))
+    }
+
     /// The consumer with this tag. A channel with one consumer (the usual case) compares
     /// the tag instead of hashing it, once per delivery.
     pub fn consumer_mut(&mut self, tag: &str) -> Option<&mut Source> {
@@ -321,6 +397,63 @@ mod tests {
         assert_eq!(&*ch.consumer_mut("b").unwrap().queue, "qb");
         assert_eq!(&*ch.consumer_mut("a").unwrap().queue, "qa");
         assert!(ch.consumer_mut("c").is_none());
+    }
+
+    /// A content header payload: class 60, weight 0, body size, then `properties`.
+    fn content_header(size: u64, properties: &[u8]) -> Vec<u8> {
+        let mut payload = vec![0, 60, 0, 0];
+        payload.extend_from_slice(&size.to_be_bytes());
+        payload.extend_from_slice(properties);
+        payload
+    }
+
+    #[test]
+    fn a_publish_is_followed_to_the_end_of_its_content() {
+        let mut ch = ClientChannel::new(1);
+        ch.publish_started();
+        assert!(!ch.upstream_idle());
+        let header = content_header(10, &[0, 0]);
+        assert_eq!(ch.publish_header_rewrite(FRAME_HEADER, &header, 1000), None);
+        assert!(!ch.outgoing_seen(FRAME_HEADER, &header));
+        assert!(!ch.outgoing_seen(FRAME_BODY, b"1234"));
+        assert!(
+            ch.outgoing_seen(FRAME_BODY, b"567890"),
+            "the last body frame"
+        );
+        assert!(ch.upstream_idle());
+        // A body with no publish before it stops nothing and ends nothing.
+        assert!(!ch.outgoing_seen(FRAME_BODY, b"x"));
+        ch.publish_started();
+        assert!(ch.outgoing_seen(FRAME_HEADER, &content_header(0, &[0, 0])));
+    }
+
+    #[test]
+    fn a_delivery_kept_with_its_content_collects_properties_and_body() {
+        let mut ch = ClientChannel::new(1);
+        let header = content_header(5, &[0, 0]);
+        assert!(
+            ch.incoming_seen(FRAME_HEADER, &header).is_none(),
+            "none started"
+        );
+        ch.incoming = Some(IncomingContent {
+            keep: Some(KeepBuilder::new(
+                3,
+                Arc::from("q"),
+                Some(("ex", "rk")),
+                false,
+            )),
+            remaining: None,
+        });
+        assert_eq!(ch.delivered_header_rewrite(FRAME_HEADER, &header), None);
+        assert!(ch.incoming_seen(FRAME_HEADER, &header).is_none());
+        assert!(ch.incoming_seen(FRAME_BODY, b"ab").is_none());
+        let builder = ch.incoming_seen(FRAME_BODY, b"cde").unwrap().unwrap();
+        assert!(ch.client_idle());
+        let (tag, kept) = builder.finish(Instant::now());
+        assert_eq!(tag, 3);
+        let message = kept.message.unwrap();
+        assert_eq!(&message.body[..], b"abcde");
+        assert_eq!(&message.raw_properties[..], &[0, 0]);
     }
 
     #[test]

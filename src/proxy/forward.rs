@@ -10,7 +10,6 @@ use std::time::Duration;
 use amq_protocol::protocol::{AMQPClass, basic, channel, connection, queue};
 use bytes::Bytes;
 
-use super::bcc;
 use super::channels::{
     ChannelPhase, ClientChannel, IncomingContent, KeepBuilder, OutgoingContent, Source,
 };
@@ -19,7 +18,7 @@ use super::handshake::{LoginCheck, check_login, negotiate, tune_for_client};
 use super::inflight::Verb;
 use super::probe::CheckChannel;
 use super::publisher::Publisher;
-use super::wire::{WireFrame, content_body_size, header_frame, method_frame};
+use super::wire::{WireFrame, header_frame, method_frame};
 use crate::admission::is_loopback;
 use crate::amqp::codec::{
     FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, decode_method, decode_method_within,
@@ -336,8 +335,14 @@ impl ClientSession {
 
     fn client_content(&mut self, frame: WireFrame) {
         let channel = frame.channel;
-        let rewritten = self.publish_header_rewrite(channel, frame.kind, frame.payload());
-        let finished = self.client_content_seen(channel, frame.kind, frame.payload());
+        let max_payload = self.frame_max.saturating_sub(FRAME_OVERHEAD);
+        let (rewritten, finished) = match self.channels.get_mut(&channel) {
+            Some(ch) => (
+                ch.publish_header_rewrite(frame.kind, frame.payload(), max_payload),
+                ch.outgoing_seen(frame.kind, frame.payload()),
+            ),
+            None => (None, false),
+        };
         match rewritten {
             Some(payload) => self.send_upstream(header_frame(channel, &payload)),
             None => self.send_upstream(frame.raw),
@@ -345,44 +350,6 @@ impl ClientSession {
         if finished {
             self.flush_deferred_upstream(channel);
         }
-    }
-
-    /// The content header of a publish as it goes upstream, when it is not the header the
-    /// client sent: a publish's BCC keys are kept for dead-lettering (see `bcc`). `None` for
-    /// other frames and for headers forwarded as they are.
-    pub(super) fn publish_header_rewrite(
-        &self,
-        channel: u16,
-        kind: u8,
-        payload: &[u8],
-    ) -> Option<Bytes> {
-        let awaiting = self.channels.get(&channel).is_some_and(|ch| {
-            kind == FRAME_HEADER && ch.outgoing == Some(OutgoingContent::AwaitingHeader)
-        });
-        if !awaiting {
-            return None;
-        }
-        bcc::publish_header(payload, self.frame_max.saturating_sub(FRAME_OVERHEAD))
-    }
-
-    /// Follows a content frame of the client's publish on `channel`; `true` when it ended the
-    /// content (frames deferred meanwhile may go then).
-    pub(super) fn client_content_seen(&mut self, channel: u16, kind: u8, payload: &[u8]) -> bool {
-        let Some(ch) = self.channels.get_mut(&channel) else {
-            return false;
-        };
-        let left = match (kind, ch.outgoing) {
-            (FRAME_HEADER, Some(OutgoingContent::AwaitingHeader)) => {
-                content_body_size(payload).unwrap_or(0)
-            }
-            (FRAME_BODY, Some(OutgoingContent::Body { remaining })) => {
-                remaining.saturating_sub(payload.len() as u64)
-            }
-            // Out of sequence: the upstream will refuse it; stop tracking.
-            _ => return ch.outgoing.take().is_some(),
-        };
-        ch.outgoing = (left > 0).then_some(OutgoingContent::Body { remaining: left });
-        left == 0
     }
 
     /// Sends what was held back while the client's content was in progress.
@@ -424,7 +391,7 @@ impl ClientSession {
     /// A basic.publish on `channel`: its content follows.
     pub(super) fn publish_started(&mut self, channel: u16) {
         if let Some(ch) = self.channels.get_mut(&channel) {
-            ch.outgoing = Some(OutgoingContent::AwaitingHeader);
+            ch.publish_started();
         }
         self.shared.metrics.published(1);
     }
@@ -1072,8 +1039,13 @@ impl ClientSession {
 
     fn upstream_content(&mut self, frame: WireFrame) {
         let channel = frame.channel;
-        let stripped = self.delivered_header_rewrite(channel, frame.kind, frame.payload());
-        let finished = self.upstream_content_seen(channel, frame.kind, frame.payload());
+        let (stripped, finished) = match self.channels.get_mut(&channel) {
+            Some(ch) => (
+                ch.delivered_header_rewrite(frame.kind, frame.payload()),
+                ch.incoming_seen(frame.kind, frame.payload()),
+            ),
+            None => (None, None),
+        };
         match stripped {
             Some(payload) => self.send_client(header_frame(channel, &payload)),
             None => self.send_client(frame.raw),
@@ -1083,81 +1055,31 @@ impl ClientSession {
         }
     }
 
-    /// The content header of a delivery as it goes to the client, when it is not the header
-    /// the upstream sent: clients never see the proxy's private header (the kept copy has
-    /// it). `None` for other frames and for headers forwarded as they are.
-    pub(super) fn delivered_header_rewrite(
-        &self,
-        channel: u16,
-        kind: u8,
-        payload: &[u8],
-    ) -> Option<Bytes> {
-        let receiving = kind == FRAME_HEADER
-            && self
-                .channels
-                .get(&channel)
-                .is_some_and(|ch| ch.incoming.is_some());
-        if !receiving {
-            return None;
-        }
-        bcc::delivered_header(payload)
-    }
-
-    /// Follows a content frame of a delivery on `channel` (and keeps its content when the
-    /// delivery is kept with it). `Some` when it ended the content, with the delivery to keep
-    /// if any ([`Self::incoming_finished`] takes it).
-    pub(super) fn upstream_content_seen(
-        &mut self,
-        channel: u16,
-        kind: u8,
-        payload: &[u8],
-    ) -> Option<Option<KeepBuilder>> {
-        let ch = self.channels.get_mut(&channel)?;
-        let incoming = ch.incoming.as_mut()?;
-        let mut finished = false;
-        if kind == FRAME_HEADER {
-            let size = content_body_size(payload).unwrap_or(0);
-            incoming.remaining = Some(size);
-            if let Some(keep) = incoming.keep.as_mut()
-                && let Some(message) = keep.message.as_mut()
-            {
-                message.raw_properties =
-                    Bytes::copy_from_slice(payload.get(12..).unwrap_or_default());
-                keep.body.reserve(size.min(16 * 1024 * 1024) as usize);
-            }
-            finished = size == 0;
-        } else if let Some(remaining) = incoming.remaining.as_mut() {
-            *remaining = remaining.saturating_sub(payload.len() as u64);
-            if let Some(keep) = incoming.keep.as_mut().filter(|k| k.message.is_some()) {
-                keep.body.extend_from_slice(payload);
-            }
-            finished = *remaining == 0;
-        }
-        finished.then(|| ch.incoming.take().and_then(|i| i.keep))
-    }
-
     /// A delivery's content ended on `channel` (its last frame is queued for the client):
     /// the delivery is kept, and frames deferred meanwhile go to the client.
     pub(super) fn incoming_finished(&mut self, channel: u16, completed: Option<KeepBuilder>) {
         self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
+        let received = self.now;
+        let now = if completed.is_some() {
+            self.ack_clock()
+        } else {
+            0
+        };
+        let Some(ch) = self.channels.get_mut(&channel) else {
+            return;
+        };
         if let Some(builder) = completed {
             let timeout = builder.timeout;
-            let (tag, delivery) = builder.finish(self.now);
-            let now = self.ack_clock();
-            if let Some(ch) = self.channels.get_mut(&channel) {
-                let charge = ch.deliveries.keep(tag, delivery);
-                if let Some(timeout) = timeout {
-                    ch.deliveries.time(tag, now, timeout);
-                }
-                self.inflight_bytes += charge;
-                self.inflight_count += 1;
-                self.shared.metrics.add_inflight(1, charge as i64);
+            let (tag, delivery) = builder.finish(received);
+            let charge = ch.deliveries.keep(tag, delivery);
+            if let Some(timeout) = timeout {
+                ch.deliveries.time(tag, now, timeout);
             }
+            self.inflight_bytes += charge;
+            self.inflight_count += 1;
+            self.shared.metrics.add_inflight(1, charge as i64);
         }
-        let deferred = match self.channels.get_mut(&channel) {
-            Some(ch) => std::mem::take(&mut ch.deferred_client),
-            None => Vec::new(),
-        };
+        let deferred = std::mem::take(&mut ch.deferred_client);
         for bytes in deferred {
             self.send_client(bytes);
         }

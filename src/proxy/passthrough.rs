@@ -121,7 +121,8 @@ impl ClientSession {
     /// The bookkeeping of one client frame in a run, or [`ClientFrame::Stop`] (with nothing
     /// changed) when it is not one the fast path handles.
     fn client_frame_in_run(&mut self, frame: &RunFrame<'_>) -> ClientFrame {
-        let Some(ch) = self.channels.get(&frame.channel) else {
+        let max_payload = self.frame_max.saturating_sub(FRAME_OVERHEAD);
+        let Some(ch) = self.channels.get_mut(&frame.channel) else {
             return ClientFrame::Stop;
         };
         if !ch.is_open() || ch.closed_for_client.is_some() {
@@ -155,17 +156,16 @@ impl ClientSession {
                 }
             }
             FRAME_HEADER | FRAME_BODY => {
-                if ch.outgoing.is_none() || !ch.deferred_upstream.is_empty() {
-                    return ClientFrame::Stop;
-                }
-                if self
-                    .publish_header_rewrite(frame.channel, frame.kind, frame.payload)
-                    .is_some()
+                if ch.outgoing.is_none()
+                    || !ch.deferred_upstream.is_empty()
+                    || ch
+                        .publish_header_rewrite(frame.kind, frame.payload, max_payload)
+                        .is_some()
                 {
                     return ClientFrame::Stop;
                 }
                 // Nothing was deferred, so a finished content has nothing to flush.
-                self.client_content_seen(frame.channel, frame.kind, frame.payload);
+                ch.outgoing_seen(frame.kind, frame.payload);
                 ClientFrame::Forward
             }
             _ => ClientFrame::Stop,
@@ -213,7 +213,7 @@ impl ClientSession {
     /// The bookkeeping of one upstream frame in a run; `false` (with nothing changed) when it
     /// is not one the fast path handles.
     fn upstream_frame_in_run(&mut self, frame: &RunFrame<'_>) -> bool {
-        let Some(ch) = self.channels.get(&frame.channel) else {
+        let Some(ch) = self.channels.get_mut(&frame.channel) else {
             return false;
         };
         if ch.closed_for_client.is_some() {
@@ -233,18 +233,15 @@ impl ClientSession {
                 _ => false,
             },
             FRAME_HEADER | FRAME_BODY => {
-                if ch.incoming.is_none() || !ch.deferred_client.is_empty() {
-                    return false;
-                }
-                if self
-                    .delivered_header_rewrite(frame.channel, frame.kind, frame.payload)
-                    .is_some()
+                if ch.incoming.is_none()
+                    || !ch.deferred_client.is_empty()
+                    || ch
+                        .delivered_header_rewrite(frame.kind, frame.payload)
+                        .is_some()
                 {
                     return false;
                 }
-                if let Some(completed) =
-                    self.upstream_content_seen(frame.channel, frame.kind, frame.payload)
-                {
+                if let Some(completed) = ch.incoming_seen(frame.kind, frame.payload) {
                     // Nothing was deferred: this only keeps the delivery.
                     self.incoming_finished(frame.channel, completed);
                 }
