@@ -1,7 +1,7 @@
 //! Unit tests of [`crate::proxy::passthrough`]: the same traffic handed to two sessions, one
 //! frame at a time and in runs (as the connection task hands it), gives both peers the same
-//! bytes and leaves the same deliveries kept; a run stops where a frame needs more than
-//! forwarding and at the outbox and inflight bounds.
+//! bytes and leaves the same deliveries kept (also random traffic in reads of random sizes);
+//! a run stops where a frame needs more than forwarding and at the outbox and inflight bounds.
 
 use amq_protocol::protocol::{AMQPClass, BasicProperties, basic};
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable};
@@ -20,18 +20,23 @@ const FRAME_MAX: usize = 131_072;
 /// Hands `bytes` from one side to the session as the connection task does: a run, then one
 /// frame on its own, and again. Returns the bytes the runs took.
 fn in_runs(h: &mut Harness, bytes: &[u8], from_client: bool) -> usize {
-    let mut buf = BytesMut::from(bytes);
+    drain(h, &mut BytesMut::from(bytes), from_client)
+}
+
+/// Handles the complete frames in `buf` as [`in_runs`] does, leaving an incomplete one there
+/// for the next read. Returns the bytes the runs took.
+fn drain(h: &mut Harness, buf: &mut BytesMut, from_client: bool) -> usize {
     let mut codec = WireCodec::new(FRAME_MAX as u32);
     let mut by_runs = 0;
     loop {
         let taken = if from_client {
-            h.session.client_run(&buf, FRAME_MAX, 256)
+            h.session.client_run(buf, FRAME_MAX, 256)
         } else {
-            h.session.upstream_run(&buf, FRAME_MAX, 256)
+            h.session.upstream_run(buf, FRAME_MAX, 256)
         };
         buf.advance(taken);
         by_runs += taken;
-        let frame = match codec.decode(&mut buf) {
+        let frame = match codec.decode(buf) {
             Ok(Some(frame)) => Ok(frame),
             Ok(None) => break,
             Err(err) => Err(err),
@@ -47,6 +52,25 @@ fn in_runs(h: &mut Harness, bytes: &[u8], from_client: bool) -> usize {
         }
     }
     by_runs
+}
+
+/// Asserts that two sessions queued the same frames: byte for byte, but for the content
+/// headers of the proxy's own dead letters on `publisher`, whose x-death carries the time
+/// of death in seconds (the same length; the clock may tick between the two sessions).
+fn assert_same(one: &Bytes, other: &Bytes, publisher: u16, context: &str) {
+    let (one, other) = (frames(one), frames(other));
+    assert_eq!(one.len(), other.len(), "{context}");
+    for (a, b) in one.iter().zip(&other) {
+        if a.channel == publisher && a.kind == crate::amqp::codec::FRAME_HEADER {
+            assert_eq!(
+                (a.channel, a.raw.len()),
+                (b.channel, b.raw.len()),
+                "{context}"
+            );
+        } else {
+            assert_eq!(a, b, "{context}");
+        }
+    }
 }
 
 /// What the session queued for the client and for the upstream since the last call.
@@ -114,11 +138,17 @@ fn joined(parts: &[Bytes]) -> Bytes {
 /// Two sessions consuming from "q" (with these arguments) that got delivery 7, their output
 /// so far taken.
 async fn twins(arguments: &[(&str, AMQPValue)]) -> (Harness, Harness) {
-    let (mut one, _) = consuming(arguments).await;
+    let (one, other, _) = twins_publishing(arguments).await;
+    (one, other)
+}
+
+/// [`twins`], and the proxy's publisher channel (the same in both).
+async fn twins_publishing(arguments: &[(&str, AMQPValue)]) -> (Harness, Harness, u16) {
+    let (mut one, publisher) = consuming(arguments).await;
     let (mut other, _) = consuming(arguments).await;
     queued(&mut one);
     queued(&mut other);
-    (one, other)
+    (one, other, publisher)
 }
 
 #[tokio::test]
@@ -187,7 +217,7 @@ async fn a_reject_the_proxy_takes_over_ends_the_run_and_acks_around_it_stay_in_o
         "x-dead-letter-exchange",
         AMQPValue::LongString("dlx".into()),
     )];
-    let (mut by_frame, mut by_run) = twins(&dlx).await;
+    let (mut by_frame, mut by_run, publisher) = twins_publishing(&dlx).await;
     let deliveries = joined(&(8..12).map(|tag| delivery(1, tag, "q")).collect::<Vec<_>>());
     by_frame.upstream_sends(deliveries.clone());
     in_runs(&mut by_run, &deliveries, false);
@@ -206,7 +236,9 @@ async fn a_reject_the_proxy_takes_over_ends_the_run_and_acks_around_it_stay_in_o
     let taken = in_runs(&mut by_run, &traffic, true);
     assert!(taken > 0 && taken < traffic.len(), "{taken}");
     let (to_client, to_upstream) = queued(&mut by_run);
-    assert_eq!((to_client, to_upstream.clone()), queued(&mut by_frame));
+    let (frame_client, frame_upstream) = queued(&mut by_frame);
+    assert_eq!(to_client, frame_client);
+    assert_same(&to_upstream, &frame_upstream, publisher, "upstream");
     let sent: Vec<_> = methods(&to_upstream)
         .into_iter()
         .map(|(channel, method)| match method {
@@ -353,4 +385,81 @@ async fn runs_stop_at_a_full_outbox_and_at_the_inflight_bound() {
         h.session.upstream_run(&two, FRAME_MAX, 3),
         delivery(1, 9, "q").len()
     );
+}
+
+/// A deterministic stream of numbers for the traffic below (xorshift64*).
+struct Dice(u64);
+
+impl Dice {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) % n.max(1)
+    }
+}
+
+/// Feeds `bytes` to the session in reads of random sizes (frames cut anywhere). Returns the
+/// bytes the runs took.
+fn in_random_reads(h: &mut Harness, bytes: &[u8], from_client: bool, dice: &mut Dice) -> usize {
+    let mut buf = BytesMut::new();
+    let mut rest = bytes;
+    let mut by_runs = 0;
+    while !rest.is_empty() {
+        let n = (1 + dice.below(300) as usize).min(rest.len());
+        buf.extend_from_slice(&rest[..n]);
+        rest = &rest[n..];
+        by_runs += drain(h, &mut buf, from_client);
+    }
+    assert!(buf.is_empty(), "every frame was complete in the end");
+    by_runs
+}
+
+#[tokio::test]
+async fn random_traffic_in_random_reads_gives_the_same_bytes_as_frame_by_frame() {
+    let dlx = [(
+        "x-dead-letter-exchange",
+        AMQPValue::LongString("dlx".into()),
+    )];
+    let (mut total, mut by_runs) = (0, 0);
+    for seed in 1..=24u64 {
+        let arguments: &[(&str, AMQPValue)] = if seed % 2 == 0 { &dlx } else { &[] };
+        let (mut by_frame, mut by_run, publisher) = twins_publishing(arguments).await;
+        let mut dice = Dice(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut next_tag = 8;
+        for step in 0..40 {
+            let mut from_upstream = Vec::new();
+            for _ in 0..dice.below(4) {
+                from_upstream.push(delivery(1, next_tag, "q"));
+                next_tag += 1;
+            }
+            let mut from_client = Vec::new();
+            for _ in 0..dice.below(6) {
+                let tag = 7 + dice.below(next_tag - 7);
+                match dice.below(6) {
+                    0 | 1 => {
+                        let size = dice.below(200) as usize;
+                        from_client.push(publish(&vec![b'p'; size], &BasicProperties::default()));
+                    }
+                    2 | 3 => from_client.push(ack(tag, false)),
+                    4 => from_client.push(ack(tag, true)),
+                    _ => from_client.push(reject(tag)),
+                }
+            }
+            let (from_upstream, from_client) = (joined(&from_upstream), joined(&from_client));
+            by_frame.upstream_sends(from_upstream.clone());
+            by_frame.client_sends(from_client.clone());
+            by_runs += in_random_reads(&mut by_run, &from_upstream, false, &mut dice);
+            by_runs += in_random_reads(&mut by_run, &from_client, true, &mut dice);
+            total += from_upstream.len() + from_client.len();
+            let context = format!("seed {seed}, step {step}");
+            let (run_client, run_upstream) = queued(&mut by_run);
+            let (frame_client, frame_upstream) = queued(&mut by_frame);
+            assert_same(&run_client, &frame_client, publisher, &context);
+            assert_same(&run_upstream, &frame_upstream, publisher, &context);
+            assert_eq!(kept(&by_frame), kept(&by_run), "{context}");
+        }
+    }
+    // Most of it went in runs, the rest on its own (rejects, frames cut by a read).
+    assert!(by_runs * 2 > total, "{by_runs} of {total} bytes in runs");
 }
