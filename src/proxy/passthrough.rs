@@ -135,7 +135,9 @@ impl ClientSession {
                 }
                 match method_ids(frame.payload) {
                     BASIC_PUBLISH => {
-                        self.publish_started(frame.channel);
+                        // The channel is at hand: no second lookup (see `publish_started`).
+                        ch.publish_started();
+                        self.shared.metrics.published(1);
                         ClientFrame::Forward
                     }
                     BASIC_ACK => match peek::settle(frame.payload) {
