@@ -249,7 +249,7 @@ impl ClientSession {
 
     /// Queues a run of frames read from the client for the upstream, as they are
     /// ([`super::passthrough`]).
-    pub(super) fn send_upstream_run(&mut self, bytes: &[u8], frames: u64) {
+    pub(super) fn send_upstream_run(&mut self, bytes: Bytes, frames: u64) {
         if self.upstream_side != Side::Closed {
             self.last_upstream_tx = self.now;
             self.upstream_out.send_run(bytes, frames);
@@ -257,7 +257,7 @@ impl ClientSession {
     }
 
     /// Queues a run of frames read from the upstream for the client, as they are.
-    pub(super) fn send_client_run(&mut self, bytes: &[u8], frames: u64) {
+    pub(super) fn send_client_run(&mut self, bytes: Bytes, frames: u64) {
         if self.client_side != Side::Closed {
             self.client_out.send_run(bytes, frames);
         }

@@ -15,8 +15,9 @@
 //!
 //! Writing from the connection task, instead of handing frames to a writer task, keeps a
 //! forwarded frame on one thread: no channel, no cross-thread wake-up per burst. Small frames
-//! are gathered into one buffer (fewer, larger writes); large ones are queued as they are (no
-//! copy).
+//! and short runs are gathered into one buffer (fewer, larger writes); large frames and long
+//! pass-through runs are queued as they are, sharing the read buffer they were cut from (no
+//! copy, and a bounded number of read buffers kept alive, `SHARED_BUFFERS_MAX`).
 
 use std::collections::VecDeque;
 use std::future::poll_fn;
@@ -46,6 +47,16 @@ const GATHER_KEEP_REST: usize = 4 * 1024;
 /// A gathering buffer is queued once it holds this much.
 const GATHER_MAX: usize = 64 * 1024;
 
+/// A pass-through run this long or longer is queued without a copy ([`Outbox::send_run`]).
+pub(super) const RUN_SHARE_MIN: usize = 2 * 1024;
+
+/// Most read buffers that the runs queued in one outbox without a copy keep alive. A shared
+/// run keeps its read buffer's allocation (at most [`super::wire::READ_CHUNK_MAX`], or one
+/// frame and a read) until it is written, whatever else of that buffer was consumed; past
+/// this many buffers a run is copied. So an outbox holds at most its byte limit plus this
+/// many read buffers.
+pub(super) const SHARED_BUFFERS_MAX: usize = 64;
+
 /// Most pieces handed to one vectored write.
 const WRITE_SLICES: usize = 64;
 
@@ -58,6 +69,15 @@ pub struct Outbox {
     pieces: VecDeque<Bytes>,
     /// Small frames queued after the last piece, not yet a piece of their own.
     gathered: BytesMut,
+    /// Pieces popped so far: `pieces[i]` is piece number `popped + i`.
+    popped: u64,
+    /// The numbers of the queued pieces that are shared runs starting on a read buffer the
+    /// pieces before them do not hold (ascending): one per read buffer kept alive, but for
+    /// the front piece's.
+    buffer_starts: VecDeque<u64>,
+    /// Where the last shared run ends (its address): a run that starts there was cut from
+    /// the same read buffer.
+    shared_end: usize,
     /// Bytes in `pieces` and `gathered`.
     queued: usize,
     limit: usize,
@@ -88,6 +108,9 @@ impl Outbox {
         Outbox {
             pieces: VecDeque::new(),
             gathered: BytesMut::new(),
+            popped: 0,
+            buffer_starts: VecDeque::new(),
+            shared_end: 0,
             queued: 0,
             limit: limit.max(1),
             unflushed: false,
@@ -118,9 +141,13 @@ impl Outbox {
         true
     }
 
-    /// Queues `frames` complete frames that are still in a read buffer, copied in one go
-    /// (the pass-through runs of the proxy's `passthrough`); `false` once the socket failed.
-    pub fn send_run(&mut self, bytes: &[u8], frames: u64) -> bool {
+    /// Queues a run of `frames` complete frames cut from a read buffer (the pass-through
+    /// runs of the proxy's `passthrough`); `false` once the socket failed. A run of at least
+    /// `RUN_SHARE_MIN` bytes is queued as it is, sharing the read buffer's allocation (no
+    /// copy), while the shared runs waiting keep fewer than `SHARED_BUFFERS_MAX` read
+    /// buffers alive; a shorter run, or one past that bound, is copied into the gathering
+    /// buffer.
+    pub fn send_run(&mut self, bytes: Bytes, frames: u64) -> bool {
         if self.failed {
             return false;
         }
@@ -128,8 +155,32 @@ impl Outbox {
             return true;
         }
         self.count(bytes.len(), frames);
-        self.gather(bytes);
+        if bytes.len() < RUN_SHARE_MIN {
+            self.gather(&bytes);
+            return true;
+        }
+        // A run that starts where the last shared one ended was cut from the same buffer
+        // (the reader moves forward through a buffer and never returns to an old one).
+        let start = bytes.as_ptr() as usize;
+        let new_buffer = start != self.shared_end;
+        if new_buffer && self.buffer_starts.len() >= SHARED_BUFFERS_MAX {
+            self.gather(&bytes);
+            return true;
+        }
+        self.seal_gathered();
+        if new_buffer {
+            self.buffer_starts
+                .push_back(self.popped + self.pieces.len() as u64);
+        }
+        self.shared_end = start + bytes.len();
+        self.pieces.push_back(bytes);
         true
+    }
+
+    /// Read buffers that shared runs waiting in this outbox keep alive, at most (for tests).
+    #[cfg(test)]
+    fn shared_buffers(&self) -> usize {
+        self.buffer_starts.len() + 1
     }
 
     fn count(&mut self, len: usize, frames: u64) {
@@ -301,7 +352,7 @@ impl Outbox {
             };
             if front.len() <= n {
                 n -= front.len();
-                self.pieces.pop_front();
+                self.pop_piece();
             } else {
                 front.advance(n);
                 n = 0;
@@ -313,6 +364,30 @@ impl Outbox {
             // Frames are counted when queued; bytes as they are written.
             self.report_traffic();
         }
+    }
+
+    /// Drops the front piece (written).
+    fn pop_piece(&mut self) {
+        if let Some(front) = self.pieces.pop_front()
+            && front.as_ptr() as usize + front.len() == self.shared_end
+        {
+            // The last shared run is written: its buffer may be freed, and a new one could
+            // start at the same address.
+            self.shared_end = 0;
+        }
+        if self.buffer_starts.front() == Some(&self.popped) {
+            self.buffer_starts.pop_front();
+        }
+        self.popped += 1;
+    }
+
+    /// Drops every piece (the socket is gone).
+    fn clear_pieces(&mut self) {
+        self.popped += self.pieces.len() as u64;
+        self.pieces.clear();
+        self.buffer_starts.clear();
+        self.shared_end = 0;
+        self.gathered.clear();
     }
 
     fn report_traffic(&mut self) {
@@ -328,8 +403,7 @@ impl Outbox {
             self.metrics.add_outbox_bytes(-(self.queued as i64));
         }
         self.queued = 0;
-        self.pieces.clear();
-        self.gathered.clear();
+        self.clear_pieces();
         self.unflushed = false;
         self.report_traffic();
     }
@@ -349,8 +423,7 @@ impl Outbox {
             self.metrics.add_outbox_bytes(-(self.queued as i64));
         }
         self.queued = 0;
-        self.pieces.clear();
-        self.gathered.clear();
+        self.clear_pieces();
         self.report_traffic();
     }
 }
@@ -522,18 +595,28 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn runs_copied_from_a_read_buffer_go_in_order_between_frames() {
-        // A slow reader: the gathering buffer is written from partly, then added to.
+    async fn runs_cut_from_a_read_buffer_go_in_order_between_frames() {
+        // A slow reader: the gathering buffer is written from partly, then added to; long
+        // runs are queued as they are, short ones copied.
         let (a, b) = tokio::io::duplex(100);
         let metrics = Metrics::new(10);
         let mut w = writer(a);
-        let mut outbox = Outbox::new(1 << 20, Direction::UpstreamOut, metrics.clone());
+        let mut outbox = Outbox::new(1 << 22, Direction::UpstreamOut, metrics.clone());
         let reader = read_all(b);
         let mut expected = Vec::new();
+        let mut read_buffer = BytesMut::new();
         for i in 0..300u32 {
-            let run = vec![(i % 251) as u8; 40 + (i as usize * 13) % 200];
-            assert!(outbox.send_run(&run, 3));
+            let len = if i % 5 == 0 {
+                RUN_SHARE_MIN + i as usize
+            } else {
+                40 + (i as usize * 13) % 200
+            };
+            if read_buffer.len() < len {
+                read_buffer = BytesMut::from(&vec![(i % 251) as u8; 64 * 1024][..]);
+            }
+            let run = read_buffer.split_to(len).freeze();
             expected.extend_from_slice(&run);
+            assert!(outbox.send_run(run, 3));
             let frame = i.to_be_bytes().to_vec();
             assert!(outbox.send(Bytes::from(frame.clone())));
             expected.extend_from_slice(&frame);
@@ -541,7 +624,10 @@ mod tests {
                 outbox.write_some(&mut w).await;
             }
         }
-        assert!(outbox.send_run(&[], 0), "an empty run queues nothing");
+        assert!(
+            outbox.send_run(Bytes::new(), 0),
+            "an empty run queues nothing"
+        );
         assert_eq!(close_and_read(outbox, w, reader).await, expected);
         let text = metrics.encode();
         assert!(
@@ -550,16 +636,91 @@ mod tests {
         );
     }
 
+    /// Whether the last piece queued is `run` itself (not a copy).
+    fn queued_as_is(outbox: &Outbox, run: &Bytes) -> bool {
+        outbox
+            .pieces
+            .back()
+            .is_some_and(|piece| piece.as_ptr() == run.as_ptr() && piece.len() == run.len())
+    }
+
     #[test]
-    fn a_long_run_is_copied_into_buffers_of_bounded_size() {
+    fn long_runs_share_their_read_buffer_and_short_ones_are_copied() {
         let metrics = Metrics::new(10);
         let mut outbox = Outbox::new(1 << 22, Direction::ClientOut, metrics);
-        let run: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
-        assert!(outbox.send_run(&run, 40));
-        assert_eq!(outbox.queued(), run.len());
-        assert!(outbox.pieces.iter().all(|piece| piece.len() <= GATHER_MAX));
+        let mut read_buffer = BytesMut::from(&[7u8; 16 * 1024][..]);
+        let long = read_buffer.split_to(RUN_SHARE_MIN).freeze();
+        assert!(outbox.send_run(long.clone(), 2));
+        assert!(queued_as_is(&outbox, &long), "a long run is not copied");
+        // The next run of the same buffer keeps no other buffer alive.
+        let next = read_buffer.split_to(RUN_SHARE_MIN * 2).freeze();
+        assert!(outbox.send_run(next.clone(), 2));
+        assert!(queued_as_is(&outbox, &next));
+        assert_eq!(
+            outbox.shared_buffers(),
+            2,
+            "one start, and the front's buffer"
+        );
+        let short = read_buffer.split_to(RUN_SHARE_MIN - 1).freeze();
+        assert!(outbox.send_run(short.clone(), 1));
+        assert!(!queued_as_is(&outbox, &short), "a short run is copied");
+        assert_eq!(outbox.gathered.len(), short.len());
+        let mut expected = [&long[..], &next[..], &short[..]].concat();
+        assert_eq!(outbox.queued(), expected.len());
+        let rest = read_buffer.split().freeze();
+        assert!(outbox.send_run(rest.clone(), 1));
+        expected.extend_from_slice(&rest);
+        assert_eq!(&outbox.take_queued()[..], &expected[..]);
+    }
+
+    #[test]
+    fn runs_are_copied_while_the_shared_ones_keep_the_most_read_buffers_alive() {
+        let metrics = Metrics::new(10);
+        let mut outbox = Outbox::new(1 << 24, Direction::ClientOut, metrics);
+        let mut expected = Vec::new();
+        let mut buffers = Vec::new();
+        for i in 0..SHARED_BUFFERS_MAX {
+            let mut read_buffer = BytesMut::from(&vec![i as u8; 8 * 1024][..]);
+            let run = read_buffer.split_to(RUN_SHARE_MIN).freeze();
+            assert!(outbox.send_run(run.clone(), 1));
+            assert!(
+                queued_as_is(&outbox, &run),
+                "buffer {i} is within the bound"
+            );
+            expected.extend_from_slice(&run);
+            buffers.push(read_buffer);
+        }
+        // The last buffer goes on being shared; another one is copied.
+        let last = buffers
+            .last_mut()
+            .map(|b| b.split_to(RUN_SHARE_MIN).freeze());
+        let last = last.unwrap_or_default();
+        assert!(outbox.send_run(last.clone(), 1));
+        assert!(queued_as_is(&outbox, &last));
+        expected.extend_from_slice(&last);
+        let other: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        let other = Bytes::from(other);
+        assert!(outbox.send_run(other.clone(), 40));
+        assert!(
+            outbox
+                .pieces
+                .iter()
+                .all(|piece| piece.as_ptr() != other.as_ptr()),
+            "past the bound, a run is copied"
+        );
+        // Copied into buffers of bounded size.
         assert!(outbox.gathered.capacity() <= GATHER_MAX);
-        assert_eq!(&outbox.take_queued()[..], &run[..]);
+        let copies = outbox.pieces.iter().skip(SHARED_BUFFERS_MAX + 1);
+        assert!(copies.clone().all(|piece| piece.len() <= GATHER_MAX));
+        assert!(copies.count() >= 4);
+        expected.extend_from_slice(&other);
+        assert_eq!(outbox.queued(), expected.len());
+        assert_eq!(&outbox.take_queued()[..], &expected[..]);
+        // Written, the buffers are let go: runs are shared again.
+        let run = buffers[0].split_to(RUN_SHARE_MIN).freeze();
+        assert!(outbox.send_run(run.clone(), 1));
+        assert!(queued_as_is(&outbox, &run));
+        assert_eq!(outbox.shared_buffers(), 2);
     }
 
     #[test]

@@ -2,9 +2,11 @@
 //! their content from the client, deliveries and their content from the upstream, the
 //! client's acks and the upstream's confirms) are handled where they lie in the read buffer.
 //! Each gets the bookkeeping [`super::forward`] gives it (the content in progress, the kept
-//! deliveries, the metrics), and a whole run of them is copied into the opposite outbox in
-//! one go, instead of each frame being cut out of the read buffer as a reference-counted
-//! slice and queued on its own.
+//! deliveries, the metrics), and a whole run of them is cut from the read buffer in one go
+//! and queued for the opposite side: as it is, sharing the read buffer's allocation, when it
+//! is long, copied into the outbox's gathering buffer when it is short
+//! ([`super::outbox::Outbox::send_run`]), instead of each frame being cut out and queued on
+//! its own.
 //!
 //! The first frame that needs anything else ends the run: the connection task
 //! ([`super::session_task`]) hands it to [`ClientSession::client_read`] or
@@ -13,6 +15,8 @@
 //! frame too large to copy (the outbox queues it as it is), and where the opposite outbox or
 //! the kept deliveries reach their bounds (the checks made before any frame is read). Whether a frame is handled here or one by one, the peer gets the same
 //! bytes and the session ends in the same state; the tests below compare the two.
+
+use bytes::{Buf, BytesMut};
 
 use super::client_session::{ClientSession, Side};
 use super::forward::{BASIC_ACK, BASIC_DELIVER, BASIC_NACK, BASIC_PUBLISH};
@@ -58,9 +62,16 @@ fn next_frame(unread: &[u8], max_frame: usize) -> Option<RunFrame<'_>> {
 
 impl ClientSession {
     /// Handles the run of pass-through frames at the start of `unread` (bytes read from the
-    /// client; frames up to `max_frame` bytes), at most `max_frames` of them. Returns how many
-    /// bytes it took; the caller drops them from its read buffer.
-    pub(super) fn client_run(&mut self, unread: &[u8], max_frame: usize, max_frames: u64) -> usize {
+    /// client; frames up to `max_frame` bytes), at most `max_frames` of them. The run is cut
+    /// from the front of `unread` and queued for the upstream as it is (a long run shares the
+    /// read buffer's allocation, [`super::outbox::Outbox::send_run`]). Returns how many bytes
+    /// it took.
+    pub(super) fn client_run(
+        &mut self,
+        unread: &mut BytesMut,
+        max_frame: usize,
+        max_frames: u64,
+    ) -> usize {
         let running = self.running
             && self.client_side == Side::Open
             && self.upstream_side == Side::Open
@@ -71,22 +82,23 @@ impl ClientSession {
         if !running {
             return 0;
         }
-        // Bytes taken, and where the run not yet queued starts.
+        // Bytes taken in all, and the bytes at the front of `unread` in the run not yet queued.
         let mut taken = 0;
-        let mut queued_to = 0;
+        let mut pending = 0;
         let mut frames = 0;
         let mut run_frames = 0;
-        while frames < max_frames && !self.upstream_out.is_full_with(taken - queued_to) {
-            let Some(frame) = next_frame(&unread[taken..], max_frame) else {
+        while frames < max_frames && !self.upstream_out.is_full_with(pending) {
+            let Some(frame) = next_frame(&unread[pending..], max_frame) else {
                 break;
             };
             if frame.channel == 0 || frame.channel > channel_max {
                 break;
             }
+            let (channel, len) = (frame.channel, frame.len);
             match self.client_frame_in_run(&frame) {
                 ClientFrame::Stop => break,
                 ClientFrame::Forward => {
-                    taken += frame.len;
+                    pending += len;
                     frames += 1;
                     run_frames += 1;
                 }
@@ -94,24 +106,31 @@ impl ClientSession {
                     let forward = settlement.plan.forward_original;
                     let only_forwards = settlement.only_forwards();
                     if forward {
-                        taken += frame.len;
+                        pending += len;
                         run_frames += 1;
                     }
                     if !only_forwards {
                         // What the plan sends goes after the run so far (and the ack).
-                        self.send_upstream_run(&unread[queued_to..taken], run_frames);
+                        taken += pending;
+                        let run = unread.split_to(pending).freeze();
+                        self.send_upstream_run(run, run_frames);
+                        pending = 0;
                         run_frames = 0;
                         if !forward {
-                            taken += frame.len;
+                            unread.advance(len);
+                            taken += len;
                         }
-                        queued_to = taken;
-                        self.finish_client_settlement(frame.channel, settlement);
+                        self.finish_client_settlement(channel, settlement);
                     }
                     frames += 1;
                 }
             }
         }
-        self.send_upstream_run(&unread[queued_to..taken], run_frames);
+        if pending > 0 {
+            taken += pending;
+            let run = unread.split_to(pending).freeze();
+            self.send_upstream_run(run, run_frames);
+        }
         if frames > 0 {
             self.client_frames_read(frames, taken);
         }
@@ -178,7 +197,7 @@ impl ClientSession {
     /// upstream), as [`Self::client_run`] does for the client's.
     pub(super) fn upstream_run(
         &mut self,
-        unread: &[u8],
+        unread: &mut BytesMut,
         max_frame: usize,
         max_frames: u64,
     ) -> usize {
@@ -206,7 +225,8 @@ impl ClientSession {
             frames += 1;
         }
         if frames > 0 {
-            self.send_client_run(&unread[..taken], frames);
+            let run = unread.split_to(taken).freeze();
+            self.send_client_run(run, frames);
             self.upstream_frames_read(frames, taken);
         }
         taken

@@ -304,9 +304,8 @@ fn handle_buffered<C, U>(
         }
         let mut handled = false;
         if session.wants_client_frames() {
-            let taken = session.client_run(client.unread(), client.max_frame(), RUN_FRAMES);
-            if taken > 0 {
-                client.consume(taken);
+            let max_frame = client.max_frame();
+            if session.client_run(client.unread_mut(), max_frame, RUN_FRAMES) > 0 {
                 handled = true;
             }
             if session.wants_client_frames()
@@ -317,9 +316,8 @@ fn handle_buffered<C, U>(
             }
         }
         if session.wants_upstream_frames() {
-            let taken = session.upstream_run(upstream.unread(), upstream.max_frame(), RUN_FRAMES);
-            if taken > 0 {
-                upstream.consume(taken);
+            let max_frame = upstream.max_frame();
+            if session.upstream_run(upstream.unread_mut(), max_frame, RUN_FRAMES) > 0 {
                 handled = true;
             }
             if session.wants_upstream_frames()

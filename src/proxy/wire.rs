@@ -7,7 +7,7 @@
 //! proxy writes itself.
 
 use amq_protocol::protocol::AMQPClass;
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio_util::codec::Decoder;
 
@@ -151,15 +151,10 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         self.codec.decode(&mut self.buffer).transpose()
     }
 
-    /// The bytes read and not yet handed out, for a caller that handles frames in place
-    /// (the proxy's `passthrough`) and then [`FrameReader::consume`]s them.
-    pub fn unread(&self) -> &[u8] {
-        &self.buffer
-    }
-
-    /// Drops the first `n` unread bytes (frames handled in place).
-    pub fn consume(&mut self, n: usize) {
-        self.buffer.advance(n.min(self.buffer.len()));
+    /// The bytes read and not yet handed out, for a caller that handles frames in place (the
+    /// proxy's `passthrough`) and cuts what it handled from their front.
+    pub fn unread_mut(&mut self) -> &mut BytesMut {
+        &mut self.buffer
     }
 
     /// The frame size limit in force, overhead included.
@@ -181,6 +176,19 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         }
     }
 
+    /// Makes room for `more` bytes after the unread ones: in the buffer's own allocation when
+    /// its front was consumed and nothing else holds it, else in a new one that gets only
+    /// the unread bytes. (`BytesMut::reserve` would grow the old allocation instead, copying
+    /// what was consumed too, and keep doubling it.)
+    fn make_room(&mut self, more: usize) {
+        if self.buffer.capacity() - self.buffer.len() >= more || self.buffer.try_reclaim(more) {
+            return;
+        }
+        let mut fresh = BytesMut::with_capacity((self.buffer.len() + more).max(self.chunk));
+        fresh.extend_from_slice(&self.buffer);
+        self.buffer = fresh;
+    }
+
     /// The next frame; `None` at a clean end of stream (no partial frame buffered).
     pub async fn next(&mut self) -> Option<Result<WireFrame, FrameError>> {
         loop {
@@ -194,7 +202,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 
     /// Reads from the socket until a complete frame (or bytes that are not one) is buffered,
-    /// without taking it: for a caller that handles frames in place ([`Self::unread`]) and
+    /// without taking it: for a caller that handles frames in place ([`Self::unread_mut`]) and
     /// takes the rest with [`Self::buffered`], which reports what is not a frame. `None` at
     /// a clean end of stream; an error when the stream ends inside a frame or a read fails.
     /// Cancel-safe.
@@ -221,13 +229,13 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 self.buffer = BytesMut::with_capacity(READ_CHUNK_MIN);
             }
             if self.buffer.capacity() - self.buffer.len() < self.chunk / 4 {
-                self.buffer.reserve(self.chunk);
+                self.make_room(self.chunk);
             }
             // Room for the rest of a frame that is larger than the read size.
             if let Some(size) = self.buffer.get(3..7) {
                 let size = u32::from_be_bytes([size[0], size[1], size[2], size[3]]) as usize;
                 let total = size.saturating_add(FRAME_OVERHEAD);
-                self.buffer.reserve(total.saturating_sub(self.buffer.len()));
+                self.make_room(total.saturating_sub(self.buffer.len()));
             }
             let room = self.buffer.capacity() - self.buffer.len();
             match self.reader.read_buf(&mut self.buffer).await {
@@ -316,6 +324,45 @@ mod tests {
         assert!(reader.next().await.is_none());
     }
 
+    /// The address range of the allocation a buffer's unread bytes and spare room are in.
+    fn span(buffer: &BytesMut) -> std::ops::Range<usize> {
+        let start = buffer.as_ptr() as usize;
+        start..start + buffer.capacity()
+    }
+
+    #[test]
+    fn room_is_made_in_the_same_allocation_or_a_new_one_with_only_the_unread_bytes() {
+        let mut reader = FrameReader::new(&b""[..], 4096);
+        reader.buffer = BytesMut::with_capacity(READ_CHUNK_MIN);
+        reader.buffer.extend_from_slice(&[1u8; READ_CHUNK_MIN]);
+        let first = reader.buffer.as_ptr() as usize;
+        // Most of it was handled and written (nothing else holds it): the rest moves to the
+        // front of the same allocation.
+        drop(reader.buffer.split_to(READ_CHUNK_MIN - 10).freeze());
+        reader.make_room(READ_CHUNK_MIN / 2);
+        assert_eq!(
+            reader.buffer.as_ptr() as usize,
+            first,
+            "the allocation is kept"
+        );
+        assert_eq!(&reader.buffer[..], &[1u8; 10]);
+        assert!(reader.buffer.capacity() >= READ_CHUNK_MIN / 2 + 10);
+        // A run still queued holds the front: the unread bytes go to a new allocation, and
+        // the run keeps its bytes.
+        reader.buffer.resize(READ_CHUNK_MIN, 2);
+        let queued = reader.buffer.split_to(READ_CHUNK_MIN - 10).freeze();
+        let old = span(&reader.buffer);
+        reader.make_room(READ_CHUNK_MIN);
+        assert!(!old.contains(&(reader.buffer.as_ptr() as usize)));
+        assert_eq!(&reader.buffer[..], &[2u8; 10]);
+        assert!(reader.buffer.capacity() >= READ_CHUNK_MIN + 10);
+        assert!(queued[..10].iter().all(|b| *b == 1) && queued[10..].iter().all(|b| *b == 2));
+        // Enough room already: nothing moves.
+        let at = reader.buffer.as_ptr();
+        reader.make_room(16);
+        assert_eq!(reader.buffer.as_ptr(), at);
+    }
+
     #[tokio::test]
     async fn fill_reads_until_a_frame_is_complete_and_leaves_it_unread() {
         use tokio::io::AsyncWriteExt;
@@ -329,11 +376,12 @@ mod tests {
         assert!(early.await.is_err(), "half a frame does not end the wait");
         tx.write_all(&frame[50..]).await.unwrap();
         assert!(matches!(reader.fill().await, Some(Ok(()))));
-        assert_eq!(reader.unread(), &frame[..]);
-        // A frame already buffered answers at once; consumed, it is gone.
+        assert_eq!(&reader.unread_mut()[..], &frame[..]);
+        // A frame already buffered answers at once; cut from the front, it is gone.
         assert!(matches!(reader.fill().await, Some(Ok(()))));
-        reader.consume(frame.len());
-        assert!(reader.unread().is_empty());
+        let taken = reader.unread_mut().split_to(frame.len());
+        assert_eq!(taken, frame);
+        assert!(reader.unread_mut().is_empty());
         // Bytes that are not a frame are ready too: `buffered` reports them.
         tx.write_all(&[9u8, 0, 0, 0, 0, 0, 0, 0xce]).await.unwrap();
         assert!(matches!(reader.fill().await, Some(Ok(()))));

@@ -5,7 +5,7 @@
 
 use amq_protocol::protocol::{AMQPClass, BasicProperties, basic};
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable};
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use tokio_util::codec::Decoder;
 
 use crate::amqp::codec::{FRAME_BODY, put_raw_frame};
@@ -29,13 +29,11 @@ fn drain(h: &mut Harness, buf: &mut BytesMut, from_client: bool) -> usize {
     let mut codec = WireCodec::new(FRAME_MAX as u32);
     let mut by_runs = 0;
     loop {
-        let taken = if from_client {
+        by_runs += if from_client {
             h.session.client_run(buf, FRAME_MAX, 256)
         } else {
             h.session.upstream_run(buf, FRAME_MAX, 256)
         };
-        buf.advance(taken);
-        by_runs += taken;
         let frame = match codec.decode(buf) {
             Ok(Some(frame)) => Ok(frame),
             Ok(None) => break,
@@ -366,23 +364,31 @@ async fn runs_stop_at_a_full_outbox_and_at_the_inflight_bound() {
     let limit = h.session.shared.outbox_bytes;
     h.session.upstream_out.send(Bytes::from(vec![0u8; limit]));
     let traffic = publish(b"held", &BasicProperties::default());
-    assert_eq!(h.session.client_run(&traffic, FRAME_MAX, 256), 0);
+    let mut unread = BytesMut::from(&traffic[..]);
+    assert_eq!(h.session.client_run(&mut unread, FRAME_MAX, 256), 0);
+    assert_eq!(unread, traffic, "a run that takes nothing leaves the bytes");
     queued(&mut h);
     assert_eq!(
-        h.session.client_run(&traffic, FRAME_MAX, 256),
+        h.session.client_run(&mut unread, FRAME_MAX, 256),
         traffic.len()
     );
+    assert!(unread.is_empty(), "the run is cut from the read buffer");
 
     let max = h.session.shared.max_inflight_bytes;
     h.session.inflight_bytes = max;
     let next = delivery(1, 8, "q");
-    assert_eq!(h.session.upstream_run(&next, FRAME_MAX, 256), 0);
+    let mut unread = BytesMut::from(&next[..]);
+    assert_eq!(h.session.upstream_run(&mut unread, FRAME_MAX, 256), 0);
     h.session.inflight_bytes = 0;
-    assert_eq!(h.session.upstream_run(&next, FRAME_MAX, 256), next.len());
+    assert_eq!(
+        h.session.upstream_run(&mut unread, FRAME_MAX, 256),
+        next.len()
+    );
     // The run takes no more frames than it is allowed.
     let two = joined(&[delivery(1, 9, "q"), delivery(1, 10, "q")]);
     assert_eq!(
-        h.session.upstream_run(&two, FRAME_MAX, 3),
+        h.session
+            .upstream_run(&mut BytesMut::from(&two[..]), FRAME_MAX, 3),
         delivery(1, 9, "q").len()
     );
 }
