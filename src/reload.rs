@@ -6,7 +6,8 @@
 //! re-reads the file through its symlinks and asks for a reload only if the content changed.
 //! Events about other files in the directory (a log file, an editor's swap file) therefore
 //! cause no reload, and in particular no reload loop when the service logs into that
-//! directory. SIGHUP reloads unconditionally. A subPath mount never sees updates at all
+//! directory; events that only say a file was opened or read (the re-read itself) are not
+//! waited on at all. SIGHUP reloads unconditionally. A subPath mount never sees updates at all
 //! (documented in docs/deploy.md).
 //!
 //! [`watch_files`] does the same for a set of files in one or more directories; TLS
@@ -14,8 +15,11 @@
 //! files, which usually live in a Secret mounted in a directory of its own.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use notify::event::{AccessKind, AccessMode, EventKind};
 use notify::{RecommendedWatcher, RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
@@ -47,6 +51,18 @@ impl ContentTracker {
     }
 }
 
+/// Whether an event in a watched directory can mean that a file's content changed. A file
+/// opened, read or closed unwritten cannot; the watcher's own re-read of the file is such an
+/// event, and counting it would re-read the file every [`DEBOUNCE`] for ever (an idle
+/// service re-reading its config five times a second). Closing a file that was written can.
+fn may_change_content(kind: &EventKind) -> bool {
+    match kind {
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+        EventKind::Access(_) => false,
+        _ => true,
+    }
+}
+
 fn watched_directory(path: &Path) -> PathBuf {
     path.parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -70,13 +86,22 @@ pub fn watch_files(
     paths: &[PathBuf],
     notify_tx: mpsc::Sender<()>,
 ) -> notify::Result<RecommendedWatcher> {
+    watch_counting(paths, notify_tx, None)
+}
+
+/// [`watch_files`], counting the passes that re-read the files in `rereads` (for tests).
+fn watch_counting(
+    paths: &[PathBuf],
+    notify_tx: mpsc::Sender<()>,
+    rereads: Option<Arc<AtomicU64>>,
+) -> notify::Result<RecommendedWatcher> {
     let mut files: Vec<(PathBuf, ContentTracker)> = paths
         .iter()
         .map(|path| (path.clone(), ContentTracker::new(std::fs::read(path).ok())))
         .collect();
     let (raw_tx, mut raw_rx) = mpsc::unbounded_channel::<()>();
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-        if res.is_ok() {
+        if res.is_ok_and(|event| may_change_content(&event.kind)) {
             let _ = raw_tx.send(());
         }
     })?;
@@ -92,6 +117,9 @@ pub fn watch_files(
             // its key produce bursts of events.
             tokio::time::sleep(DEBOUNCE).await;
             while raw_rx.try_recv().is_ok() {}
+            if let Some(rereads) = &rereads {
+                rereads.fetch_add(1, Ordering::Relaxed);
+            }
             let mut changed = false;
             for (path, tracker) in &mut files {
                 // Every tracker sees the new content, also after a first change was found.
@@ -167,6 +195,54 @@ mod tests {
         assert!(!notified(&mut rx, Duration::from_millis(800)).await);
         std::fs::write(&config, "a = 2\n").unwrap();
         assert!(notified(&mut rx, Duration::from_secs(5)).await);
+    }
+
+    #[test]
+    fn opening_reading_or_closing_unwritten_is_no_change() {
+        use notify::event::{CreateKind, ModifyKind, RemoveKind, RenameMode};
+        let quiet = [
+            EventKind::Access(AccessKind::Open(AccessMode::Any)),
+            EventKind::Access(AccessKind::Read),
+            EventKind::Access(AccessKind::Close(AccessMode::Read)),
+        ];
+        assert!(quiet.iter().all(|kind| !may_change_content(kind)));
+        let changes = [
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+            EventKind::Modify(ModifyKind::Any),
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+            EventKind::Create(CreateKind::File),
+            EventKind::Remove(RemoveKind::File),
+            EventKind::Any,
+        ];
+        assert!(changes.iter().all(may_change_content));
+    }
+
+    #[tokio::test]
+    async fn reading_the_file_does_not_make_the_watcher_read_it_again() {
+        let dir = temp_dir("reads");
+        let config = dir.0.join("config.toml");
+        std::fs::write(&config, "a = 1\n").unwrap();
+        let (tx, mut rx) = mpsc::channel(4);
+        let rereads = Arc::new(AtomicU64::new(0));
+        let _watcher =
+            watch_counting(std::slice::from_ref(&config), tx, Some(rereads.clone())).unwrap();
+        // Another reader of the file (a second instance started with the same file, a shell).
+        for _ in 0..5 {
+            assert_eq!(std::fs::read(&config).unwrap(), b"a = 1\n");
+        }
+        assert!(!notified(&mut rx, Duration::from_millis(800)).await);
+        assert_eq!(rereads.load(Ordering::Relaxed), 0, "no re-read for reads");
+        // A write is still seen, and the watcher's own re-read starts no further passes.
+        std::fs::write(&config, "a = 2\n").unwrap();
+        assert!(notified(&mut rx, Duration::from_secs(5)).await);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let after_write = rereads.load(Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert_eq!(
+            rereads.load(Ordering::Relaxed),
+            after_write,
+            "the re-read is quiet"
+        );
     }
 
     #[tokio::test]
