@@ -54,8 +54,9 @@ pub(super) const RUN_SHARE_MIN: usize = 2 * 1024;
 /// run keeps its read buffer's allocation (at most [`super::wire::READ_CHUNK_MAX`], or one
 /// frame and a read) until it is written, whatever else of that buffer was consumed; past
 /// this many buffers a run is copied. So an outbox holds at most its byte limit plus this
-/// many read buffers.
-pub(super) const SHARED_BUFFERS_MAX: usize = 64;
+/// many read buffers: 1 MiB with reads of the largest size, more only where a frame larger
+/// than a read had a buffer of its own.
+pub(super) const SHARED_BUFFERS_MAX: usize = 16;
 
 /// Most pieces handed to one vectored write.
 const WRITE_SLICES: usize = 64;
