@@ -102,10 +102,10 @@ pub struct FrameHeader {
     pub size: usize,
 }
 
-/// Checks the frame at the start of `src` (shared by [`FrameCodec`] and the proxy's forwarding
-/// codec): a known frame type, a size within `max_frame` (checked before anything is
-/// buffered), and the frame-end octet. `Ok(None)` while the frame is incomplete; room for the
-/// rest is reserved then.
+/// Checks the frame at the start of `src` for [`FrameCodec`] ([`frame_at`]): a known frame
+/// type, a size within `max_frame` (checked before anything is buffered), and the frame-end
+/// octet. `Ok(None)` while the frame is incomplete; room for the rest is reserved then. (The
+/// proxy's forwarding codec uses [`frame_at`] alone: its frame reader makes room itself.)
 pub fn complete_frame(
     src: &mut BytesMut,
     max_frame: usize,

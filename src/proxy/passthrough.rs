@@ -112,8 +112,7 @@ impl ClientSession {
                     if !only_forwards {
                         // What the plan sends goes after the run so far (and the ack).
                         taken += pending;
-                        let run = unread.split_to(pending).freeze();
-                        self.send_upstream_run(run, run_frames);
+                        self.queue_client_run(unread, pending, run_frames);
                         pending = 0;
                         run_frames = 0;
                         if !forward {
@@ -126,15 +125,21 @@ impl ClientSession {
                 }
             }
         }
-        if pending > 0 {
-            taken += pending;
-            let run = unread.split_to(pending).freeze();
-            self.send_upstream_run(run, run_frames);
-        }
+        taken += pending;
+        self.queue_client_run(unread, pending, run_frames);
         if frames > 0 {
             self.client_frames_read(frames, taken);
         }
         taken
+    }
+
+    /// Cuts the first `len` bytes (`frames` frames of a run) from `unread` and queues them
+    /// for the upstream; nothing when the run is empty (no split of the read buffer).
+    fn queue_client_run(&mut self, unread: &mut BytesMut, len: usize, frames: u64) {
+        if len > 0 {
+            let run = unread.split_to(len).freeze();
+            self.send_upstream_run(run, frames);
+        }
     }
 
     /// The bookkeeping of one client frame in a run, or [`ClientFrame::Stop`] (with nothing
