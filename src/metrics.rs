@@ -59,6 +59,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "verified_queues",
     "session_queue_settings",
     "outbox_bytes",
+    "upstream_outbox_bytes",
+    "outbox_read_buffers",
     "memory_alarm",
     "memory_used_bytes",
     "memory_limit_bytes",
@@ -281,6 +283,8 @@ pub struct Metrics {
     verified_queues: IntGauge,
     session_queue_settings: IntGauge,
     outbox_bytes: IntGauge,
+    upstream_outbox_bytes: IntGauge,
+    outbox_read_buffers: IntGauge,
     memory_alarm: IntGauge,
     memory_used: IntGauge,
     memory_limit: IntGauge,
@@ -570,6 +574,16 @@ impl Metrics {
             outbox_bytes: b.gauge(
                 "outbox_bytes",
                 "Encoded bytes waiting to be written to client sockets.",
+            )?,
+            upstream_outbox_bytes: b.gauge(
+                "upstream_outbox_bytes",
+                "Proxy mode: bytes waiting to be written to upstream sockets.",
+            )?,
+            outbox_read_buffers: b.gauge(
+                "outbox_read_buffers",
+                "Proxy mode: read buffers kept alive by forwarded runs queued without a copy \
+                 (at most 16 per outbox and 64 KiB or one frame each; counted from the first \
+                 run queued from a buffer until that run is written).",
             )?,
             memory_alarm: b.gauge(
                 "memory_alarm",
@@ -1211,6 +1225,16 @@ impl Metrics {
     /// Changes the bytes-waiting-for-client-sockets gauge by `delta`.
     pub fn add_outbox_bytes(&self, delta: i64) {
         self.outbox_bytes.add(delta);
+    }
+
+    /// Changes the bytes-waiting-for-upstream-sockets gauge by `delta` (proxy mode).
+    pub fn add_upstream_outbox_bytes(&self, delta: i64) {
+        self.upstream_outbox_bytes.add(delta);
+    }
+
+    /// Changes the gauge of read buffers that queued runs keep alive by `delta`.
+    pub fn add_outbox_read_buffers(&self, delta: i64) {
+        self.outbox_read_buffers.add(delta);
     }
 
     /// Size of the message log on disk.

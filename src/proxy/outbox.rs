@@ -50,6 +50,10 @@ const GATHER_MAX: usize = 64 * 1024;
 /// A pass-through run this long or longer is queued without a copy ([`Outbox::send_run`]).
 pub(super) const RUN_SHARE_MIN: usize = 2 * 1024;
 
+/// Most writes one [`Outbox::poll_drain`] makes before it returns, so that one busy socket
+/// does not keep the connection loop from its other work.
+const DRAIN_WRITES: usize = 8;
+
 /// Most read buffers that the runs queued in one outbox without a copy keep alive. A shared
 /// run keeps its read buffer's allocation (at most [`super::wire::READ_CHUNK_MAX`], or one
 /// frame and a read) until it is written, whatever else of that buffer was consumed; past
@@ -86,7 +90,6 @@ pub struct Outbox {
     unflushed: bool,
     failed: bool,
     direction: Direction,
-    count_outbox_gauge: bool,
     metrics: Arc<Metrics>,
     /// Traffic not yet added to the metrics (added after each write).
     unreported_frames: u64,
@@ -117,7 +120,6 @@ impl Outbox {
             unflushed: false,
             failed: false,
             direction,
-            count_outbox_gauge: direction == Direction::ClientOut,
             metrics,
             unreported_frames: 0,
             unreported_bytes: 0,
@@ -172,6 +174,7 @@ impl Outbox {
         if new_buffer {
             self.buffer_starts
                 .push_back(self.popped + self.pieces.len() as u64);
+            self.metrics.add_outbox_read_buffers(1);
         }
         self.shared_end = start + bytes.len();
         self.pieces.push_back(bytes);
@@ -184,12 +187,19 @@ impl Outbox {
         self.buffer_starts.len() + 1
     }
 
+    /// Changes the gauge of this outbox's direction by `delta` bytes.
+    fn gauge_bytes(&self, delta: i64) {
+        match self.direction {
+            Direction::ClientOut => self.metrics.add_outbox_bytes(delta),
+            Direction::UpstreamOut => self.metrics.add_upstream_outbox_bytes(delta),
+            Direction::ClientIn | Direction::UpstreamIn => {}
+        }
+    }
+
     fn count(&mut self, len: usize, frames: u64) {
         self.queued += len;
         self.unreported_frames += frames;
-        if self.count_outbox_gauge {
-            self.metrics.add_outbox_bytes(len as i64);
-        }
+        self.gauge_bytes(len as i64);
     }
 
     /// Copies bytes into the gathering buffer.
@@ -273,7 +283,27 @@ impl Outbox {
     /// Writes what `writer` accepts now; resolves after any progress (or a failure).
     /// Cancel-safe: what was written is accounted for before it resolves.
     pub async fn write_some(&mut self, writer: &mut SocketWriter) {
-        poll_fn(|cx| self.poll_write_some(writer, cx)).await
+        poll_fn(|cx| self.poll_drain(writer, cx)).await
+    }
+
+    /// Writes what `writer` accepts now, write after write, until the outbox is written and
+    /// flushed, the socket takes no more (its readiness is then registered with `cx`) or
+    /// `DRAIN_WRITES` (8) writes were made. Ready after any progress, a failure, or with nothing
+    /// to do; pending when the socket took nothing. So one call does what would otherwise
+    /// take a turn of the connection loop per write, and one more for the flush.
+    pub fn poll_drain(&mut self, writer: &mut SocketWriter, cx: &mut Context<'_>) -> Poll<()> {
+        let mut progressed = false;
+        for _ in 0..DRAIN_WRITES {
+            if !self.has_work() {
+                return Poll::Ready(());
+            }
+            match self.poll_write_some(writer, cx) {
+                Poll::Ready(()) => progressed = true,
+                Poll::Pending if progressed => return Poll::Ready(()),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        Poll::Ready(())
     }
 
     fn poll_write_some(&mut self, writer: &mut SocketWriter, cx: &mut Context<'_>) -> Poll<()> {
@@ -341,9 +371,7 @@ impl Outbox {
     fn consume(&mut self, mut n: usize) {
         self.queued -= n;
         self.unflushed = true;
-        if self.count_outbox_gauge {
-            self.metrics.add_outbox_bytes(-(n as i64));
-        }
+        self.gauge_bytes(-(n as i64));
         self.unreported_bytes += n as u64;
         while n > 0 {
             let Some(front) = self.pieces.front_mut() else {
@@ -378,6 +406,7 @@ impl Outbox {
         }
         if self.buffer_starts.front() == Some(&self.popped) {
             self.buffer_starts.pop_front();
+            self.metrics.add_outbox_read_buffers(-1);
         }
         self.popped += 1;
     }
@@ -386,6 +415,8 @@ impl Outbox {
     fn clear_pieces(&mut self) {
         self.popped += self.pieces.len() as u64;
         self.pieces.clear();
+        self.metrics
+            .add_outbox_read_buffers(-(self.buffer_starts.len() as i64));
         self.buffer_starts.clear();
         self.shared_end = 0;
         self.gathered.clear();
@@ -400,9 +431,7 @@ impl Outbox {
     fn fail(&mut self, err: &std::io::Error) {
         tracing::debug!(%err, direction = self.direction.as_str(), "socket write failed");
         self.failed = true;
-        if self.count_outbox_gauge {
-            self.metrics.add_outbox_bytes(-(self.queued as i64));
-        }
+        self.gauge_bytes(-(self.queued as i64));
         self.queued = 0;
         self.clear_pieces();
         self.unflushed = false;
@@ -420,8 +449,8 @@ impl Outbox {
         if !self.failed {
             let _ = tokio::time::timeout(grace, writer.shutdown()).await;
         }
-        if self.queued > 0 && self.count_outbox_gauge {
-            self.metrics.add_outbox_bytes(-(self.queued as i64));
+        if self.queued > 0 {
+            self.gauge_bytes(-(self.queued as i64));
         }
         self.queued = 0;
         self.clear_pieces();
@@ -432,8 +461,12 @@ impl Outbox {
 impl Drop for Outbox {
     fn drop(&mut self) {
         // Keep the gauge right for bytes that never reached the socket.
-        if self.queued > 0 && self.count_outbox_gauge {
-            self.metrics.add_outbox_bytes(-(self.queued as i64));
+        if self.queued > 0 {
+            self.gauge_bytes(-(self.queued as i64));
+        }
+        if !self.buffer_starts.is_empty() {
+            self.metrics
+                .add_outbox_read_buffers(-(self.buffer_starts.len() as i64));
         }
     }
 }
@@ -677,7 +710,12 @@ mod tests {
     #[test]
     fn runs_are_copied_while_the_shared_ones_keep_the_most_read_buffers_alive() {
         let metrics = Metrics::new(10);
-        let mut outbox = Outbox::new(1 << 24, Direction::ClientOut, metrics);
+        let mut outbox = Outbox::new(1 << 24, Direction::ClientOut, metrics.clone());
+        let read_buffers = |n: usize| {
+            metrics
+                .encode()
+                .contains(&format!("dlx_proxy_outbox_read_buffers {n}\n"))
+        };
         let mut expected = Vec::new();
         let mut buffers = Vec::new();
         for i in 0..SHARED_BUFFERS_MAX {
@@ -715,13 +753,44 @@ mod tests {
         assert!(copies.clone().all(|piece| piece.len() <= GATHER_MAX));
         assert!(copies.count() >= 4);
         expected.extend_from_slice(&other);
+        assert!(read_buffers(SHARED_BUFFERS_MAX), "{}", metrics.encode());
         assert_eq!(outbox.queued(), expected.len());
         assert_eq!(&outbox.take_queued()[..], &expected[..]);
+        assert!(read_buffers(0));
         // Written, the buffers are let go: runs are shared again.
         let run = buffers[0].split_to(RUN_SHARE_MIN).freeze();
         assert!(outbox.send_run(run.clone(), 1));
         assert!(queued_as_is(&outbox, &run));
         assert_eq!(outbox.shared_buffers(), 2);
+        assert!(read_buffers(1));
+        // An outbox dropped with runs queued (its connection gone) takes its count along.
+        drop(outbox);
+        assert!(read_buffers(0));
+    }
+
+    #[test]
+    fn each_direction_counts_its_queued_bytes_in_its_own_gauge() {
+        let metrics = Metrics::new(10);
+        let gauge = |name: &str, n: usize| {
+            metrics
+                .encode()
+                .contains(&format!("dlx_proxy_{name} {n}\n"))
+        };
+        let mut upstream = Outbox::new(1 << 20, Direction::UpstreamOut, metrics.clone());
+        let client = Outbox::new(1 << 20, Direction::ClientOut, metrics.clone());
+        upstream.send(Bytes::from_static(b"publish"));
+        upstream.send_run(Bytes::from(vec![1u8; RUN_SHARE_MIN]), 2);
+        assert!(gauge("upstream_outbox_bytes", 7 + RUN_SHARE_MIN));
+        assert!(gauge("outbox_bytes", 0));
+        assert!(gauge("outbox_read_buffers", 1));
+        let written = upstream.take_queued();
+        assert_eq!(written.len(), 7 + RUN_SHARE_MIN);
+        assert!(gauge("upstream_outbox_bytes", 0));
+        assert!(gauge("outbox_read_buffers", 0));
+        upstream.send(Bytes::from_static(b"left"));
+        drop(upstream);
+        drop(client);
+        assert!(gauge("upstream_outbox_bytes", 0));
     }
 
     #[test]
@@ -740,5 +809,94 @@ mod tests {
         let text = metrics.encode();
         assert!(text.contains(r#"dlx_proxy_frames_total{direction="client_out"} 3"#));
         assert!(text.contains("dlx_proxy_outbox_bytes 0"), "{text}");
+    }
+
+    /// A socket that takes at most `per_write` bytes a write and refuses writes once it has
+    /// taken `room` bytes, counting its writes and flushes.
+    struct MeteredSocket {
+        per_write: usize,
+        room: usize,
+        taken: Arc<std::sync::Mutex<(Vec<u8>, usize, usize)>>,
+    }
+
+    impl AsyncWrite for MeteredSocket {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            let mut taken = self.taken.lock().unwrap();
+            let n = buf.len().min(self.per_write).min(self.room - taken.0.len());
+            if n == 0 {
+                return Poll::Pending;
+            }
+            taken.0.extend_from_slice(&buf[..n]);
+            taken.1 += 1;
+            Poll::Ready(Ok(n))
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            self.taken.lock().unwrap().2 += 1;
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn metered(
+        per_write: usize,
+        room: usize,
+    ) -> (SocketWriter, Arc<std::sync::Mutex<(Vec<u8>, usize, usize)>>) {
+        let taken = Arc::new(std::sync::Mutex::new((Vec::new(), 0, 0)));
+        let socket = MeteredSocket {
+            per_write,
+            room,
+            taken: taken.clone(),
+        };
+        (Box::pin(socket), taken)
+    }
+
+    fn drain_once(outbox: &mut Outbox, writer: &mut SocketWriter) -> Poll<()> {
+        let waker = std::task::Waker::noop();
+        outbox.poll_drain(writer, &mut Context::from_waker(waker))
+    }
+
+    #[test]
+    fn one_drain_writes_write_after_write_and_flushes() {
+        let (mut w, taken) = metered(10, usize::MAX);
+        let mut outbox = Outbox::new(1 << 20, Direction::UpstreamOut, Metrics::new(10));
+        outbox.send(Bytes::from(vec![1u8; 25]));
+        outbox.send(Bytes::from(vec![2u8; 5]));
+        assert!(drain_once(&mut outbox, &mut w).is_ready());
+        assert!(!outbox.has_work(), "written and flushed in one call");
+        let taken = taken.lock().unwrap();
+        assert_eq!(taken.0, [vec![1u8; 25], vec![2u8; 5]].concat());
+        assert_eq!(
+            (taken.1, taken.2),
+            (3, 1),
+            "three writes of 10 bytes, one flush"
+        );
+    }
+
+    #[test]
+    fn a_drain_stops_where_the_socket_refuses_and_after_its_bound() {
+        // The socket takes 12 bytes: the drain is ready (progress), and the next one pending.
+        let (mut w, taken) = metered(5, 12);
+        let mut outbox = Outbox::new(1 << 20, Direction::UpstreamOut, Metrics::new(10));
+        outbox.send(Bytes::from(vec![7u8; 30]));
+        assert!(drain_once(&mut outbox, &mut w).is_ready());
+        assert_eq!(outbox.queued(), 18);
+        assert!(drain_once(&mut outbox, &mut w).is_pending());
+        assert_eq!(taken.lock().unwrap().1, 3);
+        // A socket that takes a byte a write: one drain makes DRAIN_WRITES writes and returns.
+        let (mut w, taken) = metered(1, usize::MAX);
+        let mut outbox = Outbox::new(1 << 20, Direction::UpstreamOut, Metrics::new(10));
+        outbox.send(Bytes::from(vec![7u8; 100]));
+        assert!(drain_once(&mut outbox, &mut w).is_ready());
+        assert_eq!(taken.lock().unwrap().1, DRAIN_WRITES);
+        assert_eq!(outbox.queued(), 100 - DRAIN_WRITES);
     }
 }

@@ -11,8 +11,10 @@
 //! up to [`BUFFERED_FRAMES_PER_TURN`] per wake-up. The task never blocks on a socket write,
 //! so a slow peer only slows the other side's reads.
 
+use std::future::poll_fn;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
@@ -157,6 +159,18 @@ pub(super) async fn run<S>(
     tokio::pin!(shutdown_signal);
     loop {
         handle_buffered(&mut session, &mut client_reader, &mut upstream_reader);
+        // What the frames queued is written now, not a turn of the loop later: the select
+        // below then waits on a socket only when it refused bytes.
+        poll_fn(|cx| {
+            if session.client_out.has_work() {
+                let _ = session.client_out.poll_drain(&mut client_writer, cx);
+            }
+            if session.upstream_out.has_work() {
+                let _ = session.upstream_out.poll_drain(&mut upstream_writer, cx);
+            }
+            Poll::Ready(())
+        })
+        .await;
         session.check_writers();
         if session.is_done() {
             break;
@@ -191,6 +205,8 @@ pub(super) async fn run<S>(
         let held = session.held_for_capture.is_some();
         let judging = session.service_answer.is_some();
         let listing = session.listing_answer.is_some();
+        // Outcomes come only for dead letters handed over and not yet settled.
+        let awaiting = !session.ops.is_empty();
         let event = tokio::select! {
             _ = capture_declared(&mut session.capture_status), if held => Event::CaptureDeclared,
             answer = service_answer(&mut session.service_answer), if judging => {
@@ -199,7 +215,9 @@ pub(super) async fn run<S>(
             answer = listing_answer(&mut session.listing_answer), if listing => {
                 Event::Listing(answer)
             }
-            outcome = session.service_outcomes.1.recv() => Event::ServiceOutcome(outcome),
+            outcome = session.service_outcomes.1.recv(), if awaiting => {
+                Event::ServiceOutcome(outcome)
+            }
             read = client_reader.fill(), if read_client => Event::Client(read),
             read = upstream_reader.fill(), if read_upstream => Event::Upstream(read),
             _ = session.client_out.write_some(&mut client_writer), if write_client => Event::Wrote,

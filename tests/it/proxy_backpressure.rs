@@ -47,6 +47,8 @@ const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
 const MAX_INFLIGHT: usize = 256 * 1024;
 /// The proxy's client outbox bound in these tests.
 const OUTBOX: usize = 1024 * 1024;
+/// Most read buffers the runs queued in one outbox keep alive (the proxy's bound).
+const SHARED_BUFFERS_MAX: f64 = 16.0;
 /// The largest frame (the default `limits.frame_max`, which RabbitMQ also offers): the outbox
 /// stops being fed once it holds its limit, so it can exceed it by at most one frame.
 const FRAME_MAX: usize = 131_072;
@@ -152,6 +154,8 @@ struct Metrics {
     inflight_bytes: f64,
     inflight_deliveries: f64,
     outbox_bytes: f64,
+    upstream_outbox_bytes: f64,
+    read_buffers: f64,
     delivered: f64,
     acked: f64,
     upstream_in_bytes: f64,
@@ -164,6 +168,8 @@ impl Metrics {
             inflight_bytes: value("inflight_bytes"),
             inflight_deliveries: value("inflight_deliveries"),
             outbox_bytes: value("outbox_bytes"),
+            upstream_outbox_bytes: value("upstream_outbox_bytes"),
+            read_buffers: value("outbox_read_buffers"),
             delivered: value("messages_delivered_total"),
             acked: value("messages_acked_total"),
             upstream_in_bytes: value("bytes_total{direction=\"upstream_in\"}"),
@@ -185,6 +191,7 @@ struct Peaks {
     inflight_bytes: f64,
     inflight_deliveries: f64,
     outbox_bytes: f64,
+    read_buffers: f64,
     rss: u64,
     samples: u64,
 }
@@ -207,6 +214,7 @@ impl Sampler {
                 peaks.inflight_bytes = peaks.inflight_bytes.max(m.inflight_bytes);
                 peaks.inflight_deliveries = peaks.inflight_deliveries.max(m.inflight_deliveries);
                 peaks.outbox_bytes = peaks.outbox_bytes.max(m.outbox_bytes);
+                peaks.read_buffers = peaks.read_buffers.max(m.read_buffers);
                 peaks.rss = peaks.rss.max(rss_bytes(pid));
                 peaks.samples += 1;
                 if done {
@@ -371,6 +379,11 @@ async fn stalled_consumer(stall: Stall) {
                 && stalled.outbox_bytes <= (OUTBOX + FRAME_MAX) as f64,
             "outbox at the stall: {stalled:?}"
         );
+        // The deliveries wait as runs cut from the read buffers, which the gauge counts.
+        assert!(
+            stalled.read_buffers >= 1.0 && stalled.read_buffers <= SHARED_BUFFERS_MAX,
+            "read buffers at the stall: {stalled:?}"
+        );
         // What was read is in the outbox or in the kernel's buffers of the client connection:
         // the proxy's send buffer (at most tcp_wmem's maximum) and the client's small receive
         // buffer (which the kernel doubles; 256 KiB leaves room for its bookkeeping).
@@ -424,9 +437,18 @@ async fn stalled_consumer(stall: Stall) {
     assert_eq!(end.acked, f64::from(COUNT), "acks of tracked deliveries");
     assert_eq!(end.inflight_deliveries, 0.0);
     assert_eq!(end.inflight_bytes, 0.0);
+    assert_eq!(end.outbox_bytes, 0.0);
+    assert_eq!(end.upstream_outbox_bytes, 0.0);
+    assert_eq!(end.read_buffers, 0.0, "every queued run written");
 
     // Throughout, stalled and flowing: the bounds held and the process stayed small.
     assert!(peaks.samples > 10, "{peaks:?}");
+    // One connection: its client outbox and its upstream outbox.
+    assert!(
+        peaks.read_buffers <= 2.0 * SHARED_BUFFERS_MAX,
+        "read buffers peaked at {}",
+        peaks.read_buffers
+    );
     assert!(
         peaks.inflight_bytes < (MAX_INFLIGHT + SIZE + CHARGE_OVERHEAD_MAX) as f64,
         "kept bytes peaked at {} (bound {MAX_INFLIGHT})",
