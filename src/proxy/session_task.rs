@@ -2,8 +2,9 @@
 //! the upstream, and then only moves bytes. Frames read from either socket go to the
 //! connection's state ([`super::client_session::ClientSession`], which owns no socket), what
 //! that state queued in its outboxes ([`super::outbox`]) is written to the sockets as they
-//! accept it, and its timers, the service connection's answers and the shutdown signal are
-//! waited on in one `select!`.
+//! accept it (right after the turn that queued it; the `select!` waits on a write only once a
+//! socket refused bytes), and its timers, the service connection's answers and the shutdown
+//! signal are waited on in one `select!`.
 //!
 //! Reads are flow-controlled by the state: a side is read only when the opposite outbox has
 //! room (and upstream reads only while kept deliveries and held dead letters are under
