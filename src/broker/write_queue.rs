@@ -10,14 +10,15 @@
 //! holds messages in its queue (where the queue limits apply), never in an ever-growing socket
 //! buffer.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use bytes::BytesMut;
 use tokio::sync::Notify;
 
+use crate::metrics::Metrics;
+
 /// Encoded frames for one connection's socket, with a byte budget.
-#[derive(Debug)]
 pub struct WriteQueue {
     buf: Mutex<BytesMut>,
     notify: Notify,
@@ -26,10 +27,32 @@ pub struct WriteQueue {
     closed: AtomicBool,
     /// Set when the dispatcher skipped a consumer because the queue was over budget.
     starved: AtomicBool,
+    /// Where the bytes waiting are counted (`outbox_bytes`), for a connection's own queue.
+    metrics: Option<Arc<Metrics>>,
+}
+
+impl std::fmt::Debug for WriteQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriteQueue")
+            .field("pending", &self.pending())
+            .field("budget", &self.budget)
+            .field("closed", &self.is_closed())
+            .finish()
+    }
 }
 
 impl WriteQueue {
     pub fn new(budget: usize) -> Self {
+        WriteQueue::with_metrics(budget, None)
+    }
+
+    /// A write queue whose waiting bytes are counted in the `outbox_bytes` gauge of
+    /// `metrics` (until written, or until the queue is dropped).
+    pub fn counted(budget: usize, metrics: Arc<Metrics>) -> Self {
+        WriteQueue::with_metrics(budget, Some(metrics))
+    }
+
+    fn with_metrics(budget: usize, metrics: Option<Arc<Metrics>>) -> Self {
         WriteQueue {
             buf: Mutex::new(BytesMut::with_capacity(16 * 1024)),
             notify: Notify::new(),
@@ -37,6 +60,13 @@ impl WriteQueue {
             budget,
             closed: AtomicBool::new(false),
             starved: AtomicBool::new(false),
+            metrics,
+        }
+    }
+
+    fn count(&self, delta: i64) {
+        if let Some(metrics) = &self.metrics {
+            metrics.add_outbox_bytes(delta);
         }
     }
 
@@ -55,6 +85,7 @@ impl WriteQueue {
             buf.len() - before
         };
         self.pending.fetch_add(added, Ordering::Relaxed);
+        self.count(added as i64);
         self.notify.notify_one();
     }
 
@@ -107,8 +138,9 @@ impl WriteQueue {
 
     /// Records that `n` bytes reached the socket.
     pub fn written(&self, n: usize) {
-        self.pending
-            .fetch_sub(n.min(self.pending()), Ordering::Relaxed);
+        let n = n.min(self.pending());
+        self.pending.fetch_sub(n, Ordering::Relaxed);
+        self.count(-(n as i64));
     }
 
     /// Stops accepting frames and wakes the writer so it can finish.
@@ -119,6 +151,13 @@ impl WriteQueue {
 
     pub fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for WriteQueue {
+    fn drop(&mut self) {
+        // Bytes that never reached the socket (the connection ended) leave the gauge too.
+        self.count(-(self.pending() as i64));
     }
 }
 
@@ -139,5 +178,28 @@ mod tests {
         assert!(!o.is_full());
         o.close();
         assert!(o.next_batch().await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_counted_queue_keeps_the_outbox_gauge() {
+        let metrics = Metrics::new(10);
+        let gauge = |n: i64| {
+            metrics
+                .encode()
+                .contains(&format!("dlx_proxy_outbox_bytes {n}\n"))
+        };
+        let o = WriteQueue::counted(1 << 20, metrics.clone());
+        o.push(|b| b.extend_from_slice(b"hello"));
+        o.push(|b| b.extend_from_slice(b"world!"));
+        assert!(gauge(11));
+        let batch = o.next_batch().await;
+        o.written(4);
+        assert!(gauge(7));
+        o.written(batch.len());
+        assert!(gauge(0), "no more than what was queued leaves it");
+        o.push(|b| b.extend_from_slice(b"left behind"));
+        assert!(gauge(11));
+        drop(o);
+        assert!(gauge(0));
     }
 }

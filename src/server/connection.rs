@@ -93,7 +93,10 @@ where
         return;
     }
 
-    let write_queue = Arc::new(WriteQueue::new(limits.connection_outbox_bytes));
+    let write_queue = Arc::new(WriteQueue::counted(
+        limits.connection_outbox_bytes,
+        ctx.broker.metrics.clone(),
+    ));
     let conn_id = Arc::new(AtomicU64::new(0));
     let heartbeat_secs = Arc::new(AtomicU64::new(0));
     let writer_task = tokio::spawn(write_loop(
@@ -483,15 +486,16 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     let mut idle_secs = 0u64;
     let mut traffic = TrafficCounter::new(ctx.clone(), Direction::ClientOut);
     loop {
-        let batch: BytesMut = tokio::select! {
-            b = write_queue.next_batch() => b,
+        // `queued`: the batch came from the write queue (a heartbeat did not).
+        let (batch, queued): (BytesMut, bool) = tokio::select! {
+            b = write_queue.next_batch() => (b, true),
             _ = tick.tick() => {
                 let hb = heartbeat_secs.load(Ordering::Relaxed);
                 idle_secs += 1;
                 if hb > 0 && idle_secs >= hb.div_ceil(2).max(1) {
                     let mut b = BytesMut::new();
                     put_heartbeat(&mut b);
-                    b
+                    (b, false)
                 } else {
                     continue;
                 }
@@ -511,7 +515,9 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             write_queue.close();
             return;
         }
-        write_queue.written(n);
+        if queued {
+            write_queue.written(n);
+        }
         traffic.add(count_frames(&batch), n as u64);
         if !write_queue.is_full() && write_queue.take_starved() {
             let id = conn_id.load(Ordering::SeqCst);

@@ -27,6 +27,7 @@ mod dead_letter_rejection;
 mod dead_letter_routing;
 mod dead_letter_ttl;
 mod dlq_inspect;
+mod embedded_backpressure;
 mod embedded_basic;
 mod embedded_errors;
 mod embedded_memory;
