@@ -816,7 +816,15 @@ mod tests {
     struct MeteredSocket {
         per_write: usize,
         room: usize,
-        taken: Arc<std::sync::Mutex<(Vec<u8>, usize, usize)>>,
+        taken: Arc<std::sync::Mutex<Taken>>,
+    }
+
+    /// What a [`MeteredSocket`] took, in how many writes, and how often it was flushed.
+    #[derive(Default)]
+    struct Taken {
+        bytes: Vec<u8>,
+        writes: usize,
+        flushes: usize,
     }
 
     impl AsyncWrite for MeteredSocket {
@@ -826,17 +834,20 @@ mod tests {
             buf: &[u8],
         ) -> Poll<std::io::Result<usize>> {
             let mut taken = self.taken.lock().unwrap();
-            let n = buf.len().min(self.per_write).min(self.room - taken.0.len());
+            let n = buf
+                .len()
+                .min(self.per_write)
+                .min(self.room - taken.bytes.len());
             if n == 0 {
                 return Poll::Pending;
             }
-            taken.0.extend_from_slice(&buf[..n]);
-            taken.1 += 1;
+            taken.bytes.extend_from_slice(&buf[..n]);
+            taken.writes += 1;
             Poll::Ready(Ok(n))
         }
 
         fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-            self.taken.lock().unwrap().2 += 1;
+            self.taken.lock().unwrap().flushes += 1;
             Poll::Ready(Ok(()))
         }
 
@@ -845,12 +856,8 @@ mod tests {
         }
     }
 
-    #[allow(clippy::type_complexity)]
-    fn metered(
-        per_write: usize,
-        room: usize,
-    ) -> (SocketWriter, Arc<std::sync::Mutex<(Vec<u8>, usize, usize)>>) {
-        let taken = Arc::new(std::sync::Mutex::new((Vec::new(), 0, 0)));
+    fn metered(per_write: usize, room: usize) -> (SocketWriter, Arc<std::sync::Mutex<Taken>>) {
+        let taken = Arc::new(std::sync::Mutex::new(Taken::default()));
         let socket = MeteredSocket {
             per_write,
             room,
@@ -873,9 +880,9 @@ mod tests {
         assert!(drain_once(&mut outbox, &mut w).is_ready());
         assert!(!outbox.has_work(), "written and flushed in one call");
         let taken = taken.lock().unwrap();
-        assert_eq!(taken.0, [vec![1u8; 25], vec![2u8; 5]].concat());
+        assert_eq!(taken.bytes, [vec![1u8; 25], vec![2u8; 5]].concat());
         assert_eq!(
-            (taken.1, taken.2),
+            (taken.writes, taken.flushes),
             (3, 1),
             "three writes of 10 bytes, one flush"
         );
@@ -890,13 +897,13 @@ mod tests {
         assert!(drain_once(&mut outbox, &mut w).is_ready());
         assert_eq!(outbox.queued(), 18);
         assert!(drain_once(&mut outbox, &mut w).is_pending());
-        assert_eq!(taken.lock().unwrap().1, 3);
+        assert_eq!(taken.lock().unwrap().writes, 3);
         // A socket that takes a byte a write: one drain makes DRAIN_WRITES writes and returns.
         let (mut w, taken) = metered(1, usize::MAX);
         let mut outbox = Outbox::new(1 << 20, Direction::UpstreamOut, Metrics::new(10));
         outbox.send(Bytes::from(vec![7u8; 100]));
         assert!(drain_once(&mut outbox, &mut w).is_ready());
-        assert_eq!(taken.lock().unwrap().1, DRAIN_WRITES);
+        assert_eq!(taken.lock().unwrap().writes, DRAIN_WRITES);
         assert_eq!(outbox.queued(), 100 - DRAIN_WRITES);
     }
 }

@@ -163,12 +163,8 @@ pub(super) async fn run<S>(
         // What the frames queued is written now, not a turn of the loop later: the select
         // below then waits on a socket only when it refused bytes.
         poll_fn(|cx| {
-            if session.client_out.has_work() {
-                let _ = session.client_out.poll_drain(&mut client_writer, cx);
-            }
-            if session.upstream_out.has_work() {
-                let _ = session.upstream_out.poll_drain(&mut upstream_writer, cx);
-            }
+            let _ = session.client_out.poll_drain(&mut client_writer, cx);
+            let _ = session.upstream_out.poll_drain(&mut upstream_writer, cx);
             Poll::Ready(())
         })
         .await;
