@@ -301,7 +301,8 @@ for r in rows:
     groups[key][r["who"]].append(r)
 failed = [r for r in rows if not r.get("ok", False)]
 med = lambda rs, k: statistics.median(r[k] for r in rs)
-# CPU time comes in clock ticks: a short run can measure 0 (the ratio is then nan).
+# CPU time comes from the threads' schedstat (nanoseconds), or clock ticks where that is not
+# readable: a short run can then measure 0 (the ratio is then nan).
 div = lambda a, b: a / b if b else float("nan")
 if groups:
     print(f"{'scenario':<46} {'through':<14} {'direct':>9} {'through':>9} {'vs direct':>10} {'CPU us/msg':>11} {'CPU / RabbitMQ':>15}")
@@ -317,10 +318,10 @@ for (scenario, client, size, confirms), by in sorted(groups.items()):
         cpu = div(us, med(d, "broker_cpu_us_per_msg"))
         if scenario == "ping":
             dv, pv = med(d, "rtt_p50_us"), med(p, "rtt_p50_us")
-            print(f"{name + ' p50 us':<46} {who:<14} {dv:>9.0f} {pv:>9.0f} {'+%.0f us' % (pv - dv):>10} {us:>11.1f} {cpu:>15.0%}")
+            print(f"{name + ' p50 us':<46} {who:<14} {dv:>9.0f} {pv:>9.0f} {'+%.0f us' % (pv - dv):>10} {us:>11.2f} {cpu:>15.0%}")
         else:
             dv, pv = med(d, "rate_msg_s"), med(p, "rate_msg_s")
-            print(f"{name + ' msg/s':<46} {who:<14} {dv:>9.0f} {pv:>9.0f} {div(pv, dv):>10.0%} {us:>11.1f} {cpu:>15.0%}")
+            print(f"{name + ' msg/s':<46} {who:<14} {dv:>9.0f} {pv:>9.0f} {div(pv, dv):>10.0%} {us:>11.2f} {cpu:>15.0%}")
 # The proxy against HAProxy (issue targets: >= 1.0x its msg/s, <= 1.1x its CPU per message).
 if groups:
     print()
@@ -335,7 +336,7 @@ for (scenario, client, size, confirms), by in sorted(groups.items()):
     pv, hv = med(p, key), med(h, key)
     # Round trips: lower is better, so the speed ratio is HAProxy's p50 over the proxy's.
     speed = div(hv, pv) if scenario == "ping" else div(pv, hv)
-    print(f"{name:<46} {speed:>8.2f}x {div(pc, hc):>8.2f}x   ({pv:.0f}, {pc:.1f} | {hv:.0f}, {hc:.1f})")
+    print(f"{name:<46} {speed:>8.2f}x {div(pc, hc):>8.2f}x   ({pv:.0f}, {pc:.2f} | {hv:.0f}, {hc:.2f})")
 if dead:
     print()
     print("dead letters: msg/s (median of rounds), proxy/direct per round, CPU us per dead letter, latency from the death's cause p50/p99 (ms)")

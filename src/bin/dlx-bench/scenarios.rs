@@ -105,15 +105,16 @@ impl Watch {
     /// Adds CPU time used since start (broker and this benchmark) and per message.
     fn cpu_into(&self, report: &mut Report, messages: u64) {
         if let (Some(a), Some(b)) = (self.broker_start, self.broker()) {
-            let cpu = b.cpu_secs - a.cpu_secs;
+            let (cpu, source) = crate::procfs::cpu_used(&a, &b);
             report.set("broker_cpu_s", cpu);
+            report.set("broker_cpu_source", source);
             if messages > 0 {
                 report.set("broker_cpu_us_per_msg", cpu * 1e6 / messages as f64);
             }
             report.set("broker_rss_mib", b.rss_mib());
         }
         if let (Some(a), Ok(b)) = (self.self_start, ProcSample::read_self()) {
-            report.set("bench_cpu_s", b.cpu_secs - a.cpu_secs);
+            report.set("bench_cpu_s", crate::procfs::cpu_used(&a, &b).0);
         }
     }
 }
