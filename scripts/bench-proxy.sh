@@ -21,7 +21,7 @@
 #                                               # scripts/rabbit-local.sh start DIR 3)
 #
 # Dead-letter rates (every run, or alone with --deadletter-only): the five modes (reject, nack,
-# expiry, overflow, delivery-limit; DL_KINDS to choose, DL_CLIENT=raw|lapin, DL_MESSAGES per
+# expiry, overflow, delivery-limit; DL_KINDS to choose, empty for none, DL_CLIENT=raw|lapin, DL_MESSAGES per
 # run, default -n), RabbitMQ's own dead-lettering with the client on RabbitMQ directly against
 # the same through proxy 1, alternating within each round. Reported: dead letters per second
 # into the DLQ, CPU per dead letter (RabbitMQ's for direct; the proxies' together otherwise)
@@ -65,7 +65,7 @@ while [ $# -gt 0 ]; do
 done
 
 RABBIT_URL=${RABBIT_URL:-amqp://guest:guest@127.0.0.1:5673/%2f}
-DL_KINDS=${DL_KINDS:-reject nack expiry overflow delivery-limit}
+DL_KINDS=${DL_KINDS-reject nack expiry overflow delivery-limit}
 DL_CLIENT=${DL_CLIENT:-raw}
 RABBIT_PID=${RABBIT_PID:-$(pgrep -x beam.smp | head -1 || true)}
 if [ -z "$RABBIT_PID" ]; then
