@@ -21,11 +21,11 @@
 #                                               # scripts/rabbit-local.sh start DIR 3)
 #
 # Dead-letter rates (every run, or alone with --deadletter-only): the five modes (reject, nack,
-# expiry, overflow, delivery-limit; DL_KINDS to choose, empty for none, DL_CLIENT=raw|lapin, DL_MESSAGES per
-# run, default -n), RabbitMQ's own dead-lettering with the client on RabbitMQ directly against
-# the same through proxy 1, alternating within each round. Reported: dead letters per second
-# into the DLQ, CPU per dead letter (RabbitMQ's for direct; the proxies' together otherwise)
-# and the latency from each death's cause to the dead letter's arrival (p50/p99).
+# expiry, overflow, delivery-limit; DL_KINDS to choose them, empty for none; DL_CLIENT=raw|lapin;
+# DL_MESSAGES per run, default -n), RabbitMQ's own dead-lettering with the client on RabbitMQ
+# directly against the same through proxy 1, alternating within each round. Reported: dead letters
+# per second into the DLQ, CPU per dead letter (RabbitMQ's for direct; the proxies' together
+# otherwise) and the latency from each death's cause to the dead letter's arrival (p50/p99).
 #
 # Needs a running RabbitMQ: RABBIT_URL (default amqp://guest:guest@127.0.0.1:5673/%2f, the node
 # `.ci/rabbitmq.sh start` runs) and RABBIT_PID (default: the first `pgrep -x beam.smp`);

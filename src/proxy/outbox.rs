@@ -59,9 +59,9 @@ const DRAIN_WRITES: usize = 8;
 /// frame and a read) until it is written, whatever else of that buffer was consumed. At this
 /// many buffers the outbox counts as full ([`Outbox::is_full`]), so the reader waits for a
 /// write rather than read into another buffer; a run past the bound all the same (from a side
-/// read whatever the outbox holds, such as one that is closing) is copied. So an outbox holds at most its byte limit plus this
-/// many read buffers: 1 MiB with reads of the largest size, more only where a frame larger
-/// than a read had a buffer of its own.
+/// read whatever the outbox holds, such as one that is closing) is copied. So an outbox holds
+/// at most its byte limit plus this many read buffers: 1 MiB with reads of the largest size,
+/// more only where a frame larger than a read had a buffer of its own.
 pub(super) const SHARED_BUFFERS_MAX: usize = 16;
 
 /// Most pieces handed to one vectored write.
