@@ -417,8 +417,12 @@ impl Outbox {
         self.popped += 1;
     }
 
-    /// Drops every piece (the socket is gone).
-    fn clear_pieces(&mut self) {
+    /// Drops everything queued (the socket is gone), taking it out of the gauges.
+    fn discard_queued(&mut self) {
+        if self.queued > 0 {
+            self.gauge_bytes(-(self.queued as i64));
+        }
+        self.queued = 0;
         self.popped += self.pieces.len() as u64;
         self.pieces.clear();
         self.metrics
@@ -437,9 +441,7 @@ impl Outbox {
     fn fail(&mut self, err: &std::io::Error) {
         tracing::debug!(%err, direction = self.direction.as_str(), "socket write failed");
         self.failed = true;
-        self.gauge_bytes(-(self.queued as i64));
-        self.queued = 0;
-        self.clear_pieces();
+        self.discard_queued();
         self.unflushed = false;
         self.report_traffic();
     }
@@ -455,25 +457,15 @@ impl Outbox {
         if !self.failed {
             let _ = tokio::time::timeout(grace, writer.shutdown()).await;
         }
-        if self.queued > 0 {
-            self.gauge_bytes(-(self.queued as i64));
-        }
-        self.queued = 0;
-        self.clear_pieces();
+        self.discard_queued();
         self.report_traffic();
     }
 }
 
 impl Drop for Outbox {
     fn drop(&mut self) {
-        // Keep the gauge right for bytes that never reached the socket.
-        if self.queued > 0 {
-            self.gauge_bytes(-(self.queued as i64));
-        }
-        if !self.buffer_starts.is_empty() {
-            self.metrics
-                .add_outbox_read_buffers(-(self.buffer_starts.len() as i64));
-        }
+        // Keep the gauges right for bytes that never reached the socket.
+        self.discard_queued();
     }
 }
 
