@@ -81,8 +81,12 @@ impl Source {
 
     /// Whether this source's deliveries keep their content; asked of the shared settings once
     /// per [`super::SettingsRevision`].
-    pub(crate) fn keeps_content(&mut self, shared: &super::ProxyShared, vhost: &str) -> bool {
-        let revision = shared.settings_revision();
+    pub(crate) fn keeps_content(
+        &mut self,
+        revision: super::SettingsRevision,
+        shared: &super::ProxyShared,
+        vhost: &str,
+    ) -> bool {
         match self.keeps_content {
             Some((seen, answer)) if seen == revision => answer,
             _ => {
@@ -97,10 +101,10 @@ impl Source {
     /// once per [`super::SettingsRevision`].
     pub(crate) fn consumer_timeout(
         &mut self,
+        revision: super::SettingsRevision,
         shared: &super::ProxyShared,
         vhost: &str,
     ) -> Option<u64> {
-        let revision = shared.settings_revision();
         match self.timeout {
             Some((seen, answer)) if seen == revision => answer,
             _ => {

@@ -25,7 +25,6 @@ use amq_protocol::types::ShortString;
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::ProxyShared;
 use super::channels::{ChannelMap, ClientChannel};
 use super::handshake::Negotiated;
 use super::ops::Op;
@@ -40,6 +39,7 @@ use super::service::Status;
 use super::service::link::OutcomeSender;
 use super::view_cache::ViewCache;
 use super::wire::{WireFrame, method_frame};
+use super::{ProxyShared, SettingsRevision};
 use crate::amqp::codec::{FrameError, put_heartbeat};
 use crate::amqp::reply;
 use crate::metrics::Direction;
@@ -58,6 +58,19 @@ const TALLY_FLUSH: Duration = Duration::from_secs(1);
 pub(super) struct Tally {
     frames: u64,
     bytes: u64,
+}
+
+/// Messages counted while the frames of one turn of the connection loop are handled, added to
+/// the shared metrics in one go before the loop waits again ([`ClientSession::report_counts`]):
+/// each update of a shared counter is an atomic instruction, several per message otherwise.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct MessageCounts {
+    pub(super) published: u64,
+    pub(super) delivered: u64,
+    pub(super) acked: u64,
+    /// Change of the deliveries kept unsettled, and of their bytes.
+    pub(super) kept: i64,
+    pub(super) kept_bytes: i64,
 }
 
 /// State of one side of the proxy.
@@ -155,6 +168,9 @@ pub(super) struct ClientSession {
     pub(super) client_in: Tally,
     pub(super) upstream_in: Tally,
     pub(super) tally_since: Instant,
+    pub(super) counts: MessageCounts,
+    /// The shared settings' revision as read in the turn at `now` ([`Self::turn_revision`]).
+    pub(super) revision: Option<(Instant, SettingsRevision)>,
     /// The time of the current turn of the connection loop (read once per turn).
     pub(super) now: Instant,
     /// What consumer-timeout deadlines are counted from (milliseconds since it).
@@ -222,6 +238,8 @@ impl ClientSession {
             client_in: Tally::default(),
             upstream_in: Tally::default(),
             tally_since: now,
+            counts: MessageCounts::default(),
+            revision: None,
             ack_epoch: now,
             now,
         }
@@ -446,6 +464,41 @@ impl ClientSession {
         metrics.traffic(Direction::ClientIn, client.frames, client.bytes);
         metrics.traffic(Direction::UpstreamIn, upstream.frames, upstream.bytes);
         self.tally_since = self.now;
+    }
+
+    /// The shared settings' revision, read once per turn of the connection loop (per `now`)
+    /// rather than once per delivery: reading it takes the policy set's lock. A decision
+    /// cached under it is still taken again the turn after the settings change.
+    pub(super) fn turn_revision(&mut self) -> SettingsRevision {
+        match self.revision {
+            Some((at, revision)) if at == self.now => revision,
+            _ => {
+                let revision = self.shared.settings_revision();
+                self.revision = Some((self.now, revision));
+                revision
+            }
+        }
+    }
+
+    /// Adds what this turn counted to the shared metrics: the messages, the kept deliveries
+    /// and the bytes queued in both outboxes. Called before the loop waits, and at the end.
+    pub(super) fn report_counts(&mut self) {
+        let counts = std::mem::take(&mut self.counts);
+        let metrics = &self.shared.metrics;
+        if counts.published > 0 {
+            metrics.published(counts.published);
+        }
+        if counts.delivered > 0 {
+            metrics.delivered(counts.delivered);
+        }
+        if counts.acked > 0 {
+            metrics.acked(counts.acked);
+        }
+        if counts.kept != 0 || counts.kept_bytes != 0 {
+            metrics.add_inflight(counts.kept, counts.kept_bytes);
+        }
+        self.client_out.report_gauge();
+        self.upstream_out.report_gauge();
     }
 
     /// Notices writer failures (a peer gone while we only write to it).
@@ -678,6 +731,7 @@ impl ClientSession {
         for channel in channels {
             self.remove_channel(channel);
         }
+        self.report_counts();
     }
 }
 

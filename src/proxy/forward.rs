@@ -393,7 +393,7 @@ impl ClientSession {
         if let Some(ch) = self.channels.get_mut(&channel) {
             ch.publish_started();
         }
-        self.shared.metrics.published(1);
+        self.counts.published += 1;
     }
 
     /// Dispatches a client method (after any read-back it needed).
@@ -994,9 +994,10 @@ impl ClientSession {
         redelivered: bool,
         content: (&str, &str),
     ) {
-        self.shared.metrics.delivered(1);
+        self.counts.delivered += 1;
         let keeps = self.keeps_deliveries();
         let takes_over = self.takes_over_settlements();
+        let revision = self.turn_revision();
         let shared = &self.shared;
         let vhost = &self.vhost;
         let keep = self.channels.get_mut(&channel).and_then(|ch| {
@@ -1012,14 +1013,14 @@ impl ClientSession {
             if source.no_ack || !open || !keeps {
                 return None;
             }
-            let with_content = takes_over && source.keeps_content(shared, vhost);
+            let with_content = takes_over && source.keeps_content(revision, shared, vhost);
             let mut keep = KeepBuilder::new(
                 delivery_tag,
                 source.queue.clone(),
                 with_content.then_some(content),
                 redelivered,
             );
-            keep.timeout = source.consumer_timeout(shared, vhost);
+            keep.timeout = source.consumer_timeout(revision, shared, vhost);
             Some(keep)
         });
         self.start_incoming(channel, keep);
@@ -1077,7 +1078,8 @@ impl ClientSession {
             }
             self.inflight_bytes += charge;
             self.inflight_count += 1;
-            self.shared.metrics.add_inflight(1, charge as i64);
+            self.counts.kept += 1;
+            self.counts.kept_bytes += charge as i64;
         }
         let deferred = std::mem::take(&mut ch.deferred_client);
         for bytes in deferred {
@@ -1093,11 +1095,8 @@ impl ClientSession {
     pub(super) fn release_inflight(&mut self, count: usize, bytes: usize) {
         self.inflight_count = self.inflight_count.saturating_sub(count);
         self.inflight_bytes = self.inflight_bytes.saturating_sub(bytes);
-        if count > 0 || bytes > 0 {
-            self.shared
-                .metrics
-                .add_inflight(-(count as i64), -(bytes as i64));
-        }
+        self.counts.kept -= count as i64;
+        self.counts.kept_bytes -= bytes as i64;
     }
 
     fn release_channel_state(&mut self, mut old: ClientChannel) {

@@ -721,7 +721,7 @@ impl ClientSession {
         let released_count = kept_before - ch.deliveries.kept_len();
         self.release_inflight(released_count, released_bytes);
         if verb == Verb::Ack && released_count > 0 {
-            self.shared.metrics.acked(released_count as u64);
+            self.counts.acked += released_count as u64;
         }
         if !plan.already_pending.is_empty() {
             tracing::debug!(

@@ -60,7 +60,7 @@ const DRAIN_WRITES: usize = 8;
 /// many buffers the outbox counts as full ([`Outbox::is_full`]), so the reader waits for a
 /// write rather than read into another buffer; a run past the bound all the same (from a side
 /// read whatever the outbox holds, such as one that is closing) is copied. So an outbox holds
-/// at most its byte limit plus this many read buffers: 1 MiB with reads of the largest size,
+/// at most its byte limit plus this many read buffers: 512 KiB with reads of the largest size,
 /// more only where a frame larger than a read had a buffer of its own.
 pub(super) const SHARED_BUFFERS_MAX: usize = 16;
 
@@ -96,6 +96,10 @@ pub struct Outbox {
     /// Traffic not yet added to the metrics (added after each write).
     unreported_frames: u64,
     unreported_bytes: u64,
+    /// Change of the queued bytes not yet in this direction's gauge: queuing adds to it
+    /// frame by frame, and it reaches the gauge in one step at the next write, discard or
+    /// [`Outbox::report_gauge`] (the session calls it before each wait).
+    unreported_queued: i64,
 }
 
 impl std::fmt::Debug for Outbox {
@@ -125,6 +129,7 @@ impl Outbox {
             metrics,
             unreported_frames: 0,
             unreported_bytes: 0,
+            unreported_queued: 0,
         }
     }
 
@@ -189,8 +194,19 @@ impl Outbox {
         self.buffer_starts.len() + 1
     }
 
-    /// Changes the gauge of this outbox's direction by `delta` bytes.
-    fn gauge_bytes(&self, delta: i64) {
+    /// Changes the gauge of this outbox's direction by `delta` bytes, at the next report.
+    fn gauge_bytes(&mut self, delta: i64) {
+        self.unreported_queued += delta;
+    }
+
+    /// Adds the change of the queued bytes since the last report to the gauge of this
+    /// outbox's direction: one update per turn of the connection loop rather than one per
+    /// frame queued.
+    pub fn report_gauge(&mut self) {
+        let delta = std::mem::take(&mut self.unreported_queued);
+        if delta == 0 {
+            return;
+        }
         match self.direction {
             Direction::ClientOut => self.metrics.add_outbox_bytes(delta),
             Direction::UpstreamOut => self.metrics.add_upstream_outbox_bytes(delta),
@@ -378,6 +394,7 @@ impl Outbox {
         self.queued -= n;
         self.unflushed = true;
         self.gauge_bytes(-(n as i64));
+        self.report_gauge();
         self.unreported_bytes += n as u64;
         while n > 0 {
             let Some(front) = self.pieces.front_mut() else {
@@ -422,6 +439,7 @@ impl Outbox {
         if self.queued > 0 {
             self.gauge_bytes(-(self.queued as i64));
         }
+        self.report_gauge();
         self.queued = 0;
         self.popped += self.pieces.len() as u64;
         self.pieces.clear();
@@ -784,6 +802,9 @@ mod tests {
         let client = Outbox::new(1 << 20, Direction::ClientOut, metrics.clone());
         upstream.send(Bytes::from_static(b"publish"));
         upstream.send_run(Bytes::from(vec![1u8; RUN_SHARE_MIN]), 2);
+        // Queued bytes reach the gauge at the report (once per turn of the connection loop).
+        assert!(gauge("upstream_outbox_bytes", 0));
+        upstream.report_gauge();
         assert!(gauge("upstream_outbox_bytes", 7 + RUN_SHARE_MIN));
         assert!(gauge("outbox_bytes", 0));
         assert!(gauge("outbox_read_buffers", 1));

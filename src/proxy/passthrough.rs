@@ -161,7 +161,7 @@ impl ClientSession {
                     BASIC_PUBLISH => {
                         // The channel is at hand: no second lookup (see `publish_started`).
                         ch.publish_started();
-                        self.shared.metrics.published(1);
+                        self.counts.published += 1;
                         ClientFrame::Forward
                     }
                     BASIC_ACK => match peek::settle(frame.payload) {

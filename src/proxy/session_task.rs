@@ -198,6 +198,8 @@ pub(super) async fn run<S>(
         if deadline < timer.deadline() || timer.is_elapsed() {
             timer.as_mut().reset(deadline);
         }
+        // What the turn counted reaches the shared metrics before the task waits.
+        session.report_counts();
         let poll_again = busy_poll.should_poll(now);
         let held = session.held_for_capture.is_some();
         let judging = session.service_answer.is_some();

@@ -323,6 +323,50 @@ pub(crate) async fn consuming(arguments: &[(&str, AMQPValue)]) -> (Harness, u16)
     (h, publisher)
 }
 
+/// Whether the shared metrics hold this exact line.
+fn metric_line(h: &Harness, line: &str) -> bool {
+    h.session.shared.metrics.encode().lines().any(|l| l == line)
+}
+
+#[tokio::test]
+async fn messages_counted_in_a_turn_reach_the_metrics_when_the_turn_reports_them() {
+    let (mut h, _) = consuming(&[]).await;
+    // Delivery 7 is kept, and counted by the session: the shared metrics get the count at
+    // the report the connection loop makes before it waits, not one update per frame.
+    assert!(metric_line(&h, "dlx_proxy_messages_delivered_total 0"));
+    assert!(metric_line(&h, "dlx_proxy_inflight_deliveries 0"));
+    h.session.report_counts();
+    assert!(metric_line(&h, "dlx_proxy_messages_delivered_total 1"));
+    assert!(metric_line(&h, "dlx_proxy_inflight_deliveries 1"));
+    assert!(!metric_line(&h, "dlx_proxy_inflight_bytes 0"));
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag: 7,
+            multiple: false,
+        })),
+    ));
+    // The ack is queued for the upstream; its bytes reach the outbox gauge at the report.
+    assert!(metric_line(&h, "dlx_proxy_upstream_outbox_bytes 0"));
+    h.session.report_counts();
+    assert!(metric_line(&h, "dlx_proxy_messages_acked_total 1"));
+    assert!(metric_line(&h, "dlx_proxy_inflight_deliveries 0"));
+    assert!(metric_line(&h, "dlx_proxy_inflight_bytes 0"));
+    let queued = h.session.upstream_out.queued();
+    assert!(queued > 0);
+    assert!(metric_line(
+        &h,
+        &format!("dlx_proxy_upstream_outbox_bytes {queued}")
+    ));
+    // A report with nothing new changes nothing.
+    h.session.report_counts();
+    assert!(metric_line(&h, "dlx_proxy_messages_acked_total 1"));
+    assert!(metric_line(
+        &h,
+        &format!("dlx_proxy_upstream_outbox_bytes {queued}")
+    ));
+}
+
 #[tokio::test]
 async fn a_reject_is_dead_lettered_on_the_publisher_channel_and_acked_upstream_after_the_confirm() {
     let (mut h, publisher) = rejected().await;
