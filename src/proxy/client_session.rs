@@ -169,6 +169,9 @@ pub(super) struct ClientSession {
     pub(super) upstream_in: Tally,
     pub(super) tally_since: Instant,
     pub(super) counts: MessageCounts,
+    /// Whether a delivery of this session was ever given a consumer timeout. Until one is,
+    /// no channel has a deadline, and the turns skip looking through the channels for one.
+    pub(super) timed_deliveries: bool,
     /// The shared settings' revision as read in the turn at `now` ([`Self::turn_revision`]).
     pub(super) revision: Option<(Instant, SettingsRevision)>,
     /// The time of the current turn of the connection loop (read once per turn).
@@ -239,6 +242,7 @@ impl ClientSession {
             upstream_in: Tally::default(),
             tally_since: now,
             counts: MessageCounts::default(),
+            timed_deliveries: false,
             revision: None,
             ack_epoch: now,
             now,

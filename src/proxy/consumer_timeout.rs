@@ -39,6 +39,9 @@ impl ClientSession {
 
     /// When the earliest consumer timeout of an open channel comes.
     pub(super) fn next_consumer_timeout(&self) -> Option<Instant> {
+        if !self.timed_deliveries {
+            return None;
+        }
         self.channels
             .values()
             .filter(|ch| ch.phase == ChannelPhase::Open)
@@ -49,6 +52,9 @@ impl ClientSession {
 
     /// Closes every open channel with a delivery unsettled past its consumer timeout.
     pub(super) fn consumer_timeouts_due(&mut self, now: Instant) {
+        if !self.timed_deliveries {
+            return;
+        }
         let at = now.saturating_duration_since(self.ack_epoch).as_millis() as u64;
         let due: Vec<(u16, u64, u64)> = self
             .channels

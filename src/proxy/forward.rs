@@ -1075,6 +1075,7 @@ impl ClientSession {
             let charge = ch.deliveries.keep(tag, delivery);
             if let Some(timeout) = timeout {
                 ch.deliveries.time(tag, now, timeout);
+                self.timed_deliveries = true;
             }
             self.inflight_bytes += charge;
             self.inflight_count += 1;
