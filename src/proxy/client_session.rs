@@ -47,13 +47,8 @@ use crate::metrics::Direction;
 /// How long a peer gets to answer our connection.close.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
-/// Frames read are counted locally and added to the metrics in batches of this many frames
-/// (or after [`TALLY_FLUSH`]), to keep label lookups off the per-frame path.
-const TALLY_FRAMES: u64 = 64;
-
-const TALLY_FLUSH: Duration = Duration::from_secs(1);
-
-/// Frames and bytes read from one side, not yet added to the metrics.
+/// Frames and bytes read from one side, not yet added to the metrics (they are added with
+/// the [`MessageCounts`], once per turn).
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Tally {
     frames: u64,
@@ -167,7 +162,6 @@ pub(super) struct ClientSession {
     pub(super) shutdown_seen: bool,
     pub(super) client_in: Tally,
     pub(super) upstream_in: Tally,
-    pub(super) tally_since: Instant,
     pub(super) counts: MessageCounts,
     /// Whether a delivery of this session was ever given a consumer timeout. Until one is,
     /// no channel has a deadline, and the turns skip looking through the channels for one.
@@ -240,7 +234,6 @@ impl ClientSession {
             shutdown_seen: false,
             client_in: Tally::default(),
             upstream_in: Tally::default(),
-            tally_since: now,
             counts: MessageCounts::default(),
             timed_deliveries: false,
             revision: None,
@@ -366,9 +359,6 @@ impl ClientSession {
                 _ => {}
             }
         }
-        if self.client_in.frames > 0 || self.upstream_in.frames > 0 {
-            consider(Some(self.tally_since + TALLY_FLUSH));
-        }
         if let Some(publisher) = self.publisher.as_mut() {
             consider(publisher.next_deadline());
         }
@@ -445,9 +435,6 @@ impl ClientSession {
         self.last_client_rx = self.now;
         self.client_in.frames += frames;
         self.client_in.bytes += bytes as u64;
-        if self.client_in.frames >= TALLY_FRAMES {
-            self.flush_traffic();
-        }
     }
 
     /// Counts frames read from the upstream now.
@@ -455,19 +442,6 @@ impl ClientSession {
         self.last_upstream_rx = self.now;
         self.upstream_in.frames += frames;
         self.upstream_in.bytes += bytes as u64;
-        if self.upstream_in.frames >= TALLY_FRAMES {
-            self.flush_traffic();
-        }
-    }
-
-    /// Adds the frames read so far to the metrics.
-    fn flush_traffic(&mut self) {
-        let metrics = &self.shared.metrics;
-        let client = std::mem::take(&mut self.client_in);
-        let upstream = std::mem::take(&mut self.upstream_in);
-        metrics.traffic(Direction::ClientIn, client.frames, client.bytes);
-        metrics.traffic(Direction::UpstreamIn, upstream.frames, upstream.bytes);
-        self.tally_since = self.now;
     }
 
     /// The shared settings' revision, read once per turn of the connection loop (per `now`)
@@ -484,11 +458,16 @@ impl ClientSession {
         }
     }
 
-    /// Adds what this turn counted to the shared metrics: the messages, the kept deliveries
-    /// and the bytes queued in both outboxes. Called before the loop waits, and at the end.
+    /// Adds what this turn counted to the shared metrics: the frames and bytes read, the
+    /// messages, the kept deliveries and the bytes queued in both outboxes. Called before the
+    /// loop waits, and at the end.
     pub(super) fn report_counts(&mut self) {
         let counts = std::mem::take(&mut self.counts);
+        let client = std::mem::take(&mut self.client_in);
+        let upstream = std::mem::take(&mut self.upstream_in);
         let metrics = &self.shared.metrics;
+        metrics.traffic(Direction::ClientIn, client.frames, client.bytes);
+        metrics.traffic(Direction::UpstreamIn, upstream.frames, upstream.bytes);
         if counts.published > 0 {
             metrics.published(counts.published);
         }
@@ -519,9 +498,6 @@ impl ClientSession {
     /// timeouts, closes, the handshake) take effect.
     pub(super) fn on_timer(&mut self, now: Instant) {
         self.now = now;
-        if now >= self.tally_since + TALLY_FLUSH {
-            self.flush_traffic();
-        }
         if !self.running && now >= self.handshake_deadline {
             tracing::info!(peer = %self.peer, "handshake did not complete in time");
             self.client_side = Side::Closed;
@@ -729,7 +705,6 @@ impl ClientSession {
 
     /// Releases everything the connection still holds (gauges).
     pub(super) fn finish(&mut self) {
-        self.flush_traffic();
         self.let_go_held(|_| true);
         let channels: Vec<u16> = self.channels.keys().copied().collect();
         for channel in channels {

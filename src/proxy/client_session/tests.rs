@@ -333,11 +333,16 @@ async fn messages_counted_in_a_turn_reach_the_metrics_when_the_turn_reports_them
     let (mut h, _) = consuming(&[]).await;
     // Delivery 7 is kept, and counted by the session: the shared metrics get the count at
     // the report the connection loop makes before it waits, not one update per frame.
+    let client_in = r#"dlx_proxy_frames_total{direction="client_in"}"#;
     assert!(metric_line(&h, "dlx_proxy_messages_delivered_total 0"));
     assert!(metric_line(&h, "dlx_proxy_inflight_deliveries 0"));
+    assert!(!metric_line(&h, &format!("{client_in} 5")));
     h.session.report_counts();
     assert!(metric_line(&h, "dlx_proxy_messages_delivered_total 1"));
     assert!(metric_line(&h, "dlx_proxy_inflight_deliveries 1"));
+    // The frames read come with them: the client's start-ok, tune-ok, open, channel.open
+    // and basic.consume.
+    assert!(metric_line(&h, &format!("{client_in} 5")));
     assert!(!metric_line(&h, "dlx_proxy_inflight_bytes 0"));
     h.client_sends(method_frame(
         1,
