@@ -47,19 +47,21 @@ use crate::metrics::Direction;
 /// How long a peer gets to answer our connection.close.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
-/// Frames and bytes read from one side, not yet added to the metrics (they are added with
-/// the [`MessageCounts`], once per turn).
+/// Frames and bytes read from one side (part of the [`MessageCounts`]).
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Tally {
     frames: u64,
     bytes: u64,
 }
 
-/// Messages counted while the frames of one turn of the connection loop are handled, added to
-/// the shared metrics in one go before the loop waits again ([`ClientSession::report_counts`]):
-/// each update of a shared counter is an atomic instruction, several per message otherwise.
+/// Traffic and messages counted while the frames of one turn of the connection loop are
+/// handled, added to the shared metrics in one go before the loop waits again
+/// ([`ClientSession::report_counts`]): each update of a shared counter is an atomic
+/// instruction, several per message otherwise.
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct MessageCounts {
+    pub(super) read_from_client: Tally,
+    pub(super) read_from_upstream: Tally,
     pub(super) published: u64,
     pub(super) delivered: u64,
     pub(super) acked: u64,
@@ -160,8 +162,6 @@ pub(super) struct ClientSession {
     /// The client's connection.close, held until the proxy's own work is settled.
     pub(super) parked_connection_close: Option<Bytes>,
     pub(super) shutdown_seen: bool,
-    pub(super) client_in: Tally,
-    pub(super) upstream_in: Tally,
     pub(super) counts: MessageCounts,
     /// Whether a delivery of this session was ever given a consumer timeout. Until one is,
     /// no channel has a deadline, and the turns skip looking through the channels for one.
@@ -232,8 +232,6 @@ impl ClientSession {
             retrying: 0,
             parked_connection_close: None,
             shutdown_seen: false,
-            client_in: Tally::default(),
-            upstream_in: Tally::default(),
             counts: MessageCounts::default(),
             timed_deliveries: false,
             revision: None,
@@ -433,15 +431,15 @@ impl ClientSession {
     /// Counts frames read from the client now (for heartbeats and the traffic metrics).
     pub(super) fn client_frames_read(&mut self, frames: u64, bytes: usize) {
         self.last_client_rx = self.now;
-        self.client_in.frames += frames;
-        self.client_in.bytes += bytes as u64;
+        self.counts.read_from_client.frames += frames;
+        self.counts.read_from_client.bytes += bytes as u64;
     }
 
     /// Counts frames read from the upstream now.
     pub(super) fn upstream_frames_read(&mut self, frames: u64, bytes: usize) {
         self.last_upstream_rx = self.now;
-        self.upstream_in.frames += frames;
-        self.upstream_in.bytes += bytes as u64;
+        self.counts.read_from_upstream.frames += frames;
+        self.counts.read_from_upstream.bytes += bytes as u64;
     }
 
     /// The shared settings' revision, read once per turn of the connection loop (per `now`)
@@ -463,9 +461,8 @@ impl ClientSession {
     /// loop waits, and at the end.
     pub(super) fn report_counts(&mut self) {
         let counts = std::mem::take(&mut self.counts);
-        let client = std::mem::take(&mut self.client_in);
-        let upstream = std::mem::take(&mut self.upstream_in);
         let metrics = &self.shared.metrics;
+        let (client, upstream) = (counts.read_from_client, counts.read_from_upstream);
         metrics.traffic(Direction::ClientIn, client.frames, client.bytes);
         metrics.traffic(Direction::UpstreamIn, upstream.frames, upstream.bytes);
         if counts.published > 0 {
