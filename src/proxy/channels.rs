@@ -8,40 +8,12 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
 use super::inflight::{ChannelDeliveries, KeptDelivery, KeptMessage};
 use super::wire::content_body_size;
 use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER};
-
-/// A map keyed by channel number, looked up several times per forwarded frame. The keys are
-/// bounded by the negotiated channel_max (no peer can pick colliding keys at will), so a
-/// multiplicative hash does instead of SipHash, which profiles showed on the forwarding path.
-pub type ChannelMap<V> = HashMap<u16, V, std::hash::BuildHasherDefault<ChannelNumberHasher>>;
-
-/// Fibonacci hashing of a channel number: spreads consecutive numbers over the whole word
-/// (hashbrown takes its tag from the top bits).
-#[derive(Default, Clone, Copy)]
-pub struct ChannelNumberHasher(u64);
-
-impl std::hash::Hasher for ChannelNumberHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        // Not reached for u16 keys (write_u16 below); kept total for any other use.
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-
-    fn write_u16(&mut self, n: u16) {
-        self.0 = (u64::from(n) ^ self.0).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
 
 /// Where a channel is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,7 +108,8 @@ pub struct IncomingContent {
 #[derive(Debug)]
 pub struct KeepBuilder {
     pub delivery_tag: u64,
-    pub queue: Arc<str>,
+    /// Its queue, where the kept delivery needs it (see [`KeptDelivery::queue`]).
+    pub queue: Option<Arc<str>>,
     pub redelivered: bool,
     /// Its consumer timeout (ms), if it has one.
     pub timeout: Option<u64>,
@@ -149,10 +122,10 @@ pub struct KeepBuilder {
 
 impl KeepBuilder {
     /// A delivery to keep; `content` (its exchange and routing key) when its properties and
-    /// body are kept too.
+    /// body are kept too (`queue` is then its queue).
     pub fn new(
         delivery_tag: u64,
-        queue: Arc<str>,
+        queue: Option<Arc<str>>,
         content: Option<(&str, &str)>,
         redelivered: bool,
     ) -> Self {
@@ -172,8 +145,8 @@ impl KeepBuilder {
         }
     }
 
-    /// The kept delivery, received at `now`.
-    pub fn finish(self, now: Instant) -> (u64, KeptDelivery) {
+    /// The kept delivery.
+    pub fn finish(self) -> (u64, KeptDelivery) {
         let body = self.body;
         let message = self.message.map(|mut message| {
             message.body = body.freeze();
@@ -184,7 +157,6 @@ impl KeepBuilder {
             KeptDelivery {
                 queue: self.queue,
                 redelivered: self.redelivered,
-                received_at: now,
                 deadline: None,
                 message,
             },
@@ -348,6 +320,23 @@ impl ClientChannel {
         finished.then(|| self.incoming.take().and_then(|i| i.keep))
     }
 
+    /// Keeps a delivery whose content ended. `clock` gives the session's milliseconds for
+    /// its consumer timeout, read only when it has one. Returns the bytes charged and
+    /// whether it has a timeout.
+    pub fn keep_finished(
+        &mut self,
+        builder: KeepBuilder,
+        clock: impl FnOnce() -> u64,
+    ) -> (usize, bool) {
+        let timeout = builder.timeout;
+        let (tag, delivery) = builder.finish();
+        let charge = self.deliveries.keep(tag, delivery);
+        if let Some(timeout) = timeout {
+            self.deliveries.time(tag, clock(), timeout);
+        }
+        (charge, timeout.is_some())
+    }
+
     /// The consumer with this tag. A channel with one consumer (the usual case) compares
     /// the tag instead of hashing it, once per delivery.
     pub fn consumer_mut(&mut self, tag: &str) -> Option<&mut Source> {
@@ -370,23 +359,6 @@ impl ClientChannel {
 mod tests {
     use super::*;
     use crate::proxy::inflight::KEPT_OVERHEAD;
-    use std::hash::BuildHasher;
-
-    #[test]
-    fn channel_numbers_hash_apart_in_the_top_bits() {
-        let build = std::hash::BuildHasherDefault::<ChannelNumberHasher>::default();
-        let hashes: Vec<u64> = (0..=2047u16).map(|n| build.hash_one(n)).collect();
-        let distinct: std::collections::HashSet<u64> = hashes.iter().copied().collect();
-        assert_eq!(distinct.len(), hashes.len());
-        // hashbrown's 7-bit tag comes from the top bits: every tag is used.
-        let tags: std::collections::HashSet<u64> = hashes.iter().map(|h| h >> 57).collect();
-        assert_eq!(tags.len(), 128);
-        let mut map = ChannelMap::default();
-        for n in 1..=2047u16 {
-            map.insert(n, n);
-        }
-        assert!((1..=2047u16).all(|n| map.get(&n) == Some(&n)));
-    }
 
     #[test]
     fn consumers_are_found_by_tag_with_one_or_several() {
@@ -442,7 +414,7 @@ mod tests {
         ch.incoming = Some(IncomingContent {
             keep: Some(KeepBuilder::new(
                 3,
-                Arc::from("q"),
+                Some(Arc::from("q")),
                 Some(("ex", "rk")),
                 false,
             )),
@@ -453,7 +425,7 @@ mod tests {
         assert!(ch.incoming_seen(FRAME_BODY, b"ab").is_none());
         let builder = ch.incoming_seen(FRAME_BODY, b"cde").unwrap().unwrap();
         assert!(ch.client_idle());
-        let (tag, kept) = builder.finish(Instant::now());
+        let (tag, kept) = builder.finish();
         assert_eq!(tag, 3);
         let message = kept.message.unwrap();
         assert_eq!(&message.body[..], b"abcde");
@@ -471,14 +443,13 @@ mod tests {
     }
 
     #[test]
-    fn a_finished_delivery_was_received_at_the_time_given() {
-        let at = Instant::now() + std::time::Duration::from_secs(7);
-        let mut builder = KeepBuilder::new(9, Arc::from("orders"), Some(("ex", "rk")), true);
+    fn a_finished_delivery_keeps_what_it_was_built_with() {
+        let queue = Some(Arc::from("orders"));
+        let mut builder = KeepBuilder::new(9, queue, Some(("ex", "rk")), true);
         builder.body.extend_from_slice(b"payload");
-        let (tag, kept) = builder.finish(at);
+        let (tag, kept) = builder.finish();
         assert_eq!(tag, 9);
-        assert_eq!(kept.received_at, at);
-        assert_eq!(&*kept.queue, "orders");
+        assert_eq!(kept.queue.as_deref(), Some("orders"));
         assert!(kept.redelivered && kept.with_content());
         assert_eq!(kept.deadline, None);
         let message = kept.message.as_deref().unwrap();
@@ -489,8 +460,9 @@ mod tests {
         assert_eq!(&message.body[..], b"payload");
         assert_eq!(kept.charge(), 2 + 2 + 7 + KEPT_OVERHEAD);
         // Kept as a tag only: no message, only the overhead is charged.
-        let (_, tag_only) = KeepBuilder::new(10, Arc::from("orders"), None, false).finish(at);
+        let (_, tag_only) = KeepBuilder::new(10, None, None, false).finish();
         assert!(!tag_only.with_content() && tag_only.raw_properties().is_empty());
+        assert_eq!(tag_only.queue, None);
         assert_eq!(tag_only.charge(), KEPT_OVERHEAD);
     }
 }

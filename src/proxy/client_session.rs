@@ -25,7 +25,8 @@ use amq_protocol::types::ShortString;
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::channels::{ChannelMap, ClientChannel};
+use super::channel_map::ChannelMap;
+use super::channels::ClientChannel;
 use super::handshake::Negotiated;
 use super::ops::Op;
 use super::outbox::Outbox;
@@ -596,7 +597,7 @@ impl ClientSession {
     /// ([`ClientSession::count_returns`]).
     fn drain_upstream(&mut self) {
         if self.upstream_side == Side::Open {
-            let channels: Vec<u16> = self.channels.keys().copied().collect();
+            let channels: Vec<u16> = self.channels.keys().collect();
             for channel in channels {
                 self.count_returns(channel);
             }
@@ -703,7 +704,7 @@ impl ClientSession {
     /// Releases everything the connection still holds (gauges).
     pub(super) fn finish(&mut self) {
         self.let_go_held(|_| true);
-        let channels: Vec<u16> = self.channels.keys().copied().collect();
+        let channels: Vec<u16> = self.channels.keys().collect();
         for channel in channels {
             self.remove_channel(channel);
         }

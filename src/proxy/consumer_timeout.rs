@@ -29,14 +29,12 @@ const CHANNEL_OPEN: (u16, u16) = (20, 10);
 const CHANNEL_CLOSE: (u16, u16) = (20, 40);
 const CHANNEL_CLOSE_OK: (u16, u16) = (20, 41);
 
-impl ClientSession {
-    /// Milliseconds since `ack_epoch` at the current turn.
-    pub(super) fn ack_clock(&self) -> u64 {
-        self.now
-            .saturating_duration_since(self.ack_epoch)
-            .as_millis() as u64
-    }
+/// Milliseconds from `epoch` to `now` (the session's clock for consumer timeouts).
+pub(super) fn ack_clock_at(now: Instant, epoch: Instant) -> u64 {
+    now.saturating_duration_since(epoch).as_millis() as u64
+}
 
+impl ClientSession {
     /// When the earliest consumer timeout of an open channel comes.
     pub(super) fn next_consumer_timeout(&self) -> Option<Instant> {
         if !self.timed_deliveries {
@@ -62,7 +60,7 @@ impl ClientSession {
             .filter(|(_, ch)| ch.phase == ChannelPhase::Open)
             .filter_map(|(n, ch)| {
                 let (tag, timeout) = ch.deliveries.overdue(at)?;
-                Some((*n, tag, timeout))
+                Some((n, tag, timeout))
             })
             .collect();
         for (channel, tag, timeout) in due {
@@ -74,7 +72,7 @@ impl ClientSession {
         let Some(ch) = self.channels.get_mut(&channel) else {
             return;
         };
-        if let Some(queue) = ch.deliveries.get(tag).map(|d| d.queue.clone()) {
+        if let Some(queue) = ch.deliveries.get(tag).and_then(|d| d.queue.clone()) {
             self.shared.metrics.consumer_timed_out(&self.vhost, &queue);
         }
         tracing::info!(peer = %self.peer, channel, timeout, "consumer timeout: closing the channel");

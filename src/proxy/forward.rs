@@ -14,6 +14,7 @@ use super::channels::{
     ChannelPhase, ClientChannel, IncomingContent, KeepBuilder, OutgoingContent, Source,
 };
 use super::client_session::{ClientSession, Side};
+use super::consumer_timeout::ack_clock_at;
 use super::handshake::{LoginCheck, check_login, negotiate, tune_for_client};
 use super::inflight::Verb;
 use super::probe::CheckChannel;
@@ -62,7 +63,7 @@ pub(super) const BASIC_NACK: (u16, u16) = (60, 120);
 const TX_SELECT: (u16, u16) = (90, 10);
 
 /// Which of its channel's sources a delivery came from.
-enum DeliveredBy<'a> {
+pub(super) enum DeliveredBy<'a> {
     /// The consumer with this tag (basic.deliver).
     Consumer(&'a str),
     /// The oldest basic.get waiting for its answer (basic.get-ok).
@@ -291,7 +292,7 @@ impl ClientSession {
     fn client_connection_frame(&mut self, frame: WireFrame) {
         if frame.kind == FRAME_METHOD && frame.method_ids() == CONNECTION_CLOSE {
             // Deliveries the client leaves unsettled count against delivery limits.
-            let channels: Vec<u16> = self.channels.keys().copied().collect();
+            let channels: Vec<u16> = self.channels.keys().collect();
             for channel in channels {
                 self.count_returns(channel);
             }
@@ -871,6 +872,7 @@ impl ClientSession {
                     get_ok.delivery_tag,
                     get_ok.redelivered,
                     (get_ok.exchange, get_ok.routing_key),
+                    false,
                 );
                 self.send_client(frame.raw);
             }
@@ -978,6 +980,7 @@ impl ClientSession {
             deliver.delivery_tag,
             deliver.redelivered,
             (deliver.exchange, deliver.routing_key),
+            false,
         );
     }
 
@@ -985,45 +988,63 @@ impl ClientSession {
     /// kept while the client must settle it: with its content (`exchange` and routing key,
     /// then the properties and body as they arrive) when the proxy dead-letters for this
     /// session and the queue may dead-letter, else as its tag; with the source's consumer
-    /// timeout.
-    fn delivery_started(
+    /// timeout. With `only_for_client`, a channel the proxy closed towards the client is
+    /// left as it is and `false` returned (as for an unknown channel): the forwarding fast
+    /// path hands such a delivery to the frame-by-frame path. One channel lookup in all.
+    pub(super) fn delivery_started(
         &mut self,
         channel: u16,
         by: DeliveredBy<'_>,
         delivery_tag: u64,
         redelivered: bool,
         content: (&str, &str),
-    ) {
-        self.counts.delivered += 1;
+        only_for_client: bool,
+    ) -> bool {
         let keeps = self.keeps_deliveries();
         let takes_over = self.takes_over_settlements();
         let revision = self.turn_revision();
-        let shared = &self.shared;
-        let vhost = &self.vhost;
-        let keep = self.channels.get_mut(&channel).and_then(|ch| {
-            let open = ch.is_open();
-            let mut got;
-            let source = match by {
-                DeliveredBy::Consumer(tag) => ch.consumer_mut(tag)?,
-                DeliveredBy::Get => {
-                    got = ch.pending_gets.pop_front()?;
-                    &mut got
-                }
-            };
-            if source.no_ack || !open || !keeps {
-                return None;
+        let Some(ch) = self.channels.get_mut(&channel) else {
+            self.counts.delivered += 1;
+            return !only_for_client;
+        };
+        if only_for_client && ch.closed_for_client.is_some() {
+            return false;
+        }
+        self.counts.delivered += 1;
+        let open = ch.is_open();
+        let mut got;
+        let source = match by {
+            DeliveredBy::Consumer(tag) => ch.consumer_mut(tag),
+            DeliveredBy::Get => {
+                got = ch.pending_gets.pop_front();
+                got.as_mut()
             }
-            let with_content = takes_over && source.keeps_content(revision, shared, vhost);
-            let mut keep = KeepBuilder::new(
-                delivery_tag,
-                source.queue.clone(),
-                with_content.then_some(content),
-                redelivered,
-            );
-            keep.timeout = source.consumer_timeout(revision, shared, vhost);
-            Some(keep)
+        };
+        let keep = source
+            .filter(|source| !source.no_ack && open && keeps)
+            .map(|source| {
+                let with_content =
+                    takes_over && source.keeps_content(revision, &self.shared, &self.vhost);
+                let timeout = source.consumer_timeout(revision, &self.shared, &self.vhost);
+                // A tag-only delivery without a timeout needs no queue (and no shared count).
+                let queue = (with_content || timeout.is_some()).then(|| source.queue.clone());
+                let mut keep = KeepBuilder::new(
+                    delivery_tag,
+                    queue,
+                    with_content.then_some(content),
+                    redelivered,
+                );
+                keep.timeout = timeout;
+                keep
+            });
+        if ch.incoming.is_none() {
+            self.incoming_in_progress += 1;
+        }
+        ch.incoming = Some(IncomingContent {
+            keep,
+            remaining: None,
         });
-        self.start_incoming(channel, keep);
+        true
     }
 
     fn start_incoming(&mut self, channel: u16, keep: Option<KeepBuilder>) {
@@ -1060,29 +1081,16 @@ impl ClientSession {
     /// the delivery is kept, and frames deferred meanwhile go to the client.
     pub(super) fn incoming_finished(&mut self, channel: u16, completed: Option<KeepBuilder>) {
         self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
-        let received = self.now;
-        let now = if completed.is_some() {
-            self.ack_clock()
-        } else {
-            0
-        };
+        let (now, epoch) = (self.now, self.ack_epoch);
         let Some(ch) = self.channels.get_mut(&channel) else {
             return;
         };
-        if let Some(builder) = completed {
-            let timeout = builder.timeout;
-            let (tag, delivery) = builder.finish(received);
-            let charge = ch.deliveries.keep(tag, delivery);
-            if let Some(timeout) = timeout {
-                ch.deliveries.time(tag, now, timeout);
-                self.timed_deliveries = true;
-            }
-            self.inflight_bytes += charge;
-            self.inflight_count += 1;
-            self.counts.kept += 1;
-            self.counts.kept_bytes += charge as i64;
-        }
         let deferred = std::mem::take(&mut ch.deferred_client);
+        if let Some(builder) = completed {
+            let (charge, timed) = ch.keep_finished(builder, || ack_clock_at(now, epoch));
+            self.timed_deliveries |= timed;
+            self.kept(charge);
+        }
         for bytes in deferred {
             self.send_client(bytes);
         }
@@ -1091,6 +1099,14 @@ impl ClientSession {
     // ------------------------------------------------------------------------------------
     // Channel bookkeeping
     // ------------------------------------------------------------------------------------
+
+    /// A delivery of `charge` bytes joined the kept ones.
+    pub(super) fn kept(&mut self, charge: usize) {
+        self.inflight_bytes += charge;
+        self.inflight_count += 1;
+        self.counts.kept += 1;
+        self.counts.kept_bytes += charge as i64;
+    }
 
     /// Releases kept deliveries from the inflight accounting.
     pub(super) fn release_inflight(&mut self, count: usize, bytes: usize) {
@@ -1145,7 +1161,12 @@ impl ClientSession {
             let (count, bytes) = ch.deliveries.clear();
             self.release_inflight(count, bytes);
         }
-        *self.upstream_drain.entry(channel).or_insert(0) += 1;
+        match self.upstream_drain.get_mut(&channel) {
+            Some(closes) => *closes += 1,
+            None => {
+                self.upstream_drain.insert(channel, 1);
+            }
+        }
         self.inject_upstream(channel, close.clone());
         self.inject_client(channel, close);
     }

@@ -23,7 +23,6 @@
 
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
 
@@ -33,14 +32,14 @@ use crate::broker::ack_timeout::{AckDeadlines, Deadline};
 pub const KEPT_OVERHEAD: usize = 128;
 
 /// A delivery the client has not settled yet. Small (a tag-only delivery is moved and kept
-/// by the thousand on the forwarding path); the message itself sits behind a box.
+/// by the thousand on the forwarding path, with no shared count to touch); the message
+/// itself sits behind a box.
 #[derive(Clone, Debug)]
 pub struct KeptDelivery {
-    /// The queue it came from.
-    pub queue: Arc<str>,
+    /// The queue it came from, where the proxy may need it: when its message was kept (a
+    /// dead letter names its queue) or it has a consumer timeout (the metric names it).
+    pub queue: Option<Arc<str>>,
     pub redelivered: bool,
-    /// When the proxy saw the delivery.
-    pub received_at: Instant,
     /// When it times out unsettled (its consumer timeout), in the session's milliseconds.
     pub deadline: Option<Deadline>,
     /// The message as delivered, when it was kept; without it the proxy cannot take the
@@ -267,6 +266,15 @@ impl ChannelDeliveries {
         self.forget(tag, &delivery);
         self.drop_empty_slots();
         Some(delivery)
+    }
+
+    /// Releases kept delivery `tag`, acked on its own by the client; the bytes it was charged,
+    /// or `None` (nothing changed) when it is not kept. An ack is never taken over, so this
+    /// is the plan [`Self::plan_settlement`] would make: forward the client's frame.
+    pub fn take_acked(&mut self, tag: u64) -> Option<usize> {
+        let before = self.kept_bytes;
+        self.take(tag)?;
+        Some(before - self.kept_bytes)
     }
 
     /// Takes every kept delivery with a tag up to `last`, in tag order.

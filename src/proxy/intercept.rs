@@ -709,7 +709,10 @@ impl ClientSession {
                 return false;
             }
             // Only verified settings are acted on; otherwise the upstream decides.
-            let Some(view) = cached_view(&mut views, cache, shared, vhost, &d.queue) else {
+            let Some(queue) = d.queue.as_ref() else {
+                return false;
+            };
+            let Some(view) = cached_view(&mut views, cache, shared, vhost, queue) else {
                 return false;
             };
             if verb.requeues() {
@@ -772,13 +775,9 @@ impl ClientSession {
                 channel_id,
                 tag: delivery_tag,
             };
-            let view = cached_view(
-                views,
-                &mut self.view_cache,
-                &shared,
-                &self.vhost,
-                &delivery.queue,
-            );
+            let view = delivery.queue.as_ref().and_then(|queue| {
+                cached_view(views, &mut self.view_cache, &shared, &self.vhost, queue)
+            });
             match view {
                 Some(view) => self.take_over(origin, verb, delivery, &view),
                 // Not planned without a view; given back to be safe.
@@ -818,8 +817,10 @@ impl ClientSession {
         // channel (the plan's native frames are not needed).
         let (plan, released_bytes) = ch.deliveries.plan_settlement(verb, 0, true, |d| {
             d.with_content()
-                && cached_view(&mut views, cache, &shared, &vhost, &d.queue)
-                    .is_some_and(|view| view.takes_over_requeue(d))
+                && d.queue.as_ref().is_some_and(|queue| {
+                    cached_view(&mut views, cache, &shared, &vhost, queue)
+                        .is_some_and(|view| view.takes_over_requeue(d))
+                })
         });
         let released_count = kept_before - ch.deliveries.kept_len();
         self.release_inflight(released_count, released_bytes);
@@ -828,8 +829,9 @@ impl ClientSession {
 
     /// Dead-letters a rejected delivery, or republishes a requeued one with its delivery count.
     fn take_over(&mut self, origin: Origin, verb: Verb, delivery: KeptDelivery, view: &QueueView) {
-        let Some(kept) = delivery.message else {
-            // Only deliveries kept with their message are planned for this; given back.
+        let (Some(kept), Some(queue)) = (delivery.message, delivery.queue) else {
+            // Only deliveries kept with their message (and queue) are planned for this; given
+            // back.
             self.settle_origin(origin, Settlement::Requeue);
             return;
         };
@@ -842,13 +844,13 @@ impl ClientSession {
         let props = match decode_properties(&raw_properties) {
             Ok(props) => props,
             Err(err) => {
-                tracing::warn!(peer = %self.peer, %err, queue = &*delivery.queue, "delivered properties do not decode; settling natively");
+                tracing::warn!(peer = %self.peer, %err, queue = &*queue, "delivered properties do not decode; settling natively");
                 let settlement = if verb.requeues() {
                     Settlement::Requeue
                 } else {
                     self.shared
                         .metrics
-                        .dropped(&self.vhost, &delivery.queue, "undecodable");
+                        .dropped(&self.vhost, &queue, "undecodable");
                     Settlement::Ack
                 };
                 self.settle_origin(origin, settlement);
@@ -866,14 +868,14 @@ impl ClientSession {
                     self.settle_origin(origin, Settlement::Requeue);
                     return;
                 }
-                let mut message = requeue_publish(&props, &delivery.queue, count, body);
+                let mut message = requeue_publish(&props, &queue, count, body);
                 message.raw_properties =
                     keep_opaque_headers(message.raw_properties, &raw_properties);
-                self.publish_op(origin, Purpose::Requeue, delivery.queue, message);
+                self.publish_op(origin, Purpose::Requeue, queue, message);
                 return;
             }
             let death = Death {
-                queue: delivery.queue,
+                queue,
                 reason: DeadLetterReason::DeliveryLimit,
                 before: props,
                 raw_before: raw_properties,
@@ -886,7 +888,7 @@ impl ClientSession {
             return;
         }
         let death = Death {
-            queue: delivery.queue,
+            queue,
             reason: DeadLetterReason::Rejected,
             before: props,
             raw_before: raw_properties,

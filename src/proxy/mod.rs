@@ -194,6 +194,7 @@ pub mod bcc;
 pub mod busy_poll;
 pub mod capture;
 pub mod capture_write;
+mod channel_map;
 pub mod channels;
 mod client_session;
 mod consumer_timeout;

@@ -19,7 +19,8 @@
 use bytes::{Buf, BytesMut};
 
 use super::client_session::{ClientSession, Side};
-use super::forward::{BASIC_ACK, BASIC_DELIVER, BASIC_NACK, BASIC_PUBLISH};
+use super::consumer_timeout::ack_clock_at;
+use super::forward::{BASIC_ACK, BASIC_DELIVER, BASIC_NACK, BASIC_PUBLISH, DeliveredBy};
 use super::inflight::Verb;
 use super::intercept::ClientSettlement;
 use super::outbox::GATHER_FRAME_MAX;
@@ -165,6 +166,16 @@ impl ClientSession {
                         ClientFrame::Forward
                     }
                     BASIC_ACK => match peek::settle(frame.payload) {
+                        // An ack of one kept delivery (the usual one) settles it upstream as it
+                        // is: no plan to make (an ack is never taken over).
+                        Some(peek::Settle::Ack {
+                            delivery_tag,
+                            multiple: false,
+                        }) if let Some(charge) = ch.deliveries.take_acked(delivery_tag) => {
+                            self.release_inflight(1, charge);
+                            self.counts.acked += 1;
+                            ClientFrame::Forward
+                        }
                         Some(peek::Settle::Ack {
                             delivery_tag,
                             multiple,
@@ -238,29 +249,36 @@ impl ClientSession {
     }
 
     /// The bookkeeping of one upstream frame in a run; `false` (with nothing changed) when it
-    /// is not one the fast path handles.
+    /// is not one the fast path handles. One channel lookup per frame.
     fn upstream_frame_in_run(&mut self, frame: &RunFrame<'_>) -> bool {
-        let Some(ch) = self.channels.get_mut(&frame.channel) else {
-            return false;
-        };
-        if ch.closed_for_client.is_some() {
-            return false;
-        }
         match frame.kind {
             FRAME_METHOD => match method_ids(frame.payload) {
                 BASIC_DELIVER => {
                     let Some(deliver) = peek::deliver(frame.payload) else {
                         return false;
                     };
-                    self.deliver_started(frame.channel, &deliver);
-                    true
+                    self.delivery_started(
+                        frame.channel,
+                        DeliveredBy::Consumer(deliver.consumer_tag),
+                        deliver.delivery_tag,
+                        deliver.redelivered,
+                        (deliver.exchange, deliver.routing_key),
+                        true,
+                    )
                 }
                 // Publisher confirms of the client's channel: forwarded as they are.
-                BASIC_ACK | BASIC_NACK => true,
+                BASIC_ACK | BASIC_NACK => self
+                    .channels
+                    .get(&frame.channel)
+                    .is_some_and(|ch| ch.closed_for_client.is_none()),
                 _ => false,
             },
             FRAME_HEADER | FRAME_BODY => {
-                if ch.incoming.is_none()
+                let Some(ch) = self.channels.get_mut(&frame.channel) else {
+                    return false;
+                };
+                if ch.closed_for_client.is_some()
+                    || ch.incoming.is_none()
                     || !ch.deferred_client.is_empty()
                     || ch
                         .delivered_header_rewrite(frame.kind, frame.payload)
@@ -269,8 +287,16 @@ impl ClientSession {
                     return false;
                 }
                 if let Some(completed) = ch.incoming_seen(frame.kind, frame.payload) {
-                    // Nothing was deferred: this only keeps the delivery.
-                    self.incoming_finished(frame.channel, completed);
+                    // Nothing was deferred: this only keeps the delivery (as
+                    // `incoming_finished` does, with the channel at hand).
+                    self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
+                    if let Some(builder) = completed {
+                        let (now, epoch) = (self.now, self.ack_epoch);
+                        let (charge, timed) =
+                            ch.keep_finished(builder, || ack_clock_at(now, epoch));
+                        self.timed_deliveries |= timed;
+                        self.kept(charge);
+                    }
                 }
                 true
             }

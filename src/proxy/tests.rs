@@ -1,7 +1,5 @@
 //! Unit tests of [`crate::proxy`]: the requeue decisions of [`QueueView`].
 
-use std::time::Instant;
-
 use amq_protocol::protocol::BasicProperties;
 use amq_protocol::types::{AMQPValue, FieldTable, ShortString};
 use bytes::Bytes;
@@ -21,9 +19,8 @@ fn limited(queue_type: QueueType) -> QueueView {
 
 fn delivery(redelivered: bool, raw_properties: Bytes) -> inflight::KeptDelivery {
     inflight::KeptDelivery {
-        queue: Arc::from("q"),
+        queue: Some(Arc::from("q")),
         redelivered,
-        received_at: Instant::now(),
         deadline: None,
         message: Some(Box::new(inflight::KeptMessage {
             exchange: String::new(),

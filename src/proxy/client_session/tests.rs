@@ -677,7 +677,7 @@ async fn a_delivery_held_past_its_consumer_timeout_closes_the_channel_on_both_si
         AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
     ));
     assert!(h.upstream_got().is_empty());
-    assert!(h.session.channels.is_empty());
+    assert_eq!(h.session.channels.len(), 0);
     let metrics = h.session.shared.metrics.encode();
     assert!(
         metrics.contains(r#"dlx_proxy_consumer_timeouts_total{queue="q",vhost="/"} 1"#),

@@ -4,9 +4,8 @@ use super::*;
 
 fn delivery(queue: &str, body: &str) -> KeptDelivery {
     KeptDelivery {
-        queue: Arc::from(queue),
+        queue: Some(Arc::from(queue)),
         redelivered: false,
-        received_at: Instant::now(),
         deadline: None,
         message: Some(Box::new(KeptMessage {
             exchange: String::new(),
@@ -59,6 +58,28 @@ fn plain_acks_are_forwarded_unchanged() {
 }
 
 #[test]
+fn an_ack_of_one_kept_tag_releases_what_it_was_charged_and_nothing_else() {
+    let mut ch = channel_with(&[(1, "q"), (2, "dl"), (3, "q")]);
+    let charged = ch.get(2).map(KeptDelivery::charge);
+    let before = ch.kept_bytes();
+    assert_eq!(ch.take_acked(2), charged);
+    assert_eq!(
+        (ch.kept_len(), ch.kept_bytes()),
+        (2, before - charged.unwrap())
+    );
+    assert!(ch.get(2).is_none() && ch.get(1).is_some() && ch.get(3).is_some());
+    // Not kept (settled already, never kept, or pending): nothing changes, the full plan
+    // decides.
+    assert_eq!(ch.take_acked(2), None);
+    assert_eq!(ch.take_acked(9), None);
+    ch.plan_settlement(Verb::Reject { requeue: false }, 3, false, |_| true);
+    assert!(ch.is_pending(3));
+    assert_eq!(ch.take_acked(3), None);
+    assert!(ch.is_pending(3));
+    assert_eq!(ch.kept_len(), 1);
+}
+
+#[test]
 fn unknown_tags_are_left_to_the_upstream() {
     let mut ch = channel_with(&[(1, "q")]);
     let (plan, released) = ch.plan_settlement(Verb::Ack, 9, false, |_| false);
@@ -70,7 +91,7 @@ fn unknown_tags_are_left_to_the_upstream() {
 fn take_over_makes_tags_pending() {
     let mut ch = channel_with(&[(1, "q"), (2, "dl"), (3, "q")]);
     let (plan, _) = ch.plan_settlement(Verb::Nack { requeue: false }, 3, true, |d| {
-        &*d.queue == "dl"
+        d.queue.as_deref() == Some("dl")
     });
     assert!(!plan.forward_original);
     assert_eq!(plan.taken_over.len(), 1);
@@ -118,8 +139,9 @@ fn multiple_ack_never_covers_a_pending_tag() {
 #[test]
 fn native_tags_below_the_pending_ones_use_one_multiple_frame() {
     let mut ch = channel_with(&[(1, "q"), (2, "q"), (3, "dl")]);
-    let (plan, _) =
-        ch.plan_settlement(Verb::Nack { requeue: true }, 0, true, |d| &*d.queue == "dl");
+    let (plan, _) = ch.plan_settlement(Verb::Nack { requeue: true }, 0, true, |d| {
+        d.queue.as_deref() == Some("dl")
+    });
     assert_eq!(
         plan.native,
         vec![NativeSettle {
@@ -177,10 +199,7 @@ fn a_tag_kept_again_replaces_the_first_and_out_of_order_tags_stay_sorted() {
     let bytes = ch.kept_bytes();
     ch.keep(5, delivery("b", "x"));
     assert_eq!((ch.kept_len(), ch.kept_bytes()), (2, bytes));
-    assert_eq!(
-        &*ch.get(5).map(|d| d.queue.clone()).unwrap_or_default(),
-        "b"
-    );
+    assert_eq!(ch.get(5).and_then(|d| d.queue.as_deref()), Some("b"));
     ch.keep(3, delivery("c", "x"));
     // A multiple settlement up to 3 names 2 and 3 only, in tag order.
     let (plan, _) = ch.plan_settlement(Verb::Nack { requeue: false }, 3, true, |_| true);
