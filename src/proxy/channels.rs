@@ -122,7 +122,7 @@ pub struct KeepBuilder {
 
 impl KeepBuilder {
     /// A delivery to keep; `content` (its exchange and routing key) when its properties and
-    /// body are kept too (`queue` is then its queue).
+    /// body are kept too; `queue` where the kept delivery needs it ([`KeptDelivery::queue`]).
     pub fn new(
         delivery_tag: u64,
         queue: Option<Arc<str>>,

@@ -29,12 +29,14 @@ const CHANNEL_OPEN: (u16, u16) = (20, 10);
 const CHANNEL_CLOSE: (u16, u16) = (20, 40);
 const CHANNEL_CLOSE_OK: (u16, u16) = (20, 41);
 
-/// Milliseconds from `epoch` to `now` (the session's clock for consumer timeouts).
-pub(super) fn ack_clock_at(now: Instant, epoch: Instant) -> u64 {
-    now.saturating_duration_since(epoch).as_millis() as u64
-}
-
 impl ClientSession {
+    /// The session's clock for consumer timeouts (milliseconds since `ack_epoch`) at this
+    /// turn, to be read, only if needed, where a channel is borrowed.
+    pub(super) fn ack_clock(&self) -> impl FnOnce() -> u64 + use<> {
+        let (now, epoch) = (self.now, self.ack_epoch);
+        move || now.saturating_duration_since(epoch).as_millis() as u64
+    }
+
     /// When the earliest consumer timeout of an open channel comes.
     pub(super) fn next_consumer_timeout(&self) -> Option<Instant> {
         if !self.timed_deliveries {

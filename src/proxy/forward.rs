@@ -14,7 +14,6 @@ use super::channels::{
     ChannelPhase, ClientChannel, IncomingContent, KeepBuilder, OutgoingContent, Source,
 };
 use super::client_session::{ClientSession, Side};
-use super::consumer_timeout::ack_clock_at;
 use super::handshake::{LoginCheck, check_login, negotiate, tune_for_client};
 use super::inflight::Verb;
 use super::probe::CheckChannel;
@@ -1080,17 +1079,14 @@ impl ClientSession {
     /// A delivery's content ended on `channel` (its last frame is queued for the client):
     /// the delivery is kept, and frames deferred meanwhile go to the client.
     pub(super) fn incoming_finished(&mut self, channel: u16, completed: Option<KeepBuilder>) {
-        self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
-        let (now, epoch) = (self.now, self.ack_epoch);
+        let clock = self.ack_clock();
         let Some(ch) = self.channels.get_mut(&channel) else {
+            self.content_ended(None);
             return;
         };
         let deferred = std::mem::take(&mut ch.deferred_client);
-        if let Some(builder) = completed {
-            let (charge, timed) = ch.keep_finished(builder, || ack_clock_at(now, epoch));
-            self.timed_deliveries |= timed;
-            self.kept(charge);
-        }
+        let kept = completed.map(|builder| ch.keep_finished(builder, clock));
+        self.content_ended(kept);
         for bytes in deferred {
             self.send_client(bytes);
         }
@@ -1100,8 +1096,14 @@ impl ClientSession {
     // Channel bookkeeping
     // ------------------------------------------------------------------------------------
 
-    /// A delivery of `charge` bytes joined the kept ones.
-    pub(super) fn kept(&mut self, charge: usize) {
+    /// A delivery's content ended; `kept` is what [`ClientChannel::keep_finished`] returned
+    /// when the delivery was kept (its charge, whether it has a consumer timeout).
+    pub(super) fn content_ended(&mut self, kept: Option<(usize, bool)>) {
+        self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
+        let Some((charge, timed)) = kept else {
+            return;
+        };
+        self.timed_deliveries |= timed;
         self.inflight_bytes += charge;
         self.inflight_count += 1;
         self.counts.kept += 1;

@@ -19,7 +19,6 @@
 use bytes::{Buf, BytesMut};
 
 use super::client_session::{ClientSession, Side};
-use super::consumer_timeout::ack_clock_at;
 use super::forward::{BASIC_ACK, BASIC_DELIVER, BASIC_NACK, BASIC_PUBLISH, DeliveredBy};
 use super::inflight::Verb;
 use super::intercept::ClientSettlement;
@@ -274,6 +273,7 @@ impl ClientSession {
                 _ => false,
             },
             FRAME_HEADER | FRAME_BODY => {
+                let clock = self.ack_clock();
                 let Some(ch) = self.channels.get_mut(&frame.channel) else {
                     return false;
                 };
@@ -287,16 +287,10 @@ impl ClientSession {
                     return false;
                 }
                 if let Some(completed) = ch.incoming_seen(frame.kind, frame.payload) {
-                    // Nothing was deferred: this only keeps the delivery (as
-                    // `incoming_finished` does, with the channel at hand).
-                    self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
-                    if let Some(builder) = completed {
-                        let (now, epoch) = (self.now, self.ack_epoch);
-                        let (charge, timed) =
-                            ch.keep_finished(builder, || ack_clock_at(now, epoch));
-                        self.timed_deliveries |= timed;
-                        self.kept(charge);
-                    }
+                    // Nothing was deferred: only the delivery is kept (`incoming_finished`
+                    // without a second lookup).
+                    let kept = completed.map(|builder| ch.keep_finished(builder, clock));
+                    self.content_ended(kept);
                 }
                 true
             }
