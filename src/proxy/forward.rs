@@ -62,7 +62,7 @@ pub(super) const BASIC_NACK: (u16, u16) = (60, 120);
 const TX_SELECT: (u16, u16) = (90, 10);
 
 /// Which of its channel's sources a delivery came from.
-pub(super) enum DeliveredBy<'a> {
+enum DeliveredBy<'a> {
     /// The consumer with this tag (basic.deliver).
     Consumer(&'a str),
     /// The oldest basic.get waiting for its answer (basic.get-ok).
@@ -857,7 +857,7 @@ impl ClientSession {
                     self.send_client(frame.raw);
                     return;
                 };
-                self.deliver_started(channel, &deliver);
+                self.deliver_started(channel, &deliver, false);
                 self.send_client(frame.raw);
             }
             BASIC_GET_OK => {
@@ -971,16 +971,22 @@ impl ClientSession {
         self.publisher.is_some()
     }
 
-    /// A basic.deliver on `channel`: its content follows (see [`Self::delivery_started`]).
-    pub(super) fn deliver_started(&mut self, channel: u16, deliver: &peek::Deliver<'_>) {
+    /// A basic.deliver on `channel`: its content follows (see [`Self::delivery_started`],
+    /// which says what `only_for_client` and the answer mean).
+    pub(super) fn deliver_started(
+        &mut self,
+        channel: u16,
+        deliver: &peek::Deliver<'_>,
+        only_for_client: bool,
+    ) -> bool {
         self.delivery_started(
             channel,
             DeliveredBy::Consumer(deliver.consumer_tag),
             deliver.delivery_tag,
             deliver.redelivered,
             (deliver.exchange, deliver.routing_key),
-            false,
-        );
+            only_for_client,
+        )
     }
 
     /// A delivery (basic.deliver or basic.get-ok) on `channel`: its content follows. It is
@@ -990,7 +996,7 @@ impl ClientSession {
     /// timeout. With `only_for_client`, a channel the proxy closed towards the client is
     /// left as it is and `false` returned (as for an unknown channel): the forwarding fast
     /// path hands such a delivery to the frame-by-frame path. One channel lookup in all.
-    pub(super) fn delivery_started(
+    fn delivery_started(
         &mut self,
         channel: u16,
         by: DeliveredBy<'_>,

@@ -19,7 +19,7 @@
 use bytes::{Buf, BytesMut};
 
 use super::client_session::{ClientSession, Side};
-use super::forward::{BASIC_ACK, BASIC_DELIVER, BASIC_NACK, BASIC_PUBLISH, DeliveredBy};
+use super::forward::{BASIC_ACK, BASIC_DELIVER, BASIC_NACK, BASIC_PUBLISH};
 use super::inflight::Verb;
 use super::intercept::ClientSettlement;
 use super::outbox::GATHER_FRAME_MAX;
@@ -256,14 +256,7 @@ impl ClientSession {
                     let Some(deliver) = peek::deliver(frame.payload) else {
                         return false;
                     };
-                    self.delivery_started(
-                        frame.channel,
-                        DeliveredBy::Consumer(deliver.consumer_tag),
-                        deliver.delivery_tag,
-                        deliver.redelivered,
-                        (deliver.exchange, deliver.routing_key),
-                        true,
-                    )
+                    self.deliver_started(frame.channel, &deliver, true)
                 }
                 // Publisher confirms of the client's channel: forwarded as they are.
                 BASIC_ACK | BASIC_NACK => self
