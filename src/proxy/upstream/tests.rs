@@ -193,3 +193,24 @@ async fn the_watch_finds_a_reachable_upstream_and_stops_on_shutdown() {
         .expect("the watch ends on shutdown")
         .unwrap();
 }
+
+/// The outbox hands several pieces to one vectored write; through the upstream stream (and
+/// the write half the connection task uses) that must be one write of all of them, not the
+/// first piece only, as a stream without vectored writes does.
+#[tokio::test]
+async fn an_upstream_stream_writes_several_pieces_in_one_vectored_write() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("amqp://{}", listener.local_addr().unwrap());
+    let target = UpstreamTarget::from_config(&config(&url)).unwrap();
+    let (stream, accepted) = tokio::join!(target.connect(), listener.accept());
+    let (_read, mut write) = tokio::io::split(stream.unwrap());
+    let (mut peer, _) = accepted.unwrap();
+    assert!(write.is_write_vectored());
+    let pieces = [io::IoSlice::new(b"first "), io::IoSlice::new(b"second")];
+    let written = write.write_vectored(&pieces).await.unwrap();
+    assert_eq!(written, 12, "both pieces in one write");
+    let mut got = [0u8; 12];
+    peer.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"first second");
+}
