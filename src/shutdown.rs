@@ -15,10 +15,14 @@
 //! [`reload_signals`] yields SIGHUPs for configuration reloads.
 
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, Waker};
 
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tokio_util::task::TaskTracker;
 
 /// The sending side: fires shutdown for every [`Shutdown`] created from it.
@@ -26,6 +30,16 @@ use tokio_util::task::TaskTracker;
 pub struct ShutdownTrigger {
     token: CancellationToken,
     tracker: TaskTracker,
+    /// Set before the token is cancelled: this trigger's flag last, its ancestors' before it.
+    fired: Lineage,
+}
+
+/// The fired flags of a trigger and of every trigger above it: shutdown has fired for a
+/// listener once any of them is set. Read without a lock, unlike the token.
+type Lineage = Arc<[Arc<AtomicBool>]>;
+
+fn any_fired(lineage: &Lineage) -> bool {
+    lineage.iter().any(|fired| fired.load(Ordering::Acquire))
 }
 
 impl ShutdownTrigger {
@@ -39,14 +53,18 @@ impl ShutdownTrigger {
         ShutdownTrigger {
             token: CancellationToken::new(),
             tracker,
+            fired: Arc::new([Arc::new(AtomicBool::new(false))]),
         }
     }
 
     /// A trigger that fires with this one or on its own (earlier), sharing the tracker.
     pub fn child(&self) -> ShutdownTrigger {
+        let mut fired = self.fired.to_vec();
+        fired.push(Arc::new(AtomicBool::new(false)));
         ShutdownTrigger {
             token: self.token.child_token(),
             tracker: self.tracker.clone(),
+            fired: fired.into(),
         }
     }
 
@@ -55,11 +73,20 @@ impl ShutdownTrigger {
         Shutdown {
             token: self.token.clone(),
             tracker: self.tracker.clone(),
+            fired: self.fired.clone(),
         }
     }
 
     /// Fires shutdown (idempotent).
     pub fn trigger(&self) {
+        self.fire();
+    }
+
+    /// Sets this trigger's flag, then cancels the token (whose wake-ups then find it set).
+    fn fire(&self) {
+        if let Some(own) = self.fired.last() {
+            own.store(true, Ordering::Release);
+        }
         self.token.cancel();
     }
 
@@ -82,7 +109,7 @@ impl Default for ShutdownTrigger {
 
 impl Drop for ShutdownTrigger {
     fn drop(&mut self) {
-        self.token.cancel();
+        self.fire();
     }
 }
 
@@ -91,6 +118,7 @@ impl Drop for ShutdownTrigger {
 pub struct Shutdown {
     token: CancellationToken,
     tracker: TaskTracker,
+    fired: Lineage,
 }
 
 impl Shutdown {
@@ -104,6 +132,17 @@ impl Shutdown {
         self.token.cancelled().await;
     }
 
+    /// Resolves once shutdown has fired, like [`recv`](Self::recv), for a loop that polls
+    /// it on every turn: the first poll registers the task's waker with the token, later
+    /// ones from the same task only read the fired flags (the token's poll takes two locks).
+    pub fn signal(&self) -> ShutdownSignal {
+        ShutdownSignal {
+            fired: self.fired.clone(),
+            wait: Box::pin(self.token.clone().cancelled_owned()),
+            registered: None,
+        }
+    }
+
     /// Spawns `task` so that the service waits for it on shutdown (it joins the tracker).
     pub fn spawn<F>(&self, task: F) -> JoinHandle<F::Output>
     where
@@ -111,6 +150,37 @@ impl Shutdown {
         F::Output: Send + 'static,
     {
         self.tracker.spawn(task)
+    }
+}
+
+/// The future of [`Shutdown::signal`]. The token's future is polled again only when the
+/// task's waker is not the one it registered.
+pub struct ShutdownSignal {
+    fired: Lineage,
+    wait: Pin<Box<WaitForCancellationFutureOwned>>,
+    /// The waker the token wakes, registered by the last poll of the token's future.
+    registered: Option<Waker>,
+}
+
+impl Future for ShutdownSignal {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if any_fired(&self.fired) {
+            return Poll::Ready(());
+        }
+        // Polled by another task than the one registered (or not yet): register that one.
+        if !self
+            .registered
+            .as_ref()
+            .is_some_and(|waker| waker.will_wake(cx.waker()))
+        {
+            if self.wait.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(());
+            }
+            self.registered = Some(cx.waker().clone());
+        }
+        Poll::Pending
     }
 }
 
@@ -218,6 +288,47 @@ mod tests {
             .await
             .unwrap();
         assert!(tracker.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_signal_wakes_its_task_when_it_or_a_parent_fires() {
+        for fire_parent in [false, true] {
+            let parent = ShutdownTrigger::new();
+            let child = parent.child();
+            let shutdown = child.subscribe();
+            let mut signal = shutdown.signal();
+            // Registered by a first poll, then waiting without being polled again.
+            let waited = tokio::time::timeout(Duration::from_millis(50), &mut signal).await;
+            assert!(waited.is_err(), "nothing fired yet");
+            let waiter = tokio::spawn(async move {
+                signal.await;
+            });
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            assert!(!waiter.is_finished());
+            if fire_parent {
+                parent.trigger();
+            } else {
+                child.trigger();
+            }
+            tokio::time::timeout(Duration::from_secs(1), waiter)
+                .await
+                .expect("the firing wakes the waiting task")
+                .unwrap();
+            assert!(shutdown.is_shutdown());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_signal_is_ready_at_once_after_the_fact_and_stays_ready() {
+        let trigger = ShutdownTrigger::new();
+        let shutdown = trigger.subscribe();
+        drop(trigger);
+        let mut signal = shutdown.signal();
+        for _ in 0..2 {
+            tokio::time::timeout(Duration::from_secs(1), &mut signal)
+                .await
+                .expect("ready once fired, however often polled");
+        }
     }
 
     #[tokio::test]

@@ -154,10 +154,9 @@ pub(super) async fn run<S>(
     let timer = tokio::time::sleep_until((now + Duration::from_secs(60)).into());
     tokio::pin!(timer);
     let mut busy_poll = BusyPoll::new(session.shared.busy_poll, now);
-    // One wait for the shutdown signal for the whole connection, not a new one per turn
-    // (registering and dropping a waiter takes the signal's lock).
-    let shutdown_signal = shutdown.recv();
-    tokio::pin!(shutdown_signal);
+    // One wait for the shutdown signal for the whole connection, registered once: a turn
+    // that polls it reads flags only (a new wait per turn would take the token's locks).
+    let mut shutdown_signal = shutdown.signal();
     loop {
         handle_buffered(&mut session, &mut client_reader, &mut upstream_reader);
         // What the frames queued is written now, not a turn of the loop later: the select
