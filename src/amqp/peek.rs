@@ -47,6 +47,17 @@ pub enum Settle {
     },
 }
 
+/// The bytes as a `str` when they are UTF-8. Names and tags are ASCII in practice, and an
+/// ASCII check runs a word at a time, where `str::from_utf8` takes about 90 instructions for
+/// a short string (three per delivery were 12 % of the proxy's instructions per message).
+fn utf8(bytes: &[u8]) -> Option<&str> {
+    if bytes.is_ascii() {
+        // SAFETY: ASCII bytes are valid UTF-8.
+        return Some(unsafe { std::str::from_utf8_unchecked(bytes) });
+    }
+    std::str::from_utf8(bytes).ok()
+}
+
 /// Reads a payload front to back.
 struct Reader<'a> {
     rest: &'a [u8],
@@ -84,7 +95,7 @@ impl<'a> Reader<'a> {
 
     fn short_str(&mut self) -> Option<&'a str> {
         let len = self.u8()? as usize;
-        std::str::from_utf8(self.take(len)?).ok()
+        utf8(self.take(len)?)
     }
 
     /// The method's ids, when they are `(class, method)`.
@@ -313,6 +324,39 @@ mod tests {
         bytes[5] = 0xff;
         assert_eq!(deliver(&bytes), None);
         // amq-protocol refuses it too, so the fallback changes nothing.
+        assert!(decode_method(&bytes).is_none());
+    }
+
+    #[test]
+    fn strings_beyond_ascii_are_read_as_the_full_decoder_reads_them() {
+        for (tag, routing_key) in [("ctag-é", "clé.ü"), ("amq.ctag-1", "日本語"), ("", "")] {
+            let bytes = payload(AMQPClass::Basic(basic::AMQPMethod::Deliver(
+                basic::Deliver {
+                    consumer_tag: tag.into(),
+                    delivery_tag: 7,
+                    redelivered: true,
+                    exchange: "ex-ß".into(),
+                    routing_key: routing_key.into(),
+                },
+            )));
+            let got = deliver(&bytes).expect("valid UTF-8 is read");
+            assert_eq!(
+                (got.consumer_tag, got.exchange, got.routing_key),
+                (tag, "ex-ß", routing_key)
+            );
+        }
+        // A byte past ASCII that does not start a UTF-8 sequence, inside ASCII text.
+        let mut bytes = payload(AMQPClass::Basic(basic::AMQPMethod::Deliver(
+            basic::Deliver {
+                consumer_tag: "abcdefghijklmnopqrstuvwxyz".into(),
+                delivery_tag: 1,
+                redelivered: false,
+                exchange: "".into(),
+                routing_key: "q".into(),
+            },
+        )));
+        bytes[20] = 0x80;
+        assert_eq!(deliver(&bytes), None);
         assert!(decode_method(&bytes).is_none());
     }
 }
