@@ -310,17 +310,22 @@ mod tests {
         assert_eq!(settle(&other), None);
     }
 
+    /// A `basic.deliver` payload with these strings.
+    fn deliver_payload(consumer_tag: &str, exchange: &str, routing_key: &str) -> Vec<u8> {
+        payload(AMQPClass::Basic(basic::AMQPMethod::Deliver(
+            basic::Deliver {
+                consumer_tag: consumer_tag.into(),
+                delivery_tag: 7,
+                redelivered: true,
+                exchange: exchange.into(),
+                routing_key: routing_key.into(),
+            },
+        )))
+    }
+
     #[test]
     fn a_string_that_is_not_utf8_is_left_to_the_full_decoder() {
-        let mut bytes = payload(AMQPClass::Basic(basic::AMQPMethod::Deliver(
-            basic::Deliver {
-                consumer_tag: "ab".into(),
-                delivery_tag: 1,
-                redelivered: false,
-                exchange: "".into(),
-                routing_key: "q".into(),
-            },
-        )));
+        let mut bytes = deliver_payload("ab", "", "q");
         bytes[5] = 0xff;
         assert_eq!(deliver(&bytes), None);
         // amq-protocol refuses it too, so the fallback changes nothing.
@@ -330,15 +335,7 @@ mod tests {
     #[test]
     fn strings_beyond_ascii_are_read_as_the_full_decoder_reads_them() {
         for (tag, routing_key) in [("ctag-é", "clé.ü"), ("amq.ctag-1", "日本語"), ("", "")] {
-            let bytes = payload(AMQPClass::Basic(basic::AMQPMethod::Deliver(
-                basic::Deliver {
-                    consumer_tag: tag.into(),
-                    delivery_tag: 7,
-                    redelivered: true,
-                    exchange: "ex-ß".into(),
-                    routing_key: routing_key.into(),
-                },
-            )));
+            let bytes = deliver_payload(tag, "ex-ß", routing_key);
             let got = deliver(&bytes).expect("valid UTF-8 is read");
             assert_eq!(
                 (got.consumer_tag, got.exchange, got.routing_key),
@@ -346,15 +343,7 @@ mod tests {
             );
         }
         // A byte past ASCII that does not start a UTF-8 sequence, inside ASCII text.
-        let mut bytes = payload(AMQPClass::Basic(basic::AMQPMethod::Deliver(
-            basic::Deliver {
-                consumer_tag: "abcdefghijklmnopqrstuvwxyz".into(),
-                delivery_tag: 1,
-                redelivered: false,
-                exchange: "".into(),
-                routing_key: "q".into(),
-            },
-        )));
+        let mut bytes = deliver_payload("abcdefghijklmnopqrstuvwxyz", "", "q");
         bytes[20] = 0x80;
         assert_eq!(deliver(&bytes), None);
         assert!(decode_method(&bytes).is_none());

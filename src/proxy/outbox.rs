@@ -358,11 +358,10 @@ impl Outbox {
         } else if self.pieces.len() > 1 && writer.is_write_vectored() {
             // On the stack: no allocation per write.
             let mut slices = [IoSlice::new(&[]); WRITE_SLICES];
-            let mut count = 0;
             for (slice, piece) in slices.iter_mut().zip(&self.pieces) {
                 *slice = IoSlice::new(piece);
-                count += 1;
             }
+            let count = self.pieces.len().min(WRITE_SLICES);
             writer.as_mut().poll_write_vectored(cx, &slices[..count])
         } else {
             match self.pieces.front() {
