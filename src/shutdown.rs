@@ -35,7 +35,8 @@ pub struct ShutdownTrigger {
 }
 
 /// The fired flags of a trigger and of every trigger above it: shutdown has fired for a
-/// listener once any of them is set. Read without a lock, unlike the token.
+/// listener once any of them is set. Every "has it fired" question reads these (without a
+/// lock, unlike the token); the token only wakes the tasks that wait.
 type Lineage = Arc<[Arc<AtomicBool>]>;
 
 fn any_fired(lineage: &Lineage) -> bool {
@@ -92,7 +93,7 @@ impl ShutdownTrigger {
 
     /// Whether [`trigger`](Self::trigger) was called (or a parent fired).
     pub fn is_triggered(&self) -> bool {
-        self.token.is_cancelled()
+        any_fired(&self.fired)
     }
 
     /// The tracker the tasks of this trigger's [`Shutdown`]s join.
@@ -124,7 +125,7 @@ pub struct Shutdown {
 impl Shutdown {
     /// Whether shutdown has fired (or the trigger is gone).
     pub fn is_shutdown(&self) -> bool {
-        self.token.is_cancelled()
+        any_fired(&self.fired)
     }
 
     /// Resolves once shutdown has fired (at once if it already has). Cancel-safe.
