@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use amq_protocol::protocol::{AMQPClass, connection};
 use amq_protocol::types::ShortString;
-use bytes::Bytes;
+use bytes::{Buf, Bytes, BytesMut};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::channel_map::ChannelMap;
@@ -261,19 +261,24 @@ impl ClientSession {
         }
     }
 
-    /// Queues a run of frames read from the client for the upstream, as they are
-    /// ([`super::passthrough`]).
-    pub(super) fn send_upstream_run(&mut self, bytes: Bytes, frames: u64) {
+    /// Queues a run of frames read from the client for the upstream, as they are: the first
+    /// `len` bytes of `unread`, which are taken from it ([`super::passthrough`]).
+    pub(super) fn send_upstream_run(&mut self, unread: &mut BytesMut, len: usize, frames: u64) {
         if self.upstream_side != Side::Closed {
             self.last_upstream_tx = self.now;
-            self.upstream_out.send_run(bytes, frames);
+            self.upstream_out.send_run(unread, len, frames);
+        } else {
+            unread.advance(len);
         }
     }
 
-    /// Queues a run of frames read from the upstream for the client, as they are.
-    pub(super) fn send_client_run(&mut self, bytes: Bytes, frames: u64) {
+    /// Queues a run of frames read from the upstream for the client, as they are (taken
+    /// from `unread` as [`Self::send_upstream_run`] does).
+    pub(super) fn send_client_run(&mut self, unread: &mut BytesMut, len: usize, frames: u64) {
         if self.client_side != Side::Closed {
-            self.client_out.send_run(bytes, frames);
+            self.client_out.send_run(unread, len, frames);
+        } else {
+            unread.advance(len);
         }
     }
 

@@ -151,30 +151,32 @@ impl Outbox {
         true
     }
 
-    /// Queues a run of `frames` complete frames cut from a read buffer (the pass-through
-    /// runs of the proxy's `passthrough`); `false` once the socket failed. A run of at least
-    /// `RUN_SHARE_MIN` bytes is queued as it is, sharing the read buffer's allocation (no
-    /// copy), while the shared runs waiting keep fewer than `SHARED_BUFFERS_MAX` read
-    /// buffers alive; a shorter run, or one past that bound, is copied into the gathering
-    /// buffer.
-    pub fn send_run(&mut self, bytes: Bytes, frames: u64) -> bool {
+    /// Queues a run of `frames` complete frames, the first `len` bytes of the read buffer
+    /// `unread` (the pass-through runs of the proxy's `passthrough`), and takes them from it;
+    /// `false` once the socket failed (the bytes are taken all the same). A run of at least
+    /// `RUN_SHARE_MIN` bytes is cut from the buffer and queued as it is, sharing the read
+    /// buffer's allocation (no copy), while the shared runs waiting keep fewer than
+    /// `SHARED_BUFFERS_MAX` read buffers alive. A shorter run, or one past that bound, is
+    /// copied into the gathering buffer straight from the read buffer, which is only advanced:
+    /// no cut, so no shared count to take and drop, for the runs of a few small frames that
+    /// most turns of the connection loop carry.
+    pub fn send_run(&mut self, unread: &mut BytesMut, len: usize, frames: u64) -> bool {
+        let len = len.min(unread.len());
         if self.failed {
+            unread.advance(len);
             return false;
         }
-        if bytes.is_empty() {
+        if len == 0 {
             return true;
         }
-        self.count(bytes.len(), frames);
-        if bytes.len() < RUN_SHARE_MIN {
-            self.gather(&bytes);
-            return true;
-        }
+        self.count(len, frames);
         // A run that starts where the last shared one ended was cut from the same buffer
         // (the reader moves forward through a buffer and never returns to an old one).
-        let start = bytes.as_ptr() as usize;
+        let start = unread.as_ptr() as usize;
         let new_buffer = start != self.shared_end;
-        if new_buffer && self.buffer_starts.len() >= SHARED_BUFFERS_MAX {
-            self.gather(&bytes);
+        if len < RUN_SHARE_MIN || (new_buffer && self.buffer_starts.len() >= SHARED_BUFFERS_MAX) {
+            self.gather(&unread[..len]);
+            unread.advance(len);
             return true;
         }
         self.seal_gathered();
@@ -183,8 +185,8 @@ impl Outbox {
                 .push_back(self.popped + self.pieces.len() as u64);
             self.metrics.add_outbox_read_buffers(1);
         }
-        self.shared_end = start + bytes.len();
-        self.pieces.push_back(bytes);
+        self.shared_end = start + len;
+        self.pieces.push_back(unread.split_to(len).freeze());
         true
     }
 
@@ -699,11 +701,15 @@ mod tests {
                 40 + (i as usize * 13) % 200
             };
             if read_buffer.len() < len {
-                read_buffer = BytesMut::from(&vec![(i % 251) as u8; 64 * 1024][..]);
+                let bytes: Vec<u8> = (0..64 * 1024)
+                    .map(|j| ((i as usize + j) % 251) as u8)
+                    .collect();
+                read_buffer = BytesMut::from(&bytes[..]);
             }
-            let run = read_buffer.split_to(len).freeze();
-            expected.extend_from_slice(&run);
-            assert!(outbox.send_run(run, 3));
+            let before = read_buffer.len();
+            expected.extend_from_slice(&read_buffer[..len]);
+            assert!(outbox.send_run(&mut read_buffer, len, 3));
+            assert_eq!(read_buffer.len(), before - len, "the run is taken");
             let frame = i.to_be_bytes().to_vec();
             assert!(outbox.send(Bytes::from(frame.clone())));
             expected.extend_from_slice(&frame);
@@ -712,7 +718,7 @@ mod tests {
             }
         }
         assert!(
-            outbox.send_run(Bytes::new(), 0),
+            outbox.send_run(&mut BytesMut::new(), 0, 0),
             "an empty run queues nothing"
         );
         assert_eq!(close_and_read(outbox, w, reader).await, expected);
@@ -723,40 +729,56 @@ mod tests {
         );
     }
 
-    /// Whether the last piece queued is `run` itself (not a copy).
-    fn queued_as_is(outbox: &Outbox, run: &Bytes) -> bool {
+    /// Queues the first `len` bytes of `read_buffer` as a run of `frames` frames: what was
+    /// queued, and where it lay in the read buffer.
+    fn queue_run(
+        outbox: &mut Outbox,
+        read_buffer: &mut BytesMut,
+        len: usize,
+        frames: u64,
+    ) -> (Bytes, usize) {
+        let at = read_buffer.as_ptr() as usize;
+        let run = Bytes::copy_from_slice(&read_buffer[..len]);
+        assert!(outbox.send_run(read_buffer, len, frames));
+        (run, at)
+    }
+
+    /// Whether the last piece queued is the run that lay at `at` in its read buffer, itself
+    /// (not a copy).
+    fn queued_as_is(outbox: &Outbox, (run, at): &(Bytes, usize)) -> bool {
         outbox
             .pieces
             .back()
-            .is_some_and(|piece| piece.as_ptr() == run.as_ptr() && piece.len() == run.len())
+            .is_some_and(|piece| piece.as_ptr() as usize == *at && piece[..] == run[..])
     }
 
     #[test]
     fn long_runs_share_their_read_buffer_and_short_ones_are_copied() {
         let metrics = Metrics::new(10);
         let mut outbox = Outbox::new(1 << 22, Direction::ClientOut, metrics);
-        let mut read_buffer = BytesMut::from(&[7u8; 16 * 1024][..]);
-        let long = read_buffer.split_to(RUN_SHARE_MIN).freeze();
-        assert!(outbox.send_run(long.clone(), 2));
+        let bytes: Vec<u8> = (0..16 * 1024).map(|i| (i % 251) as u8).collect();
+        let mut read_buffer = BytesMut::from(&bytes[..]);
+        let long = queue_run(&mut outbox, &mut read_buffer, RUN_SHARE_MIN, 2);
         assert!(queued_as_is(&outbox, &long), "a long run is not copied");
         // The next run of the same buffer keeps no other buffer alive.
-        let next = read_buffer.split_to(RUN_SHARE_MIN * 2).freeze();
-        assert!(outbox.send_run(next.clone(), 2));
+        let next = queue_run(&mut outbox, &mut read_buffer, RUN_SHARE_MIN * 2, 2);
         assert!(queued_as_is(&outbox, &next));
         assert_eq!(
             outbox.shared_buffers(),
             2,
             "one start, and the front's buffer"
         );
-        let short = read_buffer.split_to(RUN_SHARE_MIN - 1).freeze();
-        assert!(outbox.send_run(short.clone(), 1));
+        let left = read_buffer.len();
+        let short = queue_run(&mut outbox, &mut read_buffer, RUN_SHARE_MIN - 1, 1);
         assert!(!queued_as_is(&outbox, &short), "a short run is copied");
-        assert_eq!(outbox.gathered.len(), short.len());
-        let mut expected = [&long[..], &next[..], &short[..]].concat();
+        assert_eq!(outbox.gathered[..], short.0[..]);
+        assert_eq!(read_buffer.len(), left - short.0.len(), "and taken");
+        let mut expected = [&long.0[..], &next.0[..], &short.0[..]].concat();
         assert_eq!(outbox.queued(), expected.len());
-        let rest = read_buffer.split().freeze();
-        assert!(outbox.send_run(rest.clone(), 1));
-        expected.extend_from_slice(&rest);
+        let left = read_buffer.len();
+        let rest = queue_run(&mut outbox, &mut read_buffer, left, 1);
+        assert!(read_buffer.is_empty());
+        expected.extend_from_slice(&rest.0);
         assert_eq!(&outbox.take_queued()[..], &expected[..]);
     }
 
@@ -774,13 +796,12 @@ mod tests {
         for i in 0..SHARED_BUFFERS_MAX {
             assert!(!outbox.is_full(), "{i} buffers kept: the reader may go on");
             let mut read_buffer = BytesMut::from(&vec![i as u8; 8 * 1024][..]);
-            let run = read_buffer.split_to(RUN_SHARE_MIN).freeze();
-            assert!(outbox.send_run(run.clone(), 1));
+            let run = queue_run(&mut outbox, &mut read_buffer, RUN_SHARE_MIN, 1);
             assert!(
                 queued_as_is(&outbox, &run),
                 "buffer {i} is within the bound"
             );
-            expected.extend_from_slice(&run);
+            expected.extend_from_slice(&run.0);
             buffers.push(read_buffer);
         }
         // Far under its byte limit, the outbox tells the reader to wait: a run from another
@@ -788,21 +809,19 @@ mod tests {
         assert!(outbox.queued() < 1 << 20);
         assert!(outbox.is_full(), "at the read-buffer bound");
         // The last buffer goes on being shared; another one is copied.
-        let last = buffers
-            .last_mut()
-            .map(|b| b.split_to(RUN_SHARE_MIN).freeze());
-        let last = last.unwrap_or_default();
-        assert!(outbox.send_run(last.clone(), 1));
+        let mut last_buffer = buffers.pop().unwrap_or_default();
+        let last = queue_run(&mut outbox, &mut last_buffer, RUN_SHARE_MIN, 1);
         assert!(queued_as_is(&outbox, &last));
-        expected.extend_from_slice(&last);
+        expected.extend_from_slice(&last.0);
         let other: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
-        let other = Bytes::from(other);
-        assert!(outbox.send_run(other.clone(), 40));
+        let mut other = BytesMut::from(&other[..]);
+        let other_at = other.as_ptr() as usize;
+        let other = queue_run(&mut outbox, &mut other, 300_000, 40);
         assert!(
             outbox
                 .pieces
                 .iter()
-                .all(|piece| piece.as_ptr() != other.as_ptr()),
+                .all(|piece| piece.as_ptr() as usize != other_at),
             "past the bound, a run is copied"
         );
         // Copied into buffers of bounded size.
@@ -810,21 +829,35 @@ mod tests {
         let copies = outbox.pieces.iter().skip(SHARED_BUFFERS_MAX + 1);
         assert!(copies.clone().all(|piece| piece.len() <= GATHER_MAX));
         assert!(copies.count() >= 4);
-        expected.extend_from_slice(&other);
+        expected.extend_from_slice(&other.0);
         assert!(read_buffers(SHARED_BUFFERS_MAX), "{}", metrics.encode());
         assert_eq!(outbox.queued(), expected.len());
         assert_eq!(&outbox.take_queued()[..], &expected[..]);
         assert!(read_buffers(0));
         assert!(!outbox.is_full());
         // Written, the buffers are let go: runs are shared again.
-        let run = buffers[0].split_to(RUN_SHARE_MIN).freeze();
-        assert!(outbox.send_run(run.clone(), 1));
+        let run = queue_run(&mut outbox, &mut buffers[0], RUN_SHARE_MIN, 1);
         assert!(queued_as_is(&outbox, &run));
         assert_eq!(outbox.shared_buffers(), 2);
         assert!(read_buffers(1));
         // An outbox dropped with runs queued (its connection gone) takes its count along.
         drop(outbox);
         assert!(read_buffers(0));
+    }
+
+    #[test]
+    fn a_run_for_a_failed_socket_is_taken_and_not_queued() {
+        let metrics = Metrics::new(10);
+        let mut outbox = Outbox::new(1 << 20, Direction::ClientOut, metrics);
+        outbox.fail(&std::io::Error::from(std::io::ErrorKind::BrokenPipe));
+        let mut read_buffer = BytesMut::from(&[1u8; 100][..]);
+        assert!(!outbox.send_run(&mut read_buffer, 60, 1));
+        assert_eq!(
+            read_buffer.len(),
+            40,
+            "the run's bytes are taken all the same"
+        );
+        assert_eq!(outbox.queued(), 0);
     }
 
     #[test]
@@ -838,7 +871,11 @@ mod tests {
         let mut upstream = Outbox::new(1 << 20, Direction::UpstreamOut, metrics.clone());
         let client = Outbox::new(1 << 20, Direction::ClientOut, metrics.clone());
         upstream.send(Bytes::from_static(b"publish"));
-        upstream.send_run(Bytes::from(vec![1u8; RUN_SHARE_MIN]), 2);
+        upstream.send_run(
+            &mut BytesMut::from(&[1u8; RUN_SHARE_MIN][..]),
+            RUN_SHARE_MIN,
+            2,
+        );
         // Queued bytes reach the gauge at the report (once per turn of the connection loop).
         assert!(gauge("upstream_outbox_bytes", 0));
         upstream.report_gauge();

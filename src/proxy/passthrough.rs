@@ -2,9 +2,9 @@
 //! their content from the client, deliveries and their content from the upstream, the
 //! client's acks and the upstream's confirms) are handled where they lie in the read buffer.
 //! Each gets the bookkeeping [`super::forward`] gives it (the content in progress, the kept
-//! deliveries, the metrics), and a whole run of them is cut from the read buffer in one go
-//! and queued for the opposite side: as it is, sharing the read buffer's allocation, when it
-//! is long, copied into the outbox's gathering buffer when it is short
+//! deliveries, the metrics), and a whole run of them is taken from the read buffer in one go
+//! and queued for the opposite side: cut from it as it is, sharing the read buffer's
+//! allocation, when it is long, copied into the outbox's gathering buffer when it is short
 //! ([`super::outbox::Outbox::send_run`]), instead of each frame being cut out and queued on
 //! its own.
 //!
@@ -62,7 +62,7 @@ fn next_frame(unread: &[u8], max_frame: usize) -> Option<RunFrame<'_>> {
 
 impl ClientSession {
     /// Handles the run of pass-through frames at the start of `unread` (bytes read from the
-    /// client; frames up to `max_frame` bytes), at most `max_frames` of them. The run is cut
+    /// client; frames up to `max_frame` bytes), at most `max_frames` of them. The run is taken
     /// from the front of `unread` and queued for the upstream as it is (a long run shares the
     /// read buffer's allocation, [`super::outbox::Outbox::send_run`]). Returns how many bytes
     /// it took.
@@ -133,12 +133,11 @@ impl ClientSession {
         taken
     }
 
-    /// Cuts the first `len` bytes (`frames` frames of a run) from `unread` and queues them
-    /// for the upstream; nothing when the run is empty (no split of the read buffer).
+    /// Takes the first `len` bytes (`frames` frames of a run) from `unread` and queues them
+    /// for the upstream; nothing when the run is empty.
     fn queue_client_run(&mut self, unread: &mut BytesMut, len: usize, frames: u64) {
         if len > 0 {
-            let run = unread.split_to(len).freeze();
-            self.send_upstream_run(run, frames);
+            self.send_upstream_run(unread, len, frames);
         }
     }
 
@@ -240,8 +239,7 @@ impl ClientSession {
             frames += 1;
         }
         if frames > 0 {
-            let run = unread.split_to(taken).freeze();
-            self.send_client_run(run, frames);
+            self.send_client_run(unread, taken, frames);
             self.upstream_frames_read(frames, taken);
         }
         taken
