@@ -183,11 +183,17 @@ impl ChannelDeliveries {
 
     /// Drops empty slots at both ends, and all of them once they outnumber the kept ones.
     fn drop_empty_slots(&mut self) {
-        while self.kept.front().is_some_and(|(_, d)| d.is_none()) {
-            self.kept.pop_front();
-        }
         while self.kept.back().is_some_and(|(_, d)| d.is_none()) {
             self.kept.pop_back();
+        }
+        self.drop_front_slots();
+    }
+
+    /// Drops the empty slots at the front, and all of them once they outnumber the kept ones
+    /// (all a settlement of the front slot needs: the back is as it was).
+    fn drop_front_slots(&mut self) {
+        while self.kept.front().is_some_and(|(_, d)| d.is_none()) {
+            self.kept.pop_front();
         }
         if self.kept.len() > 2 * self.live + EMPTY_SLOTS_SLACK {
             self.kept.retain(|(_, d)| d.is_some());
@@ -260,7 +266,19 @@ impl ChannelDeliveries {
     }
 
     fn take(&mut self, tag: u64) -> Option<KeptDelivery> {
-        let at = self.slot(tag)?;
+        // The usual settlement is of the oldest delivery: its slot leaves from the front.
+        if self.kept.front().is_some_and(|(first, _)| *first == tag) {
+            let delivery = self.kept.pop_front().and_then(|(_, slot)| slot);
+            let Some(delivery) = delivery else {
+                // Settled already (an empty slot is never left at the front).
+                return None;
+            };
+            self.live -= 1;
+            self.forget(tag, &delivery);
+            self.drop_front_slots();
+            return Some(delivery);
+        }
+        let at = self.kept.binary_search_by_key(&tag, |(t, _)| *t).ok()?;
         let delivery = self.kept[at].1.take()?;
         self.live -= 1;
         self.forget(tag, &delivery);
