@@ -69,6 +69,32 @@ impl Source {
         }
     }
 
+    /// How a delivery from this source is kept, or `None` when it is not: a no-ack source's
+    /// deliveries never are, nor any while `keeping` is false (the session keeps none, or the
+    /// channel is not open). Asks [`Self::keeps_content`] only where the session may take
+    /// deliveries over (`takes_over`).
+    pub(crate) fn keep_decision(
+        &mut self,
+        keeping: bool,
+        takes_over: bool,
+        revision: super::SettingsRevision,
+        shared: &super::ProxyShared,
+        vhost: &str,
+    ) -> Option<KeepDecision> {
+        if self.no_ack || !keeping {
+            return None;
+        }
+        let with_content = takes_over && self.keeps_content(revision, shared, vhost);
+        let timeout = self.consumer_timeout(revision, shared, vhost);
+        // A tag-only delivery without a timeout needs no queue (and no shared count).
+        let queue = (with_content || timeout.is_some()).then(|| self.queue.clone());
+        Some(KeepDecision {
+            with_content,
+            queue,
+            timeout,
+        })
+    }
+
     /// The consumer timeout (ms) of this source's deliveries; asked of the shared settings
     /// once per [`super::SettingsRevision`].
     pub(crate) fn consumer_timeout(
@@ -102,6 +128,17 @@ pub struct IncomingContent {
     pub keep: Option<KeepBuilder>,
     /// Body bytes still expected (None until the header arrived).
     pub remaining: Option<u64>,
+}
+
+/// How one delivery is kept ([`Source::keep_decision`]).
+#[derive(Debug)]
+pub struct KeepDecision {
+    /// With its content (the proxy may take it over), or as its tag only.
+    pub with_content: bool,
+    /// Its queue, where the kept delivery needs it (see [`KeptDelivery::queue`]).
+    pub queue: Option<Arc<str>>,
+    /// Its consumer timeout (ms), if it has one.
+    pub timeout: Option<u64>,
 }
 
 /// A kept delivery being assembled.
@@ -143,6 +180,19 @@ impl KeepBuilder {
             }),
             body: BytesMut::new(),
         }
+    }
+
+    /// A delivery to keep as `decision` says; `content` is its exchange and routing key.
+    pub fn decided(
+        delivery_tag: u64,
+        decision: KeepDecision,
+        content: (&str, &str),
+        redelivered: bool,
+    ) -> Self {
+        let content = decision.with_content.then_some(content);
+        let mut keep = KeepBuilder::new(delivery_tag, decision.queue, content, redelivered);
+        keep.timeout = decision.timeout;
+        keep
     }
 
     /// The kept delivery.
@@ -330,6 +380,35 @@ impl ClientChannel {
     ) -> (usize, bool) {
         let timeout = builder.timeout;
         let (tag, delivery) = builder.finish();
+        self.keep_delivery(tag, delivery, timeout, clock)
+    }
+
+    /// Keeps a delivery whose content the proxy does not keep (its tag, and its queue where
+    /// `decision` gives one), as [`Self::keep_finished`] keeps an assembled one, with no
+    /// builder: the forwarding fast path keeps most deliveries this way.
+    pub fn keep_without_content(
+        &mut self,
+        tag: u64,
+        redelivered: bool,
+        decision: KeepDecision,
+        clock: impl FnOnce() -> u64,
+    ) -> (usize, bool) {
+        let delivery = KeptDelivery {
+            queue: decision.queue,
+            redelivered,
+            deadline: None,
+            message: None,
+        };
+        self.keep_delivery(tag, delivery, decision.timeout, clock)
+    }
+
+    fn keep_delivery(
+        &mut self,
+        tag: u64,
+        delivery: KeptDelivery,
+        timeout: Option<u64>,
+        clock: impl FnOnce() -> u64,
+    ) -> (usize, bool) {
         let charge = self.deliveries.keep(tag, delivery);
         if let Some(timeout) = timeout {
             self.deliveries.time(tag, clock(), timeout);

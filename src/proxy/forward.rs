@@ -1026,22 +1026,16 @@ impl ClientSession {
             }
         };
         let keep = source
-            .filter(|source| !source.no_ack && open && keeps)
-            .map(|source| {
-                let with_content =
-                    takes_over && source.keeps_content(revision, &self.shared, &self.vhost);
-                let timeout = source.consumer_timeout(revision, &self.shared, &self.vhost);
-                // A tag-only delivery without a timeout needs no queue (and no shared count).
-                let queue = (with_content || timeout.is_some()).then(|| source.queue.clone());
-                let mut keep = KeepBuilder::new(
-                    delivery_tag,
-                    queue,
-                    with_content.then_some(content),
-                    redelivered,
-                );
-                keep.timeout = timeout;
-                keep
-            });
+            .and_then(|source| {
+                source.keep_decision(
+                    open && keeps,
+                    takes_over,
+                    revision,
+                    &self.shared,
+                    &self.vhost,
+                )
+            })
+            .map(|decision| KeepBuilder::decided(delivery_tag, decision, content, redelivered));
         if ch.incoming.is_none() {
             self.incoming_in_progress += 1;
         }
@@ -1049,6 +1043,48 @@ impl ClientSession {
             keep,
             remaining: None,
         });
+        true
+    }
+
+    /// A basic.deliver whose whole content (`header`, the payload of its content header, and
+    /// the body frames behind it) lies in the read buffer: handled in one go, as
+    /// [`Self::deliver_started`] and the content frames would handle it one by one, for the
+    /// forwarding fast path ([`super::passthrough`]). `false`, with nothing changed, where it
+    /// cannot be: an unknown channel or one closed towards the client, a content already in
+    /// progress or frames held back, a header the client must not see as it is, and a
+    /// delivery whose content the proxy keeps (those go frame by frame).
+    pub(super) fn deliver_whole(
+        &mut self,
+        channel: u16,
+        deliver: &peek::Deliver<'_>,
+        header: &[u8],
+    ) -> bool {
+        let keeps = self.keeps_deliveries();
+        let takes_over = self.takes_over_settlements();
+        let revision = self.turn_revision();
+        let clock = self.ack_clock();
+        let Some(ch) = self.channels.get_mut(&channel) else {
+            return false;
+        };
+        if ch.closed_for_client.is_some()
+            || ch.incoming.is_some()
+            || !ch.deferred_client.is_empty()
+            || super::bcc::delivered_header(header).is_some()
+        {
+            return false;
+        }
+        let keeping = ch.is_open() && keeps;
+        let decision = ch.consumer_mut(deliver.consumer_tag).and_then(|source| {
+            source.keep_decision(keeping, takes_over, revision, &self.shared, &self.vhost)
+        });
+        if decision.as_ref().is_some_and(|d| d.with_content) {
+            return false;
+        }
+        self.counts.delivered += 1;
+        let kept = decision.map(|decision| {
+            ch.keep_without_content(deliver.delivery_tag, deliver.redelivered, decision, clock)
+        });
+        self.delivery_kept(kept);
         true
     }
 
@@ -1106,6 +1142,11 @@ impl ClientSession {
     /// when the delivery was kept (its charge, whether it has a consumer timeout).
     pub(super) fn content_ended(&mut self, kept: Option<(usize, bool)>) {
         self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
+        self.delivery_kept(kept);
+    }
+
+    /// Accounts for a delivery kept (`kept` as in [`Self::content_ended`]).
+    fn delivery_kept(&mut self, kept: Option<(usize, bool)>) {
         let Some((charge, timed)) = kept else {
             return;
         };

@@ -6,7 +6,10 @@
 //! and queued for the opposite side: cut from it as it is, sharing the read buffer's
 //! allocation, when it is long, copied into the outbox's gathering buffer when it is short
 //! ([`super::outbox::Outbox::send_run`]), instead of each frame being cut out and queued on
-//! its own.
+//! its own. A publish or a delivery whose whole content lies behind it in the buffer (a
+//! message of a few small frames, as most are) is handled in one step, with one channel
+//! lookup and without the content-in-progress state the frames would go through one by one;
+//! a delivery whose content the proxy keeps goes frame by frame.
 //!
 //! The first frame that needs anything else ends the run: the connection task
 //! ([`super::session_task`]) hands it to [`ClientSession::client_read`] or
@@ -18,20 +21,27 @@
 
 use bytes::{Buf, BytesMut};
 
+use super::bcc;
 use super::client_session::{ClientSession, Side};
 use super::forward::{BASIC_ACK, BASIC_DELIVER, BASIC_NACK, BASIC_PUBLISH};
 use super::inflight::Verb;
 use super::intercept::ClientSettlement;
 use super::outbox::GATHER_FRAME_MAX;
+use super::wire::content_body_size;
 use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, frame_at};
 use crate::amqp::{codec::method_ids, peek};
+
+/// Most body frames of a message handled in one go ([`whole_content`]); a message in more
+/// goes frame by frame.
+const WHOLE_BODY_FRAMES: u64 = 4;
 
 /// What a run does with the client frame at hand.
 enum ClientFrame {
     /// Not for the fast path: the run ends before it.
     Stop,
-    /// Bookkept; forwarded as it is.
-    Forward,
+    /// Bookkept; forwarded as it is, with the frames of its content that were handled with it:
+    /// `len` bytes in `frames` frames in all.
+    Forward { len: usize, frames: u64 },
     /// An ack, planned: forwarded as it is when the plan says so, and the plan finished.
     Settle(ClientSettlement),
 }
@@ -58,6 +68,40 @@ fn next_frame(unread: &[u8], max_frame: usize) -> Option<RunFrame<'_>> {
         payload: unread.get(7..len - 1)?,
         len,
     })
+}
+
+/// The whole content of a publish or a delivery on `channel`, when it lies at the start of
+/// `rest` (what follows the method frame): its content header, then body frames that add up
+/// to the size the header gives, all complete, small enough to copy, with no other frame
+/// between them, and at most `max_frames` of them (and [`WHOLE_BODY_FRAMES`] body frames).
+/// Returns the header's payload and the bytes and frames the content takes; `None` when any
+/// of that does not hold (the frames then go one by one).
+fn whole_content(
+    rest: &[u8],
+    channel: u16,
+    max_frame: usize,
+    max_frames: u64,
+) -> Option<(&[u8], usize, u64)> {
+    let header = next_frame(rest, max_frame)?;
+    if max_frames == 0 || header.kind != FRAME_HEADER || header.channel != channel {
+        return None;
+    }
+    let mut remaining = content_body_size(header.payload)?;
+    let (mut len, mut frames) = (header.len, 1);
+    while remaining > 0 {
+        if frames > WHOLE_BODY_FRAMES || frames >= max_frames {
+            return None;
+        }
+        let body = next_frame(rest.get(len..)?, max_frame)?;
+        let size = body.payload.len() as u64;
+        if body.kind != FRAME_BODY || body.channel != channel || size > remaining {
+            return None;
+        }
+        remaining -= size;
+        len += body.len;
+        frames += 1;
+    }
+    Some((header.payload, len, frames))
 }
 
 impl ClientSession {
@@ -95,12 +139,13 @@ impl ClientSession {
                 break;
             }
             let (channel, len) = (frame.channel, frame.len);
-            match self.client_frame_in_run(&frame) {
+            let rest = &unread[pending + len..];
+            match self.client_frame_in_run(&frame, rest, max_frame, max_frames - frames - 1) {
                 ClientFrame::Stop => break,
-                ClientFrame::Forward => {
+                ClientFrame::Forward { len, frames: n } => {
                     pending += len;
-                    frames += 1;
-                    run_frames += 1;
+                    frames += n;
+                    run_frames += n;
                 }
                 ClientFrame::Settle(settlement) => {
                     let forward = settlement.plan.forward_original;
@@ -142,8 +187,15 @@ impl ClientSession {
     }
 
     /// The bookkeeping of one client frame in a run, or [`ClientFrame::Stop`] (with nothing
-    /// changed) when it is not one the fast path handles.
-    fn client_frame_in_run(&mut self, frame: &RunFrame<'_>) -> ClientFrame {
+    /// changed) when it is not one the fast path handles. A publish whose whole content is in
+    /// `rest` (the bytes after it, at most `room` frames of them) is handled with its content.
+    fn client_frame_in_run(
+        &mut self,
+        frame: &RunFrame<'_>,
+        rest: &[u8],
+        max_frame: usize,
+        room: u64,
+    ) -> ClientFrame {
         let max_payload = self.frame_max.saturating_sub(FRAME_OVERHEAD);
         let Some(ch) = self.channels.get_mut(&frame.channel) else {
             return ClientFrame::Stop;
@@ -158,10 +210,25 @@ impl ClientSession {
                 }
                 match method_ids(frame.payload) {
                     BASIC_PUBLISH => {
+                        self.counts.published += 1;
+                        // Handled whole, the content leaves no state behind: as the frames
+                        // one by one would (`publish_started`, then `outgoing_seen`).
+                        if let Some((header, content_len, content_frames)) =
+                            whole_content(rest, frame.channel, max_frame, room)
+                            && ch.deferred_upstream.is_empty()
+                            && bcc::publish_header(header, max_payload).is_none()
+                        {
+                            return ClientFrame::Forward {
+                                len: frame.len + content_len,
+                                frames: 1 + content_frames,
+                            };
+                        }
                         // The channel is at hand: no second lookup (see `publish_started`).
                         ch.publish_started();
-                        self.counts.published += 1;
-                        ClientFrame::Forward
+                        ClientFrame::Forward {
+                            len: frame.len,
+                            frames: 1,
+                        }
                     }
                     BASIC_ACK => match peek::settle(frame.payload) {
                         // An ack of one kept delivery (the usual one) settles it upstream as it
@@ -172,7 +239,10 @@ impl ClientSession {
                         }) if let Some(charge) = ch.deliveries.take_acked(delivery_tag) => {
                             self.release_inflight(1, charge);
                             self.counts.acked += 1;
-                            ClientFrame::Forward
+                            ClientFrame::Forward {
+                                len: frame.len,
+                                frames: 1,
+                            }
                         }
                         Some(peek::Settle::Ack {
                             delivery_tag,
@@ -201,7 +271,10 @@ impl ClientSession {
                 }
                 // Nothing was deferred, so a finished content has nothing to flush.
                 ch.outgoing_seen(frame.kind, frame.payload);
-                ClientFrame::Forward
+                ClientFrame::Forward {
+                    len: frame.len,
+                    frames: 1,
+                }
             }
             _ => ClientFrame::Stop,
         }
@@ -231,12 +304,16 @@ impl ClientSession {
                 || Some(frame.channel) == agreed.publisher_channel
                 || Some(frame.channel) == agreed.probe_channel
                 || self.upstream_drain.contains_key(&frame.channel)
-                || !self.upstream_frame_in_run(&frame)
             {
                 break;
             }
-            taken += frame.len;
-            frames += 1;
+            let rest = &unread[taken + frame.len..];
+            let room = max_frames - frames - 1;
+            let Some((len, n)) = self.upstream_frame_in_run(&frame, rest, max_frame, room) else {
+                break;
+            };
+            taken += len;
+            frames += n;
         }
         if frames > 0 {
             self.send_client_run(unread, taken, frames);
@@ -245,29 +322,42 @@ impl ClientSession {
         taken
     }
 
-    /// The bookkeeping of one upstream frame in a run; `false` (with nothing changed) when it
-    /// is not one the fast path handles. One channel lookup per frame.
-    fn upstream_frame_in_run(&mut self, frame: &RunFrame<'_>) -> bool {
+    /// The bookkeeping of one upstream frame in a run: the bytes and frames it took (a
+    /// delivery whose whole content is in `rest`, at most `room` frames of it, is handled
+    /// with its content), or `None` (with nothing changed) when it is not one the fast path
+    /// handles. One channel lookup per frame.
+    fn upstream_frame_in_run(
+        &mut self,
+        frame: &RunFrame<'_>,
+        rest: &[u8],
+        max_frame: usize,
+        room: u64,
+    ) -> Option<(usize, u64)> {
+        let alone = Some((frame.len, 1));
         match frame.kind {
             FRAME_METHOD => match method_ids(frame.payload) {
                 BASIC_DELIVER => {
-                    let Some(deliver) = peek::deliver(frame.payload) else {
-                        return false;
-                    };
+                    let deliver = peek::deliver(frame.payload)?;
+                    if let Some((header, content_len, content_frames)) =
+                        whole_content(rest, frame.channel, max_frame, room)
+                        && self.deliver_whole(frame.channel, &deliver, header)
+                    {
+                        return Some((frame.len + content_len, 1 + content_frames));
+                    }
                     self.deliver_started(frame.channel, &deliver, true)
+                        .then_some((frame.len, 1))
                 }
                 // Publisher confirms of the client's channel: forwarded as they are.
                 BASIC_ACK | BASIC_NACK => self
                     .channels
                     .get(&frame.channel)
-                    .is_some_and(|ch| ch.closed_for_client.is_none()),
-                _ => false,
+                    .is_some_and(|ch| ch.closed_for_client.is_none())
+                    .then_some((frame.len, 1)),
+                _ => None,
             },
             FRAME_HEADER | FRAME_BODY => {
                 let clock = self.ack_clock();
-                let Some(ch) = self.channels.get_mut(&frame.channel) else {
-                    return false;
-                };
+                let ch = self.channels.get_mut(&frame.channel)?;
                 if ch.closed_for_client.is_some()
                     || ch.incoming.is_none()
                     || !ch.deferred_client.is_empty()
@@ -275,7 +365,7 @@ impl ClientSession {
                         .delivered_header_rewrite(frame.kind, frame.payload)
                         .is_some()
                 {
-                    return false;
+                    return None;
                 }
                 if let Some(completed) = ch.incoming_seen(frame.kind, frame.payload) {
                     // Nothing was deferred: only the delivery is kept (`incoming_finished`
@@ -283,9 +373,9 @@ impl ClientSession {
                     let kept = completed.map(|builder| ch.keep_finished(builder, clock));
                     self.content_ended(kept);
                 }
-                true
+                alone
             }
-            _ => false,
+            _ => None,
         }
     }
 }

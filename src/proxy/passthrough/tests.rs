@@ -89,6 +89,20 @@ fn kept(h: &Harness) -> (usize, usize, usize) {
     (h.session.inflight_count, h.session.inflight_bytes, channel)
 }
 
+/// What the session counted for the metrics (frames and bytes read, messages published,
+/// delivered and acked, deliveries kept), and whether a content is still in progress.
+fn counted(h: &Harness) -> String {
+    let incoming = h
+        .session
+        .channels
+        .get(&1)
+        .is_some_and(|ch| ch.incoming.is_some() || ch.outgoing.is_some());
+    format!(
+        "{:?}, {} in progress, channel 1 in a content: {incoming}",
+        h.session.counts, h.session.incoming_in_progress
+    )
+}
+
 /// A publish on channel 1 whose body goes in frames of at most 40 bytes.
 fn publish(body: &[u8], properties: &BasicProperties) -> Bytes {
     let mut out = BytesMut::new();
@@ -158,6 +172,7 @@ async fn deliveries_publishes_and_acks_in_runs_give_the_peers_the_same_bytes() {
     assert_eq!(taken, deliveries.len(), "every delivery goes in a run");
     assert_eq!(queued(&mut by_frame), queued(&mut by_run));
     assert_eq!(kept(&by_frame), kept(&by_run));
+    assert_eq!(counted(&by_frame), counted(&by_run));
     assert_eq!(kept(&by_run).2, 33, "deliveries 7 to 39 are kept");
 
     let mut traffic = Vec::new();
@@ -464,6 +479,7 @@ async fn random_traffic_in_random_reads_gives_the_same_bytes_as_frame_by_frame()
             assert_same(&run_client, &frame_client, publisher, &context);
             assert_same(&run_upstream, &frame_upstream, publisher, &context);
             assert_eq!(kept(&by_frame), kept(&by_run), "{context}");
+            assert_eq!(counted(&by_frame), counted(&by_run), "{context}");
         }
     }
     // Most of it went in runs, the rest on its own (rejects, frames cut by a read).
