@@ -130,7 +130,7 @@ pub struct IncomingContent {
     pub remaining: Option<u64>,
 }
 
-/// How one delivery is kept ([`Source::keep_decision`]).
+/// How one delivery is kept (`Source::keep_decision`).
 #[derive(Debug)]
 pub struct KeepDecision {
     /// With its content (the proxy may take it over), or as its tag only.
