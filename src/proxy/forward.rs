@@ -1066,10 +1066,7 @@ impl ClientSession {
         let Some(ch) = self.channels.get_mut(&channel) else {
             return false;
         };
-        if ch.closed_for_client.is_some()
-            || ch.incoming.is_some()
-            || !ch.deferred_client.is_empty()
-            || super::bcc::delivered_header(header).is_some()
+        if ch.closed_for_client.is_some() || ch.incoming.is_some() || !ch.deferred_client.is_empty()
         {
             return false;
         }
@@ -1077,7 +1074,11 @@ impl ClientSession {
         let decision = ch.consumer_mut(deliver.consumer_tag).and_then(|source| {
             source.keep_decision(keeping, takes_over, revision, &self.shared, &self.vhost)
         });
-        if decision.as_ref().is_some_and(|d| d.with_content) {
+        // The header scan comes last: a delivery kept with its content goes frame by frame,
+        // where the header is looked at anyway.
+        if decision.as_ref().is_some_and(|d| d.with_content)
+            || super::bcc::delivered_header(header).is_some()
+        {
             return false;
         }
         self.counts.delivered += 1;

@@ -266,23 +266,22 @@ impl ChannelDeliveries {
     }
 
     fn take(&mut self, tag: u64) -> Option<KeptDelivery> {
-        // The usual settlement is of the oldest delivery: its slot leaves from the front.
-        if self.kept.front().is_some_and(|(first, _)| *first == tag) {
-            let delivery = self.kept.pop_front().and_then(|(_, slot)| slot);
-            let Some(delivery) = delivery else {
-                // Settled already (an empty slot is never left at the front).
-                return None;
-            };
-            self.live -= 1;
-            self.forget(tag, &delivery);
-            self.drop_front_slots();
-            return Some(delivery);
-        }
-        let at = self.kept.binary_search_by_key(&tag, |(t, _)| *t).ok()?;
-        let delivery = self.kept[at].1.take()?;
+        // The usual settlement is of the oldest delivery: its slot leaves from the front, and
+        // the back stays as it was.
+        let oldest = self.kept.front().is_some_and(|(first, _)| *first == tag);
+        let delivery = if oldest {
+            self.kept.pop_front().and_then(|(_, slot)| slot)?
+        } else {
+            let at = self.kept.binary_search_by_key(&tag, |(t, _)| *t).ok()?;
+            self.kept[at].1.take()?
+        };
         self.live -= 1;
         self.forget(tag, &delivery);
-        self.drop_empty_slots();
+        if oldest {
+            self.drop_front_slots();
+        } else {
+            self.drop_empty_slots();
+        }
         Some(delivery)
     }
 
