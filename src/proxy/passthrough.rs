@@ -46,6 +46,16 @@ enum ClientFrame {
     Settle(ClientSettlement),
 }
 
+impl ClientFrame {
+    /// `frame` bookkept and forwarded on its own.
+    fn alone(frame: &RunFrame<'_>) -> Self {
+        ClientFrame::Forward {
+            len: frame.len,
+            frames: 1,
+        }
+    }
+}
+
 /// One frame of a run: its type, channel and payload, and its length in the buffer.
 struct RunFrame<'a> {
     kind: u8,
@@ -225,10 +235,7 @@ impl ClientSession {
                         }
                         // The channel is at hand: no second lookup (see `publish_started`).
                         ch.publish_started();
-                        ClientFrame::Forward {
-                            len: frame.len,
-                            frames: 1,
-                        }
+                        ClientFrame::alone(frame)
                     }
                     BASIC_ACK => match peek::settle(frame.payload) {
                         // An ack of one kept delivery (the usual one) settles it upstream as it
@@ -239,10 +246,7 @@ impl ClientSession {
                         }) if let Some(charge) = ch.deliveries.take_acked(delivery_tag) => {
                             self.release_inflight(1, charge);
                             self.counts.acked += 1;
-                            ClientFrame::Forward {
-                                len: frame.len,
-                                frames: 1,
-                            }
+                            ClientFrame::alone(frame)
                         }
                         Some(peek::Settle::Ack {
                             delivery_tag,
@@ -271,10 +275,7 @@ impl ClientSession {
                 }
                 // Nothing was deferred, so a finished content has nothing to flush.
                 ch.outgoing_seen(frame.kind, frame.payload);
-                ClientFrame::Forward {
-                    len: frame.len,
-                    frames: 1,
-                }
+                ClientFrame::alone(frame)
             }
             _ => ClientFrame::Stop,
         }
@@ -333,7 +334,8 @@ impl ClientSession {
         max_frame: usize,
         room: u64,
     ) -> Option<(usize, u64)> {
-        let alone = Some((frame.len, 1));
+        // The frame bookkept and forwarded on its own.
+        let alone = (frame.len, 1);
         match frame.kind {
             FRAME_METHOD => match method_ids(frame.payload) {
                 BASIC_DELIVER => {
@@ -345,14 +347,14 @@ impl ClientSession {
                         return Some((frame.len + content_len, 1 + content_frames));
                     }
                     self.deliver_started(frame.channel, &deliver, true)
-                        .then_some((frame.len, 1))
+                        .then_some(alone)
                 }
                 // Publisher confirms of the client's channel: forwarded as they are.
                 BASIC_ACK | BASIC_NACK => self
                     .channels
                     .get(&frame.channel)
                     .is_some_and(|ch| ch.closed_for_client.is_none())
-                    .then_some((frame.len, 1)),
+                    .then_some(alone),
                 _ => None,
             },
             FRAME_HEADER | FRAME_BODY => {
@@ -373,7 +375,7 @@ impl ClientSession {
                     let kept = completed.map(|builder| ch.keep_finished(builder, clock));
                     self.content_ended(kept);
                 }
-                alone
+                Some(alone)
             }
             _ => None,
         }
