@@ -258,6 +258,15 @@ PY
   fi
 }
 
+# The paths of one row, rotated by the round: each takes every place in turn (first after the
+# previous row, right after another forwarder, last), so no path always follows the same one.
+rotated() {
+  local round=$1; shift
+  local n=$# i
+  local all=("$@")
+  for i in $(seq 0 $((n - 1))); do echo "${all[$(((i + round - 1) % n))]}"; done
+}
+
 for round in $(seq 1 "$ROUNDS"); do
   echo "== round $round"
   # Alternate who goes first from round to round.
@@ -273,7 +282,7 @@ for round in $(seq 1 "$ROUNDS"); do
     if [ "$client" = raw ]; then whos+=("${FLOORS[@]}"); fi
     for size in 100 4096; do
       for confirms in off on; do
-        for who in "${whos[@]}"; do
+        for who in $(rotated "$round" "${whos[@]}"); do
           run "$round" "$who" throughput --client "$client" -n "$MESSAGES" --size "$size" --confirms "$confirms"
         done
       done
@@ -281,7 +290,7 @@ for round in $(seq 1 "$ROUNDS"); do
   done
   for size in 100 4096; do
     for confirms in off on; do
-      for who in direct haproxy proxy "${FLOORS[@]}"; do
+      for who in $(rotated "$round" direct haproxy proxy "${FLOORS[@]}"); do
         run "$round" "$who" ping -n "$PINGS" --size "$size" --confirms "$confirms"
       done
     done
@@ -336,7 +345,13 @@ for (scenario, client, size, confirms), by in sorted(groups.items()):
     pv, hv = med(p, key), med(h, key)
     # Round trips: lower is better, so the speed ratio is HAProxy's p50 over the proxy's.
     speed = div(hv, pv) if scenario == "ping" else div(pv, hv)
-    print(f"{name:<46} {speed:>8.2f}x {div(pc, hc):>8.2f}x   ({pv:.0f}, {pc:.2f} | {hv:.0f}, {hc:.2f})")
+    # Each round's CPU ratio, to show the spread under the median.
+    rounds = collections.defaultdict(dict)
+    for who, rs in (("proxy", p), ("haproxy", h)):
+        for r in rs:
+            rounds[r["round"]][who] = r["broker_cpu_us_per_msg"]
+    spread = " ".join(f"{div(x['proxy'], x['haproxy']):.2f}" for _, x in sorted(rounds.items()) if len(x) == 2)
+    print(f"{name:<46} {speed:>8.2f}x {div(pc, hc):>8.2f}x   ({pv:.0f}, {pc:.2f} | {hv:.0f}, {hc:.2f})  CPU per round: {spread}")
 if dead:
     print()
     print("dead letters: msg/s (median of rounds), proxy/direct per round, CPU us per dead letter, latency from the death's cause p50/p99 (ms)")
