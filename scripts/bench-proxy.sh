@@ -269,10 +269,8 @@ rotated() {
 
 for round in $(seq 1 "$ROUNDS"); do
   echo "== round $round"
-  # Alternate who goes first from round to round.
-  if [ $((round % 2)) = 1 ]; then dl_whos=(direct proxy); else dl_whos=(proxy direct); fi
   for kind in $DL_KINDS; do
-    for who in "${dl_whos[@]}"; do
+    for who in $(rotated "$round" direct proxy); do
       dl_run "$round" "$who" "$kind"
     done
   done
