@@ -311,6 +311,13 @@ med = lambda rs, k: statistics.median(r[k] for r in rs)
 # CPU time comes from the threads' schedstat (nanoseconds), or clock ticks where that is not
 # readable: a short run can then measure 0 (the ratio is then nan).
 div = lambda a, b: a / b if b else float("nan")
+def per_round(top, bottom, key):
+    """Each round's ratio of `key` between two paths' runs (rounds where both ran)."""
+    rounds = collections.defaultdict(dict)
+    for side, rs in (("top", top), ("bottom", bottom)):
+        for r in rs:
+            rounds[r["round"]][side] = r[key]
+    return " ".join(f"{div(x['top'], x['bottom']):.2f}" for _, x in sorted(rounds.items()) if len(x) == 2)
 if groups:
     print(f"{'scenario':<46} {'through':<14} {'direct':>9} {'through':>9} {'vs direct':>10} {'CPU us/msg':>11} {'CPU / RabbitMQ':>15}")
 order = ["haproxy", "proxy", "floor-epoll", "floor-uring", "floor-threads"]
@@ -344,11 +351,7 @@ for (scenario, client, size, confirms), by in sorted(groups.items()):
     # Round trips: lower is better, so the speed ratio is HAProxy's p50 over the proxy's.
     speed = div(hv, pv) if scenario == "ping" else div(pv, hv)
     # Each round's CPU ratio, to show the spread under the median.
-    rounds = collections.defaultdict(dict)
-    for who, rs in (("proxy", p), ("haproxy", h)):
-        for r in rs:
-            rounds[r["round"]][who] = r["broker_cpu_us_per_msg"]
-    spread = " ".join(f"{div(x['proxy'], x['haproxy']):.2f}" for _, x in sorted(rounds.items()) if len(x) == 2)
+    spread = per_round(p, h, "broker_cpu_us_per_msg")
     print(f"{name:<46} {speed:>8.2f}x {div(pc, hc):>8.2f}x   ({pv:.0f}, {pc:.2f} | {hv:.0f}, {hc:.2f})  CPU per round: {spread}")
 if dead:
     print()
@@ -359,10 +362,7 @@ if dead:
         if not d or not p:
             continue
         dv, pv = med(d, "dead_letter_rate_msg_s"), med(p, "dead_letter_rate_msg_s")
-        per_round = {}
-        for r in d + p:
-            per_round.setdefault(r["round"], {})[r["who"]] = r["dead_letter_rate_msg_s"]
-        rounds = " ".join(f"{div(x.get('proxy', 0), x.get('direct', 0)):.2f}" for _, x in sorted(per_round.items()))
+        rounds = per_round(p, d, "dead_letter_rate_msg_s")
         pc = statistics.median(r.get("fleet_cpu_us_per_msg", r["broker_cpu_us_per_msg"]) for r in p)
         lat = lambda rs: f"{med(rs, 'latency_p50_us') / 1000:.1f}/{med(rs, 'latency_p99_us') / 1000:.1f}"
         rc = lambda rs: statistics.median(r.get("rabbit_cpu_us_per_msg", float("nan")) for r in rs)

@@ -268,11 +268,11 @@ impl ChannelDeliveries {
     fn take(&mut self, tag: u64) -> Option<KeptDelivery> {
         // The usual settlement is of the oldest delivery: its slot leaves from the front, and
         // the back stays as it was.
-        let oldest = self.kept.front().is_some_and(|(first, _)| *first == tag);
+        let at = self.slot(tag)?;
+        let oldest = at == 0;
         let delivery = if oldest {
             self.kept.pop_front().and_then(|(_, slot)| slot)?
         } else {
-            let at = self.kept.binary_search_by_key(&tag, |(t, _)| *t).ok()?;
             self.kept[at].1.take()?
         };
         self.live -= 1;
