@@ -52,6 +52,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "metric_labels_folded_total",
     "connections",
     "channels",
+    "consumers",
     "queue_messages",
     "queue_bytes",
     "inflight_deliveries",
@@ -273,6 +274,7 @@ pub struct Metrics {
     labels_folded: IntCounter,
     connections: IntGauge,
     channels: IntGauge,
+    consumers: IntGauge,
     queue_messages: IntGaugeVec,
     queue_bytes: IntGaugeVec,
     inflight_deliveries: IntGauge,
@@ -539,6 +541,11 @@ impl Metrics {
             )?,
             connections: b.gauge("connections", "Open client connections.")?,
             channels: b.gauge("channels", "Open client channels.")?,
+            consumers: b.gauge(
+                "consumers",
+                "Consumers on client channels (each channel holds at most \
+                 limits.max_consumers_per_channel).",
+            )?,
             queue_messages: b.gauge_vec(
                 "queue_messages",
                 "Messages in a queue (embedded mode).",
@@ -1054,6 +1061,25 @@ impl Metrics {
     /// `count` client channels were closed.
     pub fn channels_closed(&self, count: u64) {
         self.channels.sub(saturating_i64(count));
+    }
+
+    /// A consumer was started on a client channel.
+    pub fn consumer_started(&self) {
+        self.consumers.inc();
+    }
+
+    /// `count` consumers ended (cancelled, their queue deleted, or their channel closed).
+    pub fn consumers_ended(&self, count: u64) {
+        if count > 0 {
+            self.consumers.sub(saturating_i64(count));
+        }
+    }
+
+    /// Consumers were started (`delta` > 0) or ended (`delta` < 0).
+    pub fn consumers_changed(&self, delta: i64) {
+        if delta != 0 {
+            self.consumers.add(delta);
+        }
     }
 
     /// `frames` frames totalling `bytes` bytes went `direction`.

@@ -310,7 +310,8 @@ impl RunningService {
     }
 
     /// Applies a new configuration without dropping connections: policies, users (each
-    /// `password_file` is read again), limits (except `limits.consumer_timeout`),
+    /// `password_file` is read again), limits (except `limits.consumer_timeout` and
+    /// `limits.max_consumers_per_channel`),
     /// `storage.disk_free_limit`, `storage.paging_budget` and the admin token (`admin.token_file` is read again). Every
     /// other setting (listeners,
     /// mode, TLS file names, vhosts, ...) needs a restart; a change to one is logged as a
@@ -369,6 +370,10 @@ fn fixed_settings(config: &Config) -> BTreeMap<&'static str, serde_json::Value> 
         (
             "limits.consumer_timeout",
             json(&config.limits.consumer_timeout),
+        ),
+        (
+            "limits.max_consumers_per_channel",
+            json(&config.limits.max_consumers_per_channel),
         ),
         ("proxy", json(&config.proxy)),
         ("tls", json(&config.tls)),
@@ -494,6 +499,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     default_delivery_limit: (config.dead_letter.default_delivery_limit > 0)
                         .then_some(config.dead_letter.default_delivery_limit as u64),
                     max_queues: config.limits.max_queues,
+                    max_consumers_per_channel: config.limits.max_consumers_per_channel,
                     consumer_timeout: (config.limits.consumer_timeout > 0)
                         .then_some(config.limits.consumer_timeout),
                     keep_dead_letters: !config.dead_letter.ttl_on_dead_letters,

@@ -44,6 +44,8 @@ pub struct BrokerOptions {
     pub dead_letter: DeadLetterOptions,
     pub default_delivery_limit: Option<u64>,
     pub max_queues: usize,
+    /// `limits.max_consumers_per_channel`.
+    pub max_consumers_per_channel: usize,
     /// `limits.consumer_timeout` (ms; None = off), lowered per queue by `x-consumer-timeout`
     /// or the policy's `consumer-timeout`.
     pub consumer_timeout: Option<u64>,

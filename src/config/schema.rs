@@ -299,6 +299,10 @@ pub struct LimitsConfig {
     pub max_connections: usize,
     /// Largest number of queues per vhost.
     pub max_queues: usize,
+    /// Largest number of consumers on one channel (both modes); a basic.consume past it closes
+    /// the connection with 530 NOT_ALLOWED, as RabbitMQ's `consumer_max_per_channel` does.
+    /// At least 8 (AMQP 0-9-1: a server that limits consumers per channel allows 8 or more).
+    pub max_consumers_per_channel: usize,
     /// Bytes of encoded frames waiting for one connection's socket before deliveries pause.
     pub connection_outbox_bytes: usize,
     /// Seconds a client has to finish the handshake.
@@ -329,6 +333,7 @@ impl Default for LimitsConfig {
             max_message_size: 128 * 1024 * 1024,
             max_connections: 10_000,
             max_queues: 100_000,
+            max_consumers_per_channel: DEFAULT_MAX_CONSUMERS_PER_CHANNEL,
             connection_outbox_bytes: 4 * 1024 * 1024,
             handshake_timeout_secs: 10,
             max_table_depth: crate::amqp::depth::DEFAULT_MAX_TABLE_DEPTH,
@@ -516,6 +521,13 @@ pub struct ProxyConfig {
 
 /// Largest accepted `proxy.retry_max_ms` (10 minutes).
 pub const MAX_RETRY_MS: u64 = 600_000;
+
+/// Default `limits.max_consumers_per_channel`.
+pub const DEFAULT_MAX_CONSUMERS_PER_CHANNEL: usize = 1_000;
+
+/// Smallest accepted `limits.max_consumers_per_channel` (AMQP 0-9-1, basic.consume: a limit
+/// "MUST be at least 8").
+pub const MIN_CONSUMERS_PER_CHANNEL: usize = 8;
 
 /// Largest accepted `proxy.busy_poll_us` (10 ms).
 pub const MAX_BUSY_POLL_US: u64 = 10_000;

@@ -252,6 +252,10 @@ fn validation_errors_name_the_line_and_column_of_the_value() {
 fn limits_and_switches_are_checked() {
     let cases = [
         ("[limits]\nframe_max = 1024\n", "limits.frame_max"),
+        (
+            "[limits]\nmax_consumers_per_channel = 7\n",
+            "limits.max_consumers_per_channel",
+        ),
         ("[limits]\nmax_table_depth = 0\n", "limits.max_table_depth"),
         (
             "[limits]\nmax_table_depth = 129\n",

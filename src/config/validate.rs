@@ -157,6 +157,15 @@ impl Config {
                 ),
             ));
         }
+        if limits.max_consumers_per_channel < MIN_CONSUMERS_PER_CHANNEL {
+            return Err(ConfigError::invalid(
+                "limits.max_consumers_per_channel",
+                format!(
+                    "{} is below the AMQP minimum of {MIN_CONSUMERS_PER_CHANNEL}",
+                    limits.max_consumers_per_channel
+                ),
+            ));
+        }
         for (key, value) in [
             ("limits.max_message_size", limits.max_message_size),
             ("limits.max_connections", limits.max_connections as u64),

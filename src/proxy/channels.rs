@@ -39,6 +39,9 @@ pub struct Source {
     pub(crate) keeps_content: Option<(super::SettingsRevision, bool)>,
     /// The consumer timeout of its deliveries, and the settings that answer came from.
     pub(crate) timeout: Option<(super::SettingsRevision, Option<u64>)>,
+    /// The client cancelled it with `nowait`: it is kept only for deliveries already on the
+    /// way ([`ClientChannel::cancel_consumer_nowait`]).
+    pub(crate) cancelled: bool,
 }
 
 impl Source {
@@ -48,6 +51,7 @@ impl Source {
             no_ack,
             keeps_content: None,
             timeout: None,
+            cancelled: false,
         }
     }
 
@@ -228,6 +232,9 @@ pub struct ClientChannel {
     pub id: u64,
     pub phase: ChannelPhase,
     pub consumers: HashMap<String, Source>,
+    /// Tags of consumers the client cancelled with `nowait` (no cancel-ok comes to remove
+    /// them), oldest first; see [`Self::cancel_consumer_nowait`].
+    cancelled: VecDeque<String>,
     /// basic.consume sent (not nowait), consume-ok not yet seen.
     pub pending_consumes: VecDeque<Source>,
     /// basic.get sent, get-ok / get-empty not yet seen.
@@ -260,6 +267,7 @@ impl ClientChannel {
             id,
             phase: ChannelPhase::Open,
             consumers: HashMap::new(),
+            cancelled: VecDeque::new(),
             pending_consumes: VecDeque::new(),
             pending_gets: VecDeque::new(),
             pending_declares: VecDeque::new(),
@@ -416,6 +424,64 @@ impl ClientChannel {
         (charge, timeout.is_some())
     }
 
+    /// Consumers of this channel that are not cancelled.
+    pub fn active_consumers(&self) -> usize {
+        self.consumers.len() - self.cancelled_consumers()
+    }
+
+    fn cancelled_consumers(&self) -> usize {
+        self.consumers.values().filter(|s| s.cancelled).count()
+    }
+
+    /// Consumers started and asked for (basic.consume sent, consume-ok not yet seen): what
+    /// `limits.max_consumers_per_channel` bounds.
+    pub fn consumers_started_or_asked(&self) -> usize {
+        self.active_consumers() + self.pending_consumes.len()
+    }
+
+    /// Records a started consumer; returns the change in [`Self::active_consumers`] (0 when
+    /// it replaces an active consumer of the same tag, which the upstream refuses anyway).
+    pub fn add_consumer(&mut self, tag: String, source: Source) -> i64 {
+        match self.consumers.insert(tag, source) {
+            Some(old) if !old.cancelled => 0,
+            _ => 1,
+        }
+    }
+
+    /// Forgets the consumer `tag` (cancel-ok, or the upstream cancelled it); returns the
+    /// change in [`Self::active_consumers`].
+    pub fn remove_consumer(&mut self, tag: &str) -> i64 {
+        match self.consumers.remove(tag) {
+            Some(old) if !old.cancelled => -1,
+            _ => 0,
+        }
+    }
+
+    /// The client cancelled consumer `tag` with `nowait`. Its source stays for deliveries the
+    /// upstream sent before it saw the cancel, but no longer counts as a consumer; once more
+    /// than `keep_at_most` cancelled sources are kept, the oldest go. Returns the change in
+    /// [`Self::active_consumers`].
+    pub fn cancel_consumer_nowait(&mut self, tag: &str, keep_at_most: usize) -> i64 {
+        let Some(source) = self.consumers.get_mut(tag) else {
+            return 0;
+        };
+        if source.cancelled {
+            return 0;
+        }
+        source.cancelled = true;
+        self.cancelled.push_back(tag.to_string());
+        while self.cancelled.len() > keep_at_most {
+            let Some(oldest) = self.cancelled.pop_front() else {
+                break;
+            };
+            // The tag may have been reused by a consumer started since.
+            if self.consumers.get(&oldest).is_some_and(|s| s.cancelled) {
+                self.consumers.remove(&oldest);
+            }
+        }
+        -1
+    }
+
     /// The consumer with this tag. A channel with one consumer (the usual case) compares
     /// the tag instead of hashing it, once per delivery.
     pub fn consumer_mut(&mut self, tag: &str) -> Option<&mut Source> {
@@ -452,6 +518,55 @@ mod tests {
         assert_eq!(&*ch.consumer_mut("b").unwrap().queue, "qb");
         assert_eq!(&*ch.consumer_mut("a").unwrap().queue, "qa");
         assert!(ch.consumer_mut("c").is_none());
+    }
+
+    #[test]
+    fn consumers_count_until_cancelled_and_cancelled_ones_are_bounded() {
+        let source = || Source::new(Arc::from("q"), false);
+        let mut ch = ClientChannel::new(1);
+        assert_eq!(ch.add_consumer("a".into(), source()), 1);
+        assert_eq!(ch.add_consumer("b".into(), source()), 1);
+        // The same tag again replaces an active consumer: no new one.
+        assert_eq!(ch.add_consumer("b".into(), source()), 0);
+        ch.pending_consumes.push_back(source());
+        assert_eq!(ch.consumers_started_or_asked(), 3);
+
+        // A nowait cancel stops counting at once; the source stays for deliveries on the way.
+        assert_eq!(ch.cancel_consumer_nowait("a", 2), -1);
+        assert_eq!(ch.cancel_consumer_nowait("a", 2), 0, "cancelled once");
+        assert_eq!(ch.cancel_consumer_nowait("zz", 2), 0, "unknown tag");
+        assert_eq!(ch.active_consumers(), 1);
+        assert_eq!(ch.consumers_started_or_asked(), 2);
+        assert_eq!(&*ch.consumer_mut("a").unwrap().queue, "q");
+        // A cancel-ok for it later changes nothing more; for an active one it ends it.
+        assert_eq!(ch.remove_consumer("a"), 0);
+        assert_eq!(ch.remove_consumer("b"), -1);
+        assert_eq!(ch.remove_consumer("b"), 0);
+        assert_eq!(ch.active_consumers(), 0);
+
+        // At most `keep_at_most` cancelled sources stay, the oldest go first.
+        for tag in ["c", "d", "e"] {
+            assert_eq!(ch.add_consumer(tag.into(), source()), 1);
+        }
+        for tag in ["c", "d", "e"] {
+            assert_eq!(ch.cancel_consumer_nowait(tag, 2), -1);
+        }
+        assert!(
+            !ch.consumers.contains_key("c"),
+            "the oldest cancelled one went"
+        );
+        assert!(ch.consumers.contains_key("d") && ch.consumers.contains_key("e"));
+        // A tag reused by a new consumer is active again and never dropped as cancelled.
+        assert_eq!(ch.add_consumer("d".into(), source()), 1);
+        assert_eq!(ch.add_consumer("f".into(), source()), 1);
+        assert_eq!(ch.cancel_consumer_nowait("f", 1), -1);
+        assert!(ch.consumers.get("d").is_some_and(|s| !s.cancelled));
+        assert!(
+            !ch.consumers.contains_key("e"),
+            "older than the one cancelled kept"
+        );
+        assert!(ch.consumers.get("f").is_some_and(|s| s.cancelled));
+        assert_eq!(ch.active_consumers(), 1);
     }
 
     /// A content header payload: class 60, weight 0, body size, then `properties`.

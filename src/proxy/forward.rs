@@ -467,14 +467,32 @@ impl ClientSession {
                 };
                 match method {
                     AMQPClass::Basic(basic::AMQPMethod::Consume(consume)) => {
+                        let max = self.shared.max_consumers_per_channel;
                         if let Some(ch) = self.channels.get_mut(&channel) {
+                            let tag = consume.consumer_tag.as_str();
+                            // As RabbitMQ: a tag in use is the upstream's to refuse; a new
+                            // consumer past the limit closes the connection.
+                            let in_use = !tag.is_empty()
+                                && ch.consumers.get(tag).is_some_and(|s| !s.cancelled);
+                            if !in_use && ch.consumers_started_or_asked() >= max {
+                                self.close_client(
+                                    reply::NOT_ALLOWED,
+                                    &format!(
+                                        "NOT_ALLOWED - reached maximum ({max}) of consumers per \
+                                         channel"
+                                    ),
+                                    ids.0,
+                                    ids.1,
+                                );
+                                return;
+                            }
                             let source = Source::new(
                                 ch.resolve_queue(consume.queue.as_str()),
                                 consume.no_ack,
                             );
                             if consume.nowait {
-                                ch.consumers
-                                    .insert(consume.consumer_tag.as_str().to_string(), source);
+                                let added = ch.add_consumer(tag.to_string(), source);
+                                self.shared.metrics.consumers_changed(added);
                             } else {
                                 ch.pending_consumes.push_back(source);
                             }
@@ -524,6 +542,21 @@ impl ClientSession {
                             "basic.recover with dead-letters in flight"
                         );
                     }
+                }
+                self.send_upstream(frame.raw);
+            }
+            BASIC_CANCEL => {
+                let Some(method) = self.decode_client_method(&frame) else {
+                    return;
+                };
+                if let AMQPClass::Basic(basic::AMQPMethod::Cancel(cancel)) = method
+                    && cancel.nowait
+                    && let Some(ch) = self.channels.get_mut(&channel)
+                {
+                    // No cancel-ok will come to forget it.
+                    let max = self.shared.max_consumers_per_channel;
+                    let ended = ch.cancel_consumer_nowait(cancel.consumer_tag.as_str(), max);
+                    self.shared.metrics.consumers_changed(ended);
                 }
                 self.send_upstream(frame.raw);
             }
@@ -891,8 +924,8 @@ impl ClientSession {
                     && let Some(ch) = self.channels.get_mut(&channel)
                     && let Some(source) = ch.pending_consumes.pop_front()
                 {
-                    ch.consumers
-                        .insert(ok.consumer_tag.as_str().to_string(), source);
+                    let added = ch.add_consumer(ok.consumer_tag.as_str().to_string(), source);
+                    self.shared.metrics.consumers_changed(added);
                 }
                 self.send_client(frame.raw);
             }
@@ -909,7 +942,8 @@ impl ClientSession {
                 if let Some(tag) = tag
                     && let Some(ch) = self.channels.get_mut(&channel)
                 {
-                    ch.consumers.remove(&tag);
+                    let removed = ch.remove_consumer(&tag);
+                    self.shared.metrics.consumers_changed(removed);
                 }
                 self.send_client(frame.raw);
             }
@@ -1167,6 +1201,9 @@ impl ClientSession {
     }
 
     fn release_channel_state(&mut self, mut old: ClientChannel) {
+        self.shared
+            .metrics
+            .consumers_ended(old.active_consumers() as u64);
         let (count, bytes) = old.deliveries.clear();
         self.release_inflight(count, bytes);
         if old.incoming.is_some() {

@@ -269,6 +269,9 @@ pub struct ProxyShared {
     /// go back into their queue ([`death::kept_in_queue`]).
     pub(crate) keep_dead_letters: bool,
     pub(crate) max_inflight_bytes: usize,
+    /// `limits.max_consumers_per_channel`: a client channel's consumers, started and asked
+    /// for, the proxy keeps track of.
+    pub(crate) max_consumers_per_channel: usize,
     pub(crate) confirm_timeout: Duration,
     /// `proxy.capture_prefetch`.
     pub(crate) capture_prefetch: u16,
@@ -438,6 +441,7 @@ impl ProxyShared {
                 .then_some(config.limits.consumer_timeout),
             keep_dead_letters: !config.dead_letter.ttl_on_dead_letters,
             max_inflight_bytes: config.proxy.max_inflight_bytes.max(1),
+            max_consumers_per_channel: config.limits.max_consumers_per_channel,
             confirm_timeout: Duration::from_secs(config.proxy.confirm_timeout_secs.max(1)),
             capture_prefetch: config.proxy.capture_prefetch.max(1),
             retry_backoff: retry::Backoff::new(

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use amq_protocol::protocol::{AMQPClass, basic, channel, exchange, queue, tx};
 use amq_protocol::types::FieldTable;
-use common::dl::{amqp_code, amqp_text, publish_refused};
+use common::dl::{amqp_code, amqp_text, publish_refused, try_consumer};
 use common::*;
 use dlx_proxy::amqp::codec::{FRAME_BODY, FRAME_HEADER, PROTOCOL_HEADER, put_raw_frame};
 use lapin::options::*;
@@ -482,4 +482,111 @@ async fn a_channel_over_the_negotiated_channel_max_is_530_as_rabbitmq() {
         text,
         "NOT_ALLOWED - number of channels opened (2) has reached the negotiated channel_max (2)"
     );
+}
+
+/// The consumers gauge, as the broker's metrics show it now.
+fn consumers_gauge(b: &TestBroker) -> Option<f64> {
+    metric_value(&b.metrics_text(), "dlx_proxy_consumers")
+}
+
+/// A server-named queue with `count` consumers on `ch`, tagged `prefix` and a number.
+async fn queue_with_consumers(
+    ch: &lapin::Channel,
+    prefix: &str,
+    count: usize,
+) -> (String, Vec<lapin::Consumer>) {
+    let queue = ch
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut consumers = Vec::new();
+    for n in 0..count {
+        let tag = format!("{prefix}{n}");
+        consumers.push(try_consumer(ch, queue.name().as_str(), &tag).await.unwrap());
+    }
+    (queue.name().to_string(), consumers)
+}
+
+#[tokio::test]
+async fn a_consumer_over_max_consumers_per_channel_is_530_as_rabbitmq() {
+    let mut config = test_config();
+    config.limits.max_consumers_per_channel = 8;
+    let b = start_with(config).await;
+    let (c, ch) = b.channel().await;
+    let (queue, mut consumers) = queue_with_consumers(&ch, "c", 8).await;
+    let queue = queue.as_str();
+    assert_eq!(consumers_gauge(&b), Some(8.0));
+    // A cancelled consumer frees its place, and another channel has places of its own.
+    ch.basic_cancel("c0".into(), BasicCancelOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(consumers_gauge(&b), Some(7.0));
+    consumers.push(try_consumer(&ch, queue, "c8").await.unwrap());
+    let other = c.create_channel().await.unwrap();
+    consumers.push(try_consumer(&other, queue, "o0").await.unwrap());
+    assert_eq!(consumers_gauge(&b), Some(9.0));
+    // A tag in use is refused for that, even at the limit.
+    let err = try_consumer(&ch, queue, "c1").await.unwrap_err();
+    assert_eq!(amqp_code(&err), Some(530), "{err:?}");
+    assert_eq!(
+        amqp_text(&err),
+        "NOT_ALLOWED - attempt to reuse consumer tag 'c1'"
+    );
+    wait_local_metric(&b.service.metrics, "dlx_proxy_consumers", 0.0).await;
+    drop(consumers);
+
+    // A new consumer past the limit closes the connection.
+    let (_c, ch) = b.channel().await;
+    let (queue, _consumers) = queue_with_consumers(&ch, "d", 8).await;
+    let queue = queue.as_str();
+    assert_eq!(consumers_gauge(&b), Some(8.0));
+    let err = try_consumer(&ch, queue, "d8").await.unwrap_err();
+    assert_eq!(amqp_code(&err), Some(530), "{err:?}");
+    assert_eq!(
+        amqp_text(&err),
+        "NOT_ALLOWED - reached maximum (8) of consumers per channel"
+    );
+    // Its consumers ended with it.
+    wait_local_metric(&b.service.metrics, "dlx_proxy_consumers", 0.0).await;
+}
+
+#[tokio::test]
+async fn consumers_of_a_deleted_queue_leave_the_consumers_gauge() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    let declared = ch
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let queue = declared.name().as_str();
+    let _a = try_consumer(&ch, queue, "a").await.unwrap();
+    let _b = try_consumer(&ch, queue, "b").await.unwrap();
+    assert_eq!(consumers_gauge(&b), Some(2.0));
+    ch.queue_delete(queue.into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(consumers_gauge(&b), Some(0.0));
+    // A closed channel takes its consumers with it.
+    let declared = ch
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let _c = try_consumer(&ch, declared.name().as_str(), "c")
+        .await
+        .unwrap();
+    assert_eq!(consumers_gauge(&b), Some(1.0));
+    ch.close(200, "bye".into()).await.unwrap();
+    wait_local_metric(&b.service.metrics, "dlx_proxy_consumers", 0.0).await;
 }

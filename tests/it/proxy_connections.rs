@@ -1,8 +1,9 @@
 //! Proxy mode, the connection itself: refusals from the upstream reach the client with the
 //! upstream's own code and text (or, as RabbitMQ does, as a closed socket), frames the proxy
-//! judges itself get RabbitMQ's replies, `limits.max_connections` and the negotiated
-//! channel_max are enforced, and loopback-only users (guest) are refused from other
-//! addresses. Each case is run against RabbitMQ directly and through the proxy.
+//! judges itself get RabbitMQ's replies, `limits.max_connections`, the negotiated
+//! channel_max and `limits.max_consumers_per_channel` are enforced, and loopback-only users
+//! (guest) are refused from other addresses. Each case is run against RabbitMQ directly and
+//! through the proxy.
 
 use crate::common;
 use crate::proxy_support;
@@ -11,14 +12,15 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use common::dl::{amqp_code, amqp_text};
+use common::dl::{amqp_code, amqp_text, try_consumer};
 use common::netns::NetNs;
 use common::{
-    assert_over_connection_limit, encode_method, free_addresses, metric_value, poll, wait_metric,
-    with_failure_close,
+    assert_over_connection_limit, encode_method, free_addresses, metric_value, poll,
+    wait_local_metric, wait_metric, with_failure_close,
 };
 use dlx_proxy::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, put_raw_frame};
 use dlx_proxy::config::{Config, Mode};
+use lapin::options::{BasicCancelOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::protocol::{AMQPClass, basic, channel};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
@@ -373,4 +375,114 @@ async fn guest_is_refused_from_a_non_loopback_address_and_welcome_on_loopback() 
     );
     drop(client);
     open.stop().await;
+}
+
+/// The proxy's consumers gauge now.
+fn consumers_gauge(proxy: &TestProxy) -> Option<f64> {
+    metric_value(&proxy.metrics.encode(), "dlx_proxy_consumers")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_over_max_consumers_per_channel_is_530_through_the_proxy() {
+    let proxy = TestProxy::start_with(vec![], |config| {
+        config.limits.max_consumers_per_channel = 8;
+    })
+    .await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let queue = unique("consumers");
+    ch.queue_declare(
+        queue.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let mut consumers = Vec::new();
+    for n in 0..8 {
+        consumers.push(try_consumer(&ch, &queue, &format!("c{n}")).await.unwrap());
+    }
+    assert_eq!(consumers_gauge(&proxy), Some(8.0));
+    // A consumer cancelled with nowait gets no cancel-ok, yet frees its place at once.
+    ch.basic_cancel("c0".into(), BasicCancelOptions { nowait: true })
+        .await
+        .unwrap();
+    wait_local_metric(&proxy.metrics, "dlx_proxy_consumers", 7.0).await;
+    consumers.push(try_consumer(&ch, &queue, "c8").await.unwrap());
+    // The upstream cancelling consumers (their queue deleted) ends them as well.
+    let other = conn.create_channel().await.unwrap();
+    let doomed = unique("consumers-doomed");
+    other
+        .queue_declare(
+            doomed.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let _doomed = try_consumer(&other, &doomed, "o0").await.unwrap();
+    assert_eq!(consumers_gauge(&proxy), Some(9.0));
+    other
+        .queue_delete(doomed.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    wait_local_metric(&proxy.metrics, "dlx_proxy_consumers", 8.0).await;
+    // At the limit, a tag in use is still RabbitMQ's to refuse, with its own words.
+    let err = try_consumer(&ch, &queue, "c1").await.unwrap_err();
+    assert_eq!(amqp_code(&err), Some(530), "{err:?}");
+    assert_eq!(
+        amqp_text(&err),
+        "NOT_ALLOWED - attempt to reuse consumer tag 'c1'"
+    );
+    wait_local_metric(&proxy.metrics, "dlx_proxy_consumers", 0.0).await;
+    drop(consumers);
+
+    // A new consumer past the limit closes the connection, as RabbitMQ's
+    // consumer_max_per_channel does.
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut consumers = Vec::new();
+    for n in 0..8 {
+        consumers.push(try_consumer(&ch, &queue, &format!("d{n}")).await.unwrap());
+    }
+    let err = try_consumer(&ch, &queue, "d8").await.unwrap_err();
+    assert_eq!(amqp_code(&err), Some(530), "{err:?}");
+    assert_eq!(
+        amqp_text(&err),
+        "NOT_ALLOWED - reached maximum (8) of consumers per channel"
+    );
+    wait_local_metric(&proxy.metrics, "dlx_proxy_consumers", 0.0).await;
+    // The upstream let go of them too: the queue has no consumer left.
+    let direct = Connection::connect(&upstream_uri(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let check = direct.create_channel().await.unwrap();
+    let left = poll(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        async || {
+            let declared = check
+                .queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .ok()?;
+            (declared.consumer_count() == 0).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        left.is_some(),
+        "the upstream still has consumers on {queue}"
+    );
+    check
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    drop(consumers);
 }

@@ -454,8 +454,10 @@ impl Broker {
             return;
         };
         for c in &q.consumers {
-            if let Some(ch) = channels.get_mut(&(c.conn, c.channel)) {
-                ch.consumers.remove(&c.tag);
+            if let Some(ch) = channels.get_mut(&(c.conn, c.channel))
+                && ch.consumers.remove(&c.tag).is_some()
+            {
+                self.metrics.consumers_ended(1);
             }
             if let Some(conn) = connections.get(&c.conn) {
                 conn.write_queue.push(|out| {

@@ -155,13 +155,23 @@ impl Broker {
         } else {
             tag.to_string()
         };
-        let (prefetch, dup) = match st.channels.get(&(conn, channel)) {
-            Some(ch) => (ch.consumer_prefetch, ch.consumers.contains_key(&tag)),
+        let (prefetch, dup, consumers) = match st.channels.get(&(conn, channel)) {
+            Some(ch) => (
+                ch.consumer_prefetch,
+                ch.consumers.contains_key(&tag),
+                ch.consumers.len(),
+            ),
             None => return Err(AmqpError::channel_error("channel is not open")),
         };
         if dup {
             return Err(AmqpError::not_allowed(format!(
                 "attempt to reuse consumer tag '{tag}'"
+            )));
+        }
+        if consumers >= st.options.max_consumers_per_channel {
+            return Err(AmqpError::not_allowed(format!(
+                "reached maximum ({}) of consumers per channel",
+                st.options.max_consumers_per_channel
             )));
         }
         let v = st.vhosts.get_mut(vhost).ok_or_else(|| no_vhost(vhost))?;
@@ -187,8 +197,13 @@ impl Broker {
         });
         q.had_consumer = true;
         q.last_used = now;
-        if let Some(ch) = st.channels.get_mut(&(conn, channel)) {
-            ch.consumers.insert(tag.clone(), queue.to_string());
+        if let Some(ch) = st.channels.get_mut(&(conn, channel))
+            && ch
+                .consumers
+                .insert(tag.clone(), queue.to_string())
+                .is_none()
+        {
+            self.metrics.consumer_started();
         }
         if !nowait && let Some(c) = st.connections.get(&conn) {
             c.write_queue.push(|out| {
@@ -215,6 +230,7 @@ impl Broker {
         let Some(queue) = ch.consumers.remove(tag) else {
             return false;
         };
+        self.metrics.consumers_ended(1);
         let vhost = ch.vhost.clone();
         self.remove_consumer(&mut st, &vhost, &queue, conn, channel, tag, now);
         true

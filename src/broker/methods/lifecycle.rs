@@ -90,7 +90,7 @@ impl Broker {
             .get(&conn)
             .map(|c| c.vhost.clone())
             .unwrap_or_default();
-        st.channels.insert(
+        let replaced = st.channels.insert(
             (conn, channel),
             ChannelState {
                 vhost,
@@ -104,6 +104,9 @@ impl Broker {
                 ack_timer_at: None,
             },
         );
+        if let Some(old) = replaced {
+            self.metrics.consumers_ended(old.consumers.len() as u64);
+        }
     }
 
     /// Closes a channel: its consumers go away and its unacked deliveries return to their
@@ -119,6 +122,7 @@ impl Broker {
             return;
         };
         let vhost = ch.vhost.clone();
+        self.metrics.consumers_ended(ch.consumers.len() as u64);
         let requeue: Vec<Unacked> = ch.unacked.into_values().collect();
         self.release_counters(st, &vhost, conn, channel, &requeue);
         for (tag, queue) in &ch.consumers {

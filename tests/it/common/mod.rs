@@ -130,6 +130,25 @@ pub async fn wait_until(what: &str, limit: Duration, mut check: impl AsyncFnMut(
     assert!(held.is_some(), "timed out waiting for {what}");
 }
 
+/// Waits until `metrics` (a service's own registry) shows `value` for `name_and_labels`.
+pub async fn wait_local_metric(
+    metrics: &dlx_proxy::metrics::Metrics,
+    name_and_labels: &str,
+    value: f64,
+) {
+    let seen = poll(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        async || (metric_value(&metrics.encode(), name_and_labels) == Some(value)).then_some(()),
+    )
+    .await;
+    assert!(
+        seen.is_some(),
+        "{name_and_labels} stayed at {:?}, not {value}",
+        metric_value(&metrics.encode(), name_and_labels)
+    );
+}
+
 /// The value of a Prometheus sample line `name{labels} value` in the text format.
 pub fn metric_value(text: &str, name_and_labels: &str) -> Option<f64> {
     text.lines()
@@ -953,6 +972,14 @@ pub mod dl {
     }
 
     pub async fn consumer(ch: &Channel, queue: &str, tag: &str) -> Consumer {
+        try_consumer(ch, queue, tag)
+            .await
+            .unwrap_or_else(|e| panic!("basic.consume {queue}: {e}"))
+    }
+
+    /// Starts consumer `tag` on `queue`, or the error the server answered (lapin cancels the
+    /// consumer when the returned one is dropped).
+    pub async fn try_consumer(ch: &Channel, queue: &str, tag: &str) -> lapin::Result<Consumer> {
         ch.basic_consume(
             queue.into(),
             tag.into(),
@@ -960,7 +987,6 @@ pub mod dl {
             FieldTable::default(),
         )
         .await
-        .unwrap_or_else(|e| panic!("basic.consume {queue}: {e}"))
     }
 
     /// The next delivery (5 s at most).
