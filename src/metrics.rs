@@ -53,6 +53,9 @@ pub const METRIC_NAMES: &[&str] = &[
     "connections",
     "channels",
     "consumers",
+    "queues",
+    "exchanges",
+    "bindings",
     "queue_messages",
     "queue_bytes",
     "inflight_deliveries",
@@ -242,6 +245,9 @@ impl QueueLabels {
     }
 }
 
+/// What [`Metrics::before_scrape`] keeps: sets gauges read off live state.
+type ScrapeRefresh = Box<dyn Fn(&Metrics) + Send + Sync>;
+
 /// All metrics of one service instance.
 pub struct Metrics {
     registry: Registry,
@@ -275,6 +281,11 @@ pub struct Metrics {
     connections: IntGauge,
     channels: IntGauge,
     consumers: IntGauge,
+    queues: IntGauge,
+    exchanges: IntGauge,
+    bindings: IntGauge,
+    /// Run by [`Metrics::encode`] before it gathers: sets the gauges read off live state.
+    before_scrape: std::sync::OnceLock<ScrapeRefresh>,
     queue_messages: IntGaugeVec,
     queue_bytes: IntGaugeVec,
     inflight_deliveries: IntGauge,
@@ -546,6 +557,23 @@ impl Metrics {
                 "Consumers on client channels (each channel holds at most \
                  limits.max_consumers_per_channel).",
             )?,
+            queues: b.gauge(
+                "queues",
+                "Queues in every vhost (embedded mode; at most limits.max_queues per vhost), \
+                 read when scraped.",
+            )?,
+            exchanges: b.gauge(
+                "exchanges",
+                "Exchanges declared in every vhost (embedded mode; at most \
+                 limits.max_exchanges per vhost; the default and amq.* exchanges every \
+                 vhost has are not counted), read when scraped.",
+            )?,
+            bindings: b.gauge(
+                "bindings",
+                "Bindings in every vhost (embedded mode; at most limits.max_bindings per \
+                 vhost), read when scraped.",
+            )?,
+            before_scrape: std::sync::OnceLock::new(),
             queue_messages: b.gauge_vec(
                 "queue_messages",
                 "Messages in a queue (embedded mode).",
@@ -1398,8 +1426,24 @@ impl Metrics {
         self.tls_reloads.with_label_values(&[result]).inc();
     }
 
+    /// Sets what runs before each [`Self::encode`] to read gauges off live state (the
+    /// embedded broker's definitions); the first call wins.
+    pub fn before_scrape(&self, refresh: impl Fn(&Metrics) + Send + Sync + 'static) {
+        let _ = self.before_scrape.set(Box::new(refresh));
+    }
+
+    /// The queues, exchanges (declared ones) and bindings of every vhost.
+    pub fn set_definitions(&self, queues: usize, exchanges: usize, bindings: usize) {
+        self.queues.set(saturating_i64(queues as u64));
+        self.exchanges.set(saturating_i64(exchanges as u64));
+        self.bindings.set(saturating_i64(bindings as u64));
+    }
+
     /// Every metric in the Prometheus text exposition format (version 0.0.4).
     pub fn encode(&self) -> String {
+        if let Some(refresh) = self.before_scrape.get() {
+            refresh(self);
+        }
         let mut text = String::new();
         if let Err(error) = TextEncoder::new().encode_utf8(&self.registry.gather(), &mut text) {
             tracing::warn!(%error, "cannot encode metrics");

@@ -346,6 +346,13 @@ impl RunningService {
             ctx.disk_free_limit
                 .store(config.storage.disk_free_limit_bytes(), Ordering::Relaxed);
         }
+        if let Some(broker) = &self.broker {
+            broker.set_definition_limits(
+                config.limits.max_queues,
+                config.limits.max_exchanges,
+                config.limits.max_bindings,
+            );
+        }
         if let Some(paging) = self.broker.as_ref().and_then(|b| b.paging()) {
             paging.set_budget(config.storage.paging_budget_bytes());
         }
@@ -499,6 +506,8 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     default_delivery_limit: (config.dead_letter.default_delivery_limit > 0)
                         .then_some(config.dead_letter.default_delivery_limit as u64),
                     max_queues: config.limits.max_queues,
+                    max_exchanges: config.limits.max_exchanges,
+                    max_bindings: config.limits.max_bindings,
                     max_consumers_per_channel: config.limits.max_consumers_per_channel,
                     consumer_timeout: (config.limits.consumer_timeout > 0)
                         .then_some(config.limits.consumer_timeout),
@@ -506,6 +515,14 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 },
                 metrics.clone(),
             );
+            // Read when scraped; a weak handle, so the metrics do not keep the broker alive.
+            let definitions = Arc::downgrade(&broker);
+            metrics.before_scrape(move |metrics| {
+                if let Some(broker) = definitions.upgrade() {
+                    let (queues, exchanges, bindings) = broker.definition_counts();
+                    metrics.set_definitions(queues, exchanges, bindings);
+                }
+            });
             if let Some(options) = config.storage.options() {
                 let started = std::time::Instant::now();
                 let dir = options.dir.display().to_string();

@@ -44,6 +44,10 @@ pub struct BrokerOptions {
     pub dead_letter: DeadLetterOptions,
     pub default_delivery_limit: Option<u64>,
     pub max_queues: usize,
+    /// `limits.max_exchanges` (declared exchanges per vhost).
+    pub max_exchanges: usize,
+    /// `limits.max_bindings` (per vhost).
+    pub max_bindings: usize,
     /// `limits.max_consumers_per_channel`.
     pub max_consumers_per_channel: usize,
     /// `limits.consumer_timeout` (ms; None = off), lowered per queue by `x-consumer-timeout`
@@ -179,6 +183,28 @@ impl Broker {
             metrics,
             storage: std::sync::OnceLock::new(),
             paging: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// New `limits.max_queues`, `max_exchanges` and `max_bindings` (a reload): later declares
+    /// and binds are held to them; nothing that exists goes.
+    pub fn set_definition_limits(&self, queues: usize, exchanges: usize, bindings: usize) {
+        let mut st = self.lock();
+        st.options.max_queues = queues;
+        st.options.max_exchanges = exchanges;
+        st.options.max_bindings = bindings;
+    }
+
+    /// The queues, declared exchanges and bindings of every vhost (the gauges
+    /// [`Metrics::set_definitions`] shows when scraped).
+    pub fn definition_counts(&self) -> (usize, usize, usize) {
+        let st = self.lock();
+        st.vhosts.values().fold((0, 0, 0), |(q, x, b), v| {
+            (
+                q + v.queues.len(),
+                x + v.declared_exchanges(),
+                b + v.binding_count(),
+            )
         })
     }
 

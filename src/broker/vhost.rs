@@ -180,6 +180,17 @@ impl VHost {
         }
     }
 
+    /// Exchanges clients declared: all but the default exchange and the predeclared amq.*
+    /// ones (what `limits.max_exchanges` bounds).
+    pub fn declared_exchanges(&self) -> usize {
+        self.exchanges.len().saturating_sub(PREDECLARED.len() + 1)
+    }
+
+    /// Bindings of all the exchanges of this vhost (what `limits.max_bindings` bounds).
+    pub fn binding_count(&self) -> usize {
+        self.exchanges.values().map(|x| x.bindings.len()).sum()
+    }
+
     /// Queues a message reaches from `exchange` with the given keys (publish key + CC + BCC).
     /// Returns an empty list when the exchange does not exist.
     pub fn route(

@@ -299,6 +299,11 @@ pub struct LimitsConfig {
     pub max_connections: usize,
     /// Largest number of queues per vhost.
     pub max_queues: usize,
+    /// Largest number of exchanges per vhost, besides the default exchange and the amq.*
+    /// ones every vhost has (embedded mode).
+    pub max_exchanges: usize,
+    /// Largest number of bindings per vhost (embedded mode).
+    pub max_bindings: usize,
     /// Largest number of consumers on one channel (both modes); a basic.consume past it closes
     /// the connection with 530 NOT_ALLOWED, as RabbitMQ's `consumer_max_per_channel` does.
     /// At least 8 (AMQP 0-9-1: a server that limits consumers per channel allows 8 or more).
@@ -333,6 +338,8 @@ impl Default for LimitsConfig {
             max_message_size: 128 * 1024 * 1024,
             max_connections: 10_000,
             max_queues: 100_000,
+            max_exchanges: 10_000,
+            max_bindings: 100_000,
             max_consumers_per_channel: DEFAULT_MAX_CONSUMERS_PER_CHANNEL,
             connection_outbox_bytes: 4 * 1024 * 1024,
             handshake_timeout_secs: 10,

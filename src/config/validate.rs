@@ -170,6 +170,8 @@ impl Config {
             ("limits.max_message_size", limits.max_message_size),
             ("limits.max_connections", limits.max_connections as u64),
             ("limits.max_queues", limits.max_queues as u64),
+            ("limits.max_exchanges", limits.max_exchanges as u64),
+            ("limits.max_bindings", limits.max_bindings as u64),
             (
                 "limits.connection_outbox_bytes",
                 limits.connection_outbox_bytes as u64,

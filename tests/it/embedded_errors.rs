@@ -590,3 +590,82 @@ async fn consumers_of_a_deleted_queue_leave_the_consumers_gauge() {
     ch.close(200, "bye".into()).await.unwrap();
     wait_local_metric(&b.service.metrics, "dlx_proxy_consumers", 0.0).await;
 }
+
+#[tokio::test]
+async fn exchanges_and_bindings_over_their_vhost_limits_are_406_and_gauged() {
+    let mut config = test_config();
+    config.limits.max_exchanges = 2;
+    config.limits.max_bindings = 2;
+    let b = start_with(config.clone()).await;
+    let (c, ch) = b.channel().await;
+    let declare_exchange = async |ch: &lapin::Channel, name: &str| {
+        ch.exchange_declare(
+            name.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+    };
+    for name in ["x1", "x2"] {
+        declare_exchange(&ch, name).await.unwrap();
+    }
+    let err = declare_exchange(&ch, "x3").await.unwrap_err();
+    assert_eq!(amqp_code(&err), Some(406), "{err:?}");
+    assert_eq!(
+        amqp_text(&err),
+        "PRECONDITION_FAILED - exchange limit in vhost '/' (2) is reached"
+    );
+
+    let ch = c.create_channel().await.unwrap();
+    let queue = ch
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let bind = async |ch: &lapin::Channel, exchange: &str, key: &str| {
+        ch.queue_bind(
+            queue.name().clone(),
+            exchange.into(),
+            key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+    };
+    bind(&ch, "x1", "a").await.unwrap();
+    bind(&ch, "x2", "a").await.unwrap();
+    // The same binding again is no new one.
+    bind(&ch, "x1", "a").await.unwrap();
+    let err = bind(&ch, "x1", "b").await.unwrap_err();
+    assert_eq!(amqp_code(&err), Some(406), "{err:?}");
+    assert_eq!(
+        amqp_text(&err),
+        "PRECONDITION_FAILED - binding limit in vhost '/' (2) is reached"
+    );
+    let text = b.metrics_text();
+    assert_eq!(metric_value(&text, "dlx_proxy_queues"), Some(1.0));
+    assert_eq!(metric_value(&text, "dlx_proxy_exchanges"), Some(2.0));
+    assert_eq!(metric_value(&text, "dlx_proxy_bindings"), Some(2.0));
+
+    // A reload raises the limits for the next declares.
+    config.limits.max_exchanges = 3;
+    config.limits.max_bindings = 3;
+    b.service.reload(&config).unwrap();
+    let ch = c.create_channel().await.unwrap();
+    declare_exchange(&ch, "x3").await.unwrap();
+    bind(&ch, "x3", "a").await.unwrap();
+    let text = b.metrics_text();
+    assert_eq!(metric_value(&text, "dlx_proxy_exchanges"), Some(3.0));
+    assert_eq!(metric_value(&text, "dlx_proxy_bindings"), Some(3.0));
+    // Deleting the exchange takes its binding with it.
+    ch.exchange_delete("x3".into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
+    let text = b.metrics_text();
+    assert_eq!(metric_value(&text, "dlx_proxy_exchanges"), Some(2.0));
+    assert_eq!(metric_value(&text, "dlx_proxy_bindings"), Some(2.0));
+}

@@ -1,6 +1,7 @@
 //! exchange.declare/delete, queue.declare/purge/delete and the bindings between them:
 //! RabbitMQ's checks (reserved names, equivalence of a redeclare, exclusive owners, the
-//! queue limit) and the changes to a vhost's exchanges, queues and binding tables.
+//! queue limit), the exchange and binding limits, and the changes to a vhost's exchanges,
+//! queues and binding tables.
 
 use amq_protocol::protocol::{AMQPClass, basic};
 use amq_protocol::types::FieldTable;
@@ -88,6 +89,7 @@ impl Broker {
         req: &ExchangeDeclare<'_>,
     ) -> Result<(), AmqpError> {
         let mut st = self.lock();
+        let max_exchanges = st.options.max_exchanges;
         let v = st.vhosts.get_mut(vhost).ok_or_else(|| no_vhost(vhost))?;
         if req.name.is_empty() {
             return Err(AmqpError::access_refused(
@@ -136,6 +138,11 @@ impl Broker {
                 )));
             }
             return Ok(());
+        }
+        if v.declared_exchanges() >= max_exchanges {
+            return Err(AmqpError::precondition(format!(
+                "exchange limit in vhost '{vhost}' ({max_exchanges}) is reached"
+            )));
         }
         v.exchanges.insert(
             req.name.to_string(),
@@ -204,6 +211,7 @@ impl Broker {
         arguments: &FieldTable,
     ) -> Result<(), AmqpError> {
         let mut st = self.lock();
+        let max_bindings = st.options.max_bindings;
         let v = st.vhosts.get_mut(vhost).ok_or_else(|| no_vhost(vhost))?;
         if matches!(&destination, Destination::Exchange(e) if e.is_empty()) {
             return Err(AmqpError::access_refused(
@@ -211,6 +219,7 @@ impl Broker {
             ));
         }
         check_binding_ends(v, conn, vhost, source, &destination)?;
+        let bindings = v.binding_count();
         let x = v
             .exchanges
             .get_mut(source)
@@ -218,6 +227,12 @@ impl Broker {
         if x.kind == ExchangeKind::Headers {
             crate::broker::routing::validate_headers_binding(arguments)
                 .map_err(AmqpError::precondition)?;
+        }
+        // Binding again is a no-op, even at the limit.
+        if bindings >= max_bindings && !x.bindings.contains(&destination, routing_key, arguments) {
+            return Err(AmqpError::precondition(format!(
+                "binding limit in vhost '{vhost}' ({max_bindings}) is reached"
+            )));
         }
         x.bindings.add(Binding {
             destination,

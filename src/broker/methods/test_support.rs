@@ -18,12 +18,15 @@ use crate::broker::{Broker, BrokerOptions};
 use crate::metrics::Metrics;
 use crate::policy::PolicySet;
 
-/// A broker with one vhost `/` (at most 8 queues, 8 consumers per channel) and no policies.
+/// A broker with one vhost `/` (at most 8 queues, exchanges, bindings and consumers per
+/// channel) and no policies.
 pub(crate) fn broker() -> Arc<Broker> {
     let options = BrokerOptions {
         dead_letter: Default::default(),
         default_delivery_limit: None,
         max_queues: 8,
+        max_exchanges: 8,
+        max_bindings: 8,
         max_consumers_per_channel: 8,
         consumer_timeout: None,
         keep_dead_letters: false,

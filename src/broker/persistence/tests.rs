@@ -207,6 +207,8 @@ fn definitions_of_a_vhost_missing_from_the_config_are_kept_with_their_messages()
                 dead_letter: Default::default(),
                 default_delivery_limit: None,
                 max_queues: 8,
+                max_exchanges: 8,
+                max_bindings: 8,
                 max_consumers_per_channel: 8,
                 consumer_timeout: None,
                 keep_dead_letters: false,

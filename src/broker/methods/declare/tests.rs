@@ -83,6 +83,69 @@ fn the_queue_limit_of_the_vhost_is_enforced() {
 }
 
 #[test]
+fn the_exchange_and_binding_limits_of_the_vhost_are_enforced() {
+    let b = broker();
+    let c = Client::connect(&b);
+    let none = FieldTable::default();
+    // The default and amq.* exchanges do not count: 8 more can be declared.
+    for i in 0..8 {
+        b.exchange_declare("/", &exchange(&format!("x{i}"), "topic", &none))
+            .unwrap();
+    }
+    assert_eq!(b.definition_counts(), (0, 8, 0));
+    // A redeclare is not a new exchange.
+    b.exchange_declare("/", &exchange("x0", "topic", &none))
+        .unwrap();
+    let err = b
+        .exchange_declare("/", &exchange("one-more", "topic", &none))
+        .unwrap_err();
+    assert_eq!(err.code, reply::PRECONDITION_FAILED);
+    assert_eq!(
+        err.text,
+        "PRECONDITION_FAILED - exchange limit in vhost '/' (8) is reached"
+    );
+    b.exchange_delete("/", "x7", false).unwrap();
+    b.exchange_declare("/", &exchange("one-more", "topic", &none))
+        .unwrap();
+
+    b.queue_declare(c.conn, "/", &declare("q", &none)).unwrap();
+    let queue = || Destination::Queue("q".into());
+    for i in 0..4 {
+        b.bind(c.conn, "/", "x0", queue(), &format!("k{i}"), &none)
+            .unwrap();
+        b.bind(c.conn, "/", "x1", queue(), &format!("k{i}"), &none)
+            .unwrap();
+    }
+    assert_eq!(b.definition_counts(), (1, 8, 8));
+    // Binding again is a no-op, even at the limit; a new binding is refused.
+    b.bind(c.conn, "/", "x0", queue(), "k0", &none).unwrap();
+    let err = b.bind(c.conn, "/", "x2", queue(), "k0", &none).unwrap_err();
+    assert_eq!(err.code, reply::PRECONDITION_FAILED);
+    assert_eq!(
+        err.text,
+        "PRECONDITION_FAILED - binding limit in vhost '/' (8) is reached"
+    );
+    // Bindings that go with their exchange free their places.
+    b.exchange_delete("/", "x1", false).unwrap();
+    assert_eq!(b.definition_counts(), (1, 7, 4));
+    b.bind(c.conn, "/", "x2", queue(), "k0", &none).unwrap();
+    // A reload changes the limits at once.
+    b.set_definition_limits(8, 9, 8);
+    for name in ["x1", "x7"] {
+        b.exchange_declare("/", &exchange(name, "topic", &none))
+            .unwrap();
+    }
+    assert_eq!(b.definition_counts(), (1, 9, 5));
+    let err = b
+        .exchange_declare("/", &exchange("x8", "topic", &none))
+        .unwrap_err();
+    assert_eq!(
+        err.text,
+        "PRECONDITION_FAILED - exchange limit in vhost '/' (9) is reached"
+    );
+}
+
+#[test]
 fn exchange_redeclare_reserved_names_and_delete_if_unused() {
     let b = broker();
     let c = Client::connect(&b);
