@@ -489,12 +489,8 @@ fn consumers_gauge(b: &TestBroker) -> Option<f64> {
     metric_value(&b.metrics_text(), "dlx_proxy_consumers")
 }
 
-/// A server-named queue with `count` consumers on `ch`, tagged `prefix` and a number.
-async fn queue_with_consumers(
-    ch: &lapin::Channel,
-    prefix: &str,
-    count: usize,
-) -> (String, Vec<lapin::Consumer>) {
+/// A new server-named queue.
+async fn server_named_queue(ch: &lapin::Channel) -> String {
     let queue = ch
         .queue_declare(
             "".into(),
@@ -503,12 +499,22 @@ async fn queue_with_consumers(
         )
         .await
         .unwrap();
+    queue.name().to_string()
+}
+
+/// A server-named queue with `count` consumers on `ch`, tagged `prefix` and a number.
+async fn queue_with_consumers(
+    ch: &lapin::Channel,
+    prefix: &str,
+    count: usize,
+) -> (String, Vec<lapin::Consumer>) {
+    let queue = server_named_queue(ch).await;
     let mut consumers = Vec::new();
     for n in 0..count {
         let tag = format!("{prefix}{n}");
-        consumers.push(try_consumer(ch, queue.name().as_str(), &tag).await.unwrap());
+        consumers.push(try_consumer(ch, &queue, &tag).await.unwrap());
     }
-    (queue.name().to_string(), consumers)
+    (queue, consumers)
 }
 
 #[tokio::test]
@@ -558,15 +564,8 @@ async fn a_consumer_over_max_consumers_per_channel_is_530_as_rabbitmq() {
 async fn consumers_of_a_deleted_queue_leave_the_consumers_gauge() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
-    let declared = ch
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let queue = declared.name().as_str();
+    let declared = server_named_queue(&ch).await;
+    let queue = declared.as_str();
     let _a = try_consumer(&ch, queue, "a").await.unwrap();
     let _b = try_consumer(&ch, queue, "b").await.unwrap();
     assert_eq!(consumers_gauge(&b), Some(2.0));
@@ -575,17 +574,8 @@ async fn consumers_of_a_deleted_queue_leave_the_consumers_gauge() {
         .unwrap();
     assert_eq!(consumers_gauge(&b), Some(0.0));
     // A closed channel takes its consumers with it.
-    let declared = ch
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let _c = try_consumer(&ch, declared.name().as_str(), "c")
-        .await
-        .unwrap();
+    let declared = server_named_queue(&ch).await;
+    let _c = try_consumer(&ch, &declared, "c").await.unwrap();
     assert_eq!(consumers_gauge(&b), Some(1.0));
     ch.close(200, "bye".into()).await.unwrap();
     wait_local_metric(&b.service.metrics, "dlx_proxy_consumers", 0.0).await;
@@ -618,17 +608,10 @@ async fn exchanges_and_bindings_over_their_vhost_limits_are_406_and_gauged() {
     );
 
     let ch = c.create_channel().await.unwrap();
-    let queue = ch
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let queue = server_named_queue(&ch).await;
     let bind = async |ch: &lapin::Channel, exchange: &str, key: &str| {
         ch.queue_bind(
-            queue.name().clone(),
+            queue.as_str().into(),
             exchange.into(),
             key.into(),
             QueueBindOptions::default(),
