@@ -148,23 +148,24 @@ impl Config {
 
     fn validate_limits(&self) -> Result<(), ConfigError> {
         let limits = &self.limits;
-        if limits.frame_max < MIN_FRAME_MAX {
-            return Err(ConfigError::invalid(
+        for (key, value, min) in [
+            (
                 "limits.frame_max",
-                format!(
-                    "{} is below the AMQP minimum of {MIN_FRAME_MAX}",
-                    limits.frame_max
-                ),
-            ));
-        }
-        if limits.max_consumers_per_channel < MIN_CONSUMERS_PER_CHANNEL {
-            return Err(ConfigError::invalid(
+                u64::from(limits.frame_max),
+                u64::from(MIN_FRAME_MAX),
+            ),
+            (
                 "limits.max_consumers_per_channel",
-                format!(
-                    "{} is below the AMQP minimum of {MIN_CONSUMERS_PER_CHANNEL}",
-                    limits.max_consumers_per_channel
-                ),
-            ));
+                limits.max_consumers_per_channel as u64,
+                MIN_CONSUMERS_PER_CHANNEL as u64,
+            ),
+        ] {
+            if value < min {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("{value} is below the AMQP minimum of {min}"),
+                ));
+            }
         }
         for (key, value) in [
             ("limits.max_message_size", limits.max_message_size),

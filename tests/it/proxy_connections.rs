@@ -391,13 +391,7 @@ async fn a_consumer_over_max_consumers_per_channel_is_530_through_the_proxy() {
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let queue = unique("consumers");
-    ch.queue_declare(
-        queue.as_str().into(),
-        QueueDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    declare(&ch, &queue, FieldTable::default()).await;
     let mut consumers = Vec::new();
     for n in 0..8 {
         consumers.push(try_consumer(&ch, &queue, &format!("c{n}")).await.unwrap());
@@ -412,14 +406,7 @@ async fn a_consumer_over_max_consumers_per_channel_is_530_through_the_proxy() {
     // The upstream cancelling consumers (their queue deleted) ends them as well.
     let other = conn.create_channel().await.unwrap();
     let doomed = unique("consumers-doomed");
-    other
-        .queue_declare(
-            doomed.as_str().into(),
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    declare(&other, &doomed, FieldTable::default()).await;
     let _doomed = try_consumer(&other, &doomed, "o0").await.unwrap();
     assert_eq!(consumers_gauge(&proxy), Some(9.0));
     other
