@@ -8,7 +8,11 @@
 //! byte budget: while it is over budget the dispatcher skips that connection's consumers, and
 //! the writer asks the broker to resume dispatching once it has drained. So a slow consumer
 //! holds messages in its queue (where the queue limits apply), never in an ever-growing socket
-//! buffer.
+//! buffer. Replies to the client's own requests (a `basic.get-ok` with its message, confirms,
+//! returns) are bounded the same way: once the queue holds twice its budget the connection
+//! stops reading the client's frames until the writer has drained it below that
+//! ([`WriteQueue::wait_for_room`]), so a client that sends requests without reading the
+//! answers cannot grow it.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,6 +26,8 @@ use crate::metrics::Metrics;
 pub struct WriteQueue {
     buf: Mutex<BytesMut>,
     notify: Notify,
+    /// Woken whenever bytes reach the socket (and on close), for [`Self::wait_for_room`].
+    drained: Notify,
     pending: AtomicUsize,
     budget: usize,
     closed: AtomicBool,
@@ -56,6 +62,7 @@ impl WriteQueue {
         WriteQueue {
             buf: Mutex::new(BytesMut::with_capacity(16 * 1024)),
             notify: Notify::new(),
+            drained: Notify::new(),
             pending: AtomicUsize::new(0),
             budget,
             closed: AtomicBool::new(false),
@@ -92,6 +99,26 @@ impl WriteQueue {
     /// True while the bytes waiting exceed the budget (deliveries pause).
     pub fn is_full(&self) -> bool {
         self.pending.load(Ordering::Relaxed) >= self.budget
+    }
+
+    /// True while the bytes waiting exceed twice the budget: the connection then stops reading
+    /// the client's requests (deliveries alone stop at the budget, plus one message).
+    pub fn is_over_read_limit(&self) -> bool {
+        self.pending() >= self.budget.saturating_mul(2)
+    }
+
+    /// Waits until the bytes waiting are below twice the budget ([`Self::is_over_read_limit`])
+    /// or the queue is closed.
+    pub async fn wait_for_room(&self) {
+        loop {
+            let drained = self.drained.notified();
+            tokio::pin!(drained);
+            drained.as_mut().enable();
+            if !self.is_over_read_limit() || self.is_closed() {
+                return;
+            }
+            drained.await;
+        }
     }
 
     /// Bytes waiting for the socket.
@@ -141,12 +168,14 @@ impl WriteQueue {
         let n = n.min(self.pending());
         self.pending.fetch_sub(n, Ordering::Relaxed);
         self.count(-(n as i64));
+        self.drained.notify_waiters();
     }
 
     /// Stops accepting frames and wakes the writer so it can finish.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
         self.notify.notify_one();
+        self.drained.notify_waiters();
     }
 
     pub fn is_closed(&self) -> bool {
@@ -178,6 +207,28 @@ mod tests {
         assert!(!o.is_full());
         o.close();
         assert!(o.next_batch().await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn reading_waits_for_room_below_twice_the_budget() {
+        let o = Arc::new(WriteQueue::new(10));
+        o.push(|b| b.extend_from_slice(b"0123456789012345678"));
+        assert!(!o.is_over_read_limit(), "19 bytes: under twice the budget");
+        o.wait_for_room().await;
+        o.push(|b| b.extend_from_slice(b"9"));
+        assert!(o.is_over_read_limit());
+        let waiting = tokio::spawn({
+            let o = o.clone();
+            async move { o.wait_for_room().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "no room while 20 bytes wait");
+        let batch = o.next_batch().await;
+        o.written(batch.len());
+        tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+            .await
+            .expect("room once written")
+            .expect("the waiting task");
     }
 
     #[tokio::test]

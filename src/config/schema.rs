@@ -308,7 +308,8 @@ pub struct LimitsConfig {
     /// the connection with 530 NOT_ALLOWED, as RabbitMQ's `consumer_max_per_channel` does.
     /// At least 8 (AMQP 0-9-1: a server that limits consumers per channel allows 8 or more).
     pub max_consumers_per_channel: usize,
-    /// Bytes of encoded frames waiting for one connection's socket before deliveries pause.
+    /// Bytes of encoded frames waiting for one connection's socket before deliveries pause;
+    /// in embedded mode, at twice this the connection also stops reading the client's frames.
     pub connection_outbox_bytes: usize,
     /// Seconds a client has to finish the handshake.
     pub handshake_timeout_secs: u64,

@@ -362,6 +362,15 @@ async fn frame_loop<R: AsyncRead + Unpin>(
     // The loop ends with the error to close the connection with, or None when the peer is
     // gone or closed it.
     let close_with = loop {
+        // Answers the client has not read yet hold more than twice the write queue's budget:
+        // read no more requests until the writer has made room (or gave up on the socket).
+        if conn.write_queue.is_over_read_limit() && !conn.write_queue.is_closed() {
+            tokio::select! {
+                _ = conn.write_queue.wait_for_room() => {}
+                _ = shutdown.recv() => break Some(shutdown_error()),
+            }
+            continue;
+        }
         let frame = tokio::select! {
             f = next_frame(frames, timeout) => f,
             _ = shutdown.recv() => break Some(shutdown_error()),

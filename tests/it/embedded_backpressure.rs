@@ -2,15 +2,19 @@
 //! connection's write queue up to `limits.connection_outbox_bytes` (one delivery more at
 //! most), the rest stays in the queue, and the `outbox_bytes` gauge shows what waits; once
 //! the consumer reads and acks again, every message arrives once, in order, and the gauge is
-//! back to 0.
+//! back to 0. A client that sends requests without reading their answers is held the same
+//! way: the broker stops reading it at twice the budget.
 
 use crate::common;
 use crate::proxy_support::message_count;
 
 use std::time::Duration;
 
+use amq_protocol::protocol::{AMQPClass, basic};
 use common::dl::{self, BasicProperties};
-use common::{RawClient, metric_value, wait_until};
+use common::{RawClient, encode_method, metric_value, wait_until};
+use dlx_proxy::amqp::codec::decode_method;
+use dlx_proxy::proxy::wire::content_body_size;
 use lapin::types::FieldTable;
 
 /// The connection's write-queue budget in this test.
@@ -82,4 +86,95 @@ async fn a_stalled_consumer_fills_its_write_queue_to_the_budget_and_the_gauge_sh
         async || outbox_bytes() == 0.0,
     )
     .await;
+}
+
+/// A client that sends requests without reading the answers: `basic.get` and
+/// `basic.reject(requeue)` of one large message, hundreds of times in one write. Its
+/// connection's write queue stops at twice the budget (plus one answer), because the broker
+/// stops reading the client's frames until the answers are read; then every answer arrives,
+/// in order, and the message is still in its queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_does_not_read_its_answers_cannot_grow_its_write_queue() {
+    const GET_SIZE: usize = 64 * 1024;
+    const ROUNDS: u64 = 400;
+    let mut config = common::test_config();
+    config.limits.connection_outbox_bytes = OUTBOX;
+    let broker = common::start_with(config).await;
+    let outbox_bytes =
+        || metric_value(&broker.metrics_text(), "dlx_proxy_outbox_bytes").unwrap_or(-1.0);
+
+    let (_conn, ch) = broker.channel().await;
+    let q = common::unique("unread-answers");
+    dl::declare(&ch, &q, FieldTable::default()).await;
+    dl::confirm_select(&ch).await;
+    let message = vec![7u8; GET_SIZE];
+    dl::publish_to(&ch, "", &q, &message, BasicProperties::default()).await;
+
+    // 400 answers of 64 KiB: 26 MB, far more than the budget and the sockets' buffers.
+    let mut client =
+        RawClient::connect_with_receive_buffer(broker.addr, "unread-answers", 32 * 1024).await;
+    client.open_channel(1).await;
+    let mut requests = Vec::new();
+    for tag in 1..=ROUNDS {
+        requests.extend(encode_method(
+            1,
+            AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get {
+                queue: q.as_str().into(),
+                no_ack: false,
+            })),
+        ));
+        requests.extend(encode_method(
+            1,
+            AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject {
+                delivery_tag: tag,
+                requeue: true,
+            })),
+        ));
+    }
+    client.send_raw(&requests).await;
+
+    wait_until(
+        "the client's write queue to fill",
+        Duration::from_secs(30),
+        async || outbox_bytes() >= OUTBOX as f64,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stalled = outbox_bytes();
+    let bound = 2 * OUTBOX + GET_SIZE + DELIVERY_OVERHEAD;
+    assert!(
+        stalled <= bound as f64,
+        "outbox_bytes while the client reads nothing: {stalled} (bound {bound})"
+    );
+
+    // The client reads: every answer arrives, in order, each with the whole message.
+    for tag in 1..=ROUNDS {
+        let payload = client.expect_method(60, 71).await;
+        match decode_method(&payload) {
+            Some(AMQPClass::Basic(basic::AMQPMethod::GetOk(get_ok))) => {
+                assert_eq!(get_ok.delivery_tag, tag);
+                assert_eq!(get_ok.redelivered, tag > 1, "answer {tag}");
+            }
+            other => panic!("expected basic.get-ok, got {other:?}"),
+        }
+        let header = client.next_frame().await;
+        let size = content_body_size(header.payload()).expect("a body size") as usize;
+        assert_eq!(size, GET_SIZE, "answer {tag}");
+        let mut body = Vec::with_capacity(size);
+        while body.len() < size {
+            body.extend_from_slice(client.next_frame().await.payload());
+        }
+        assert_eq!(body, message, "answer {tag}");
+    }
+    wait_until(
+        "the write queue to empty",
+        Duration::from_secs(10),
+        async || outbox_bytes() == 0.0,
+    )
+    .await;
+    assert_eq!(
+        message_count(&ch, &q).await,
+        1,
+        "the message is still queued"
+    );
 }
