@@ -181,7 +181,11 @@ impl BodyCollector {
             self.first = Some(part);
         } else {
             if let Some(first) = self.first.take() {
-                self.buf.reserve(self.expected as usize);
+                // Room for what arrived, doubled, not for what the header announced: a peer
+                // that announces a large body and sends little of it holds little memory.
+                let arrived = first.len() + part.len();
+                self.buf
+                    .reserve((self.expected as usize).min(arrived.saturating_mul(2)));
                 self.buf.extend_from_slice(&first);
             }
             self.buf.extend_from_slice(&part);
@@ -242,6 +246,30 @@ mod tests {
             "the same bytes whatever the scratch went through"
         );
         assert_eq!(decode_properties(&again).unwrap(), small);
+    }
+
+    #[test]
+    fn a_body_takes_room_for_what_arrived_not_for_what_was_announced() {
+        let mut body = BodyCollector::new(128 * 1024 * 1024);
+        body.push(Bytes::from_static(b"a")).unwrap();
+        body.push(Bytes::from_static(b"b")).unwrap();
+        assert!(body.buf.capacity() < 64 * 1024, "{}", body.buf.capacity());
+        let part = Bytes::from(vec![1u8; 100_000]);
+        for _ in 0..10 {
+            body.push(part.clone()).unwrap();
+        }
+        assert_eq!(body.len(), 1_000_002);
+        assert!(
+            body.buf.capacity() < 4 * 1_000_002,
+            "{}",
+            body.buf.capacity()
+        );
+        assert!(!body.is_complete());
+        let mut exact = BodyCollector::new(4);
+        exact.push(Bytes::from_static(b"ab")).unwrap();
+        exact.push(Bytes::from_static(b"cd")).unwrap();
+        assert!(exact.is_complete());
+        assert_eq!(&exact.finish()[..], b"abcd");
     }
 
     #[test]
