@@ -15,7 +15,9 @@ use amq_protocol::protocol::{AMQPClass, connection};
 use amq_protocol::types::{AMQPValue, FieldTable};
 use tokio::sync::watch;
 
-use crate::amqp::codec::{FRAME_METHOD, RawFrame, method_ids, put_method};
+use crate::amqp::codec::{
+    FRAME_BODY, FRAME_HEADER, FRAME_METHOD, RawFrame, method_ids, put_method,
+};
 use crate::broker::write_queue::WriteQueue;
 use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
@@ -96,12 +98,16 @@ impl Throttle {
         reasons.join(" & ")
     }
 
-    /// Whether `frame`, just handled, is a publish that blocks the connection now.
+    /// Whether `frame`, just handled, is a publish or a frame of a publish's content that
+    /// blocks the connection now (a client's content frames are only ever a publish's, so one
+    /// that began its publishes before an alarm cannot go on sending their bodies under it).
     pub fn must_block(&self, frame: &RawFrame) -> bool {
-        frame.kind == FRAME_METHOD
-            && frame.channel != 0
-            && method_ids(&frame.payload) == BASIC_PUBLISH
-            && self.raised()
+        let publishing = match frame.kind {
+            FRAME_METHOD => method_ids(&frame.payload) == BASIC_PUBLISH,
+            FRAME_HEADER | FRAME_BODY => true,
+            _ => false,
+        };
+        publishing && frame.channel != 0 && self.raised()
     }
 
     /// Holds the connection until every alarm clears; `false` when shutdown fired first (the

@@ -2,7 +2,8 @@
 //! connection that publishes while used memory is above the watermark is blocked
 //! (`connection.blocked` "low on memory" when it announced the capability, and its socket is
 //! not read), consumers keep draining, and once memory is back below the watermark the
-//! publisher gets `connection.unblocked` and its held publishes go through. The broker runs
+//! publisher gets `connection.unblocked` and its held publishes go through. A publish begun
+//! before the alarm blocks its connection at its next body frame. The broker runs
 //! as a child process so that its resident memory is its own, not this test binary's.
 
 use crate::common;
@@ -13,8 +14,8 @@ use amq_protocol::protocol::{AMQPClass, basic, confirm, connection};
 use amq_protocol::types::FieldTable;
 use common::dl::{self, BasicAckOptions, BasicQosOptions};
 use common::{
-    RawClient, ServiceProcess, TempDir, capabilities, free_addresses, metric_value, process_config,
-    scrape, series, wait_metric,
+    RawClient, ServiceProcess, TempDir, capabilities, encode_publish, free_addresses, metric_value,
+    process_config, scrape, series, wait_metric,
 };
 
 const BINARY: &str = env!("CARGO_BIN_EXE_dlx-proxy");
@@ -111,6 +112,17 @@ async fn publishers_are_blocked_above_the_watermark_and_resume_after_a_consumer_
         RawClient::connect_with_properties(amqp, capabilities(&["connection.blocked"])).await;
     bystander.open_channel(1).await;
     let mut quiet = confirming_publisher(amqp, FieldTable::default()).await;
+    // A publisher that began a publish before the alarm (its method and content header, 2
+    // body bytes announced) and sends its body frames while the alarm is raised.
+    let streamed_queue = common::unique("watermark-streamed");
+    dl::declare(&setup_ch, &streamed_queue, FieldTable::default()).await;
+    let mut streamer = confirming_publisher(amqp, capabilities(&["connection.blocked"])).await;
+    let whole = encode_publish(1, "", &streamed_queue, Default::default(), b"xy");
+    let body_frame_len = 7 + 2 + 1;
+    streamer
+        .send_raw(&whole[..whole.len() - body_frame_len])
+        .await;
+    let body_frame = |byte: u8| [3, 0, 1, 0, 0, 0, 1, byte, 0xCE];
 
     // Fill memory until the publisher is blocked: every publish is confirmed until then.
     let mut publisher = confirming_publisher(amqp, capabilities(&["connection.blocked"])).await;
@@ -170,6 +182,15 @@ async fn publishers_are_blocked_above_the_watermark_and_resume_after_a_consumer_
         f64::from(stored)
     );
     assert_eq!(gauge(&text, "dlx_proxy_blocked_connections"), 2.0);
+    // A body frame of the publish begun before the alarm blocks its connection too.
+    streamer.send_raw(&body_frame(b'x')).await;
+    match streamer.method_within(Duration::from_secs(5)).await {
+        Some((0, AMQPClass::Connection(connection::AMQPMethod::Blocked(blocked)))) => {
+            assert_eq!(blocked.reason.as_str(), "low on memory");
+        }
+        other => panic!("expected connection.blocked for the body frame, got {other:?}"),
+    }
+    wait_metric(admin, "dlx_proxy_blocked_connections", 3.0).await;
     // A connection that did not publish is served and not notified.
     bystander
         .send_method(
@@ -220,6 +241,14 @@ async fn publishers_are_blocked_above_the_watermark_and_resume_after_a_consumer_
         );
     }
     assert_ack(quiet.method_within(Duration::from_secs(5)).await, 1);
+    match streamer.method_within(Duration::from_secs(5)).await {
+        Some((0, AMQPClass::Connection(connection::AMQPMethod::Unblocked(_)))) => {}
+        other => panic!("expected connection.unblocked for the streamer, got {other:?}"),
+    }
+    streamer.send_raw(&body_frame(b'y')).await;
+    assert_ack(streamer.method_within(Duration::from_secs(5)).await, 1);
+    let streamed = dl::get_one(&setup_ch, &streamed_queue).await;
+    assert_eq!(streamed.data, b"xy", "the streamed message, whole");
     for _ in 0..held.len() {
         let delivery = dl::next(&mut consumer).await;
         let index = index_of(&delivery.data);
@@ -234,7 +263,7 @@ async fn publishers_are_blocked_above_the_watermark_and_resume_after_a_consumer_
     expected.sort_unstable();
     assert_eq!(seen, expected, "every message exactly once");
 
-    let total = f64::from(stored) + 5.0;
+    let total = f64::from(stored) + 6.0;
     let text = wait_metric(admin, "dlx_proxy_messages_published_total", total).await;
     assert_eq!(gauge(&text, "dlx_proxy_memory_alarm"), 0.0);
     // The alarm cleared below 95 % of the watermark; the held messages taken since may have
@@ -242,7 +271,7 @@ async fn publishers_are_blocked_above_the_watermark_and_resume_after_a_consumer_
     let used = gauge(&text, "dlx_proxy_memory_used_bytes");
     assert!(used < WATERMARK as f64, "used {used} after the drain");
     assert_eq!(gauge(&text, "dlx_proxy_blocked_connections"), 0.0);
-    assert_eq!(gauge(&text, "dlx_proxy_connection_blocks_total"), 2.0);
+    assert_eq!(gauge(&text, "dlx_proxy_connection_blocks_total"), 3.0);
     assert!(gauge(&text, "dlx_proxy_memory_releases_total") >= 1.0);
     assert!(
         bystander

@@ -2,6 +2,7 @@
 
 use super::*;
 use amq_protocol::types::ShortString;
+use bytes::Bytes;
 
 fn properties(capability: Option<AMQPValue>) -> FieldTable {
     let mut capabilities = FieldTable::default();
@@ -29,26 +30,35 @@ fn method(channel: u16, class_id: u16, method_id: u16) -> RawFrame {
 }
 
 #[test]
-fn only_a_publish_while_the_alarm_is_raised_blocks() {
+fn only_a_publish_or_its_content_while_the_alarm_is_raised_blocks() {
     let alarm = watch::Sender::new(false);
     let disk = watch::Sender::new(false);
     let throttle = Throttle::new(alarm.subscribe(), disk.subscribe(), true);
     let publish = method(1, 60, 40);
+    let content = |kind| RawFrame {
+        kind,
+        channel: 1,
+        payload: Bytes::from_static(b"part of a body"),
+    };
+    let (header, body) = (
+        content(crate::amqp::codec::FRAME_HEADER),
+        content(crate::amqp::codec::FRAME_BODY),
+    );
     assert!(!throttle.must_block(&publish), "alarm cleared");
+    assert!(!throttle.must_block(&body), "alarm cleared");
     alarm.send_replace(true);
     assert!(throttle.must_block(&publish));
+    assert!(throttle.must_block(&header), "a publish's content header");
+    assert!(throttle.must_block(&body), "a publish's body");
     assert!(!throttle.must_block(&method(1, 60, 80)), "basic.ack");
     assert!(!throttle.must_block(&method(1, 50, 10)), "queue.declare");
     assert!(!throttle.must_block(&method(0, 60, 40)), "channel 0");
-    let body = RawFrame {
-        kind: crate::amqp::codec::FRAME_BODY,
-        channel: 1,
-        payload: method(1, 60, 40).payload,
+    let heartbeat = RawFrame {
+        kind: crate::amqp::codec::FRAME_HEARTBEAT,
+        channel: 0,
+        payload: Bytes::new(),
     };
-    assert!(
-        !throttle.must_block(&body),
-        "a body that looks like a publish"
-    );
+    assert!(!throttle.must_block(&heartbeat), "a heartbeat");
 }
 
 /// The methods written to `write_queue` (all on channel 0).
