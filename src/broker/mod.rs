@@ -336,6 +336,25 @@ impl State {
 
     /// Registers a deadline for a queue; returns true if it is the new earliest one.
     pub fn schedule(&mut self, at: u64, vhost: &str, queue: &str, id: u64) -> bool {
+        // Entries of deleted queues, and later ones a queue replaced by an earlier deadline,
+        // stay until they are due: when they outnumber the live queues, the heap is rebuilt
+        // from the queues' own deadlines (bounded whatever a client declares and deletes).
+        let live: usize = self.vhosts.values().map(|v| v.queues.len()).sum();
+        if self.timers.len() > 2 * live + 64 {
+            self.timers = self
+                .vhosts
+                .iter()
+                .flat_map(|(vname, v)| {
+                    v.queues.iter().filter_map(move |(qname, q)| {
+                        q.timer_at
+                            .map(|t| Reverse((t, vname.clone(), qname.clone(), q.id)))
+                    })
+                })
+                .filter(|Reverse((t, v, q, i))| {
+                    (*t, v.as_str(), q.as_str(), *i) != (at, vhost, queue, id)
+                })
+                .collect();
+        }
         let earliest = self
             .timers
             .peek()

@@ -2,7 +2,9 @@
 
 use amq_protocol::types::FieldTable;
 
-use super::super::test_support::{Client, broker, declare, exchange, ready, with_queue};
+use super::super::test_support::{
+    Client, broker, declare, exchange, long, ready, table, with_queue,
+};
 use crate::amqp::reply;
 use crate::broker::routing::Destination;
 
@@ -224,4 +226,25 @@ fn purge_and_delete_if_empty() {
     assert_eq!(b.queue_purge(c.conn, "/", "q").unwrap(), 1);
     assert_eq!(b.queue_delete(c.conn, "/", "q", false, true).unwrap(), 0);
     assert!(b.queue_settings("/", "q").is_none());
+}
+
+#[test]
+fn deleted_queues_leave_no_more_timer_entries_than_the_live_queues_bound() {
+    let b = broker();
+    let c = Client::connect(&b);
+    let expires = table(&[("x-expires", long(2_000_000_000))]);
+    b.queue_declare(c.conn, "/", &declare("kept", &expires))
+        .unwrap();
+    for i in 0..1000 {
+        let name = format!("q{i}");
+        b.queue_declare(c.conn, "/", &declare(&name, &expires))
+            .unwrap();
+        b.queue_delete(c.conn, "/", &name, false, false).unwrap();
+    }
+    let st = b.lock();
+    assert!(st.timers.len() <= 2 + 64 + 1, "{} entries", st.timers.len());
+    assert!(
+        st.timers.iter().any(|entry| entry.0.2 == "kept"),
+        "the live queue keeps its deadline"
+    );
 }
