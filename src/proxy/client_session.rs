@@ -47,6 +47,11 @@ use crate::metrics::Direction;
 
 /// How long a peer gets to answer our connection.close.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
+/// Most client requests (basic.get, queue.declare without nowait) a connection may have
+/// waiting for the upstream's answer: past it the session reads no more client frames until
+/// answers come back, so a client that sends requests without reading the answers holds a
+/// bounded list in the proxy.
+pub(super) const MAX_PENDING_ANSWERS: usize = 4096;
 
 /// Frames and bytes read from one side (part of the [`MessageCounts`]).
 #[derive(Clone, Copy, Debug, Default)]
@@ -160,6 +165,9 @@ pub(super) struct ClientSession {
     pub(super) held: RetrySchedule<Op>,
     /// Operations in `ops` that are retries of held messages.
     pub(super) retrying: usize,
+    /// The client's basic.gets and queue.declares (not nowait) whose answer has not come back
+    /// from the upstream, on all channels; client reads pause at [`MAX_PENDING_ANSWERS`].
+    pub(super) pending_answers: usize,
     /// The client's connection.close, held until the proxy's own work is settled.
     pub(super) parked_connection_close: Option<Bytes>,
     pub(super) shutdown_seen: bool,
@@ -231,6 +239,7 @@ impl ClientSession {
             view_cache: ViewCache::default(),
             held: RetrySchedule::new(backoff),
             retrying: 0,
+            pending_answers: 0,
             parked_connection_close: None,
             shutdown_seen: false,
             counts: MessageCounts::default(),
@@ -306,7 +315,9 @@ impl ClientSession {
             Side::Closing { .. } => true,
             Side::Open | Side::Draining { .. } => {
                 !self.awaits_upstream_answer()
-                    && (self.upstream_side != Side::Open || !self.upstream_out.is_full())
+                    && (self.upstream_side != Side::Open
+                        || (!self.upstream_out.is_full()
+                            && self.pending_answers < MAX_PENDING_ANSWERS))
             }
         }
     }

@@ -512,6 +512,7 @@ impl ClientSession {
                             let source =
                                 Source::new(ch.resolve_queue(get.queue.as_str()), get.no_ack);
                             ch.pending_gets.push_back(source);
+                            self.pending_answers += 1;
                         }
                     }
                     _ => {
@@ -913,8 +914,10 @@ impl ClientSession {
                 self.send_client(frame.raw);
             }
             BASIC_GET_EMPTY => {
-                if let Some(ch) = self.channels.get_mut(&channel) {
-                    ch.pending_gets.pop_front();
+                if let Some(ch) = self.channels.get_mut(&channel)
+                    && ch.pending_gets.pop_front().is_some()
+                {
+                    self.pending_answers = self.pending_answers.saturating_sub(1);
                 }
                 self.send_client(frame.raw);
             }
@@ -1056,6 +1059,9 @@ impl ClientSession {
             DeliveredBy::Consumer(tag) => ch.consumer_mut(tag),
             DeliveredBy::Get => {
                 got = ch.pending_gets.pop_front();
+                if got.is_some() {
+                    self.pending_answers = self.pending_answers.saturating_sub(1);
+                }
                 got.as_mut()
             }
         };
@@ -1206,6 +1212,9 @@ impl ClientSession {
             .consumers_ended(old.active_consumers() as u64);
         let (count, bytes) = old.deliveries.clear();
         self.release_inflight(count, bytes);
+        self.pending_answers = self
+            .pending_answers
+            .saturating_sub(old.pending_gets.len() + old.pending_declares.len());
         if old.incoming.is_some() {
             self.incoming_in_progress = self.incoming_in_progress.saturating_sub(1);
         }

@@ -139,6 +139,7 @@ impl ClientSession {
             if let Some(ch) = self.channels.get_mut(&channel) {
                 if !declare.nowait {
                     ch.pending_declares.push_back(PendingDeclare { record });
+                    self.pending_answers += 1;
                 } else if let Some(record) = record.filter(|_| !name.is_empty()) {
                     self.shared.queues.record(&self.vhost, &name, record);
                 }
@@ -638,6 +639,7 @@ impl ClientSession {
                 }
             } else {
                 ch.pending_declares.push_back(PendingDeclare { record });
+                self.pending_answers += 1;
             }
         }
         self.send_upstream(method_frame(
@@ -659,10 +661,11 @@ impl ClientSession {
         };
         let name = ok.queue.as_str();
         ch.last_queue = Some(Arc::from(name));
-        if let Some(PendingDeclare {
-            record: Some(record),
-        }) = ch.pending_declares.pop_front()
-        {
+        let Some(pending) = ch.pending_declares.pop_front() else {
+            return;
+        };
+        self.pending_answers = self.pending_answers.saturating_sub(1);
+        if let Some(record) = pending.record {
             self.shared.queues.record(&self.vhost, name, record);
         }
     }

@@ -420,3 +420,56 @@ async fn shutdown_closes_clients_with_320() {
     assert!(text.contains("shutting down"), "{text}");
     proxy.stop().await;
 }
+
+/// More basic.gets than the proxy lets wait for their answers, sent in one write before any
+/// answer is read: the proxy pauses reading the client at its limit and resumes as answers
+/// come back, so every get is answered, in order, and the connection goes on working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_may_pipeline_more_gets_than_the_proxy_lets_wait() {
+    const GETS: usize = 6000;
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("pipelined-gets");
+    declare(&ch, &q, FieldTable::default()).await;
+
+    let mut raw = RawClient::connect_named(proxy.addr, &unique("pipelined-gets")).await;
+    raw.open_channel(1).await;
+    let get = crate::common::encode_method(
+        1,
+        AMQPClass::Basic(lapin::protocol::basic::AMQPMethod::Get(
+            lapin::protocol::basic::Get {
+                queue: q.as_str().into(),
+                no_ack: false,
+            },
+        )),
+    );
+    raw.send_raw(&get.repeat(GETS)).await;
+    for n in 0..GETS {
+        let (channel, ids, _) = raw.next_method().await;
+        assert_eq!((channel, ids), (1, (60, 72)), "answer {n}: basic.get-empty");
+    }
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        BasicPublishOptions::default(),
+        b"after",
+        BasicProperties::default(),
+    )
+    .await
+    .unwrap();
+    crate::common::wait_until(
+        "the message to be queued",
+        Duration::from_secs(10),
+        async || message_count(&ch, &q).await == 1,
+    )
+    .await;
+    raw.send_raw(&get).await;
+    let (channel, ids, _) = raw.next_method().await;
+    assert_eq!(
+        (channel, ids),
+        (1, (60, 71)),
+        "basic.get-ok after the burst"
+    );
+    proxy.stop().await;
+}

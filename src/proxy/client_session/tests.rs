@@ -1111,3 +1111,54 @@ async fn a_get_from_a_missing_queue_is_read_back_once_and_passed_on() {
     ));
     assert_eq!(h.session.shared.queues.lookup("/", "q"), None);
 }
+
+/// A client that sends basic.gets without reading the answers: at [`MAX_PENDING_ANSWERS`]
+/// waiting for the upstream the session reads no more client frames; an answer, or the close
+/// of the channel that asked, frees the places.
+#[tokio::test]
+async fn client_reads_pause_while_too_many_requests_wait_for_their_answers() {
+    let (mut h, _) = consuming(&[]).await;
+    let get = method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get {
+            queue: "q".into(),
+            no_ack: false,
+        })),
+    );
+    for _ in 0..MAX_PENDING_ANSWERS {
+        assert!(h.session.wants_client_frames());
+        h.client_sends(get.clone());
+        h.upstream_got();
+    }
+    assert!(!h.session.wants_client_frames(), "paused at the limit");
+    h.upstream_sends(method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})),
+    ));
+    assert!(matches!(
+        h.client_got()[..],
+        [(1, AMQPClass::Basic(basic::AMQPMethod::GetEmpty(_)))]
+    ));
+    assert!(h.session.wants_client_frames(), "an answer frees a place");
+    h.client_sends(get.clone());
+    assert!(!h.session.wants_client_frames());
+    // The channel closes with its requests unanswered: their places are free again.
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+            reply_code: 200,
+            reply_text: "bye".into(),
+            class_id: 0,
+            method_id: 0,
+        })),
+    ));
+    h.upstream_sends(method_frame(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+    ));
+    assert!(
+        h.session.wants_client_frames(),
+        "the closed channel's places are free"
+    );
+    assert_eq!(h.session.pending_answers, 0);
+}
