@@ -14,7 +14,6 @@ use amq_protocol::protocol::{AMQPClass, basic};
 use common::dl::{self, BasicProperties};
 use common::{RawClient, encode_method, metric_value, wait_until};
 use dlx_proxy::amqp::codec::decode_method;
-use dlx_proxy::proxy::wire::content_body_size;
 use lapin::types::FieldTable;
 
 /// The connection's write-queue budget in this test.
@@ -157,13 +156,7 @@ async fn a_client_that_does_not_read_its_answers_cannot_grow_its_write_queue() {
             }
             other => panic!("expected basic.get-ok, got {other:?}"),
         }
-        let header = client.next_frame().await;
-        let size = content_body_size(header.payload()).expect("a body size") as usize;
-        assert_eq!(size, GET_SIZE, "answer {tag}");
-        let mut body = Vec::with_capacity(size);
-        while body.len() < size {
-            body.extend_from_slice(client.next_frame().await.payload());
-        }
+        let (_, body) = client.next_content().await;
         assert_eq!(body, message, "answer {tag}");
     }
     wait_until(

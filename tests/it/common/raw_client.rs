@@ -458,8 +458,21 @@ impl RawClient {
                 other => panic!("expected basic.deliver, got {other:?}"),
             }
         };
+        let (properties, body) = self.next_content().await;
+        RawDelivery {
+            channel,
+            delivery_tag: deliver.delivery_tag,
+            redelivered: deliver.redelivered,
+            properties,
+            body,
+        }
+    }
+
+    /// Reads the content that follows a basic.deliver or basic.get-ok: its property section
+    /// as sent, and its body (panics on any other frame).
+    pub async fn next_content(&mut self) -> (Bytes, Vec<u8>) {
         let header = self.next_frame().await;
-        assert_eq!(header.kind, FRAME_HEADER, "content header after deliver");
+        assert_eq!(header.kind, FRAME_HEADER, "content header after the method");
         let size = content_body_size(header.payload()).expect("a body size") as usize;
         let mut body = Vec::with_capacity(size);
         while body.len() < size {
@@ -467,13 +480,7 @@ impl RawClient {
             assert_eq!(frame.kind, FRAME_BODY, "content body");
             body.extend_from_slice(frame.payload());
         }
-        RawDelivery {
-            channel,
-            delivery_tag: deliver.delivery_tag,
-            redelivered: deliver.redelivered,
-            properties: header.payload_bytes().slice(12..),
-            body,
-        }
+        (header.payload_bytes().slice(12..), body)
     }
 
     /// Every byte until the server closes the connection, or until it sends nothing for 5 s
