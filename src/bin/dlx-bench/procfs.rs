@@ -66,19 +66,31 @@ pub fn cpu_used(start: &ProcSample, end: &ProcSample) -> (f64, &'static str) {
     (ticks, "ticks")
 }
 
-/// The sum of the first field (nanoseconds on a CPU) of every thread's schedstat.
+/// The sum of the first field (nanoseconds on a CPU) of every thread's schedstat, or `None`
+/// when the kernel does not keep it: no schedstat files, or files that read all zeros (kernels
+/// and sandboxes without scheduler statistics). The caller then falls back to the ticks.
 fn threads_run_ns(base: &std::path::Path) -> Option<u64> {
-    let mut total = 0u64;
+    let mut texts = Vec::new();
     for entry in std::fs::read_dir(base.join("task")).ok()? {
-        let path = entry.ok()?.path().join("schedstat");
-        match std::fs::read_to_string(&path) {
-            Ok(text) => total += schedstat_run_ns(&text)?,
+        let thread = entry.ok()?.path();
+        match std::fs::read_to_string(thread.join("schedstat")) {
+            Ok(text) => texts.push(text),
             // The thread ended between the listing and the read: its time is lost either way.
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound && !thread.exists() => {}
             Err(_) => return None,
         }
     }
-    Some(total)
+    sum_run_ns(texts.iter().map(String::as_str))
+}
+
+/// The sum of the times on a CPU of the given schedstat lines, `None` if one does not parse or
+/// the sum is 0: a live process has had some time on a CPU, so a 0 means no statistics.
+pub fn sum_run_ns<'a>(schedstats: impl IntoIterator<Item = &'a str>) -> Option<u64> {
+    let mut total = 0u64;
+    for text in schedstats {
+        total = total.saturating_add(schedstat_run_ns(text)?);
+    }
+    (total > 0).then_some(total)
 }
 
 /// The time on a CPU (the first field, nanoseconds) of a /proc/…/schedstat line.
@@ -129,7 +141,16 @@ mod tests {
         let s = ProcSample::read_self().unwrap();
         assert!(s.rss_kib > 0);
         assert!(s.threads >= 1);
-        assert!(s.run_secs.is_some_and(|secs| secs > 0.0));
+        // Kernels without scheduler statistics give none; the ticks are then used.
+        assert!(s.run_secs.is_none_or(|secs| secs > 0.0));
+    }
+
+    #[test]
+    fn schedstats_that_read_zero_are_no_statistics() {
+        assert_eq!(sum_run_ns(["5 1 2\n", "7 0 1\n"]), Some(12));
+        assert_eq!(sum_run_ns(["0 0 0\n", "0 0 0\n"]), None);
+        assert_eq!(sum_run_ns(["5 1 2\n", "bad"]), None);
+        assert_eq!(sum_run_ns([]), None);
     }
 
     #[test]
