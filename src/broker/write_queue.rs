@@ -89,9 +89,13 @@ impl WriteQueue {
             };
             let before = buf.len();
             write(&mut buf);
-            buf.len() - before
+            let added = buf.len() - before;
+            // Counted before the lock is released: a writer that takes these bytes in a batch
+            // then finds them counted when it reports them written (counted after, they
+            // would stay counted for ever and the queue would look fuller and fuller).
+            self.pending.fetch_add(added, Ordering::Relaxed);
+            added
         };
-        self.pending.fetch_add(added, Ordering::Relaxed);
         self.count(added as i64);
         self.notify.notify_one();
     }
@@ -229,6 +233,31 @@ mod tests {
             .await
             .expect("room once written")
             .expect("the waiting task");
+    }
+
+    #[test]
+    fn bytes_pushed_while_the_writer_takes_a_batch_are_all_counted_out() {
+        // A push and the writer's batch race on two threads: whatever the writer takes and
+        // reports written, the bytes waiting end at 0 once everything is written (no bytes
+        // taken before they were counted, which `written` would then fail to count out).
+        const PUSHES: usize = 200_000;
+        let o = Arc::new(WriteQueue::new(usize::MAX));
+        let pusher = std::thread::spawn({
+            let o = o.clone();
+            move || {
+                for _ in 0..PUSHES {
+                    o.push(|b| b.extend_from_slice(b"x"));
+                }
+            }
+        });
+        let mut written = 0;
+        while written < PUSHES {
+            let batch = o.try_batch();
+            written += batch.len();
+            o.written(batch.len());
+        }
+        pusher.join().expect("the pushing thread");
+        assert_eq!(o.pending(), 0);
     }
 
     #[tokio::test]
