@@ -34,6 +34,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "publisher_channel_reopens_total",
     "dead_letters_by_service_total",
     "dead_letters_held",
+    "deliveries_kept_tag_only_total",
     "consumer_timeouts_total",
     "dead_letters_kept_total",
     "retries_total",
@@ -259,6 +260,7 @@ pub struct Metrics {
     publisher_channel_reopens: IntCounterVec,
     dead_letters_by_service: IntCounter,
     dead_letters_held: IntGauge,
+    deliveries_kept_tag_only: IntCounter,
     consumer_timeouts: IntCounterVec,
     dead_letters_kept: IntCounterVec,
     retries: IntCounterVec,
@@ -508,6 +510,13 @@ impl Metrics {
                 "Dead letters (proxy mode) whose publish was refused, held unacked upstream \
                  while the proxy retries them; counted in inflight_deliveries/bytes too.",
             )?,
+            deliveries_kept_tag_only: b.counter(
+                "deliveries_kept_tag_only_total",
+                "Deliveries (proxy mode) of queues the proxy dead-letters for, kept as their tag \
+                 only because their connection's kept bytes were at proxy.max_inflight_bytes; a \
+                 reject or nack of one goes upstream as sent and reaches the proxy through the \
+                 capture route.",
+            )?,
             messages_published: b
                 .counter("messages_published_total", "Messages published by clients.")?,
             messages_delivered: b.counter(
@@ -586,14 +595,14 @@ impl Metrics {
             )?,
             inflight_deliveries: b.gauge(
                 "inflight_deliveries",
-                "Deliveries sent to clients and not yet settled, and held dead letters \
-                 (proxy mode).",
+                "Deliveries sent to clients and not yet settled, and dead letters being \
+                 published or held (proxy mode).",
             )?,
             settled: tokio::sync::Notify::new(),
             inflight_bytes: b.gauge(
                 "inflight_bytes",
                 "Body bytes of the deliveries sent to clients and not yet settled, and of \
-                 held dead letters (proxy mode).",
+                 dead letters being published or held (proxy mode).",
             )?,
             verified_queues: b.gauge(
                 "verified_queues",
@@ -993,6 +1002,11 @@ impl Metrics {
         self.publisher_channel_reopens
             .with_label_values(&[cause])
             .inc();
+    }
+
+    /// A delivery was kept as its tag only for want of room.
+    pub fn delivery_kept_tag_only(&self) {
+        self.deliveries_kept_tag_only.inc();
     }
 
     /// Held dead letters went up or down by `delta`.

@@ -76,11 +76,14 @@ impl Source {
     /// How a delivery from this source is kept, or `None` when it is not: a no-ack source's
     /// deliveries never are, nor any while `keeping` is false (the session keeps none, or the
     /// channel is not open). Asks [`Self::keeps_content`] only where the session may take
-    /// deliveries over (`takes_over`).
+    /// deliveries over (`takes_over`). Without `content_room` (the connection's kept bytes are
+    /// at `proxy.max_inflight_bytes`) a delivery whose content would be kept is kept as its tag
+    /// only, and the decision says so (`content_skipped`).
     pub(crate) fn keep_decision(
         &mut self,
         keeping: bool,
         takes_over: bool,
+        content_room: bool,
         revision: super::SettingsRevision,
         shared: &super::ProxyShared,
         vhost: &str,
@@ -88,12 +91,14 @@ impl Source {
         if self.no_ack || !keeping {
             return None;
         }
-        let with_content = takes_over && self.keeps_content(revision, shared, vhost);
+        let wants_content = takes_over && self.keeps_content(revision, shared, vhost);
+        let with_content = wants_content && content_room;
         let timeout = self.consumer_timeout(revision, shared, vhost);
         // A tag-only delivery without a timeout needs no queue (and no shared count).
         let queue = (with_content || timeout.is_some()).then(|| self.queue.clone());
         Some(KeepDecision {
             with_content,
+            content_skipped: wants_content && !content_room,
             queue,
             timeout,
         })
@@ -139,6 +144,9 @@ pub struct IncomingContent {
 pub struct KeepDecision {
     /// With its content (the proxy may take it over), or as its tag only.
     pub with_content: bool,
+    /// Kept as its tag only for want of room, where its content would have been kept: a
+    /// negative settlement of it goes upstream as the client sent it.
+    pub content_skipped: bool,
     /// Its queue, where the kept delivery needs it (see [`KeptDelivery::queue`]).
     pub queue: Option<Arc<str>>,
     /// Its consumer timeout (ms), if it has one.

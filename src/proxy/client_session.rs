@@ -118,8 +118,12 @@ pub(super) struct ClientSession {
     pub(super) next_channel_id: u64,
     /// Channels the proxy closed upstream: close-oks still to swallow.
     pub(super) upstream_drain: ChannelMap<u32>,
+    /// Bytes charged against `proxy.max_inflight_bytes`: kept deliveries, and the dead letters
+    /// being published or held.
     pub(super) inflight_bytes: usize,
     pub(super) inflight_count: usize,
+    /// The part of `inflight_bytes` charged to dead letters being published or held.
+    pub(super) dead_letter_bytes: usize,
     /// Client channels with upstream content in progress.
     pub(super) incoming_in_progress: usize,
     pub(super) publisher: Option<Publisher>,
@@ -163,8 +167,6 @@ pub(super) struct ClientSession {
     pub(super) view_cache: ViewCache,
     /// Operations whose publish was refused, waiting for their retry ([`super::retry`]).
     pub(super) held: RetrySchedule<Op>,
-    /// Operations in `ops` that are retries of held messages.
-    pub(super) retrying: usize,
     /// The client's basic.gets and queue.declares (not nowait) whose answer has not come back
     /// from the upstream, on all channels; client reads pause at [`MAX_PENDING_ANSWERS`].
     pub(super) pending_answers: usize,
@@ -219,6 +221,7 @@ impl ClientSession {
             upstream_drain: ChannelMap::default(),
             inflight_bytes: 0,
             inflight_count: 0,
+            dead_letter_bytes: 0,
             incoming_in_progress: 0,
             publisher: None,
             check: None,
@@ -238,7 +241,6 @@ impl ClientSession {
             next_op: 1,
             view_cache: ViewCache::default(),
             held: RetrySchedule::new(backoff),
-            retrying: 0,
             pending_answers: 0,
             parked_connection_close: None,
             shutdown_seen: false,
@@ -343,17 +345,31 @@ impl ClientSession {
         !self.client_out.is_full() && self.inflight_room()
     }
 
-    /// Whether the kept deliveries leave room for reading more from the upstream.
+    /// Whether the kept deliveries and dead letters leave room for reading more from the
+    /// upstream.
     pub(super) fn inflight_room(&self) -> bool {
         // At the bound, finish the content in progress, then pause until settlements free room.
         // Not while client reads wait for an upstream answer: the client cannot settle anything
-        // then, so pausing here would wait forever. Nor while the retry of a held dead letter
-        // awaits its confirm: held messages count against the bound, and only that confirm
-        // frees them (what the upstream delivers meanwhile is kept above the bound).
-        self.inflight_bytes < self.shared.max_inflight_bytes
+        // then, so pausing here would wait forever. Nor while the proxy's dead-letter publishes
+        // await their confirms on this socket: they are charged too, and only those confirms
+        // free them. What the upstream delivers then is kept as its tag only (`content_room`),
+        // 128 bytes a delivery, until the kept deliveries alone reach twice the bound (tens of
+        // thousands of deliveries); there reads stop until the client settles some, and a
+        // confirm not read in time counts as a refusal, retried later (nothing is lost).
+        let bytes = self.inflight_bytes;
+        let bound = self.shared.max_inflight_bytes;
+        let deliveries = bytes.saturating_sub(self.dead_letter_bytes);
+        bytes < bound
             || self.incoming_in_progress > 0
             || self.awaits_upstream_answer()
-            || self.retrying > 0
+            || (deliveries < bound.saturating_mul(2) && self.awaits_confirms())
+    }
+
+    /// Whether publishes of the proxy's channel on this connection await their confirms.
+    fn awaits_confirms(&self) -> bool {
+        self.publisher
+            .as_ref()
+            .is_some_and(|publisher| publisher.unconfirmed() > 0)
     }
 
     pub(super) fn next_deadline(&mut self) -> Option<Instant> {

@@ -1008,6 +1008,14 @@ impl ClientSession {
         self.publisher.is_some()
     }
 
+    /// Whether a delivery arriving now may be kept with its content: the connection's kept
+    /// bytes are below `proxy.max_inflight_bytes`. At the bound the upstream is read only
+    /// where it must be (see [`ClientSession::inflight_room`]), and what it delivers then is
+    /// kept as its tag only, so the kept bytes stop growing but for 128 bytes a delivery.
+    fn content_room(&self) -> bool {
+        self.inflight_bytes < self.shared.max_inflight_bytes
+    }
+
     /// A basic.deliver on `channel`: its content follows (see [`Self::delivery_started`],
     /// which says what `only_for_client` and the answer mean).
     pub(super) fn deliver_started(
@@ -1044,6 +1052,7 @@ impl ClientSession {
     ) -> bool {
         let keeps = self.keeps_deliveries();
         let takes_over = self.takes_over_settlements();
+        let room = self.content_room();
         let revision = self.turn_revision();
         let Some(ch) = self.channels.get_mut(&channel) else {
             self.counts.delivered += 1;
@@ -1070,12 +1079,18 @@ impl ClientSession {
                 source.keep_decision(
                     open && keeps,
                     takes_over,
+                    room,
                     revision,
                     &self.shared,
                     &self.vhost,
                 )
             })
-            .map(|decision| KeepBuilder::decided(delivery_tag, decision, content, redelivered));
+            .map(|decision| {
+                if decision.content_skipped {
+                    self.shared.metrics.delivery_kept_tag_only();
+                }
+                KeepBuilder::decided(delivery_tag, decision, content, redelivered)
+            });
         if ch.incoming.is_none() {
             self.incoming_in_progress += 1;
         }
@@ -1101,6 +1116,7 @@ impl ClientSession {
     ) -> bool {
         let keeps = self.keeps_deliveries();
         let takes_over = self.takes_over_settlements();
+        let room = self.content_room();
         let revision = self.turn_revision();
         let clock = self.ack_clock();
         let Some(ch) = self.channels.get_mut(&channel) else {
@@ -1112,7 +1128,14 @@ impl ClientSession {
         }
         let keeping = ch.is_open() && keeps;
         let decision = ch.consumer_mut(deliver.consumer_tag).and_then(|source| {
-            source.keep_decision(keeping, takes_over, revision, &self.shared, &self.vhost)
+            source.keep_decision(
+                keeping,
+                takes_over,
+                room,
+                revision,
+                &self.shared,
+                &self.vhost,
+            )
         });
         // The header scan comes last: a delivery kept with its content goes frame by frame,
         // where the header is looked at anyway.
@@ -1122,6 +1145,9 @@ impl ClientSession {
             return false;
         }
         self.counts.delivered += 1;
+        if decision.as_ref().is_some_and(|d| d.content_skipped) {
+            self.shared.metrics.delivery_kept_tag_only();
+        }
         let kept = decision.map(|decision| {
             ch.keep_without_content(deliver.delivery_tag, deliver.redelivered, decision, clock)
         });
@@ -1192,10 +1218,16 @@ impl ClientSession {
             return;
         };
         self.timed_deliveries |= timed;
-        self.inflight_bytes += charge;
+        self.charge_inflight(charge);
+    }
+
+    /// Charges one kept message (a delivery, or a dead letter's publish) to the inflight
+    /// accounting.
+    pub(super) fn charge_inflight(&mut self, bytes: usize) {
+        self.inflight_bytes += bytes;
         self.inflight_count += 1;
         self.counts.kept += 1;
-        self.counts.kept_bytes += charge as i64;
+        self.counts.kept_bytes += bytes as i64;
     }
 
     /// Releases kept deliveries from the inflight accounting.

@@ -955,7 +955,13 @@ impl ClientSession {
     /// Publishes an operation's message (first time or retry) and tracks it until its confirm:
     /// on the proxy's channel of the client's connection, or through the vhost's service
     /// connection once the client's user was refused it ([`ClientSession::hand_to_service`]).
-    fn start_op(&mut self, op: Op) {
+    fn start_op(&mut self, mut op: Op) {
+        if op.charged == 0 {
+            // Its message is held here until the operation ends, as a kept delivery's was.
+            op.charged = op.charge();
+            self.charge_inflight(op.charged);
+            self.dead_letter_bytes += op.charged;
+        }
         let op_id = self.next_op;
         self.next_op += 1;
         let published = if op.via_service {
@@ -986,14 +992,11 @@ impl ClientSession {
                 {
                     ch.ops += 1;
                 }
-                if op.refusals > 0 {
-                    self.retrying += 1;
-                }
                 self.ops.insert(op_id, op);
             }
             Err(why) => {
                 drop_unpublishable(&self.shared.metrics, &self.vhost, &op.queue, why);
-                self.release_held(&op);
+                self.release_op(&op);
                 self.settle_origin(op.origin, Settlement::Ack);
             }
         }
@@ -1072,7 +1075,7 @@ impl ClientSession {
             self.refused(op, &outcome, reason);
             return;
         }
-        self.release_held(&op);
+        self.release_op(&op);
         let Some(settlement) = settle(&self.shared.metrics, &self.vhost, &op, &outcome) else {
             return;
         };
@@ -1082,15 +1085,12 @@ impl ClientSession {
 
     /// Removes an operation from the ones awaiting a confirm.
     fn take_op(&mut self, op_id: OpId) -> Option<Op> {
-        let op = self.ops.remove(&op_id)?;
-        if op.refusals > 0 {
-            self.retrying = self.retrying.saturating_sub(1);
-        }
-        Some(op)
+        self.ops.remove(&op_id)
     }
 
-    /// The upstream refused a publish: the original stays unacked upstream, held (charged
-    /// against the inflight bound) until a later publish of the same message is confirmed.
+    /// The upstream refused a publish: the original stays unacked upstream, held (still
+    /// charged against the inflight bound) until a later publish of the same message is
+    /// confirmed.
     /// Not while the connection or the original's channel is going away: the upstream
     /// requeues the original then, so nothing is lost and nothing is held.
     fn refused(&mut self, mut op: Op, outcome: &Outcome, reason: RetryReason) {
@@ -1098,16 +1098,12 @@ impl ClientSession {
         metrics.dead_letter_publish_failed(reason.failure_cause(outcome));
         let origin = op.origin;
         if !self.can_hold(origin) {
-            self.release_held(&op);
+            self.release_op(&op);
             self.op_finished(origin);
             return;
         }
         metrics.dead_letter_retry(reason.as_str());
-        if op.held_charge == 0 {
-            op.held_charge = op.charge();
-            self.inflight_bytes += op.held_charge;
-            self.inflight_count += 1;
-            metrics.add_inflight(1, op.held_charge as i64);
+        if !op.is_held() {
             metrics.add_held_dead_letters(1);
         }
         let attempt = op.note_refusal(reason);
@@ -1145,7 +1141,7 @@ impl ClientSession {
             if self.can_hold(op.origin) {
                 self.start_op(op);
             } else {
-                self.release_held(&op);
+                self.release_op(&op);
             }
         }
     }
@@ -1154,7 +1150,7 @@ impl ClientSession {
     /// connection is going away and the upstream requeues the originals).
     pub(super) fn let_go_held(&mut self, gone: impl FnMut(&Op) -> bool) {
         for op in self.held.take_where(gone) {
-            self.release_held(&op);
+            self.release_op(&op);
         }
     }
 
@@ -1165,10 +1161,13 @@ impl ClientSession {
         );
     }
 
-    /// Ends an operation's hold: its charge leaves the inflight bound and the held gauge.
-    fn release_held(&mut self, op: &Op) {
-        if op.held_charge > 0 {
-            self.release_inflight(1, op.held_charge);
+    /// Ends an operation: its charge leaves the inflight bound, and a held one the held gauge.
+    fn release_op(&mut self, op: &Op) {
+        if op.charged > 0 {
+            self.release_inflight(1, op.charged);
+            self.dead_letter_bytes = self.dead_letter_bytes.saturating_sub(op.charged);
+        }
+        if op.is_held() {
             self.shared.metrics.add_held_dead_letters(-1);
         }
     }
@@ -1177,7 +1176,7 @@ impl ClientSession {
     /// the upstream requeues the original itself).
     pub(super) fn abandon_op(&mut self, op_id: OpId) {
         if let Some(op) = self.take_op(op_id) {
-            self.release_held(&op);
+            self.release_op(&op);
             self.op_finished(op.origin);
         }
     }

@@ -55,9 +55,9 @@ pub struct Op {
     pub message: OutgoingMessage,
     /// How many publishes of it were refused so far (0: the first is in flight).
     pub refusals: u32,
-    /// Bytes charged against the connection's inflight bound while it is held (from its first
-    /// refusal; 0 before).
-    pub held_charge: usize,
+    /// Bytes charged against the client connection's inflight bound, from its first publish
+    /// until it ends (0: not charged; a service connection's operations never are).
+    pub charged: usize,
     /// Published by the vhost's service connection rather than the client's (its client's
     /// user may not publish it; see `intercept`).
     pub via_service: bool,
@@ -79,7 +79,7 @@ impl Op {
             started,
             message,
             refusals: 0,
-            held_charge: 0,
+            charged: 0,
             via_service: false,
         }
     }
@@ -106,7 +106,13 @@ impl Op {
         self.refusals
     }
 
-    /// What holding it costs: its properties, body and names plus the per-delivery overhead
+    /// Whether it is counted in the held gauge (`dead_letters_held`): it was refused at least
+    /// once, and each refusal that is not given up holds it.
+    pub fn is_held(&self) -> bool {
+        self.refusals > 0
+    }
+
+    /// What keeping it costs: its properties, body and names plus the per-delivery overhead
     /// (as a kept delivery is charged).
     pub fn charge(&self) -> usize {
         self.message.raw_properties.len()

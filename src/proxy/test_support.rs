@@ -18,11 +18,17 @@ use crate::rabbit::args::QueueArguments;
 
 /// Proxy-mode state whose upstream (`127.0.0.1:1`) refuses every connection.
 pub fn shared() -> Arc<ProxyShared> {
+    shared_with(|_| {})
+}
+
+/// [`shared`] with the configuration changed by `edit` first.
+pub fn shared_with(edit: impl FnOnce(&mut Config)) -> Arc<ProxyShared> {
     let mut config = Config {
         mode: Mode::Proxy,
         ..Config::default()
     };
     config.upstream.url = "amqp://127.0.0.1:1".into();
+    edit(&mut config);
     ProxyShared::new(
         &config,
         Arc::new(RwLock::new(PolicySet::from_configs(&[]).unwrap())),

@@ -84,6 +84,33 @@ async fn reject_and_hold(proxy: &TestProxy, ch: &Channel, queue: &str, body: &st
     wait_held(proxy, 1.0).await;
 }
 
+/// A consumer's receiving end.
+type Deliveries =
+    tokio::sync::mpsc::UnboundedReceiver<Result<lapin::message::Delivery, lapin::Error>>;
+
+/// Through `conn`: [`full_dlq_topology`], `body` published to the source queue, a consumer
+/// (no prefetch limit) that gets it and rejects it, and its dead letter held. Returns (source,
+/// dlq, the consumer's channel, the consumer).
+async fn consumed_and_held(
+    proxy: &TestProxy,
+    conn: &Connection,
+    body: &str,
+) -> (String, String, Channel, Deliveries) {
+    let (q, dlq) = full_dlq_topology(conn, &[]).await;
+    let ch = conn.create_channel().await.unwrap();
+    crate::common::dl::publish(&ch, &q, &[body]).await;
+    let mut rx = consume(&ch, &q, BasicConsumeOptions::default()).await;
+    let first = next(&mut rx).await;
+    assert_eq!(payload(&first), body);
+    first
+        .acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    wait_held(proxy, 1.0).await;
+    (q, dlq, ch, rx)
+}
+
 fn held(proxy: &TestProxy) -> f64 {
     proxy.counter("dead_letters_held", &[])
 }
@@ -110,12 +137,7 @@ async fn wait_held(proxy: &TestProxy, value: f64) {
 
 /// Watches for [`WATCH`]: the dead letter stays held, is retried only a handful of times, and
 /// nothing is delivered to `rx` again.
-async fn stays_held(
-    proxy: &TestProxy,
-    rx: Option<
-        &mut tokio::sync::mpsc::UnboundedReceiver<Result<lapin::message::Delivery, lapin::Error>>,
-    >,
-) {
+async fn stays_held(proxy: &TestProxy, rx: Option<&mut Deliveries>) {
     let before = retries(proxy);
     match rx {
         Some(rx) => {
@@ -161,18 +183,7 @@ async fn landed(ch: &Channel, dlq: &str, body: &str, queue: &str, reason: &str) 
 async fn a_rejected_message_refused_by_a_full_dlq_is_held_until_it_has_room() {
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
-    let (q, dlq) = full_dlq_topology(&conn, &[]).await;
-    let ch = conn.create_channel().await.unwrap();
-    crate::common::dl::publish(&ch, &q, &["m"]).await;
-    let mut rx = consume(&ch, &q, BasicConsumeOptions::default()).await;
-    let first = next(&mut rx).await;
-    assert_eq!(payload(&first), "m");
-    first
-        .acker
-        .reject(BasicRejectOptions { requeue: false })
-        .await
-        .unwrap();
-    wait_held(&proxy, 1.0).await;
+    let (q, dlq, ch, mut rx) = consumed_and_held(&proxy, &conn, "m").await;
     // Held: not redelivered, retried a handful of times, the original unacked upstream.
     stays_held(&proxy, Some(&mut rx)).await;
     // A channel that only nacks is recycled after every third nack in a row (RabbitMQ 3.10
@@ -453,6 +464,122 @@ async fn a_dead_letter_exchange_refused_to_the_user_is_published_by_the_service_
     delete_upstream(&uch, &[&q, &dlq], &[&locked]).await;
     let _ = conn.close(200, "done".into()).await;
     let _ = admin.close(200, "done".into()).await;
+    let _ = upstream.close(200, "done".into()).await;
+    proxy.stop().await;
+}
+
+/// A consumer without a prefetch limit goes on receiving while a dead letter of its
+/// connection is held (its DLQ full): the proxy reads the upstream for the retries' confirms,
+/// which come behind the deliveries. What it keeps stops at twice `proxy.max_inflight_bytes`:
+/// past the bound, deliveries are kept as their tag only. A rejection of one of those goes
+/// upstream as sent and still lands in the DLQ, through the capture route, with its x-death.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_read_past_the_inflight_bound_for_a_held_retry_are_kept_as_tags() {
+    const BOUND: usize = 64 * 1024;
+    const COUNT: usize = 300;
+    let proxy = TestProxy::start_with(vec![], |config| {
+        config.proxy.max_inflight_bytes = BOUND;
+        config.proxy.retry_max_ms = 400;
+    })
+    .await;
+    let conn = proxy.connect().await;
+    let (q, dlq, _ch, mut rx) = consumed_and_held(&proxy, &conn, "held").await;
+
+    // 300 messages of 1 KiB, 4.7 times the bound, which the client receives and holds: about
+    // 55 are kept with their content, the rest (read for the retries' confirms) as tags.
+    let bodies: Vec<String> = (0..COUNT)
+        .map(|i| format!("{i:04}{}", "x".repeat(1020)))
+        .collect();
+    let publisher = conn.create_channel().await.unwrap();
+    for body in &bodies {
+        publisher
+            .basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                BasicProperties::default(),
+            )
+            .await
+            .unwrap();
+    }
+    let mut received = Vec::new();
+    let mut peak = 0.0f64;
+    let watch = tokio::time::Instant::now() + Duration::from_secs(3);
+    while tokio::time::Instant::now() < watch {
+        peak = peak.max(proxy.counter("inflight_bytes", &[]));
+        while let Ok(delivery) = rx.try_recv() {
+            received.push(delivery.expect("delivery"));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        peak >= BOUND as f64 && peak < (2 * BOUND + 2048) as f64,
+        "kept bytes peaked at {peak}, bound {BOUND}"
+    );
+    assert!(
+        proxy.counter("deliveries_kept_tag_only_total", &[]) >= 1.0,
+        "{}",
+        proxy.metrics.encode()
+    );
+    assert_eq!(held(&proxy), 1.0);
+
+    // The DLQ drains (a consumer takes what lands); the client rejects everything it holds
+    // and what comes next. Every message lands once, with one x-death entry.
+    let upstream = upstream_connection().await;
+    let uch = upstream.create_channel().await.unwrap();
+    purge(&uch, &dlq).await;
+    let mut dead = consume(
+        &uch,
+        &dlq,
+        BasicConsumeOptions {
+            no_ack: true,
+            ..BasicConsumeOptions::default()
+        },
+    )
+    .await;
+    let mut rejected = 0;
+    let mut landed = std::collections::BTreeSet::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while landed.len() < COUNT + 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of {} landed, {rejected} rejected\n{}",
+            landed.len(),
+            COUNT + 1,
+            proxy.metrics.encode()
+        );
+        for delivery in received.drain(..) {
+            delivery
+                .acker
+                .reject(BasicRejectOptions { requeue: false })
+                .await
+                .unwrap();
+            rejected += 1;
+        }
+        while let Ok(delivery) = rx.try_recv() {
+            received.push(delivery.expect("delivery"));
+        }
+        while let Ok(d) = dead.try_recv() {
+            let d = d.expect("dead letter");
+            let deaths = x_death(&d);
+            assert_eq!(deaths.len(), 1, "{deaths:?}");
+            assert_eq!(field(&deaths[0], "queue"), &ls(&q));
+            assert_eq!(field(&deaths[0], "reason"), &ls("rejected"));
+            assert_eq!(field(&deaths[0], "count"), &AMQPValue::LongLongInt(1));
+            let body = payload(&d);
+            assert!(
+                body == "held" || bodies.contains(&body),
+                "unknown body {body:.16}"
+            );
+            landed.insert(body);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(rejected, COUNT);
+    wait_held(&proxy, 0.0).await;
+    assert_eq!(message_count(&uch, &q).await, 0);
+    delete_upstream(&uch, &[&q, &dlq], &[]).await;
     let _ = upstream.close(200, "done".into()).await;
     proxy.stop().await;
 }

@@ -6,8 +6,9 @@
 use super::*;
 use crate::amqp::codec::decode_method;
 use crate::amqp::content::{decode_properties, put_content};
+use crate::proxy::inflight::KEPT_OVERHEAD;
 use crate::proxy::registry::VerifiedQueue;
-use crate::proxy::test_support::{frames, methods, shared};
+use crate::proxy::test_support::{frames, methods, shared, shared_with};
 use crate::rabbit::args::parse_queue_arguments;
 use amq_protocol::protocol::{BasicProperties, basic, channel, confirm, queue};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString};
@@ -23,9 +24,14 @@ pub(crate) struct Harness {
 
 impl Harness {
     pub(crate) fn new() -> Self {
+        Harness::on(shared())
+    }
+
+    /// A harness whose session has this shared state.
+    pub(crate) fn on(shared: Arc<ProxyShared>) -> Self {
         let now = Instant::now();
         let session = ClientSession::new(
-            shared(),
+            shared,
             PEER.parse().unwrap(),
             now,
             now + Duration::from_secs(10),
@@ -264,13 +270,7 @@ pub(crate) async fn rejected() -> (Harness, u16) {
     .await;
     // The client rejects it: the proxy publishes the dead letter itself, nothing goes
     // upstream on the client's channel yet.
-    h.client_sends(method_frame(
-        1,
-        AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject {
-            delivery_tag: 7,
-            requeue: false,
-        })),
-    ));
+    h.client_sends(reject(7));
     (h, publisher)
 }
 
@@ -278,7 +278,14 @@ pub(crate) async fn rejected() -> (Harness, u16) {
 /// declare of any instance left them) and got delivery 7 ("m"). Returns the harness and the
 /// publisher channel.
 pub(crate) async fn consuming(arguments: &[(&str, AMQPValue)]) -> (Harness, u16) {
-    let mut h = Harness::new();
+    consuming_in(Harness::new(), arguments).await
+}
+
+/// [`consuming`] in this harness.
+pub(crate) async fn consuming_in(
+    mut h: Harness,
+    arguments: &[(&str, AMQPValue)],
+) -> (Harness, u16) {
     let publisher = h.open(0);
     let mut args = FieldTable::default();
     for (name, value) in arguments {
@@ -1161,4 +1168,116 @@ async fn client_reads_pause_while_too_many_requests_wait_for_their_answers() {
         "the closed channel's places are free"
     );
     assert_eq!(h.session.pending_answers, 0);
+}
+
+/// A basic.reject of `tag` on channel 1, without requeue.
+fn reject(tag: u64) -> Bytes {
+    method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject {
+            delivery_tag: tag,
+            requeue: false,
+        })),
+    )
+}
+
+#[tokio::test]
+async fn at_the_inflight_bound_deliveries_keep_no_content_while_confirms_are_awaited() {
+    let bound = 1000;
+    let h = Harness::on(shared_with(|config| {
+        config.proxy.max_inflight_bytes = bound
+    }));
+    let dlx = (
+        "x-dead-letter-exchange",
+        AMQPValue::LongString("dlx".into()),
+    );
+    let (mut h, publisher) = consuming_in(h, std::slice::from_ref(&dlx)).await;
+    // Delivery 7 is rejected: its dead letter is published and awaits its confirm, charged
+    // (message, x-death and all) as its delivery was.
+    h.client_sends(reject(7));
+    let sent = h.upstream_got_frames();
+    assert!(sent.iter().all(|f| f.channel == publisher), "{sent:?}");
+    let dead_letter = h.session.inflight_bytes;
+    assert!(
+        dead_letter > KEPT_OVERHEAD && dead_letter < bound,
+        "{dead_letter}"
+    );
+    assert_eq!(h.session.dead_letter_bytes, dead_letter);
+
+    // Below the bound, deliveries are kept with their content.
+    let mut tag = 8;
+    while h.session.inflight_bytes < bound {
+        assert!(h.session.wants_upstream_frames());
+        h.upstream_sends(delivery(1, tag, "q"));
+        tag += 1;
+    }
+    let last_with_content = tag - 1;
+    // At the bound the upstream is still read, for the confirm, until the kept deliveries
+    // alone reach twice the bound; what it delivers meanwhile is kept as its tag only (128
+    // bytes each).
+    while h.session.wants_upstream_frames() {
+        let before = h.session.inflight_bytes;
+        h.upstream_sends(delivery(1, tag, "q"));
+        assert_eq!(h.session.inflight_bytes - before, KEPT_OVERHEAD);
+        tag += 1;
+        assert!(tag < 100, "reads never stop");
+    }
+    let last = tag - 1;
+    let deliveries = h.session.inflight_bytes - dead_letter;
+    let stop = 2 * bound..2 * bound + KEPT_OVERHEAD;
+    assert!(stop.contains(&deliveries), "{deliveries}");
+    assert!(metric_line(
+        &h,
+        &format!(
+            "dlx_proxy_deliveries_kept_tag_only_total {}",
+            last - last_with_content
+        )
+    ));
+    h.client_got();
+
+    // The client rejects one of each: the proxy dead-letters the one with its content; the
+    // one kept as a tag goes upstream as sent (the upstream dead-letters it to the capture
+    // route).
+    h.client_sends(reject(last_with_content));
+    let sent = h.upstream_got_frames();
+    assert!(
+        !sent.is_empty() && sent.iter().all(|f| f.channel == publisher),
+        "{sent:?}"
+    );
+    h.client_sends(reject(last));
+    let sent = h.upstream_got();
+    assert!(
+        matches!(
+            &sent[..],
+            [(1, AMQPClass::Basic(basic::AMQPMethod::Reject(r)))]
+                if r.delivery_tag == last && !r.requeue
+        ),
+        "{sent:?}"
+    );
+
+    // The confirms free the dead letters' charge; with none awaited, reads stay paused at
+    // the bound until the client settles deliveries.
+    h.upstream_sends(confirm(publisher, 1));
+    h.upstream_sends(confirm(publisher, 2));
+    let acked: Vec<u64> = h
+        .upstream_got()
+        .into_iter()
+        .filter_map(|(channel, method)| match method {
+            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) if channel == 1 => Some(a.delivery_tag),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(acked, [7, last_with_content]);
+    assert!(h.session.inflight_bytes >= bound);
+    assert!(!h.session.wants_upstream_frames());
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag: last - 1,
+            multiple: true,
+        })),
+    ));
+    assert_eq!(h.session.inflight_bytes, 0);
+    assert_eq!(h.session.dead_letter_bytes, 0);
+    assert!(h.session.wants_upstream_frames());
 }

@@ -509,8 +509,7 @@ impl CaptureLink {
         }
         metrics.dead_letter_retry(reason.as_str());
         metrics.captured(&self.vhost, CAPTURED_RETRIED);
-        if op.held_charge == 0 {
-            op.held_charge = op.charge();
+        if !op.is_held() {
             metrics.add_held_dead_letters(1);
         }
         let attempt = op.note_refusal(reason);
@@ -529,7 +528,7 @@ impl CaptureLink {
 
     /// Ends an operation's hold (the held gauge).
     fn release(&self, shared: &ProxyShared, op: &Op) {
-        if op.held_charge > 0 {
+        if op.is_held() {
             shared.metrics.add_held_dead_letters(-1);
         }
     }
