@@ -31,7 +31,8 @@ pub struct WriteQueue {
     pending: AtomicUsize,
     budget: usize,
     closed: AtomicBool,
-    /// Set when the dispatcher skipped a consumer because the queue was over budget.
+    /// Set when the dispatcher skipped a consumer because the queue was over budget (set and
+    /// taken under the `buf` lock; see [`Self::is_full_marking_starved`]).
     starved: AtomicBool,
     /// Where the bytes waiting are counted (`outbox_bytes`), for a connection's own queue.
     metrics: Option<Arc<Metrics>>,
@@ -83,10 +84,7 @@ impl WriteQueue {
             return;
         }
         let added = {
-            let mut buf = match self.buf.lock() {
-                Ok(b) => b,
-                Err(poisoned) => poisoned.into_inner(),
-            };
+            let mut buf = self.lock_buf();
             let before = buf.len();
             write(&mut buf);
             let added = buf.len() - before;
@@ -130,13 +128,37 @@ impl WriteQueue {
         self.pending.load(Ordering::Relaxed)
     }
 
-    pub fn mark_starved(&self) {
+    /// For the dispatcher: whether the queue is too full to take a delivery. When it is, the
+    /// connection is marked as skipped, and the writer resumes its dispatch once it has
+    /// written enough ([`Self::take_starved_with_room`]). The mark is set, after a second look
+    /// at the bytes waiting, under the lock the writer's check takes, so a writer draining the
+    /// queue at that moment either sees the mark or has made the room the second look sees:
+    /// a skipped connection is never left without a resume.
+    pub fn is_full_marking_starved(&self) -> bool {
+        if !self.is_full() {
+            return false;
+        }
+        let _buf = self.lock_buf();
+        if !self.is_full() {
+            return false;
+        }
         self.starved.store(true, Ordering::Relaxed);
+        true
     }
 
-    /// Clears and returns the starved flag (the writer resumes dispatch when it was set).
-    pub fn take_starved(&self) -> bool {
-        self.starved.swap(false, Ordering::Relaxed)
+    /// For the writer, after a write: whether the dispatcher skipped this connection while
+    /// it was full and there is room now (the mark is cleared then; the caller resumes the
+    /// connection's dispatch).
+    pub fn take_starved_with_room(&self) -> bool {
+        let _buf = self.lock_buf();
+        !self.is_full() && self.starved.swap(false, Ordering::Relaxed)
+    }
+
+    fn lock_buf(&self) -> std::sync::MutexGuard<'_, BytesMut> {
+        match self.buf.lock() {
+            Ok(b) => b,
+            Err(poisoned) => poisoned.into_inner(),
+        }
     }
 
     /// Waits until there is something to write, then takes it all.
@@ -144,10 +166,7 @@ impl WriteQueue {
         loop {
             let notified = self.notify.notified();
             {
-                let mut buf = match self.buf.lock() {
-                    Ok(b) => b,
-                    Err(poisoned) => poisoned.into_inner(),
-                };
+                let mut buf = self.lock_buf();
                 if !buf.is_empty() {
                     return buf.split();
                 }
@@ -161,10 +180,7 @@ impl WriteQueue {
 
     /// Takes whatever is queued without waiting.
     pub fn try_batch(&self) -> BytesMut {
-        match self.buf.lock() {
-            Ok(mut b) => b.split(),
-            Err(poisoned) => poisoned.into_inner().split(),
-        }
+        self.lock_buf().split()
     }
 
     /// Records that `n` bytes reached the socket.
@@ -258,6 +274,23 @@ mod tests {
         }
         pusher.join().expect("the pushing thread");
         assert_eq!(o.pending(), 0);
+    }
+
+    #[test]
+    fn a_connection_skipped_while_full_is_resumed_once_there_is_room() {
+        let o = WriteQueue::new(4);
+        assert!(!o.is_full_marking_starved(), "room: not skipped");
+        assert!(!o.take_starved_with_room(), "nobody skipped it");
+        o.push(|b| b.extend_from_slice(b"12345"));
+        assert!(o.is_full_marking_starved());
+        let batch = o.try_batch();
+        o.push(|b| b.extend_from_slice(b"6789"));
+        o.written(batch.len());
+        assert!(!o.take_starved_with_room(), "still full: the mark stays");
+        let batch = o.try_batch();
+        o.written(batch.len());
+        assert!(o.take_starved_with_room());
+        assert!(!o.take_starved_with_room(), "resumed once");
     }
 
     #[tokio::test]

@@ -528,7 +528,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             write_queue.written(n);
         }
         traffic.add(count_frames(&batch), n as u64);
-        if !write_queue.is_full() && write_queue.take_starved() {
+        if write_queue.take_starved_with_room() {
             let id = conn_id.load(Ordering::SeqCst);
             if id != 0 {
                 ctx.broker.resume_connection(id);

@@ -32,8 +32,7 @@ pub(super) fn pick_consumer(
         let Some(conn) = connections.get(&c.conn) else {
             continue;
         };
-        if conn.write_queue.is_full() {
-            conn.write_queue.mark_starved();
+        if conn.write_queue.is_full_marking_starved() {
             continue;
         }
         if !c.no_ack {
