@@ -65,7 +65,8 @@ pub struct Unacked {
     pub queue: Arc<str>,
     pub queue_id: u64,
     pub entry: QueuedMessage,
-    pub consumer_tag: Option<String>,
+    /// The consumer it went to ([`vhost::Consumer::id`]); `None` for a basic.get.
+    pub consumer: Option<u64>,
     /// When it times out unacknowledged (its queue or `limits.consumer_timeout` has a
     /// consumer timeout).
     pub deadline: Option<ack_timeout::Deadline>,

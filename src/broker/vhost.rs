@@ -58,6 +58,9 @@ impl Exchange {
 /// A consumer attached to a queue.
 #[derive(Debug, Clone)]
 pub struct Consumer {
+    /// Unique in the broker: a tag can be used again once its consumer is cancelled, and the
+    /// deliveries the old one left unacked must not count against the new one.
+    pub id: u64,
     pub tag: String,
     pub conn: u64,
     pub channel: u16,

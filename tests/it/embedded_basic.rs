@@ -199,6 +199,39 @@ async fn prefetch_limits_unacked_deliveries() {
 }
 
 #[tokio::test]
+async fn a_consumer_tag_used_again_does_not_inherit_the_cancelled_consumers_acks() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    let q = unique("qos-reuse");
+    declare(&ch, &q).await;
+    for i in 0..3 {
+        publish(&ch, "", &q, format!("{i}").as_bytes()).await;
+    }
+    ch.basic_qos(1, BasicQosOptions { global: false })
+        .await
+        .unwrap();
+    let mut first = consumer(&ch, &q, "w").await;
+    let d0 = next(&mut first).await;
+    ch.basic_cancel("w".into(), BasicCancelOptions::default())
+        .await
+        .unwrap();
+    // The tag is free again; its new consumer gets one delivery (prefetch 1).
+    let mut second = consumer(&ch, &q, "w").await;
+    let d1 = next(&mut second).await;
+    assert_eq!(d1.data, b"1");
+    // Acking the cancelled consumer's delivery frees nothing of the new one's prefetch.
+    d0.ack(BasicAckOptions::default()).await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), second.next())
+            .await
+            .is_err(),
+        "a second delivery while one is unacked at prefetch 1"
+    );
+    d1.ack(BasicAckOptions::default()).await.unwrap();
+    assert_eq!(next(&mut second).await.data, b"2");
+}
+
+#[tokio::test]
 async fn global_prefetch_is_shared_by_the_channel() {
     let b = start().await;
     let (_c, ch) = b.channel().await;

@@ -108,7 +108,7 @@ pub(super) fn deliver_to(
                 queue: queue_name,
                 queue_id,
                 entry,
-                consumer_tag: Some(c.tag.clone()),
+                consumer: Some(c.id),
                 deadline,
             },
         );
@@ -148,6 +148,7 @@ impl Broker {
         let now = self.now();
         let mut st = self.lock();
         let st = &mut *st;
+        let consumer_id = st.next_id();
         let tag = if tag.is_empty() {
             let id = st.next_id();
             format!("amq.ctag-{id:016x}")
@@ -185,6 +186,7 @@ impl Broker {
             )));
         }
         q.consumers.push(Consumer {
+            id: consumer_id,
             tag: tag.clone(),
             conn,
             channel,
@@ -337,7 +339,7 @@ impl Broker {
                                 queue: q.shared_name.clone(),
                                 queue_id: q.id,
                                 entry,
-                                consumer_tag: None,
+                                consumer: None,
                                 deadline,
                             },
                         );

@@ -124,7 +124,7 @@ impl Broker {
         let vhost = ch.vhost.clone();
         self.metrics.consumers_ended(ch.consumers.len() as u64);
         let requeue: Vec<Unacked> = ch.unacked.into_values().collect();
-        self.release_counters(st, &vhost, conn, channel, &requeue);
+        self.release_counters(st, &vhost, &requeue);
         for (tag, queue) in &ch.consumers {
             self.remove_consumer(st, &vhost, queue, conn, channel, tag, now);
         }

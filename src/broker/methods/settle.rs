@@ -52,20 +52,13 @@ impl Broker {
                 u
             })
             .collect();
-        self.release_counters(st, &vhost, conn, channel, &taken);
+        self.release_counters(st, &vhost, &taken);
         Ok((vhost, taken))
     }
 
     /// Frees the queue's and the consumer's unacked counters of deliveries leaving a channel
     /// (settled, requeued or returned on close). Called exactly once per delivery.
-    pub(super) fn release_counters(
-        &self,
-        st: &mut State,
-        vhost: &str,
-        conn: u64,
-        channel: u16,
-        taken: &[Unacked],
-    ) {
+    pub(super) fn release_counters(&self, st: &mut State, vhost: &str, taken: &[Unacked]) {
         let bytes: u64 = taken.iter().map(|u| u.entry.body_len()).sum();
         self.metrics
             .add_inflight(-(taken.len() as i64), -(bytes as i64));
@@ -77,11 +70,8 @@ impl Broker {
                 .filter(|q| q.id == u.queue_id)
             {
                 q.unacked = q.unacked.saturating_sub(1);
-                if let Some(ct) = &u.consumer_tag
-                    && let Some(c) = q
-                        .consumers
-                        .iter_mut()
-                        .find(|c| &c.tag == ct && c.conn == conn && c.channel == channel)
+                if let Some(id) = u.consumer
+                    && let Some(c) = q.consumers.iter_mut().find(|c| c.id == id)
                 {
                     c.unacked = c.unacked.saturating_sub(1);
                 }
