@@ -232,6 +232,85 @@ async fn a_consumer_tag_used_again_does_not_inherit_the_cancelled_consumers_acks
 }
 
 #[tokio::test]
+async fn an_ack_on_one_queue_frees_the_channel_prefetch_for_consumers_of_another() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    let (qa, qb) = (unique("gqos-a"), unique("gqos-b"));
+    declare(&ch, &qa).await;
+    declare(&ch, &qb).await;
+    ch.basic_qos(1, BasicQosOptions { global: true })
+        .await
+        .unwrap();
+    let mut on_a = consumer(&ch, &qa, "a").await;
+    let mut on_b = consumer(&ch, &qb, "b").await;
+    publish(&ch, "", &qa, b"a1").await;
+    let a1 = next(&mut on_a).await;
+    publish(&ch, "", &qb, b"b1").await;
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), on_b.next())
+            .await
+            .is_err(),
+        "delivered past the channel's prefetch of 1"
+    );
+    // The ack on A makes room on the channel: B's consumer gets its message.
+    a1.ack(BasicAckOptions::default()).await.unwrap();
+    assert_eq!(next(&mut on_b).await.data, b"b1");
+}
+
+#[tokio::test]
+async fn a_connection_closing_gives_its_deliveries_back_to_the_queue_not_to_itself() {
+    let b = start().await;
+    let (_c, observer) = b.channel().await;
+    let q = unique("close-back");
+    declare(&observer, &q).await;
+    // Three rounds: channels close in no set order, and the delivery went wrong only when its
+    // channel closed before one of the connection's other consumers.
+    for round in 0..3 {
+        let conn = b.connect().await;
+        let holder = conn.create_channel().await.unwrap();
+        holder
+            .basic_qos(1, BasicQosOptions { global: false })
+            .await
+            .unwrap();
+        let mut held = consumer(&holder, &q, "holder").await;
+        publish(&observer, "", &q, format!("m{round}").as_bytes()).await;
+        let _m = next(&mut held).await;
+        // Eight no-ack consumers of the same queue on other channels of the connection.
+        let mut others = Vec::new();
+        for i in 0..8 {
+            let ch = conn.create_channel().await.unwrap();
+            let c = ch
+                .basic_consume(
+                    q.as_str().into(),
+                    format!("other-{i}").as_str().into(),
+                    BasicConsumeOptions {
+                        no_ack: true,
+                        ..BasicConsumeOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+            others.push((ch, c));
+        }
+        conn.close(200, "bye".into()).await.unwrap();
+        // The unacked message is back in the queue, not delivered (and lost) on the way out.
+        let back = crate::proxy_support::message_count(&observer, &q).await;
+        assert_eq!(back, 1, "round {round}");
+        let (body, _, redelivered) = get_body(&observer, &q).await.expect("the message");
+        assert_eq!(body, format!("m{round}").as_bytes());
+        assert!(redelivered);
+        observer
+            .basic_ack(
+                lapin::types::DeliveryTag::default(),
+                BasicAckOptions { multiple: true },
+            )
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test]
 async fn global_prefetch_is_shared_by_the_channel() {
     let b = start().await;
     let (_c, ch) = b.channel().await;

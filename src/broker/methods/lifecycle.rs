@@ -141,10 +141,15 @@ impl Broker {
             .filter(|(c, _)| *c == conn)
             .map(|(_, ch)| *ch)
             .collect();
+        // Unregistered first: the deliveries each channel gives back are dispatched as it
+        // closes, and must not go to a consumer on another channel of this same connection
+        // (written to a closing socket, a no-ack delivery would be lost; a manual-ack one
+        // would be given back twice and counted twice against a delivery limit).
+        let info = st.connections.remove(&conn);
         for ch in channels {
             self.close_channel_locked(&mut st, conn, ch, now);
         }
-        let Some(info) = st.connections.remove(&conn) else {
+        let Some(info) = info else {
             return;
         };
         let exclusive: Vec<String> = st

@@ -97,7 +97,9 @@ impl Broker {
                 .filter_map(|u| u.entry.store_id.map(|id| (u.queue_id, id)))
                 .collect(),
         );
-        for q in Self::queues_of(&taken) {
+        let mut queues = Self::queues_of(&taken);
+        add_channel_limited(&st, conn, channel, &mut queues);
+        for q in queues {
             self.dispatch(&mut st, &vhost, &q, now);
         }
         Ok(())
@@ -115,10 +117,16 @@ impl Broker {
         let now = self.now();
         let mut st = self.lock();
         let (vhost, taken) = self.take_unacked(&mut st, conn, channel, tag, multiple)?;
-        let queues = Self::queues_of(&taken);
+        let mut queues = Self::queues_of(&taken);
         if requeue {
             self.requeue_unacked(&mut st, &vhost, taken, now);
+            queues.clear();
+            add_channel_limited(&st, conn, channel, &mut queues);
+            for q in &queues {
+                self.dispatch(&mut st, &vhost, q, now);
+            }
         } else {
+            add_channel_limited(&st, conn, channel, &mut queues);
             let mut by_queue: Vec<(String, Vec<Death>)> = Vec::new();
             for u in taken {
                 let still_there = st
@@ -159,6 +167,11 @@ impl Broker {
         let mut st = self.lock();
         let (vhost, taken) = self.take_unacked(&mut st, conn, channel, 0, true)?;
         self.requeue_unacked(&mut st, &vhost, taken, now);
+        let mut queues = Vec::new();
+        add_channel_limited(&st, conn, channel, &mut queues);
+        for q in &queues {
+            self.dispatch(&mut st, &vhost, q, now);
+        }
         Ok(())
     }
 
@@ -196,6 +209,22 @@ impl Broker {
             self.dispatch(st, vhost, &qname, now);
         }
     }
+}
+
+/// Adds to `queues` (sorted, without duplicates) the queues the consumers of `(conn,
+/// channel)` consume when the channel has a channel-wide prefetch (basic.qos global): a
+/// settlement frees room under that limit for the channel's consumers on every queue, not
+/// only on the queues of the deliveries settled.
+fn add_channel_limited(st: &State, conn: u64, channel: u16, queues: &mut Vec<String>) {
+    if let Some(ch) = st
+        .channels
+        .get(&(conn, channel))
+        .filter(|ch| ch.channel_prefetch > 0)
+    {
+        queues.extend(ch.consumers.values().cloned());
+    }
+    queues.sort();
+    queues.dedup();
 }
 
 #[cfg(test)]
