@@ -124,6 +124,8 @@ pub(super) struct ClientSession {
     pub(super) inflight_count: usize,
     /// The part of `inflight_bytes` charged to dead letters being published or held.
     pub(super) dead_letter_bytes: usize,
+    /// Since when upstream reads are paused with both sides open ([`Self::upstream_paused`]).
+    pub(super) upstream_paused_since: Option<Instant>,
     /// Client channels with upstream content in progress.
     pub(super) incoming_in_progress: usize,
     pub(super) publisher: Option<Publisher>,
@@ -222,6 +224,7 @@ impl ClientSession {
             inflight_bytes: 0,
             inflight_count: 0,
             dead_letter_bytes: 0,
+            upstream_paused_since: None,
             incoming_in_progress: 0,
             publisher: None,
             check: None,
@@ -345,34 +348,64 @@ impl ClientSession {
         !self.client_out.is_full() && self.inflight_room()
     }
 
-    /// Whether the kept deliveries and dead letters leave room for reading more from the
-    /// upstream.
+    /// Whether the kept deliveries leave room for reading more from the upstream.
     pub(super) fn inflight_room(&self) -> bool {
-        // At the bound, finish the content in progress, then pause until settlements free room.
-        // Not while client reads wait for an upstream answer: the client cannot settle anything
-        // then, so pausing here would wait forever. Nor while the proxy's dead-letter publishes
-        // await their confirms on this socket: they are charged too, and only those confirms
-        // free them. What the upstream delivers then is kept as its tag only (`content_room`),
-        // 128 bytes a delivery, until the kept deliveries alone reach twice the bound (tens of
-        // thousands of deliveries); there reads stop until the client settles some, and a
-        // confirm not read in time counts as a refusal, retried later (nothing is lost).
-        let bytes = self.inflight_bytes;
+        // The client's unsettled deliveries pause reads at the bound: finish the content in
+        // progress, then wait until settlements free room. The dead letters being published
+        // or held count towards the bound only for what is kept of new deliveries (their
+        // content is not kept past it, see `content_room`), never to pause: a client holding
+        // nothing would wait for a full dead-letter queue to drain, without the answers and
+        // heartbeats behind the deliveries. No pause either while client reads wait for an
+        // upstream answer, or are paused for too many of them: the client cannot settle
+        // anything then. Nor while the proxy's dead-letter publishes await their confirms on
+        // this socket: only those confirms free them. What the upstream delivers then is
+        // kept as its tag only, 128 bytes a delivery, until the kept deliveries reach twice
+        // the bound (tens of thousands of deliveries); there reads stop until the client
+        // settles some, and the confirms' deadlines wait with them (`upstream_paused`).
         let bound = self.shared.max_inflight_bytes;
-        let deliveries = bytes.saturating_sub(self.dead_letter_bytes);
-        bytes < bound
+        let deliveries = self.inflight_bytes.saturating_sub(self.dead_letter_bytes);
+        deliveries < bound
             || self.incoming_in_progress > 0
             || self.awaits_upstream_answer()
+            || self.pending_answers >= MAX_PENDING_ANSWERS
             || (deliveries < bound.saturating_mul(2) && self.awaits_confirms())
     }
 
+    /// Whether reads from the upstream are paused while both sides are open (the client's
+    /// outbox is full, or its unsettled deliveries fill the bound): the confirms of the
+    /// proxy's publishes may then be waiting unread in the socket, so their deadlines do not
+    /// run meanwhile (a confirm counted as missing would publish the dead letter again).
+    pub(super) fn upstream_paused(&self) -> bool {
+        self.client_side == Side::Open
+            && self.upstream_side == Side::Open
+            && !self.wants_upstream_frames()
+    }
+
+    /// Keeps the confirm deadlines still while upstream reads are paused: called each turn,
+    /// it notes when a pause begins and, when it ends, moves the deadlines on by its length.
+    fn track_upstream_pause(&mut self) {
+        let paused = self.upstream_paused();
+        match (paused, self.upstream_paused_since) {
+            (true, None) => self.upstream_paused_since = Some(self.now),
+            (false, Some(since)) => {
+                self.upstream_paused_since = None;
+                if let Some(publisher) = self.publisher.as_mut() {
+                    publisher.postpone(self.now.saturating_duration_since(since));
+                }
+            }
+            _ => {}
+        }
+    }
+
     /// Whether publishes of the proxy's channel on this connection await their confirms.
-    fn awaits_confirms(&self) -> bool {
+    pub(super) fn awaits_confirms(&self) -> bool {
         self.publisher
             .as_ref()
             .is_some_and(|publisher| publisher.unconfirmed() > 0)
     }
 
     pub(super) fn next_deadline(&mut self) -> Option<Instant> {
+        self.track_upstream_pause();
         let mut next: Option<Instant> = None;
         let mut consider = |at: Option<Instant>| {
             if let Some(at) = at {
@@ -390,7 +423,9 @@ impl ClientSession {
                 _ => {}
             }
         }
-        if let Some(publisher) = self.publisher.as_mut() {
+        if self.upstream_paused_since.is_none()
+            && let Some(publisher) = self.publisher.as_mut()
+        {
             consider(publisher.next_deadline());
         }
         consider(self.held_for_capture.as_ref().map(|held| held.deadline));
@@ -536,7 +571,9 @@ impl ClientSession {
         }
         self.capture_wait_expired(now);
         self.service_wait_expired(now);
-        if let Some(publisher) = self.publisher.as_mut() {
+        if self.upstream_paused_since.is_none()
+            && let Some(publisher) = self.publisher.as_mut()
+        {
             let expired = publisher.expire(now);
             if let Some(write) = expired.write {
                 self.send_upstream(write);

@@ -76,10 +76,11 @@
 //! (client delivery, or capture delivery on a service connection) stays unacked upstream, is
 //! not delivered again, and the same publish is retried after `proxy.retry_initial_ms`
 //! doubling to `proxy.retry_max_ms` (jittered) until it is confirmed; then the original is
-//! acked. Held messages of a client connection are charged against `proxy.max_inflight_bytes`
-//! (counted in `dead_letters_held` and the inflight gauges), so a connection whose dead
-//! letters keep being refused stops reading deliveries; a service connection holds at most
-//! its capture prefetch. At-least-once: when the client's channel or connection, or the
+//! acked. A client connection's dead letters, held or in flight, are charged against
+//! `proxy.max_inflight_bytes` (counted in the inflight gauges, held ones in
+//! `dead_letters_held`): past the bound its new deliveries keep no content, so it cannot take
+//! more over, but it goes on reading (the client holds nothing it could settle); a service
+//! connection holds at most its capture prefetch. At-least-once: when the client's channel or connection, or the
 //! upstream connection, goes away meanwhile, the held messages are let go unsettled and the
 //! upstream requeues their originals (a client delivery to its queue, a captured message to
 //! the capture queue). A missing dead-letter exchange (404 on the proxy's channel, which is
@@ -143,10 +144,11 @@
 //! - when a missing DLX closes the proxy's channel, other dead letters still unconfirmed on
 //!   it are held and published again (a duplicate if the upstream had routed one before the
 //!   close);
-//! - held dead letters count against `proxy.max_inflight_bytes`, but only the upstream
-//!   connection carries their confirms: at the bound the upstream is still read while a
-//!   retry awaits its confirm, and deliveries that arrive meanwhile are kept above the bound
-//!   (consumers with a prefetch limit bound this: held originals stay unacked upstream);
+//! - only the upstream connection carries the dead letters' confirms, behind the deliveries:
+//!   with the client's unsettled deliveries at `proxy.max_inflight_bytes`, the upstream is
+//!   still read while a publish awaits its confirm, deliveries arriving meanwhile are kept as
+//!   tags only, and at twice the bound reads stop until the client settles (the confirms'
+//!   deadlines wait meanwhile, so a confirm left unread is not taken for a refusal);
 //! - a dead letter whose first routing key is longer than 255 bytes (a long `CC` entry) cannot
 //!   be published and is dropped (`unpublishable`);
 //! - a client settling a tag it already rejected is ignored (RabbitMQ closes the channel with

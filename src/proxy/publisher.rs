@@ -523,6 +523,23 @@ impl Publisher {
         settled
     }
 
+    /// Moves every confirm deadline `by` later: the upstream was not read for that long (the
+    /// session paused its reads), so a confirm may have been waiting unread.
+    pub fn postpone(&mut self, by: Duration) {
+        if by.is_zero() {
+            return;
+        }
+        for record in self.unconfirmed.values_mut() {
+            record.deadline += by;
+        }
+        for (at, _, _) in self.deadlines.iter_mut() {
+            *at += by;
+        }
+        for waiting in self.waiting.iter_mut() {
+            waiting.deadline += by;
+        }
+    }
+
     /// The earliest confirm deadline.
     pub fn next_deadline(&mut self) -> Option<Instant> {
         let waiting = self.waiting.front().map(|w| w.deadline);

@@ -12,8 +12,8 @@ use std::time::Duration;
 use crate::common::dl::{amqp_code, amqp_text, try_declare};
 use crate::proxy_faults::Relay;
 use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, BasicRejectOptions, ConfirmSelectOptions,
-    QueuePurgeOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicRejectOptions,
+    ConfirmSelectOptions, QueuePurgeOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection};
@@ -337,8 +337,8 @@ async fn an_upstream_lost_while_a_dead_letter_is_held_requeues_the_original() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_dead_letters_fill_the_inflight_bound_and_pause_deliveries() {
-    // One held 2 KB dead letter fills a 1 KiB bound; retries no sooner than 2 s.
+async fn held_dead_letters_count_against_the_bound_without_pausing_reads() {
+    // One held 2 KB dead letter is over a 1 KiB bound; retries no sooner than 4 s.
     let proxy = TestProxy::start_with(vec![], |config| {
         config.proxy.max_inflight_bytes = 1024;
         config.proxy.retry_initial_ms = 4000;
@@ -355,20 +355,26 @@ async fn held_dead_letters_fill_the_inflight_bound_and_pause_deliveries() {
     reject_and_hold(&proxy, &ch, &q, &big).await;
     assert!(proxy.counter("inflight_bytes", &[]) >= 2000.0);
 
-    // At the bound: a message for the other consumer is not read from the upstream.
+    // The client holds nothing, so reads go on: a message for the other consumer arrives
+    // at once, long before the retry...
     let upstream = upstream_connection().await;
     let uch = upstream.create_channel().await.unwrap();
     crate::common::dl::publish(&uch, &plain, &["x"]).await;
-    assert!(
-        tokio::time::timeout(Duration::from_millis(1500), plain_rx.recv())
-            .await
-            .is_err(),
-        "delivered while held dead letters fill the inflight bound"
-    );
+    let x = tokio::time::timeout(Duration::from_millis(1500), plain_rx.recv())
+        .await
+        .expect("delivered while a held dead letter fills the bound")
+        .expect("consumer open")
+        .expect("delivery");
+    assert_eq!(payload(&x), "x");
+    // ...and one of the dead-lettering queue is kept as its tag only (the bound is full).
+    crate::common::dl::publish(&uch, &q, &["y"]).await;
+    let y = get(&ch, &q).await;
+    assert_eq!(payload(&y), "y");
+    assert_eq!(proxy.counter("deliveries_kept_tag_only_total", &[]), 1.0);
+    y.acker.ack(BasicAckOptions::default()).await.unwrap();
 
-    // The DLQ drains, the retry lands, the hold ends and deliveries resume.
+    // The DLQ drains, the retry lands, the hold ends.
     purge(&uch, &dlq).await;
-    assert_eq!(payload(&next(&mut plain_rx).await), "x");
     landed(&uch, &dlq, &big, &q, "rejected").await;
     wait_held(&proxy, 0.0).await;
     delete_upstream(&uch, &[&q, &dlq, &plain], &[]).await;

@@ -1235,6 +1235,15 @@ async fn at_the_inflight_bound_deliveries_keep_no_content_while_confirms_are_awa
     ));
     h.client_got();
 
+    // Paused there, the confirm's deadline does not run (the confirm may be waiting unread
+    // behind the deliveries): no timeout, nothing published again.
+    assert!(h.session.upstream_paused());
+    h.session.next_deadline();
+    let later = h.now + Duration::from_secs(60);
+    h.at(later);
+    assert!(h.upstream_got().is_empty(), "published again while paused");
+    assert!(metric_line(&h, "dlx_proxy_dead_letters_held 0"));
+
     // The client rejects one of each: the proxy dead-letters the one with its content; the
     // one kept as a tag goes upstream as sent (the upstream dead-letters it to the capture
     // route).
@@ -1243,6 +1252,14 @@ async fn at_the_inflight_bound_deliveries_keep_no_content_while_confirms_are_awa
     assert!(
         !sent.is_empty() && sent.iter().all(|f| f.channel == publisher),
         "{sent:?}"
+    );
+    // That freed room: reads resume, and the first confirm's deadline moved on by the pause.
+    assert!(!h.session.upstream_paused());
+    let next = h.session.next_deadline().expect("confirm deadlines");
+    assert!(
+        next > later,
+        "{:?} before the end of the pause",
+        later - next
     );
     h.client_sends(reject(last));
     let sent = h.upstream_got();
@@ -1279,5 +1296,70 @@ async fn at_the_inflight_bound_deliveries_keep_no_content_while_confirms_are_awa
     ));
     assert_eq!(h.session.inflight_bytes, 0);
     assert_eq!(h.session.dead_letter_bytes, 0);
+    assert!(h.session.wants_upstream_frames());
+}
+
+#[tokio::test]
+async fn held_dead_letters_alone_do_not_pause_reads_but_keep_new_content_out() {
+    let bound = 200;
+    let h = Harness::on(shared_with(|config| {
+        config.proxy.max_inflight_bytes = bound
+    }));
+    let dlx = (
+        "x-dead-letter-exchange",
+        AMQPValue::LongString("dlx".into()),
+    );
+    let (mut h, publisher) = consuming_in(h, std::slice::from_ref(&dlx)).await;
+    h.client_sends(reject(7));
+    h.upstream_got();
+    // The dead-letter queue refuses it: held, its x-death and all above the bound.
+    h.upstream_sends(method_frame(
+        publisher,
+        AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+            delivery_tag: 1,
+            multiple: false,
+            requeue: false,
+        })),
+    ));
+    assert!(h.session.dead_letter_bytes >= bound);
+    assert!(!h.session.awaits_confirms());
+    // The client holds nothing: reads go on (answers and heartbeats come that way), and a
+    // delivery of a queue that dead-letters is kept as its tag only.
+    assert!(h.session.wants_upstream_frames());
+    h.upstream_sends(delivery(1, 8, "q"));
+    assert_eq!(
+        h.session.inflight_bytes - h.session.dead_letter_bytes,
+        KEPT_OVERHEAD
+    );
+    assert!(metric_line(
+        &h,
+        "dlx_proxy_deliveries_kept_tag_only_total 1"
+    ));
+    h.client_sends(reject(8));
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Basic(basic::AMQPMethod::Reject(r)))] if r.delivery_tag == 8
+    ));
+}
+
+#[tokio::test]
+async fn with_client_reads_paused_for_answers_the_upstream_is_read_past_the_bound() {
+    // Delivery 7 alone fills a 1-byte bound: upstream reads pause until the client settles.
+    let h = Harness::on(shared_with(|config| config.proxy.max_inflight_bytes = 1));
+    let (mut h, _) = consuming_in(h, &[]).await;
+    assert!(!h.session.wants_upstream_frames());
+    // The client pipelines requests up to the limit: its reads pause for their answers, so
+    // its acks cannot come; the answers must be read, whatever the bound.
+    let get = method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get {
+            queue: "q".into(),
+            no_ack: false,
+        })),
+    );
+    for _ in 0..MAX_PENDING_ANSWERS {
+        h.client_sends(get.clone());
+    }
+    assert!(!h.session.wants_client_frames());
     assert!(h.session.wants_upstream_frames());
 }

@@ -208,6 +208,24 @@ fn confirms_time_out() {
 }
 
 #[test]
+fn postponed_deadlines_move_by_the_pause() {
+    let now = Instant::now();
+    let mut p = published([1, 2], now);
+    p.postpone(Duration::from_secs(3));
+    assert_eq!(p.next_deadline(), Some(now + Duration::from_secs(8)));
+    assert!(p.expire(now + Duration::from_secs(5)).settled.is_empty());
+    // A confirm read after the pause settles its publish as usual.
+    assert_eq!(
+        p.on_frame(&ack(5, 1, false)).settled[0].outcome,
+        Outcome::Confirmed
+    );
+    let expired = p.expire(now + Duration::from_secs(8));
+    assert_eq!(expired.settled.len(), 1);
+    assert_eq!(expired.settled[0].outcome, Outcome::TimedOut);
+    assert_eq!(p.next_deadline(), None);
+}
+
+#[test]
 fn big_bodies_are_split_by_frame_max() {
     let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
     let mut m = message("dlx", "a");
