@@ -364,10 +364,12 @@ async fn frame_loop<R: AsyncRead + Unpin>(
     let close_with = loop {
         // Answers the client has not read yet hold more than twice the write queue's budget:
         // read no more requests until the writer has made room (or gave up on the socket).
+        // Consumer timeouts are acted on while it waits, as while it reads.
         if conn.write_queue.is_over_read_limit() && !conn.write_queue.is_closed() {
             tokio::select! {
                 _ = conn.write_queue.wait_for_room() => {}
                 _ = shutdown.recv() => break Some(shutdown_error()),
+                _ = ack_alarm.notified() => close_timed_out(&mut channels, conn, ctx),
             }
             continue;
         }
@@ -375,10 +377,7 @@ async fn frame_loop<R: AsyncRead + Unpin>(
             f = next_frame(frames, timeout) => f,
             _ = shutdown.recv() => break Some(shutdown_error()),
             _ = ack_alarm.notified() => {
-                // A delivery held past its consumer timeout: close its channel (406).
-                for (channel, timeout) in ctx.broker.take_ack_timeouts(conn.conn_id) {
-                    channels.close_on_error(channel, timeout_error(channel, timeout), conn, ctx);
-                }
+                close_timed_out(&mut channels, conn, ctx);
                 continue;
             }
         };
@@ -398,13 +397,21 @@ async fn frame_loop<R: AsyncRead + Unpin>(
             Flow::CloseConnection(err) => break Some(err),
             Flow::Closed => break None,
         }
-        // A publish while an alarm is raised: stop reading until every alarm clears.
-        if blocks
-            && !throttle
-                .wait_until_clear(&conn.write_queue, &ctx.broker.metrics, &mut shutdown)
-                .await
-        {
-            break Some(shutdown_error());
+        // A publish while an alarm is raised: stop reading until every alarm clears (acting
+        // on consumer timeouts meanwhile).
+        if blocks {
+            let clear =
+                throttle.wait_until_clear(&conn.write_queue, &ctx.broker.metrics, &mut shutdown);
+            tokio::pin!(clear);
+            let cleared = loop {
+                tokio::select! {
+                    cleared = &mut clear => break cleared,
+                    _ = ack_alarm.notified() => close_timed_out(&mut channels, conn, ctx),
+                }
+            };
+            if !cleared {
+                break Some(shutdown_error());
+            }
         }
     };
     ctx.broker
@@ -414,6 +421,17 @@ async fn frame_loop<R: AsyncRead + Unpin>(
         tracing::debug!(peer = %conn.peer, conn = conn.conn_id, code = err.code, %err, "closing connection");
         send_close(&conn.write_queue, &err);
         await_close_ok(frames).await;
+    }
+}
+
+/// Closes (406) the channels holding a delivery past its consumer timeout.
+fn close_timed_out(
+    channels: &mut ChannelTable,
+    conn: &ConnectionContext,
+    ctx: &Arc<ServerContext>,
+) {
+    for (channel, timeout) in ctx.broker.take_ack_timeouts(conn.conn_id) {
+        channels.close_on_error(channel, timeout_error(channel, timeout), conn, ctx);
     }
 }
 

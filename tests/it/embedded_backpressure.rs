@@ -3,7 +3,8 @@
 //! most), the rest stays in the queue, and the `outbox_bytes` gauge shows what waits; once
 //! the consumer reads and acks again, every message arrives once, in order, and the gauge is
 //! back to 0. A client that sends requests without reading their answers is held the same
-//! way: the broker stops reading it at twice the budget.
+//! way: the broker stops reading it at twice the budget, and its consumer timeouts still fire
+//! while it waits.
 
 use crate::common;
 use crate::proxy_support::message_count;
@@ -14,6 +15,7 @@ use amq_protocol::protocol::{AMQPClass, basic};
 use common::dl::{self, BasicProperties};
 use common::{RawClient, encode_method, metric_value, wait_until};
 use dlx_proxy::amqp::codec::decode_method;
+use futures_util::StreamExt;
 use lapin::types::FieldTable;
 
 /// The connection's write-queue budget in this test.
@@ -170,4 +172,48 @@ async fn a_client_that_does_not_read_its_answers_cannot_grow_its_write_queue() {
         1,
         "the message is still queued"
     );
+}
+
+/// A consumer that stops reading while its connection's write queue holds more than twice the
+/// budget (one delivery larger than that): its reader waits for the writer before it reads
+/// another frame, and the consumer timeout still closes its channel meanwhile, so the message
+/// goes back to the queue and to the next consumer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_timeout_fires_while_the_connection_waits_for_its_writer() {
+    // More than twice the budget even after the kernel's socket buffers took their part.
+    const BIG: usize = 16 * 1024 * 1024;
+    let mut config = common::test_config();
+    config.limits.connection_outbox_bytes = OUTBOX;
+    config.limits.consumer_timeout = 1000;
+    let broker = common::start_with(config).await;
+    let outbox_bytes =
+        || metric_value(&broker.metrics_text(), "dlx_proxy_outbox_bytes").unwrap_or(-1.0);
+    let (_conn, ch) = broker.channel().await;
+    let q = common::unique("timeout-stalled");
+    dl::declare(&ch, &q, FieldTable::default()).await;
+    dl::confirm_select(&ch).await;
+    let message = vec![3u8; BIG];
+    dl::publish_to(&ch, "", &q, &message, BasicProperties::default()).await;
+
+    let mut stalled =
+        RawClient::connect_with_receive_buffer(broker.addr, "stalled", 32 * 1024).await;
+    stalled.open_channel(1).await;
+    stalled.consume(1, &q, false).await;
+    wait_until(
+        "the delivery to fill the write queue past twice the budget",
+        Duration::from_secs(10),
+        async || outbox_bytes() >= (2 * OUTBOX) as f64,
+    )
+    .await;
+    // A frame from the client makes its reader look at the write queue, and wait for room.
+    stalled.send_raw(&[8, 0, 0, 0, 0, 0, 0, 0xCE]).await;
+
+    let mut next = dl::consumer(&ch, &q, "next").await;
+    let delivery = tokio::time::timeout(Duration::from_secs(10), next.next())
+        .await
+        .expect("the message back from the timed-out consumer in time")
+        .expect("consumer open")
+        .expect("delivery");
+    assert!(delivery.redelivered);
+    assert_eq!(delivery.data, message);
 }
