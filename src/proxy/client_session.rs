@@ -126,6 +126,9 @@ pub(super) struct ClientSession {
     pub(super) dead_letter_bytes: usize,
     /// Since when upstream reads are paused with both sides open ([`Self::upstream_paused`]).
     pub(super) upstream_paused_since: Option<Instant>,
+    /// When the proxy last sent the client a heartbeat of its own (see
+    /// [`Self::next_client_beat`]).
+    pub(super) last_client_beat: Instant,
     /// Client channels with upstream content in progress.
     pub(super) incoming_in_progress: usize,
     pub(super) publisher: Option<Publisher>,
@@ -225,6 +228,7 @@ impl ClientSession {
             inflight_count: 0,
             dead_letter_bytes: 0,
             upstream_paused_since: None,
+            last_client_beat: now,
             incoming_in_progress: 0,
             publisher: None,
             check: None,
@@ -381,6 +385,15 @@ impl ClientSession {
             && !self.wants_upstream_frames()
     }
 
+    /// When the proxy owes the client a heartbeat: the upstream's heartbeats reach the client
+    /// only through reads, so while they are paused the proxy sends its own every half
+    /// interval (the client would otherwise drop a connection RabbitMQ keeps alive).
+    fn next_client_beat(&self) -> Option<Instant> {
+        let interval = self.heartbeat?;
+        let since = self.upstream_paused_since?;
+        (self.client_side == Side::Open).then(|| since.max(self.last_client_beat) + interval / 2)
+    }
+
     /// Keeps the confirm deadlines still while upstream reads are paused: called each turn,
     /// it notes when a pause begins and, when it ends, moves the deadlines on by its length.
     fn track_upstream_pause(&mut self) {
@@ -432,6 +445,7 @@ impl ClientSession {
         consider(self.service_deadline);
         consider(self.held.next_deadline());
         consider(self.next_consumer_timeout());
+        consider(self.next_client_beat());
         if let Some(interval) = self.heartbeat {
             if self.client_side == Side::Open {
                 consider(Some(self.last_client_rx + interval * 2));
@@ -587,6 +601,12 @@ impl ClientSession {
         }
         self.retry_due(now);
         self.consumer_timeouts_due(now);
+        if self.next_client_beat().is_some_and(|at| now >= at) {
+            let mut beat = bytes::BytesMut::new();
+            put_heartbeat(&mut beat);
+            self.send_client(beat.freeze());
+            self.last_client_beat = now;
+        }
         if let Some(interval) = self.heartbeat {
             if self.client_side == Side::Open && now >= self.last_client_rx + interval * 2 {
                 tracing::info!(peer = %self.peer, "client missed heartbeats");

@@ -282,11 +282,17 @@ pub(crate) async fn consuming(arguments: &[(&str, AMQPValue)]) -> (Harness, u16)
 }
 
 /// [`consuming`] in this harness.
-pub(crate) async fn consuming_in(
+pub(crate) async fn consuming_in(h: Harness, arguments: &[(&str, AMQPValue)]) -> (Harness, u16) {
+    consuming_with_heartbeat(h, arguments, 0).await
+}
+
+/// [`consuming_in`] on a connection that negotiated `heartbeat` seconds.
+pub(crate) async fn consuming_with_heartbeat(
     mut h: Harness,
     arguments: &[(&str, AMQPValue)],
+    heartbeat: u16,
 ) -> (Harness, u16) {
-    let publisher = h.open(0);
+    let publisher = h.open(heartbeat);
     let mut args = FieldTable::default();
     for (name, value) in arguments {
         args.insert((*name).into(), value.clone());
@@ -1362,4 +1368,48 @@ async fn with_client_reads_paused_for_answers_the_upstream_is_read_past_the_boun
     }
     assert!(!h.session.wants_client_frames());
     assert!(h.session.wants_upstream_frames());
+}
+
+#[tokio::test]
+async fn a_client_gets_the_proxys_heartbeats_while_upstream_reads_are_paused() {
+    // Delivery 7 alone fills a 1-byte bound: upstream reads pause until the client settles.
+    let h = Harness::on(shared_with(|config| config.proxy.max_inflight_bytes = 1));
+    let (mut h, _) = consuming_with_heartbeat(h, &[], 10).await;
+    assert!(h.session.upstream_paused());
+    h.session.next_deadline();
+    let start = h.now;
+    let beats = |h: &mut Harness| {
+        frames(&h.session.client_out.take_queued())
+            .iter()
+            .filter(|f| f.is_heartbeat())
+            .count()
+    };
+    beats(&mut h);
+    // Every half interval, the proxy's own heartbeat (the upstream's are not read).
+    for half in 1..=3 {
+        assert_eq!(
+            h.session.next_deadline(),
+            Some(start + Duration::from_secs(5 * half))
+        );
+        h.at(start + Duration::from_secs(5 * half));
+        assert_eq!(beats(&mut h), 1, "half interval {half}");
+        // The client's own heartbeats keep its side alive.
+        h.client_sends(Bytes::from_static(&[8, 0, 0, 0, 0, 0, 0, 0xCE]));
+    }
+    // Reads resume once the client settles: the upstream's heartbeats reach it again, and
+    // the proxy sends none of its own.
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag: 7,
+            multiple: false,
+        })),
+    ));
+    assert!(!h.session.upstream_paused());
+    h.upstream_sends(Bytes::from_static(&[8, 0, 0, 0, 0, 0, 0, 0xCE]));
+    assert_eq!(beats(&mut h), 1, "the upstream's, forwarded");
+    h.session.next_deadline();
+    h.at(start + Duration::from_secs(20));
+    assert_eq!(beats(&mut h), 0);
+    assert!(!h.session.is_done());
 }
