@@ -387,11 +387,13 @@ impl ClientSession {
 
     /// When the proxy owes the client a heartbeat: the upstream's heartbeats reach the client
     /// only through reads, so while they are paused the proxy sends its own every half
-    /// interval (the client would otherwise drop a connection RabbitMQ keeps alive).
+    /// interval (the client would otherwise drop a connection RabbitMQ keeps alive). Not while
+    /// bytes wait for the client: those reach it first, or it is not reading at all.
     fn next_client_beat(&self) -> Option<Instant> {
         let interval = self.heartbeat?;
         let since = self.upstream_paused_since?;
-        (self.client_side == Side::Open).then(|| since.max(self.last_client_beat) + interval / 2)
+        (self.client_side == Side::Open && !self.client_out.has_work())
+            .then(|| since.max(self.last_client_beat) + interval / 2)
     }
 
     /// Keeps the confirm deadlines still while upstream reads are paused: called each turn,
