@@ -211,8 +211,9 @@ impl Broker {
     }
 }
 
-/// Adds to `queues` (sorted, without duplicates) the queues the consumers of `(conn,
-/// channel)` consume when the channel has a channel-wide prefetch (basic.qos global): a
+/// Adds to `queues` (sorted, without duplicates, as [`Broker::queues_of`] gives them) the
+/// queues the consumers of `(conn, channel)` consume when the channel has a channel-wide
+/// prefetch (basic.qos global): a
 /// settlement frees room under that limit for the channel's consumers on every queue, not
 /// only on the queues of the deliveries settled.
 fn add_channel_limited(st: &State, conn: u64, channel: u16, queues: &mut Vec<String>) {
@@ -222,9 +223,9 @@ fn add_channel_limited(st: &State, conn: u64, channel: u16, queues: &mut Vec<Str
         .filter(|ch| ch.channel_prefetch > 0)
     {
         queues.extend(ch.consumers.values().cloned());
+        queues.sort();
+        queues.dedup();
     }
-    queues.sort();
-    queues.dedup();
 }
 
 #[cfg(test)]

@@ -263,15 +263,27 @@ pub(crate) fn delivery(channel: u16, tag: u64, queue: &str) -> Bytes {
 
 /// [`consuming`] from a queue with dead-letter exchange "dlx", and delivery 7 rejected.
 pub(crate) async fn rejected() -> (Harness, u16) {
-    let (mut h, publisher) = consuming(&[(
+    rejected_in(Harness::new()).await
+}
+
+/// [`rejected`] in this harness.
+pub(crate) async fn rejected_in(h: Harness) -> (Harness, u16) {
+    let dlx = (
         "x-dead-letter-exchange",
         AMQPValue::LongString("dlx".into()),
-    )])
-    .await;
+    );
+    let (mut h, publisher) = consuming_in(h, std::slice::from_ref(&dlx)).await;
     // The client rejects it: the proxy publishes the dead letter itself, nothing goes
     // upstream on the client's channel yet.
     h.client_sends(reject(7));
     (h, publisher)
+}
+
+/// A harness whose proxy keeps at most `bound` bytes per client connection.
+fn bounded(bound: usize) -> Harness {
+    Harness::on(shared_with(|config| {
+        config.proxy.max_inflight_bytes = bound
+    }))
 }
 
 /// A running session whose client consumes from "q" (with these arguments, as a verified
@@ -1190,17 +1202,9 @@ fn reject(tag: u64) -> Bytes {
 #[tokio::test]
 async fn at_the_inflight_bound_deliveries_keep_no_content_while_confirms_are_awaited() {
     let bound = 1000;
-    let h = Harness::on(shared_with(|config| {
-        config.proxy.max_inflight_bytes = bound
-    }));
-    let dlx = (
-        "x-dead-letter-exchange",
-        AMQPValue::LongString("dlx".into()),
-    );
-    let (mut h, publisher) = consuming_in(h, std::slice::from_ref(&dlx)).await;
     // Delivery 7 is rejected: its dead letter is published and awaits its confirm, charged
     // (message, x-death and all) as its delivery was.
-    h.client_sends(reject(7));
+    let (mut h, publisher) = rejected_in(bounded(bound)).await;
     let sent = h.upstream_got_frames();
     assert!(sent.iter().all(|f| f.channel == publisher), "{sent:?}");
     let dead_letter = h.session.inflight_bytes;
@@ -1308,15 +1312,7 @@ async fn at_the_inflight_bound_deliveries_keep_no_content_while_confirms_are_awa
 #[tokio::test]
 async fn held_dead_letters_alone_do_not_pause_reads_but_keep_new_content_out() {
     let bound = 200;
-    let h = Harness::on(shared_with(|config| {
-        config.proxy.max_inflight_bytes = bound
-    }));
-    let dlx = (
-        "x-dead-letter-exchange",
-        AMQPValue::LongString("dlx".into()),
-    );
-    let (mut h, publisher) = consuming_in(h, std::slice::from_ref(&dlx)).await;
-    h.client_sends(reject(7));
+    let (mut h, publisher) = rejected_in(bounded(bound)).await;
     h.upstream_got();
     // The dead-letter queue refuses it: held, its x-death and all above the bound.
     h.upstream_sends(method_frame(
@@ -1351,7 +1347,7 @@ async fn held_dead_letters_alone_do_not_pause_reads_but_keep_new_content_out() {
 #[tokio::test]
 async fn with_client_reads_paused_for_answers_the_upstream_is_read_past_the_bound() {
     // Delivery 7 alone fills a 1-byte bound: upstream reads pause until the client settles.
-    let h = Harness::on(shared_with(|config| config.proxy.max_inflight_bytes = 1));
+    let h = bounded(1);
     let (mut h, _) = consuming_in(h, &[]).await;
     assert!(!h.session.wants_upstream_frames());
     // The client pipelines requests up to the limit: its reads pause for their answers, so
@@ -1373,7 +1369,7 @@ async fn with_client_reads_paused_for_answers_the_upstream_is_read_past_the_boun
 #[tokio::test]
 async fn a_client_gets_the_proxys_heartbeats_while_upstream_reads_are_paused() {
     // Delivery 7 alone fills a 1-byte bound: upstream reads pause until the client settles.
-    let h = Harness::on(shared_with(|config| config.proxy.max_inflight_bytes = 1));
+    let h = bounded(1);
     let (mut h, _) = consuming_with_heartbeat(h, &[], 10).await;
     assert!(h.session.upstream_paused());
     h.session.next_deadline();
