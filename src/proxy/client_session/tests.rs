@@ -461,14 +461,7 @@ async fn a_reject_is_dead_lettered_on_the_publisher_channel_and_acked_upstream_a
 async fn a_nacked_dead_letter_is_held_not_settled_and_published_again_after_the_backoff() {
     let (mut h, publisher) = rejected().await;
     let first = h.upstream_got_frames();
-    h.upstream_sends(method_frame(
-        publisher,
-        AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
-            delivery_tag: 1,
-            multiple: false,
-            requeue: false,
-        })),
-    ));
+    h.upstream_sends(refusal(publisher, 1));
     // Held: the original is neither acked nor given back, the client hears nothing.
     assert!(h.upstream_got().is_empty());
     assert!(h.client_got().is_empty());
@@ -513,6 +506,18 @@ fn published(frames: &[WireFrame], publisher: u16) -> (String, String, FieldTabl
         p.exchange.to_string(),
         p.routing_key.to_string(),
         props.headers().clone().unwrap_or_default(),
+    )
+}
+
+/// The upstream's basic.nack of the proxy's publish `tag`.
+fn refusal(publisher: u16, tag: u64) -> Bytes {
+    method_frame(
+        publisher,
+        AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+            delivery_tag: tag,
+            multiple: false,
+            requeue: false,
+        })),
     )
 }
 
@@ -1315,14 +1320,7 @@ async fn held_dead_letters_alone_do_not_pause_reads_but_keep_new_content_out() {
     let (mut h, publisher) = rejected_in(bounded(bound)).await;
     h.upstream_got();
     // The dead-letter queue refuses it: held, its x-death and all above the bound.
-    h.upstream_sends(method_frame(
-        publisher,
-        AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
-            delivery_tag: 1,
-            multiple: false,
-            requeue: false,
-        })),
-    ));
+    h.upstream_sends(refusal(publisher, 1));
     assert!(h.session.dead_letter_bytes >= bound);
     assert!(!h.session.awaits_confirms());
     // The client holds nothing: reads go on (answers and heartbeats come that way), and a
