@@ -33,6 +33,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "dead_letter_retries_total",
     "publisher_channel_reopens_total",
     "dead_letters_by_service_total",
+    "consumer_dead_letters_by_service_total",
+    "service_connections_blocked",
     "dead_letters_held",
     "deliveries_kept_tag_only_total",
     "consumer_timeouts_total",
@@ -259,6 +261,8 @@ pub struct Metrics {
     dead_letter_retries: IntCounterVec,
     publisher_channel_reopens: IntCounterVec,
     dead_letters_by_service: IntCounter,
+    consumer_dead_letters_by_service: IntCounter,
+    service_connections_blocked: IntGauge,
     dead_letters_held: IntGauge,
     deliveries_kept_tag_only: IntCounter,
     consumer_timeouts: IntCounterVec,
@@ -485,6 +489,17 @@ impl Metrics {
                 "Dead letters of client rejections (proxy mode) whose dead-letter exchange the \
                  client's user may not publish to (403), handed to the vhost's service \
                  connection to be published as the proxy's service user.",
+            )?,
+            consumer_dead_letters_by_service: b.counter(
+                "consumer_dead_letters_by_service_total",
+                "Dead letters and delivery-limit requeues (proxy mode) of client connections \
+                 that never published, published by the vhost's service connection so that a \
+                 RabbitMQ resource alarm never blocks a consumer's connection.",
+            )?,
+            service_connections_blocked: b.gauge(
+                "service_connections_blocked",
+                "Proxy mode: service connections RabbitMQ holds blocked (connection.blocked, a \
+                 memory or disk alarm); their dead letters wait, their confirm deadlines stopped.",
             )?,
             redriven: b.counter_vec(
                 "redriven_total",
@@ -978,6 +993,16 @@ impl Metrics {
     /// A client's dead letter refused to its user went to the service connection.
     pub fn dead_letter_by_service(&self) {
         self.dead_letters_by_service.inc();
+    }
+
+    /// A consume-only client connection's dead letter went to the service connection.
+    pub fn consumer_dead_letter_by_service(&self) {
+        self.consumer_dead_letters_by_service.inc();
+    }
+
+    /// A service connection was blocked by RabbitMQ (+1) or unblocked (-1).
+    pub fn add_service_connection_blocked(&self, change: i64) {
+        self.service_connections_blocked.add(change);
     }
 
     /// A declare could not be handed to the vhost's service connection.

@@ -179,6 +179,10 @@ pub(super) struct ClientSession {
     pub(super) parked_connection_close: Option<Bytes>,
     pub(super) shutdown_seen: bool,
     pub(super) counts: MessageCounts,
+    /// Whether the client published on this connection before this turn (`counts` has this
+    /// turn's publishes). A connection that never did has its dead letters published by the
+    /// vhost's service connection (see `intercept`).
+    pub(super) client_published: bool,
     /// Whether a delivery of this session was ever given a consumer timeout. Until one is,
     /// no channel has a deadline, and the turns skip looking through the channels for one.
     pub(super) timed_deliveries: bool,
@@ -252,6 +256,7 @@ impl ClientSession {
             parked_connection_close: None,
             shutdown_seen: false,
             counts: MessageCounts::default(),
+            client_published: false,
             timed_deliveries: false,
             revision: None,
             ack_epoch: now,
@@ -551,6 +556,7 @@ impl ClientSession {
         metrics.traffic(Direction::UpstreamIn, upstream.frames, upstream.bytes);
         if counts.published > 0 {
             metrics.published(counts.published);
+            self.client_published = true;
         }
         if counts.delivered > 0 {
             metrics.delivered(counts.delivered);

@@ -961,6 +961,16 @@ impl ClientSession {
             op.charged = op.charge();
             self.charge_inflight(op.charged);
             self.dead_letter_bytes += op.charged;
+            if self.spares_consumer_connection(&op) {
+                op.via_service = true;
+                op.spares_consumer = true;
+                self.shared.metrics.consumer_dead_letter_by_service();
+            }
+        } else if op.spares_consumer && !self.service_consuming() {
+            // A retry while the service connection is away: the client's connection publishes
+            // rather than leave it waiting in the service's queue.
+            op.via_service = false;
+            op.spares_consumer = false;
         }
         let op_id = self.next_op;
         self.next_op += 1;
@@ -1002,6 +1012,32 @@ impl ClientSession {
         }
     }
 
+    /// Whether a first publish goes to the vhost's service connection to keep this one a
+    /// consumer's: RabbitMQ blocks a connection that publishes during a resource alarm and
+    /// then reads nothing more from it, acks included, so a client that never published here
+    /// (a consumer, kept apart from its publishers as RabbitMQ advises) must not be made a
+    /// publisher by its own dead letters, or an alarm would stop it from draining its queues.
+    /// Only while the service connection runs (otherwise the client's connection publishes,
+    /// as before), and not a message carrying a `user_id` (see [`Self::hand_to_service`]).
+    fn spares_consumer_connection(&self, op: &Op) -> bool {
+        !op.via_service
+            && !self.client_published
+            && self.counts.published == 0
+            && matches!(op.origin, Origin::Client { .. })
+            && matches!(op.purpose, Purpose::DeadLetter(_) | Purpose::Requeue)
+            && self.service_consuming()
+            && !carries_user_id(&op.message)
+    }
+
+    /// Whether the vhost's service connection runs (its capture consumer is subscribed).
+    fn service_consuming(&self) -> bool {
+        self.service.is_some()
+            && self
+                .capture_status
+                .as_ref()
+                .is_some_and(|status| status.borrow().consuming)
+    }
+
     /// Hands a dead letter to the vhost's service connection; its outcome comes back through
     /// `service_outcomes` (at once, as a failure to retry, when the service cannot take it).
     fn publish_via_service(
@@ -1026,6 +1062,25 @@ impl ClientSession {
                 .0
                 .send((op_id, Outcome::Failed(SERVICE_UNAVAILABLE)));
         }
+    }
+
+    /// The service user may not publish a dead letter given to it only to spare a consumer's
+    /// connection (its permissions leave out this exchange): the client's connection
+    /// publishes it, as it would have without the service connection. Returns whether it
+    /// was taken back.
+    fn take_back_from_service(&mut self, op: &mut Op) -> bool {
+        if !op.spares_consumer {
+            return false;
+        }
+        tracing::info!(
+            peer = %self.peer,
+            queue = &*op.queue,
+            exchange = %op.message.exchange,
+            "dead-letter exchange refused to the service user: published on the client's connection"
+        );
+        op.spares_consumer = false;
+        op.via_service = false;
+        true
     }
 
     /// The client's user may not publish this dead letter (403 on the proxy's channel of its
@@ -1065,7 +1120,9 @@ impl ClientSession {
         let Some(mut op) = self.take_op(op_id) else {
             return;
         };
-        if outcome == Outcome::AccessRefused && self.hand_to_service(&mut op) {
+        if outcome == Outcome::AccessRefused
+            && (self.take_back_from_service(&mut op) || self.hand_to_service(&mut op))
+        {
             let origin = op.origin;
             self.start_op(op);
             self.op_finished(origin);

@@ -59,8 +59,12 @@ pub struct Op {
     /// until it ends (0: not charged; a service connection's operations never are).
     pub charged: usize,
     /// Published by the vhost's service connection rather than the client's (its client's
-    /// user may not publish it; see `intercept`).
+    /// user may not publish it, or the client's connection is a consumer's; see `intercept`).
     pub via_service: bool,
+    /// Given to the service connection only to keep the client's connection a consumer's:
+    /// published on the client's connection after all when a retry finds the service
+    /// connection down.
+    pub spares_consumer: bool,
 }
 
 impl Op {
@@ -81,6 +85,7 @@ impl Op {
             refusals: 0,
             charged: 0,
             via_service: false,
+            spares_consumer: false,
         }
     }
 

@@ -45,6 +45,7 @@ mod ops_reload;
 mod ops_secrets;
 mod ops_shutdown;
 mod ops_tls;
+mod proxy_alarm;
 mod proxy_backpressure;
 mod proxy_bcc;
 mod proxy_capture;

@@ -778,8 +778,8 @@ struct UpstreamQueue {
 /// that says the capture objects exist.
 struct ServiceEnd {
     declares: tokio::sync::mpsc::Receiver<crate::proxy::service::judge::DeclareRequest>,
-    _publishes: tokio::sync::mpsc::Receiver<crate::proxy::service::link::PublishRequest>,
-    _status: tokio::sync::watch::Sender<crate::proxy::service::Status>,
+    publishes: tokio::sync::mpsc::Receiver<crate::proxy::service::link::PublishRequest>,
+    status: tokio::sync::watch::Sender<crate::proxy::service::Status>,
 }
 
 impl Harness {
@@ -798,8 +798,8 @@ impl Harness {
         });
         ServiceEnd {
             declares,
-            _publishes: publishes,
-            _status: status,
+            publishes,
+            status,
         }
     }
 
@@ -1406,4 +1406,123 @@ async fn a_client_gets_the_proxys_heartbeats_while_upstream_reads_are_paused() {
     h.at(start + Duration::from_secs(20));
     assert_eq!(beats(&mut h), 0);
     assert!(!h.session.is_done());
+}
+
+// ---- a consumer's dead letters and the service connection -------------------------------
+
+/// [`consuming`] from a queue with dead-letter exchange "dlx" with a running service
+/// connection; the client published on channel 1 first when `published`, then rejects
+/// delivery 7.
+async fn rejected_with_service(published: bool) -> (Harness, u16, ServiceEnd) {
+    let dlx = (
+        "x-dead-letter-exchange",
+        AMQPValue::LongString("dlx".into()),
+    );
+    let (mut h, publisher) = consuming(std::slice::from_ref(&dlx)).await;
+    let service = h.with_service();
+    if published {
+        let mut publish = BytesMut::from(
+            &method_frame(
+                1,
+                AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                    exchange: "".into(),
+                    routing_key: "elsewhere".into(),
+                    mandatory: false,
+                    immediate: false,
+                })),
+            )[..],
+        );
+        let props = crate::amqp::content::encode_properties(&BasicProperties::default());
+        put_content(&mut publish, 1, &props, b"p", 131_072);
+        h.client_sends(publish.freeze());
+        assert_eq!(h.upstream_got().len(), 1, "the publish is forwarded");
+        h.session.report_counts();
+    }
+    h.client_sends(reject(7));
+    (h, publisher, service)
+}
+
+/// The dead letter the session handed to the service connection, if any.
+fn handed(service: &mut ServiceEnd) -> Option<crate::proxy::service::link::PublishRequest> {
+    service.publishes.try_recv().ok()
+}
+
+#[tokio::test]
+async fn a_consumers_dead_letter_is_published_by_the_service_connection() {
+    // A resource alarm blocks a connection once it publishes and reads no more of it, acks
+    // included: a connection whose client never published stays a consumer's.
+    let (mut h, _, mut service) = rejected_with_service(false).await;
+    assert!(
+        h.upstream_got().is_empty(),
+        "nothing on the client's connection"
+    );
+    let request = handed(&mut service).expect("handed to the service connection");
+    assert_eq!(
+        (
+            request.message.exchange.as_str(),
+            request.message.routing_key.as_str()
+        ),
+        ("dlx", "q")
+    );
+    let props = decode_properties(&request.message.raw_properties).unwrap();
+    let headers = props.headers().clone().unwrap();
+    assert_eq!(
+        headers.inner().get("x-first-death-reason"),
+        Some(&AMQPValue::LongString("rejected".into()))
+    );
+    assert!(metric_line(
+        &h,
+        "dlx_proxy_consumer_dead_letters_by_service_total 1"
+    ));
+    // Its confirm acks the original on the client's channel.
+    h.session.complete_op(request.op, Outcome::Confirmed);
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))] if a.delivery_tag == 7
+    ));
+}
+
+#[tokio::test]
+async fn a_client_that_published_dead_letters_on_its_own_connection() {
+    // Its connection is a publisher's already: an alarm blocks it either way.
+    let (mut h, publisher, mut service) = rejected_with_service(true).await;
+    let (exchange, routing_key, _) = published(&h.upstream_got_frames(), publisher);
+    assert_eq!((exchange.as_str(), routing_key.as_str()), ("dlx", "q"));
+    assert!(handed(&mut service).is_none());
+    assert!(metric_line(
+        &h,
+        "dlx_proxy_consumer_dead_letters_by_service_total 0"
+    ));
+}
+
+#[tokio::test]
+async fn a_consumers_dead_letter_goes_on_its_own_connection_while_the_service_is_away() {
+    let dlx = (
+        "x-dead-letter-exchange",
+        AMQPValue::LongString("dlx".into()),
+    );
+    let (mut h, publisher) = consuming(std::slice::from_ref(&dlx)).await;
+    let mut service = h.with_service();
+    service.status.send_modify(|s| s.consuming = false);
+    h.client_sends(reject(7));
+    let (exchange, _, _) = published(&h.upstream_got_frames(), publisher);
+    assert_eq!(exchange, "dlx");
+    assert!(handed(&mut service).is_none());
+}
+
+#[tokio::test]
+async fn a_consumers_dead_letter_refused_to_the_service_user_goes_on_the_clients_connection() {
+    let (mut h, publisher, mut service) = rejected_with_service(false).await;
+    let request = handed(&mut service).expect("handed to the service connection");
+    h.session.complete_op(request.op, Outcome::AccessRefused);
+    let (exchange, _, headers) = published(&h.upstream_got_frames(), publisher);
+    assert_eq!(exchange, "dlx");
+    assert!(headers.inner().contains_key("x-death"));
+    assert!(handed(&mut service).is_none(), "not handed back and forth");
+    // Confirmed there: the original is acked.
+    h.upstream_sends(confirm(publisher, 1));
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))] if a.delivery_tag == 7
+    ));
 }

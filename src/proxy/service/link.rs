@@ -121,6 +121,9 @@ pub struct CaptureLink {
     capture_name: String,
     /// `dlx_proxy_capture_unacked{vhost}`.
     unacked: prometheus::IntGauge,
+    /// Since when RabbitMQ holds the connection blocked (a resource alarm): it reads nothing
+    /// from it, so no confirm can come and no deadline runs.
+    blocked_since: Option<Instant>,
 }
 
 impl CaptureLink {
@@ -145,6 +148,7 @@ impl CaptureLink {
             declared_delays: HashSet::new(),
             capture_name: shared.capture_name.clone(),
             unacked: shared.metrics.capture_unacked(vhost),
+            blocked_since: None,
         }
     }
 
@@ -240,6 +244,9 @@ impl CaptureLink {
     /// The connection is gone: the held publishes are let go (their capture deliveries go
     /// back to the capture queue with the connection).
     pub fn end(&mut self, shared: &ProxyShared) {
+        if self.blocked_since.take().is_some() {
+            shared.metrics.add_service_connection_blocked(-1);
+        }
         self.let_go_held(shared);
         // The sessions hold theirs and try again.
         for (_, (op, reply, _)) in self.forwarded.drain() {
@@ -253,8 +260,37 @@ impl CaptureLink {
         shared.metrics.add_held_dead_letters(-(gone as i64));
     }
 
-    /// The earliest deadline (confirm timeouts, held retries).
+    /// RabbitMQ blocked the connection (connection.blocked: a memory or disk alarm, after
+    /// a publish of this connection). It reads nothing more from it until it unblocks it, so
+    /// the confirm deadlines and the held retries wait: a timeout now would publish the same
+    /// dead letter again behind the first, which RabbitMQ reads and routes too in the end.
+    pub fn blocked(&mut self, shared: &ProxyShared, now: Instant) {
+        if self.blocked_since.is_none() {
+            self.blocked_since = Some(now);
+            shared.metrics.add_service_connection_blocked(1);
+        }
+    }
+
+    /// RabbitMQ unblocked the connection: the confirm deadlines move on by the time it was
+    /// blocked.
+    pub fn unblocked(&mut self, shared: &ProxyShared, now: Instant) {
+        if let Some(since) = self.blocked_since.take() {
+            self.publisher
+                .postpone(now.saturating_duration_since(since));
+            shared.metrics.add_service_connection_blocked(-1);
+        }
+    }
+
+    /// Whether RabbitMQ holds the connection blocked.
+    pub fn is_blocked(&self) -> bool {
+        self.blocked_since.is_some()
+    }
+
+    /// The earliest deadline (confirm timeouts, held retries); none while blocked.
     pub fn next_deadline(&mut self) -> Option<Instant> {
+        if self.is_blocked() {
+            return None;
+        }
         match (self.publisher.next_deadline(), self.held.next_deadline()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -300,6 +336,9 @@ impl CaptureLink {
     /// Confirm timeouts and held publishes whose backoff is over.
     pub fn on_timer(&mut self, shared: &ProxyShared, now: Instant) -> LinkStep {
         let mut step = LinkStep::default();
+        if self.is_blocked() {
+            return step;
+        }
         let expired = self.publisher.expire(now);
         step.send(expired.write);
         if let Some(cause) = expired.reopened {

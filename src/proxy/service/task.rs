@@ -39,6 +39,11 @@ use crate::proxy::upstream::{UpstreamStream, UpstreamTarget};
 use crate::proxy::wire::{FrameReader, WireFrame, method_frame};
 use crate::shutdown::Shutdown;
 
+/// connection.blocked and connection.unblocked (RabbitMQ's extension; the handshake asks
+/// for them).
+const CONNECTION_BLOCKED: (u16, u16) = (10, 60);
+const CONNECTION_UNBLOCKED: (u16, u16) = (10, 61);
+
 /// A connection that consumed at least this long starts its next backoff from the beginning.
 const STABLE: Duration = Duration::from_secs(10);
 /// How long the upstream gets to answer the proxy's connection.close.
@@ -349,6 +354,21 @@ impl Connection<'_> {
                     close.reply_code,
                     close.reply_text.as_str()
                 )));
+            }
+            match frame.method_ids() {
+                CONNECTION_BLOCKED => {
+                    tracing::warn!(
+                        vhost = self.vhost,
+                        "service connection blocked by a RabbitMQ resource alarm; dead letters \
+                         wait until it clears"
+                    );
+                    self.link.blocked(self.shared, now);
+                }
+                CONNECTION_UNBLOCKED => {
+                    tracing::info!(vhost = self.vhost, "service connection unblocked");
+                    self.link.unblocked(self.shared, now);
+                }
+                _ => {}
             }
             return None;
         }

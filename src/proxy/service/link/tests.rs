@@ -527,3 +527,49 @@ fn a_publisher_channel_that_only_nacks_is_recycled_and_the_held_dead_letter_land
         vec![(CAPTURE_CHANNEL, basic_ack(3, false))]
     );
 }
+
+#[test]
+fn while_rabbitmq_blocks_the_connection_no_confirm_times_out() {
+    // RabbitMQ reads nothing from a blocked connection (a resource alarm): a confirm deadline
+    // passing then would publish the same dead letter again behind the first.
+    let shared = shared();
+    let mut link = CaptureLink::new(&shared, "/", 4096);
+    let start = Instant::now();
+    let (reply, mut outcomes) = mpsc::unbounded_channel();
+    let request = PublishRequest {
+        op: 7,
+        message: OutgoingMessage {
+            exchange: "dlx".into(),
+            routing_key: "k".into(),
+            raw_properties: Bytes::from_static(&[0, 0]),
+            body: Bytes::from_static(b"x"),
+        },
+        delay_ms: None,
+        reply,
+    };
+    link.publish_for(request, start).unwrap();
+    let deadline = link.next_deadline().expect("a confirm deadline");
+    let blocked_at = start + Duration::from_millis(100);
+    link.blocked(&shared, blocked_at);
+    assert!(gauge(&shared, "dlx_proxy_service_connections_blocked 1"));
+    assert_eq!(link.next_deadline(), None);
+    let long_after = deadline + Duration::from_secs(600);
+    let step = link.on_timer(&shared, long_after);
+    assert!(step.write.is_empty(), "nothing published again");
+    assert!(outcomes.try_recv().is_err(), "no timeout reported");
+    // Unblocked: the deadline moved on by the time blocked.
+    link.unblocked(&shared, long_after);
+    assert!(gauge(&shared, "dlx_proxy_service_connections_blocked 0"));
+    assert_eq!(
+        link.next_deadline(),
+        Some(deadline + (long_after - blocked_at))
+    );
+    link.on_frame(&shared, &confirm("ack", 1), long_after);
+    assert_eq!(outcomes.try_recv().unwrap(), (7, Outcome::Confirmed));
+    // A connection that ends blocked leaves the gauge as it found it.
+    link.blocked(&shared, long_after);
+    link.blocked(&shared, long_after);
+    assert!(gauge(&shared, "dlx_proxy_service_connections_blocked 1"));
+    link.end(&shared);
+    assert!(gauge(&shared, "dlx_proxy_service_connections_blocked 0"));
+}

@@ -1,0 +1,161 @@
+//! Proxy mode under a RabbitMQ resource alarm, on a node of the test's own (an alarm stops
+//! every publisher of its node, so the shared reference node is not used).
+//!
+//! RabbitMQ blocks a connection only once it publishes while an alarm is in effect, and then
+//! reads nothing more from it until the alarm clears: not the publishes, and not the acks
+//! either. So RabbitMQ advises separate connections for publishing and consuming, and a
+//! consumer keeps draining queues during an alarm, which is what ends a memory alarm. The
+//! proxy must not undo that by publishing a consumer's dead letters on the consumer's own
+//! connection: a consume-only connection's dead letters go through the vhost's service
+//! connection. That one is blocked in turn, and while it is, its confirm deadlines stand
+//! still: the dead letter is published once, not again on every timeout.
+
+use std::time::Duration;
+
+use lapin::options::{BasicAckOptions, BasicQosOptions, BasicRejectOptions};
+
+use crate::common::dl::{consumer, get_one, next};
+use crate::common::poll;
+use crate::proxy_support::*;
+use crate::rabbit::RabbitNode;
+
+/// Raises (`on`) or clears the node's memory alarm, and waits until the node reports it so.
+fn memory_alarm(node: &RabbitNode, on: bool) {
+    let watermark = if on { "0.00001" } else { "0.4" };
+    let set = node.ctl(&["set_vm_memory_high_watermark", watermark]);
+    assert!(set.status.success(), "{set:?}");
+    for _ in 0..60 {
+        let alarms = node.ctl(&["eval", "rabbit_alarm:get_alarms()."]);
+        let text = String::from_utf8_lossy(&alarms.stdout);
+        if text.contains("memory") == on {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    panic!("the memory alarm did not turn {on}");
+}
+
+/// Ready and unacked messages of `queue` as the node counts them (without AMQP, which an
+/// alarm may block). Blocking: rabbitmqctl takes about a second.
+fn counts(node: &RabbitNode, queue: &str) -> Option<(u64, u64)> {
+    let out = node.ctl(&[
+        "list_queues",
+        "--quiet",
+        "--no-table-headers",
+        "name",
+        "messages_ready",
+        "messages_unacknowledged",
+    ]);
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|line| {
+            let mut fields = line.split_whitespace();
+            (fields.next() == Some(queue)).then_some(())?;
+            Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
+        })
+}
+
+/// Polls until `queue` holds `ready` ready and `unacked` unacked messages (panics after 20 s).
+async fn wait_counts(node: &RabbitNode, queue: &str, ready: u64, unacked: u64) {
+    let reached = poll(
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+        async || {
+            let now = tokio::task::block_in_place(|| counts(node, queue));
+            (now == Some((ready, unacked))).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        reached.is_some(),
+        "{queue}: expected {ready} ready / {unacked} unacked, the node counts {:?}",
+        counts(node, queue)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_that_rejects_during_an_alarm_goes_on_acking_and_its_dead_letter_lands_once() {
+    let node = tokio::task::spawn_blocking(|| RabbitNode::start("alarm"))
+        .await
+        .unwrap();
+    let url = format!("amqp://{}", node.amqp);
+    let proxy = TestProxy::start_with(vec![], |c| {
+        c.upstream.url = url;
+        // Short enough that a blocked confirm would time out, and be retried, many times.
+        c.proxy.confirm_timeout_secs = 1;
+        c.proxy.retry_initial_ms = 100;
+        c.proxy.retry_max_ms = 200;
+    })
+    .await;
+    proxy
+        .wait_gauge("capture_consumers", &[("vhost", "/")], 1.0)
+        .await;
+    let admin = proxy.connect().await;
+    let ach = admin.create_channel().await.unwrap();
+    let (dlx, dlq, q) = (unique("alarm-dlx"), unique("alarm-dlq"), unique("alarm-q"));
+    declare_dlx(&ach, &dlx, &dlq).await;
+    declare_dead_lettering(&ach, &q, &dlx, &dlq).await;
+    crate::common::dl::publish(&ach, &q, &["dead", "ok-1", "ok-2"]).await;
+
+    // A consume-only connection: it never publishes.
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_qos(10, BasicQosOptions::default()).await.unwrap();
+    let mut deliveries = consumer(&ch, &q, "alarm-consumer").await;
+    let mut tags = Vec::new();
+    for expected in ["dead", "ok-1", "ok-2"] {
+        let d = next(&mut deliveries).await;
+        assert_eq!(payload(&d), expected);
+        tags.push(d.delivery_tag);
+    }
+
+    tokio::task::block_in_place(|| memory_alarm(&node, true));
+    ch.basic_reject(tags[0], BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    // After the dead letter went out: RabbitMQ reads a blocked connection no further.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    ch.basic_ack(tags[1], BasicAckOptions::default())
+        .await
+        .unwrap();
+    // The ack reached RabbitMQ: "dead" stays unacked until its dead letter is confirmed.
+    wait_counts(&node, &q, 0, 2).await;
+    let during = tokio::task::block_in_place(|| counts(&node, &dlq));
+    assert_eq!(during, Some((0, 0)), "published during the alarm");
+    proxy
+        .wait_gauge("service_connections_blocked", &[], 1.0)
+        .await;
+    // Several confirm timeouts' worth of alarm.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::task::block_in_place(|| memory_alarm(&node, false));
+
+    wait_counts(&node, &dlq, 1, 0).await;
+    wait_counts(&node, &q, 0, 1).await;
+    ch.basic_ack(tags[2], BasicAckOptions::default())
+        .await
+        .unwrap();
+    wait_counts(&node, &q, 0, 0).await;
+    proxy
+        .wait_gauge("service_connections_blocked", &[], 0.0)
+        .await;
+    // Published once: no copy from a timed-out confirm follows.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = tokio::task::block_in_place(|| counts(&node, &dlq));
+    assert_eq!(after, Some((1, 0)));
+    let dead = get_one(&ach, &dlq).await;
+    assert_eq!(payload(&dead), "dead");
+    let death = &x_death(&dead)[0];
+    assert_eq!(field(death, "queue"), &ls(&q));
+    assert_eq!(field(death, "reason"), &ls("rejected"));
+    assert_eq!(
+        field(death, "count"),
+        &lapin::types::AMQPValue::LongLongInt(1)
+    );
+    assert_eq!(
+        proxy.counter("dead_letter_retries_total", &[("reason", "timeout")]),
+        0.0
+    );
+    let _ = conn.close(200, "done".into()).await;
+    let _ = admin.close(200, "done".into()).await;
+    proxy.stop().await;
+}
