@@ -25,6 +25,11 @@ pub const PREFIX: &str = "dlx_proxy_";
 /// The queue label used once `max_queue_labels` distinct queues have their own series.
 pub const OTHER_QUEUE: &str = "_other";
 
+/// `upstream_connections_blocked{connection}`: a client's upstream connection.
+pub const BLOCKED_CLIENT: &str = "client";
+/// `upstream_connections_blocked{connection}`: a vhost's service connection.
+pub const BLOCKED_SERVICE: &str = "service";
+
 /// Metric names without the prefix, for documentation and tests.
 pub const METRIC_NAMES: &[&str] = &[
     "dead_lettered_total",
@@ -34,7 +39,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "publisher_channel_reopens_total",
     "dead_letters_by_service_total",
     "consumer_dead_letters_by_service_total",
-    "service_connections_blocked",
+    "upstream_connections_blocked",
     "dead_letters_held",
     "deliveries_kept_tag_only_total",
     "consumer_timeouts_total",
@@ -262,7 +267,7 @@ pub struct Metrics {
     publisher_channel_reopens: IntCounterVec,
     dead_letters_by_service: IntCounter,
     consumer_dead_letters_by_service: IntCounter,
-    service_connections_blocked: IntGauge,
+    upstream_connections_blocked: IntGaugeVec,
     dead_letters_held: IntGauge,
     deliveries_kept_tag_only: IntCounter,
     consumer_timeouts: IntCounterVec,
@@ -496,10 +501,13 @@ impl Metrics {
                  that never published, published by the vhost's service connection so that a \
                  RabbitMQ resource alarm never blocks a consumer's connection.",
             )?,
-            service_connections_blocked: b.gauge(
-                "service_connections_blocked",
-                "Proxy mode: service connections RabbitMQ holds blocked (connection.blocked, a \
-                 memory or disk alarm); their dead letters wait, their confirm deadlines stopped.",
+            upstream_connections_blocked: b.gauge_vec(
+                "upstream_connections_blocked",
+                "Proxy mode: upstream connections RabbitMQ holds blocked (connection.blocked: a \
+                 memory or disk alarm, after a publish on them), by connection (client, \
+                 service); the proxy's dead letters on them wait, their confirm deadlines \
+                 stopped.",
+                &["connection"],
             )?,
             redriven: b.counter_vec(
                 "redriven_total",
@@ -846,6 +854,11 @@ impl Metrics {
                 .publisher_channel_reopens
                 .with_label_values(&[cause]);
         }
+        for connection in [BLOCKED_CLIENT, BLOCKED_SERVICE] {
+            metrics
+                .upstream_connections_blocked
+                .with_label_values(&[connection]);
+        }
         metrics.register_process_metrics()?;
         Ok(metrics)
     }
@@ -1000,9 +1013,12 @@ impl Metrics {
         self.consumer_dead_letters_by_service.inc();
     }
 
-    /// A service connection was blocked by RabbitMQ (+1) or unblocked (-1).
-    pub fn add_service_connection_blocked(&self, change: i64) {
-        self.service_connections_blocked.add(change);
+    /// An upstream connection (`connection`: [`BLOCKED_CLIENT`] or [`BLOCKED_SERVICE`]) was
+    /// blocked by RabbitMQ (+1) or unblocked or closed while blocked (-1).
+    pub fn add_upstream_connection_blocked(&self, connection: &str, change: i64) {
+        self.upstream_connections_blocked
+            .with_label_values(&[connection])
+            .add(change);
     }
 
     /// A declare could not be handed to the vhost's service connection.

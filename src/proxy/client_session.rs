@@ -124,8 +124,16 @@ pub(super) struct ClientSession {
     pub(super) inflight_count: usize,
     /// The part of `inflight_bytes` charged to dead letters being published or held.
     pub(super) dead_letter_bytes: usize,
-    /// Since when upstream reads are paused with both sides open ([`Self::upstream_paused`]).
+    /// Since when the confirms of the proxy's publishes cannot come: upstream reads paused
+    /// with both sides open ([`Self::upstream_paused`]), or RabbitMQ holding the connection
+    /// blocked (`upstream_blocked`). Their deadlines wait meanwhile.
     pub(super) upstream_paused_since: Option<Instant>,
+    /// RabbitMQ holds the upstream connection blocked (connection.blocked: a memory or disk
+    /// alarm, after a publish on it) and reads nothing from it until connection.unblocked.
+    pub(super) upstream_blocked: bool,
+    /// Whether the client asked for connection.blocked itself (the proxy always asks the
+    /// upstream for it, and keeps it from a client that did not).
+    pub(super) client_wants_blocked: bool,
     /// When the proxy last sent the client a heartbeat of its own (see
     /// [`Self::next_client_beat`]).
     pub(super) last_client_beat: Instant,
@@ -232,6 +240,8 @@ impl ClientSession {
             inflight_count: 0,
             dead_letter_bytes: 0,
             upstream_paused_since: None,
+            upstream_blocked: false,
+            client_wants_blocked: true,
             last_client_beat: now,
             incoming_in_progress: 0,
             publisher: None,
@@ -401,10 +411,11 @@ impl ClientSession {
             .then(|| since.max(self.last_client_beat) + interval / 2)
     }
 
-    /// Keeps the confirm deadlines still while upstream reads are paused: called each turn,
-    /// it notes when a pause begins and, when it ends, moves the deadlines on by its length.
+    /// Keeps the confirm deadlines still while upstream reads are paused or RabbitMQ holds
+    /// the connection blocked: called each turn, it notes when a pause begins and, when it
+    /// ends, moves the deadlines on by its length.
     fn track_upstream_pause(&mut self) {
-        let paused = self.upstream_paused();
+        let paused = self.upstream_paused() || self.upstream_blocked;
         match (paused, self.upstream_paused_since) {
             (true, None) => self.upstream_paused_since = Some(self.now),
             (false, Some(since)) => {
@@ -800,6 +811,11 @@ impl ClientSession {
 
     /// Releases everything the connection still holds (gauges).
     pub(super) fn finish(&mut self) {
+        if std::mem::take(&mut self.upstream_blocked) {
+            self.shared
+                .metrics
+                .add_upstream_connection_blocked(crate::metrics::BLOCKED_CLIENT, -1);
+        }
         self.let_go_held(|_| true);
         let channels: Vec<u16> = self.channels.keys().collect();
         for channel in channels {

@@ -14,7 +14,7 @@ use super::channels::{
     ChannelPhase, ClientChannel, IncomingContent, KeepBuilder, OutgoingContent, Source,
 };
 use super::client_session::{ClientSession, Side};
-use super::handshake::{LoginCheck, check_login, negotiate, tune_for_client};
+use super::handshake::{LoginCheck, asking_for_blocked, check_login, negotiate, tune_for_client};
 use super::inflight::Verb;
 use super::probe::CheckChannel;
 use super::publisher::Publisher;
@@ -26,12 +26,15 @@ use crate::amqp::codec::{
 };
 use crate::amqp::peek;
 use crate::amqp::reply;
+use crate::metrics::BLOCKED_CLIENT;
 
 /// How long the client gets to answer the proxy's closes.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
 // Class and method ids the dispatch looks at.
 const CONNECTION_START_OK: (u16, u16) = (10, 11);
+const CONNECTION_BLOCKED: (u16, u16) = (10, 60);
+const CONNECTION_UNBLOCKED: (u16, u16) = (10, 61);
 const CONNECTION_TUNE: (u16, u16) = (10, 30);
 const CONNECTION_TUNE_OK: (u16, u16) = (10, 31);
 const CONNECTION_OPEN: (u16, u16) = (10, 40);
@@ -271,6 +274,17 @@ impl ClientSession {
                     )
                 {
                     self.refuse_login(&user, close);
+                    return;
+                }
+                if let Some(AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok))) =
+                    decode_method(frame.payload())
+                    && let Some(asked) = asking_for_blocked(&start_ok)
+                {
+                    self.client_wants_blocked = false;
+                    self.send_upstream(method_frame(
+                        0,
+                        AMQPClass::Connection(connection::AMQPMethod::StartOk(asked)),
+                    ));
                     return;
                 }
                 self.send_upstream(frame.raw);
@@ -788,6 +802,22 @@ impl ClientSession {
                     forward_ok: false,
                 };
                 self.abandon_all_ops();
+            }
+            CONNECTION_BLOCKED | CONNECTION_UNBLOCKED => {
+                // The confirms of the proxy's publishes cannot come while blocked: their
+                // deadlines wait (`track_upstream_pause`), or each timeout would publish the
+                // dead letter again behind the first.
+                let blocked = frame.method_ids() == CONNECTION_BLOCKED;
+                if blocked != self.upstream_blocked {
+                    self.upstream_blocked = blocked;
+                    self.shared.metrics.add_upstream_connection_blocked(
+                        BLOCKED_CLIENT,
+                        if blocked { 1 } else { -1 },
+                    );
+                }
+                if self.client_wants_blocked {
+                    self.send_client(frame.raw);
+                }
             }
             _ => self.send_client(frame.raw),
         }

@@ -3,7 +3,10 @@
 //! is passed on with those added back, and the highest channel numbers of the upstream
 //! connection become the proxy's own (declare checks, dead-letter publisher). The capture
 //! queue is consumed on the proxy's own service connections ([`super::service`]), not here.
-//! Everything else in the handshake (start, SASL, open) passes through unchanged.
+//! The client's `connection.start-ok` gains the `connection.blocked` capability when it lacks
+//! it ([`asking_for_blocked`]): the proxy must hear when RabbitMQ blocks the connection, and
+//! keeps the notifications from such a client. Everything else in the handshake (start, SASL,
+//! open) passes through unchanged.
 //! The client is offered no more than `limits.channel_max` channels either.
 //!
 //! Also here: [`check_login`], the loopback-only rule for users such as guest, which the
@@ -12,7 +15,7 @@
 use std::collections::HashSet;
 
 use amq_protocol::protocol::connection;
-use amq_protocol::types::AMQPValue;
+use amq_protocol::types::{AMQPValue, FieldTable};
 
 use crate::amqp::reply::AmqpError;
 use crate::broker::auth::{login_refused, sasl_user};
@@ -145,24 +148,49 @@ pub fn check_login(
     if !loopback_users.contains(&user) {
         return LoginCheck::Pass;
     }
-    let wants_close = matches!(
-        start_ok.client_properties.inner().get("capabilities"),
-        Some(AMQPValue::FieldTable(capabilities))
-            if matches!(
-                capabilities.inner().get("authentication_failure_close"),
-                Some(AMQPValue::Boolean(true))
-            )
-    );
+    let wants_close = asks_for(start_ok, "authentication_failure_close");
     LoginCheck::Refuse {
         user,
         close: wants_close.then(|| AmqpError::access_refused(login_refused(mechanism))),
     }
 }
 
+/// The capability by which a client asks for `connection.blocked` / `connection.unblocked`.
+pub const BLOCKED_CAPABILITY: &str = "connection.blocked";
+
+/// Whether the client's start-ok asks for a capability (`true` in its `capabilities` table).
+fn asks_for(start_ok: &connection::StartOk, capability: &str) -> bool {
+    matches!(
+        start_ok.client_properties.inner().get("capabilities"),
+        Some(AMQPValue::FieldTable(capabilities))
+            if matches!(capabilities.inner().get(capability), Some(AMQPValue::Boolean(true)))
+    )
+}
+
+/// The client's start-ok as it goes upstream when it does not ask for `connection.blocked`:
+/// the proxy asks for it (it must know when RabbitMQ blocks the connection, see
+/// `ClientSession::upstream_blocked`) and keeps the notifications from the client. `None`
+/// when the client asks for them itself: its start-ok goes as it is.
+pub fn asking_for_blocked(start_ok: &connection::StartOk) -> Option<connection::StartOk> {
+    if asks_for(start_ok, BLOCKED_CAPABILITY) {
+        return None;
+    }
+    let mut asked = start_ok.clone();
+    let mut capabilities = match asked.client_properties.inner().get("capabilities") {
+        Some(AMQPValue::FieldTable(capabilities)) => capabilities.clone(),
+        _ => FieldTable::default(),
+    };
+    capabilities.insert(BLOCKED_CAPABILITY.into(), AMQPValue::Boolean(true));
+    asked
+        .client_properties
+        .insert("capabilities".into(), AMQPValue::FieldTable(capabilities));
+    Some(asked)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use amq_protocol::types::{FieldTable, LongString};
+    use amq_protocol::types::LongString;
 
     fn tune(channel_max: u16, frame_max: u32, heartbeat: u16) -> connection::Tune {
         connection::Tune {
@@ -284,5 +312,26 @@ mod tests {
         // An unreadable response is the upstream's to refuse.
         let garbage = start_ok("PLAIN", b"guest", true);
         assert_eq!(check_login(&garbage, false, &guest_only), LoginCheck::Pass);
+    }
+
+    #[test]
+    fn the_upstream_is_always_asked_for_blocked_notifications() {
+        // No capabilities at all, and others without this one: the proxy adds it.
+        for start_ok in [
+            start_ok("PLAIN", b"\0a\0b", false),
+            start_ok("PLAIN", b"\0a\0b", true),
+        ] {
+            let asked = asking_for_blocked(&start_ok).expect("asked for");
+            assert!(asks_for(&asked, BLOCKED_CAPABILITY));
+            // Nothing else changes.
+            assert_eq!(
+                asks_for(&asked, "authentication_failure_close"),
+                asks_for(&start_ok, "authentication_failure_close")
+            );
+            assert_eq!(asked.response, start_ok.response);
+            assert_eq!(asked.mechanism, start_ok.mechanism);
+        }
+        let asking = asking_for_blocked(&start_ok("PLAIN", b"\0a\0b", false)).unwrap();
+        assert_eq!(asking_for_blocked(&asking), None, "goes as it is");
     }
 }

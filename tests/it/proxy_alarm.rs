@@ -8,7 +8,10 @@
 //! proxy must not undo that by publishing a consumer's dead letters on the consumer's own
 //! connection: a consume-only connection's dead letters go through the vhost's service
 //! connection. That one is blocked in turn, and while it is, its confirm deadlines stand
-//! still: the dead letter is published once, not again on every timeout.
+//! still: the dead letter is published once, not again on every timeout. A connection that
+//! publishes is blocked whoever publishes on it; its dead letters go on it as before, with
+//! their confirm deadlines stopped between RabbitMQ's connection.blocked and
+//! connection.unblocked, which the client hears too.
 
 use std::time::Duration;
 
@@ -73,15 +76,15 @@ async fn wait_counts(node: &RabbitNode, queue: &str, ready: u64, unacked: u64) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_consumer_that_rejects_during_an_alarm_goes_on_acking_and_its_dead_letter_lands_once() {
-    let node = tokio::task::spawn_blocking(|| RabbitNode::start("alarm"))
+/// A node of the test's own (`tag`) and a proxy in front of it whose confirm deadline is
+/// short enough that a blocked confirm would time out, and be retried, many times.
+async fn node_and_proxy(tag: &'static str) -> (RabbitNode, TestProxy) {
+    let node = tokio::task::spawn_blocking(move || RabbitNode::start(tag))
         .await
         .unwrap();
     let url = format!("amqp://{}", node.amqp);
     let proxy = TestProxy::start_with(vec![], |c| {
         c.upstream.url = url;
-        // Short enough that a blocked confirm would time out, and be retried, many times.
         c.proxy.confirm_timeout_secs = 1;
         c.proxy.retry_initial_ms = 100;
         c.proxy.retry_max_ms = 200;
@@ -90,6 +93,25 @@ async fn a_consumer_that_rejects_during_an_alarm_goes_on_acking_and_its_dead_let
     proxy
         .wait_gauge("capture_consumers", &[("vhost", "/")], 1.0)
         .await;
+    (node, proxy)
+}
+
+/// The one dead letter in `dlq`: "dead", rejected in `q` once.
+async fn landed_once(ch: &lapin::Channel, dlq: &str, q: &str) {
+    let dead = get_one(ch, dlq).await;
+    assert_eq!(payload(&dead), "dead");
+    let death = &x_death(&dead)[0];
+    assert_eq!(field(death, "queue"), &ls(q));
+    assert_eq!(field(death, "reason"), &ls("rejected"));
+    assert_eq!(
+        field(death, "count"),
+        &lapin::types::AMQPValue::LongLongInt(1)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_that_rejects_during_an_alarm_goes_on_acking_and_its_dead_letter_lands_once() {
+    let (node, proxy) = node_and_proxy("alarm-c").await;
     let admin = proxy.connect().await;
     let ach = admin.create_channel().await.unwrap();
     let (dlx, dlq, q) = (unique("alarm-dlx"), unique("alarm-dlq"), unique("alarm-q"));
@@ -123,7 +145,11 @@ async fn a_consumer_that_rejects_during_an_alarm_goes_on_acking_and_its_dead_let
     let during = tokio::task::block_in_place(|| counts(&node, &dlq));
     assert_eq!(during, Some((0, 0)), "published during the alarm");
     proxy
-        .wait_gauge("service_connections_blocked", &[], 1.0)
+        .wait_gauge(
+            "upstream_connections_blocked",
+            &[("connection", "service")],
+            1.0,
+        )
         .await;
     // Several confirm timeouts' worth of alarm.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -136,26 +162,82 @@ async fn a_consumer_that_rejects_during_an_alarm_goes_on_acking_and_its_dead_let
         .unwrap();
     wait_counts(&node, &q, 0, 0).await;
     proxy
-        .wait_gauge("service_connections_blocked", &[], 0.0)
+        .wait_gauge(
+            "upstream_connections_blocked",
+            &[("connection", "service")],
+            0.0,
+        )
         .await;
     // Published once: no copy from a timed-out confirm follows.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let after = tokio::task::block_in_place(|| counts(&node, &dlq));
     assert_eq!(after, Some((1, 0)));
-    let dead = get_one(&ach, &dlq).await;
-    assert_eq!(payload(&dead), "dead");
-    let death = &x_death(&dead)[0];
-    assert_eq!(field(death, "queue"), &ls(&q));
-    assert_eq!(field(death, "reason"), &ls("rejected"));
-    assert_eq!(
-        field(death, "count"),
-        &lapin::types::AMQPValue::LongLongInt(1)
-    );
+    landed_once(&ach, &dlq, &q).await;
     assert_eq!(
         proxy.counter("dead_letter_retries_total", &[("reason", "timeout")]),
         0.0
     );
     let _ = conn.close(200, "done".into()).await;
     let _ = admin.close(200, "done".into()).await;
+    proxy.stop().await;
+}
+
+/// A connection that publishes is blocked by the alarm whoever publishes on it: the proxy's
+/// dead letter goes on it as before, RabbitMQ's connection.blocked reaches the client (lapin
+/// asks for it), and the dead letter's confirm deadline waits for the connection.unblocked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publishers_dead_letter_during_an_alarm_waits_for_the_unblock_and_lands_once() {
+    let (node, proxy) = node_and_proxy("alarm-p").await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let (dlx, dlq, q) = (unique("alarm-dlx"), unique("alarm-dlq"), unique("alarm-q"));
+    declare_dlx(&ch, &dlx, &dlq).await;
+    declare_dead_lettering(&ch, &q, &dlx, &dlq).await;
+    crate::common::dl::publish(&ch, &q, &["dead"]).await;
+    let tag = get_one(&ch, &q).await.delivery_tag;
+
+    tokio::task::block_in_place(|| memory_alarm(&node, true));
+    ch.basic_reject(tag, BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    proxy
+        .wait_gauge(
+            "upstream_connections_blocked",
+            &[("connection", "client")],
+            1.0,
+        )
+        .await;
+    let told = poll(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        async || conn.status().blocked().then_some(()),
+    )
+    .await;
+    assert!(told.is_some(), "the client hears connection.blocked");
+    // Several confirm timeouts' worth of alarm.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let during = tokio::task::block_in_place(|| counts(&node, &dlq));
+    assert_eq!(during, Some((0, 0)), "published during the alarm");
+    tokio::task::block_in_place(|| memory_alarm(&node, false));
+
+    wait_counts(&node, &dlq, 1, 0).await;
+    wait_counts(&node, &q, 0, 0).await;
+    proxy
+        .wait_gauge(
+            "upstream_connections_blocked",
+            &[("connection", "client")],
+            0.0,
+        )
+        .await;
+    assert!(!conn.status().blocked(), "and connection.unblocked");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = tokio::task::block_in_place(|| counts(&node, &dlq));
+    assert_eq!(after, Some((1, 0)), "published once");
+    landed_once(&ch, &dlq, &q).await;
+    assert_eq!(
+        proxy.counter("dead_letter_retries_total", &[("reason", "timeout")]),
+        0.0
+    );
+    let _ = conn.close(200, "done".into()).await;
     proxy.stop().await;
 }

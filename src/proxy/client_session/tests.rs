@@ -71,16 +71,7 @@ impl Harness {
 
     /// Plays the handshake through to connection.open-ok; returns the publisher channel.
     pub(crate) fn open(&mut self, heartbeat: u16) -> u16 {
-        self.upstream_sends(method_frame(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
-                version_major: 0,
-                version_minor: 9,
-                server_properties: FieldTable::default(),
-                mechanisms: LongString::from("PLAIN"),
-                locales: LongString::from("en_US"),
-            })),
-        ));
+        self.upstream_sends(connection_start());
         assert!(matches!(
             self.client_got()[..],
             [(0, AMQPClass::Connection(connection::AMQPMethod::Start(_)))]
@@ -151,6 +142,20 @@ impl Harness {
         assert!(publisher > offered.channel_max);
         publisher
     }
+}
+
+/// The upstream's connection.start.
+fn connection_start() -> Bytes {
+    method_frame(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
+            version_major: 0,
+            version_minor: 9,
+            server_properties: FieldTable::default(),
+            mechanisms: LongString::from("PLAIN"),
+            locales: LongString::from("en_US"),
+        })),
+    )
 }
 
 fn connection_close(sent: &[(u16, AMQPClass)]) -> (u16, String) {
@@ -1525,4 +1530,106 @@ async fn a_consumers_dead_letter_refused_to_the_service_user_goes_on_the_clients
         &h.upstream_got()[..],
         [(1, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))] if a.delivery_tag == 7
     ));
+}
+
+/// connection.blocked (`true`) or connection.unblocked from the upstream.
+fn blocked_frame(blocked: bool) -> Bytes {
+    let method = if blocked {
+        connection::AMQPMethod::Blocked(connection::Blocked {
+            reason: "low on memory".into(),
+        })
+    } else {
+        connection::AMQPMethod::Unblocked(connection::Unblocked {})
+    };
+    method_frame(0, AMQPClass::Connection(method))
+}
+
+#[tokio::test]
+async fn while_rabbitmq_blocks_the_connection_the_dead_letters_confirm_deadline_waits() {
+    // RabbitMQ reads nothing from a blocked connection: a confirm deadline passing then would
+    // publish the same dead letter again behind the first.
+    let (mut h, publisher) = rejected().await;
+    let first = h.upstream_got_frames();
+    assert_eq!(published(&first, publisher).0, "dlx");
+    let deadline = h.session.next_deadline().expect("the confirm deadline");
+    let blocked_at = h.now + Duration::from_millis(10);
+    h.at(blocked_at);
+    h.upstream_sends(blocked_frame(true));
+    // The harness's client did not ask for the notification: the proxy asked for it, and
+    // keeps it from the client.
+    assert!(h.client_got().is_empty());
+    assert!(metric_line(
+        &h,
+        r#"dlx_proxy_upstream_connections_blocked{connection="client"} 1"#
+    ));
+    assert!(h.session.next_deadline().is_none_or(|at| at > deadline));
+    let long_after = deadline + Duration::from_secs(600);
+    h.at(long_after);
+    assert!(h.upstream_got().is_empty(), "not published again");
+    h.upstream_sends(blocked_frame(false));
+    assert!(h.client_got().is_empty());
+    assert_eq!(
+        h.session.next_deadline(),
+        Some(deadline + (long_after - blocked_at))
+    );
+    assert!(metric_line(
+        &h,
+        r#"dlx_proxy_upstream_connections_blocked{connection="client"} 0"#
+    ));
+    h.upstream_sends(confirm(publisher, 1));
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))] if a.delivery_tag == 7
+    ));
+}
+
+/// The start-ok the upstream gets for a client's start-ok with these client properties,
+/// whether it was forwarded as the client sent it, and whether the session will pass
+/// connection.blocked on to the client.
+fn start_ok_upstream(client_properties: FieldTable) -> (connection::StartOk, bool, bool) {
+    let mut h = Harness::new();
+    h.upstream_sends(connection_start());
+    h.client_got();
+    let start_ok = method_frame(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
+            client_properties,
+            mechanism: "PLAIN".into(),
+            response: LongString::from("\0guest\0guest"),
+            locale: "en_US".into(),
+        })),
+    );
+    h.client_sends(start_ok.clone());
+    let sent = h.session.upstream_out.take_queued();
+    let Some(AMQPClass::Connection(connection::AMQPMethod::StartOk(upstream))) =
+        decode_method(frames(&sent)[0].payload())
+    else {
+        panic!("{sent:?}");
+    };
+    (upstream, sent == start_ok, h.session.client_wants_blocked)
+}
+
+/// The `connection.blocked` capability in a start-ok.
+fn asks_for_blocked(start_ok: &connection::StartOk) -> bool {
+    matches!(
+        start_ok.client_properties.inner().get("capabilities"),
+        Some(AMQPValue::FieldTable(c))
+            if c.inner().get("connection.blocked") == Some(&AMQPValue::Boolean(true))
+    )
+}
+
+#[tokio::test]
+async fn the_upstream_is_asked_for_blocked_notifications_whether_or_not_the_client_asked() {
+    // Not asked by the client: the proxy asks, and keeps the notifications to itself.
+    let (upstream, as_sent, passed_on) = start_ok_upstream(FieldTable::default());
+    assert!(asks_for_blocked(&upstream));
+    assert!(!as_sent && !passed_on);
+    // Asked: the start-ok goes as the client sent it, and so will the notifications.
+    let mut capabilities = FieldTable::default();
+    capabilities.insert("connection.blocked".into(), AMQPValue::Boolean(true));
+    let mut properties = FieldTable::default();
+    properties.insert("capabilities".into(), AMQPValue::FieldTable(capabilities));
+    let (upstream, as_sent, passed_on) = start_ok_upstream(properties);
+    assert!(asks_for_blocked(&upstream));
+    assert!(as_sent && passed_on);
 }

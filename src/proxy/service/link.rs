@@ -42,8 +42,8 @@ use bytes::{Bytes, BytesMut};
 use tokio::sync::mpsc;
 
 use crate::metrics::{
-    CAPTURED_DEAD_LETTERED, CAPTURED_DISCARDED, CAPTURED_DROPPED, CAPTURED_HELD, CAPTURED_KEPT,
-    CAPTURED_RETRIED, CAPTURED_RETURNED,
+    BLOCKED_SERVICE, CAPTURED_DEAD_LETTERED, CAPTURED_DISCARDED, CAPTURED_DROPPED, CAPTURED_HELD,
+    CAPTURED_KEPT, CAPTURED_RETRIED, CAPTURED_RETURNED,
 };
 use crate::proxy::ProxyShared;
 use crate::proxy::capture::{CaptureConsumer, CapturedMessage};
@@ -245,7 +245,9 @@ impl CaptureLink {
     /// back to the capture queue with the connection).
     pub fn end(&mut self, shared: &ProxyShared) {
         if self.blocked_since.take().is_some() {
-            shared.metrics.add_service_connection_blocked(-1);
+            shared
+                .metrics
+                .add_upstream_connection_blocked(BLOCKED_SERVICE, -1);
         }
         self.let_go_held(shared);
         // The sessions hold theirs and try again.
@@ -267,7 +269,9 @@ impl CaptureLink {
     pub fn blocked(&mut self, shared: &ProxyShared, now: Instant) {
         if self.blocked_since.is_none() {
             self.blocked_since = Some(now);
-            shared.metrics.add_service_connection_blocked(1);
+            shared
+                .metrics
+                .add_upstream_connection_blocked(BLOCKED_SERVICE, 1);
         }
     }
 
@@ -277,7 +281,9 @@ impl CaptureLink {
         if let Some(since) = self.blocked_since.take() {
             self.publisher
                 .postpone(now.saturating_duration_since(since));
-            shared.metrics.add_service_connection_blocked(-1);
+            shared
+                .metrics
+                .add_upstream_connection_blocked(BLOCKED_SERVICE, -1);
         }
     }
 

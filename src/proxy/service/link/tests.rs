@@ -551,7 +551,10 @@ fn while_rabbitmq_blocks_the_connection_no_confirm_times_out() {
     let deadline = link.next_deadline().expect("a confirm deadline");
     let blocked_at = start + Duration::from_millis(100);
     link.blocked(&shared, blocked_at);
-    assert!(gauge(&shared, "dlx_proxy_service_connections_blocked 1"));
+    assert!(gauge(
+        &shared,
+        r#"dlx_proxy_upstream_connections_blocked{connection="service"} 1"#
+    ));
     assert_eq!(link.next_deadline(), None);
     let long_after = deadline + Duration::from_secs(600);
     let step = link.on_timer(&shared, long_after);
@@ -559,7 +562,10 @@ fn while_rabbitmq_blocks_the_connection_no_confirm_times_out() {
     assert!(outcomes.try_recv().is_err(), "no timeout reported");
     // Unblocked: the deadline moved on by the time blocked.
     link.unblocked(&shared, long_after);
-    assert!(gauge(&shared, "dlx_proxy_service_connections_blocked 0"));
+    assert!(gauge(
+        &shared,
+        r#"dlx_proxy_upstream_connections_blocked{connection="service"} 0"#
+    ));
     assert_eq!(
         link.next_deadline(),
         Some(deadline + (long_after - blocked_at))
@@ -569,7 +575,13 @@ fn while_rabbitmq_blocks_the_connection_no_confirm_times_out() {
     // A connection that ends blocked leaves the gauge as it found it.
     link.blocked(&shared, long_after);
     link.blocked(&shared, long_after);
-    assert!(gauge(&shared, "dlx_proxy_service_connections_blocked 1"));
+    assert!(gauge(
+        &shared,
+        r#"dlx_proxy_upstream_connections_blocked{connection="service"} 1"#
+    ));
     link.end(&shared);
-    assert!(gauge(&shared, "dlx_proxy_service_connections_blocked 0"));
+    assert!(gauge(
+        &shared,
+        r#"dlx_proxy_upstream_connections_blocked{connection="service"} 0"#
+    ));
 }
