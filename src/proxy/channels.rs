@@ -360,6 +360,32 @@ impl ClientChannel {
         super::bcc::delivered_header(payload)
     }
 
+    /// At the content header of a delivery kept with its content: a body announced larger
+    /// than `limit` (`proxy.max_inflight_bytes`) is not copied, and the delivery is kept as
+    /// its tag only, as past the bound. A delivery starts with its content only below the
+    /// bound, so the kept bytes stay under twice the bound whatever the size of one message
+    /// (RabbitMQ accepts messages of hundreds of MiB). Returns whether it dropped the content
+    /// (call before [`Self::incoming_seen`]).
+    pub fn keeps_no_content_past(&mut self, kind: u8, payload: &[u8], limit: usize) -> bool {
+        if kind != FRAME_HEADER {
+            return false;
+        }
+        let Some(keep) = self
+            .incoming
+            .as_mut()
+            .and_then(|incoming| incoming.keep.as_mut())
+            .filter(|keep| keep.message.is_some())
+        else {
+            return false;
+        };
+        let announced = content_body_size(payload).unwrap_or(0);
+        if announced <= limit as u64 {
+            return false;
+        }
+        keep.message = None;
+        true
+    }
+
     /// Follows a content frame of a delivery (and keeps its content when the delivery is
     /// kept with it). `Some` when it ended the content, with the delivery to keep if any.
     pub fn incoming_seen(&mut self, kind: u8, payload: &[u8]) -> Option<Option<KeepBuilder>> {
@@ -632,6 +658,47 @@ mod tests {
         let message = kept.message.unwrap();
         assert_eq!(&message.body[..], b"abcde");
         assert_eq!(&message.raw_properties[..], &[0, 0]);
+    }
+
+    #[test]
+    fn a_body_larger_than_the_bound_is_not_copied() {
+        let mut ch = ClientChannel::new(1);
+        let keeping = || IncomingContent {
+            keep: Some(KeepBuilder::new(
+                3,
+                Some(Arc::from("q")),
+                Some(("ex", "rk")),
+                false,
+            )),
+            remaining: None,
+        };
+        // Within the bound: kept whole.
+        ch.incoming = Some(keeping());
+        let header = content_header(5, &[0, 0]);
+        assert!(!ch.keeps_no_content_past(FRAME_HEADER, &header, 5));
+        assert!(ch.incoming_seen(FRAME_HEADER, &header).is_none());
+        let builder = ch.incoming_seen(FRAME_BODY, b"abcde").unwrap().unwrap();
+        assert!(builder.finish().1.message.is_some());
+        // Larger: the tag only, the body forwarded but not copied.
+        ch.incoming = Some(keeping());
+        let header = content_header(6, &[0, 0]);
+        assert!(
+            !ch.keeps_no_content_past(FRAME_BODY, b"abcdef", 5),
+            "headers only"
+        );
+        assert!(ch.keeps_no_content_past(FRAME_HEADER, &header, 5));
+        assert!(ch.incoming_seen(FRAME_HEADER, &header).is_none());
+        let builder = ch.incoming_seen(FRAME_BODY, b"abcdef").unwrap().unwrap();
+        assert!(builder.body.is_empty());
+        let (tag, kept) = builder.finish();
+        assert_eq!(tag, 3);
+        assert!(kept.message.is_none());
+        // Already a tag only: nothing to drop.
+        ch.incoming = Some(IncomingContent {
+            keep: Some(KeepBuilder::new(4, None, None, false)),
+            remaining: None,
+        });
+        assert!(!ch.keeps_no_content_past(FRAME_HEADER, &header, 0));
     }
 
     #[test]

@@ -1199,11 +1199,17 @@ impl ClientSession {
 
     fn upstream_content(&mut self, frame: WireFrame) {
         let channel = frame.channel;
+        let limit = self.shared.max_inflight_bytes;
         let (stripped, finished) = match self.channels.get_mut(&channel) {
-            Some(ch) => (
-                ch.delivered_header_rewrite(frame.kind, frame.payload()),
-                ch.incoming_seen(frame.kind, frame.payload()),
-            ),
+            Some(ch) => {
+                if ch.keeps_no_content_past(frame.kind, frame.payload(), limit) {
+                    self.shared.metrics.delivery_kept_tag_only();
+                }
+                (
+                    ch.delivered_header_rewrite(frame.kind, frame.payload()),
+                    ch.incoming_seen(frame.kind, frame.payload()),
+                )
+            }
             None => (None, None),
         };
         match stripped {

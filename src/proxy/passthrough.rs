@@ -359,6 +359,7 @@ impl ClientSession {
             },
             FRAME_HEADER | FRAME_BODY => {
                 let clock = self.ack_clock();
+                let limit = self.shared.max_inflight_bytes;
                 let ch = self.channels.get_mut(&frame.channel)?;
                 if ch.closed_for_client.is_some()
                     || ch.incoming.is_none()
@@ -368,6 +369,9 @@ impl ClientSession {
                         .is_some()
                 {
                     return None;
+                }
+                if ch.keeps_no_content_past(frame.kind, frame.payload, limit) {
+                    self.shared.metrics.delivery_kept_tag_only();
                 }
                 if let Some(completed) = ch.incoming_seen(frame.kind, frame.payload) {
                     // Nothing was deferred: only the delivery is kept (`incoming_finished`

@@ -17,6 +17,8 @@
 //!   again every message arrives exactly once, in order.
 //! - A lapin client on a queue with a dead-letter exchange that reads but does not ack: the
 //!   deliveries stop at about `max_inflight_bytes` worth, and resume when it acks.
+//! - Messages larger than `max_inflight_bytes` on such a queue: forwarded but kept as their
+//!   tag only, so reads do not stop; a reject of one is still dead-lettered.
 
 use crate::common;
 use crate::proxy_support;
@@ -278,6 +280,25 @@ async fn publish_direct(queue: &str, count: u32, size: usize) {
         );
     }
     conn.close(200, "done".into()).await.unwrap();
+}
+
+/// The next message of `dlq` is message `seq` ([`payload`] of `size` bytes), rejected once
+/// in `q`; acks it, then waits until RabbitMQ's `q` is empty.
+async fn dead_lettered_once(ch: &lapin::Channel, dlq: &str, q: &str, size: usize, seq: u32) {
+    let dead = get(ch, dlq).await;
+    assert_eq!(check_payload(&dead.data, size), seq);
+    let deaths = x_death(&dead);
+    assert_eq!(deaths.len(), 1);
+    assert_eq!(field(&deaths[0], "reason"), &ls("rejected"));
+    assert_eq!(field(&deaths[0], "queue"), &ls(q));
+    assert_eq!(field(&deaths[0], "count"), &AMQPValue::LongLongInt(1));
+    dead.acker.ack(BasicAckOptions::default()).await.unwrap();
+    wait_until(
+        "RabbitMQ's queue to empty",
+        Duration::from_secs(30),
+        async || upstream_queue_counts(q) == (0, 0),
+    )
+    .await;
 }
 
 /// RabbitMQ's (messages_ready, messages_unacknowledged) of a queue.
@@ -578,19 +599,7 @@ async fn unacked_deliveries_stop_at_the_inflight_bound_until_acked() {
         }
         seen += 1;
     }
-    let dead = get(&uch, &dlq).await;
-    assert_eq!(check_payload(&dead.data, SIZE), COUNT - 1);
-    let deaths = x_death(&dead);
-    assert_eq!(field(&deaths[0], "reason"), &ls("rejected"));
-    assert_eq!(field(&deaths[0], "queue"), &ls(&q));
-    assert_eq!(field(&deaths[0], "count"), &AMQPValue::LongLongInt(1));
-    dead.acker.ack(BasicAckOptions::default()).await.unwrap();
-    wait_until(
-        "RabbitMQ's queue to empty",
-        Duration::from_secs(30),
-        async || upstream_queue_counts(&q) == (0, 0),
-    )
-    .await;
+    dead_lettered_once(&uch, &dlq, &q, SIZE, COUNT - 1).await;
     let peaks = sampler.finish().await;
     let end = proxy.metrics().await;
     assert_eq!(end.delivered, f64::from(COUNT));
@@ -604,6 +613,57 @@ async fn unacked_deliveries_stop_at_the_inflight_bound_until_acked() {
     assert!(peaks.inflight_deliveries <= most as f64, "{peaks:?}");
     eprintln!("kept: {stalled:?}; peaks {peaks:?}");
 
+    conn.close(200, "done".into()).await.unwrap();
+    delete_upstream(&uch, &[&q, &dlq], &[&dlx]).await;
+    upstream.close(200, "done".into()).await.unwrap();
+    proxy.stop().await;
+}
+
+/// One message larger than `max_inflight_bytes` on a queue that dead-letters: the proxy
+/// forwards it but does not copy it (kept as its tag only, counted), so the kept bytes stay
+/// under the bound; the client's reject of it is forwarded, and RabbitMQ's dead-lettering
+/// into the capture queue still brings it to the DLQ with its x-death.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_larger_than_the_bound_is_kept_as_its_tag_and_still_dead_lettered() {
+    const SIZE: usize = 4 * MAX_INFLIGHT;
+    let proxy = ProxyProcess::start(false).await;
+    let upstream = upstream_connection().await;
+    let uch = upstream.create_channel().await.unwrap();
+    let (q, dlx, dlq) = (unique("bp-big"), unique("bp-big-dlx"), unique("bp-big-dlq"));
+    declare_dlx(&uch, &dlx, &dlq).await;
+    let conn = lapin::Connection::connect(&proxy.uri(), lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    // Through the proxy: it knows the queue dead-letters, and would keep content.
+    declare_dead_lettering(&ch, &q, &dlx, &dlq).await;
+    publish_direct(&q, 2, SIZE).await;
+    let mut deliveries = consume(&ch, &q, BasicConsumeOptions::default()).await;
+    let first = next(&mut deliveries).await;
+    let second = next(&mut deliveries).await;
+    assert_eq!(check_payload(&first.data, SIZE), 0);
+    assert_eq!(check_payload(&second.data, SIZE), 1);
+    let held = proxy.metrics().await;
+    assert_eq!(held.inflight_deliveries, 2.0, "{held:?}");
+    assert!(
+        held.inflight_bytes < MAX_INFLIGHT as f64,
+        "two {SIZE}-byte deliveries kept {} bytes (bound {MAX_INFLIGHT})",
+        held.inflight_bytes
+    );
+    let tag_only = metric_value(
+        &scrape(proxy.process.admin).await,
+        "dlx_proxy_deliveries_kept_tag_only_total",
+    );
+    assert_eq!(tag_only, Some(2.0));
+
+    first
+        .acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    second.acker.ack(BasicAckOptions::default()).await.unwrap();
+    dead_lettered_once(&uch, &dlq, &q, SIZE, 0).await;
+    assert_eq!(proxy.metrics().await.inflight_bytes, 0.0);
     conn.close(200, "done".into()).await.unwrap();
     delete_upstream(&uch, &[&q, &dlq], &[&dlx]).await;
     upstream.close(200, "done".into()).await.unwrap();
