@@ -28,7 +28,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use super::channel_map::ChannelMap;
 use super::channels::ClientChannel;
 use super::handshake::Negotiated;
-use super::ops::Op;
+use super::ops::{Op, Origin};
 use super::outbox::Outbox;
 use super::pending::{HeldDeclare, PendingCheck, PendingRead};
 use super::policy_sync::management::ArgumentsListing;
@@ -185,6 +185,9 @@ pub(super) struct ClientSession {
     pub(super) pending_answers: usize,
     /// The client's connection.close, held until the proxy's own work is settled.
     pub(super) parked_connection_close: Option<Bytes>,
+    /// Until when a parked close (the connection's, or a channel's) waits for the proxy's
+    /// publishes; then they are abandoned and the close goes on ([`Self::parked_closes_due`]).
+    pub(super) parked_close_deadline: Option<Instant>,
     pub(super) shutdown_seen: bool,
     pub(super) counts: MessageCounts,
     /// Whether the client published on this connection before this turn (`counts` has this
@@ -264,6 +267,7 @@ impl ClientSession {
             held: RetrySchedule::new(backoff),
             pending_answers: 0,
             parked_connection_close: None,
+            parked_close_deadline: None,
             shutdown_seen: false,
             counts: MessageCounts::default(),
             client_published: false,
@@ -460,6 +464,7 @@ impl ClientSession {
             consider(publisher.next_deadline());
         }
         consider(self.held_for_capture.as_ref().map(|held| held.deadline));
+        consider(self.parked_close_deadline);
         consider(self.service_deadline);
         consider(self.held.next_deadline());
         consider(self.next_consumer_timeout());
@@ -604,6 +609,7 @@ impl ClientSession {
         }
         self.capture_wait_expired(now);
         self.service_wait_expired(now);
+        self.parked_closes_due(now);
         if self.upstream_paused_since.is_none()
             && let Some(publisher) = self.publisher.as_mut()
         {
@@ -725,6 +731,7 @@ impl ClientSession {
         }
         if let Some(close) = self.parked_connection_close.take() {
             self.forward_client_connection_close(close);
+            self.parked_close_gone();
         }
     }
 
@@ -807,6 +814,63 @@ impl ClientSession {
     /// the upstream requeues the originals itself).
     fn fail_all_ops(&mut self) {
         self.abandon_all_ops();
+    }
+
+    /// Notes that a close was parked behind the proxy's publishes: it waits for them at most
+    /// `proxy.confirm_timeout_secs` from the first parked close. They can take longer: while
+    /// RabbitMQ blocks the connection that publishes them (a resource alarm) their confirm
+    /// deadlines stand still, and one the service connection publishes has none here.
+    pub(super) fn close_parked(&mut self) {
+        if self.parked_close_deadline.is_none() {
+            self.parked_close_deadline = Some(self.now + self.shared.confirm_timeout);
+        }
+    }
+
+    /// A parked close went on: the deadline goes with the last one.
+    pub(super) fn parked_close_gone(&mut self) {
+        if self.parked_connection_close.is_none()
+            && self.channels.values().all(|ch| ch.parked_close.is_none())
+        {
+            self.parked_close_deadline = None;
+        }
+    }
+
+    /// A parked close waited long enough: the publishes it waits for are abandoned (the close
+    /// requeues their originals upstream; one that still lands is a duplicate, never a loss),
+    /// and the close goes on.
+    fn parked_closes_due(&mut self, now: Instant) {
+        let Some(deadline) = self.parked_close_deadline else {
+            return;
+        };
+        if now < deadline {
+            return;
+        }
+        self.parked_close_deadline = None;
+        let whole_connection = self.parked_connection_close.is_some();
+        let stuck: Vec<OpId> = self
+            .ops
+            .iter()
+            .filter(|(_, op)| {
+                whole_connection
+                    || matches!(op.origin, Origin::Client { channel, channel_id, .. }
+                    if self.channels.get(&channel).is_some_and(|ch| {
+                        ch.id == channel_id && ch.parked_close.is_some()
+                    }))
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        if !stuck.is_empty() {
+            tracing::warn!(
+                peer = %self.peer,
+                publishes = stuck.len(),
+                "a close waited past proxy.confirm_timeout_secs for the proxy's publishes; \
+                 they are abandoned and their originals requeued"
+            );
+        }
+        for op in stuck {
+            self.abandon_op(op);
+        }
+        self.maybe_finish_draining();
     }
 
     /// Releases everything the connection still holds (gauges).

@@ -103,6 +103,7 @@ impl ClientSession {
         ch.closed_for_client = Some((false, false));
         if ch.ops > 0 {
             ch.parked_close = Some(upstream_close);
+            self.close_parked();
         } else {
             self.forward_channel_close(channel, upstream_close);
         }

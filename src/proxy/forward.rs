@@ -21,8 +21,8 @@ use super::publisher::Publisher;
 use super::wire::{WireFrame, header_frame, method_frame};
 use crate::admission::is_loopback;
 use crate::amqp::codec::{
-    FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, decode_method, decode_method_within,
-    is_known_method,
+    FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_MIN_SIZE, FRAME_OVERHEAD, decode_method,
+    decode_method_within, is_known_method,
 };
 use crate::amqp::peek;
 use crate::amqp::reply;
@@ -280,12 +280,17 @@ impl ClientSession {
                     decode_method(frame.payload())
                     && let Some(asked) = asking_for_blocked(&start_ok)
                 {
-                    self.client_wants_blocked = false;
-                    self.send_upstream(method_frame(
+                    let asked = method_frame(
                         0,
                         AMQPClass::Connection(connection::AMQPMethod::StartOk(asked)),
-                    ));
-                    return;
+                    );
+                    // Not past the frame size every peer accepts before tune, unless the
+                    // client's own start-ok was already larger.
+                    if asked.len() <= frame.raw.len().max(FRAME_MIN_SIZE as usize) {
+                        self.client_wants_blocked = false;
+                        self.send_upstream(asked);
+                        return;
+                    }
                 }
                 self.send_upstream(frame.raw);
             }
@@ -313,6 +318,7 @@ impl ClientSession {
                 self.forward_client_connection_close(frame.raw);
             } else {
                 self.parked_connection_close = Some(frame.raw);
+                self.close_parked();
             }
             return;
         }
@@ -677,7 +683,10 @@ impl ClientSession {
                 self.let_go_held_of_channel(channel);
                 let busy = self.channels.get(&channel).is_some_and(|ch| ch.ops > 0);
                 match self.channels.get_mut(&channel) {
-                    Some(ch) if busy => ch.parked_close = Some(frame.raw),
+                    Some(ch) if busy => {
+                        ch.parked_close = Some(frame.raw);
+                        self.close_parked();
+                    }
                     _ => self.forward_channel_close(channel, frame.raw),
                 }
             }

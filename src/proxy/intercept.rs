@@ -964,7 +964,6 @@ impl ClientSession {
             if self.spares_consumer_connection(&op) {
                 op.via_service = true;
                 op.spares_consumer = true;
-                self.shared.metrics.consumer_dead_letter_by_service();
             }
         } else if op.spares_consumer && !self.service_consuming() {
             // A retry while the service connection is away: the client's connection publishes
@@ -974,12 +973,29 @@ impl ClientSession {
         }
         let op_id = self.next_op;
         self.next_op += 1;
+        let delay_ms = match op.purpose {
+            Purpose::RetryHold { delay_ms, .. } => Some(delay_ms),
+            _ => None,
+        };
+        if op.via_service && !self.publish_via_service(op_id, &op.message, delay_ms) {
+            if op.spares_consumer && !self.service_blocked() {
+                // The service connection's queue is full: the client's connection publishes
+                // rather than hold the dead letter for a retry. Not while RabbitMQ blocks the
+                // service connection (that is why its queue filled): the client's would be
+                // blocked too, consumer and all; the dead letter is retried after a backoff.
+                op.via_service = false;
+                op.spares_consumer = false;
+            } else {
+                // It must go through the service connection: failed at once, to be retried.
+                let _ = self
+                    .service_outcomes
+                    .0
+                    .send((op_id, Outcome::Failed(SERVICE_UNAVAILABLE)));
+            }
+        } else if op.spares_consumer && op.refusals == 0 {
+            self.shared.metrics.consumer_dead_letter_by_service();
+        }
         let published = if op.via_service {
-            let delay_ms = match op.purpose {
-                Purpose::RetryHold { delay_ms, .. } => Some(delay_ms),
-                _ => None,
-            };
-            self.publish_via_service(op_id, &op.message, delay_ms);
             Ok(None)
         } else {
             match self.publisher.as_mut() {
@@ -1029,6 +1045,13 @@ impl ClientSession {
             && !carries_user_id(&op.message)
     }
 
+    /// Whether RabbitMQ holds the vhost's service connection blocked (a resource alarm).
+    fn service_blocked(&self) -> bool {
+        self.capture_status
+            .as_ref()
+            .is_some_and(|status| status.borrow().blocked)
+    }
+
     /// Whether the vhost's service connection runs (its capture consumer is subscribed).
     fn service_consuming(&self) -> bool {
         self.service.is_some()
@@ -1038,30 +1061,24 @@ impl ClientSession {
                 .is_some_and(|status| status.borrow().consuming)
     }
 
-    /// Hands a dead letter to the vhost's service connection; its outcome comes back through
-    /// `service_outcomes` (at once, as a failure to retry, when the service cannot take it).
+    /// Hands a dead letter to the vhost's service connection, whose outcome then comes back
+    /// through `service_outcomes`; `false` when the service cannot take it (none, or its
+    /// queue is full).
     fn publish_via_service(
         &mut self,
         op_id: OpId,
         message: &OutgoingMessage,
         delay_ms: Option<u64>,
-    ) {
+    ) -> bool {
         let request = PublishRequest {
             op: op_id,
             message: message.clone(),
             delay_ms,
             reply: self.service_outcomes.0.clone(),
         };
-        let taken = self
-            .service
+        self.service
             .as_ref()
-            .is_some_and(|s| s.publishes.try_send(request).is_ok());
-        if !taken {
-            let _ = self
-                .service_outcomes
-                .0
-                .send((op_id, Outcome::Failed(SERVICE_UNAVAILABLE)));
-        }
+            .is_some_and(|s| s.publishes.try_send(request).is_ok())
     }
 
     /// The service user may not publish a dead letter given to it only to spare a consumer's
@@ -1271,6 +1288,7 @@ impl ClientSession {
             };
             if let Some(close) = parked {
                 self.forward_channel_close(channel, close);
+                self.parked_close_gone();
             }
         }
         self.maybe_finish_draining();

@@ -11,7 +11,8 @@
 //! still: the dead letter is published once, not again on every timeout. A connection that
 //! publishes is blocked whoever publishes on it; its dead letters go on it as before, with
 //! their confirm deadlines stopped between RabbitMQ's connection.blocked and
-//! connection.unblocked, which the client hears too.
+//! connection.unblocked, which the client hears too. A client's close waits for its dead
+//! letters at most the confirm timeout, not the whole alarm.
 
 use std::time::Duration;
 
@@ -96,6 +97,41 @@ async fn node_and_proxy(tag: &'static str) -> (RabbitNode, TestProxy) {
     (node, proxy)
 }
 
+/// A connection through `proxy` and a channel on it that declared a queue dead-lettering
+/// into a DLQ (through a direct exchange): (connection, channel, DLQ, queue).
+async fn dead_lettering_queue(
+    proxy: &TestProxy,
+) -> (lapin::Connection, lapin::Channel, String, String) {
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let (dlx, dlq, q) = (unique("alarm-dlx"), unique("alarm-dlq"), unique("alarm-q"));
+    declare_dlx(&ch, &dlx, &dlq).await;
+    declare_dead_lettering(&ch, &q, &dlx, &dlq).await;
+    (conn, ch, dlq, q)
+}
+
+/// Raises the node's memory alarm, rejects delivery `tag` on `ch` (without requeue) and waits
+/// until RabbitMQ blocks the `connection` ("client" or "service") its dead letter went on.
+async fn reject_during_alarm(
+    node: &RabbitNode,
+    proxy: &TestProxy,
+    ch: &lapin::Channel,
+    tag: u64,
+    connection: &str,
+) {
+    tokio::task::block_in_place(|| memory_alarm(node, true));
+    ch.basic_reject(tag, BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    proxy
+        .wait_gauge(
+            "upstream_connections_blocked",
+            &[("connection", connection)],
+            1.0,
+        )
+        .await;
+}
+
 /// The one dead letter in `dlq`: "dead", rejected in `q` once.
 async fn landed_once(ch: &lapin::Channel, dlq: &str, q: &str) {
     let dead = get_one(ch, dlq).await;
@@ -112,11 +148,7 @@ async fn landed_once(ch: &lapin::Channel, dlq: &str, q: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_that_rejects_during_an_alarm_goes_on_acking_and_its_dead_letter_lands_once() {
     let (node, proxy) = node_and_proxy("alarm-c").await;
-    let admin = proxy.connect().await;
-    let ach = admin.create_channel().await.unwrap();
-    let (dlx, dlq, q) = (unique("alarm-dlx"), unique("alarm-dlq"), unique("alarm-q"));
-    declare_dlx(&ach, &dlx, &dlq).await;
-    declare_dead_lettering(&ach, &q, &dlx, &dlq).await;
+    let (admin, ach, dlq, q) = dead_lettering_queue(&proxy).await;
     crate::common::dl::publish(&ach, &q, &["dead", "ok-1", "ok-2"]).await;
 
     // A consume-only connection: it never publishes.
@@ -188,25 +220,11 @@ async fn a_consumer_that_rejects_during_an_alarm_goes_on_acking_and_its_dead_let
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publishers_dead_letter_during_an_alarm_waits_for_the_unblock_and_lands_once() {
     let (node, proxy) = node_and_proxy("alarm-p").await;
-    let conn = proxy.connect().await;
-    let ch = conn.create_channel().await.unwrap();
-    let (dlx, dlq, q) = (unique("alarm-dlx"), unique("alarm-dlq"), unique("alarm-q"));
-    declare_dlx(&ch, &dlx, &dlq).await;
-    declare_dead_lettering(&ch, &q, &dlx, &dlq).await;
+    let (conn, ch, dlq, q) = dead_lettering_queue(&proxy).await;
     crate::common::dl::publish(&ch, &q, &["dead"]).await;
     let tag = get_one(&ch, &q).await.delivery_tag;
 
-    tokio::task::block_in_place(|| memory_alarm(&node, true));
-    ch.basic_reject(tag, BasicRejectOptions { requeue: false })
-        .await
-        .unwrap();
-    proxy
-        .wait_gauge(
-            "upstream_connections_blocked",
-            &[("connection", "client")],
-            1.0,
-        )
-        .await;
+    reject_during_alarm(&node, &proxy, &ch, tag, "client").await;
     let told = poll(
         Duration::from_secs(10),
         Duration::from_millis(50),
@@ -239,5 +257,33 @@ async fn a_publishers_dead_letter_during_an_alarm_waits_for_the_unblock_and_land
         0.0
     );
     let _ = conn.close(200, "done".into()).await;
+    proxy.stop().await;
+}
+
+/// A consumer that closes its channel during an alarm, with a dead letter stuck on the
+/// blocked service connection: the close waits `proxy.confirm_timeout_secs` at most, not the
+/// alarm out. The original goes back to its queue; the dead letter lands too once the alarm
+/// clears (a duplicate, never a loss).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_closing_during_an_alarm_is_not_held_until_it_clears() {
+    let (node, proxy) = node_and_proxy("alarm-x").await;
+    let (admin, ach, dlq, q) = dead_lettering_queue(&proxy).await;
+    crate::common::dl::publish(&ach, &q, &["dead"]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut deliveries = consumer(&ch, &q, "alarm-closer").await;
+    let tag = next(&mut deliveries).await.delivery_tag;
+
+    reject_during_alarm(&node, &proxy, &ch, tag, "service").await;
+    tokio::time::timeout(Duration::from_secs(5), ch.close(200, "bye".into()))
+        .await
+        .expect("channel.close answered during the alarm")
+        .unwrap();
+    wait_counts(&node, &q, 1, 0).await;
+    tokio::task::block_in_place(|| memory_alarm(&node, false));
+    wait_counts(&node, &dlq, 1, 0).await;
+    landed_once(&ach, &dlq, &q).await;
+    let _ = conn.close(200, "done".into()).await;
+    let _ = admin.close(200, "done".into()).await;
     proxy.stop().await;
 }

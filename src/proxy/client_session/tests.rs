@@ -795,6 +795,7 @@ impl Harness {
         let (status, receiver) = tokio::sync::watch::channel(crate::proxy::service::Status {
             declared: true,
             consuming: true,
+            blocked: false,
         });
         self.session.capture_status = Some(receiver);
         self.session.service = Some(crate::proxy::service::ServiceHandle {
@@ -1178,15 +1179,7 @@ async fn client_reads_pause_while_too_many_requests_wait_for_their_answers() {
     h.client_sends(get.clone());
     assert!(!h.session.wants_client_frames());
     // The channel closes with its requests unanswered: their places are free again.
-    h.client_sends(method_frame(
-        1,
-        AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
-            reply_code: 200,
-            reply_text: "bye".into(),
-            class_id: 0,
-            method_id: 0,
-        })),
-    ));
+    h.client_sends(channel_1_close());
     h.upstream_sends(method_frame(
         1,
         AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
@@ -1196,6 +1189,19 @@ async fn client_reads_pause_while_too_many_requests_wait_for_their_answers() {
         "the closed channel's places are free"
     );
     assert_eq!(h.session.pending_answers, 0);
+}
+
+/// The client's channel.close of channel 1.
+fn channel_1_close() -> Bytes {
+    method_frame(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+            reply_code: 200,
+            reply_text: "bye".into(),
+            class_id: 0,
+            method_id: 0,
+        })),
+    )
 }
 
 /// A basic.reject of `tag` on channel 1, without requeue.
@@ -1415,16 +1421,22 @@ async fn a_client_gets_the_proxys_heartbeats_while_upstream_reads_are_paused() {
 
 // ---- a consumer's dead letters and the service connection -------------------------------
 
-/// [`consuming`] from a queue with dead-letter exchange "dlx" with a running service
-/// connection; the client published on channel 1 first when `published`, then rejects
-/// delivery 7.
-async fn rejected_with_service(published: bool) -> (Harness, u16, ServiceEnd) {
+/// [`consuming`] from a queue with dead-letter exchange "dlx", given a running service
+/// connection once open.
+async fn consuming_with_service() -> (Harness, u16, ServiceEnd) {
     let dlx = (
         "x-dead-letter-exchange",
         AMQPValue::LongString("dlx".into()),
     );
     let (mut h, publisher) = consuming(std::slice::from_ref(&dlx)).await;
     let service = h.with_service();
+    (h, publisher, service)
+}
+
+/// [`consuming_with_service`]; the client published on channel 1 first when `published`,
+/// then rejects delivery 7.
+async fn rejected_with_service(published: bool) -> (Harness, u16, ServiceEnd) {
+    let (mut h, publisher, service) = consuming_with_service().await;
     if published {
         let mut publish = BytesMut::from(
             &method_frame(
@@ -1502,12 +1514,7 @@ async fn a_client_that_published_dead_letters_on_its_own_connection() {
 
 #[tokio::test]
 async fn a_consumers_dead_letter_goes_on_its_own_connection_while_the_service_is_away() {
-    let dlx = (
-        "x-dead-letter-exchange",
-        AMQPValue::LongString("dlx".into()),
-    );
-    let (mut h, publisher) = consuming(std::slice::from_ref(&dlx)).await;
-    let mut service = h.with_service();
+    let (mut h, publisher, mut service) = consuming_with_service().await;
     service.status.send_modify(|s| s.consuming = false);
     h.client_sends(reject(7));
     let (exchange, _, _) = published(&h.upstream_got_frames(), publisher);
@@ -1632,4 +1639,88 @@ async fn the_upstream_is_asked_for_blocked_notifications_whether_or_not_the_clie
     let (upstream, as_sent, passed_on) = start_ok_upstream(properties);
     assert!(asks_for_blocked(&upstream));
     assert!(as_sent && passed_on);
+}
+
+#[tokio::test]
+async fn a_consumers_dead_letter_goes_on_its_own_connection_when_the_services_queue_is_full() {
+    let (mut h, publisher, mut service) = consuming_with_service().await;
+    fill_service_queue(&h);
+    // Not held for a retry: published at once where it would have been before.
+    h.client_sends(reject(7));
+    let (exchange, _, _) = published(&h.upstream_got_frames(), publisher);
+    assert_eq!(exchange, "dlx");
+    assert!(metric_line(
+        &h,
+        "dlx_proxy_consumer_dead_letters_by_service_total 0"
+    ));
+    assert!(h.session.held.is_empty());
+    while let Some(request) = handed(&mut service) {
+        assert_eq!(request.message.exchange, "other");
+    }
+}
+
+/// Fills the service connection's queue of the session in `h` with other dead letters.
+fn fill_service_queue(h: &Harness) {
+    let handle = h.session.service.clone().unwrap();
+    let (reply, _) = tokio::sync::mpsc::unbounded_channel();
+    let mut op = 1000;
+    while handle
+        .publishes
+        .try_send(crate::proxy::service::link::PublishRequest {
+            op,
+            message: crate::proxy::publisher::OutgoingMessage {
+                exchange: "other".into(),
+                routing_key: "k".into(),
+                raw_properties: Bytes::from_static(&[0, 0]),
+                body: Bytes::new(),
+            },
+            delay_ms: None,
+            reply: reply.clone(),
+        })
+        .is_ok()
+    {
+        op += 1;
+    }
+}
+
+#[tokio::test]
+async fn while_the_service_connection_is_blocked_a_consumers_dead_letter_waits_for_it() {
+    // Its queue filled because RabbitMQ blocks it: the client's connection would be blocked
+    // as well, so the dead letter is held for a retry, not published there.
+    let (mut h, _, service) = consuming_with_service().await;
+    service.status.send_modify(|s| s.blocked = true);
+    fill_service_queue(&h);
+    h.client_sends(reject(7));
+    assert!(
+        h.upstream_got().is_empty(),
+        "nothing on the client's connection"
+    );
+    let (op, outcome) = h.session.service_outcomes.1.try_recv().unwrap();
+    h.session.complete_op(op, outcome);
+    assert_eq!(h.session.held.len(), 1, "held for a retry");
+    assert!(h.upstream_got().is_empty());
+}
+
+#[tokio::test]
+async fn a_close_parked_behind_a_service_publish_goes_on_after_the_confirm_timeout() {
+    let (mut h, _, mut service) = rejected_with_service(false).await;
+    let request = handed(&mut service).expect("handed to the service connection");
+    // The client closes its channel: parked while the dead letter is out.
+    h.client_sends(channel_1_close());
+    assert!(h.upstream_got().is_empty(), "parked");
+    let deadline = h
+        .session
+        .next_deadline()
+        .expect("the parked close's deadline");
+    assert_eq!(deadline, h.now + h.session.shared.confirm_timeout);
+    h.at(deadline);
+    // Abandoned: the close goes upstream, which requeues the original.
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Channel(channel::AMQPMethod::Close(_)))]
+    ));
+    // A late confirm settles nothing.
+    h.session.complete_op(request.op, Outcome::Confirmed);
+    assert!(h.upstream_got().is_empty());
+    assert_eq!(h.session.next_deadline(), None);
 }

@@ -69,6 +69,8 @@ pub struct Status {
     pub declared: bool,
     /// The capture consumer runs now.
     pub consuming: bool,
+    /// RabbitMQ holds the connection blocked (a resource alarm): what is handed to it waits.
+    pub blocked: bool,
 }
 
 struct Entry {

@@ -92,7 +92,10 @@ pub(super) async fn run(
             &mut shutdown,
         )
         .await;
-        status.send_modify(|s| s.consuming = false);
+        status.send_modify(|s| {
+            s.consuming = false;
+            s.blocked = false;
+        });
         shared.services.consumer_changed();
         metrics.set_capture_consumer(&vhost, false);
         let why = match end {
@@ -363,10 +366,12 @@ impl Connection<'_> {
                          wait until it clears"
                     );
                     self.link.blocked(self.shared, now);
+                    self.status.send_modify(|s| s.blocked = true);
                 }
                 CONNECTION_UNBLOCKED => {
                     tracing::info!(vhost = self.vhost, "service connection unblocked");
                     self.link.unblocked(self.shared, now);
+                    self.status.send_modify(|s| s.blocked = false);
                 }
                 _ => {}
             }
