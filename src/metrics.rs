@@ -498,8 +498,9 @@ impl Metrics {
             consumer_dead_letters_by_service: b.counter(
                 "consumer_dead_letters_by_service_total",
                 "Dead letters and delivery-limit requeues (proxy mode) of client connections \
-                 that never published, published by the vhost's service connection so that a \
-                 RabbitMQ resource alarm never blocks a consumer's connection.",
+                 that never published, handed to the vhost's service connection to publish so \
+                 that a RabbitMQ resource alarm never blocks a consumer's connection (one the \
+                 service user is refused goes back to the client's connection).",
             )?,
             upstream_connections_blocked: b.gauge_vec(
                 "upstream_connections_blocked",

@@ -183,10 +183,13 @@ pub(super) struct ClientSession {
     /// The client's basic.gets and queue.declares (not nowait) whose answer has not come back
     /// from the upstream, on all channels; client reads pause at [`MAX_PENDING_ANSWERS`].
     pub(super) pending_answers: usize,
-    /// The client's connection.close, held until the proxy's own work is settled.
+    /// The client's connection.close, held until the proxy's own work is settled, or until
+    /// `parked_connection_until`.
     pub(super) parked_connection_close: Option<Bytes>,
-    /// Until when a parked close (the connection's, or a channel's) waits for the proxy's
-    /// publishes; then they are abandoned and the close goes on ([`Self::parked_closes_due`]).
+    pub(super) parked_connection_until: Option<Instant>,
+    /// The earliest time a parked close (the connection's, or a channel's) stops waiting for
+    /// the proxy's publishes: they are abandoned then and the close goes on
+    /// ([`Self::parked_closes_due`]).
     pub(super) parked_close_deadline: Option<Instant>,
     pub(super) shutdown_seen: bool,
     pub(super) counts: MessageCounts,
@@ -267,6 +270,7 @@ impl ClientSession {
             held: RetrySchedule::new(backoff),
             pending_answers: 0,
             parked_connection_close: None,
+            parked_connection_until: None,
             parked_close_deadline: None,
             shutdown_seen: false,
             counts: MessageCounts::default(),
@@ -731,7 +735,7 @@ impl ClientSession {
         }
         if let Some(close) = self.parked_connection_close.take() {
             self.forward_client_connection_close(close);
-            self.parked_close_gone();
+            self.refresh_parked_deadline();
         }
     }
 
@@ -816,46 +820,59 @@ impl ClientSession {
         self.abandon_all_ops();
     }
 
-    /// Notes that a close was parked behind the proxy's publishes: it waits for them at most
-    /// `proxy.confirm_timeout_secs` from the first parked close. They can take longer: while
-    /// RabbitMQ blocks the connection that publishes them (a resource alarm) their confirm
-    /// deadlines stand still, and one the service connection publishes has none here.
-    pub(super) fn close_parked(&mut self) {
-        if self.parked_close_deadline.is_none() {
-            self.parked_close_deadline = Some(self.now + self.shared.confirm_timeout);
-        }
+    /// Until when a close parked now waits for the proxy's publishes:
+    /// `proxy.confirm_timeout_secs`. They can take longer: while RabbitMQ blocks the
+    /// connection that publishes them (a resource alarm) their confirm deadlines stand still,
+    /// and one the service connection publishes has none here.
+    pub(super) fn parked_until(&self) -> Instant {
+        self.now + self.shared.confirm_timeout
     }
 
-    /// A parked close went on: the deadline goes with the last one.
-    pub(super) fn parked_close_gone(&mut self) {
-        if self.parked_connection_close.is_none()
-            && self.channels.values().all(|ch| ch.parked_close.is_none())
-        {
-            self.parked_close_deadline = None;
-        }
+    /// Recomputes the earliest deadline of the parked closes (call when one is parked or
+    /// goes on).
+    pub(super) fn refresh_parked_deadline(&mut self) {
+        let channels = self
+            .channels
+            .values()
+            .filter(|ch| ch.parked_close.is_some())
+            .filter_map(|ch| ch.parked_until);
+        let connection = self
+            .parked_connection_close
+            .as_ref()
+            .and(self.parked_connection_until);
+        self.parked_close_deadline = channels.chain(connection).min();
     }
 
-    /// A parked close waited long enough: the publishes it waits for are abandoned (the close
-    /// requeues their originals upstream; one that still lands is a duplicate, never a loss),
-    /// and the close goes on.
+    /// Parked closes whose deadline passed: the publishes they wait for are abandoned (the
+    /// close requeues their originals upstream; one that still lands is a duplicate, never a
+    /// loss), and the closes go on. Not while RabbitMQ blocks this connection: it would read
+    /// the close no sooner than the confirms, so they are waited for a while longer.
     fn parked_closes_due(&mut self, now: Instant) {
-        let Some(deadline) = self.parked_close_deadline else {
-            return;
-        };
-        if now < deadline {
+        if self.parked_close_deadline.is_none_or(|at| now < at) {
             return;
         }
-        self.parked_close_deadline = None;
-        let whole_connection = self.parked_connection_close.is_some();
+        if self.upstream_blocked {
+            self.parked_close_deadline = Some(now + self.shared.confirm_timeout);
+            return;
+        }
+        let whole_connection = self.parked_connection_close.is_some()
+            && self.parked_connection_until.is_some_and(|at| at <= now);
+        let due: Vec<(u16, u64)> = self
+            .channels
+            .keys()
+            .filter_map(|number| {
+                let ch = self.channels.get(&number)?;
+                (ch.parked_close.is_some() && ch.parked_until.is_some_and(|at| at <= now))
+                    .then_some((number, ch.id))
+            })
+            .collect();
         let stuck: Vec<OpId> = self
             .ops
             .iter()
             .filter(|(_, op)| {
                 whole_connection
                     || matches!(op.origin, Origin::Client { channel, channel_id, .. }
-                    if self.channels.get(&channel).is_some_and(|ch| {
-                        ch.id == channel_id && ch.parked_close.is_some()
-                    }))
+                        if due.contains(&(channel, channel_id)))
             })
             .map(|(id, _)| *id)
             .collect();
@@ -871,6 +888,11 @@ impl ClientSession {
             self.abandon_op(op);
         }
         self.maybe_finish_draining();
+        self.refresh_parked_deadline();
+        if self.parked_close_deadline.is_some_and(|at| at <= now) {
+            // Nothing left to abandon for it (cannot happen): never a deadline in the past.
+            self.parked_close_deadline = Some(now + self.shared.confirm_timeout);
+        }
     }
 
     /// Releases everything the connection still holds (gauges).

@@ -96,6 +96,7 @@ impl ClientSession {
         self.count_returns(channel);
         self.let_go_held_of_channel(channel);
         let upstream_close = close(200, "consumer timeout");
+        let until = self.parked_until();
         let Some(ch) = self.channels.get_mut(&channel) else {
             return;
         };
@@ -103,7 +104,8 @@ impl ClientSession {
         ch.closed_for_client = Some((false, false));
         if ch.ops > 0 {
             ch.parked_close = Some(upstream_close);
-            self.close_parked();
+            ch.parked_until = Some(until);
+            self.refresh_parked_deadline();
         } else {
             self.forward_channel_close(channel, upstream_close);
         }
@@ -158,6 +160,12 @@ impl ClientSession {
         match frame.method_ids() {
             CHANNEL_CLOSE => {
                 self.send_upstream(channel_close_ok(channel));
+                // The proxy's own close, parked behind its publishes, must not follow.
+                if let Some(ch) = self.channels.get_mut(&channel)
+                    && ch.parked_close.take().is_some()
+                {
+                    self.refresh_parked_deadline();
+                }
                 self.upstream_closed(channel, client_ok);
             }
             CHANNEL_CLOSE_OK => self.upstream_closed(channel, client_ok),

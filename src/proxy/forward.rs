@@ -318,7 +318,8 @@ impl ClientSession {
                 self.forward_client_connection_close(frame.raw);
             } else {
                 self.parked_connection_close = Some(frame.raw);
-                self.close_parked();
+                self.parked_connection_until = Some(self.parked_until());
+                self.refresh_parked_deadline();
             }
             return;
         }
@@ -682,10 +683,12 @@ impl ClientSession {
                 // originals. Publishes awaiting their confirm are waited for.
                 self.let_go_held_of_channel(channel);
                 let busy = self.channels.get(&channel).is_some_and(|ch| ch.ops > 0);
+                let until = self.parked_until();
                 match self.channels.get_mut(&channel) {
                     Some(ch) if busy => {
                         ch.parked_close = Some(frame.raw);
-                        self.close_parked();
+                        ch.parked_until = Some(until);
+                        self.refresh_parked_deadline();
                     }
                     _ => self.forward_channel_close(channel, frame.raw),
                 }
@@ -1022,6 +1025,7 @@ impl ClientSession {
             if parked.is_some() {
                 self.send_client(channel_close_ok(channel));
                 self.remove_channel(channel);
+                self.refresh_parked_deadline();
             }
             return;
         }

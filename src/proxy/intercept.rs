@@ -992,7 +992,8 @@ impl ClientSession {
                     .0
                     .send((op_id, Outcome::Failed(SERVICE_UNAVAILABLE)));
             }
-        } else if op.spares_consumer && op.refusals == 0 {
+        } else if op.spares_consumer && !op.spared {
+            op.spared = true;
             self.shared.metrics.consumer_dead_letter_by_service();
         }
         let published = if op.via_service {
@@ -1288,7 +1289,7 @@ impl ClientSession {
             };
             if let Some(close) = parked {
                 self.forward_channel_close(channel, close);
-                self.parked_close_gone();
+                self.refresh_parked_deadline();
             }
         }
         self.maybe_finish_draining();

@@ -65,6 +65,8 @@ pub struct Op {
     /// published on the client's connection after all when a retry finds the service
     /// connection down.
     pub spares_consumer: bool,
+    /// The service connection took it once for that reason (counted then).
+    pub spared: bool,
 }
 
 impl Op {
@@ -86,6 +88,7 @@ impl Op {
             charged: 0,
             via_service: false,
             spares_consumer: false,
+            spared: false,
         }
     }
 

@@ -947,8 +947,13 @@ fn client_arguments(dlx: &str) -> FieldTable {
 
 /// basic.consume from "q" on channel 1.
 fn consume_q() -> Bytes {
+    consume_q_on(1)
+}
+
+/// basic.consume of "q" (consumer tag "ctag") on `channel`.
+fn consume_q_on(channel: u16) -> Bytes {
     method_frame(
-        1,
+        channel,
         AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
             queue: "q".into(),
             consumer_tag: "ctag".into(),
@@ -1193,8 +1198,13 @@ async fn client_reads_pause_while_too_many_requests_wait_for_their_answers() {
 
 /// The client's channel.close of channel 1.
 fn channel_1_close() -> Bytes {
+    channel_close(1)
+}
+
+/// The client's channel.close of `channel`.
+fn channel_close(channel: u16) -> Bytes {
     method_frame(
-        1,
+        channel,
         AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
             reply_code: 200,
             reply_text: "bye".into(),
@@ -1723,4 +1733,89 @@ async fn a_close_parked_behind_a_service_publish_goes_on_after_the_confirm_timeo
     h.session.complete_op(request.op, Outcome::Confirmed);
     assert!(h.upstream_got().is_empty());
     assert_eq!(h.session.next_deadline(), None);
+}
+
+#[tokio::test]
+async fn each_parked_close_waits_its_own_confirm_timeout() {
+    // Channel 1's close is parked first, channel 2's later: each gives up on its own
+    // publishes at its own deadline, not at the first one.
+    let (mut h, _, mut service) = rejected_with_service(false).await;
+    let first = handed(&mut service).expect("channel 1's dead letter");
+    h.client_sends(method_frame(
+        2,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    ));
+    h.upstream_sends(method_frame(
+        2,
+        AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+    ));
+    h.client_sends(consume_q_on(2));
+    h.upstream_sends(method_frame(
+        2,
+        AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
+            consumer_tag: "ctag".into(),
+        })),
+    ));
+    h.upstream_sends(delivery(2, 8, "q"));
+    h.upstream_got();
+    h.client_got();
+    let timeout = h.session.shared.confirm_timeout;
+    let start = h.now;
+    h.client_sends(channel_1_close());
+    h.at(start + timeout - Duration::from_secs(1));
+    h.client_sends(method_frame(
+        2,
+        AMQPClass::Basic(basic::AMQPMethod::Reject(basic::Reject {
+            delivery_tag: 8,
+            requeue: false,
+        })),
+    ));
+    let second = handed(&mut service).expect("channel 2's dead letter");
+    h.client_sends(channel_close(2));
+    assert!(h.upstream_got().is_empty(), "both parked");
+    h.at(start + timeout);
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Channel(channel::AMQPMethod::Close(_)))]
+    ));
+    assert_eq!(
+        h.session.next_deadline(),
+        Some(start + timeout - Duration::from_secs(1) + timeout)
+    );
+    // Channel 2's publish is confirmed in time: its original is acked, then its close goes.
+    h.session.complete_op(second.op, Outcome::Confirmed);
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [
+            (2, AMQPClass::Basic(basic::AMQPMethod::Ack(a))),
+            (2, AMQPClass::Channel(channel::AMQPMethod::Close(_)))
+        ] if a.delivery_tag == 8
+    ));
+    h.session.complete_op(first.op, Outcome::Confirmed);
+    assert!(h.upstream_got().is_empty(), "channel 1's was abandoned");
+    assert_eq!(h.session.next_deadline(), None);
+}
+
+#[tokio::test]
+async fn a_close_parked_on_a_blocked_connection_waits_for_the_unblock() {
+    // RabbitMQ would read the close no sooner than the confirm: nothing is abandoned.
+    let (mut h, publisher) = rejected().await;
+    h.upstream_got();
+    h.upstream_sends(blocked_frame(true));
+    h.client_sends(channel_1_close());
+    // The connection loop's turn notes the pause.
+    let _ = h.session.next_deadline();
+    let start = h.now;
+    h.at(start + h.session.shared.confirm_timeout);
+    assert!(h.upstream_got().is_empty(), "not abandoned while blocked");
+    assert!(h.session.next_deadline().is_some_and(|at| at > h.now));
+    h.upstream_sends(blocked_frame(false));
+    h.upstream_sends(confirm(publisher, 1));
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [
+            (1, AMQPClass::Basic(basic::AMQPMethod::Ack(a))),
+            (1, AMQPClass::Channel(channel::AMQPMethod::Close(_)))
+        ] if a.delivery_tag == 7
+    ));
 }
