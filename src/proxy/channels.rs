@@ -259,9 +259,9 @@ pub struct ClientChannel {
     pub deferred_upstream: Vec<Bytes>,
     /// Frames for the client held until the upstream's content sequence ends.
     pub deferred_client: Vec<Bytes>,
-    /// The client's channel.close, held until `ops` reaches 0 ...
+    /// The client's channel.close, held until `ops` reaches 0 or `parked_until` passes.
     pub parked_close: Option<Bytes>,
-    /// ... or until then (`proxy.confirm_timeout_secs` after it was parked).
+    /// When a parked close stops waiting (`proxy.confirm_timeout_secs` after it was parked).
     pub parked_until: Option<std::time::Instant>,
     /// The proxy closed this channel towards the client (a consumer timeout) and closes it
     /// upstream as if the client had: `(client's close-ok seen, upstream's close-ok seen)`;

@@ -824,7 +824,7 @@ impl ClientSession {
     /// `proxy.confirm_timeout_secs`. They can take longer: while RabbitMQ blocks the
     /// connection that publishes them (a resource alarm) their confirm deadlines stand still,
     /// and one the service connection publishes has none here.
-    pub(super) fn parked_until(&self) -> Instant {
+    pub(super) fn close_wait_deadline(&self) -> Instant {
         self.now + self.shared.confirm_timeout
     }
 
@@ -859,12 +859,11 @@ impl ClientSession {
             && self.parked_connection_until.is_some_and(|at| at <= now);
         let due: Vec<(u16, u64)> = self
             .channels
-            .keys()
-            .filter_map(|number| {
-                let ch = self.channels.get(&number)?;
-                (ch.parked_close.is_some() && ch.parked_until.is_some_and(|at| at <= now))
-                    .then_some((number, ch.id))
+            .iter()
+            .filter(|(_, ch)| {
+                ch.parked_close.is_some() && ch.parked_until.is_some_and(|at| at <= now)
             })
+            .map(|(number, ch)| (number, ch.id))
             .collect();
         let stuck: Vec<OpId> = self
             .ops

@@ -96,7 +96,7 @@ impl ClientSession {
         self.count_returns(channel);
         self.let_go_held_of_channel(channel);
         let upstream_close = close(200, "consumer timeout");
-        let until = self.parked_until();
+        let until = self.close_wait_deadline();
         let Some(ch) = self.channels.get_mut(&channel) else {
             return;
         };

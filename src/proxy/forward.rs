@@ -318,7 +318,7 @@ impl ClientSession {
                 self.forward_client_connection_close(frame.raw);
             } else {
                 self.parked_connection_close = Some(frame.raw);
-                self.parked_connection_until = Some(self.parked_until());
+                self.parked_connection_until = Some(self.close_wait_deadline());
                 self.refresh_parked_deadline();
             }
             return;
@@ -683,7 +683,7 @@ impl ClientSession {
                 // originals. Publishes awaiting their confirm are waited for.
                 self.let_go_held_of_channel(channel);
                 let busy = self.channels.get(&channel).is_some_and(|ch| ch.ops > 0);
-                let until = self.parked_until();
+                let until = self.close_wait_deadline();
                 match self.channels.get_mut(&channel) {
                     Some(ch) if busy => {
                         ch.parked_close = Some(frame.raw);

@@ -1819,3 +1819,25 @@ async fn a_close_parked_on_a_blocked_connection_waits_for_the_unblock() {
         ] if a.delivery_tag == 7
     ));
 }
+
+#[tokio::test]
+async fn a_start_ok_that_would_outgrow_the_handshake_frame_goes_as_it_is() {
+    // 4096 bytes is the frame every peer accepts before tune: a start-ok just under it is
+    // not made larger than that to add the capability.
+    let mut properties = FieldTable::default();
+    properties.insert(
+        "information".into(),
+        AMQPValue::LongString("i".repeat(4010).into()),
+    );
+    let (upstream, as_sent, _) = start_ok_upstream(properties.clone());
+    assert!(as_sent);
+    assert!(!asks_for_blocked(&upstream));
+    // With room for it, the capability is added.
+    properties.insert(
+        "information".into(),
+        AMQPValue::LongString("i".repeat(3900).into()),
+    );
+    let (upstream, as_sent, _) = start_ok_upstream(properties);
+    assert!(!as_sent);
+    assert!(asks_for_blocked(&upstream));
+}
