@@ -22,7 +22,7 @@ use super::declare::{
     upstream_declare,
 };
 use super::inflight::{KeptDelivery, KeptMessage, NativeSettle, SettlementPlan, Verb};
-use super::ops::{Op, Origin, Purpose, Settlement};
+use super::ops::{Op, Origin, Purpose, Route, Settlement};
 use super::outgoing::{delivery_routing_keys, requeue_publish};
 use super::pending::{HeldDeclare, PendingCheck, PendingRead};
 use super::permission::{self, Permission};
@@ -914,7 +914,7 @@ impl ClientSession {
                 // The vhost's service connection declares the delay queue and publishes.
                 let purpose = Purpose::RetryHold { tier, delay_ms };
                 let mut op = Op::new(origin, purpose, death.queue, message, self.now);
-                op.via_service = true;
+                op.route = Route::Service;
                 self.start_op(op);
             }
             RetryPlan::Exhausted => {
@@ -962,14 +962,12 @@ impl ClientSession {
             self.charge_inflight(op.charged);
             self.dead_letter_bytes += op.charged;
             if self.spares_consumer_connection(&op) {
-                op.via_service = true;
-                op.spares_consumer = true;
+                op.route = Route::SparingConsumer;
             }
-        } else if op.spares_consumer && !self.service_consuming() {
+        } else if op.route == Route::SparingConsumer && !self.service_consuming() {
             // A retry while the service connection is away: the client's connection publishes
             // rather than leave it waiting in the service's queue.
-            op.via_service = false;
-            op.spares_consumer = false;
+            op.route = Route::Client;
         }
         let op_id = self.next_op;
         self.next_op += 1;
@@ -977,14 +975,13 @@ impl ClientSession {
             Purpose::RetryHold { delay_ms, .. } => Some(delay_ms),
             _ => None,
         };
-        if op.via_service && !self.publish_via_service(op_id, &op.message, delay_ms) {
-            if op.spares_consumer && !self.service_blocked() {
+        if op.route.is_service() && !self.publish_via_service(op_id, &op.message, delay_ms) {
+            if op.route == Route::SparingConsumer && !self.service_blocked() {
                 // The service connection's queue is full: the client's connection publishes
                 // rather than hold the dead letter for a retry. Not while RabbitMQ blocks the
                 // service connection (that is why its queue filled): the client's would be
                 // blocked too, consumer and all; the dead letter is retried after a backoff.
-                op.via_service = false;
-                op.spares_consumer = false;
+                op.route = Route::Client;
             } else {
                 // It must go through the service connection: failed at once, to be retried.
                 let _ = self
@@ -992,11 +989,11 @@ impl ClientSession {
                     .0
                     .send((op_id, Outcome::Failed(SERVICE_UNAVAILABLE)));
             }
-        } else if op.spares_consumer && !op.spared {
+        } else if op.route == Route::SparingConsumer && !op.spared {
             op.spared = true;
             self.shared.metrics.consumer_dead_letter_by_service();
         }
-        let published = if op.via_service {
+        let published = if op.route.is_service() {
             Ok(None)
         } else {
             match self.publisher.as_mut() {
@@ -1037,7 +1034,7 @@ impl ClientSession {
     /// Only while the service connection runs (otherwise the client's connection publishes,
     /// as before), and not a message carrying a `user_id` (see [`Self::hand_to_service`]).
     fn spares_consumer_connection(&self, op: &Op) -> bool {
-        !op.via_service
+        op.route == Route::Client
             && !self.client_published
             && self.counts.published == 0
             && matches!(op.origin, Origin::Client { .. })
@@ -1087,7 +1084,7 @@ impl ClientSession {
     /// publishes it, as it would have without the service connection. Returns whether it
     /// was taken back.
     fn take_back_from_service(&mut self, op: &mut Op) -> bool {
-        if !op.spares_consumer {
+        if op.route != Route::SparingConsumer {
             return false;
         }
         tracing::info!(
@@ -1096,8 +1093,7 @@ impl ClientSession {
             exchange = %op.message.exchange,
             "dead-letter exchange refused to the service user: published on the client's connection"
         );
-        op.spares_consumer = false;
-        op.via_service = false;
+        op.route = Route::Client;
         true
     }
 
@@ -1110,7 +1106,7 @@ impl ClientSession {
     /// letter in flight on it; such a message stays held on the client's connection until the
     /// user may publish it (docs/deploy.md). Returns whether it was handed over.
     fn hand_to_service(&mut self, op: &mut Op) -> bool {
-        if op.via_service
+        if op.route.is_service()
             || self.service.is_none()
             || !matches!(op.purpose, Purpose::DeadLetter(_))
             || carries_user_id(&op.message)
@@ -1124,7 +1120,7 @@ impl ClientSession {
             "dead-letter exchange refused to the client's user: published by the service user"
         );
         self.shared.metrics.dead_letter_by_service();
-        op.via_service = true;
+        op.route = Route::Service;
         true
     }
 

@@ -58,15 +58,31 @@ pub struct Op {
     /// Bytes charged against the client connection's inflight bound, from its first publish
     /// until it ends (0: not charged; a service connection's operations never are).
     pub charged: usize,
-    /// Published by the vhost's service connection rather than the client's (its client's
-    /// user may not publish it, or the client's connection is a consumer's; see `intercept`).
-    pub via_service: bool,
-    /// Given to the service connection only to keep the client's connection a consumer's:
-    /// published on the client's connection after all when a retry finds the service
-    /// connection down.
-    pub spares_consumer: bool,
-    /// The service connection took it once for that reason (counted then).
+    /// Which connection publishes it (see `intercept`).
+    pub route: Route,
+    /// The service connection took it once to spare a consumer's connection (counted then).
     pub spared: bool,
+}
+
+/// Which upstream connection publishes an operation of a client session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// The proxy's publisher channel on the client's connection.
+    Client,
+    /// The vhost's service connection, because it must: the client's user was refused the
+    /// dead-letter exchange, or the message goes to a retry tier's delay queue.
+    Service,
+    /// The vhost's service connection, only to keep a consumer's connection a consumer's
+    /// (a resource alarm blocks a connection that publishes): back to the client's
+    /// connection when the service connection cannot take it.
+    SparingConsumer,
+}
+
+impl Route {
+    /// Whether the vhost's service connection publishes it.
+    pub fn is_service(self) -> bool {
+        self != Route::Client
+    }
 }
 
 impl Op {
@@ -86,8 +102,7 @@ impl Op {
             message,
             refusals: 0,
             charged: 0,
-            via_service: false,
-            spares_consumer: false,
+            route: Route::Client,
             spared: false,
         }
     }

@@ -132,6 +132,25 @@ async fn reject_during_alarm(
         .await;
 }
 
+/// The dead letter was published once: two seconds after it landed no copy from a
+/// timed-out confirm follows, and no confirm timed out; then [`landed_once`].
+async fn published_once(
+    node: &RabbitNode,
+    proxy: &TestProxy,
+    ch: &lapin::Channel,
+    dlq: &str,
+    q: &str,
+) {
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = tokio::task::block_in_place(|| counts(node, dlq));
+    assert_eq!(after, Some((1, 0)), "published once");
+    landed_once(ch, dlq, q).await;
+    assert_eq!(
+        proxy.counter("dead_letter_retries_total", &[("reason", "timeout")]),
+        0.0
+    );
+}
+
 /// The one dead letter in `dlq`: "dead", rejected in `q` once.
 async fn landed_once(ch: &lapin::Channel, dlq: &str, q: &str) {
     let dead = get_one(ch, dlq).await;
@@ -200,15 +219,7 @@ async fn a_consumer_that_rejects_during_an_alarm_goes_on_acking_and_its_dead_let
             0.0,
         )
         .await;
-    // Published once: no copy from a timed-out confirm follows.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let after = tokio::task::block_in_place(|| counts(&node, &dlq));
-    assert_eq!(after, Some((1, 0)));
-    landed_once(&ach, &dlq, &q).await;
-    assert_eq!(
-        proxy.counter("dead_letter_retries_total", &[("reason", "timeout")]),
-        0.0
-    );
+    published_once(&node, &proxy, &ach, &dlq, &q).await;
     let _ = conn.close(200, "done".into()).await;
     let _ = admin.close(200, "done".into()).await;
     proxy.stop().await;
@@ -248,14 +259,7 @@ async fn a_publishers_dead_letter_during_an_alarm_waits_for_the_unblock_and_land
         )
         .await;
     assert!(!conn.status().blocked(), "and connection.unblocked");
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let after = tokio::task::block_in_place(|| counts(&node, &dlq));
-    assert_eq!(after, Some((1, 0)), "published once");
-    landed_once(&ch, &dlq, &q).await;
-    assert_eq!(
-        proxy.counter("dead_letter_retries_total", &[("reason", "timeout")]),
-        0.0
-    );
+    published_once(&node, &proxy, &ch, &dlq, &q).await;
     let _ = conn.close(200, "done".into()).await;
     proxy.stop().await;
 }

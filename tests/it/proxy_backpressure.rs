@@ -301,6 +301,44 @@ async fn dead_lettered_once(ch: &lapin::Channel, dlq: &str, q: &str, size: usize
     .await;
 }
 
+/// A queue `<prefix>-…` dead-lettering through a direct exchange into a DLQ: the exchange and
+/// DLQ declared on RabbitMQ directly, the queue through the proxy, which so knows the queue
+/// dead-letters and keeps the content of its deliveries.
+struct DeadLettering {
+    upstream: lapin::Connection,
+    uch: lapin::Channel,
+    conn: lapin::Connection,
+    ch: lapin::Channel,
+    q: String,
+    dlx: String,
+    dlq: String,
+}
+
+impl DeadLettering {
+    async fn declare(proxy: &ProxyProcess, prefix: &str) -> DeadLettering {
+        let upstream = upstream_connection().await;
+        let uch = upstream.create_channel().await.unwrap();
+        let q = unique(prefix);
+        let dlx = unique(&format!("{prefix}-dlx"));
+        let dlq = unique(&format!("{prefix}-dlq"));
+        declare_dlx(&uch, &dlx, &dlq).await;
+        let conn = lapin::Connection::connect(&proxy.uri(), lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        declare_dead_lettering(&ch, &q, &dlx, &dlq).await;
+        DeadLettering {
+            upstream,
+            uch,
+            conn,
+            ch,
+            q,
+            dlx,
+            dlq,
+        }
+    }
+}
+
 /// RabbitMQ's (messages_ready, messages_unacknowledged) of a queue.
 fn upstream_queue_counts(queue: &str) -> (u64, u64) {
     let out = rabbitmqctl(&[
@@ -525,19 +563,15 @@ async fn unacked_deliveries_stop_at_the_inflight_bound_until_acked() {
     const COUNT: u32 = 160;
     const SIZE: usize = 16 * 1024;
     let proxy = ProxyProcess::start(false).await;
-    let upstream = upstream_connection().await;
-    let uch = upstream.create_channel().await.unwrap();
-    let q = unique("bp-kept");
-    let dlx = unique("bp-kept-dlx");
-    let dlq = unique("bp-kept-dlq");
-    declare_dlx(&uch, &dlx, &dlq).await;
-    // Declared through the proxy, which so knows the queue dead-letters and keeps the
-    // content of its deliveries.
-    let conn = lapin::Connection::connect(&proxy.uri(), lapin::ConnectionProperties::default())
-        .await
-        .unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    declare_dead_lettering(&ch, &q, &dlx, &dlq).await;
+    let DeadLettering {
+        upstream,
+        uch,
+        conn,
+        ch,
+        q,
+        dlx,
+        dlq,
+    } = DeadLettering::declare(&proxy, "bp-kept").await;
     publish_direct(&q, COUNT, SIZE).await;
 
     let sampler = proxy.sampler();
@@ -627,16 +661,15 @@ async fn unacked_deliveries_stop_at_the_inflight_bound_until_acked() {
 async fn a_message_larger_than_the_bound_is_kept_as_its_tag_and_still_dead_lettered() {
     const SIZE: usize = 4 * MAX_INFLIGHT;
     let proxy = ProxyProcess::start(false).await;
-    let upstream = upstream_connection().await;
-    let uch = upstream.create_channel().await.unwrap();
-    let (q, dlx, dlq) = (unique("bp-big"), unique("bp-big-dlx"), unique("bp-big-dlq"));
-    declare_dlx(&uch, &dlx, &dlq).await;
-    let conn = lapin::Connection::connect(&proxy.uri(), lapin::ConnectionProperties::default())
-        .await
-        .unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    // Through the proxy: it knows the queue dead-letters, and would keep content.
-    declare_dead_lettering(&ch, &q, &dlx, &dlq).await;
+    let DeadLettering {
+        upstream,
+        uch,
+        conn,
+        ch,
+        q,
+        dlx,
+        dlq,
+    } = DeadLettering::declare(&proxy, "bp-big").await;
     publish_direct(&q, 2, SIZE).await;
     let mut deliveries = consume(&ch, &q, BasicConsumeOptions::default()).await;
     let first = next(&mut deliveries).await;
