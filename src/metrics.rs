@@ -85,6 +85,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "upstream_connect_attempts_total",
     "upstream_reachable",
     "capture_consumers",
+    "declare_connections",
     "capture_unacked",
     "service_reconnects_total",
     "captured_total",
@@ -319,6 +320,7 @@ pub struct Metrics {
     dead_letter_latency: Histogram,
     message_age_at_dead_letter: Histogram,
     capture_consumers: IntGaugeVec,
+    declare_connections: IntGaugeVec,
     capture_unacked: IntGaugeVec,
     service_reconnects: IntCounterVec,
     captured: IntCounterVec,
@@ -701,6 +703,12 @@ impl Metrics {
                  else 0.",
                 &["vhost"],
             )?,
+            declare_connections: b.gauge_vec(
+                "declare_connections",
+                "Proxy mode: 1 while the vhost's declare connection (the service user's \
+                 connection that checks client declares; it never publishes) is open, else 0.",
+                &["vhost"],
+            )?,
             capture_unacked: b.gauge_vec(
                 "capture_unacked",
                 "Proxy mode: capture deliveries the vhost's service connection holds unacked \
@@ -734,7 +742,7 @@ impl Metrics {
             )?,
             service_declares_refused: b.counter(
                 "service_declares_refused_total",
-                "Proxy mode: client queue.declares whose check the vhost's service connection \
+                "Proxy mode: client queue.declares whose check the vhost's declare connection \
                  could not take (its queue of 1024 waiting declares full, or the connection \
                  gone); the client connection was closed with 320.",
             )?,
@@ -988,6 +996,13 @@ impl Metrics {
         self.service_reconnects.with_label_values(&[vhost]).inc();
     }
 
+    /// Whether the vhost's declare connection is open.
+    pub fn set_declare_connection(&self, vhost: &str, open: bool) {
+        self.declare_connections
+            .with_label_values(&[vhost])
+            .set(i64::from(open));
+    }
+
     /// A service connection for `vhost` started (reconnects counted from 0, outcomes at 0).
     pub fn service_started(&self, vhost: &str) {
         self.service_reconnects.with_label_values(&[vhost]);
@@ -995,6 +1010,7 @@ impl Metrics {
             self.captured.with_label_values(&[vhost, outcome]);
         }
         self.set_capture_consumer(vhost, false);
+        self.set_declare_connection(vhost, false);
         self.capture_unacked.with_label_values(&[vhost]).set(0);
         self.service_vhosts.inc();
     }
@@ -1022,7 +1038,7 @@ impl Metrics {
             .add(change);
     }
 
-    /// A declare could not be handed to the vhost's service connection.
+    /// A declare could not be handed to the vhost's declare connection.
     pub fn service_declare_refused(&self) {
         self.service_declares_refused.inc();
     }

@@ -155,13 +155,14 @@ pub(super) struct ClientSession {
     /// The status of this vhost's service connection (known once the connection is open;
     /// `None` when the vhost has none).
     pub(super) capture_status: Option<watch::Receiver<Status>>,
-    /// How this session reaches the vhost's service connection, for the declares and the
-    /// dead letters it makes for it (`None` when the vhost has no service connection).
+    /// How this session reaches the vhost's service connections: the declare connection for
+    /// the declares, the service connection for the dead letters it publishes for it (`None`
+    /// when the vhost has no service connection).
     pub(super) service: Option<ServiceHandle>,
     /// Where the service connection reports how the dead letters it published for this
     /// session ended (one entry per operation handed to it; see `intercept`).
     pub(super) service_outcomes: (OutcomeSender, mpsc::UnboundedReceiver<(OpId, Outcome)>),
-    /// The answer to the declare the service connection makes now, and until when it is
+    /// The answer to the declare the declare connection makes now, and until when it is
     /// waited for (client reads pause meanwhile).
     pub(super) service_answer: Option<oneshot::Receiver<CheckAnswer>>,
     pub(super) service_deadline: Option<Instant>,

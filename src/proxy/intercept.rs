@@ -290,7 +290,7 @@ impl ClientSession {
         }
     }
 
-    /// Has the vhost's service connection make `declare` (client reads pause until it
+    /// Has the vhost's declare connection make `declare` (client reads pause until it
     /// answers, at most `proxy.capture_ready_timeout_secs`). When it cannot take it (its
     /// queue is full or gone) the client connection is closed with 320 and false returned.
     fn ask_service(&mut self, declare: queue::Declare) -> bool {
@@ -302,7 +302,7 @@ impl ClientSession {
         });
         if !sent {
             self.shared.metrics.service_declare_refused();
-            self.refuse_capture_not_ready("its service connection takes no more declares now");
+            self.refuse_capture_not_ready("its declare connection takes no more declares now");
             return false;
         }
         self.service_answer = Some(receiver);
@@ -310,7 +310,7 @@ impl ClientSession {
         true
     }
 
-    /// The service connection answered (or was lost, `None`): the declare check or the
+    /// The declare connection answered (or was lost, `None`): the declare check or the
     /// read-back goes on.
     pub(super) fn on_service_answer(&mut self, answer: Option<CheckAnswer>) {
         self.service_answer = None;
@@ -318,7 +318,7 @@ impl ClientSession {
         let Some(answer) = answer else {
             self.pending_check = None;
             self.pending_read = None;
-            self.refuse_capture_not_ready("its service connection was lost during a declare");
+            self.refuse_capture_not_ready("its declare connection was lost during a declare");
             return;
         };
         if self.pending_check.is_some() {
@@ -328,7 +328,7 @@ impl ClientSession {
         }
     }
 
-    /// The service connection did not answer in time: the client connection is closed with
+    /// The declare connection did not answer in time: the client connection is closed with
     /// 320 (it reconnects and declares again).
     pub(super) fn service_wait_expired(&mut self, now: Instant) {
         if self
@@ -340,7 +340,7 @@ impl ClientSession {
             self.pending_check = None;
             self.pending_read = None;
             self.refuse_capture_not_ready(
-                "its service connection did not answer a declare in time",
+                "its declare connection did not answer a declare in time",
             );
         }
     }
@@ -404,7 +404,7 @@ impl ClientSession {
         self.close_client(reply::CONNECTION_FORCED, &text, 50, 10);
     }
 
-    /// The service connection answered a round of the declare check: declare again, or
+    /// The declare connection answered a round of the declare check: declare again, or
     /// settle the client's declare by the verdict ([`super::arbiter`]).
     fn on_check_answer(&mut self, answer: CheckAnswer) {
         let Some(mut pending) = self.pending_check.take() else {
@@ -426,7 +426,7 @@ impl ClientSession {
                             vhost = %self.vhost,
                             code,
                             %text,
-                            "the service connection's declare was refused; the client's \
+                            "the declare connection's declare was refused; the client's \
                              declare goes upstream as the proxy computed it"
                         );
                     }
@@ -445,7 +445,7 @@ impl ClientSession {
         let declare = pending.declare;
         match verdict {
             Verdict::Verified(_) => {
-                // The service connection's declare-ok: the queue exists with these arguments.
+                // The declare connection's declare-ok: the queue exists with these arguments.
                 // The client's declare-ok (with the queue's real counts) comes from a passive
                 // declare on its own connection, which checks no permission.
                 let record = VerifiedQueue::Proxied(pending.client_arguments);

@@ -19,7 +19,7 @@
 //!   RabbitMQ check the client's user's permissions for the declare, creating nothing
 //!   ([`permission`]; its 403 goes to the client as it is); the declares that carry the
 //!   proxy's arguments (the check's rounds, which create the queue) are made by the vhost's
-//!   service connection as the service user ([`service::judge`]), and the client's declare-ok
+//!   declare connection as the service user ([`service::judge`]), and the client's declare-ok
 //!   comes from a passive declare on its own connection. Exclusive and server-named queues,
 //!   which only the client's connection can declare, get the capture exchange when the
 //!   client's user may write it (asked once per connection, [`capture_write`]), and otherwise
@@ -127,7 +127,7 @@
 //!   compared too (RabbitMQ ignores it on classic queues; the proxy enforces it);
 //! - a queue this instance has not verified (its clients did not declare it through this
 //!   instance since it started) is read back from the upstream at the first basic.consume or
-//!   basic.get on it ([`readback`]), by the vhost's service connection: a passive declare,
+//!   basic.get on it ([`readback`]), by the vhost's declare connection: a passive declare,
 //!   then one non-passive declare per argument RabbitMQ names, a round trip each; what those
 //!   replies cannot tell (a reply cut at 255 bytes, most often) is read from the management
 //!   API's listing of the queue when `upstream.management_url` is set. A queue
@@ -483,15 +483,15 @@ impl ProxyShared {
         &self.upstream
     }
 
-    /// For /readyz: whether every vhost of `proxy.vhosts` has its capture consumer running
-    /// (always true when dead-lettering is left to the upstream).
+    /// For /readyz: whether every vhost of `proxy.vhosts` has its capture consumer running and
+    /// its declare connection open (always true when dead-lettering is left to the upstream).
     pub fn capture_consuming(&self) -> bool {
         self.delegate_to_upstream || self.services.configured_consuming()
     }
 
-    /// The readiness condition of the capture consumers: true while every vhost of
-    /// `proxy.vhosts` consumes its capture queue (always when dead-lettering is left to the
-    /// upstream).
+    /// The readiness condition of the service connections: true while every vhost of
+    /// `proxy.vhosts` consumes its capture queue and has its declare connection open (always
+    /// when dead-lettering is left to the upstream).
     pub fn capture_readiness(&self) -> Arc<std::sync::atomic::AtomicBool> {
         if self.delegate_to_upstream {
             return Arc::new(std::sync::atomic::AtomicBool::new(true));

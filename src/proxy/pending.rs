@@ -25,7 +25,7 @@ pub(super) struct PendingCheck {
     pub(super) upstream_arguments: FieldTable,
     pub(super) check: DeclareCheck,
     /// The permission probe on the client's connection runs ([`super::permission`]); then
-    /// the check's rounds on the service connection.
+    /// the check's rounds on the declare connection.
     pub(super) probing: bool,
     /// A queue of the client's connection (exclusive, server-named): once the probe grants
     /// it, it is declared on the client's channel with the upstream arguments, not by the

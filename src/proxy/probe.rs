@@ -4,7 +4,7 @@
 //!
 //! Two kinds: on each client's upstream connection, the permission probe
 //! ([`super::permission`]) and the capture-write probe ([`super::capture_write`]: a
-//! transaction whose publish is rolled back), and on each vhost's service connection, the rounds of the declare
+//! transaction whose publish is rolled back), and on each vhost's declare connection, the rounds of the declare
 //! check ([`super::arbiter`]) and of the read-back ([`super::readback`]) that carry the
 //! proxy's own arguments ([`super::service::judge`]).
 //!
@@ -14,7 +14,7 @@
 //! proxy after a declare-ok. A declare asked for while the proxy's own channel.close is
 //! unanswered waits for the close-ok, since RabbitMQ refuses a channel.open on a channel it is
 //! still closing. So a client connection costs no upstream channel for this outside a check.
-//! One check at a time (client reads pause while one runs). The service connection keeps it
+//! One check at a time (client reads pause while one runs). The declare connection keeps it
 //! open between declares.
 use amq_protocol::protocol::{AMQPClass, basic, channel, queue, tx};
 use amq_protocol::types::ShortString;

@@ -3,7 +3,7 @@
 //! through another instance or straight on RabbitMQ).
 //!
 //! AMQP 0-9-1 cannot read a queue's arguments, but RabbitMQ names the current value of the
-//! first argument a redeclare differs in. So, on the vhost's service connection
+//! first argument a redeclare differs in. So, on the vhost's declare connection
 //! ([`super::service::judge`], a [`super::probe::CheckChannel`] of its own):
 //! 1. a passive declare: a missing queue (404) is never created, and its cached settings are
 //!    dropped;

@@ -55,7 +55,7 @@ enum Event {
     Shutdown,
     /// The vhost's capture objects were declared (a held queue.declare may go on).
     CaptureDeclared,
-    /// The service connection answered a declare (`None`: it was lost before answering).
+    /// The declare connection answered a declare (`None`: it was lost before answering).
     ServiceAnswer(Option<CheckAnswer>),
     /// The management API listed a queue's arguments for a read-back (`None`: no answer).
     Listing(Option<ArgumentsListing>),
@@ -290,7 +290,7 @@ async fn listing_answer(
     }
 }
 
-/// The service connection's answer to this session's declare; `None` when it was lost first.
+/// The declare connection's answer to this session's declare; `None` when it was lost first.
 async fn service_answer(
     answer: &mut Option<oneshot::Receiver<CheckAnswer>>,
 ) -> Option<CheckAnswer> {

@@ -291,3 +291,44 @@ async fn a_consumer_closing_during_an_alarm_is_not_held_until_it_clears() {
     let _ = admin.close(200, "done".into()).await;
     proxy.stop().await;
 }
+
+/// An application that starts during an alarm declares its queue through the proxy while the
+/// service connection is blocked (a consumer's dead letter went out on it): the declare check
+/// goes on the declare connection, which never publishes and so is never blocked, and the
+/// client gets its declare-ok at once, as it would from RabbitMQ directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_declared_while_the_service_connection_is_blocked_is_answered() {
+    let (node, proxy) = node_and_proxy("alarm-d").await;
+    let (admin, ach, dlq, q) = dead_lettering_queue(&proxy).await;
+    crate::common::dl::publish(&ach, &q, &["dead"]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut deliveries = consumer(&ch, &q, "alarm-declarer").await;
+    let tag = next(&mut deliveries).await.delivery_tag;
+    reject_during_alarm(&node, &proxy, &ch, tag, "service").await;
+
+    let late = proxy.connect().await;
+    let lch = late.create_channel().await.unwrap();
+    let (late_dlx, late_q) = (unique("alarm-late-dlx"), unique("alarm-late-q"));
+    // Under proxy.capture_ready_timeout_secs (10 s), after which a declare the proxy could
+    // not have checked ends in 320.
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        declare_dead_lettering(&lch, &late_q, &late_dlx, "k"),
+    )
+    .await
+    .expect("queue.declare answered during the alarm");
+    assert_eq!(
+        tokio::task::block_in_place(|| counts(&node, &late_q)),
+        Some((0, 0))
+    );
+    assert_eq!(proxy.counter("service_declares_refused_total", &[]), 0.0);
+
+    tokio::task::block_in_place(|| memory_alarm(&node, false));
+    wait_counts(&node, &dlq, 1, 0).await;
+    landed_once(&ach, &dlq, &q).await;
+    let _ = late.close(200, "done".into()).await;
+    let _ = conn.close(200, "done".into()).await;
+    let _ = admin.close(200, "done".into()).await;
+    proxy.stop().await;
+}

@@ -7,7 +7,7 @@ use crate::proxy_support;
 
 use std::time::Duration;
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::{BasicPublishOptions, BasicRejectOptions, ConfirmSelectOptions};
 use lapin::protocol::basic::AMQPProperties;
 use lapin::protocol::{AMQPClass, channel, queue};
 use lapin::types::{AMQPValue, FieldTable};
@@ -105,6 +105,11 @@ async fn a_declare_right_after_start_loses_no_dead_letter() {
 /// The proxy's service connection of vhost "/" as RabbitMQ names it.
 fn service_connection_name(proxy: &TestProxy) -> String {
     format!("dlx-proxy service {} /", proxy.capture)
+}
+
+/// The proxy's declare connection of vhost "/" as RabbitMQ names it.
+fn declare_connection_name(proxy: &TestProxy) -> String {
+    format!("dlx-proxy declares {} /", proxy.capture)
 }
 
 /// Waits until the proxy's capture consumer of "/" runs (the gauge says 1).
@@ -218,6 +223,55 @@ async fn the_capture_queue_is_a_quorum_queue() {
     proxy.stop().await;
 }
 
+/// The declare connection (the service user's connection that makes the declares carrying
+/// the proxy's arguments) is closed by an operator: it comes back, counted, and the next
+/// client declare is checked on it as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_declare_connection_comes_back_after_close_connection() {
+    let proxy = TestProxy::start(vec![]).await;
+    wait_consuming(&proxy).await;
+    let name = declare_connection_name(&proxy);
+    let closed = crate::common::poll(
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        async || (close_upstream_connection(&name, "test closes it") == 1).then_some(()),
+    )
+    .await;
+    assert!(closed.is_some(), "no upstream connection named {name}");
+    proxy
+        .wait_counter("service_reconnects_total", &[("vhost", "/")], 1.0)
+        .await;
+    proxy
+        .wait_gauge("declare_connections", &[("vhost", "/")], 1.0)
+        .await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("after-declare-close");
+    let dlx = unique("after-declare-close-dlx");
+    let dlq = unique("after-declare-close-dlq");
+    declare_dlx(&ch, &dlx, &dlq).await;
+    declare_dead_lettering(&ch, &q, &dlx, &dlq).await;
+    // Declared through the check: a rejection of it is the proxy's and lands in the DLQ.
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    publish_confirmed(&ch, &q, "rejected").await;
+    let got = get(&ch, &q).await;
+    ch.basic_reject(got.delivery_tag, BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    let dead = get(&ch, &dlq).await;
+    assert_eq!(payload(&dead), "rejected");
+    assert_eq!(
+        crate::common::dl::x_death(&dead)[0].qrc(),
+        (q.as_str(), "rejected", 1)
+    );
+    assert_eq!(proxy.counter("service_declares_refused_total", &[]), 0.0);
+    delete_upstream(&ch, &[&q, &dlq], &[&dlx]).await;
+    let _ = conn.close(200, "done".into()).await;
+    proxy.stop().await;
+}
+
 /// An operator (or a node going down) closes the service connection: it comes back, counted,
 /// subscribes again, and what dies afterwards is still dead-lettered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -298,9 +352,9 @@ async fn a_client_connection_uses_one_extra_upstream_channel() {
     proxy.stop().await;
 }
 
-/// `/readyz` waits for the capture consumer of every vhost in `proxy.vhosts`: a vhost the
-/// service user cannot open yet keeps the proxy not ready (the service connection retries
-/// with backoff, counted), and it becomes ready once the vhost exists.
+/// `/readyz` waits for the capture consumer and the declare connection of every vhost in
+/// `proxy.vhosts`: a vhost the service user cannot open yet keeps the proxy not ready (both
+/// connections retry with backoff, counted), and it becomes ready once the vhost exists.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_waits_for_the_capture_consumers_of_configured_vhosts() {
     use dlx_proxy::config::{Config, Mode};
@@ -329,9 +383,16 @@ async fn readiness_waits_for_the_capture_consumers_of_configured_vhosts() {
         "not ready while {vhost} has no capture consumer"
     );
     let consuming = |v: &str| format!("dlx_proxy_capture_consumers{{vhost=\"{v}\"}}");
+    let declaring = |v: &str| format!("dlx_proxy_declare_connections{{vhost=\"{v}\"}}");
     crate::common::wait_metric(admin, &consuming("/"), 1.0).await;
+    crate::common::wait_metric(admin, &declaring("/"), 1.0).await;
+    let text = crate::common::scrape(admin).await;
     assert_eq!(
-        crate::common::metric_value(&crate::common::scrape(admin).await, &consuming(&vhost)),
+        crate::common::metric_value(&text, &consuming(&vhost)),
+        Some(0.0)
+    );
+    assert_eq!(
+        crate::common::metric_value(&text, &declaring(&vhost)),
         Some(0.0)
     );
     let ctl = |args: &[&str]| {
@@ -347,6 +408,7 @@ async fn readiness_waits_for_the_capture_consumers_of_configured_vhosts() {
         async || {
             let text = crate::common::scrape(admin).await;
             crate::common::metric_value(&text, &consuming(&vhost)) == Some(1.0)
+                && crate::common::metric_value(&text, &declaring(&vhost)) == Some(1.0)
         },
     )
     .await;

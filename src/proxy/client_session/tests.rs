@@ -772,7 +772,7 @@ async fn a_declare_naming_a_dead_letter_exchange_waits_for_the_capture_path_then
 // ---- declare checks and read-backs ------------------------------------------------------
 
 /// The upstream queue "q" and the vhost's service connection, played by the test as RabbitMQ
-/// would answer the service connection's declares ([`crate::rabbit::args::check_equivalent`]
+/// would answer the declare connection's declares ([`crate::rabbit::args::check_equivalent`]
 /// gives RabbitMQ's reply texts). Sessions of several instances can share it.
 struct UpstreamQueue {
     /// The arguments and `durable` flag the queue exists with.
@@ -796,6 +796,7 @@ impl Harness {
             declared: true,
             consuming: true,
             blocked: false,
+            declaring: true,
         });
         self.session.capture_status = Some(receiver);
         self.session.service = Some(crate::proxy::service::ServiceHandle {
@@ -838,7 +839,7 @@ impl Harness {
         ));
     }
 
-    /// Has the service connection answer every declare the session asked of it, as RabbitMQ
+    /// Has the declare connection answer every declare the session asked of it, as RabbitMQ
     /// would for `queue`, until the session asks nothing more. Returns the declares made.
     fn serve(
         &mut self,
@@ -1103,7 +1104,7 @@ async fn every_instance_reaches_the_same_settings_for_a_queue_one_of_them_declar
     );
 }
 
-/// The service connection goes away while it judges a declare: the client gets 320 (it
+/// The declare connection goes away while it judges a declare: the client gets 320 (it
 /// reconnects and declares again), and nothing was declared for it.
 #[tokio::test]
 async fn a_service_connection_lost_during_a_declare_check_gets_the_client_320() {
@@ -1118,7 +1119,7 @@ async fn a_service_connection_lost_during_a_declare_check_gets_the_client_320() 
     let (code, text) = connection_close(&h.client_got());
     assert_eq!(code, reply::CONNECTION_FORCED);
     assert!(
-        text.ends_with("its service connection was lost during a declare; reconnect and retry"),
+        text.ends_with("its declare connection was lost during a declare; reconnect and retry"),
         "{text}"
     );
     assert!(

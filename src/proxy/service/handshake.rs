@@ -220,6 +220,11 @@ pub fn connection_name(capture_name: &str, vhost: &str) -> String {
     format!("dlx-proxy service {capture_name} {vhost}")
 }
 
+/// The `connection_name` a vhost's declare connection shows in RabbitMQ.
+pub fn declare_connection_name(capture_name: &str, vhost: &str) -> String {
+    format!("dlx-proxy declares {capture_name} {vhost}")
+}
+
 /// Our limits against the upstream's offer (0 = no limit on its side).
 fn agree(tune: &connection::Tune) -> Tuned {
     let lower = |offered: u32, ours: u32| {

@@ -1,8 +1,8 @@
-//! The declare channel of a service connection: queue.declares that client sessions of the
-//! vhost have RabbitMQ judge *as the proxy's service identity*, because they carry the
-//! proxy's own upstream arguments (the capture exchange as dead-letter exchange, the
-//! [`CaptureTag`](crate::proxy::declare::CaptureTag) as routing key) on which application users
-//! need no permission.
+//! The declare channel of a vhost's declare connection (`declare_task.rs`): the queue.declares
+//! that client sessions of the vhost have RabbitMQ judge *as the proxy's service identity*,
+//! because they carry the proxy's own upstream arguments (the capture exchange as dead-letter
+//! exchange, the [`CaptureTag`](crate::proxy::declare::CaptureTag) as routing key) on which
+//! application users need no permission.
 //!
 //! A session sends a [`DeclareRequest`] through the vhost's bounded queue
 //! ([`super::ServiceHandle::declares`]) and waits for the [`CheckAnswer`] on its oneshot:
@@ -22,19 +22,19 @@ use tokio::sync::oneshot;
 use crate::proxy::probe::{CheckAnswer, CheckChannel};
 use crate::proxy::wire::WireFrame;
 
-/// The service connection's channel for judged declares.
+/// The declare connection's channel for judged declares.
 pub const DECLARE_CHANNEL: u16 = 3;
-/// Declares waiting for a vhost's service connection (one per session at most).
+/// Declares waiting for a vhost's declare connection (one per session at most).
 pub const DECLARE_QUEUE: usize = 1024;
 
-/// One declare a session has the service connection make.
+/// One declare a session has the declare connection make.
 #[derive(Debug)]
 pub struct DeclareRequest {
     pub declare: queue::Declare,
     pub answer: oneshot::Sender<CheckAnswer>,
 }
 
-/// The declare channel of one service connection.
+/// The declare channel of one declare connection.
 #[derive(Debug)]
 pub struct Judge {
     channel: CheckChannel,

@@ -17,13 +17,21 @@
 //! `dlx_proxy_service_vhosts_refused_total` and gets no capture: declares naming the capture
 //! exchange are refused there).
 //!
+//! Beside it each vhost has a *declare connection* (`declare_task.rs`, same identity), which
+//! makes the declares client sessions hand it ([`judge`]) and never publishes: RabbitMQ blocks
+//! a connection that publishes during a resource alarm and then reads nothing from it, and
+//! the service connection publishes dead letters.
+//!
 //! Readiness ([`Status`]): `declared` turns true once the capture exchange, queue and binding
 //! were declared (and stays true: they are durable). A client's queue.declare that names the
 //! capture exchange as its dead-letter exchange is forwarded only then, because RabbitMQ
 //! silently drops a dead letter whose dead-letter exchange does not exist. `consuming` is the
-//! `dlx_proxy_capture_consumers{vhost}` gauge, and for the configured vhosts part of `/readyz`.
+//! `dlx_proxy_capture_consumers{vhost}` gauge, `declaring` the
+//! `dlx_proxy_declare_connections{vhost}` one; both are part of `/readyz` for the configured
+//! vhosts.
 
 pub mod backoff;
+mod declare_task;
 pub mod handshake;
 pub mod judge;
 pub mod link;
@@ -41,20 +49,27 @@ use tokio::task::JoinHandle;
 use judge::{DECLARE_QUEUE, DeclareRequest};
 use link::{FORWARD_LIMIT, PublishRequest};
 
-/// How client sessions reach their vhost's service connection: the declares it makes for
-/// them ([`judge`]) and the dead letters it publishes for them ([`link::PublishRequest`]).
-/// Both queues are bounded; what waits in them while the connection is away stays there.
+/// How client sessions reach their vhost's service connections: the declares the declare
+/// connection makes for them ([`judge`]) and the dead letters the service connection publishes
+/// for them ([`link::PublishRequest`]). Both queues are bounded; what waits in them while its
+/// connection is away stays there.
 #[derive(Clone, Debug)]
 pub struct ServiceHandle {
     pub declares: mpsc::Sender<DeclareRequest>,
     pub publishes: mpsc::Sender<PublishRequest>,
 }
 
-/// The receiving ends of a [`ServiceHandle`], owned by the vhost's task.
+/// The receiving end of [`ServiceHandle::publishes`], owned by the vhost's service task.
 #[derive(Debug)]
 pub(crate) struct ServiceInbox {
-    pub(crate) declares: mpsc::Receiver<DeclareRequest>,
     pub(crate) publishes: mpsc::Receiver<PublishRequest>,
+}
+
+/// The receiving ends of a [`ServiceHandle`], held until the vhost's tasks are spawned.
+#[derive(Debug)]
+struct Inboxes {
+    service: ServiceInbox,
+    declares: mpsc::Receiver<DeclareRequest>,
 }
 
 use super::ProxyShared;
@@ -71,6 +86,8 @@ pub struct Status {
     pub consuming: bool,
     /// RabbitMQ holds the connection blocked (a resource alarm): what is handed to it waits.
     pub blocked: bool,
+    /// The vhost's declare connection is open (client declares are checked now).
+    pub declaring: bool,
 }
 
 struct Entry {
@@ -79,9 +96,10 @@ struct Entry {
     sender: Option<watch::Sender<Status>>,
     /// How sessions reach the service connection.
     handle: ServiceHandle,
-    /// Held until the task is spawned.
-    inbox: Option<ServiceInbox>,
-    task: Option<JoinHandle<()>>,
+    /// Held until the tasks are spawned.
+    inbox: Option<Inboxes>,
+    /// The service connection's task and the declare connection's, once spawned.
+    tasks: Option<[JoinHandle<()>; 2]>,
 }
 
 struct Runner {
@@ -157,30 +175,33 @@ impl ServiceRegistry {
                 declares,
                 publishes,
             },
-            inbox: Some(ServiceInbox {
+            inbox: Some(Inboxes {
+                service: ServiceInbox {
+                    publishes: publishes_rx,
+                },
                 declares: declares_rx,
-                publishes: publishes_rx,
             }),
-            task: None,
+            tasks: None,
         };
         if let Some(runner) = state.runner.as_ref()
             && !runner.shutdown.is_shutdown()
         {
-            entry.task = spawn(runner, vhost, &mut entry);
+            entry.tasks = spawn(runner, vhost, &mut entry);
         }
         self.metrics.service_started(vhost);
         state.vhosts.insert(vhost.to_string(), entry);
         Some(status)
     }
 
-    /// Whether every vhost of `proxy.vhosts` consumes its capture queue (for `/readyz`).
+    /// Whether every vhost of `proxy.vhosts` consumes its capture queue and has its declare
+    /// connection open (for `/readyz`).
     pub fn configured_consuming(&self) -> bool {
         let state = self.lock();
         self.configured.iter().all(|vhost| {
-            state
-                .vhosts
-                .get(vhost)
-                .is_some_and(|e| e.status.borrow().consuming)
+            state.vhosts.get(vhost).is_some_and(|e| {
+                let status = e.status.borrow();
+                status.consuming && status.declaring
+            })
         })
     }
 
@@ -189,7 +210,8 @@ impl ServiceRegistry {
         self.consuming.clone()
     }
 
-    /// A capture consumer started or stopped: the readiness flag follows.
+    /// A capture consumer or a declare connection started or stopped: the readiness flag
+    /// follows.
     pub(crate) fn consumer_changed(&self) {
         self.consuming
             .store(self.configured_consuming(), Ordering::Release);
@@ -207,18 +229,28 @@ impl ServiceRegistry {
     }
 }
 
-fn spawn(runner: &Runner, vhost: &str, entry: &mut Entry) -> Option<JoinHandle<()>> {
+/// Spawns the vhost's service connection and its declare connection.
+fn spawn(runner: &Runner, vhost: &str, entry: &mut Entry) -> Option<[JoinHandle<()>; 2]> {
     let shared = runner.shared.upgrade()?;
     let sender = entry.sender.take()?;
     let inbox = entry.inbox.take()?;
-    Some(runner.shutdown.spawn(task::run(
+    let service = runner.shutdown.spawn(task::run(
+        shared.clone(),
+        runner.identity.clone(),
+        vhost.to_string(),
+        sender.clone(),
+        inbox.service,
+        runner.shutdown.clone(),
+    ));
+    let declares = runner.shutdown.spawn(declare_task::run(
         shared,
         runner.identity.clone(),
         vhost.to_string(),
         sender,
-        inbox,
+        inbox.declares,
         runner.shutdown.clone(),
-    )))
+    ));
+    Some([service, declares])
 }
 
 impl ProxyShared {
@@ -235,8 +267,8 @@ impl ProxyShared {
                 shutdown: shutdown.clone(),
             };
             for (vhost, entry) in state.vhosts.iter_mut() {
-                if entry.task.is_none() {
-                    entry.task = spawn(&runner, vhost, entry);
+                if entry.tasks.is_none() {
+                    entry.tasks = spawn(&runner, vhost, entry);
                 }
             }
             state.runner = Some(runner);

@@ -15,6 +15,9 @@
 //!
 //! Shutdown: the consumer is cancelled, dead-letter publishes still in flight are settled
 //! (within `proxy.confirm_timeout_secs`), then the connection is closed.
+//!
+//! The vhost's declare connection ([`super::declare_task`]) opens, keeps its heartbeats,
+//! closes and reconnects with the same pieces ([`open`], [`Heartbeat`], [`wait_after`]).
 
 use std::io;
 use std::sync::Arc;
@@ -22,13 +25,12 @@ use std::time::{Duration, Instant};
 
 use amq_protocol::protocol::{AMQPClass, connection};
 use amq_protocol::types::ShortString;
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::sync::watch;
 
 use super::backoff::Backoff;
 use super::handshake::{ClientHandshake, Tuned, connection_name};
-use super::judge::{DECLARE_CHANNEL, Judge};
 use super::link::CaptureLink;
 use super::{ServiceInbox, Status};
 use crate::amqp::codec::{FRAME_METHOD, FrameError, PROTOCOL_HEADER, put_heartbeat};
@@ -57,9 +59,225 @@ async fn dial(shared: &ProxyShared) -> io::Result<(UpstreamStream, Arc<UpstreamT
 }
 
 /// How a connection ended.
-enum End {
+pub(super) enum End {
     Shutdown,
     Lost(String),
+}
+
+/// A connection of the service identity, logged in to its vhost.
+pub(super) struct Opened {
+    /// Reads frames of at most the agreed `frame_max`.
+    pub(super) reader: FrameReader<ReadHalf<UpstreamStream>>,
+    pub(super) write: WriteHalf<UpstreamStream>,
+    pub(super) tuned: Tuned,
+    pub(super) target: Arc<UpstreamTarget>,
+}
+
+/// Dials any node and logs in to `vhost` as `identity`, naming the connection `name`; never
+/// longer than the handshake timeout or the shutdown allow.
+pub(super) async fn open(
+    shared: &ProxyShared,
+    identity: &ServiceIdentity,
+    vhost: &str,
+    name: String,
+    shutdown: &mut Shutdown,
+) -> Result<Opened, End> {
+    let stream = tokio::select! {
+        s = dial(shared) => s,
+        _ = shutdown.recv() => return Err(End::Shutdown),
+    };
+    // The error names every node tried.
+    let (stream, target) = stream.map_err(|err| End::Lost(err.to_string()))?;
+    let (read, mut write) = tokio::io::split(stream);
+    let mut reader = FrameReader::new(read, shared.handshake_frame_max);
+    let opened = tokio::select! {
+        r = tokio::time::timeout(
+            shared.handshake_timeout,
+            handshake(
+                &mut reader,
+                &mut write,
+                ClientHandshake::new(identity.clone(), vhost, name),
+            ),
+        ) => r,
+        _ = shutdown.recv() => return Err(End::Shutdown),
+    };
+    let tuned = match opened {
+        Ok(Ok(tuned)) => tuned,
+        Ok(Err(why)) => return Err(End::Lost(why)),
+        Err(_) => return Err(End::Lost("handshake did not complete in time".into())),
+    };
+    reader.set_frame_max(tuned.frame_max);
+    Ok(Opened {
+        reader,
+        write,
+        tuned,
+        target,
+    })
+}
+
+/// The heartbeats of an open connection, as agreed at its tune (none when 0): one sent when
+/// nothing was written for half the interval, the connection lost when nothing was read for
+/// two intervals.
+pub(super) struct Heartbeat {
+    interval: Option<Duration>,
+    last_rx: Instant,
+    last_tx: Instant,
+}
+
+impl Heartbeat {
+    pub(super) fn new(tuned: &Tuned, now: Instant) -> Self {
+        Heartbeat {
+            interval: (tuned.heartbeat > 0)
+                .then(|| Duration::from_secs(u64::from(tuned.heartbeat))),
+            last_rx: now,
+            last_tx: now,
+        }
+    }
+
+    pub(super) fn received(&mut self, now: Instant) {
+        self.last_rx = now;
+    }
+
+    pub(super) fn sent(&mut self, now: Instant) {
+        self.last_tx = now;
+    }
+
+    /// The earlier of `wake` and when the timer is next due. A heartbeat is due only when
+    /// nothing else waits to be written (`writing`: a blocked socket must not turn the timer
+    /// into a busy loop).
+    pub(super) fn wake(&self, wake: Instant, writing: bool) -> Instant {
+        let Some(interval) = self.interval else {
+            return wake;
+        };
+        let mut wake = wake.min(self.last_rx + interval * 2);
+        if !writing {
+            wake = wake.min(self.last_tx + interval / 2);
+        }
+        wake
+    }
+
+    /// The timer fired at `now`: a heartbeat into `out` when one is due, `Err` when the
+    /// upstream went silent.
+    pub(super) fn on_timer(&self, now: Instant, out: &mut BytesMut) -> Result<(), End> {
+        let Some(interval) = self.interval else {
+            return Ok(());
+        };
+        if now >= self.last_rx + interval * 2 {
+            return Err(End::Lost("missed heartbeats".into()));
+        }
+        if now >= self.last_tx + interval / 2 && out.is_empty() {
+            put_heartbeat(out);
+        }
+        Ok(())
+    }
+}
+
+/// How a connection of `vhost` ended; after a loss, tells the pool (its reachability check
+/// looks, `/readyz` follows), logs which `connection` was lost, why, and what waits
+/// `meanwhile`, and waits the backoff out (from its start again when the connection had run
+/// [`STABLE`]). False when the task is to stop (shutdown, before or during the wait).
+pub(super) async fn wait_after(
+    end: End,
+    lost: Lost<'_>,
+    backoff: &mut Backoff,
+    shutdown: &mut Shutdown,
+) -> bool {
+    let End::Lost(why) = end else {
+        return false;
+    };
+    lost.shared.upstream.report_lost();
+    if lost.started.elapsed() >= STABLE {
+        backoff.reset();
+    }
+    let delay = backoff.next_delay(rand::random::<f64>());
+    tracing::warn!(
+        vhost = lost.vhost,
+        reason = %why,
+        retry_in_ms = delay.as_millis() as u64,
+        meanwhile = lost.meanwhile,
+        "{} connection lost",
+        lost.connection
+    );
+    tokio::select! {
+        _ = tokio::time::sleep(delay) => true,
+        _ = shutdown.recv() => false,
+    }
+}
+
+/// Which connection [`wait_after`] is about.
+pub(super) struct Lost<'a> {
+    pub(super) shared: &'a ProxyShared,
+    pub(super) vhost: &'a str,
+    /// "service" or "declare".
+    pub(super) connection: &'static str,
+    /// What waits until it is back.
+    pub(super) meanwhile: &'static str,
+    /// When it was dialled.
+    pub(super) started: Instant,
+}
+
+/// What the frame reader gave: a frame, or how the connection ended.
+pub(super) fn frame_or_end(read: Option<Result<WireFrame, FrameError>>) -> Result<WireFrame, End> {
+    match read {
+        Some(Ok(frame)) => Ok(frame),
+        Some(Err(FrameError::Io(err))) => Err(End::Lost(format!("socket: {err}"))),
+        Some(Err(err)) => Err(End::Lost(format!("malformed frame: {err}"))),
+        None => Err(End::Lost("the upstream closed the socket".into())),
+    }
+}
+
+/// The upstream's connection.close, if `frame` is one: the close-ok to send and why.
+pub(super) fn upstream_close(frame: &WireFrame) -> Option<(Bytes, String)> {
+    if frame.channel != 0 || frame.kind != FRAME_METHOD {
+        return None;
+    }
+    let Some(AMQPClass::Connection(connection::AMQPMethod::Close(close))) =
+        crate::amqp::codec::decode_method(frame.payload())
+    else {
+        return None;
+    };
+    let close_ok = method_frame(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+    );
+    let why = format!(
+        "connection closed by the upstream: {} {}",
+        close.reply_code,
+        close.reply_text.as_str()
+    );
+    Some((close_ok, why))
+}
+
+/// Writes `out` (a close-ok owed to the upstream) if the socket takes it at once.
+pub(super) async fn write_last(write: &mut WriteHalf<UpstreamStream>, out: &[u8]) {
+    let _ = tokio::time::timeout(Duration::from_millis(200), write.write_all(out)).await;
+}
+
+/// Sends `out` and connection.close, and waits (briefly) for the close-ok.
+pub(super) async fn close_politely(
+    reader: &mut FrameReader<ReadHalf<UpstreamStream>>,
+    write: &mut WriteHalf<UpstreamStream>,
+    mut out: BytesMut,
+) {
+    out.extend_from_slice(&method_frame(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+            reply_code: reply::REPLY_SUCCESS,
+            reply_text: ShortString::from("dlx-proxy is shutting down"),
+            class_id: 0,
+            method_id: 0,
+        })),
+    ));
+    let _ = tokio::time::timeout(CLOSE_GRACE, async {
+        write.write_all(&out).await?;
+        while let Some(Ok(frame)) = reader.next().await {
+            if frame.channel == 0 && frame.method_ids() == (10, 51) {
+                break;
+            }
+        }
+        write.shutdown().await
+    })
+    .await;
 }
 
 /// Runs the vhost's service connection until shutdown.
@@ -98,25 +316,15 @@ pub(super) async fn run(
         });
         shared.services.consumer_changed();
         metrics.set_capture_consumer(&vhost, false);
-        let why = match end {
-            End::Shutdown => break,
-            End::Lost(why) => why,
+        let lost = Lost {
+            shared: &shared,
+            vhost: &vhost,
+            connection: "service",
+            meanwhile: "captured messages wait in the capture queue",
+            started,
         };
-        // The node may be down: the pool's reachability check looks (and /readyz follows).
-        shared.upstream.report_lost();
-        if started.elapsed() >= STABLE {
-            backoff.reset();
-        }
-        let delay = backoff.next_delay(rand::random::<f64>());
-        tracing::warn!(
-            vhost = %vhost,
-            reason = %why,
-            retry_in_ms = delay.as_millis() as u64,
-            "service connection lost; captured messages wait in the capture queue until it is back"
-        );
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = shutdown.recv() => break,
+        if !wait_after(end, lost, &mut backoff, &mut shutdown).await {
+            break;
         }
     }
     tracing::debug!(vhost = %vhost, "service connection stopped");
@@ -131,38 +339,23 @@ async fn connect_and_serve(
     inbox: &mut ServiceInbox,
     shutdown: &mut Shutdown,
 ) -> End {
-    let stream = tokio::select! {
-        s = dial(shared) => s,
-        _ = shutdown.recv() => return End::Shutdown,
+    let Opened {
+        reader,
+        write,
+        tuned,
+        target,
+    } = match open(
+        shared,
+        identity,
+        vhost,
+        connection_name(&shared.capture_name, vhost),
+        shutdown,
+    )
+    .await
+    {
+        Ok(opened) => opened,
+        Err(end) => return end,
     };
-    let (stream, target) = match stream {
-        Ok(dialled) => dialled,
-        // The error names every node tried.
-        Err(err) => return End::Lost(err.to_string()),
-    };
-    let (read, mut write) = tokio::io::split(stream);
-    let mut reader = FrameReader::new(read, shared.handshake_frame_max);
-    let opened = tokio::select! {
-        r = tokio::time::timeout(
-            shared.handshake_timeout,
-            handshake(
-                &mut reader,
-                &mut write,
-                ClientHandshake::new(
-                    identity.clone(),
-                    vhost,
-                    connection_name(&shared.capture_name, vhost),
-                ),
-            ),
-        ) => r,
-        _ = shutdown.recv() => return End::Shutdown,
-    };
-    let tuned = match opened {
-        Ok(Ok(tuned)) => tuned,
-        Ok(Err(why)) => return End::Lost(why),
-        Err(_) => return End::Lost("handshake did not complete in time".into()),
-    };
-    reader.set_frame_max(tuned.frame_max);
     tracing::info!(vhost, upstream = %target.address(), "service connection open");
     Connection {
         shared,
@@ -171,10 +364,9 @@ async fn connect_and_serve(
         reader,
         write,
         out: BytesMut::new(),
-        heartbeat: (tuned.heartbeat > 0).then(|| Duration::from_secs(u64::from(tuned.heartbeat))),
+        heartbeat: Heartbeat::new(&tuned, Instant::now()),
         link: CaptureLink::new(shared, vhost, tuned.frame_max),
         inbox,
-        judge: Judge::default(),
     }
     .serve(shutdown)
     .await
@@ -223,12 +415,11 @@ struct Connection<'a> {
     write: WriteHalf<UpstreamStream>,
     /// Bytes waiting to be written.
     out: BytesMut,
-    heartbeat: Option<Duration>,
+    heartbeat: Heartbeat,
     link: CaptureLink,
-    /// Declares and dead letters the vhost's sessions have this connection make; they wait
-    /// here while the connection is away.
+    /// Dead letters the vhost's sessions have this connection publish; they wait here while
+    /// the connection is away.
     inbox: &'a mut ServiceInbox,
-    judge: Judge,
 }
 
 impl Drop for Connection<'_> {
@@ -241,8 +432,6 @@ impl Drop for Connection<'_> {
 impl Connection<'_> {
     async fn serve(mut self, shutdown: &mut Shutdown) -> End {
         self.out.extend_from_slice(&self.link.start_frames());
-        let mut last_rx = Instant::now();
-        let mut last_tx = Instant::now();
         let mut stopping: Option<Instant> = None;
         loop {
             let now = Instant::now();
@@ -255,19 +444,11 @@ impl Connection<'_> {
             if let Some(at) = self.link.next_deadline() {
                 wake = wake.min(at);
             }
-            if let Some(interval) = self.heartbeat {
-                wake = wake.min(last_rx + interval * 2);
-                // A heartbeat is due only when nothing else waits to be written (a blocked
-                // socket must not turn the timer into a busy loop).
-                if self.out.is_empty() {
-                    wake = wake.min(last_tx + interval / 2);
-                }
-            }
+            wake = self.heartbeat.wake(wake, !self.out.is_empty());
             if let Some(deadline) = stopping {
                 wake = wake.min(deadline);
             }
             let writing = !self.out.is_empty();
-            let judging = self.judge.ready() && stopping.is_none();
             let forwarding = self.link.takes_forwarded() && stopping.is_none();
             tokio::select! {
                 request = self.inbox.publishes.recv(), if forwarding => {
@@ -277,35 +458,18 @@ impl Connection<'_> {
                         self.out.extend_from_slice(&bytes);
                     }
                 }
-                request = self.inbox.declares.recv(), if judging => {
-                    // The registry keeps a sender for as long as the task runs.
-                    if let Some(request) = request
-                        && let Some(bytes) = self.judge.start(request)
-                    {
-                        self.out.extend_from_slice(&bytes);
-                    }
-                }
                 frame = self.reader.next() => {
-                    last_rx = Instant::now();
-                    match frame {
-                        Some(Ok(frame)) => {
-                            if let Some(end) = self.on_frame(frame, last_rx) {
-                                // A close-ok (or channel close-ok) owed to the upstream goes
-                                // out if the socket takes it at once.
-                                let out = std::mem::take(&mut self.out);
-                                let _ = tokio::time::timeout(
-                                    Duration::from_millis(200),
-                                    self.write.write_all(&out),
-                                )
-                                .await;
-                                return end;
-                            }
-                        }
-                        Some(Err(FrameError::Io(err))) => {
-                            return End::Lost(format!("socket: {err}"));
-                        }
-                        Some(Err(err)) => return End::Lost(format!("malformed frame: {err}")),
-                        None => return End::Lost("the upstream closed the socket".into()),
+                    let now = Instant::now();
+                    self.heartbeat.received(now);
+                    let frame = match frame_or_end(frame) {
+                        Ok(frame) => frame,
+                        Err(end) => return end,
+                    };
+                    if let Some(end) = self.on_frame(frame, now) {
+                        // A close-ok (or channel close-ok) owed to the upstream goes out if
+                        // the socket takes it at once.
+                        write_last(&mut self.write, &self.out).await;
+                        return end;
                     }
                 }
                 written = self.write.write(&self.out), if writing => {
@@ -313,7 +477,7 @@ impl Connection<'_> {
                         Ok(0) | Err(_) => return End::Lost("socket write failed".into()),
                         Ok(n) => {
                             let _ = self.out.split_to(n);
-                            last_tx = Instant::now();
+                            self.heartbeat.sent(Instant::now());
                         }
                     }
                 }
@@ -321,13 +485,8 @@ impl Connection<'_> {
                     let now = Instant::now();
                     let step = self.link.on_timer(self.shared, now);
                     self.out.extend_from_slice(&step.write);
-                    if let Some(interval) = self.heartbeat {
-                        if now >= last_rx + interval * 2 {
-                            return End::Lost("missed heartbeats".into());
-                        }
-                        if now >= last_tx + interval / 2 && self.out.is_empty() {
-                            put_heartbeat(&mut self.out);
-                        }
+                    if let Err(end) = self.heartbeat.on_timer(now, &mut self.out) {
+                        return end;
                     }
                 }
                 _ = shutdown.recv(), if stopping.is_none() => {
@@ -343,21 +502,11 @@ impl Connection<'_> {
 
     /// Handles one frame, received at `now`; `Some` ends the connection.
     fn on_frame(&mut self, frame: WireFrame, now: Instant) -> Option<End> {
+        if let Some((close_ok, why)) = upstream_close(&frame) {
+            self.out.extend_from_slice(&close_ok);
+            return Some(End::Lost(why));
+        }
         if frame.channel == 0 {
-            if frame.kind == FRAME_METHOD
-                && let Some(AMQPClass::Connection(connection::AMQPMethod::Close(close))) =
-                    crate::amqp::codec::decode_method(frame.payload())
-            {
-                self.out.extend_from_slice(&method_frame(
-                    0,
-                    AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
-                ));
-                return Some(End::Lost(format!(
-                    "connection closed by the upstream: {} {}",
-                    close.reply_code,
-                    close.reply_text.as_str()
-                )));
-            }
             match frame.method_ids() {
                 CONNECTION_BLOCKED => {
                     tracing::warn!(
@@ -377,12 +526,6 @@ impl Connection<'_> {
             }
             return None;
         }
-        if frame.channel == DECLARE_CHANNEL {
-            if let Some(bytes) = self.judge.on_frame(&frame) {
-                self.out.extend_from_slice(&bytes);
-            }
-            return None;
-        }
         let step = self.link.on_frame(self.shared, &frame, now);
         self.out.extend_from_slice(&step.write);
         if step.declared {
@@ -399,26 +542,64 @@ impl Connection<'_> {
 
     /// Sends connection.close and waits (briefly) for close-ok.
     async fn close(mut self) -> End {
-        self.out.extend_from_slice(&method_frame(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
-                reply_code: reply::REPLY_SUCCESS,
-                reply_text: ShortString::from("dlx-proxy is shutting down"),
-                class_id: 0,
-                method_id: 0,
-            })),
-        ));
         let out = std::mem::take(&mut self.out);
-        let _ = tokio::time::timeout(CLOSE_GRACE, async {
-            self.write.write_all(&out).await?;
-            while let Some(Ok(frame)) = self.reader.next().await {
-                if frame.channel == 0 && frame.method_ids() == (10, 51) {
-                    break;
-                }
-            }
-            self.write.shutdown().await
-        })
-        .await;
+        close_politely(&mut self.reader, &mut self.write, out).await;
         End::Shutdown
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tuned(heartbeat: u16) -> Tuned {
+        Tuned {
+            channel_max: 16,
+            frame_max: 4096,
+            heartbeat,
+        }
+    }
+
+    #[test]
+    fn a_heartbeat_goes_out_after_half_the_interval_of_silence_and_two_intervals_lose_it() {
+        let start = Instant::now();
+        let mut beat = Heartbeat::new(&tuned(10), start);
+        let later = start + Duration::from_secs(60);
+        assert_eq!(beat.wake(later, false), start + Duration::from_secs(5));
+        // Something waits to be written: only the read deadline wakes.
+        assert_eq!(beat.wake(later, true), start + Duration::from_secs(20));
+        let mut out = BytesMut::new();
+        assert!(
+            beat.on_timer(start + Duration::from_secs(4), &mut out)
+                .is_ok()
+        );
+        assert!(out.is_empty());
+        assert!(
+            beat.on_timer(start + Duration::from_secs(5), &mut out)
+                .is_ok()
+        );
+        assert_eq!(out.len(), 8, "one heartbeat frame");
+        beat.sent(start + Duration::from_secs(5));
+        beat.received(start + Duration::from_secs(15));
+        assert_eq!(beat.wake(later, true), start + Duration::from_secs(35));
+        let mut out = BytesMut::new();
+        assert!(matches!(
+            beat.on_timer(start + Duration::from_secs(35), &mut out),
+            Err(End::Lost(why)) if why == "missed heartbeats"
+        ));
+    }
+
+    #[test]
+    fn no_heartbeats_when_none_were_agreed() {
+        let start = Instant::now();
+        let beat = Heartbeat::new(&tuned(0), start);
+        let later = start + Duration::from_secs(60);
+        assert_eq!(beat.wake(later, false), later);
+        let mut out = BytesMut::new();
+        assert!(
+            beat.on_timer(start + Duration::from_secs(3600), &mut out)
+                .is_ok()
+        );
+        assert!(out.is_empty());
     }
 }
