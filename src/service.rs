@@ -211,8 +211,13 @@ pub struct RunningService {
     /// matter while accepting stop). A child of `connections_trigger`.
     accept_trigger: ShutdownTrigger,
     /// Fires after the drain: connections are closed with 320, every other task stops. Its
-    /// tracker holds every task of the service, connections included.
+    /// tracker holds every task of the service, connections included, but the service
+    /// connections.
     connections_trigger: ShutdownTrigger,
+    /// Fires once the client connections are closed (or their time is up): the proxy's
+    /// service and declare connections stop last, because a closing client connection still
+    /// hands them work (a consumer's dead letters and delivery-limit returns). Its own tracker.
+    services_trigger: ShutdownTrigger,
     /// The accept loops: they end (dropping their listeners) when `accept_trigger` fires.
     listeners: Vec<JoinHandle<()>>,
     /// The reloadable TLS materials (listener, upstream CA) and the watchers of their files.
@@ -239,8 +244,10 @@ impl RunningService {
     /// Graceful shutdown: stop accepting, give in-flight work the drain time
     /// (`shutdown.drain_secs`: clients can still settle their unacknowledged deliveries), then
     /// close client connections with 320 CONNECTION_FORCED, stop every other task and wait
-    /// for all of them (connections of both modes, service connections, timers, the admin
-    /// server: the tracker of `connections_trigger`) for at most the drain time again.
+    /// for all of them (connections of both modes, timers, the admin server: the tracker of
+    /// `connections_trigger`) for at most the drain time again; then stop the proxy's service
+    /// connections, which settle what the closing client connections handed them, in what is
+    /// left of that time (at least a second).
     pub async fn shutdown(mut self) {
         self.readiness.set_ready(false);
         self.accept_trigger.trigger();
@@ -280,12 +287,29 @@ impl RunningService {
         let tasks = self.connections_trigger.tracker().clone();
         tasks.close();
         // At least a second, so that clients get their connection.close even with no drain.
-        let closing = self.drain.max(Duration::from_secs(1));
-        if tokio::time::timeout(closing, tasks.wait()).await.is_err() {
+        let closing = tokio::time::Instant::now() + self.drain.max(Duration::from_secs(1));
+        if tokio::time::timeout_at(closing, tasks.wait())
+            .await
+            .is_err()
+        {
             tracing::warn!(
                 tasks = tasks.len(),
                 connections = self.connection_slots.open(),
                 "tasks still running after the drain time; exiting without them"
+            );
+        }
+        // Then the service connections settle what the closed client connections handed them
+        // (in what is left of that time, at least a second).
+        self.services_trigger.trigger();
+        let services = self.services_trigger.tracker().clone();
+        services.close();
+        let left = closing
+            .saturating_duration_since(tokio::time::Instant::now())
+            .max(Duration::from_secs(1));
+        if tokio::time::timeout(left, services.wait()).await.is_err() {
+            tracing::warn!(
+                tasks = services.len(),
+                "service connections still settling after the drain time; exiting without them"
             );
         }
         // Everything the broker wrote (lazy removals included) made stable before exit.
@@ -458,6 +482,7 @@ fn spawn_memory_monitor(
 pub async fn start(config: Config) -> anyhow::Result<RunningService> {
     let connections_trigger = ShutdownTrigger::new();
     let accept_trigger = connections_trigger.child();
+    let services_trigger = ShutdownTrigger::new();
     // Every task of the service joins the tracker of the triggers (mini-redis style), so
     // that the shutdown waits for them.
     let tasks = connections_trigger.subscribe();
@@ -655,7 +680,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                     .service_identity()
                     .map_err(|e| anyhow::anyhow!("{e}"))?
             {
-                proxy.start_services(identity, tasks.clone());
+                proxy.start_services(identity, services_trigger.subscribe());
             }
             // Readiness follows upstream reachability (the pool's check runs until the
             // shutdown signal) and the capture consumers of proxy.vhosts (liveness never
@@ -726,6 +751,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
         fixed_settings: fixed_settings(&config),
         accept_trigger,
         connections_trigger,
+        services_trigger,
         listeners,
         tls,
         _tls_watchers: tls_watchers,

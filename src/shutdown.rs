@@ -5,10 +5,12 @@
 //! [`CancellationToken`]; every listener, connection, service connection and background task
 //! holds a [`Shutdown`] (cheap to clone), selects on [`Shutdown::recv`] and spawns its own
 //! tasks with [`Shutdown::spawn`], so that they join the service's [`TaskTracker`]. The
-//! service stops in two steps with two triggers on one tracker: the accept trigger (a
-//! [`child`](ShutdownTrigger::child) of the other) stops the listeners, the connections
-//! trigger everything else once the drain is over; the service then waits on the tracker,
-//! bounded by `shutdown.drain_secs` (see `RunningService::shutdown`). A token that fired
+//! service stops in three steps: the accept trigger (a [`child`](ShutdownTrigger::child) of
+//! the connections trigger, on its tracker) stops the listeners, the connections trigger
+//! everything else once the drain is over, and the services trigger (a tracker of its own) the
+//! proxy's service connections last, once the client connections are done, since closing
+//! client connections still hand them work. The service waits on each tracker, bounded by
+//! `shutdown.drain_secs` (see `RunningService::shutdown`). A token that fired
 //! stays fired, so a task created afterwards still sees it; dropping the trigger fires it
 //! too: nothing could trigger it any more.
 //! [`TerminationSignals`] yields SIGTERM and SIGINT (installed up front, so none is missed);

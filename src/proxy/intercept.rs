@@ -203,7 +203,7 @@ impl ClientSession {
             keep_own_dead_letter_arguments(&mut rewrite.upstream_arguments, &declare.arguments);
         }
         // A queue whose upstream arguments are the proxy's (the capture exchange) is judged
-        // and created by the service connection, after the probe on the client's connection
+        // and created by the declare connection, after the probe on the client's connection
         // said its user may declare it. An own queue is declared on the client's channel; the
         // probe runs first when it names its own dead-letter exchange, whose write permission
         // RabbitMQ would check and the capture exchange in its place would not.
@@ -237,7 +237,7 @@ impl ClientSession {
     }
 
     /// The permission probe answered on the client's check channel: the check goes on with
-    /// the service connection, or the client gets RabbitMQ's refusal as it is.
+    /// the declare connection, or the client gets RabbitMQ's refusal as it is.
     fn on_permission_answer(&mut self, answer: CheckAnswer) {
         let Some(mut pending) = self.pending_check.take() else {
             return;
@@ -495,7 +495,7 @@ impl ClientSession {
         None
     }
 
-    /// The service connection answered a read-back: ask again, or cache what was learned and let
+    /// The declare connection answered a read-back: ask again, or cache what was learned and let
     /// the client's method go.
     fn on_read_answer(&mut self, answer: CheckAnswer) {
         let Some(mut pending) = self.pending_read.take() else {

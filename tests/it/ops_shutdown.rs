@@ -375,3 +375,70 @@ async fn proxy_mode_sigterm_closes_proxied_clients_with_320_within_the_drain_tim
             .unwrap_or_else(|e| panic!("{addr} still taken after exit: {e}"));
     }
 }
+
+/// A rolling update: the proxy gets SIGTERM while a consumer (a connection that never
+/// published) holds a delivery of a classic queue with a delivery limit. The drain ends with
+/// it unsettled, and closing the client connection returns it counted (`x-delivery-count`
+/// 1): the return is published by the vhost's service connection, which stops only after
+/// the client connections. It is in its queue once, counted, after the proxy exited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_mode_sigterm_counts_a_consumers_unsettled_delivery_against_the_limit() {
+    use crate::common::dl::{consumer, next, publish};
+    use crate::proxy_support::fleet::{ProxyProcess, fleet_toml};
+    use crate::proxy_support::{declare, get, header, payload, table};
+    use lapin::types::AMQPValue;
+    let reference = crate::rabbit::reference().uri();
+    let config = fleet_toml(
+        std::slice::from_ref(&reference),
+        &[],
+        &unique("term-count"),
+        "[shutdown]\ndrain_secs = 1\n",
+    );
+    let mut proxy = ProxyProcess::spawn(&config).await;
+    let q = unique("term-limited");
+    let publisher = proxy.connect().await;
+    let pch = publisher.create_channel().await.unwrap();
+    declare(
+        &pch,
+        &q,
+        table(&[("x-delivery-limit", AMQPValue::LongInt(5))]),
+    )
+    .await;
+    publish(&pch, &q, &["held"]).await;
+    let _ = publisher.close(200, "published".into()).await;
+
+    let holder = proxy.connect().await;
+    let hch = holder.create_channel().await.unwrap();
+    let mut deliveries = consumer(&hch, &q, "term-holder").await;
+    assert_eq!(payload(&next(&mut deliveries).await), "held");
+    proxy.signal("TERM");
+    let status = proxy
+        .wait_exit(Duration::from_secs(10))
+        .await
+        .unwrap_or_else(|| panic!("no exit:\n{}", proxy.logs()));
+    assert_eq!(status.code(), Some(0), "{}", proxy.logs());
+
+    let direct = Connection::connect(&reference, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = direct.create_channel().await.unwrap();
+    let back = get(&ch, &q).await;
+    assert_eq!(payload(&back), "held");
+    assert_eq!(
+        header(&back, "x-delivery-count"),
+        Some(&AMQPValue::LongLongInt(1)),
+        "{}",
+        proxy.logs()
+    );
+    assert!(
+        crate::common::dl::get(&ch, &q).await.is_none(),
+        "returned once"
+    );
+    let _ = ch
+        .queue_delete(
+            q.as_str().into(),
+            lapin::options::QueueDeleteOptions::default(),
+        )
+        .await;
+    let _ = direct.close(200, "done".into()).await;
+}

@@ -155,6 +155,14 @@ impl ServiceRegistry {
         if let Some(entry) = state.vhosts.get(vhost) {
             return Some(entry.status.clone());
         }
+        // Stopping: a vhost first seen now gets no connection (nothing would read its queues).
+        if state
+            .runner
+            .as_ref()
+            .is_some_and(|runner| runner.shutdown.is_shutdown())
+        {
+            return None;
+        }
         if state.vhosts.len() >= self.limit {
             drop(state);
             tracing::warn!(
@@ -196,13 +204,7 @@ impl ServiceRegistry {
     /// Whether every vhost of `proxy.vhosts` consumes its capture queue and has its declare
     /// connection open (for `/readyz`).
     pub fn configured_consuming(&self) -> bool {
-        let state = self.lock();
-        self.configured.iter().all(|vhost| {
-            state.vhosts.get(vhost).is_some_and(|e| {
-                let status = e.status.borrow();
-                status.consuming && status.declaring
-            })
-        })
+        Self::ready(&self.configured, &self.lock())
     }
 
     /// A flag that follows [`ServiceRegistry::configured_consuming`] (the readiness condition).
@@ -211,10 +213,21 @@ impl ServiceRegistry {
     }
 
     /// A capture consumer or a declare connection started or stopped: the readiness flag
-    /// follows.
+    /// follows. Read and stored under the registry's lock, so two connections of a vhost
+    /// changing at once cannot leave the flag with the older reading.
     pub(crate) fn consumer_changed(&self) {
+        let state = self.lock();
         self.consuming
-            .store(self.configured_consuming(), Ordering::Release);
+            .store(Self::ready(&self.configured, &state), Ordering::Release);
+    }
+
+    fn ready(configured: &[String], state: &State) -> bool {
+        configured.iter().all(|vhost| {
+            state.vhosts.get(vhost).is_some_and(|e| {
+                let status = e.status.borrow();
+                status.consuming && status.declaring
+            })
+        })
     }
 
     /// How the sessions of `vhost` reach its service connection; `None` when the vhost has

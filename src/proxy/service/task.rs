@@ -31,12 +31,13 @@ use tokio::sync::watch;
 
 use super::backoff::Backoff;
 use super::handshake::{ClientHandshake, Tuned, connection_name};
-use super::link::CaptureLink;
+use super::link::{self, CaptureLink};
 use super::{ServiceInbox, Status};
 use crate::amqp::codec::{FRAME_METHOD, FrameError, PROTOCOL_HEADER, put_heartbeat};
 use crate::amqp::reply;
 use crate::config::ServiceIdentity;
 use crate::proxy::ProxyShared;
+use crate::proxy::publisher::Outcome;
 use crate::proxy::upstream::{UpstreamStream, UpstreamTarget};
 use crate::proxy::wire::{FrameReader, WireFrame, method_frame};
 use crate::shutdown::Shutdown;
@@ -326,6 +327,14 @@ pub(super) async fn run(
         if !wait_after(end, lost, &mut backoff, &mut shutdown).await {
             break;
         }
+    }
+    // Sessions still waiting on a dead letter queued here learn that it was not published
+    // (they settle nothing for it: the original goes back to its queue), and no more come.
+    inbox.publishes.close();
+    while let Ok(request) = inbox.publishes.try_recv() {
+        let _ = request
+            .reply
+            .send((request.op, Outcome::Failed(link::FORWARD_LOST)));
     }
     tracing::debug!(vhost = %vhost, "service connection stopped");
 }
