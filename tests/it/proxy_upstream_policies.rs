@@ -136,15 +136,24 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
     })
     .await;
     let mirror = named(&listed, "dlx-proxy.legacy-ttl").unwrap();
-    let keep_out = format!("^(?!{}$)[\\s\\S]*?", regex::escape(&capture));
+    let keep_out = format!(
+        "^(?!{}(?:\\.retry\\.[0-9]+)?$)[\\s\\S]*?",
+        regex::escape(&capture)
+    );
     assert_eq!(mirror["pattern"], format!("{keep_out}(?:{exact})"));
     assert_eq!(mirror["apply-to"], "queues");
     assert_eq!(mirror["priority"], 5);
+    // A delay queue of the retry tiers (the proxy declares them when a tier is used; made
+    // here as such a name).
+    let delay = format!("{capture}.retry.1000");
+    declare_durable(&ch, &delay, FieldTable::default()).await;
     // RabbitMQ reads the patterns as meant: the broad one reaches the DLQ (a queue it never
-    // saw declared), not the capture queue; the old queue gets the higher priority.
+    // saw declared), not the capture queue nor the delay queue; the old queue gets the
+    // higher priority.
     let expected = [
         (dlq.as_str(), json!("dlx-proxy.broad")),
         (capture.as_str(), Value::Null),
+        (delay.as_str(), Value::Null),
         (queue.as_str(), json!("dlx-proxy.legacy-ttl")),
     ];
     let policy_of = async |name: &str| {

@@ -13,10 +13,13 @@
 //! matched exchanges would hide the user's exchange policies of lower priority.
 //!
 //! The capture queue must never get such a policy (its messages would expire or overflow
-//! into the capture exchange, and RabbitMQ's cycle rule would drop them): in capture mode the
-//! upstream pattern is the proxy's pattern behind a lookahead that excludes the capture
-//! queue's name, `^(?!<capture>$)[\s\S]*?(?:<pattern>)`, which RabbitMQ's PCRE patterns
-//! understand and which matches every other name the original pattern matches.
+//! into the capture exchange, and RabbitMQ's cycle rule would drop them), nor must the delay
+//! queues of the retry tiers (`<capture>.retry.<ms>`: a policy's TTL would retry early, its
+//! `expires` delete a delay queue with the retries waiting in it, its length limit drop
+//! them): in capture mode the upstream pattern is the proxy's pattern behind a lookahead that
+//! excludes those names, `^(?!<capture>(?:\.retry\.[0-9]+)?$)[\s\S]*?(?:<pattern>)`, which
+//! RabbitMQ's PCRE patterns understand and which matches every other name the original
+//! pattern matches.
 //!
 //! Only names with [`POLICY_PREFIX`] are ever changed or deleted: the user's own policies on
 //! the upstream are not the proxy's business. In capture mode a prefixed policy is deleted
@@ -128,9 +131,13 @@ impl UpstreamPolicy {
     }
 }
 
-/// `pattern` (unanchored) for every name but `capture` (the capture queue's).
+/// `pattern` (unanchored) for every name but `capture` (the capture queue's) and its delay
+/// queues (`<capture>.retry.<ms>`, [`crate::proxy::retry_tiers::delay_queue_name`]).
 fn excluding(capture: &str, pattern: &str) -> String {
-    format!("^(?!{}$)[\\s\\S]*?(?:{pattern})", regex::escape(capture))
+    format!(
+        "^(?!{}(?:\\.retry\\.[0-9]+)?$)[\\s\\S]*?(?:{pattern})",
+        regex::escape(capture)
+    )
 }
 
 /// The capture exchange `handling` routes into: the mark of this proxy's upstream policies.
