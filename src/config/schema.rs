@@ -136,6 +136,11 @@ pub struct UpstreamConfig {
     /// Seconds between two reconciliations of the upstream policies (they also run at start,
     /// on every reload and on every policy change through the admin API).
     pub management_sync_interval_secs: u64,
+    /// Seconds an upstream policy of the proxy's must be missing from this instance's
+    /// policies, round after round, before the instance deletes it: instances of one
+    /// deployment with different policies for a while (a rolling update, a reload reaching
+    /// them one by one) do not delete each other's policies every round. 0: at once.
+    pub management_delete_grace_secs: u64,
 }
 
 impl Default for UpstreamConfig {
@@ -152,6 +157,7 @@ impl Default for UpstreamConfig {
             password_file: String::new(),
             management_url: String::new(),
             management_sync_interval_secs: 30,
+            management_delete_grace_secs: 600,
         }
     }
 }

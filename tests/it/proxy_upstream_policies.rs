@@ -295,12 +295,14 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
     direct.close(200, "bye".into()).await.ok();
 }
 
-/// The `[upstream]` keys of a proxy syncing its policies with `node` every second as `user`.
+/// The `[upstream]` keys of a proxy syncing its policies with `node` every second as `user`,
+/// deleting what it lacks at once.
 fn management_toml(node: &RabbitNode, user: &str, password: &str) -> String {
     let management = node.management.expect("management listener");
     format!(
         "[upstream]\nmanagement_url = \"http://{management}\"\n\
-         management_sync_interval_secs = 1\nuser = \"{user}\"\npassword = \"{password}\"\n"
+         management_sync_interval_secs = 1\nmanagement_delete_grace_secs = 0\n\
+         user = \"{user}\"\npassword = \"{password}\"\n"
     )
 }
 
@@ -525,4 +527,57 @@ async fn an_instance_that_did_not_see_the_declare_reads_long_names_from_the_mana
         "x-delivery-limit 2: the third requeue dead-letters"
     );
     drop((plain, other_plain, with_api));
+}
+
+/// Two instances of one deployment with different policies for a while (a rolling update):
+/// the old one, without the new policy, leaves it upstream round after round for
+/// `upstream.management_delete_grace_secs` instead of deleting it at every round (which took
+/// the capture route off the queues it covers until the new one put it back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_without_a_policy_leaves_it_to_the_others_for_the_grace() {
+    let node = node();
+    let capture = unique("capture");
+    let queue = unique("rolling");
+    let policies = vec![policy(
+        "rolling-ttl",
+        &format!("^{}$", regex::escape(&queue)),
+        json!({"message-ttl": 1000}),
+    )];
+    let keys = management_toml(node, "guest", "guest");
+    // The new instance puts the policy, then stops (so that it cannot put it back).
+    let new = ProxyProcess::spawn(&fleet_toml(&[node.uri()], &policies, &capture, &keys)).await;
+    wait_policies(node, "dlx-proxy.rolling-ttl put", |p| {
+        named(p, "dlx-proxy.rolling-ttl").is_some()
+    })
+    .await;
+    drop(new);
+    // The old instance: no such policy, the default grace (600 s), a round every second.
+    let old_keys = keys.replace("management_delete_grace_secs = 0\n", "");
+    let old = ProxyProcess::spawn(&fleet_toml(&[node.uri()], &[], &capture, &old_keys)).await;
+    let rounds = poll(
+        Duration::from_secs(20),
+        Duration::from_millis(250),
+        async || {
+            let done = old
+                .counter("upstream_policy_sync_total", &[("result", "success")])
+                .await;
+            (done >= 4.0).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        rounds.is_some(),
+        "the old instance made no rounds:\n{}",
+        old.logs()
+    );
+    assert!(
+        named(&upstream_policies(node).await, "dlx-proxy.rolling-ttl").is_some(),
+        "deleted by the instance without it:\n{}",
+        old.logs()
+    );
+    drop(old);
+    let (status, text) = node
+        .management_call("DELETE", "/api/policies/%2F/dlx-proxy.rolling-ttl", None)
+        .await;
+    assert!(matches!(status, 200 | 204), "DELETE: {status} {text}");
 }

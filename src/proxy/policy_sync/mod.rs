@@ -15,7 +15,9 @@
 //! towards a missing dead-letter exchange): in a vhost without it the round puts nothing,
 //! counts `capture_missing` and tries again next time. Upstream policies named
 //! `dlx-proxy.*` that route into this proxy's capture exchange belong to it: it deletes those
-//! it no longer has and never touches any other. The capture queue itself is kept out of
+//! it no longer has, once every round for `upstream.management_delete_grace_secs` found them
+//! missing ([`DeleteGrace`]: another instance may have them, during a rolling update), and
+//! never touches any other. The capture queue itself is kept out of
 //! every pattern ([`plan`](mod@plan)).
 //!
 //! RabbitMQ applies one user policy per queue (the highest priority) and merges an operator
@@ -37,7 +39,7 @@ use crate::metrics::Metrics;
 use crate::policy::PolicySet;
 use crate::shutdown::Shutdown;
 pub use management::{ManagementClient, ManagementEndpoint, ManagementError};
-pub use plan::{POLICY_PREFIX, SyncAction, UpstreamPolicy, desired, plan};
+pub use plan::{DeleteGrace, POLICY_PREFIX, SyncAction, UpstreamPolicy, desired, plan};
 
 /// `result` of `upstream_policy_sync_total`: a vhost reconciled.
 pub const SYNC_SUCCESS: &str = "success";
@@ -77,6 +79,8 @@ pub struct UpstreamPolicySync {
     /// The last failure logged per vhost, so a lasting failure is logged once.
     failing: BTreeMap<String, String>,
     synced: BTreeMap<String, usize>,
+    /// Deletes wait `upstream.management_delete_grace_secs`.
+    grace: DeleteGrace,
 }
 
 impl UpstreamPolicySync {
@@ -116,6 +120,7 @@ impl UpstreamPolicySync {
             touched: BTreeSet::new(),
             failing: BTreeMap::new(),
             synced: BTreeMap::new(),
+            grace: DeleteGrace::new(Duration::from_secs(upstream.management_delete_grace_secs)),
         }))
     }
 
@@ -165,7 +170,15 @@ impl UpstreamPolicySync {
                 self.failed(vhost, err);
                 continue;
             }
-            match sync_vhost(&mut session, vhost, desired, &self.handling).await {
+            match sync_vhost(
+                &mut session,
+                vhost,
+                desired,
+                &self.handling,
+                &mut self.grace,
+            )
+            .await
+            {
                 Ok(outcome) => {
                     if self.failing.remove(vhost).is_some() {
                         tracing::info!(vhost = %vhost, "upstream policies reconciled again");
@@ -210,6 +223,7 @@ async fn sync_vhost(
     vhost: &str,
     desired: &BTreeMap<String, UpstreamPolicy>,
     handling: &DeadLetterHandling,
+    grace: &mut DeleteGrace,
 ) -> Result<VhostOutcome, ManagementError> {
     let current = match session.policies(vhost).await {
         Ok(current) => current,
@@ -223,6 +237,10 @@ async fn sync_vhost(
         Err(err) => return Err(err),
     };
     let mut actions = plan(desired, &current, handling);
+    let waiting = grace.admit(vhost, &mut actions, std::time::Instant::now());
+    if waiting > 0 {
+        tracing::debug!(vhost = %vhost, waiting, "upstream policies to delete wait for upstream.management_delete_grace_secs");
+    }
     let puts = actions
         .iter()
         .filter(|a| matches!(a, SyncAction::Put(_)))

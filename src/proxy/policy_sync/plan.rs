@@ -26,7 +26,8 @@
 //! only when it routes into this proxy's capture exchange, so deployments with different
 //! capture names (and different policies) on one vhost leave each other's policies alone.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 
@@ -211,3 +212,56 @@ pub fn plan(
 
 #[cfg(test)]
 mod tests;
+
+/// Deletes wait for a grace: a policy is deleted only once every round for
+/// `upstream.management_delete_grace_secs` planned its deletion. Instances of one deployment
+/// with different policies for a while (a rolling update) then do not delete each other's
+/// policies every round. Pure: the caller gives the time.
+#[derive(Debug)]
+pub struct DeleteGrace {
+    grace: Duration,
+    /// Since when each (vhost, name) has been planned for deletion, round after round. At
+    /// most one entry per prefixed upstream policy of the proxy's.
+    since: BTreeMap<(String, String), Instant>,
+}
+
+impl DeleteGrace {
+    pub fn new(grace: Duration) -> Self {
+        DeleteGrace {
+            grace,
+            since: BTreeMap::new(),
+        }
+    }
+
+    /// Drops from `actions` (a round's plan for `vhost` at `now`) the deletes whose grace has
+    /// not passed; a policy no longer planned for deletion starts again. Returns how many
+    /// deletes wait.
+    pub fn admit(&mut self, vhost: &str, actions: &mut Vec<SyncAction>, now: Instant) -> usize {
+        let planned: BTreeSet<String> = actions
+            .iter()
+            .filter_map(|a| match a {
+                SyncAction::Delete(name) => Some(name.clone()),
+                SyncAction::Put(_) => None,
+            })
+            .collect();
+        self.since
+            .retain(|(v, name), _| v != vhost || planned.contains(name));
+        let mut waiting = 0;
+        actions.retain(|a| {
+            let SyncAction::Delete(name) = a else {
+                return true;
+            };
+            let key = (vhost.to_string(), name.clone());
+            let since = *self.since.entry(key.clone()).or_insert(now);
+            // Once deleted, the next round no longer plans it and its entry goes; a delete
+            // that failed is made again at once.
+            if now.saturating_duration_since(since) >= self.grace {
+                true
+            } else {
+                waiting += 1;
+                false
+            }
+        });
+        waiting
+    }
+}

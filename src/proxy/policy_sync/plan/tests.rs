@@ -212,3 +212,36 @@ fn with_delegation_every_leftover_with_the_prefix_is_deleted() {
     );
     assert_eq!(plan(&BTreeMap::new(), &current, &capture()), vec![]);
 }
+
+#[test]
+fn deletes_wait_until_every_round_of_the_grace_planned_them() {
+    use std::time::{Duration, Instant};
+    let delete = |name: &str| SyncAction::Delete(name.to_string());
+    let mut grace = DeleteGrace::new(Duration::from_secs(600));
+    let start = Instant::now();
+    let at = |secs| start + Duration::from_secs(secs);
+    let mut actions = vec![delete("dlx-proxy.a"), delete("dlx-proxy.b")];
+    assert_eq!(grace.admit("/", &mut actions, at(0)), 2);
+    assert!(actions.is_empty());
+    // b is wanted again for a while (another instance has it: a rolling update).
+    let mut actions = vec![delete("dlx-proxy.a")];
+    assert_eq!(grace.admit("/", &mut actions, at(300)), 1);
+    let mut actions = vec![delete("dlx-proxy.a"), delete("dlx-proxy.b")];
+    assert_eq!(grace.admit("/", &mut actions, at(600)), 1);
+    assert_eq!(actions, vec![delete("dlx-proxy.a")], "a: 600 s of rounds");
+    // The same name in another vhost has a grace of its own.
+    let mut other = vec![delete("dlx-proxy.a")];
+    assert_eq!(grace.admit("v", &mut other, at(600)), 1);
+    // A delete that failed is made again at the next round; b waits its own 600 s.
+    let mut actions = vec![delete("dlx-proxy.a"), delete("dlx-proxy.b")];
+    assert_eq!(grace.admit("/", &mut actions, at(1199)), 1);
+    assert_eq!(actions, vec![delete("dlx-proxy.a")]);
+    let mut actions = vec![delete("dlx-proxy.b")];
+    assert_eq!(grace.admit("/", &mut actions, at(1200)), 0);
+    assert_eq!(actions, vec![delete("dlx-proxy.b")]);
+    // Puts are never held back, and a grace of 0 deletes at once.
+    let mut none = DeleteGrace::new(Duration::ZERO);
+    let mut actions = vec![delete("dlx-proxy.c")];
+    assert_eq!(none.admit("/", &mut actions, at(0)), 0);
+    assert_eq!(actions.len(), 1);
+}
