@@ -581,3 +581,78 @@ async fn an_instance_without_a_policy_leaves_it_to_the_others_for_the_grace() {
         .await;
     assert!(matches!(status, 200 | 204), "DELETE: {status} {text}");
 }
+
+/// A policy of a vhost the proxy does not serve, removed from the file: its deletion waits
+/// for the grace, and the vhost stays reconciled until it is made (it was dropped from the
+/// rounds while the delete waited, so the policy stayed upstream for ever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_policy_of_another_vhost_is_deleted_after_the_grace() {
+    let node = node();
+    let vhost = unique("grace-vhost");
+    let (status, text) = node
+        .management_call("PUT", &format!("/api/vhosts/{vhost}"), Some("{}"))
+        .await;
+    assert!(matches!(status, 201 | 204), "PUT vhost: {status} {text}");
+    let all = json!({"configure": ".*", "write": ".*", "read": ".*"}).to_string();
+    let (status, text) = node
+        .management_call(
+            "PUT",
+            &format!("/api/permissions/{vhost}/guest"),
+            Some(&all),
+        )
+        .await;
+    assert!(
+        matches!(status, 201 | 204),
+        "PUT permissions: {status} {text}"
+    );
+    let mut elsewhere = policy("elsewhere", "^q$", json!({"max-length": 5}));
+    elsewhere.vhost = vhost.clone();
+    // Dead-lettering delegated: the policy needs no capture exchange in that vhost.
+    let keys = management_toml(node, "guest", "guest").replace(
+        "management_delete_grace_secs = 0\n",
+        "management_delete_grace_secs = 2\n",
+    );
+    let toml = fleet_toml(
+        &[node.uri()],
+        &[elsewhere],
+        &unique("capture"),
+        &format!("vhosts = [\"/\", {vhost:?}]\n{keys}[proxy]\ndelegate_to_upstream = true\n"),
+    );
+    let proxy = ProxyProcess::spawn(&toml).await;
+    let listing = async || {
+        let (status, body) = node
+            .management_call("GET", &format!("/api/policies/{vhost}"), None)
+            .await;
+        assert_eq!(status, 200, "GET policies: {body}");
+        serde_json::from_str::<Vec<Value>>(&body).expect("policy listing JSON")
+    };
+    let put = poll(
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+        async || named(&listing().await, "dlx-proxy.elsewhere").map(|_| ()),
+    )
+    .await;
+    assert!(put.is_some(), "not put:\n{}", proxy.logs());
+
+    let mut config: toml::Table = std::fs::read_to_string(proxy.config_path())
+        .unwrap()
+        .parse()
+        .unwrap();
+    config.remove("policies");
+    write_atomically(proxy.config_path(), &toml::to_string(&config).unwrap());
+    let deleted = poll(
+        Duration::from_secs(20),
+        Duration::from_millis(250),
+        async || {
+            named(&listing().await, "dlx-proxy.elsewhere")
+                .is_none()
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(deleted.is_some(), "not deleted:\n{}", proxy.logs());
+    drop(proxy);
+    let _ = node
+        .management_call("DELETE", &format!("/api/vhosts/{vhost}"), None)
+        .await;
+}

@@ -60,8 +60,10 @@ pub fn served_vhosts(_config: &Config) -> Vec<String> {
 struct VhostOutcome {
     result: &'static str,
     /// Policies of the proxy upstream as desired after the round (every other prefixed
-    /// policy was deleted).
+    /// policy was deleted, or waits for its grace).
     synced: usize,
+    /// Deletes that wait for their grace: the vhost is reconciled again until they are made.
+    waiting: usize,
 }
 
 /// Mirrors the proxy's policies onto the upstream (see the module documentation).
@@ -188,7 +190,7 @@ impl UpstreamPolicySync {
                     }
                     self.metrics.upstream_policy_sync(outcome.result);
                     self.synced.insert(vhost.clone(), outcome.synced);
-                    if outcome.synced == 0 && !self.served.contains(vhost) {
+                    if outcome.synced == 0 && outcome.waiting == 0 && !self.served.contains(vhost) {
                         self.touched.remove(vhost);
                         self.synced.remove(vhost);
                     } else {
@@ -232,6 +234,7 @@ async fn sync_vhost(
             return Ok(VhostOutcome {
                 result: SYNC_SUCCESS,
                 synced: 0,
+                waiting: 0,
             });
         }
         Err(err) => return Err(err),
@@ -270,5 +273,9 @@ async fn sync_vhost(
     } else {
         desired.len() - puts
     };
-    Ok(VhostOutcome { result, synced })
+    Ok(VhostOutcome {
+        result,
+        synced,
+        waiting,
+    })
 }
