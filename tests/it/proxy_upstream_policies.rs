@@ -267,12 +267,7 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
     assert_eq!(proxy.counter("upstream_policies_synced", &[]).await, 2.0);
 
     // The policy removed from the file: the reload deletes it upstream; the user's stays.
-    let mut config: toml::Table = std::fs::read_to_string(proxy.config_path())
-        .unwrap()
-        .parse()
-        .unwrap();
-    config.remove("policies");
-    write_atomically(proxy.config_path(), &toml::to_string(&config).unwrap());
+    remove_policies(&proxy);
     let listed = wait_policies(node, "dlx-proxy.legacy-ttl deleted", |p| {
         named(p, "dlx-proxy.legacy-ttl").is_none() && named(p, "dlx-proxy.broad").is_none()
     })
@@ -293,6 +288,16 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
         .await;
     client.close(200, "bye".into()).await.ok();
     direct.close(200, "bye".into()).await.ok();
+}
+
+/// Rewrites `proxy`'s configuration file without its policies (the file watch reloads it).
+fn remove_policies(proxy: &ProxyProcess) {
+    let mut config: toml::Table = std::fs::read_to_string(proxy.config_path())
+        .unwrap()
+        .parse()
+        .unwrap();
+    config.remove("policies");
+    write_atomically(proxy.config_path(), &toml::to_string(&config).unwrap());
 }
 
 /// The `[upstream]` keys of a proxy syncing its policies with `node` every second as `user`,
@@ -634,12 +639,7 @@ async fn a_removed_policy_of_another_vhost_is_deleted_after_the_grace() {
     .await;
     assert!(put.is_some(), "not put:\n{}", proxy.logs());
 
-    let mut config: toml::Table = std::fs::read_to_string(proxy.config_path())
-        .unwrap()
-        .parse()
-        .unwrap();
-    config.remove("policies");
-    write_atomically(proxy.config_path(), &toml::to_string(&config).unwrap());
+    remove_policies(&proxy);
     let deleted = poll(
         Duration::from_secs(20),
         Duration::from_millis(250),
