@@ -282,6 +282,10 @@ impl std::fmt::Debug for UpstreamConfig {
                 "management_sync_interval_secs",
                 &self.management_sync_interval_secs,
             )
+            .field(
+                "management_delete_grace_secs",
+                &self.management_delete_grace_secs,
+            )
             .field("user", &self.user)
             .field("password", &self.password)
             .field("password_file", &self.password_file)

@@ -164,6 +164,7 @@ impl UpstreamPolicySync {
                 return;
             }
         };
+        self.grace.keep_vhosts(&vhosts);
         let mut broken: Option<ManagementError> = None;
         for (vhost, desired) in &wanted {
             if let Some(err) = &broken {
@@ -210,6 +211,7 @@ impl UpstreamPolicySync {
     }
 
     fn failed(&mut self, vhost: &str, err: &ManagementError) {
+        self.grace.forget(vhost);
         self.metrics.upstream_policy_sync(SYNC_FAILURE);
         let text = err.to_string();
         if self.failing.get(vhost) != Some(&text) {
@@ -264,6 +266,7 @@ async fn sync_vhost(
             }
             SyncAction::Delete(name) => {
                 session.delete_policy(vhost, name).await?;
+                grace.deleted(vhost, name);
                 tracing::info!(vhost = %vhost, policy = %name, "upstream policy deleted");
             }
         }

@@ -253,8 +253,8 @@ impl DeleteGrace {
             };
             let key = (vhost.to_string(), name.clone());
             let since = *self.since.entry(key.clone()).or_insert(now);
-            // Once deleted, the next round no longer plans it and its entry goes; a delete
-            // that failed is made again at once.
+            // A delete that fails is made again at the next round; one that is made ends
+            // the entry ([`DeleteGrace::deleted`]).
             if now.saturating_duration_since(since) >= self.grace {
                 true
             } else {
@@ -263,5 +263,22 @@ impl DeleteGrace {
             }
         });
         waiting
+    }
+
+    /// `name` was deleted in `vhost`: if another instance puts it back, its deletion waits a
+    /// whole grace again.
+    pub fn deleted(&mut self, vhost: &str, name: &str) {
+        self.since.remove(&(vhost.to_string(), name.to_string()));
+    }
+
+    /// A round of `vhost` that did not plan (the management API failed): what was planned
+    /// waits a whole grace again, so time without rounds never counts as grace.
+    pub fn forget(&mut self, vhost: &str) {
+        self.since.retain(|(v, _), _| v != vhost);
+    }
+
+    /// Only the vhosts of the round keep their entries.
+    pub fn keep_vhosts(&mut self, vhosts: &BTreeSet<String>) {
+        self.since.retain(|(v, _), _| vhosts.contains(v));
     }
 }

@@ -245,3 +245,35 @@ fn deletes_wait_until_every_round_of_the_grace_planned_them() {
     assert_eq!(none.admit("/", &mut actions, at(0)), 0);
     assert_eq!(actions.len(), 1);
 }
+
+#[test]
+fn a_policy_put_back_after_its_delete_waits_a_whole_grace_again() {
+    use std::collections::BTreeSet;
+    use std::time::{Duration, Instant};
+    let delete = |name: &str| SyncAction::Delete(name.to_string());
+    let mut grace = DeleteGrace::new(Duration::from_secs(600));
+    let start = Instant::now();
+    let at = |secs| start + Duration::from_secs(secs);
+    let mut actions = vec![delete("dlx-proxy.p")];
+    assert_eq!(grace.admit("/", &mut actions, at(0)), 1);
+    let mut actions = vec![delete("dlx-proxy.p")];
+    assert_eq!(grace.admit("/", &mut actions, at(600)), 0);
+    grace.deleted("/", "dlx-proxy.p");
+    // Another instance (a rollout longer than the grace) put it back at once.
+    let mut actions = vec![delete("dlx-proxy.p")];
+    assert_eq!(
+        grace.admit("/", &mut actions, at(630)),
+        1,
+        "not every round"
+    );
+    // Rounds that failed before planning do not count as grace.
+    grace.forget("/");
+    let mut actions = vec![delete("dlx-proxy.p")];
+    assert_eq!(grace.admit("/", &mut actions, at(1300)), 1);
+    // Nor do vhosts that left the rounds keep what they had.
+    grace.keep_vhosts(&BTreeSet::new());
+    let mut actions = vec![delete("dlx-proxy.p")];
+    assert_eq!(grace.admit("/", &mut actions, at(1950)), 1);
+    let mut actions = vec![delete("dlx-proxy.p")];
+    assert_eq!(grace.admit("/", &mut actions, at(2550)), 0);
+}
