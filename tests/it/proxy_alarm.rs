@@ -132,6 +132,39 @@ async fn reject_during_alarm(
         .await;
 }
 
+/// A consume-only connection whose dead letter waits on the blocked service connection.
+struct Blocked {
+    /// The connection that declared and published, and its channel.
+    admin: lapin::Connection,
+    ach: lapin::Channel,
+    dlq: String,
+    q: String,
+    /// The consumer's connection and channel.
+    conn: lapin::Connection,
+    ch: lapin::Channel,
+}
+
+/// A dead-lettering queue with one message, which a consume-only connection receives and
+/// rejects during a memory alarm: its dead letter goes out on the service connection, which
+/// RabbitMQ then blocks.
+async fn consumer_dead_letter_blocked(node: &RabbitNode, proxy: &TestProxy) -> Blocked {
+    let (admin, ach, dlq, q) = dead_lettering_queue(proxy).await;
+    crate::common::dl::publish(&ach, &q, &["dead"]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut deliveries = consumer(&ch, &q, "alarm-rejecter").await;
+    let tag = next(&mut deliveries).await.delivery_tag;
+    reject_during_alarm(node, proxy, &ch, tag, "service").await;
+    Blocked {
+        admin,
+        ach,
+        dlq,
+        q,
+        conn,
+        ch,
+    }
+}
+
 /// The dead letter was published once: two seconds after it landed no copy from a
 /// timed-out confirm follows, and no confirm timed out; then [`landed_once`].
 async fn published_once(
@@ -271,14 +304,14 @@ async fn a_publishers_dead_letter_during_an_alarm_waits_for_the_unblock_and_land
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_closing_during_an_alarm_is_not_held_until_it_clears() {
     let (node, proxy) = node_and_proxy("alarm-x").await;
-    let (admin, ach, dlq, q) = dead_lettering_queue(&proxy).await;
-    crate::common::dl::publish(&ach, &q, &["dead"]).await;
-    let conn = proxy.connect().await;
-    let ch = conn.create_channel().await.unwrap();
-    let mut deliveries = consumer(&ch, &q, "alarm-closer").await;
-    let tag = next(&mut deliveries).await.delivery_tag;
-
-    reject_during_alarm(&node, &proxy, &ch, tag, "service").await;
+    let Blocked {
+        admin,
+        ach,
+        dlq,
+        q,
+        conn,
+        ch,
+    } = consumer_dead_letter_blocked(&node, &proxy).await;
     tokio::time::timeout(Duration::from_secs(5), ch.close(200, "bye".into()))
         .await
         .expect("channel.close answered during the alarm")
@@ -299,13 +332,14 @@ async fn a_consumer_closing_during_an_alarm_is_not_held_until_it_clears() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queue_declared_while_the_service_connection_is_blocked_is_answered() {
     let (node, proxy) = node_and_proxy("alarm-d").await;
-    let (admin, ach, dlq, q) = dead_lettering_queue(&proxy).await;
-    crate::common::dl::publish(&ach, &q, &["dead"]).await;
-    let conn = proxy.connect().await;
-    let ch = conn.create_channel().await.unwrap();
-    let mut deliveries = consumer(&ch, &q, "alarm-declarer").await;
-    let tag = next(&mut deliveries).await.delivery_tag;
-    reject_during_alarm(&node, &proxy, &ch, tag, "service").await;
+    let Blocked {
+        admin,
+        ach,
+        dlq,
+        q,
+        conn,
+        ch: _ch,
+    } = consumer_dead_letter_blocked(&node, &proxy).await;
 
     let late = proxy.connect().await;
     let lch = late.create_channel().await.unwrap();

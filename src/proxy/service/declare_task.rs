@@ -10,7 +10,7 @@
 //! during an alarm, as they can on RabbitMQ directly.
 //!
 //! Like the service connection it dials any node ([`open`]), reconnects with backoff after a
-//! loss ([`wait_after`]) and keeps heartbeats ([`Heartbeat`]). A declare in flight when
+//! loss ([`Reconnect`]) and keeps heartbeats ([`Heartbeat`]). A declare in flight when
 //! the connection is lost has its answer dropped: the session gives up on it (320, the
 //! client reconnects and declares again). Requests queued meanwhile wait for the next
 //! connection, each session at most `proxy.capture_ready_timeout_secs`.
@@ -23,11 +23,10 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, watch};
 
 use super::Status;
-use super::backoff::Backoff;
 use super::handshake::declare_connection_name;
 use super::judge::{DECLARE_CHANNEL, DeclareRequest, Judge};
 use super::task::{
-    End, Heartbeat, Lost, Opened, close_politely, frame_or_end, open, upstream_close, wait_after,
+    End, Heartbeat, Opened, Reconnect, close_politely, frame_or_end, open, upstream_close,
     write_last,
 };
 use crate::config::ServiceIdentity;
@@ -44,17 +43,8 @@ pub(super) async fn run(
     mut declares: mpsc::Receiver<DeclareRequest>,
     mut shutdown: Shutdown,
 ) {
-    let mut backoff = Backoff::new();
-    let mut first = true;
-    loop {
-        if shutdown.is_shutdown() {
-            break;
-        }
-        if !first {
-            shared.metrics.service_reconnected(&vhost);
-        }
-        first = false;
-        let started = Instant::now();
+    let mut reconnect = Reconnect::new("declare", "client declares that need it");
+    while reconnect.attempt(&shared, &vhost, &shutdown) {
         let name = declare_connection_name(&shared.capture_name, &vhost);
         let end = match open(&shared, &identity, &vhost, name, &mut shutdown).await {
             Ok(opened) => {
@@ -70,18 +60,10 @@ pub(super) async fn run(
             }
             Err(end) => end,
         };
-        let lost = Lost {
-            shared: &shared,
-            vhost: &vhost,
-            connection: "declare",
-            meanwhile: "client declares that need it",
-            started,
-        };
-        if !wait_after(end, lost, &mut backoff, &mut shutdown).await {
+        if !reconnect.after(end, &shared, &vhost, &mut shutdown).await {
             break;
         }
     }
-    tracing::debug!(vhost = %vhost, "declare connection stopped");
 }
 
 /// The declare connection opened (`true`) or ended: its status, gauge and `/readyz` follow.

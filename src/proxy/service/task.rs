@@ -17,7 +17,7 @@
 //! (within `proxy.confirm_timeout_secs`), then the connection is closed.
 //!
 //! The vhost's declare connection ([`super::declare_task`]) opens, keeps its heartbeats,
-//! closes and reconnects with the same pieces ([`open`], [`Heartbeat`], [`wait_after`]).
+//! closes and reconnects with the same pieces ([`open`], [`Heartbeat`], [`Reconnect`]).
 
 use std::io;
 use std::sync::Arc;
@@ -173,48 +173,81 @@ impl Heartbeat {
     }
 }
 
-/// How a connection of `vhost` ended; after a loss, tells the pool (its reachability check
-/// looks, `/readyz` follows), logs which `connection` was lost, why, and what waits
-/// `meanwhile`, and waits the backoff out (from its start again when the connection had run
-/// [`STABLE`]). False when the task is to stop (shutdown, before or during the wait).
-pub(super) async fn wait_after(
-    end: End,
-    lost: Lost<'_>,
-    backoff: &mut Backoff,
-    shutdown: &mut Shutdown,
-) -> bool {
-    let End::Lost(why) = end else {
-        return false;
-    };
-    lost.shared.upstream.report_lost();
-    if lost.started.elapsed() >= STABLE {
-        backoff.reset();
-    }
-    let delay = backoff.next_delay(rand::random::<f64>());
-    tracing::warn!(
-        vhost = lost.vhost,
-        reason = %why,
-        retry_in_ms = delay.as_millis() as u64,
-        meanwhile = lost.meanwhile,
-        "{} connection lost",
-        lost.connection
-    );
-    tokio::select! {
-        _ = tokio::time::sleep(delay) => true,
-        _ = shutdown.recv() => false,
-    }
+/// The reconnect policy of one connection of a vhost, shared by the service and the declare
+/// connection: every attempt after the first counts in `service_reconnects_total`; after a
+/// loss the pool is told (its reachability check looks, `/readyz` follows), the log names the
+/// connection, why, and what waits meanwhile, and the next attempt waits its backoff (from
+/// the start again when the connection had run [`STABLE`]).
+pub(super) struct Reconnect {
+    /// "service" or "declare".
+    connection: &'static str,
+    /// What waits while the connection is away.
+    meanwhile: &'static str,
+    backoff: Backoff,
+    attempts: u64,
+    started: Instant,
 }
 
-/// Which connection [`wait_after`] is about.
-pub(super) struct Lost<'a> {
-    pub(super) shared: &'a ProxyShared,
-    pub(super) vhost: &'a str,
-    /// "service" or "declare".
-    pub(super) connection: &'static str,
-    /// What waits until it is back.
-    pub(super) meanwhile: &'static str,
-    /// When it was dialled.
-    pub(super) started: Instant,
+impl Reconnect {
+    pub(super) fn new(connection: &'static str, meanwhile: &'static str) -> Self {
+        Reconnect {
+            connection,
+            meanwhile,
+            backoff: Backoff::new(),
+            attempts: 0,
+            started: Instant::now(),
+        }
+    }
+
+    /// Whether to dial (again): false once shutdown fired.
+    pub(super) fn attempt(
+        &mut self,
+        shared: &ProxyShared,
+        vhost: &str,
+        shutdown: &Shutdown,
+    ) -> bool {
+        if shutdown.is_shutdown() {
+            return false;
+        }
+        if self.attempts > 0 {
+            shared.metrics.service_reconnected(vhost);
+        }
+        self.attempts += 1;
+        self.started = Instant::now();
+        true
+    }
+
+    /// How the attempt ended: after a loss, waits the backoff out. False when the task is to
+    /// stop (shutdown, before or during the wait).
+    pub(super) async fn after(
+        &mut self,
+        end: End,
+        shared: &ProxyShared,
+        vhost: &str,
+        shutdown: &mut Shutdown,
+    ) -> bool {
+        let End::Lost(why) = end else {
+            tracing::debug!(vhost, "{} connection stopped", self.connection);
+            return false;
+        };
+        shared.upstream.report_lost();
+        if self.started.elapsed() >= STABLE {
+            self.backoff.reset();
+        }
+        let delay = self.backoff.next_delay(rand::random::<f64>());
+        tracing::warn!(
+            vhost,
+            reason = %why,
+            retry_in_ms = delay.as_millis() as u64,
+            meanwhile = self.meanwhile,
+            "{} connection lost",
+            self.connection
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => true,
+            _ = shutdown.recv() => false,
+        }
+    }
 }
 
 /// What the frame reader gave: a frame, or how the connection ended.
@@ -290,18 +323,8 @@ pub(super) async fn run(
     mut inbox: ServiceInbox,
     mut shutdown: Shutdown,
 ) {
-    let metrics = shared.metrics.clone();
-    let mut backoff = Backoff::new();
-    let mut first = true;
-    loop {
-        if shutdown.is_shutdown() {
-            break;
-        }
-        if !first {
-            metrics.service_reconnected(&vhost);
-        }
-        first = false;
-        let started = Instant::now();
+    let mut reconnect = Reconnect::new("service", "captured messages wait in the capture queue");
+    while reconnect.attempt(&shared, &vhost, &shutdown) {
         let end = connect_and_serve(
             &shared,
             &identity,
@@ -316,15 +339,8 @@ pub(super) async fn run(
             s.blocked = false;
         });
         shared.services.consumer_changed();
-        metrics.set_capture_consumer(&vhost, false);
-        let lost = Lost {
-            shared: &shared,
-            vhost: &vhost,
-            connection: "service",
-            meanwhile: "captured messages wait in the capture queue",
-            started,
-        };
-        if !wait_after(end, lost, &mut backoff, &mut shutdown).await {
+        shared.metrics.set_capture_consumer(&vhost, false);
+        if !reconnect.after(end, &shared, &vhost, &mut shutdown).await {
             break;
         }
     }
@@ -336,7 +352,6 @@ pub(super) async fn run(
             .reply
             .send((request.op, Outcome::Failed(link::FORWARD_LOST)));
     }
-    tracing::debug!(vhost = %vhost, "service connection stopped");
 }
 
 /// One connection: dial, handshake, serve. Never longer than the shutdown allows.
