@@ -264,7 +264,7 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
             2.0,
         )
         .await;
-    assert_eq!(proxy.counter("upstream_policies_synced", &[]).await, 2.0);
+    proxy.wait_gauge("upstream_policies_synced", &[], 2.0).await;
 
     // The policy removed from the file: the reload deletes it upstream; the user's stays.
     remove_policies(&proxy);
@@ -275,7 +275,7 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
     let users = named(&listed, "users-own").expect("the user's policy is untouched");
     assert_eq!(users["definition"], users_own["definition"]);
     assert_eq!(users["priority"], 3);
-    assert_eq!(proxy.counter("upstream_policies_synced", &[]).await, 0.0);
+    proxy.wait_gauge("upstream_policies_synced", &[], 0.0).await;
     assert!(
         proxy
             .counter("upstream_policy_sync_total", &[("result", "success")])
@@ -361,7 +361,9 @@ async fn the_sync_routes_into_the_capture_follows_the_admin_api_and_counts_failu
         named(p, "dlx-proxy.early-ttl").is_some()
     })
     .await;
-    assert!(proxy.counter("upstream_policies_synced", &[]).await >= 1.0);
+    proxy
+        .wait_counter("upstream_policies_synced", &[], 1.0)
+        .await;
     let mut proxy = proxy;
     proxy.kill();
 

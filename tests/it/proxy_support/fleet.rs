@@ -170,15 +170,34 @@ impl ProxyProcess {
 
     /// Polls [`ProxyProcess::counter`] until it reaches at least `value` (panics after 15 s).
     pub async fn wait_counter(&self, name: &str, labels: &[(&str, &str)], value: f64) {
+        self.wait_metric("counter", name, labels, value, |found| found >= value)
+            .await;
+    }
+
+    /// Polls a gauge until it equals `value` (panics after 15 s). A gauge that follows
+    /// something seen upstream is set after it, so it is never read only once.
+    pub async fn wait_gauge(&self, name: &str, labels: &[(&str, &str)], value: f64) {
+        self.wait_metric("gauge", name, labels, value, |found| found == value)
+            .await;
+    }
+
+    async fn wait_metric(
+        &self,
+        kind: &str,
+        name: &str,
+        labels: &[(&str, &str)],
+        value: f64,
+        accept: impl Fn(f64) -> bool,
+    ) {
         let reached = poll(
             Duration::from_secs(15),
             Duration::from_millis(100),
-            async || (self.counter(name, labels).await >= value).then_some(()),
+            async || accept(self.counter(name, labels).await).then_some(()),
         )
         .await;
         if reached.is_none() {
             panic!(
-                "counter {name}{labels:?} is {}, expected {value}\n{}",
+                "{kind} {name}{labels:?} is {}, expected {value}\n{}",
                 self.counter(name, labels).await,
                 self.metrics_text().await
             );
