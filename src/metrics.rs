@@ -766,7 +766,7 @@ impl Metrics {
             )?,
             upstream_policies_synced: b.gauge(
                 "upstream_policies_synced",
-                "Upstream policies named dlx-proxy.* that match the proxy's policies, over \
+                "Upstream policies of this deployment that match the proxy's policies, over \
                  every vhost, after the last reconciliation.",
             )?,
             storage_bytes: b.gauge(

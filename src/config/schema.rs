@@ -129,7 +129,7 @@ pub struct UpstreamConfig {
     /// newline removed; read at start.
     pub password_file: String,
     /// The upstream's management HTTP API (`http://host:15672`), optional. With it the
-    /// proxy mirrors its policies as upstream policies named `dlx-proxy.<name>`, so queues
+    /// proxy mirrors its policies as upstream policies named `<capture_name>.<name>`, so queues
     /// that were never declared through the proxy get their limits and dead-letter through
     /// the capture path ([`crate::proxy::policy_sync`]). Empty: no upstream policies.
     pub management_url: String,
@@ -514,7 +514,8 @@ pub struct ProxyConfig {
     /// Let the upstream broker dead-letter on its own (do not take the DLX arguments over).
     pub delegate_to_upstream: bool,
     /// Name of the upstream exchange and queue the proxy owns to capture TTL and length
-    /// deaths (give each proxy deployment sharing one upstream its own).
+    /// deaths, and the prefix of its upstream policies (give each proxy deployment sharing
+    /// one upstream its own, also with delegation).
     pub capture_name: String,
     /// Microseconds a connection keeps polling its sockets after its last traffic before its
     /// thread sleeps (0: never). Trades CPU for latency; see docs/deploy.md.

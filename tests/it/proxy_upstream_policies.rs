@@ -1,6 +1,6 @@
 //! Brownfield queues through upstream policies (`upstream.management_url`): a queue declared
 //! straight on RabbitMQ before the proxy started gets the proxy's TTL and dead-letter target
-//! through the upstream policy `dlx-proxy.<name>`, its messages expire into the capture path
+//! through the upstream policy `<capture name>.<name>`, its messages expire into the capture path
 //! and reach the policy's dead-letter queue as a client of the proxy sees them; a policy
 //! removed from the TOML file (reload) is deleted upstream, and the user's own policies are
 //! never touched. The route goes in once the service connection has created the capture path
@@ -131,11 +131,12 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
     let client = proxy.connect().await;
     let client_ch = client.create_channel().await.unwrap();
 
-    let listed = wait_policies(node, "dlx-proxy.legacy-ttl put", |p| {
-        named(p, "dlx-proxy.legacy-ttl").is_some() && named(p, "dlx-proxy.broad").is_some()
+    let (ttl_name, broad_name) = (format!("{capture}.legacy-ttl"), format!("{capture}.broad"));
+    let listed = wait_policies(node, "legacy-ttl put", |p| {
+        named(p, &ttl_name).is_some() && named(p, &broad_name).is_some()
     })
     .await;
-    let mirror = named(&listed, "dlx-proxy.legacy-ttl").unwrap();
+    let mirror = named(&listed, &ttl_name).unwrap();
     let keep_out = format!(
         "^(?!{}(?:\\.retry\\.[0-9]+)?$)[\\s\\S]*?",
         regex::escape(&capture)
@@ -151,10 +152,10 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
     // saw declared), not the capture queue nor the delay queue; the old queue gets the
     // higher priority.
     let expected = [
-        (dlq.as_str(), json!("dlx-proxy.broad")),
+        (dlq.as_str(), json!(broad_name)),
         (capture.as_str(), Value::Null),
         (delay.as_str(), Value::Null),
-        (queue.as_str(), json!("dlx-proxy.legacy-ttl")),
+        (queue.as_str(), json!(ttl_name)),
     ];
     let policy_of = async |name: &str| {
         // The listing's `policy` column follows the statistics, seconds behind.
@@ -268,8 +269,8 @@ async fn a_queue_older_than_the_proxy_dead_letters_through_the_upstream_policy()
 
     // The policy removed from the file: the reload deletes it upstream; the user's stays.
     remove_policies(&proxy);
-    let listed = wait_policies(node, "dlx-proxy.legacy-ttl deleted", |p| {
-        named(p, "dlx-proxy.legacy-ttl").is_none() && named(p, "dlx-proxy.broad").is_none()
+    let listed = wait_policies(node, "legacy-ttl deleted", |p| {
+        named(p, &ttl_name).is_none() && named(p, &broad_name).is_none()
     })
     .await;
     let users = named(&listed, "users-own").expect("the user's policy is untouched");
@@ -347,6 +348,7 @@ async fn the_sync_routes_into_the_capture_follows_the_admin_api_and_counts_failu
         json!({"message-ttl": 1000, "dead-letter-exchange": "dlx"}),
     )];
     let capture = unique("capture");
+    let (early, added_name) = (format!("{capture}.early-ttl"), format!("{capture}.added"));
     least_privileged_user(node, "dlx-sync", "sync-pw", &capture).await;
     let toml = fleet_toml(
         &[node.uri()],
@@ -357,10 +359,7 @@ async fn the_sync_routes_into_the_capture_follows_the_admin_api_and_counts_failu
     // The service connection declares the capture path at start (no client needed), and the
     // sync puts the policy with the route into it.
     let proxy = ProxyProcess::spawn(&toml).await;
-    wait_policies(node, "dlx-proxy.early-ttl put", |p| {
-        named(p, "dlx-proxy.early-ttl").is_some()
-    })
-    .await;
+    wait_policies(node, "early-ttl put", |p| named(p, &early).is_some()).await;
     proxy
         .wait_counter("upstream_policies_synced", &[], 1.0)
         .await;
@@ -394,12 +393,9 @@ async fn the_sync_routes_into_the_capture_follows_the_admin_api_and_counts_failu
         matches!(status, 200 | 201 | 204),
         "admin PUT: {status} {text}"
     );
-    let listed = wait_policies(node, "dlx-proxy.added put", |p| {
-        named(p, "dlx-proxy.added").is_some()
-    })
-    .await;
+    let listed = wait_policies(node, "added put", |p| named(p, &added_name).is_some()).await;
     assert_eq!(
-        named(&listed, "dlx-proxy.added").unwrap()["definition"],
+        named(&listed, &added_name).unwrap()["definition"],
         json!({"max-length": 3, "dead-letter-exchange": capture})
     );
     let (status, text) = admin_call(
@@ -411,8 +407,8 @@ async fn the_sync_routes_into_the_capture_follows_the_admin_api_and_counts_failu
     )
     .await;
     assert!(matches!(status, 200 | 204), "admin DELETE: {status} {text}");
-    wait_policies(node, "dlx-proxy.added deleted", |p| {
-        named(p, "dlx-proxy.added").is_none() && named(p, "dlx-proxy.early-ttl").is_some()
+    wait_policies(node, "added deleted", |p| {
+        named(p, &added_name).is_none() && named(p, &early).is_some()
     })
     .await;
     drop(hourly);
@@ -443,7 +439,7 @@ async fn the_sync_routes_into_the_capture_follows_the_admin_api_and_counts_failu
     assert!(logs.contains("401"), "{logs}");
     assert!(!logs.contains("wrong-secret"), "{logs}");
     // The policy of the first proxy is left alone by a proxy that cannot reach the API.
-    assert!(named(&upstream_policies(node).await, "dlx-proxy.early-ttl").is_some());
+    assert!(named(&upstream_policies(node).await, &early).is_some());
 }
 
 /// Gets the one message of `queue` through `ch` and requeues it until it stops coming (or 10
@@ -545,6 +541,7 @@ async fn an_instance_without_a_policy_leaves_it_to_the_others_for_the_grace() {
     let node = node();
     let capture = unique("capture");
     let queue = unique("rolling");
+    let rolling = format!("{capture}.rolling-ttl");
     let policies = vec![policy(
         "rolling-ttl",
         &format!("^{}$", regex::escape(&queue)),
@@ -553,10 +550,7 @@ async fn an_instance_without_a_policy_leaves_it_to_the_others_for_the_grace() {
     let keys = management_toml(node, "guest", "guest");
     // The new instance puts the policy, then stops (so that it cannot put it back).
     let new = ProxyProcess::spawn(&fleet_toml(&[node.uri()], &policies, &capture, &keys)).await;
-    wait_policies(node, "dlx-proxy.rolling-ttl put", |p| {
-        named(p, "dlx-proxy.rolling-ttl").is_some()
-    })
-    .await;
+    wait_policies(node, "rolling-ttl put", |p| named(p, &rolling).is_some()).await;
     drop(new);
     // The old instance: no such policy, the default grace (600 s), a round every second.
     let old_keys = keys.replace("management_delete_grace_secs = 0\n", "");
@@ -578,13 +572,13 @@ async fn an_instance_without_a_policy_leaves_it_to_the_others_for_the_grace() {
         old.logs()
     );
     assert!(
-        named(&upstream_policies(node).await, "dlx-proxy.rolling-ttl").is_some(),
+        named(&upstream_policies(node).await, &rolling).is_some(),
         "deleted by the instance without it:\n{}",
         old.logs()
     );
     drop(old);
     let (status, text) = node
-        .management_call("DELETE", "/api/policies/%2F/dlx-proxy.rolling-ttl", None)
+        .management_call("DELETE", &format!("/api/policies/%2F/{rolling}"), None)
         .await;
     assert!(matches!(status, 200 | 204), "DELETE: {status} {text}");
 }
@@ -619,10 +613,12 @@ async fn a_removed_policy_of_another_vhost_is_deleted_after_the_grace() {
         "management_delete_grace_secs = 0\n",
         "management_delete_grace_secs = 2\n",
     );
+    let capture = unique("capture");
+    let upstream_name = format!("{capture}.elsewhere");
     let toml = fleet_toml(
         &[node.uri()],
         &[elsewhere],
-        &unique("capture"),
+        &capture,
         &format!("vhosts = [\"/\", {vhost:?}]\n{keys}[proxy]\ndelegate_to_upstream = true\n"),
     );
     let proxy = ProxyProcess::spawn(&toml).await;
@@ -636,7 +632,7 @@ async fn a_removed_policy_of_another_vhost_is_deleted_after_the_grace() {
     let put = poll(
         Duration::from_secs(20),
         Duration::from_millis(200),
-        async || named(&listing().await, "dlx-proxy.elsewhere").map(|_| ()),
+        async || named(&listing().await, &upstream_name).map(|_| ()),
     )
     .await;
     assert!(put.is_some(), "not put:\n{}", proxy.logs());
@@ -646,7 +642,7 @@ async fn a_removed_policy_of_another_vhost_is_deleted_after_the_grace() {
         Duration::from_secs(20),
         Duration::from_millis(250),
         async || {
-            named(&listing().await, "dlx-proxy.elsewhere")
+            named(&listing().await, &upstream_name)
                 .is_none()
                 .then_some(())
         },
@@ -657,4 +653,111 @@ async fn a_removed_policy_of_another_vhost_is_deleted_after_the_grace() {
     let _ = node
         .management_call("DELETE", &format!("/api/vhosts/{vhost}"), None)
         .await;
+}
+
+/// Three deployments share vhost "/", each with a policy named `ttl`: two capture (each with
+/// its own capture name) and one delegates. Each keeps its own upstream policy round after
+/// round, and what expires in a queue of the second is dead-lettered through that
+/// deployment's capture path. (All three were one upstream policy `dlx-proxy.ttl` before,
+/// overwritten at every round, and the delegating deployment deleted the others'.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deployments_sharing_a_vhost_keep_their_policies_of_the_same_name_apart() {
+    let node = node();
+    let keys = management_toml(node, "guest", "guest");
+    let queues = [unique("share-a"), unique("share-b"), unique("share-c")];
+    let names = [
+        unique("capture-a"),
+        unique("capture-b"),
+        unique("delegating"),
+    ];
+    let (dlx, dlq) = (unique("share-dlx"), unique("share-dlq"));
+    // Above the priority-0 `.*` policy of another test of this node.
+    let ttl = |queue: &str, definition: Value| {
+        pattern(
+            "ttl",
+            &format!("^{}$", regex::escape(queue)),
+            10,
+            definition,
+        )
+    };
+    let definitions = [
+        json!({"message-ttl": 60000}),
+        json!({"message-ttl": 300, "dead-letter-exchange": dlx, "dead-letter-routing-key": dlq}),
+        json!({"max-length": 5}),
+    ];
+    let mut proxies = Vec::new();
+    for (i, definition) in definitions.iter().enumerate() {
+        let extra = if i == 2 {
+            "[proxy]\ndelegate_to_upstream = true\n"
+        } else {
+            ""
+        };
+        let toml = fleet_toml(
+            &[node.uri()],
+            &[ttl(&queues[i], definition.clone())],
+            &names[i],
+            &format!("{keys}{extra}"),
+        );
+        proxies.push(ProxyProcess::spawn(&toml).await);
+    }
+    let upstream: Vec<String> = names.iter().map(|name| format!("{name}.ttl")).collect();
+    wait_policies(node, "three ttl policies", |p| {
+        upstream.iter().all(|name| named(p, name).is_some())
+    })
+    .await;
+    // Three more rounds of each deployment: nothing is overwritten or deleted.
+    for proxy in &proxies {
+        let success = [("result", "success")];
+        let done = proxy.counter("upstream_policy_sync_total", &success).await;
+        proxy
+            .wait_counter("upstream_policy_sync_total", &success, done + 3.0)
+            .await;
+    }
+    let listed = upstream_policies(node).await;
+    for (i, name) in upstream.iter().enumerate() {
+        let Some(found) = named(&listed, name) else {
+            panic!("{name} is gone: {listed:#?}");
+        };
+        let dead_letter_exchange = &found["definition"]["dead-letter-exchange"];
+        match i {
+            2 => assert_eq!(found["definition"], definitions[2], "{name}"),
+            _ => assert_eq!(dead_letter_exchange, &json!(names[i]), "{name}"),
+        }
+    }
+
+    // Straight to RabbitMQ: a message expires in the second deployment's queue and reaches
+    // the policy's dead-letter queue through that deployment's capture path.
+    let direct = Connection::connect(&node.uri(), ConnectionProperties::default())
+        .await
+        .expect("connect to RabbitMQ");
+    let ch = direct.create_channel().await.unwrap();
+    declare_dlx(&ch, &dlx, &dlq).await;
+    declare_durable(&ch, &queues[1], FieldTable::default()).await;
+    publish(&ch, &queues[1], &["shared"]).await;
+    let dead = poll(
+        Duration::from_secs(15),
+        Duration::from_millis(200),
+        async || get(&ch, &dlq).await,
+    )
+    .await;
+    let Some(dead) = dead else {
+        panic!("no dead letter:\n{}", proxies[1].logs());
+    };
+    assert_eq!(payload(&dead), "shared");
+    assert_eq!(x_death(&dead)[0].qrc(), (queues[1].as_str(), "expired", 1));
+    proxies[1]
+        .wait_counter(
+            "dead_lettered_total",
+            &[("queue", &queues[1]), ("reason", "expired"), ("vhost", "/")],
+            1.0,
+        )
+        .await;
+
+    drop(proxies);
+    for name in &upstream {
+        let _ = node
+            .management_call("DELETE", &format!("/api/policies/%2F/{name}"), None)
+            .await;
+    }
+    direct.close(200, "bye".into()).await.ok();
 }

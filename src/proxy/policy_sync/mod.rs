@@ -13,8 +13,8 @@
 //!
 //! The capture route is put only where the capture exchange exists (RabbitMQ drops what dies
 //! towards a missing dead-letter exchange): in a vhost without it the round puts nothing,
-//! counts `capture_missing` and tries again next time. Upstream policies named
-//! `dlx-proxy.*` that route into this proxy's capture exchange belong to it: it deletes those
+//! counts `capture_missing` and tries again next time. The upstream policies of the
+//! deployment (named `<capture name>.<name>`, [`PolicyOwner`]) belong to it: it deletes those
 //! it no longer has, once every round for `upstream.management_delete_grace_secs` found them
 //! missing ([`DeleteGrace`]: another instance may have them, during a rolling update), and
 //! never touches any other. The capture queue itself is kept out of
@@ -39,7 +39,9 @@ use crate::metrics::Metrics;
 use crate::policy::PolicySet;
 use crate::shutdown::Shutdown;
 pub use management::{ManagementClient, ManagementEndpoint, ManagementError};
-pub use plan::{DeleteGrace, POLICY_PREFIX, SyncAction, UpstreamPolicy, desired, plan};
+pub use plan::{
+    DeleteGrace, LEGACY_PREFIX, PolicyOwner, SyncAction, UpstreamPolicy, desired, plan,
+};
 
 /// `result` of `upstream_policy_sync_total`: a vhost reconciled.
 pub const SYNC_SUCCESS: &str = "success";
@@ -59,8 +61,8 @@ pub fn served_vhosts(_config: &Config) -> Vec<String> {
 #[derive(Debug)]
 struct VhostOutcome {
     result: &'static str,
-    /// Policies of the proxy upstream as desired after the round (every other prefixed
-    /// policy was deleted, or waits for its grace).
+    /// Policies of the proxy upstream as desired after the round (every other policy of the
+    /// deployment's was deleted, or waits for its grace).
     synced: usize,
     /// Deletes that wait for their grace: the vhost is reconciled again until they are made.
     waiting: usize,
@@ -70,7 +72,7 @@ struct VhostOutcome {
 pub struct UpstreamPolicySync {
     client: ManagementClient,
     policies: Arc<RwLock<PolicySet>>,
-    handling: DeadLetterHandling,
+    owner: PolicyOwner,
     served: Vec<String>,
     interval: Duration,
     metrics: Arc<Metrics>,
@@ -114,7 +116,7 @@ impl UpstreamPolicySync {
         Ok(Some(UpstreamPolicySync {
             client: ManagementClient::new(endpoint, &user, &password, timeout),
             policies,
-            handling,
+            owner: PolicyOwner::new(capture_name, handling),
             served: served_vhosts(config),
             interval: Duration::from_secs(upstream.management_sync_interval_secs.max(1)),
             metrics,
@@ -151,7 +153,7 @@ impl UpstreamPolicySync {
             vhosts.extend(self.touched.iter().cloned());
             let wanted: BTreeMap<String, BTreeMap<String, UpstreamPolicy>> = vhosts
                 .iter()
-                .map(|vhost| (vhost.clone(), desired(&policies, vhost, &self.handling)))
+                .map(|vhost| (vhost.clone(), desired(&policies, vhost, &self.owner)))
                 .collect();
             (wanted, vhosts)
         };
@@ -173,15 +175,7 @@ impl UpstreamPolicySync {
                 self.failed(vhost, err);
                 continue;
             }
-            match sync_vhost(
-                &mut session,
-                vhost,
-                desired,
-                &self.handling,
-                &mut self.grace,
-            )
-            .await
-            {
+            match sync_vhost(&mut session, vhost, desired, &self.owner, &mut self.grace).await {
                 Ok(outcome) => {
                     if self.failing.remove(vhost).is_some() {
                         tracing::info!(vhost = %vhost, "upstream policies reconciled again");
@@ -226,7 +220,7 @@ async fn sync_vhost(
     session: &mut management::ManagementSession,
     vhost: &str,
     desired: &BTreeMap<String, UpstreamPolicy>,
-    handling: &DeadLetterHandling,
+    owner: &PolicyOwner,
     grace: &mut DeleteGrace,
 ) -> Result<VhostOutcome, ManagementError> {
     let current = match session.policies(vhost).await {
@@ -241,7 +235,7 @@ async fn sync_vhost(
         }
         Err(err) => return Err(err),
     };
-    let mut actions = plan(desired, &current, handling);
+    let mut actions = plan(desired, &current, owner);
     let waiting = grace.admit(vhost, &mut actions, std::time::Instant::now());
     if waiting > 0 {
         tracing::debug!(vhost = %vhost, waiting, "upstream policies to delete wait for upstream.management_delete_grace_secs");
@@ -252,7 +246,7 @@ async fn sync_vhost(
         .count();
     let mut result = SYNC_SUCCESS;
     if puts > 0
-        && let DeadLetterHandling::Capture { exchange } = handling
+        && let DeadLetterHandling::Capture { exchange } = owner.handling()
         && !session.exchange_exists(vhost, exchange).await?
     {
         actions.retain(|a| matches!(a, SyncAction::Delete(_)));

@@ -2,7 +2,8 @@
 //! stand for, and the `PUT`s and `DELETE`s that turn what the upstream holds into that.
 //!
 //! Each proxy policy that applies to queues becomes the upstream policy
-//! `dlx-proxy.<name>` with the same pattern and priority, applying to queues, with the keys
+//! `<capture name>.<name>` (`dlx-proxy.capture.<name>` with the default
+//! `proxy.capture_name`; [`PolicyOwner`]) with the same pattern and priority, applying to queues, with the keys
 //! the upstream must enforce itself (`message-ttl`, `expires`, `max-length`,
 //! `max-length-bytes`, `overflow`, `delivery-limit`) and the dead-letter target of a queue
 //! declared through the proxy ([`super::super::declare::rewrite_declare`]): the capture
@@ -21,10 +22,12 @@
 //! RabbitMQ's PCRE patterns understand and which matches every other name the original
 //! pattern matches.
 //!
-//! Only names with [`POLICY_PREFIX`] are ever changed or deleted: the user's own policies on
-//! the upstream are not the proxy's business. In capture mode a prefixed policy is deleted
-//! only when it routes into this proxy's capture exchange, so deployments with different
-//! capture names (and different policies) on one vhost leave each other's policies alone.
+//! The capture name in the upstream name keeps deployments that share a vhost (each with its
+//! own capture name) apart even where their policies have the same names. Only a
+//! deployment's own upstream policies are ever changed or deleted ([`PolicyOwner::owns`]):
+//! the user's own policies, and other deployments', are not its business. Names with
+//! [`LEGACY_PREFIX`], which versions before the capture name was part of them gave, are
+//! taken over: deleted once their grace has passed, the same policy being under its new name.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -34,13 +37,79 @@ use serde_json::{Map, Value, json};
 use super::super::declare::{CaptureTag, DeadLetterHandling};
 use crate::policy::{ApplyTo, Policy, PolicySet};
 
-/// Prefix of every upstream policy the proxy owns.
-pub const POLICY_PREFIX: &str = "dlx-proxy.";
+/// Prefix of the upstream policies of versions that named them `dlx-proxy.<name>`, whatever
+/// the capture name.
+pub const LEGACY_PREFIX: &str = "dlx-proxy.";
+
+/// The deployment whose upstream policies these are: the instances that share one capture
+/// name (`proxy.capture_name`, set even with delegation, where it only names policies) and
+/// one policy set.
+#[derive(Clone, Debug)]
+pub struct PolicyOwner {
+    capture_name: String,
+    handling: DeadLetterHandling,
+}
+
+impl PolicyOwner {
+    pub fn new(capture_name: &str, handling: DeadLetterHandling) -> PolicyOwner {
+        PolicyOwner {
+            capture_name: capture_name.to_string(),
+            handling,
+        }
+    }
+
+    pub fn handling(&self) -> &DeadLetterHandling {
+        &self.handling
+    }
+
+    /// The upstream name of the proxy policy `name`: `<capture name>.<name>`.
+    pub fn upstream_name(&self, name: &str) -> String {
+        format!("{}.{name}", self.capture_name)
+    }
+
+    /// Whether the upstream policy `name` (`entry`, as listed) is this deployment's, so that
+    /// it puts it right or deletes it; `desired` is what the deployment has now.
+    ///
+    /// - Capturing, a policy is the deployment's when it routes into its capture exchange
+    ///   and has its name prefix or [`LEGACY_PREFIX`]: no other deployment's policy routes
+    ///   there.
+    /// - Delegating, there is no such mark: a policy is the deployment's when it has its
+    ///   name prefix, or is the legacy name of one of its policies, and is not a capturing
+    ///   deployment's (whose pattern starts by keeping its capture queue out).
+    pub fn owns(
+        &self,
+        name: &str,
+        entry: &Value,
+        desired: &BTreeMap<String, UpstreamPolicy>,
+    ) -> bool {
+        let prefixed = name
+            .strip_prefix(self.capture_name.as_str())
+            .is_some_and(|rest| rest.starts_with('.'));
+        let dead_letter_exchange = entry["definition"]["dead-letter-exchange"].as_str();
+        match &self.handling {
+            DeadLetterHandling::Capture { exchange } => {
+                (prefixed || name.starts_with(LEGACY_PREFIX))
+                    && dead_letter_exchange == Some(exchange.as_str())
+            }
+            DeadLetterHandling::Delegate => {
+                let captures = dead_letter_exchange.is_some_and(|dlx| {
+                    entry["pattern"]
+                        .as_str()
+                        .is_some_and(|pattern| pattern.starts_with(&keep_out(dlx)))
+                });
+                let legacy = name
+                    .strip_prefix(LEGACY_PREFIX)
+                    .is_some_and(|old| desired.contains_key(&self.upstream_name(old)));
+                !captures && (prefixed || legacy)
+            }
+        }
+    }
+}
 
 /// One policy as the management API takes it (`PUT /api/policies/{vhost}/{name}`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct UpstreamPolicy {
-    /// The upstream name, [`POLICY_PREFIX`] included.
+    /// The upstream name ([`PolicyOwner::upstream_name`]).
     pub name: String,
     pub pattern: String,
     pub apply_to: &'static str,
@@ -50,7 +119,8 @@ pub struct UpstreamPolicy {
 
 impl UpstreamPolicy {
     /// The mirror of one proxy policy; `None` for a policy that applies to exchanges only.
-    pub fn mirror(policy: &Policy, handling: &DeadLetterHandling) -> Option<UpstreamPolicy> {
+    pub fn mirror(policy: &Policy, owner: &PolicyOwner) -> Option<UpstreamPolicy> {
+        let handling = &owner.handling;
         if policy.apply_to == ApplyTo::Exchanges {
             return None;
         }
@@ -105,7 +175,7 @@ impl UpstreamPolicy {
             DeadLetterHandling::Delegate => policy.pattern.as_str().to_string(),
         };
         Some(UpstreamPolicy {
-            name: format!("{POLICY_PREFIX}{}", policy.name),
+            name: owner.upstream_name(&policy.name),
             pattern,
             apply_to: "queues",
             priority: policy.priority,
@@ -135,30 +205,28 @@ impl UpstreamPolicy {
 /// `pattern` (unanchored) for every name but `capture` (the capture queue's) and its delay
 /// queues (`<capture>.retry.<ms>`, [`crate::proxy::retry_tiers::delay_queue_name`]).
 fn excluding(capture: &str, pattern: &str) -> String {
-    format!(
-        "^(?!{}(?:\\.retry\\.[0-9]+)?$)[\\s\\S]*?(?:{pattern})",
-        regex::escape(capture)
-    )
+    format!("{}(?:{pattern})", keep_out(capture))
 }
 
-/// The capture exchange `handling` routes into: the mark of this proxy's upstream policies.
-fn owner(handling: &DeadLetterHandling) -> Option<&str> {
-    match handling {
-        DeadLetterHandling::Capture { exchange } => Some(exchange),
-        DeadLetterHandling::Delegate => None,
-    }
+/// The start of every pattern of a deployment capturing into `capture`: the lookahead that
+/// keeps its capture queue and delay queues out, then the shortest prefix.
+fn keep_out(capture: &str) -> String {
+    format!(
+        "^(?!{}(?:\\.retry\\.[0-9]+)?$)[\\s\\S]*?",
+        regex::escape(capture)
+    )
 }
 
 /// The upstream policies of one vhost, by upstream name.
 pub fn desired(
     policies: &PolicySet,
     vhost: &str,
-    handling: &DeadLetterHandling,
+    owner: &PolicyOwner,
 ) -> BTreeMap<String, UpstreamPolicy> {
     policies
         .iter()
         .filter(|policy| policy.vhost == vhost)
-        .filter_map(|policy| UpstreamPolicy::mirror(policy, handling))
+        .filter_map(|policy| UpstreamPolicy::mirror(policy, owner))
         .map(|mirror| (mirror.name.clone(), mirror))
         .collect()
 }
@@ -167,44 +235,37 @@ pub fn desired(
 #[derive(Clone, Debug, PartialEq)]
 pub enum SyncAction {
     Put(UpstreamPolicy),
-    /// An upstream policy with [`POLICY_PREFIX`] the proxy no longer has.
+    /// An upstream policy of the deployment's ([`PolicyOwner::owns`]) it no longer has.
     Delete(String),
 }
 
 /// What turns `current` (the body of `GET /api/policies/{vhost}`: every policy of the vhost,
 /// the user's too) into `desired`: a `PUT` for each missing or different policy, a `DELETE`
-/// for each prefixed policy of this proxy (`handling`'s capture exchange as dead-letter
-/// exchange; with delegation every prefixed one) not desired. Entries without a name are
-/// ignored.
+/// for each policy of `owner`'s ([`PolicyOwner::owns`]) not desired. Entries without a name
+/// are ignored.
 pub fn plan(
     desired: &BTreeMap<String, UpstreamPolicy>,
     current: &[Value],
-    handling: &DeadLetterHandling,
+    owner: &PolicyOwner,
 ) -> Vec<SyncAction> {
-    let owner = owner(handling);
-    let owned: BTreeMap<&str, &Value> = current
+    let listed: BTreeMap<&str, &Value> = current
         .iter()
         .filter_map(|entry| Some((entry.get("name")?.as_str()?, entry)))
-        .filter(|(name, _)| name.starts_with(POLICY_PREFIX))
         .collect();
     let mut actions: Vec<SyncAction> = desired
         .values()
         .filter(|policy| {
-            !owned
+            !listed
                 .get(policy.name.as_str())
                 .is_some_and(|entry| policy.is_current(entry))
         })
         .map(|policy| SyncAction::Put(policy.clone()))
         .collect();
     actions.extend(
-        owned
+        listed
             .iter()
             .filter(|(name, _)| !desired.contains_key(**name))
-            .filter(|(_, entry)| {
-                owner.is_none_or(|owner| {
-                    entry["definition"]["dead-letter-exchange"].as_str() == Some(owner)
-                })
-            })
+            .filter(|(name, entry)| owner.owns(name, entry, desired))
             .map(|(name, _)| SyncAction::Delete(name.to_string())),
     );
     actions
@@ -221,7 +282,7 @@ mod tests;
 pub struct DeleteGrace {
     grace: Duration,
     /// Since when each (vhost, name) has been planned for deletion, round after round. At
-    /// most one entry per prefixed upstream policy of the proxy's.
+    /// most one entry per upstream policy of the deployment's.
     since: BTreeMap<(String, String), Instant>,
 }
 

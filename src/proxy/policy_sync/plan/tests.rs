@@ -20,10 +20,17 @@ fn set(policies: &[(&str, &str, &str, i32, Value)]) -> PolicySet {
     PolicySet::from_configs(&configs).unwrap()
 }
 
-fn capture() -> DeadLetterHandling {
-    DeadLetterHandling::Capture {
-        exchange: "dlx-proxy.capture".into(),
-    }
+fn capture() -> PolicyOwner {
+    PolicyOwner::new(
+        "dlx-proxy.capture",
+        DeadLetterHandling::Capture {
+            exchange: "dlx-proxy.capture".into(),
+        },
+    )
+}
+
+fn delegate(capture_name: &str) -> PolicyOwner {
+    PolicyOwner::new(capture_name, DeadLetterHandling::Delegate)
 }
 
 #[test]
@@ -41,7 +48,7 @@ fn limits_are_mirrored_and_the_target_becomes_the_capture_route() {
         }),
     )]);
     let desired = desired(&policies, "/", &capture());
-    let mirror = &desired["dlx-proxy.ttl"];
+    let mirror = &desired["dlx-proxy.capture.ttl"];
     assert_eq!(
         mirror.pattern,
         "^(?!dlx\\-proxy\\.capture(?:\\.retry\\.[0-9]+)?$)[\\s\\S]*?(?:^orders\\.)"
@@ -83,7 +90,7 @@ fn limits_are_mirrored_and_the_target_becomes_the_capture_route() {
 #[test]
 fn without_a_dead_letter_exchange_deaths_still_reach_the_capture_exchange_untagged() {
     let policies = set(&[("cap", "/", "all", 0, json!({"max-length": 5}))]);
-    let mirror = &desired(&policies, "/", &capture())["dlx-proxy.cap"];
+    let mirror = &desired(&policies, "/", &capture())["dlx-proxy.capture.cap"];
     assert_eq!(mirror.apply_to, "queues");
     assert_eq!(
         Value::Object(mirror.definition.clone()),
@@ -100,7 +107,7 @@ fn delegation_gives_the_upstream_the_policy_target() {
         0,
         json!({"dead-letter-exchange": "dlx", "dead-letter-routing-key": "k", "message-ttl": 5}),
     )]);
-    let mirror = &desired(&policies, "/", &DeadLetterHandling::Delegate)["dlx-proxy.d"];
+    let mirror = &desired(&policies, "/", &delegate("dlx-proxy.capture"))["dlx-proxy.capture.d"];
     // No capture queue to keep out: the pattern as it is.
     assert_eq!(mirror.pattern, "^orders\\.");
     assert_eq!(
@@ -117,9 +124,9 @@ fn only_queue_policies_of_the_vhost_are_mirrored() {
         ("other", "v", "queues", 0, json!({"message-ttl": 1})),
     ]);
     let names: Vec<String> = desired(&policies, "/", &capture()).into_keys().collect();
-    assert_eq!(names, ["dlx-proxy.q"]);
+    assert_eq!(names, ["dlx-proxy.capture.q"]);
     let names: Vec<String> = desired(&policies, "v", &capture()).into_keys().collect();
-    assert_eq!(names, ["dlx-proxy.other"]);
+    assert_eq!(names, ["dlx-proxy.capture.other"]);
 }
 
 #[test]
@@ -136,10 +143,10 @@ fn the_plan_puts_what_differs_and_deletes_only_prefixed_leftovers() {
         entry["vhost"] = json!("/");
         entry
     };
-    let mut changed = as_listed(&desired["dlx-proxy.changed"]);
+    let mut changed = as_listed(&desired["dlx-proxy.capture.changed"]);
     changed["definition"]["message-ttl"] = json!(20);
     let current = vec![
-        as_listed(&desired["dlx-proxy.same"]),
+        as_listed(&desired["dlx-proxy.capture.same"]),
         changed,
         json!({"name": "dlx-proxy.gone", "pattern": ".*", "apply-to": "queues",
                "priority": 0, "definition": {"message-ttl": 9,
@@ -154,27 +161,27 @@ fn the_plan_puts_what_differs_and_deletes_only_prefixed_leftovers() {
     assert_eq!(
         plan(&desired, &current, &capture()),
         vec![
-            SyncAction::Put(desired["dlx-proxy.changed"].clone()),
-            SyncAction::Put(desired["dlx-proxy.new"].clone()),
+            SyncAction::Put(desired["dlx-proxy.capture.changed"].clone()),
+            SyncAction::Put(desired["dlx-proxy.capture.new"].clone()),
             SyncAction::Delete("dlx-proxy.gone".into()),
         ]
     );
     // A priority or pattern changed by hand upstream is put back.
-    let mut drifted = as_listed(&desired["dlx-proxy.same"]);
+    let mut drifted = as_listed(&desired["dlx-proxy.capture.same"]);
     drifted["priority"] = json!(99);
     let only_same: BTreeMap<String, UpstreamPolicy> = desired
         .iter()
-        .filter(|(name, _)| *name == "dlx-proxy.same")
+        .filter(|(name, _)| *name == "dlx-proxy.capture.same")
         .map(|(name, policy)| (name.clone(), policy.clone()))
         .collect();
     assert_eq!(
         plan(&only_same, &[drifted], &capture()),
-        vec![SyncAction::Put(desired["dlx-proxy.same"].clone())]
+        vec![SyncAction::Put(desired["dlx-proxy.capture.same"].clone())]
     );
     assert_eq!(
         plan(
             &only_same,
-            &[as_listed(&desired["dlx-proxy.same"])],
+            &[as_listed(&desired["dlx-proxy.capture.same"])],
             &capture()
         ),
         vec![]
@@ -200,17 +207,109 @@ fn the_capture_queue_and_its_delay_queues_are_kept_out_of_every_pattern() {
     assert!(crate::proxy::retry_tiers::is_delay_queue("c", &delay));
 }
 
+/// An upstream policy as `GET /api/policies/{vhost}` lists it.
+fn listed(name: &str, pattern: &str, definition: Value) -> Value {
+    json!({"name": name, "vhost": "/", "pattern": pattern, "apply-to": "queues",
+           "priority": 0, "definition": definition})
+}
+
 #[test]
-fn with_delegation_every_leftover_with_the_prefix_is_deleted() {
+fn deployments_with_the_same_policy_names_keep_apart() {
+    let policies = set(&[("ttl", "/", "queues", 0, json!({"message-ttl": 1}))]);
+    let orders = PolicyOwner::new(
+        "orders.capture",
+        DeadLetterHandling::Capture {
+            exchange: "orders.capture".into(),
+        },
+    );
+    let ours = desired(&policies, "/", &capture());
+    let theirs = desired(&policies, "/", &orders);
+    assert_eq!(ours.keys().collect::<Vec<_>>(), ["dlx-proxy.capture.ttl"]);
+    assert_eq!(theirs.keys().collect::<Vec<_>>(), ["orders.capture.ttl"]);
+    // Both upstream: each deployment puts nothing and deletes nothing of the other's, round
+    // after round (they overwrote one policy `dlx-proxy.ttl` before).
+    let both: Vec<Value> = ours
+        .values()
+        .chain(theirs.values())
+        .map(|p| {
+            let mut entry = p.body();
+            entry["name"] = json!(p.name);
+            entry
+        })
+        .collect();
+    assert_eq!(plan(&ours, &both, &capture()), vec![]);
+    assert_eq!(plan(&theirs, &both, &orders), vec![]);
+    // Without the policy, each deletes its own only.
+    assert_eq!(
+        plan(&BTreeMap::new(), &both, &orders),
+        vec![SyncAction::Delete("orders.capture.ttl".into())]
+    );
+}
+
+#[test]
+fn a_delegating_deployment_deletes_only_its_own_and_never_a_capturing_ones() {
+    let delegating = delegate("billing");
+    let policies = set(&[("kept", "/", "queues", 0, json!({"message-ttl": 1}))]);
+    let desired = desired(&policies, "/", &delegating);
+    assert_eq!(desired.keys().collect::<Vec<_>>(), ["billing.kept"]);
     let current = vec![
-        json!({"name": "dlx-proxy.old", "definition": {"dead-letter-exchange": "x"}}),
-        json!({"name": "mine", "definition": {}}),
+        // Its own, no longer in its set.
+        listed("billing.gone", "^b$", json!({"dead-letter-exchange": "x"})),
+        // Its own under the legacy name of a policy it has: moved to the new name.
+        listed("dlx-proxy.kept", "^orders\\.", json!({"message-ttl": 1})),
+        // A legacy name it does not have: maybe another deployment's, left alone.
+        listed("dlx-proxy.old", "^o$", json!({"dead-letter-exchange": "x"})),
+        // A capturing deployment's, under the delegating one's prefix or the legacy one.
+        listed(
+            "billing.captured",
+            &excluding("billing.capture", "^c$"),
+            json!({"dead-letter-exchange": "billing.capture"}),
+        ),
+        listed(
+            "dlx-proxy.kept-too",
+            &excluding("dlx-proxy.capture", "^orders\\."),
+            json!({"dead-letter-exchange": "dlx-proxy.capture"}),
+        ),
+        // Another deployment whose name only starts like this one's.
+        listed("billing-eu.gone", "^e$", json!({})),
+        listed("users-own", ".*", json!({"message-ttl": 9})),
     ];
     assert_eq!(
-        plan(&BTreeMap::new(), &current, &DeadLetterHandling::Delegate),
+        plan(&desired, &current, &delegating),
+        vec![
+            SyncAction::Put(desired["billing.kept"].clone()),
+            SyncAction::Delete("billing.gone".into()),
+            SyncAction::Delete("dlx-proxy.kept".into()),
+        ]
+    );
+    // The capturing deployment deletes its own legacy one only: neither the delegating
+    // one's nor the user's.
+    assert_eq!(
+        plan(&BTreeMap::new(), &current, &capture()),
+        vec![SyncAction::Delete("dlx-proxy.kept-too".into())]
+    );
+}
+
+#[test]
+fn a_capturing_deployment_takes_over_its_legacy_names() {
+    let current = vec![
+        listed(
+            "dlx-proxy.old",
+            &excluding("dlx-proxy.capture", "^o$"),
+            json!({"dead-letter-exchange": "dlx-proxy.capture"}),
+        ),
+        listed(
+            "dlx-proxy.other",
+            &excluding("their.capture", "^o$"),
+            json!({"dead-letter-exchange": "their.capture"}),
+        ),
+        // Its prefix but not its route (edited by hand): not taken for its own.
+        listed("dlx-proxy.capture.edited", "^o$", json!({"message-ttl": 1})),
+    ];
+    assert_eq!(
+        plan(&BTreeMap::new(), &current, &capture()),
         vec![SyncAction::Delete("dlx-proxy.old".into())]
     );
-    assert_eq!(plan(&BTreeMap::new(), &current, &capture()), vec![]);
 }
 
 #[test]
