@@ -86,10 +86,12 @@ async fn a_user_logs_in_with_the_password_from_its_file() {
     .await;
     let error = login(amqp, "app", &first).await.expect_err("old password");
     assert_eq!(amqp_code(&error), Some(403), "{}", process.logs());
-    assert!(
-        process.logs().contains("configuration reloaded"),
-        "{}",
-        process.logs()
-    );
+    // Logged after the reload applies, through a pipe: waited for.
+    wait_until(
+        "the reload's log line",
+        Duration::from_secs(5),
+        async || process.logs().contains("configuration reloaded"),
+    )
+    .await;
     assert!(!process.logs().contains(&second), "{}", process.logs());
 }

@@ -207,22 +207,21 @@ async fn killing_the_capture_leader_node_loses_no_ttl_or_length_death() {
     }
     let duplicates = drain_expecting(&ch2, &dlq, &expected).await;
     // Every death was dead-lettered by a proxy (counted by reason), none dropped.
-    let mut expired = 0.0;
-    let mut maxlen = 0.0;
-    for proxy in &fleet.proxies {
-        expired += proxy
-            .counter(
-                "dead_lettered_total",
-                &[("queue", &ttl_q), ("reason", "expired"), ("vhost", "/")],
-            )
-            .await;
-        maxlen += proxy
-            .counter(
-                "dead_lettered_total",
-                &[("queue", &len_q), ("reason", "maxlen"), ("vhost", "/")],
-            )
-            .await;
-    }
+    // Counted at each dead letter's confirm, which may come after the DLQ shows it.
+    let expired = fleet
+        .counter_sum_reaching(
+            "dead_lettered_total",
+            &[("queue", &ttl_q), ("reason", "expired"), ("vhost", "/")],
+            TTL_COUNT as f64,
+        )
+        .await;
+    let maxlen = fleet
+        .counter_sum_reaching(
+            "dead_lettered_total",
+            &[("queue", &len_q), ("reason", "maxlen"), ("vhost", "/")],
+            (LEN_COUNT - 5) as f64,
+        )
+        .await;
     assert!(
         expired >= TTL_COUNT as f64 && maxlen >= (LEN_COUNT - 5) as f64,
         "dead-lettered: expired {expired}, maxlen {maxlen}; duplicates {duplicates}"
@@ -317,14 +316,18 @@ async fn a_proxy_killed_with_a_capture_backlog_leaves_it_to_the_other() {
     }
     let duplicates = drain_expecting(&ch, &dlq, &expected).await;
     let proxy = fleet.proxy(1);
-    let confirmed = proxy
-        .counter(
-            "dead_lettered_total",
-            &[("queue", &source), ("reason", "expired"), ("vhost", "/")],
-        )
-        .await;
-    // Proxy 1 dead-lettered what proxy 0 held (and any duplicates).
     let held = held.expect("held") as usize;
+    let expired = [
+        ("queue", source.as_str()),
+        ("reason", "expired"),
+        ("vhost", "/"),
+    ];
+    // Counted at each dead letter's confirm, which may come after the DLQ shows it.
+    proxy
+        .wait_counter("dead_lettered_total", &expired, held as f64)
+        .await;
+    let confirmed = proxy.counter("dead_lettered_total", &expired).await;
+    // Proxy 1 dead-lettered what proxy 0 held (and any duplicates).
     assert!(
         confirmed >= held as f64,
         "proxy 1 dead-lettered {confirmed} of the {held} held; duplicates {duplicates}"

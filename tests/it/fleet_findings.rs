@@ -162,10 +162,17 @@ fn dead_lettered(queue: &str, reason: &'static str) -> [(&'static str, String); 
     ]
 }
 
-async fn fleet_dead_lettered(fleet: &Fleet, queue: &str, reason: &'static str) -> f64 {
+async fn fleet_dead_lettered(
+    fleet: &Fleet,
+    queue: &str,
+    reason: &'static str,
+    at_least: usize,
+) -> f64 {
     let labels = dead_lettered(queue, reason);
     let labels: Vec<(&str, &str)> = labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    fleet.counter_sum("dead_lettered_total", &labels).await
+    fleet
+        .counter_sum_reaching("dead_lettered_total", &labels, at_least as f64)
+        .await
 }
 
 // ------------------------------------------------------------------------------------------
@@ -219,7 +226,7 @@ async fn deaths_while_the_capture_node_is_down(
         expected.iter().collect(),
         "dead letters (with duplicates: {bodies:?})"
     );
-    assert!(fleet_dead_lettered(&fleet, &queue, reason).await >= dead as f64);
+    assert!(fleet_dead_lettered(&fleet, &queue, reason, dead).await >= dead as f64);
     fleet.stop_deleting(&[&queue, &dlq], &[&dlx]).await;
     outage.restore();
 }
@@ -312,7 +319,10 @@ async fn f2_every_reject_through_an_instance_that_was_told_no_dlx_is_dead_letter
         (0..10).any(|i| body == format!("m{i}")),
         "dead letter {body:?}"
     );
-    assert_eq!(fleet_dead_lettered(&fleet, &queue, "rejected").await, 10.0);
+    assert_eq!(
+        fleet_dead_lettered(&fleet, &queue, "rejected", 10).await,
+        10.0
+    );
     fleet.stop_deleting(&[&queue, &dlq], &[&dlx]).await;
 }
 
@@ -396,7 +406,7 @@ async fn f3_requeues_through_alternating_instances_count_against_the_limit() {
 /// the capture queue: the instance that handled the last return dead-lettered it itself.
 async fn assert_dead_lettered_in_one_hop(fleet: &Fleet, queue: &str) {
     assert_eq!(
-        fleet_dead_lettered(fleet, queue, "delivery_limit").await,
+        fleet_dead_lettered(fleet, queue, "delivery_limit", 1).await,
         1.0
     );
     let captured = [("outcome", "dead_lettered"), ("vhost", "/")];
@@ -631,7 +641,7 @@ async fn f7_expired_messages_are_dead_lettered_with_no_client_connected() {
         (0..5).any(|i| body == format!("m{i}")),
         "dead letter {body:?}"
     );
-    assert_eq!(fleet_dead_lettered(&fleet, &queue, "expired").await, 5.0);
+    assert_eq!(fleet_dead_lettered(&fleet, &queue, "expired", 5).await, 5.0);
     fleet.stop_deleting(&[&queue, &dlq], &[&dlx]).await;
 }
 

@@ -93,9 +93,11 @@ async fn a_rotated_token_file_takes_effect_without_a_restart() {
             .0,
         204
     );
-    assert!(
-        process.logs().contains("configuration reloaded"),
-        "{}",
-        process.logs()
-    );
+    // Logged after the reload applies, through a pipe: waited for.
+    wait_until(
+        "the reload's log line",
+        Duration::from_secs(5),
+        async || process.logs().contains("configuration reloaded"),
+    )
+    .await;
 }

@@ -189,8 +189,7 @@ async fn dead_lettered_in_one_hop(
     assert_eq!(dead.exchange.as_str(), dlx);
     let headers = dead.properties.headers().clone().unwrap_or_default();
     assert_eq!(headers.inner().get("x-delivery-count"), None);
-    let labels = [("queue", q), ("reason", "delivery_limit"), ("vhost", "/")];
-    assert_eq!(proxy.counter("dead_lettered_total", &labels), 1.0);
+    proxy.wait_dead_lettered(q, "delivery_limit", 1.0).await;
     let captured = [("outcome", "dead_lettered"), ("vhost", "/")];
     assert_eq!(proxy.counter("captured_total", &captured), 0.0);
     consume_empty(ch, q).await;

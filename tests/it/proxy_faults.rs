@@ -162,7 +162,9 @@ async fn only_deliveries_that_can_dead_letter_keep_their_content() {
     // properties (2 bytes: no property set), body and routing key, to dead-letter them.
     let overhead = dlx_proxy::proxy::inflight::KEPT_OVERHEAD;
     let expected = 4 * overhead + 4 * (overhead + 2 + 1000 + dead.len());
-    assert_eq!(proxy.counter("inflight_bytes", &[]), expected as f64);
+    proxy
+        .wait_gauge("inflight_bytes", &[], expected as f64)
+        .await;
 
     // One nack for all eight: the plain queue's go back to the upstream natively (and are
     // dropped there: no dead-letter exchange), the others are dead-lettered by the proxy.
@@ -188,8 +190,9 @@ async fn only_deliveries_that_can_dead_letter_keep_their_content() {
     let uch = upstream_connection().await.create_channel().await.unwrap();
     wait_count(&uch, &plain, 0).await;
     wait_count(&uch, &dead, 0).await;
-    proxy.wait_counter("inflight_deliveries", &[], 0.0).await;
-    assert_eq!(proxy.counter("inflight_bytes", &[]), 0.0);
+    // Gauges reported after the frames that settle: waited for, never read once.
+    proxy.wait_gauge("inflight_deliveries", &[], 0.0).await;
+    proxy.wait_gauge("inflight_bytes", &[], 0.0).await;
     proxy.stop().await;
 }
 
@@ -213,8 +216,8 @@ async fn a_dead_letter_policy_loaded_mid_delivery_applies_to_both_deliveries() {
     assert_eq!(payload(&early), "early");
     // No dead-letter exchange yet: the delivery is kept as a tag only.
     let overhead = dlx_proxy::proxy::inflight::KEPT_OVERHEAD as f64;
-    proxy.wait_counter("inflight_deliveries", &[], 1.0).await;
-    assert_eq!(proxy.counter("inflight_bytes", &[]), overhead);
+    proxy.wait_gauge("inflight_deliveries", &[], 1.0).await;
+    proxy.wait_gauge("inflight_bytes", &[], overhead).await;
 
     proxy.set_policies(&[policy(
         "late",
@@ -232,9 +235,12 @@ async fn a_dead_letter_policy_loaded_mid_delivery_applies_to_both_deliveries() {
     // was taken again) and dead-lettered by the proxy itself.
     let late = next(&mut rx).await;
     assert_eq!(payload(&late), "late");
-    proxy.wait_counter("inflight_deliveries", &[], 1.0).await;
+    // The early one's release and the late one's charge are reported after the frames.
+    proxy.wait_gauge("inflight_deliveries", &[], 1.0).await;
     let content = 2.0 + 4.0 + q.len() as f64;
-    assert_eq!(proxy.counter("inflight_bytes", &[]), overhead + content);
+    proxy
+        .wait_gauge("inflight_bytes", &[], overhead + content)
+        .await;
     late.acker
         .reject(BasicRejectOptions { requeue: false })
         .await

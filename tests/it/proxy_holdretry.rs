@@ -119,6 +119,30 @@ fn retries(proxy: &TestProxy) -> f64 {
     proxy.counter("dead_letter_retries_total", &[("reason", "nacked")])
 }
 
+/// Polls until `retries(proxy)` and the counter `name{labels}`, which move together while
+/// retries go on, read the same on both sides of one read of it (panics after 5 s); returns
+/// the value.
+async fn settled_equal(proxy: &TestProxy, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let equal = crate::common::poll(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        async || {
+            let before = retries(proxy);
+            let other = proxy.counter(name, labels);
+            (before == other && retries(proxy) == before).then_some(other)
+        },
+    )
+    .await;
+    match equal {
+        Some(value) => value,
+        None => panic!(
+            "{name}{labels:?} is {}, dead_letter_retries_total is {}",
+            proxy.counter(name, labels),
+            retries(proxy)
+        ),
+    }
+}
+
 /// Polls until the held gauge shows `value` (panics after 15 s).
 async fn wait_held(proxy: &TestProxy, value: f64) {
     let reached = crate::common::poll(
@@ -154,10 +178,13 @@ async fn stays_held(proxy: &TestProxy, rx: Option<&mut Deliveries>) {
         "{during} retries in {WATCH:?}: a hot loop"
     );
     assert_eq!(held(proxy), 1.0);
-    assert_eq!(
-        proxy.counter("dead_letter_publish_failures_total", &[("cause", "nack")]),
-        retries(proxy)
-    );
+    // Each nack counted as a failure and a retry (two counters: read between retries).
+    settled_equal(
+        proxy,
+        "dead_letter_publish_failures_total",
+        &[("cause", "nack")],
+    )
+    .await;
 }
 
 async fn purge(ch: &Channel, queue: &str) {
@@ -213,18 +240,13 @@ async fn a_rejected_message_refused_by_a_full_dlq_is_held_until_it_has_room() {
     purge(&uch, &dlq).await;
     landed(&uch, &dlq, "m", &q, "rejected").await;
     wait_held(&proxy, 0.0).await;
-    assert_eq!(
-        proxy.counter(
-            "dead_lettered_total",
-            &[("queue", &q), ("reason", "rejected"), ("vhost", "/")]
-        ),
-        1.0
-    );
+    // Counted at the confirm, just after the held gauge drops.
+    proxy.wait_dead_lettered(&q, "rejected", 1.0).await;
     // Acked, not merely unacked: closing the consumer's channel brings nothing back.
     ch.close(200, "done".into()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(message_count(&uch, &q).await, 0);
-    assert_eq!(proxy.counter("inflight_deliveries", &[]), 0.0);
+    proxy.wait_gauge("inflight_deliveries", &[], 0.0).await;
     delete_upstream(&uch, &[&q, &dlq], &[]).await;
     let _ = upstream.close(200, "done".into()).await;
     proxy.stop().await;
@@ -243,8 +265,13 @@ async fn an_expired_message_refused_by_a_full_dlq_is_held_until_it_has_room() {
     stays_held(&proxy, None).await;
     // Refused on the service connection: each refusal counted as a captured message held
     // for another publish, none given back.
-    let retried = proxy.counter("captured_total", &[("outcome", "retried"), ("vhost", "/")]);
-    assert!(retried >= 1.0 && retried == retries(&proxy), "{retried}");
+    let retried = settled_equal(
+        &proxy,
+        "captured_total",
+        &[("outcome", "retried"), ("vhost", "/")],
+    )
+    .await;
+    assert!(retried >= 1.0, "{retried}");
     let upstream = upstream_connection().await;
     let uch = upstream.create_channel().await.unwrap();
     assert_eq!(message_count(&uch, &q).await, 0);
@@ -275,7 +302,8 @@ async fn a_client_that_leaves_while_its_dead_letter_is_held_gets_the_original_re
     let uch = upstream.create_channel().await.unwrap();
     wait_count(&uch, &q, 1).await;
     wait_held(&proxy, 0.0).await;
-    assert_eq!(proxy.counter("inflight_deliveries", &[]), 0.0);
+    // Reported when the client session ends, after the held gauge drops.
+    proxy.wait_gauge("inflight_deliveries", &[], 0.0).await;
     let back = get(&uch, &q).await;
     assert_eq!(payload(&back), "m");
     assert!(back.redelivered);
@@ -330,7 +358,7 @@ async fn an_upstream_lost_while_a_dead_letter_is_held_requeues_the_original() {
     assert_eq!(payload(&back), "m");
     assert!(back.redelivered);
     assert_eq!(message_count(&uch, &dlq).await, 1);
-    assert_eq!(proxy.counter("inflight_deliveries", &[]), 0.0);
+    proxy.wait_gauge("inflight_deliveries", &[], 0.0).await;
     delete_upstream(&uch, &[&q, &dlq], &[]).await;
     let _ = upstream.close(200, "done".into()).await;
     proxy.stop().await;

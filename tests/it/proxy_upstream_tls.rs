@@ -129,7 +129,7 @@ async fn publish_consume_and_dead_letter_over_an_amqps_upstream() {
         )
         .await;
     assert_eq!(
-        proxy.counter("dead_letter_publish_failures_total", &[]),
+        proxy.counter_all_labels("dead_letter_publish_failures_total"),
         0.0
     );
     wait_count(&uch, &q, 0).await;

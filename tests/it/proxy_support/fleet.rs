@@ -309,6 +309,29 @@ impl Fleet {
         sum
     }
 
+    /// [`Fleet::counter_sum`] once it reaches `at_least`, or after 15 s as it is then. Dead
+    /// letters are counted at their confirm, which may come after the DLQ shows them.
+    pub async fn counter_sum_reaching(
+        &self,
+        name: &str,
+        labels: &[(&str, &str)],
+        at_least: f64,
+    ) -> f64 {
+        let reached = poll(
+            Duration::from_secs(15),
+            Duration::from_millis(100),
+            async || {
+                let sum = self.counter_sum(name, labels).await;
+                (sum >= at_least).then_some(sum)
+            },
+        )
+        .await;
+        match reached {
+            Some(sum) => sum,
+            None => self.counter_sum(name, labels).await,
+        }
+    }
+
     /// Kills every proxy and removes the fleet's capture exchange and queue from the upstream
     /// (best effort).
     pub async fn stop(self) {

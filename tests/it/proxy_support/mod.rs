@@ -166,6 +166,43 @@ impl TestProxy {
         metric_value(&self.metrics.encode(), &series).unwrap_or(0.0)
     }
 
+    /// Waits until `dead_lettered_total` of `queue` in vhost "/" for `reason` reaches `value`
+    /// and asserts it is no more. The proxy counts a dead letter at its confirm, which may come
+    /// after the dead-letter queue shows it.
+    pub async fn wait_dead_lettered(&self, queue: &str, reason: &str, value: f64) {
+        let labels = [("queue", queue), ("reason", reason), ("vhost", "/")];
+        self.wait_counter("dead_lettered_total", &labels, value)
+            .await;
+        assert_eq!(self.counter("dead_lettered_total", &labels), value);
+    }
+
+    /// The sum of every series of the counter `name`, whatever its labels.
+    pub fn counter_all_labels(&self, name: &str) -> f64 {
+        let name = format!("dlx_proxy_{name}");
+        self.metrics
+            .encode()
+            .lines()
+            .filter(|line| {
+                line.strip_prefix(name.as_str())
+                    .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+            })
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Asserts that `counter` stays at `value` for `during`: for what, done wrongly, would be
+    /// counted only at a confirm that comes after what the test saw.
+    pub async fn stays(&self, name: &str, labels: &[(&str, &str)], value: f64, during: Duration) {
+        let end = tokio::time::Instant::now() + during;
+        loop {
+            assert_eq!(self.counter(name, labels), value, "{name}{labels:?}");
+            if tokio::time::Instant::now() >= end {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Polls `counter` until it reaches `value` (panics after 15 s).
     pub async fn wait_counter(&self, name: &str, labels: &[(&str, &str)], value: f64) {
         let reached = poll(POLL_LIMIT, POLL_EVERY, async || {
