@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 
+use super::super::capture::DEFAULT_CAPTURE_NAME;
 use super::super::declare::{CaptureTag, DeadLetterHandling};
 use crate::policy::{ApplyTo, Policy, PolicySet};
 
@@ -74,8 +75,10 @@ impl PolicyOwner {
     ///   and has its name prefix or [`LEGACY_PREFIX`]: no other deployment's policy routes
     ///   there.
     /// - Delegating, there is no such mark: a policy is the deployment's when it has its
-    ///   name prefix, or is the legacy name of one of its policies, and is not a capturing
-    ///   deployment's (whose pattern starts by keeping its capture queue out).
+    ///   name prefix, or is the legacy name of one of its policies (but not a name under the
+    ///   default capture name, `dlx-proxy.capture.*`: another deployment's new one), and is not
+    ///   a capturing deployment's (whose pattern starts by keeping its capture queue out, in
+    ///   this version's form or the older `^(?!<capture>$)`).
     pub fn owns(
         &self,
         name: &str,
@@ -93,13 +96,18 @@ impl PolicyOwner {
             }
             DeadLetterHandling::Delegate => {
                 let captures = dead_letter_exchange.is_some_and(|dlx| {
+                    let lookahead = format!("^(?!{}", regex::escape(dlx));
                     entry["pattern"]
                         .as_str()
-                        .is_some_and(|pattern| pattern.starts_with(&keep_out(dlx)))
+                        .is_some_and(|pattern| pattern.starts_with(&lookahead))
                 });
-                let legacy = name
-                    .strip_prefix(LEGACY_PREFIX)
-                    .is_some_and(|old| desired.contains_key(&self.upstream_name(old)));
+                let defaults = name
+                    .strip_prefix(DEFAULT_CAPTURE_NAME)
+                    .is_some_and(|rest| rest.starts_with('.'));
+                let legacy = !defaults
+                    && name
+                        .strip_prefix(LEGACY_PREFIX)
+                        .is_some_and(|old| desired.contains_key(&self.upstream_name(old)));
                 !captures && (prefixed || legacy)
             }
         }
@@ -205,14 +213,8 @@ impl UpstreamPolicy {
 /// `pattern` (unanchored) for every name but `capture` (the capture queue's) and its delay
 /// queues (`<capture>.retry.<ms>`, [`crate::proxy::retry_tiers::delay_queue_name`]).
 fn excluding(capture: &str, pattern: &str) -> String {
-    format!("{}(?:{pattern})", keep_out(capture))
-}
-
-/// The start of every pattern of a deployment capturing into `capture`: the lookahead that
-/// keeps its capture queue and delay queues out, then the shortest prefix.
-fn keep_out(capture: &str) -> String {
     format!(
-        "^(?!{}(?:\\.retry\\.[0-9]+)?$)[\\s\\S]*?",
+        "^(?!{}(?:\\.retry\\.[0-9]+)?$)[\\s\\S]*?(?:{pattern})",
         regex::escape(capture)
     )
 }

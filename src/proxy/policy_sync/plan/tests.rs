@@ -270,6 +270,12 @@ fn a_delegating_deployment_deletes_only_its_own_and_never_a_capturing_ones() {
             &excluding("dlx-proxy.capture", "^orders\\."),
             json!({"dead-letter-exchange": "dlx-proxy.capture"}),
         ),
+        // A capturing deployment's of a version that kept out the capture queue only.
+        listed(
+            "billing.older",
+            "^(?!billing\\.capture$)[\\s\\S]*?(?:^c$)",
+            json!({"dead-letter-exchange": "billing.capture"}),
+        ),
         // Another deployment whose name only starts like this one's.
         listed("billing-eu.gone", "^e$", json!({})),
         listed("users-own", ".*", json!({"message-ttl": 9})),
@@ -287,6 +293,24 @@ fn a_delegating_deployment_deletes_only_its_own_and_never_a_capturing_ones() {
     assert_eq!(
         plan(&BTreeMap::new(), &current, &capture()),
         vec![SyncAction::Delete("dlx-proxy.kept-too".into())]
+    );
+}
+
+#[test]
+fn a_delegating_deployment_never_takes_a_default_named_policy_for_a_legacy_one() {
+    // Its policy `capture.ttl` had the legacy name `dlx-proxy.capture.ttl`, which is also
+    // the new name of the policy `ttl` of a deployment with the default capture name.
+    let delegating = delegate("billing");
+    let policies = set(&[("capture.ttl", "/", "queues", 0, json!({"message-ttl": 1}))]);
+    let desired = desired(&policies, "/", &delegating);
+    let current = vec![listed(
+        "dlx-proxy.capture.ttl",
+        "^o$",
+        json!({"message-ttl": 5}),
+    )];
+    assert_eq!(
+        plan(&desired, &current, &delegating),
+        vec![SyncAction::Put(desired["billing.capture.ttl"].clone())]
     );
 }
 
