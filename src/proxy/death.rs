@@ -158,9 +158,18 @@ pub(crate) fn from_capture(
 ) -> Result<(Death, Option<QueueArguments>), Unreadable> {
     let props = decode_properties(&message.raw_properties)
         .map_err(|e| Unreadable::Properties(e.to_string()))?;
-    let tag = CaptureTag::decode(&message.routing_key);
-    let (before, death) =
+    let mut tag = CaptureTag::decode(&message.routing_key);
+    let (mut before, mut death) =
         reconstruct(&props, tag.is_some()).map_err(|e| Unreadable::NoDeathRecord(e.to_string()))?;
+    if tag.is_some() && death.routing_keys.contains(&message.routing_key) {
+        // The upstream queue had no dead-letter routing key, so the message kept the key it
+        // was published with: a tag there is the publisher's, never the queue's. (A queue's
+        // tag that a publisher also used as its key is lost too; the queue's settings then
+        // come from the cache or a read-back, as for an untagged queue.)
+        tag = None;
+        (before, death) =
+            reconstruct(&props, false).map_err(|e| Unreadable::NoDeathRecord(e.to_string()))?;
+    }
     let reason = death
         .reason
         .parse::<DeadLetterReason>()
@@ -304,6 +313,54 @@ mod tests {
             time: 0,
             body: Bytes::from_static(b"m"),
         }
+    }
+
+    /// A captured message whose newest x-death entry recorded `published_with` and which
+    /// reached the capture queue with `routing_key`.
+    fn captured(routing_key: &str, published_with: &str) -> CapturedMessage {
+        let text = |t: &str| AMQPValue::LongString(LongString::from(t));
+        let mut entry = FieldTable::default();
+        entry.insert(ShortString::from("queue"), text("q"));
+        entry.insert(ShortString::from("reason"), text("expired"));
+        entry.insert(
+            ShortString::from("routing-keys"),
+            AMQPValue::FieldArray(FieldArray::from(vec![text(published_with)])),
+        );
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ShortString::from("x-death"),
+            AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(entry)])),
+        );
+        let props = BasicProperties::default().with_headers(headers);
+        CapturedMessage {
+            delivery_tag: 1,
+            epoch: 1,
+            routing_key: routing_key.to_string(),
+            raw_properties: crate::amqp::content::encode_properties(&props),
+            body: Bytes::from_static(b"m"),
+        }
+    }
+
+    #[test]
+    fn a_tag_is_the_queues_only_when_the_message_was_not_published_with_it() {
+        let tag = CaptureTag {
+            dead_letter_exchange: Some("dlx".into()),
+            dead_letter_routing_key: None,
+            delivery_limit: None,
+            retry_delays: None,
+        }
+        .encode()
+        .unwrap();
+        // The queue's dead-letter routing key (the tag) replaced the publish key.
+        let (death, settings) = from_capture(&captured(&tag, "q")).unwrap();
+        assert_eq!(death.routing_keys, ["q"]);
+        let settings = settings.expect("the queue's tag");
+        assert_eq!(settings.dead_letter_exchange.as_deref(), Some("dlx"));
+        // A queue without a dead-letter routing key kept the publish key: a tag chosen by
+        // the publisher (to pick the dead-letter exchange) is not taken.
+        let (death, settings) = from_capture(&captured(&tag, &tag)).unwrap();
+        assert_eq!(death.routing_keys, [tag.clone()]);
+        assert!(settings.is_none(), "{settings:?}");
     }
 
     #[test]

@@ -394,3 +394,53 @@ async fn automatic_loops_through_other_exchanges_are_dropped_when_they_come_back
     consume_empty(&ch, &looping).await;
     proxy.stop().await;
 }
+
+/// A publisher cannot choose where its message is dead-lettered: a queue without a
+/// dead-letter routing key of its own (here its target comes from a policy) reaches the
+/// capture queue with the key the message was published with, and a capture tag there,
+/// naming another exchange, is the publisher's, not the queue's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capture_tag_chosen_by_the_publisher_is_not_followed() {
+    let q = unique("forged");
+    let (dlx, dlq) = (unique("forged-policy-dlx"), unique("forged-policy-dlq"));
+    let (chosen_x, chosen_q) = (unique("chosen-x"), unique("chosen-q"));
+    let proxy = TestProxy::start(vec![policy(
+        "ttl",
+        &format!("^{q}$"),
+        serde_json::json!({"message-ttl": 10, "dead-letter-exchange": dlx, "dead-letter-routing-key": dlq}),
+    )])
+    .await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    declare_dlx(&ch, &dlx, &dlq).await;
+    declare_dlx(&ch, &chosen_x, &chosen_q).await;
+    let fanout = unique("forged-fanout");
+    exchange(&ch, &fanout, ExchangeKind::Fanout).await;
+    declare(&ch, &q, FieldTable::default()).await;
+    bind(&ch, &q, &fanout, "").await;
+    let forged = dlx_proxy::proxy::declare::CaptureTag {
+        dead_letter_exchange: Some(chosen_x.clone()),
+        dead_letter_routing_key: Some(chosen_q.clone()),
+        delivery_limit: None,
+        retry_delays: None,
+    }
+    .encode()
+    .expect("a short tag");
+    ch.basic_publish(
+        fanout.as_str().into(),
+        forged.as_str().into(),
+        BasicPublishOptions::default(),
+        b"m",
+        AMQPProperties::default(),
+    )
+    .await
+    .unwrap();
+    let dead = get(&ch, &dlq).await;
+    assert_eq!(dead.routing_key.as_str(), dlq);
+    let deaths = x_death(&dead);
+    assert_eq!(field(&deaths[0], "reason"), &ls("expired"));
+    assert_eq!(field(&deaths[0], "routing-keys"), &strings(&[&forged]));
+    proxy.wait_dead_lettered(&q, "expired", 1.0).await;
+    consume_empty(&ch, &chosen_q).await;
+    proxy.stop().await;
+}
