@@ -359,7 +359,7 @@ mod tests {
         // A queue without a dead-letter routing key kept the publish key: a tag chosen by
         // the publisher (to pick the dead-letter exchange) is not taken.
         let (death, settings) = from_capture(&captured(&tag, &tag)).unwrap();
-        assert_eq!(death.routing_keys, [tag.clone()]);
+        assert_eq!(death.routing_keys.as_slice(), std::slice::from_ref(&tag));
         assert!(settings.is_none(), "{settings:?}");
     }
 

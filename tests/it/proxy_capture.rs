@@ -124,17 +124,23 @@ async fn per_message_ttl_keeps_the_original_expiration() {
     proxy.stop().await;
 }
 
+/// A proxy with the policy `ttl` for queue `q`: a TTL of 10 ms and `dlx` / `dlq` as its
+/// dead-letter target.
+async fn with_ttl_policy(q: &str, dlx: &str, dlq: &str) -> TestProxy {
+    TestProxy::start(vec![policy(
+        "ttl",
+        &format!("^{q}$"),
+        serde_json::json!({"message-ttl": 10, "dead-letter-exchange": dlx, "dead-letter-routing-key": dlq}),
+    )])
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ttl_and_target_from_a_toml_policy() {
     let q = unique("pttl");
     let dlx = unique("pttl-dlx");
     let dlq = unique("pttl-dlq");
-    let proxy = TestProxy::start(vec![policy(
-        "ttl",
-        &format!("^{q}$"),
-        serde_json::json!({"message-ttl": 10, "dead-letter-exchange": dlx, "dead-letter-routing-key": dlq}),
-    )])
-    .await;
+    let proxy = with_ttl_policy(&q, &dlx, &dlq).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
     declare_dlx(&ch, &dlx, &dlq).await;
@@ -404,12 +410,7 @@ async fn a_capture_tag_chosen_by_the_publisher_is_not_followed() {
     let q = unique("forged");
     let (dlx, dlq) = (unique("forged-policy-dlx"), unique("forged-policy-dlq"));
     let (chosen_x, chosen_q) = (unique("chosen-x"), unique("chosen-q"));
-    let proxy = TestProxy::start(vec![policy(
-        "ttl",
-        &format!("^{q}$"),
-        serde_json::json!({"message-ttl": 10, "dead-letter-exchange": dlx, "dead-letter-routing-key": dlq}),
-    )])
-    .await;
+    let proxy = with_ttl_policy(&q, &dlx, &dlq).await;
     let conn = proxy.connect().await;
     let ch = conn.create_channel().await.unwrap();
     declare_dlx(&ch, &dlx, &dlq).await;
