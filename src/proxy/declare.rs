@@ -136,6 +136,18 @@ fn tiers_do_not_fit() -> ArgumentError {
     }
 }
 
+/// The refusal of dead-letter arguments whose capture tag does not fit the dead-letter
+/// routing key (a short string): the upstream queue would not record its target.
+fn target_does_not_fit() -> ArgumentError {
+    ArgumentError {
+        argument: ARG_DEAD_LETTER_EXCHANGE.to_string(),
+        detail:
+            "{too_long,\"the dead-letter exchange and routing key exceed 255 bytes in proxy mode\"}"
+                .into(),
+        kind: ArgumentErrorKind::InvalidValue,
+    }
+}
+
 /// Where dead-lettering happens for declared queues.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeadLetterHandling {
@@ -265,7 +277,9 @@ pub fn rewrite_declare(
                 match tag.encode() {
                     Some(tag) => put_text(&mut upstream, ARG_DEAD_LETTER_ROUTING_KEY, &tag),
                     None if tag.retry_delays.is_some() => return Err(tiers_do_not_fit()),
-                    None => {}
+                    // Nowhere upstream would hold the target: an instance that did not see
+                    // this declare (or this one after a restart) could not dead-letter.
+                    None => return Err(target_does_not_fit()),
                 }
             }
         }
@@ -597,6 +611,32 @@ mod tests {
                 .get(ARG_RETRY_DELAYS)
                 .is_some()
         );
+    }
+
+    #[test]
+    fn a_dead_letter_target_too_long_for_a_tag_is_refused_with_406() {
+        // Each name fits a short string; together they do not fit one tag.
+        let long = args(&[
+            (ARG_DEAD_LETTER_EXCHANGE, text(&"x".repeat(130))),
+            (ARG_DEAD_LETTER_ROUTING_KEY, text(&"k".repeat(130))),
+        ]);
+        let err = rewrite_declare(&long, None, None, &capture()).unwrap_err();
+        assert_eq!(err.reply_code(), 406);
+        let reply = err.reply_text("q", "/");
+        assert!(
+            reply.contains(
+                "invalid arg 'x-dead-letter-exchange' for queue 'q' in vhost '/': {too_long,"
+            ),
+            "{reply}"
+        );
+        // Delegated, the upstream keeps the names as sent.
+        assert!(rewrite_declare(&long, None, None, &DeadLetterHandling::Delegate).is_ok());
+        // Just short enough: kept in the tag.
+        let fits = args(&[
+            (ARG_DEAD_LETTER_EXCHANGE, text(&"x".repeat(100))),
+            (ARG_DEAD_LETTER_ROUTING_KEY, text(&"k".repeat(100))),
+        ]);
+        assert!(rewrite_declare(&fits, None, None, &capture()).is_ok());
     }
 
     #[test]

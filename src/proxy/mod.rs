@@ -164,6 +164,9 @@
 //!   with other tiers is refused (`inequivalent arg 'x-retry-delays'`, embedded mode does not
 //!   compare them); tiers whose capture tag would exceed 255 bytes are refused at the declare;
 //!   none with `proxy.delegate_to_upstream`;
+//! - dead-letter exchange and routing key names whose capture tag would exceed 255 bytes
+//!   together are refused at the declare (406 `invalid arg 'x-dead-letter-exchange'`), as
+//!   the upstream queue could not record them (not with `proxy.delegate_to_upstream`);
 //! - queue.declare and basic.consume whose arguments nest deeper than
 //!   `limits.max_table_depth` are refused by the proxy (501, the client connection closed);
 //!   other methods with tables are forwarded unread, and RabbitMQ accepts them;

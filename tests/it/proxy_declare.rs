@@ -331,3 +331,38 @@ async fn another_instance_refuses_what_the_queue_was_not_declared_with() {
         .unwrap();
     second.stop().await;
 }
+
+/// Dead-letter arguments too long for the capture tag (each name fits, both together do not)
+/// are refused with 406 naming the argument: the upstream queue could not record its target,
+/// so an instance that did not see the declare would discard what dies in it. The queue is
+/// not created, and the connection stays usable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_target_the_upstream_cannot_record_is_refused() {
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let q = unique("long-target");
+    let long = table(&[
+        ("x-dead-letter-exchange", ls(&"x".repeat(130))),
+        ("x-dead-letter-routing-key", ls(&"k".repeat(130))),
+    ]);
+    let ch = conn.create_channel().await.unwrap();
+    let (code, text) = refused(&ch, &q, QueueDeclareOptions::default(), long).await;
+    assert_eq!(code, 406, "{text}");
+    let expected = format!(
+        "PRECONDITION_FAILED - invalid arg 'x-dead-letter-exchange' for queue '{q}' in vhost '/': {{too_long,"
+    );
+    assert!(text.starts_with(&expected), "{text}");
+    let ch = conn.create_channel().await.unwrap();
+    let (code, _) = refused(
+        &ch,
+        &q,
+        QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        },
+        FieldTable::default(),
+    )
+    .await;
+    assert_eq!(code, 404, "not created");
+    proxy.stop().await;
+}
