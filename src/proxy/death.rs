@@ -198,6 +198,11 @@ pub(crate) fn from_capture(
     ))
 }
 
+/// `dead_letter_dropped_total{cause}` of a message the proxy put back into its queue (a
+/// requeue counted against a delivery limit, a kept dead letter, a retry whose delay passed)
+/// after the queue was deleted.
+pub(crate) const DROPPED_QUEUE_DELETED: &str = "queue_deleted";
+
 /// How the original of a finished publish is settled, with the publish counted in the
 /// metrics (dead-lettered, dropped); `None` for a refused publish (nacked, timed out, lost,
 /// 403), which the caller holds and retries ([`super::retry`]).
@@ -221,8 +226,12 @@ pub(crate) fn settle(
             metrics.dropped(vhost, &op.queue, "no_dlx");
             Settlement::Ack
         }
-        // The queue itself is gone (deleted while its message was out).
-        (Purpose::Requeue, Outcome::Unroutable | Outcome::ExchangeMissing) => Settlement::Ack,
+        // The queue itself is gone (deleted while its message was out): the message goes
+        // with it, counted.
+        (Purpose::Requeue, Outcome::Unroutable | Outcome::ExchangeMissing) => {
+            metrics.dropped(vhost, &op.queue, DROPPED_QUEUE_DELETED);
+            Settlement::Ack
+        }
         (Purpose::Requeue, Outcome::Confirmed) => Settlement::Ack,
         (Purpose::KeepDeadLetter, Outcome::Confirmed) => {
             metrics.dead_letter_kept(vhost, &op.queue);
@@ -230,6 +239,7 @@ pub(crate) fn settle(
         }
         // The queue is gone: the dead letter goes with it.
         (Purpose::KeepDeadLetter, Outcome::Unroutable | Outcome::ExchangeMissing) => {
+            metrics.dropped(vhost, &op.queue, DROPPED_QUEUE_DELETED);
             Settlement::Ack
         }
         (Purpose::RetryHold { tier, .. }, Outcome::Confirmed) => {
@@ -242,10 +252,15 @@ pub(crate) fn settle(
         (Purpose::RetryHold { .. }, Outcome::Unroutable | Outcome::ExchangeMissing) => {
             return None;
         }
-        // Back in its queue, or its queue is gone (deleted while the message waited).
-        (Purpose::RetryReturn, Outcome::Confirmed)
-        | (Purpose::RetryReturn, Outcome::Unroutable | Outcome::ExchangeMissing) => {
+        // Back in its queue.
+        (Purpose::RetryReturn, Outcome::Confirmed) => {
             metrics.add_retry_held(vhost, &op.queue, -1);
+            Settlement::Ack
+        }
+        // Its queue is gone (deleted while the message waited).
+        (Purpose::RetryReturn, Outcome::Unroutable | Outcome::ExchangeMissing) => {
+            metrics.add_retry_held(vhost, &op.queue, -1);
+            metrics.dropped(vhost, &op.queue, DROPPED_QUEUE_DELETED);
             Settlement::Ack
         }
         (_, Outcome::Failed(_) | Outcome::TimedOut | Outcome::AccessRefused) => return None,

@@ -213,6 +213,39 @@ async fn each_rejection_waits_its_tier_then_the_last_dead_letters_with_full_hist
     setup.finish(&[]).await;
 }
 
+/// A queue deleted while its rejected message waits for its tier: the message cannot go back
+/// and is counted as dropped for that cause, not as returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_whose_queue_was_deleted_meanwhile_is_counted_as_dropped() {
+    let setup = setup(&[1000]).await;
+    let Setup { proxy, ch, q, .. } = &setup;
+    crate::common::dl::publish(ch, q, &["orphan"]).await;
+    let mut rx = consume(ch, q, manual()).await;
+    reject(&next(&mut rx).await).await;
+    let queue = [("queue", q.as_str()), ("vhost", "/")];
+    proxy.wait_gauge("retry_held_messages", &queue, 1.0).await;
+    drop(rx);
+    let upstream = upstream_connection().await;
+    let uch = upstream.create_channel().await.unwrap();
+    uch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let dropped = [
+        ("cause", "queue_deleted"),
+        ("queue", q.as_str()),
+        ("vhost", "/"),
+    ];
+    proxy
+        .wait_counter("dead_letter_dropped_total", &dropped, 1.0)
+        .await;
+    proxy.wait_gauge("retry_held_messages", &queue, 0.0).await;
+    let outcome = |o| [("outcome", o), ("vhost", "/")];
+    assert_eq!(proxy.counter("captured_total", &outcome("returned")), 0.0);
+    assert_eq!(proxy.counter("captured_total", &outcome("dropped")), 1.0);
+    let _ = upstream.close(200, "done".into()).await;
+    setup.finish(&[]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_come_back_in_deadline_order_whatever_their_delays() {
     let setup = setup(&[200, 2500]).await;

@@ -522,7 +522,7 @@ impl CaptureLink {
         let outcome = match (&settled.outcome, op.purpose) {
             (Outcome::Confirmed, Purpose::KeepDeadLetter) => CAPTURED_KEPT,
             (Outcome::Confirmed, Purpose::RetryHold { .. }) => CAPTURED_HELD,
-            (_, Purpose::RetryReturn) => CAPTURED_RETURNED,
+            (Outcome::Confirmed, Purpose::RetryReturn) => CAPTURED_RETURNED,
             (Outcome::Confirmed, _) => CAPTURED_DEAD_LETTERED,
             _ => CAPTURED_DROPPED,
         };
