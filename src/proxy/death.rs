@@ -263,6 +263,10 @@ pub(crate) fn settle(
             metrics.dropped(vhost, &op.queue, DROPPED_QUEUE_DELETED);
             Settlement::Ack
         }
+        (_, Outcome::Failed(cause)) if *cause == super::publisher::UNPUBLISHABLE => {
+            drop_unpublishable(metrics, vhost, &op.queue, cause);
+            Settlement::Ack
+        }
         (_, Outcome::Failed(_) | Outcome::TimedOut | Outcome::AccessRefused) => return None,
     })
 }

@@ -45,6 +45,9 @@ use crate::amqp::reply::{ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED};
 
 /// The cause of [`Outcome::Failed`] for a basic.nack.
 pub const NACKED: &str = "nack";
+/// The cause of [`Outcome::Failed`] for a message no publish can carry (a name that is not a
+/// short string): it ends the publish (dropped, counted), since a retry would fail again.
+pub const UNPUBLISHABLE: &str = "unpublishable";
 /// Why publishes failed when the upstream refused a dead letter's `user_id` (406: it names
 /// another user than the publishing one, which has no `impersonator` tag).
 pub const USER_ID_REFUSED: &str = "user_id_refused";

@@ -71,6 +71,7 @@ impl RetryReason {
             Outcome::Failed(cause) if *cause == super::publisher::NACKED => {
                 Some(RetryReason::Nacked)
             }
+            Outcome::Failed(cause) if *cause == super::publisher::UNPUBLISHABLE => None,
             Outcome::Failed(_) => Some(RetryReason::ChannelLost),
         }
     }
@@ -179,6 +180,21 @@ mod tests {
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
+    }
+
+    #[test]
+    fn an_unpublishable_dead_letter_ends_and_a_refused_one_is_retried() {
+        use super::super::publisher::{NACKED, UNPUBLISHABLE};
+        // A publish the service connection could not encode fails the same way every time.
+        assert_eq!(RetryReason::of(&Outcome::Failed(UNPUBLISHABLE)), None);
+        assert_eq!(
+            RetryReason::of(&Outcome::Failed(NACKED)),
+            Some(RetryReason::Nacked)
+        );
+        assert_eq!(
+            RetryReason::of(&Outcome::Failed("channel closed")),
+            Some(RetryReason::ChannelLost)
+        );
     }
 
     #[test]

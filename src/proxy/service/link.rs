@@ -49,7 +49,7 @@ use crate::proxy::ProxyShared;
 use crate::proxy::capture::{CaptureConsumer, CapturedMessage};
 use crate::proxy::death::{self, Plan};
 use crate::proxy::ops::{Op, Origin, Purpose, Settlement};
-use crate::proxy::publisher::{OpId, Outcome, OutgoingMessage, Publisher, Settled};
+use crate::proxy::publisher::{OpId, Outcome, OutgoingMessage, Publisher, Settled, UNPUBLISHABLE};
 use crate::proxy::retry::{RetryReason, RetrySchedule};
 use crate::proxy::retry_tiers::{self, RetryPlan};
 use crate::proxy::wire::WireFrame;
@@ -181,7 +181,11 @@ impl CaptureLink {
                 Some(self.with_delay_queue(request.delay_ms, bytes))
             }
             Err(why) => {
-                let _ = request.reply.send((request.op, Outcome::Failed(why)));
+                // The session drops it when told (a retry would fail the same way).
+                tracing::warn!(vhost = %self.vhost, why, "cannot publish a session's dead letter");
+                let _ = request
+                    .reply
+                    .send((request.op, Outcome::Failed(UNPUBLISHABLE)));
                 None
             }
         }
