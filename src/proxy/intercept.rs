@@ -28,7 +28,7 @@ use super::pending::{HeldDeclare, PendingCheck, PendingRead};
 use super::permission::{self, Permission};
 use super::policy_sync::management::{ArgumentsListing, lookup_queue_arguments};
 use super::probe::{CheckAnswer, CheckRequest};
-use super::publisher::{OpId, Outcome, OutgoingMessage};
+use super::publisher::{OpId, Outcome, OutgoingMessage, USER_ID_REFUSED};
 use super::readback::{ReadBack, ReadNext, ReadOutcome};
 use super::registry::VerifiedQueue;
 use super::retry::RetryReason;
@@ -1097,9 +1097,10 @@ impl ClientSession {
         true
     }
 
-    /// The client's user may not publish this dead letter (403 on the proxy's channel of its
-    /// connection). RabbitMQ dead-letters as the broker, without permission checks, so the
-    /// proxy publishes it as its own service user, at once; the original is still settled
+    /// The client's user may not publish this dead letter, or this requeue counted against a
+    /// delivery limit (403 on the proxy's channel of its connection). RabbitMQ dead-letters
+    /// and requeues as the broker, without permission checks, so the proxy publishes it as
+    /// its own service user, at once; the original is still settled
     /// only on that publish's confirm. Not a message carrying a `user_id`: RabbitMQ lets the
     /// service user publish another user's id only with the `impersonator` tag, and a refusal
     /// (406) would close the service connection's publisher channel for every vhost's dead
@@ -1108,7 +1109,7 @@ impl ClientSession {
     fn hand_to_service(&mut self, op: &mut Op) -> bool {
         if op.route.is_service()
             || self.service.is_none()
-            || !matches!(op.purpose, Purpose::DeadLetter(_))
+            || !matches!(op.purpose, Purpose::DeadLetter(_) | Purpose::Requeue)
             || carries_user_id(&op.message)
         {
             return false;
@@ -1140,6 +1141,29 @@ impl ClientSession {
             let origin = op.origin;
             self.start_op(op);
             self.op_finished(origin);
+            return;
+        }
+        if op.purpose == Purpose::Requeue
+            && (outcome == Outcome::AccessRefused || outcome == Outcome::Failed(USER_ID_REFUSED))
+        {
+            // Neither user may put it back (no write on the default exchange, or another
+            // user's `user_id`), where RabbitMQ requeues without a permission check: it goes
+            // back natively, this return uncounted, rather than held for ever.
+            tracing::warn!(
+                peer = %self.peer,
+                queue = &*op.queue,
+                "a requeue counted against the delivery limit cannot be published (give the \
+                 proxy's service user write on amq.default): requeued uncounted"
+            );
+            self.shared
+                .metrics
+                .dead_letter_publish_failed(match outcome {
+                    Outcome::AccessRefused => "access_refused",
+                    _ => USER_ID_REFUSED,
+                });
+            self.release_op(&op);
+            self.settle_origin(op.origin, Settlement::Requeue);
+            self.op_finished(op.origin);
             return;
         }
         if let Some(reason) = retry_reason(&op, &outcome) {

@@ -489,7 +489,13 @@ impl Publisher {
         let mut blamed_first = false;
         for (_, record) in records {
             let outcome = match &missing {
-                Some(name) if *name == record.exchange => blamed.clone(),
+                // RabbitMQ names the default exchange `amq.default` in its texts.
+                Some(name)
+                    if *name == record.exchange
+                        || (name == "amq.default" && record.exchange.is_empty()) =>
+                {
+                    blamed.clone()
+                }
                 None if unusable && !blamed_first => {
                     blamed_first = true;
                     blamed.clone()

@@ -886,3 +886,62 @@ async fn own_queues_of_a_user_who_may_not_write_the_capture_exchange_dead_letter
     let _ = admin_conn.close(200, "done".into()).await;
     proxy.stop().await;
 }
+
+/// A user who may write only its own exchange (not `amq.default`) consumes and publishes on
+/// one connection and requeues on a classic queue whose delivery limit the proxy counts: the
+/// republish with `x-delivery-count` + 1 is refused to its user, so the service user makes it
+/// (RabbitMQ requeues without a permission check); the message comes back counted and is
+/// dead-lettered past the limit. (RabbitMQ's 403 names the default exchange `amq.default`,
+/// which the proxy did not match: the requeue was held and retried for ever.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeues_of_a_user_without_the_default_exchange_count_against_the_limit() {
+    let proxy = TestProxy::start(vec![]).await;
+    let prefix = format!("{}-", unique("no-default"));
+    let user = unique("no-default-user");
+    let rabbit = RabbitUser::create_with(&user, PASSWORD, "^$");
+    let p = regex_escape(&prefix);
+    rabbit.set_permissions("^$", &format!("^{p}x$"), &format!("^{p}.*"));
+    let (q, dlq, x) = (
+        format!("{prefix}q"),
+        format!("{prefix}dlq"),
+        format!("{prefix}x"),
+    );
+    // Declared through the proxy by the administrator: the proxy counts the limit.
+    let admin = proxy.connect().await;
+    let ach = admin.create_channel().await.unwrap();
+    let dlx = unique("no-default-dlx");
+    declare_dlx(&ach, &dlx, &dlq).await;
+    let limited = table(&[
+        ("x-dead-letter-exchange", ls(&dlx)),
+        ("x-dead-letter-routing-key", ls(&dlq)),
+        ("x-delivery-limit", AMQPValue::LongInt(1)),
+    ]);
+    declare(&ach, &q, limited).await;
+    exchange(&ach, &x, ExchangeKind::Fanout).await;
+    bind(&ach, &q, &x, "").await;
+
+    let url = format!("amqp://{user}:{PASSWORD}@{}/%2f", proxy.addr);
+    let conn = Connection::connect(&url, ConnectionProperties::default())
+        .await
+        .expect("the user connects");
+    let ch = conn.create_channel().await.unwrap();
+    // It publishes on this connection: its requeues are published on it too.
+    publish_to(&ch, &x, "", b"m", AMQPProperties::default()).await;
+    let first = get(&ch, &q).await;
+    assert_eq!(header(&first, "x-delivery-count"), None);
+    nack(&ch, first.delivery_tag, false, true).await;
+    let second = get(&ch, &q).await;
+    assert_eq!(
+        header(&second, "x-delivery-count"),
+        Some(&AMQPValue::LongLongInt(1))
+    );
+    nack(&ch, second.delivery_tag, false, true).await;
+    let dead = get(&ach, &dlq).await;
+    assert_eq!(x_death(&dead)[0].qrc(), (q.as_str(), "delivery_limit", 1));
+    proxy.wait_dead_lettered(&q, "delivery_limit", 1.0).await;
+    assert!(conn.status().connected());
+    let _ = conn.close(200, "done".into()).await;
+    delete_upstream(&ach, &[&q, &dlq], &[&dlx, &x]).await;
+    let _ = admin.close(200, "done".into()).await;
+    proxy.stop().await;
+}
