@@ -532,6 +532,11 @@ pub struct ProxyConfig {
     /// Seconds a client's queue.declare naming the capture exchange waits for its vhost's
     /// capture objects before the client connection is closed with 320.
     pub capture_ready_timeout_secs: u64,
+    /// Seconds what this instance verified about a queue is trusted before a client's next
+    /// basic.consume or basic.get on it reads it back from the upstream again (another
+    /// instance may have deleted and declared it anew with other arguments); 0: until the
+    /// queue is deleted through this instance.
+    pub verified_queue_max_age_secs: u64,
     /// Capture deliveries each service connection holds unacked (basic.qos prefetch of the
     /// capture consumer): the window of dead-letter publishes in flight, and what bounds the
     /// captured messages in the proxy's memory.
@@ -566,6 +571,7 @@ impl Default for ProxyConfig {
             vhosts: vec!["/".into()],
             max_service_vhosts: 64,
             capture_ready_timeout_secs: 10,
+            verified_queue_max_age_secs: 60,
         }
     }
 }

@@ -480,7 +480,11 @@ impl ClientSession {
             && self.pending_read.is_none()
             && !queue.is_empty()
             && *queue != *self.shared.capture_name
-            && self.shared.queues.lookup(&self.vhost, &queue).is_none();
+            && self
+                .shared
+                .queues
+                .lookup_fresh(&self.vhost, &queue, self.now)
+                .is_none();
         let read = wanted
             .then(|| ReadBack::new(&queue, &self.vhost, &self.shared.capture_name))
             .flatten();
@@ -557,7 +561,10 @@ impl ClientSession {
             }
             ReadOutcome::Missing => self.shared.queues.forget(&self.vhost, queue),
             ReadOutcome::Unknown => {
+                // What this instance verified before (past its age) may no longer hold:
+                // from now on the upstream decides, as for a queue never verified.
                 tracing::debug!(queue, "queue arguments not readable");
+                self.shared.queues.forget(&self.vhost, queue);
             }
         }
         let channel = frame.channel;

@@ -437,6 +437,7 @@ impl ProxyShared {
             policies,
             queues: QueueRegistry::new(
                 REGISTRY_CAPACITY.min(limits.max_queues.max(1)),
+                Duration::from_secs(config.proxy.verified_queue_max_age_secs),
                 metrics.clone(),
             ),
             dead_letter_options,

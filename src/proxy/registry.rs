@@ -13,13 +13,17 @@
 //! passed through and the upstream decides (through the capture exchange for proxy queues).
 //!
 //! An entry is replaced by every verified declare or read-back, and dropped on queue.delete
-//! and when a read-back finds the queue missing. The cache is
+//! and when a read-back finds the queue missing. Past `proxy.verified_queue_max_age_secs` an
+//! entry still decides settlements, but a client's next consume or get on the queue reads it
+//! back again ([`QueueRegistry::lookup_fresh`]): another instance may have deleted the queue
+//! and declared it anew with other arguments. The cache is
 //! bounded (entries are evicted at random past the capacity) and its size is the
 //! `verified_queues` gauge.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 
 use crate::metrics::Metrics;
 use crate::rabbit::args::QueueArguments;
@@ -39,10 +43,12 @@ pub enum VerifiedQueue {
     PassedThrough,
 }
 
-/// Verified settings by (vhost, queue).
+/// Verified settings by (vhost, queue), with when they were verified.
 pub struct QueueRegistry {
-    queues: RwLock<HashMap<(String, String), VerifiedQueue>>,
+    queues: RwLock<HashMap<(String, String), (VerifiedQueue, Instant)>>,
     capacity: usize,
+    /// How long an entry spares a consume or get the read-back (zero: for ever).
+    max_age: Duration,
     /// Counts changes, so decisions cached from the registry can be checked for staleness.
     generation: AtomicU64,
     metrics: Arc<Metrics>,
@@ -58,11 +64,12 @@ impl std::fmt::Debug for QueueRegistry {
 }
 
 impl QueueRegistry {
-    /// A cache holding at most `capacity` queues.
-    pub fn new(capacity: usize, metrics: Arc<Metrics>) -> Self {
+    /// A cache holding at most `capacity` queues, each fresh for `max_age` (zero: for ever).
+    pub fn new(capacity: usize, max_age: Duration, metrics: Arc<Metrics>) -> Self {
         QueueRegistry {
             queues: RwLock::new(HashMap::new()),
             capacity: capacity.max(1),
+            max_age,
             generation: AtomicU64::new(0),
             metrics,
         }
@@ -79,14 +86,25 @@ impl QueueRegistry {
         {
             queues.remove(&victim);
         }
-        queues.insert(key, verified);
+        queues.insert(key, (verified, Instant::now()));
         self.metrics.set_verified_queues(queues.len());
     }
 
     /// What is verified about a queue.
     pub fn lookup(&self, vhost: &str, queue: &str) -> Option<VerifiedQueue> {
         let queues = self.queues.read().unwrap_or_else(|e| e.into_inner());
-        queues.get(&(vhost.to_string(), queue.to_string())).cloned()
+        queues
+            .get(&(vhost.to_string(), queue.to_string()))
+            .map(|(verified, _)| verified.clone())
+    }
+
+    /// What was verified about a queue less than the maximum age before `now`: what spares a
+    /// client's consume or get the read-back.
+    pub fn lookup_fresh(&self, vhost: &str, queue: &str, now: Instant) -> Option<VerifiedQueue> {
+        let queues = self.queues.read().unwrap_or_else(|e| e.into_inner());
+        let (verified, at) = queues.get(&(vhost.to_string(), queue.to_string()))?;
+        let fresh = self.max_age.is_zero() || now.saturating_duration_since(*at) < self.max_age;
+        fresh.then(|| verified.clone())
     }
 
     /// The client arguments of a queue declared through a proxy.
@@ -139,7 +157,10 @@ mod tests {
 
     fn registry(capacity: usize) -> (QueueRegistry, Arc<Metrics>) {
         let metrics = Metrics::new(10);
-        (QueueRegistry::new(capacity, metrics.clone()), metrics)
+        (
+            QueueRegistry::new(capacity, Duration::ZERO, metrics.clone()),
+            metrics,
+        )
     }
 
     #[test]
@@ -173,6 +194,33 @@ mod tests {
         registry.forget("/", "q");
         assert_eq!(registry.len(), 2);
         assert_eq!(metrics.verified_queues(), 2);
+    }
+
+    #[test]
+    fn an_entry_past_its_age_still_decides_but_no_longer_spares_a_read_back() {
+        let metrics = Metrics::new(10);
+        let cache = QueueRegistry::new(8, Duration::from_secs(60), metrics);
+        cache.record("/", "q", with_dlx("a"));
+        let now = Instant::now();
+        assert_eq!(cache.lookup_fresh("/", "q", now), Some(with_dlx("a")));
+        let later = now + Duration::from_secs(61);
+        assert_eq!(cache.lookup_fresh("/", "q", later), None);
+        assert_eq!(cache.lookup("/", "q"), Some(with_dlx("a")));
+        assert!(cache.decided_by_proxy("/", "q").is_some());
+        // Read back (recorded again): fresh again.
+        cache.record("/", "q", with_dlx("b"));
+        assert_eq!(
+            cache.lookup_fresh("/", "q", Instant::now()),
+            Some(with_dlx("b"))
+        );
+        // A maximum age of zero: for ever.
+        let (forever, _) = registry(8);
+        forever.record("/", "q", with_dlx("a"));
+        assert!(
+            forever
+                .lookup_fresh("/", "q", later + Duration::from_secs(3600))
+                .is_some()
+        );
     }
 
     #[test]

@@ -62,13 +62,6 @@ async fn setup(ms: &[i64]) -> Setup {
     setup_named(unique("tiered"), unique("tiered-dlq"), ms).await
 }
 
-/// A name unique to this run, short enough that RabbitMQ's refusal texts quoting the queue's
-/// capture tag fit 255 bytes (an instance reads a queue it did not declare back from them).
-fn short(prefix: &str) -> String {
-    let id = unique("");
-    format!("{prefix}{}", &id[id.len().saturating_sub(9)..])
-}
-
 async fn setup_named(q: String, dlq: String, ms: &[i64]) -> Setup {
     let proxy = TestProxy::start(vec![]).await;
     let conn = proxy.connect().await;
@@ -277,7 +270,7 @@ async fn messages_come_back_in_deadline_order_whatever_their_delays() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queue_declared_through_one_instance_retries_the_same_through_another() {
-    let setup = setup_named(short("rq"), short("rd"), &[300]).await;
+    let setup = setup_named(short_unique("rq"), short_unique("rd"), &[300]).await;
     let Setup {
         proxy: a,
         ch: ch_a,

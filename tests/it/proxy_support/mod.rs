@@ -40,6 +40,16 @@ pub use crate::common::dl::{
 pub use crate::common::{RawClient, RawDelivery, unique};
 
 /// `host:port` of the reference RabbitMQ's AMQP listener (starts the node on first use).
+/// A name unique to this run of at most the prefix and 16 bytes, short enough that
+/// RabbitMQ's refusal texts quoting a queue's capture tag fit 255 bytes (an instance reads a
+/// queue it did not declare back from them).
+pub fn short_unique(prefix: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    unique(prefix).hash(&mut hasher);
+    format!("{prefix}{:x}", hasher.finish())
+}
+
 pub fn upstream_host() -> String {
     crate::rabbit::reference().amqp.to_string()
 }
