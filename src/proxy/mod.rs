@@ -102,7 +102,13 @@
 //!   none: dead-lettered, it is routed with its publish key and CC keys only;
 //! - a requeue counted against a delivery limit puts the message at the queue's tail (classic
 //!   queues requeue at the head), with `redelivered = false`, exchange `""` and the queue name
-//!   as routing key; its `CC` header is removed so the copy reaches only that queue;
+//!   as routing key; its `CC` header is removed so the copy reaches only that queue; being a
+//!   new publish, its queue TTL and `expiration` start again (RabbitMQ keeps a requeued
+//!   message's expiry), and a queue at its `max-length` with `reject-publish` refuses it (held
+//!   and retried, where RabbitMQ's requeue ignores the limit; with `reject-publish-dlx` each
+//!   refusal is also dead-lettered as `maxlen`); a publisher's own `x-delivery-count` header
+//!   on a classic queue is taken as the count; on a transactional channel the republish and
+//!   the ack of the original are not part of the client's transaction;
 //! - TTL and length limits from policies are set on the upstream queue when it is first
 //!   declared through the proxy (for the arguments the client did not give, and where the
 //!   policy's value is lower than the client's); without `upstream.management_url`, later
