@@ -493,9 +493,10 @@ impl Metrics {
             )?,
             dead_letters_by_service: b.counter(
                 "dead_letters_by_service_total",
-                "Dead letters of client rejections (proxy mode) whose dead-letter exchange the \
-                 client's user may not publish to (403), handed to the vhost's service \
-                 connection to be published as the proxy's service user.",
+                "Dead letters of client rejections, and requeues counted against a classic \
+                 queue's delivery limit (proxy mode), that the client's user may not publish \
+                 (403), handed to the vhost's service connection to be published as the \
+                 proxy's service user.",
             )?,
             consumer_dead_letters_by_service: b.counter(
                 "consumer_dead_letters_by_service_total",

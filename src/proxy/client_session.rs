@@ -198,6 +198,9 @@ pub(super) struct ClientSession {
     /// turn's publishes). A connection that never did has its dead letters published by the
     /// vhost's service connection (see `intercept`).
     pub(super) client_published: bool,
+    /// A requeue counted against a delivery limit was refused to both the client's user and
+    /// the service user (403): this connection's requeues go back natively, uncounted.
+    pub(super) requeues_refused: bool,
     /// Whether a delivery of this session was ever given a consumer timeout. Until one is,
     /// no channel has a deadline, and the turns skip looking through the channels for one.
     pub(super) timed_deliveries: bool,
@@ -276,6 +279,7 @@ impl ClientSession {
             shutdown_seen: false,
             counts: MessageCounts::default(),
             client_published: false,
+            requeues_refused: false,
             timed_deliveries: false,
             revision: None,
             ack_epoch: now,

@@ -557,14 +557,12 @@ impl ClientSession {
     fn finish_read(&mut self, frame: WireFrame, queue: &str, outcome: ReadOutcome) {
         match outcome {
             ReadOutcome::Learned(verified) => {
-                self.shared.queues.record(&self.vhost, queue, verified)
+                self.shared.queues.confirm(&self.vhost, queue, verified)
             }
             ReadOutcome::Missing => self.shared.queues.forget(&self.vhost, queue),
             ReadOutcome::Unknown => {
-                // What this instance verified before (past its age) may no longer hold:
-                // from now on the upstream decides, as for a queue never verified.
                 tracing::debug!(queue, "queue arguments not readable");
-                self.shared.queues.forget(&self.vhost, queue);
+                self.shared.queues.touch(&self.vhost, queue);
             }
         }
         let channel = frame.channel;
@@ -878,6 +876,12 @@ impl ClientSession {
                     self.settle_origin(origin, Settlement::Requeue);
                     return;
                 }
+                if self.requeues_refused {
+                    // Neither user may publish it (found at an earlier requeue): trying again
+                    // would only close the proxy's channels.
+                    self.settle_origin(origin, Settlement::Requeue);
+                    return;
+                }
                 let mut message = requeue_publish(&props, &queue, count, body);
                 message.raw_properties =
                     keep_opaque_headers(message.raw_properties, &raw_properties);
@@ -1125,7 +1129,8 @@ impl ClientSession {
             peer = %self.peer,
             queue = &*op.queue,
             exchange = %op.message.exchange,
-            "dead-letter exchange refused to the client's user: published by the service user"
+            purpose = ?op.purpose,
+            "exchange refused to the client's user: published by the service user"
         );
         self.shared.metrics.dead_letter_by_service();
         op.route = Route::Service;
@@ -1151,11 +1156,16 @@ impl ClientSession {
             return;
         }
         if op.purpose == Purpose::Requeue
-            && (outcome == Outcome::AccessRefused || outcome == Outcome::Failed(USER_ID_REFUSED))
+            && (outcome == Outcome::AccessRefused
+                || (outcome == Outcome::Failed(USER_ID_REFUSED) && carries_user_id(&op.message)))
         {
             // Neither user may put it back (no write on the default exchange, or another
             // user's `user_id`), where RabbitMQ requeues without a permission check: it goes
-            // back natively, this return uncounted, rather than held for ever.
+            // back natively, this return uncounted, rather than held for ever; so do this
+            // connection's later requeues (each refusal closes a channel of the proxy's).
+            if outcome == Outcome::AccessRefused {
+                self.requeues_refused = true;
+            }
             tracing::warn!(
                 peer = %self.peer,
                 queue = &*op.queue,

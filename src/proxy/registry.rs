@@ -16,7 +16,8 @@
 //! and when a read-back finds the queue missing. Past `proxy.verified_queue_max_age_secs` an
 //! entry still decides settlements, but a client's next consume or get on the queue reads it
 //! back again ([`QueueRegistry::lookup_fresh`]): another instance may have deleted the queue
-//! and declared it anew with other arguments. The cache is
+//! and declared it anew with other arguments. What that read-back learns replaces the entry
+//! only where it contradicts it ([`QueueRegistry::confirm`]). The cache is
 //! bounded (entries are evicted at random past the capacity) and its size is the
 //! `verified_queues` gauge.
 
@@ -90,6 +91,32 @@ impl QueueRegistry {
         self.metrics.set_verified_queues(queues.len());
     }
 
+    /// What a read-back learned about a queue: recorded, unless the entry agrees with it on
+    /// what the upstream shows (the kind of queue, its dead-letter target, limit and tiers).
+    /// Such an entry is kept, fresh again: it may know more than the upstream holds (a
+    /// consumer timeout, an own queue's delivery limit).
+    pub fn confirm(&self, vhost: &str, queue: &str, learned: VerifiedQueue) {
+        {
+            let mut queues = self.queues.write().unwrap_or_else(|e| e.into_inner());
+            if let Some((known, at)) = queues.get_mut(&(vhost.to_string(), queue.to_string()))
+                && agrees(known, &learned)
+            {
+                *at = Instant::now();
+                return;
+            }
+        }
+        self.record(vhost, queue, learned);
+    }
+
+    /// A read-back that could not tell (reply texts cut short, an exclusive queue): what the
+    /// entry says stays, fresh again, rather than be read back at every consume.
+    pub fn touch(&self, vhost: &str, queue: &str) {
+        let mut queues = self.queues.write().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, at)) = queues.get_mut(&(vhost.to_string(), queue.to_string())) {
+            *at = Instant::now();
+        }
+    }
+
     /// What is verified about a queue.
     pub fn lookup(&self, vhost: &str, queue: &str) -> Option<VerifiedQueue> {
         let queues = self.queues.read().unwrap_or_else(|e| e.into_inner());
@@ -150,6 +177,24 @@ impl QueueRegistry {
     }
 }
 
+/// Whether a read-back (`learned`) says what `known` says about a queue, as far as the
+/// upstream shows it.
+fn agrees(known: &VerifiedQueue, learned: &VerifiedQueue) -> bool {
+    let target = |a: &QueueArguments, b: &QueueArguments| {
+        a.dead_letter_exchange == b.dead_letter_exchange
+            && a.dead_letter_routing_key == b.dead_letter_routing_key
+    };
+    match (known, learned) {
+        (VerifiedQueue::Proxied(a), VerifiedQueue::Proxied(b)) => {
+            target(a, b) && a.delivery_limit == b.delivery_limit && a.retry_delays == b.retry_delays
+        }
+        // An own queue's delivery limit is not on the upstream queue.
+        (VerifiedQueue::UpstreamOwned(a), VerifiedQueue::UpstreamOwned(b)) => target(a, b),
+        (VerifiedQueue::PassedThrough, VerifiedQueue::PassedThrough) => true,
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,8 +252,25 @@ mod tests {
         assert_eq!(cache.lookup_fresh("/", "q", later), None);
         assert_eq!(cache.lookup("/", "q"), Some(with_dlx("a")));
         assert!(cache.decided_by_proxy("/", "q").is_some());
-        // Read back (recorded again): fresh again.
-        cache.record("/", "q", with_dlx("b"));
+        // Read back, the same target: the entry stays (it may know more), fresh again.
+        let VerifiedQueue::Proxied(mut richer) = with_dlx("a") else {
+            unreachable!()
+        };
+        richer.consumer_timeout = Some(5000);
+        cache.record("/", "q", VerifiedQueue::Proxied(richer.clone()));
+        cache.confirm("/", "q", with_dlx("a"));
+        assert_eq!(
+            cache.lookup("/", "q"),
+            Some(VerifiedQueue::Proxied(richer.clone()))
+        );
+        // Read back, another target: replaced.
+        cache.confirm("/", "q", with_dlx("b"));
+        assert_eq!(
+            cache.lookup_fresh("/", "q", Instant::now()),
+            Some(with_dlx("b"))
+        );
+        // A read-back that cannot tell keeps the entry, fresh again.
+        cache.touch("/", "q");
         assert_eq!(
             cache.lookup_fresh("/", "q", Instant::now()),
             Some(with_dlx("b"))
