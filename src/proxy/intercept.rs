@@ -871,14 +871,10 @@ impl ClientSession {
                 .returns_before(&props, delivery.redelivered)
                 .saturating_add(1);
             if view.within_delivery_limit(count) {
-                if view.returns_counted_by != ReturnCounter::Proxy {
-                    // A quorum queue counts this return itself.
-                    self.settle_origin(origin, Settlement::Requeue);
-                    return;
-                }
-                if self.requeues_refused {
-                    // Neither user may publish it (found at an earlier requeue): trying again
-                    // would only close the proxy's channels.
+                // A quorum queue counts this return itself; and where neither user may
+                // publish the count (found at an earlier requeue), trying again would only
+                // close the proxy's channels.
+                if view.returns_counted_by != ReturnCounter::Proxy || self.requeues_refused {
                     self.settle_origin(origin, Settlement::Requeue);
                     return;
                 }
@@ -1159,28 +1155,7 @@ impl ClientSession {
             && (outcome == Outcome::AccessRefused
                 || (outcome == Outcome::Failed(USER_ID_REFUSED) && carries_user_id(&op.message)))
         {
-            // Neither user may put it back (no write on the default exchange, or another
-            // user's `user_id`), where RabbitMQ requeues without a permission check: it goes
-            // back natively, this return uncounted, rather than held for ever; so do this
-            // connection's later requeues (each refusal closes a channel of the proxy's).
-            if outcome == Outcome::AccessRefused {
-                self.requeues_refused = true;
-            }
-            tracing::warn!(
-                peer = %self.peer,
-                queue = &*op.queue,
-                "a requeue counted against the delivery limit cannot be published (give the \
-                 proxy's service user write on amq.default): requeued uncounted"
-            );
-            self.shared
-                .metrics
-                .dead_letter_publish_failed(match outcome {
-                    Outcome::AccessRefused => "access_refused",
-                    _ => USER_ID_REFUSED,
-                });
-            self.release_op(&op);
-            self.settle_origin(op.origin, Settlement::Requeue);
-            self.op_finished(op.origin);
+            self.requeue_uncounted(op, &outcome);
             return;
         }
         if let Some(reason) = retry_reason(&op, &outcome) {
@@ -1192,6 +1167,30 @@ impl ClientSession {
             return;
         };
         self.settle_origin(op.origin, settlement);
+        self.op_finished(op.origin);
+    }
+
+    /// Neither user may put a counted requeue back (no write on the default exchange, or
+    /// another user's `user_id`), where RabbitMQ requeues without a permission check: the
+    /// original goes back natively, this return uncounted, rather than held for ever; after a
+    /// 403 so do this connection's later requeues (each refusal closes a proxy channel).
+    fn requeue_uncounted(&mut self, op: Op, outcome: &Outcome) {
+        let access_refused = *outcome == Outcome::AccessRefused;
+        self.requeues_refused |= access_refused;
+        tracing::warn!(
+            peer = %self.peer,
+            queue = &*op.queue,
+            "a requeue counted against the delivery limit cannot be published (give the \
+             proxy's service user write on amq.default): requeued uncounted"
+        );
+        let cause = if access_refused {
+            "access_refused"
+        } else {
+            USER_ID_REFUSED
+        };
+        self.shared.metrics.dead_letter_publish_failed(cause);
+        self.release_op(&op);
+        self.settle_origin(op.origin, Settlement::Requeue);
         self.op_finished(op.origin);
     }
 
