@@ -25,6 +25,7 @@
 //! exact bytes.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 
 use amq_protocol::types::AMQPValue;
 use amq_protocol::types::parsing::parse_value;
@@ -203,13 +204,12 @@ pub fn restore_opaque<'a>(encoded: &'a [u8], original: &[u8]) -> Cow<'a, [u8]> {
         return Cow::Borrowed(encoded);
     };
     let mut contents =
-        Vec::with_capacity(table.1 - table.0 + opaque.iter().map(|o| o.len()).sum::<usize>());
+        Vec::with_capacity(table.1 - table.0 + opaque.values().map(|o| o.len()).sum::<usize>());
     let mut restored = false;
     for entry in &current {
         let key = &encoded[entry.key.0..entry.key.1];
         let placeholder = encoded[entry.tag_at] == b'V';
-        let original_entry = opaque.iter().find(|o| &o[1..1 + o[0] as usize] == key);
-        match original_entry {
+        match opaque.get(key) {
             Some(bytes) if placeholder => {
                 contents.extend_from_slice(bytes);
                 restored = true;
@@ -223,21 +223,29 @@ pub fn restore_opaque<'a>(encoded: &'a [u8], original: &[u8]) -> Cow<'a, [u8]> {
     Cow::Owned(with_table_contents(encoded, table, &contents))
 }
 
-/// The raw bytes of the opaque entries of `original`'s headers whose key is not a rule key
-/// and is not repeated later in the table by a decoded entry; `None` when its headers are
-/// malformed.
-fn opaque_entries(original: &[u8]) -> Option<Vec<&[u8]>> {
+/// The raw bytes of the opaque entries of `original`'s headers by key, for the keys that are
+/// not rule keys and are not repeated later in the table by a decoded entry; `None` when its
+/// headers are malformed. One pass over the entries, and none at all past the scan when no
+/// entry is opaque (the common case): a peer's headers table can hold tens of thousands of
+/// keys.
+fn opaque_entries(original: &[u8]) -> Option<HashMap<&[u8], &[u8]>> {
     let table = headers_table(original).ok()??;
     let entries = entries(original, table.0 + 4, table.1).ok()?;
+    if !entries.iter().any(|e| e.deep) {
+        return Some(HashMap::new());
+    }
     // The last entry of each key decides, as in decoding.
-    let mut last: Vec<(&[u8], Option<&[u8]>)> = Vec::new();
+    let mut last: HashMap<&[u8], Option<&[u8]>> = HashMap::with_capacity(entries.len());
     for e in &entries {
         let key = &original[e.key.0..e.key.1];
-        last.retain(|(k, _)| *k != key);
         let opaque = e.deep && !is_rule_key(key);
-        last.push((key, opaque.then(|| &original[e.start..e.end])));
+        last.insert(key, opaque.then(|| &original[e.start..e.end]));
     }
-    Some(last.into_iter().filter_map(|(_, bytes)| bytes).collect())
+    Some(
+        last.into_iter()
+            .filter_map(|(key, bytes)| Some((key, bytes?)))
+            .collect(),
+    )
 }
 
 #[cfg(test)]

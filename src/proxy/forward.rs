@@ -245,12 +245,22 @@ impl ClientSession {
                     );
                     return;
                 };
-                let (to_upstream, agreed) = negotiate(
+                let (to_upstream, agreed) = match negotiate(
                     &upstream_tune,
                     &tune_ok,
                     self.shared.channel_max,
                     self.shared.handshake_frame_max,
-                );
+                ) {
+                    Ok(negotiated) => negotiated,
+                    Err(refused) => {
+                        // RabbitMQ ends a connection that fails the negotiation without a
+                        // connection.close; so does the proxy.
+                        tracing::warn!(peer = %self.peer, text = %refused.text, "tune-ok refused");
+                        self.upstream_side = Side::Closed;
+                        self.client_side = Side::Closed;
+                        return;
+                    }
+                };
                 self.negotiated = Some(agreed);
                 self.frame_max = agreed.frame_max as usize;
                 self.new_frame_max = Some(agreed.frame_max);
@@ -779,7 +789,11 @@ impl ClientSession {
                     self.upstream_lost("upstream sent a malformed connection.tune");
                     return;
                 };
-                let offered = tune_for_client(&tune, self.shared.channel_max);
+                let offered = tune_for_client(
+                    &tune,
+                    self.shared.channel_max,
+                    self.shared.handshake_frame_max,
+                );
                 self.upstream_tune = Some(tune);
                 self.send_client(method_frame(
                     0,

@@ -56,26 +56,51 @@ fn offered_channel_max(upstream: u16, limit: u16) -> u16 {
     offered.min(effective_channel_max(limit))
 }
 
+/// The largest frame the proxy agrees to: the upstream's offer, and at most `limit`
+/// (`limits.frame_max`, which also applies when the upstream offers "no limit").
+fn frame_ceiling(upstream: u32, limit: u32) -> u32 {
+    if upstream == 0 {
+        limit
+    } else {
+        upstream.min(limit)
+    }
+}
+
 /// The tune the client sees: channel_max lowered by [`RESERVED_CHANNELS`] when the upstream
-/// offers enough channels, and to `limit` (`limits.channel_max`).
-pub fn tune_for_client(upstream: &connection::Tune, limit: u16) -> connection::Tune {
+/// offers enough channels, and to `limit` (`limits.channel_max`); frame_max the upstream's,
+/// at most `frame_limit` (`limits.frame_max`).
+pub fn tune_for_client(
+    upstream: &connection::Tune,
+    limit: u16,
+    frame_limit: u32,
+) -> connection::Tune {
     let channel_max = offered_channel_max(upstream.channel_max, limit);
     connection::Tune {
         channel_max,
-        frame_max: upstream.frame_max,
+        frame_max: frame_ceiling(upstream.frame_max, frame_limit),
         heartbeat: upstream.heartbeat,
     }
 }
 
 /// Settles the negotiation from the upstream's tune and the client's tune-ok; returns the
 /// tune-ok to send upstream and what was agreed. `limit` is `limits.channel_max`;
-/// `fallback_frame_max` applies when both sides say "no limit".
+/// `frame_limit` is `limits.frame_max`: the frame size the proxy reads is never above it nor
+/// above the upstream's offer, whatever the client asks for. A client asking for more than
+/// it was offered fails the negotiation with RabbitMQ's error (which RabbitMQ only logs: it
+/// ends such a connection without a connection.close).
 pub fn negotiate(
     upstream: &connection::Tune,
     client: &connection::TuneOk,
     limit: u16,
-    fallback_frame_max: u32,
-) -> (connection::TuneOk, Negotiated) {
+    frame_limit: u32,
+) -> Result<(connection::TuneOk, Negotiated), AmqpError> {
+    let ceiling = frame_ceiling(upstream.frame_max, frame_limit);
+    if client.frame_max > ceiling {
+        return Err(AmqpError::not_allowed(format!(
+            "frame_max={} > {ceiling} max size",
+            client.frame_max
+        )));
+    }
     let reserve = effective_channel_max(upstream.channel_max) > RESERVED_CHANNELS;
     let offered = offered_channel_max(upstream.channel_max, limit);
     let chosen = if client.channel_max == 0 || client.channel_max > offered {
@@ -94,17 +119,15 @@ pub fn negotiate(
     };
     let frame_max = if client.frame_max != 0 {
         client.frame_max
-    } else if upstream.frame_max != 0 {
-        upstream.frame_max
     } else {
-        fallback_frame_max
+        ceiling
     };
     let tune_ok = connection::TuneOk {
         channel_max: upstream_channel_max,
         frame_max: client.frame_max,
         heartbeat: client.heartbeat,
     };
-    (
+    Ok((
         tune_ok,
         Negotiated {
             client_channel_max: chosen,
@@ -113,7 +136,7 @@ pub fn negotiate(
             frame_max,
             heartbeat: client.heartbeat,
         },
-    )
+    ))
 }
 
 /// What the proxy does with a client's `connection.start-ok`.
@@ -211,52 +234,101 @@ mod tests {
     #[test]
     fn client_sees_two_channels_fewer() {
         assert_eq!(
-            tune_for_client(&tune(2047, 131072, 60), 2047).channel_max,
+            tune_for_client(&tune(2047, 131072, 60), 2047, 131072).channel_max,
             2045
         );
-        assert_eq!(tune_for_client(&tune(0, 131072, 60), 0).channel_max, 65533);
-        assert_eq!(tune_for_client(&tune(2, 131072, 60), 0).channel_max, 2);
+        assert_eq!(
+            tune_for_client(&tune(0, 131072, 60), 0, 131072).channel_max,
+            65533
+        );
+        assert_eq!(
+            tune_for_client(&tune(2, 131072, 60), 0, 131072).channel_max,
+            2
+        );
         // limits.channel_max caps the offer.
         assert_eq!(
-            tune_for_client(&tune(2047, 131072, 60), 100).channel_max,
+            tune_for_client(&tune(2047, 131072, 60), 100, 131072).channel_max,
             100
         );
         assert_eq!(
-            tune_for_client(&tune(0, 131072, 60), 2047).channel_max,
+            tune_for_client(&tune(0, 131072, 60), 2047, 131072).channel_max,
             2047
         );
     }
 
     #[test]
     fn proxy_takes_the_numbers_above_the_client() {
-        let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(0, 131072, 30), 0, 4096);
+        let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(0, 131072, 30), 0, 131072)
+            .expect("negotiated");
         assert_eq!(ok.channel_max, 2047);
         assert_eq!(ok.heartbeat, 30);
         assert_eq!(agreed.client_channel_max, 2045);
         assert_eq!(agreed.probe_channel, Some(2046));
         assert_eq!(agreed.publisher_channel, Some(2047));
-        let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(10, 0, 0), 0, 65536);
+        let (ok, agreed) =
+            negotiate(&tune(2047, 131072, 60), &tune_ok(10, 0, 0), 0, 262144).expect("negotiated");
         assert_eq!(ok.channel_max, 12);
         assert_eq!(agreed.publisher_channel, Some(12));
         assert_eq!(agreed.frame_max, 131072);
-        let (_, agreed) = negotiate(&tune(2047, 0, 60), &tune_ok(10, 0, 0), 0, 65536);
+        let (_, agreed) =
+            negotiate(&tune(2047, 0, 60), &tune_ok(10, 0, 0), 0, 65536).expect("negotiated");
         assert_eq!(agreed.frame_max, 65536);
     }
 
     #[test]
+    fn the_frame_size_read_is_never_above_the_offer() {
+        // limits.frame_max below the upstream's offer: the client is offered the limit.
+        assert_eq!(
+            tune_for_client(&tune(2047, 131072, 60), 0, 65536).frame_max,
+            65536
+        );
+        // "No limit" upstream: the proxy's own limit is offered and agreed.
+        assert_eq!(
+            tune_for_client(&tune(2047, 0, 60), 0, 65536).frame_max,
+            65536
+        );
+        let (ok, agreed) =
+            negotiate(&tune(2047, 0, 60), &tune_ok(10, 0, 0), 0, 65536).expect("negotiated");
+        assert_eq!((ok.frame_max, agreed.frame_max), (0, 65536));
+        // A client asking for more than it was offered is refused as RabbitMQ refuses it,
+        // instead of having the proxy buffer frames of that size.
+        let refused = negotiate(
+            &tune(2047, 131072, 60),
+            &tune_ok(10, u32::MAX, 0),
+            0,
+            131072,
+        )
+        .expect_err("refused");
+        assert_eq!(refused.code, 530);
+        assert_eq!(
+            refused.text,
+            "NOT_ALLOWED - frame_max=4294967295 > 131072 max size"
+        );
+        let refused = negotiate(&tune(2047, 0, 60), &tune_ok(10, 1 << 20, 0), 0, 131072)
+            .expect_err("refused");
+        assert_eq!(refused.code, 530);
+        let (_, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(10, 8192, 0), 0, 131072)
+            .expect("negotiated");
+        assert_eq!(agreed.frame_max, 8192);
+    }
+
+    #[test]
     fn a_tiny_upstream_leaves_no_proxy_channels() {
-        let (ok, agreed) = negotiate(&tune(2, 4096, 0), &tune_ok(2, 4096, 0), 0, 4096);
+        let (ok, agreed) =
+            negotiate(&tune(2, 4096, 0), &tune_ok(2, 4096, 0), 0, 4096).expect("negotiated");
         assert_eq!(ok.channel_max, 2);
         assert_eq!(agreed.publisher_channel, None);
     }
 
     #[test]
     fn limits_channel_max_caps_what_the_client_may_use() {
-        let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(0, 131072, 0), 5, 4096);
+        let (ok, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(0, 131072, 0), 5, 131072)
+            .expect("negotiated");
         assert_eq!(agreed.client_channel_max, 5);
         assert_eq!(ok.channel_max, 7);
         assert_eq!(agreed.publisher_channel, Some(7));
-        let (_, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(3, 131072, 0), 5, 4096);
+        let (_, agreed) = negotiate(&tune(2047, 131072, 60), &tune_ok(3, 131072, 0), 5, 131072)
+            .expect("negotiated");
         assert_eq!(agreed.client_channel_max, 3);
     }
 

@@ -80,9 +80,13 @@ where
     let (mut reader, mut writer) = tokio::io::split(stream);
 
     // Protocol header.
+    // One deadline for the whole handshake, from the protocol header to connection.open:
+    // heartbeats or slow steps do not extend it, so a client that never logs in gives its
+    // connection slot back.
     let mut header = [0u8; 8];
-    let handshake_timeout = Duration::from_secs(limits.handshake_timeout_secs.max(1));
-    match tokio::time::timeout(handshake_timeout, reader.read_exact(&mut header)).await {
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_secs(limits.handshake_timeout_secs.max(1));
+    match tokio::time::timeout_at(deadline, reader.read_exact(&mut header)).await {
         Ok(Ok(_)) => {}
         _ => return,
     }
@@ -108,9 +112,10 @@ where
     ));
 
     let mut frames = FramedRead::new(reader, FrameCodec::new(limits.frame_max));
-    let conn = match handshake(&mut frames, &write_queue, &ctx, peer, &limits).await {
-        Some(s) => s,
-        None => {
+    let handshake = handshake(&mut frames, &write_queue, &ctx, peer, &limits);
+    let conn = match tokio::time::timeout_at(deadline, handshake).await {
+        Ok(Some(s)) => s,
+        Ok(None) | Err(_) => {
             write_queue.close();
             let _ = writer_task.await;
             return;
@@ -191,7 +196,6 @@ async fn handshake<R: AsyncRead + Unpin>(
     peer: SocketAddr,
     limits: &crate::config::LimitsConfig,
 ) -> Option<ConnectionContext> {
-    let timeout = Some(Duration::from_secs(limits.handshake_timeout_secs.max(1)));
     write_queue.push(|out| {
         put_method(
             out,
@@ -210,7 +214,7 @@ async fn handshake<R: AsyncRead + Unpin>(
         None::<ConnectionContext>
     };
     // start-ok
-    let start_ok = match expect_method(frames, timeout, limits.max_table_depth).await {
+    let start_ok = match expect_method(frames, limits.max_table_depth).await {
         Ok(AMQPClass::Connection(connection::AMQPMethod::StartOk(s))) => s,
         Ok(_) => return fail(AmqpError::command_invalid("expected connection.start-ok")),
         Err(None) => return None,
@@ -251,7 +255,7 @@ async fn handshake<R: AsyncRead + Unpin>(
             })),
         )
     });
-    let tune_ok = match expect_method(frames, timeout, limits.max_table_depth).await {
+    let tune_ok = match expect_method(frames, limits.max_table_depth).await {
         Ok(AMQPClass::Connection(connection::AMQPMethod::TuneOk(t))) => t,
         Ok(_) => return fail(AmqpError::command_invalid("expected connection.tune-ok")),
         Err(None) => return None,
@@ -272,7 +276,7 @@ async fn handshake<R: AsyncRead + Unpin>(
         c => c.min(limits.channel_max),
     };
     // open
-    let open = match expect_method(frames, timeout, limits.max_table_depth).await {
+    let open = match expect_method(frames, limits.max_table_depth).await {
         Ok(AMQPClass::Connection(connection::AMQPMethod::Open(o))) => o,
         Ok(_) => return fail(AmqpError::command_invalid("expected connection.open")),
         Err(None) => return None,
@@ -312,14 +316,14 @@ async fn handshake<R: AsyncRead + Unpin>(
     })
 }
 
-/// Reads one method frame on channel 0 during the handshake. `Err(None)` = peer gone.
+/// Reads one method frame on channel 0 during the handshake (the caller bounds the whole
+/// handshake by one deadline). `Err(None)` = peer gone.
 async fn expect_method<R: AsyncRead + Unpin>(
     frames: &mut FramedRead<R, FrameCodec>,
-    timeout: Option<Duration>,
     max_table_depth: usize,
 ) -> Result<AMQPClass, Option<AmqpError>> {
     loop {
-        let frame = match next_frame(frames, timeout).await {
+        let frame = match next_frame(frames, None).await {
             Ok(Some(f)) => f,
             Ok(None) => return Err(None),
             Err(FrameError::Io(_)) => return Err(None),

@@ -652,3 +652,48 @@ async fn exchanges_and_bindings_over_their_vhost_limits_are_406_and_gauged() {
     assert_eq!(metric_value(&text, "dlx_proxy_exchanges"), Some(2.0));
     assert_eq!(metric_value(&text, "dlx_proxy_bindings"), Some(2.0));
 }
+
+#[tokio::test]
+async fn a_heartbeat_with_a_payload_is_501() {
+    let b = start().await;
+    let mut c = RawClient::connect(b.addr).await;
+    c.send_raw(&[8, 0, 0, 0, 0, 0, 4, 0xDE, 0xAD, 0xBE, 0xEF, 0xCE])
+        .await;
+    let text = expect_connection_close(&mut c, 501).await;
+    assert!(text.contains("heartbeat"), "reply text: {text}");
+}
+
+#[tokio::test]
+async fn heartbeats_do_not_extend_the_handshake_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut config = test_config();
+    config.limits.handshake_timeout_secs = 1;
+    let b = start_with(config).await;
+    let mut stream = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+    stream.write_all(&PROTOCOL_HEADER).await.unwrap();
+    // A client that never answers connection.start but keeps sending heartbeats.
+    let started = std::time::Instant::now();
+    let mut buf = [0u8; 4096];
+    let closed_after = loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(6),
+            "still open after {:?}",
+            started.elapsed()
+        );
+        if stream
+            .write_all(&[8, 0, 0, 0, 0, 0, 0, 0xCE])
+            .await
+            .is_err()
+        {
+            break started.elapsed();
+        }
+        match tokio::time::timeout(Duration::from_millis(200), stream.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break started.elapsed(),
+            Ok(Ok(_)) | Err(_) => {}
+        }
+    };
+    assert!(
+        closed_after >= Duration::from_millis(900),
+        "closed before the deadline: {closed_after:?}"
+    );
+}

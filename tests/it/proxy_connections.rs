@@ -473,3 +473,86 @@ async fn a_consumer_over_max_consumers_per_channel_is_530_through_the_proxy() {
         .unwrap();
     drop(consumers);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tune_ok_asking_for_larger_frames_than_offered_ends_the_connection() {
+    use lapin::protocol::connection;
+    let proxy = TestProxy::start(vec![]).await;
+    for (name, addr) in [("direct", direct()), ("proxy", proxy.addr)] {
+        let mut client = RawClient::connect_no_handshake(addr).await;
+        client
+            .start_ok("PLAIN", b"\0guest\0guest", FieldTable::default())
+            .await;
+        let AMQPClass::Connection(connection::AMQPMethod::Tune(tune)) = client.read_method().await
+        else {
+            panic!("expected connection.tune");
+        };
+        assert_eq!(tune.frame_max, 131072);
+        let tune_ok = connection::TuneOk {
+            channel_max: tune.channel_max,
+            frame_max: u32::MAX,
+            heartbeat: 0,
+        };
+        let mut bytes = common::encode_method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::TuneOk(tune_ok)),
+        );
+        // A frame announcing nearly 4 GiB right behind it: the proxy must not take the
+        // tune-ok's frame size for its reads.
+        bytes.extend_from_slice(&[FRAME_METHOD, 0, 1, 0xFF, 0xFF, 0xFF, 0xF7]);
+        bytes.extend_from_slice(&[0u8; 4096]);
+        client.send_raw(&bytes).await;
+        // RabbitMQ ends the connection without a close; so does the proxy.
+        assert_closed_silently(&mut client, name).await;
+    }
+    proxy.stop().await;
+
+    // limits.frame_max below RabbitMQ's: the client is offered the proxy's limit, asking
+    // for RabbitMQ's size is refused, and a client that takes the offer works.
+    let proxy = TestProxy::start_with(vec![], |config| config.limits.frame_max = 65536).await;
+    let mut client = RawClient::connect_no_handshake(proxy.addr).await;
+    client
+        .start_ok("PLAIN", b"\0guest\0guest", FieldTable::default())
+        .await;
+    let AMQPClass::Connection(connection::AMQPMethod::Tune(tune)) = client.read_method().await
+    else {
+        panic!("expected connection.tune");
+    };
+    assert_eq!(tune.frame_max, 65536);
+    let tune_ok = connection::TuneOk {
+        channel_max: tune.channel_max,
+        frame_max: 131072,
+        heartbeat: 0,
+    };
+    client
+        .send_method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::TuneOk(tune_ok)),
+        )
+        .await;
+    assert_closed_silently(&mut client, "frame_max above the proxy's limit").await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("frame-limit");
+    declare(&ch, &q, FieldTable::default()).await;
+    let body = vec![7u8; 200_000];
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        Default::default(),
+        &body,
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    let got = ch
+        .basic_get(
+            q.as_str().into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await
+        .unwrap()
+        .expect("the message");
+    assert_eq!(got.delivery.data, body);
+    proxy.stop().await;
+}

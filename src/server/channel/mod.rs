@@ -108,6 +108,13 @@ impl ChannelTable {
                         "heartbeat frame on a non-zero channel",
                     ));
                 }
+                if !frame.payload.is_empty() {
+                    // RabbitMQ accepts only an empty heartbeat; anything else is an unknown
+                    // frame to it.
+                    return Flow::CloseConnection(AmqpError::frame_error(
+                        "heartbeat frame with a payload",
+                    ));
+                }
                 Flow::Continue
             }
             FRAME_METHOD => self.handle_method(frame, s, ctx),
