@@ -13,7 +13,6 @@ use std::sync::Arc;
 use super::message::Message;
 use super::methods::{ExchangeDeclare, QueueDeclare};
 use super::paging::Paging;
-use super::queue::PublishOutcome;
 use super::retry_hold::HeldMessage;
 use super::routing::Destination;
 use super::vhost::Queue;
@@ -218,6 +217,10 @@ impl Broker {
     /// limits and TTL from them).
     pub fn restore(&self, recovered: Recovered, storage: Arc<Storage>) {
         let defs = &recovered.definitions;
+        {
+            let mut st = self.lock();
+            st.next_id = st.next_id.max(recovered.next_queue_id);
+        }
         let mut unrestored = Definitions::default();
         for x in &defs.exchanges {
             let req = ExchangeDeclare {
@@ -303,7 +306,7 @@ impl Broker {
                 continue;
             };
             let mut died = Vec::new();
-            let mut refused = Vec::new();
+            let mut unreadable = Vec::new();
             let mut held = 0;
             if let Some(q) = st.queue_mut(vhost, name) {
                 for m in messages {
@@ -312,7 +315,7 @@ impl Broker {
                     // cannot be read is lost (logged and counted by the paging account).
                     if let Some(until) = m.held_until {
                         let Some(message) = paging.read(m.id) else {
-                            refused.push((queue_id, m.id));
+                            unreadable.push((queue_id, m.id));
                             continue;
                         };
                         let message = HeldMessage {
@@ -327,15 +330,11 @@ impl Broker {
                     let entered = m.at.map_or(now, |at| self.broker_ms(at).min(now));
                     // Paged: the content stays on disk until it is needed. Time `entered`:
                     // nothing expires while the queue is loaded.
-                    let outcome =
-                        q.state
-                            .restore_paged(m.id, m.meta, entered, m.deliveries, &mut died);
-                    if outcome == PublishOutcome::Rejected {
-                        refused.push((queue_id, m.id));
-                    }
+                    q.state
+                        .restore_paged(m.id, m.meta, entered, m.deliveries, &mut died);
                 }
             }
-            self.store_removed(refused);
+            self.store_removed(unreadable);
             if held > 0 {
                 self.metrics.add_retry_held(vhost, name, held);
             }

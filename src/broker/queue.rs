@@ -275,7 +275,8 @@ impl QueueState {
 
     /// Puts back a message recovered from storage (its delivery count restored): one that
     /// was returned more often than the delivery limit allows dies (`delivery_limit`), as it
-    /// would have on its last requeue; the others are published as usual.
+    /// would have on its last requeue; the others go back as a requeue puts them back
+    /// ([`QueueState::restore_slot`]).
     pub fn restore(
         &mut self,
         entry: QueuedMessage,
@@ -290,7 +291,19 @@ impl QueueState {
             );
             return PublishOutcome::Accepted;
         }
-        self.publish(entry, now, deaths)
+        self.restore_slot(Slot::Resident(entry), now, deaths);
+        self.page_out_over_budget();
+        PublishOutcome::Accepted
+    }
+
+    /// A recovered message joins the back of its queue. It was accepted once and may have
+    /// been delivered and not settled (back now as a requeue puts it back), so the publish
+    /// rule of `reject-publish` does not refuse it: only `drop-head` sheds the oldest when
+    /// the queue is over its limit, as on a requeue.
+    fn restore_slot(&mut self, slot: Slot, now: u64, deaths: &mut Vec<Death>) {
+        self.push_back(slot);
+        self.expire(now, deaths);
+        self.drop_head_over_limit(deaths);
     }
 
     /// Puts back a message recovered from storage without its content (paged: read back
@@ -303,7 +316,7 @@ impl QueueState {
         entered: u64,
         deliveries: u32,
         deaths: &mut Vec<Death>,
-    ) -> PublishOutcome {
+    ) {
         let seq = self.next_seq;
         self.next_seq += 1;
         let ttl_exempt = self.limits.keep_dead_letters && meta.death_history;
@@ -320,9 +333,9 @@ impl QueueState {
         });
         if self.over_delivery_limit(deliveries) {
             self.kill(slot, DeadLetterReason::DeliveryLimit, deaths);
-            return PublishOutcome::Accepted;
+            return;
         }
-        self.publish_slot(slot, entered, deaths)
+        self.restore_slot(slot, entered, deaths);
     }
 
     fn over_delivery_limit(&self, delivery_count: u32) -> bool {
@@ -384,6 +397,7 @@ impl QueueState {
                 self.kill(slot, DeadLetterReason::Expired, deaths);
             }
         }
+        self.forget_stale_candidates();
     }
 
     /// Index of the first ready message that is not exempt from expiry (extends the known
@@ -542,12 +556,35 @@ impl QueueState {
                 if at < self.exempt_prefix {
                     self.exempt_prefix -= 1;
                 }
-                // A stale paging candidate is stepped over by the next page-out walk.
                 self.note_out(&slot);
                 removed += 1;
             }
         }
+        self.forget_stale_candidates();
         removed
+    }
+
+    /// Drops paging candidates whose message left the queue other than from its head
+    /// (expiry past an exempt prefix, a redrive): those before the head at once, the others
+    /// once they outnumber the ready messages (so each is looked at a bounded number of
+    /// times). Without this a queue emptied by expiry, with its contents under the paging
+    /// budget (no page-out walk), would keep a position for every message it ever held.
+    fn forget_stale_candidates(&mut self) {
+        let Some(head) = self.ready.front().map(Slot::seq) else {
+            self.candidates.clear();
+            return;
+        };
+        while self.candidates.front().is_some_and(|&c| c < head) {
+            self.candidates.pop_front();
+        }
+        if self.candidates.len() > 2 * self.ready.len() + 64 {
+            let ready = &self.ready;
+            self.candidates.retain(|seq| {
+                ready
+                    .binary_search_by_key(seq, Slot::seq)
+                    .is_ok_and(|at| matches!(ready[at], Slot::Resident(_)))
+            });
+        }
     }
 
     /// Messages whose content could not be read back since the last call (lost): their

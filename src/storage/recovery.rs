@@ -60,6 +60,10 @@ pub struct Recovered {
     pub queues: BTreeMap<u64, Vec<RecoveredMessage>>,
     /// The next unused message id.
     pub next_id: u64,
+    /// Above every queue id a stored message names, deleted queues' included (their
+    /// messages stay on disk until compaction): a queue declared after the restart must not
+    /// take such an id, or those messages would come back into it at the next start.
+    pub next_queue_id: u64,
     pub stats: RecoveryStats,
     pub(super) index: Index,
     /// The segment to continue appending to.
@@ -140,6 +144,11 @@ pub fn recover(dir: &Path) -> Result<Recovered, RecoveryError> {
         }
     }
     let known: HashSet<u64> = definitions.queues.iter().map(|q| q.id).collect();
+    let next_queue_id = messages
+        .keys()
+        .map(|(queue, _)| queue.saturating_add(1))
+        .max()
+        .unwrap_or(0);
     let mut queues: BTreeMap<u64, Vec<RecoveredMessage>> = BTreeMap::new();
     for ((queue, id), entry) in messages {
         if !known.contains(&queue) {
@@ -167,6 +176,7 @@ pub fn recover(dir: &Path) -> Result<Recovered, RecoveryError> {
         definitions,
         queues,
         next_id: max_id + 1,
+        next_queue_id,
         stats,
         index,
         current_segment: numbers.last().copied().unwrap_or(0),

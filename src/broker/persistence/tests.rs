@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use amq_protocol::protocol::BasicProperties;
-use amq_protocol::types::FieldTable;
+use amq_protocol::types::{AMQPValue, FieldTable};
 
 use crate::amqp::content::encode_properties;
 use crate::broker::Broker;
@@ -392,6 +392,83 @@ fn a_held_retry_is_held_again_after_a_restart_until_its_due_time() {
     );
     assert!(due("short").is_none());
     assert!(due("long").is_some());
+    b.storage().unwrap().close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_queue_declared_after_a_restart_never_gets_the_messages_of_a_deleted_one() {
+    let dir = scratch("reuse");
+    let none = FieldTable::default();
+    {
+        let b = open(&dir);
+        let conn = connect(&b);
+        declare(&b, conn, "jobs", true, &none);
+        for body in ["old1", "old2", "old3"] {
+            let (_, durable) = b
+                .publish_durable("/", "", message("jobs", body, 2), None)
+                .unwrap();
+            assert_eq!(durable.expect("stored").blocking_recv(), Ok(true));
+        }
+        assert_eq!(b.queue_delete(conn, "/", "jobs", false, false), Ok(3));
+        b.storage().unwrap().close();
+    }
+    {
+        // The log still holds the deleted queue's messages; the snapshot has no queue.
+        let b = open(&dir);
+        let conn = connect(&b);
+        declare(&b, conn, "jobs", true, &none);
+        declare(&b, conn, "other", true, &none);
+        assert_eq!(bodies(&b, "jobs"), Some(vec![]));
+        b.storage().unwrap().close();
+    }
+    let b = open(&dir);
+    assert_eq!(bodies(&b, "jobs"), Some(vec![]));
+    assert_eq!(bodies(&b, "other"), Some(vec![]));
+    b.storage().unwrap().close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_reject_publish_queue_keeps_every_confirmed_message_across_a_restart() {
+    let dir = scratch("rejectpub");
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(2));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    {
+        let b = open(&dir);
+        let conn = connect(&b);
+        declare(&b, conn, "limited", true, &args);
+        let stored = |body: &str| {
+            let (r, durable) = b
+                .publish_durable("/", "", message("limited", body, 2), None)
+                .unwrap();
+            assert!(r.routed, "{body} refused");
+            assert_eq!(durable.expect("stored").blocking_recv(), Ok(true));
+        };
+        stored("m1");
+        stored("m2");
+        // m1 delivered and not settled: one ready, so m3 is accepted.
+        b.get(conn, 1, "/", "limited", false).unwrap();
+        stored("m3");
+        b.storage().unwrap().close();
+    }
+    let b = open(&dir);
+    assert_eq!(
+        bodies(&b, "limited"),
+        Some(vec![
+            ("m1".to_string(), true),
+            ("m2".to_string(), false),
+            ("m3".to_string(), false)
+        ])
+    );
+    b.storage().unwrap().close();
+    // And nothing was removed for good.
+    let b = open(&dir);
+    assert_eq!(bodies(&b, "limited").map(|v| v.len()), Some(3));
     b.storage().unwrap().close();
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -631,6 +631,35 @@ mod paging {
     }
 
     #[test]
+    fn messages_that_expire_under_the_budget_leave_no_paging_candidate_behind() {
+        let (mut q, store, _paging) = paged_queue(
+            64 << 20,
+            QueueLimits {
+                message_ttl: Some(10),
+                ..Default::default()
+            },
+        );
+        let mut d = Vec::new();
+        for round in 0..10u64 {
+            for id in round * 100 + 1..=round * 100 + 100 {
+                publish_stored(&mut q, &store, id, round * 10, &mut d);
+            }
+            // All under the budget (no page-out walk), all expired at the head.
+            q.expire(round * 10 + 10, &mut d);
+            assert!(q.is_empty());
+            assert_eq!(q.candidates.len(), 0, "round {round}");
+        }
+        assert_eq!(d.len(), 1000);
+        // Expiry past an exempt head, and a redrive's removal from the middle.
+        for id in 2001..=2300 {
+            publish_stored(&mut q, &store, id, 0, &mut d);
+        }
+        let seqs: Vec<u64> = q.ready.iter().skip(1).map(Slot::seq).collect();
+        assert_eq!(q.remove_seqs(&seqs), 299);
+        assert!(q.candidates.len() <= 2 * q.ready.len() + 64);
+    }
+
+    #[test]
     fn recovered_messages_come_back_paged_and_requeue_resident() {
         let (mut q, store, paging) = paged_queue(64 << 20, QueueLimits::default());
         let mut d = Vec::new();
