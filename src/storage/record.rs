@@ -261,6 +261,12 @@ impl<'a> Parts<'a> {
 /// (for tests).
 #[cfg(test)]
 pub(crate) fn test_publish(queue: u64, id: u64, body: &str) -> Record {
+    test_publish_bytes(queue, id, body.as_bytes())
+}
+
+/// [`test_publish`] with any body bytes.
+#[cfg(test)]
+pub(crate) fn test_publish_bytes(queue: u64, id: u64, body: &[u8]) -> Record {
     Record::Publish {
         targets: vec![Target {
             queue,
@@ -268,14 +274,7 @@ pub(crate) fn test_publish(queue: u64, id: u64, body: &str) -> Record {
             delivered: false,
         }],
         remove: None,
-        message: Arc::new(Message::new(
-            "",
-            &["k"],
-            &[0, 0],
-            body.as_bytes(),
-            None,
-            false,
-        )),
+        message: Arc::new(Message::new("", &["k"], &[0, 0], body, None, false)),
         at: Some(1_000 + id),
         held_until: None,
     }

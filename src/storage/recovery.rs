@@ -1,11 +1,13 @@
 //! Recovery: replays the definitions snapshot and the segments into a plain [`Recovered`]
 //! state the broker loads at start, and the index the storage thread continues from.
 //!
-//! A torn tail (the file ends inside a record: a crash during a write) is cut off, logged and
-//! counted. A damaged record (CRC mismatch or unreadable contents) with valid records after
-//! it is skipped: the scan moves byte by byte to the next offset where a whole record with a
-//! matching CRC starts, and the skipped records are counted (each message publish is one
-//! record, so that is an upper bound on the messages lost).
+//! A torn tail (the last segment ends inside a record: a crash during a write) is cut off at
+//! the last whole record, logged and counted; the torn record's bytes are not searched (a
+//! message body can hold a framed record). A damaged record (CRC mismatch or unreadable
+//! contents) with valid records after it is skipped: by its own length when a whole record
+//! follows there, else the scan moves byte by byte to the next offset where a whole record
+//! with a matching CRC starts, and the skipped records are counted (each message publish is
+//! one record, so that is an upper bound on the messages lost).
 //!
 //! Message contents are not kept: a recovered message is its id, its record's location (in
 //! the index) and what its queue needs without the content ([`PagedMeta`]). The broker
@@ -17,7 +19,7 @@ use std::path::Path;
 
 use super::definitions::{self, Definitions};
 use super::index::Index;
-use super::record::{Frame, Parts, Record, decode_frame};
+use super::record::{FRAME_HEADER, Frame, Parts, Record, decode_frame};
 use super::segment;
 use crate::broker::message::PagedMeta;
 
@@ -126,7 +128,8 @@ pub fn recover(dir: &Path) -> Result<Recovered, RecoveryError> {
             .map_err(io(&path))?;
         let bytes = &buf[..];
         stats.segments += 1;
-        let end = replay_segment(bytes, number, &mut messages, &mut max_id, &mut stats);
+        let last = numbers.last() == Some(&number);
+        let end = replay_segment(bytes, number, last, &mut messages, &mut max_id, &mut stats);
         if end < bytes.len() {
             tracing::warn!(
                 segment = %path.display(),
@@ -218,9 +221,16 @@ fn set_top_pad(_bytes: i32) {}
 
 /// Applies the records of one segment; returns where the valid data ends (the torn tail, if
 /// any, starts there).
+///
+/// A record the file ends inside is, in the segment written last, the one being written at
+/// the crash: the tail is cut there, and its bytes are never searched, since a message body
+/// may hold anything, a whole framed record included. A damaged record, or one cut short in
+/// an older segment (the disk's fault), is stepped over by its own length when a whole
+/// record follows it there; otherwise the next whole record is searched for, byte by byte.
 fn replay_segment(
     bytes: &[u8],
     number: u64,
+    last: bool,
     messages: &mut BTreeMap<(u64, u64), Entry>,
     max_id: &mut u64,
     stats: &mut RecoveryStats,
@@ -241,17 +251,38 @@ fn replay_segment(
                     pos += used;
                 }
             },
-            Frame::Torn | Frame::Damaged => match next_valid(bytes, pos + 1) {
-                Some(next) => {
-                    stats.damaged_records += 1;
-                    stats.skipped_bytes += (next - pos) as u64;
-                    pos = next;
+            Frame::Torn if last => return pos,
+            Frame::Torn | Frame::Damaged => {
+                match past_damaged(bytes, pos).or_else(|| next_valid(bytes, pos + 1)) {
+                    Some(next) => {
+                        stats.damaged_records += 1;
+                        stats.skipped_bytes += (next - pos) as u64;
+                        pos = next;
+                    }
+                    None => return pos,
                 }
-                None => return pos,
-            },
+            }
         }
     }
     pos
+}
+
+/// Where the damaged record at `at` ends by its own length, when that is the segment's end
+/// or the start of a whole record (the length was right, only its contents are damaged).
+fn past_damaged(bytes: &[u8], at: usize) -> Option<usize> {
+    let header = bytes.get(at..at + FRAME_HEADER)?;
+    let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
+    let end = at.checked_add(FRAME_HEADER)?.checked_add(len)?;
+    if len == 0 || end > bytes.len() {
+        return None;
+    }
+    if end == bytes.len() {
+        return Some(end);
+    }
+    match decode_frame(&bytes[end..]) {
+        Frame::Whole(payload, _) if Parts::decode(payload).is_ok() => Some(end),
+        _ => None,
+    }
 }
 
 /// The first offset at or after `from` where a whole record with a matching CRC starts.

@@ -277,3 +277,70 @@ fn one_old_unsettled_message_does_not_keep_every_newer_segment() {
     s.close();
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+#[test]
+fn a_record_inside_the_body_of_a_torn_tail_is_not_replayed() {
+    let d = dir("forged");
+    let (s, _) = Storage::open(options(&d, 1 << 20), None).unwrap();
+    s.definitions(queues(&[1]));
+    let kept = publish(&s, 1, "kept");
+    // A body holding a whole framed record that would remove `kept`, then padding.
+    let mut forged = Vec::new();
+    Record::Remove {
+        items: vec![(1, kept)],
+    }
+    .encode(&mut forged);
+    let mut body = forged.clone();
+    body.extend_from_slice(&[0u8; 1024]);
+    let id = s.next_id();
+    s.append(super::super::record::test_publish_bytes(1, id, &body));
+    s.close();
+    // The crash comes while the padding is being written.
+    let path = segment::segment_path(&d, 0);
+    let bytes = std::fs::read(&path).unwrap();
+    let at = bytes
+        .windows(forged.len())
+        .position(|w| w == forged.as_slice())
+        .expect("the body on disk");
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len((at + forged.len() + 100) as u64).unwrap();
+    drop(f);
+    let (s, r) = Storage::open(options(&d, 1 << 20), None).unwrap();
+    assert_eq!(bodies(&s, &r, 1), vec!["kept"]);
+    assert!(r.stats.torn_bytes > 0);
+    assert_eq!(r.stats.damaged_records, 0);
+    s.close();
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn a_damaged_record_is_stepped_over_by_its_length_not_searched() {
+    let d = dir("damaged-body");
+    let (s, _) = Storage::open(options(&d, 1 << 20), None).unwrap();
+    s.definitions(queues(&[1]));
+    let kept = publish(&s, 1, "kept");
+    let mut forged = Vec::new();
+    Record::Remove {
+        items: vec![(1, kept)],
+    }
+    .encode(&mut forged);
+    let mut body = forged.clone();
+    body.extend_from_slice(b"-damaged-here-");
+    let id = s.next_id();
+    s.append(super::super::record::test_publish_bytes(1, id, &body));
+    publish(&s, 1, "after");
+    s.close();
+    let path = segment::segment_path(&d, 0);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes
+        .windows(14)
+        .position(|w| w == b"-damaged-here-")
+        .expect("the body on disk");
+    bytes[at] ^= 0xFF;
+    std::fs::write(&path, &bytes).unwrap();
+    let (s, r) = Storage::open(options(&d, 1 << 20), None).unwrap();
+    assert_eq!(bodies(&s, &r, 1), vec!["kept", "after"]);
+    assert_eq!(r.stats.damaged_records, 1);
+    s.close();
+    std::fs::remove_dir_all(&d).unwrap();
+}
