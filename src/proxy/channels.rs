@@ -267,6 +267,9 @@ pub struct ClientChannel {
     /// upstream as if the client had: `(client's close-ok seen, upstream's close-ok seen)`;
     /// the channel is gone once both are.
     pub closed_for_client: Option<(bool, bool)>,
+    /// A channel.close of the client's crossing the proxy's close was answered: later ones
+    /// are not (each would queue another close-ok for a client that may not read).
+    pub crossing_close_answered: bool,
     /// tx.select was used: injected acks would join the client's transaction.
     pub transactional: bool,
 }
@@ -291,6 +294,7 @@ impl ClientChannel {
             parked_close: None,
             parked_until: None,
             closed_for_client: None,
+            crossing_close_answered: false,
             transactional: false,
         }
     }

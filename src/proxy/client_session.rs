@@ -292,10 +292,18 @@ impl ClientSession {
         self.client_side == Side::Closed && self.upstream_side == Side::Closed
     }
 
-    /// Queues bytes for the client (dropped once the client side is closed).
+    /// Queues bytes for the client: dropped once the client side is closed, and once the
+    /// proxy has sent it connection.close but for the connection's own methods (channel 0).
+    /// The client discards everything else then, and the upstream is still read while the
+    /// proxy's work drains, so its deliveries would otherwise pile up here unbounded for a
+    /// client that may not read any more.
     pub(super) fn send_client(&mut self, bytes: Bytes) {
-        if self.client_side != Side::Closed {
-            self.client_out.send(bytes);
+        match self.client_side {
+            Side::Closed => {}
+            Side::Closing { .. } if !is_connection_method(&bytes) => {}
+            _ => {
+                self.client_out.send(bytes);
+            }
         }
     }
 
@@ -913,6 +921,11 @@ impl ClientSession {
         }
         self.report_counts();
     }
+}
+
+/// Whether `frame` (whole frames' bytes) starts with a method frame on channel 0.
+fn is_connection_method(frame: &[u8]) -> bool {
+    matches!(frame, [kind, 0, 0, ..] if *kind == crate::amqp::codec::FRAME_METHOD)
 }
 
 #[cfg(test)]

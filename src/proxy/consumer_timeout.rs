@@ -113,7 +113,7 @@ impl ClientSession {
 
     /// A client frame on a channel that is closing by the client's or the proxy's close.
     /// Only one the proxy closed for a consumer timeout expects anything: the client's
-    /// close-ok (kept from the upstream), a close crossing the proxy's (answered here), and a
+    /// close-ok (kept from the upstream), a close crossing the proxy's (answered here, once), and a
     /// reopen after the close-ok (held until the upstream's close-ok frees the number).
     pub(super) fn client_frame_on_timed_out_channel(&mut self, frame: WireFrame) {
         let channel = frame.channel;
@@ -133,7 +133,10 @@ impl ClientSession {
                     self.remove_channel(channel);
                 }
             }
-            CHANNEL_CLOSE if !client_ok => self.send_client(channel_close_ok(channel)),
+            CHANNEL_CLOSE if !client_ok && !ch.crossing_close_answered => {
+                ch.crossing_close_answered = true;
+                self.send_client(channel_close_ok(channel));
+            }
             CHANNEL_OPEN if client_ok => self.held_channel_open = Some(frame),
             _ => {}
         }

@@ -463,6 +463,31 @@ async fn a_reject_is_dead_lettered_on_the_publisher_channel_and_acked_upstream_a
 }
 
 #[tokio::test]
+async fn after_the_proxy_closes_the_client_nothing_but_the_connection_close_is_queued_for_it() {
+    let (mut h, publisher) = rejected().await;
+    h.upstream_got();
+    // A method RabbitMQ does not know: the proxy closes the connection with 540.
+    h.client_sends(Bytes::from_static(&[
+        1, 0, 1, 0, 0, 0, 4, 0, 99, 0, 1, 0xCE,
+    ]));
+    let (code, _) = connection_close(&h.client_got());
+    assert_eq!(code, reply::NOT_IMPLEMENTED);
+    // The dead letter is unconfirmed, so the upstream is still read while it drains: what it
+    // delivers meanwhile is not queued for a client that was told the connection is closed.
+    for tag in 20..120 {
+        h.upstream_sends(counted_delivery(tag, false, 0));
+    }
+    assert!(h.client_got().is_empty());
+    h.upstream_sends(confirm(publisher, 1));
+    let sent = h.upstream_got();
+    assert!(
+        sent.iter().any(|(channel, m)| *channel == 1
+            && matches!(m, AMQPClass::Basic(basic::AMQPMethod::Ack(a)) if a.delivery_tag == 7)),
+        "{sent:?}"
+    );
+}
+
+#[tokio::test]
 async fn a_nacked_dead_letter_is_held_not_settled_and_published_again_after_the_backoff() {
     let (mut h, publisher) = rejected().await;
     let first = h.upstream_got_frames();
@@ -718,6 +743,41 @@ async fn a_delivery_held_past_its_consumer_timeout_closes_the_channel_on_both_si
         metrics.contains(r#"dlx_proxy_consumer_timeouts_total{queue="q",vhost="/"} 1"#),
         "{metrics}"
     );
+}
+
+#[tokio::test]
+async fn closes_crossing_a_consumer_timeout_close_are_answered_once() {
+    let (mut h, _) = consuming(&[("x-consumer-timeout", AMQPValue::LongInt(1000))]).await;
+    let due = h.session.next_deadline().expect("the delivery's deadline");
+    h.at(due);
+    assert!(matches!(
+        &h.client_got()[..],
+        [(1, AMQPClass::Channel(channel::AMQPMethod::Close(_)))]
+    ));
+    h.upstream_got();
+    let close = || {
+        method_frame(
+            1,
+            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: 200,
+                reply_text: "bye".into(),
+                class_id: 0,
+                method_id: 0,
+            })),
+        )
+    };
+    // The close that crosses the proxy's gets its close-ok; a client repeating it (and not
+    // reading) gets nothing more queued.
+    h.client_sends(close());
+    assert!(matches!(
+        &h.client_got()[..],
+        [(1, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)))]
+    ));
+    for _ in 0..100 {
+        h.client_sends(close());
+    }
+    assert!(h.client_got().is_empty());
+    assert!(h.upstream_got().is_empty());
 }
 
 #[tokio::test]
