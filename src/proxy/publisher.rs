@@ -38,7 +38,8 @@ use bytes::{Bytes, BytesMut};
 
 use super::wire::{WireFrame, content_body_size, method_frame};
 use crate::amqp::codec::{
-    FRAME_BODY, FRAME_HEADER, FRAME_METHOD, SHORT_STRING_MAX, decode_method, put_basic_publish,
+    FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, SHORT_STRING_MAX, decode_method,
+    put_basic_publish,
 };
 use crate::amqp::content::put_content;
 use crate::amqp::reply::{ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED};
@@ -46,8 +47,13 @@ use crate::amqp::reply::{ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED};
 /// The cause of [`Outcome::Failed`] for a basic.nack.
 pub const NACKED: &str = "nack";
 /// The cause of [`Outcome::Failed`] for a message no publish can carry (a name that is not a
-/// short string): it ends the publish (dropped, counted), since a retry would fail again.
+/// short string, properties that do not fit in one frame): it ends the publish (dropped,
+/// counted), since a retry would fail again.
 pub const UNPUBLISHABLE: &str = "unpublishable";
+/// Why [`Publisher::publish`] refuses a message whose content header frame, properties
+/// rewritten by the dead-lettering included, is over the connection's frame_max: the header
+/// cannot be split, and RabbitMQ answers an oversized frame by closing the connection (501).
+pub const PROPERTIES_TOO_LARGE: &str = "properties larger than the frame size";
 /// Why publishes failed when the upstream refused a dead letter's `user_id` (406: it names
 /// another user than the publishing one, which has no `impersonator` tag).
 pub const USER_ID_REFUSED: &str = "user_id_refused";
@@ -213,7 +219,8 @@ impl Publisher {
         out.freeze()
     }
 
-    /// Encodes a publish (mandatory, confirm-tracked). `Err` if a name is not a short string.
+    /// Encodes a publish (mandatory, confirm-tracked). `Err` if a name is not a short string
+    /// or the properties do not fit in one frame ([`PROPERTIES_TOO_LARGE`]).
     /// While the channel is recycled the publish is kept and the bytes are empty; it goes
     /// out with the reopen.
     pub fn publish(
@@ -227,6 +234,12 @@ impl Publisher {
         }
         if message.routing_key.len() > SHORT_STRING_MAX {
             return Err("routing key too long");
+        }
+        // The content header frame: class, weight and body size (12 bytes) and the properties.
+        if self.frame_max != 0
+            && 12 + message.raw_properties.len() + FRAME_OVERHEAD > self.frame_max
+        {
+            return Err(PROPERTIES_TOO_LARGE);
         }
         let deadline = now + self.confirm_timeout;
         if self.state != ChannelState::Open {

@@ -45,7 +45,7 @@ use super::publisher::Publisher;
 use super::service::handshake;
 use super::service::handshake::ClientHandshake;
 use super::upstream::UpstreamStream;
-use super::wire::{FrameReader, WireFrame, method_frame};
+use super::wire::{FrameReader, WireFrame, method_frame, upstream_frame_limit};
 use crate::amqp::codec::{FRAME_METHOD, decode_method, put_heartbeat};
 use crate::amqp::reply;
 use crate::config::ServiceIdentity;
@@ -136,7 +136,7 @@ pub async fn open(
     .await
     .map_err(|_| OpenError::Upstream("upstream login did not complete in time".into()))?
     .map_err(|e| OpenError::Upstream(format!("upstream login to vhost {vhost:?}: {e}")))?;
-    reader.set_frame_max(tuned.frame_max);
+    reader.set_frame_max(upstream_frame_limit(tuned.frame_max));
     let mut conn = RedriveConnection {
         reader,
         write,

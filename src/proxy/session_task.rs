@@ -30,7 +30,7 @@ use super::probe::CheckAnswer;
 use super::publisher::{OpId, Outcome};
 use super::service::Status;
 use super::upstream::{UpstreamStream, UpstreamTarget};
-use super::wire::{FrameReader, WireFrame};
+use super::wire::{FrameReader, WireFrame, upstream_frame_limit};
 use crate::admission::refuse_client_after_header;
 use crate::amqp::codec::{FrameError, PROTOCOL_HEADER};
 use crate::amqp::reply::{self, AmqpError};
@@ -173,7 +173,7 @@ pub(super) async fn run<S>(
         }
         if let Some(frame_max) = session.new_frame_max.take() {
             client_reader.set_frame_max(frame_max);
-            upstream_reader.set_frame_max(frame_max);
+            upstream_reader.set_frame_max(upstream_frame_limit(frame_max));
         }
         let read_client = session.wants_client_frames();
         let read_upstream = session.wants_upstream_frames();
@@ -316,7 +316,7 @@ fn handle_buffered<C, U>(
     for _ in 0..BUFFERED_FRAMES_PER_TURN {
         if let Some(frame_max) = session.new_frame_max.take() {
             client.set_frame_max(frame_max);
-            upstream.set_frame_max(frame_max);
+            upstream.set_frame_max(upstream_frame_limit(frame_max));
         }
         let mut handled = false;
         if session.wants_client_frames() {

@@ -61,6 +61,19 @@ impl WireFrame {
     }
 }
 
+/// What frames read from the upstream may exceed the agreed frame_max by. RabbitMQ splits
+/// bodies by frame_max but sends a content header as one frame, and its own dead-lettering
+/// adds an x-death entry and the x-first-death-* headers to properties that filled a frame
+/// when published: a consumer of the dead letter (the capture consumer among them) then
+/// reads a header frame over frame_max. Refusing it would end the connection, and the
+/// message, redelivered, would end the next one the same way.
+pub const UPSTREAM_FRAME_SLACK: u32 = 1 << 20;
+
+/// The largest frame accepted from the upstream after a tune of `frame_max`.
+pub fn upstream_frame_limit(frame_max: u32) -> u32 {
+    frame_max.saturating_add(UPSTREAM_FRAME_SLACK)
+}
+
 /// Splits a byte stream into [`WireFrame`]s, refusing frames above `frame_max`.
 #[derive(Clone, Debug)]
 pub struct WireCodec {

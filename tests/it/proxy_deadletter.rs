@@ -535,3 +535,93 @@ async fn closing_the_channel_right_after_a_reject_loses_and_duplicates_nothing()
     declare_dead_lettering(&ch, &q, &dlx, &dlq).await;
     proxy.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_whose_headers_outgrow_the_frame_size_is_dropped_and_counted() {
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let (q, _dlx, dlq) = topology(&ch).await;
+    // Properties that fit one frame of 131072 bytes as published, and no longer once the
+    // x-death entry and the x-first-death-* headers are added.
+    let mut headers = FieldTable::default();
+    headers.insert("pad".into(), ls(&"p".repeat(130_900)));
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        BasicPublishOptions::default(),
+        b"big-headers",
+        AMQPProperties::default().with_headers(headers),
+    )
+    .await
+    .unwrap();
+    wait_count(&ch, &q, 1).await;
+    let d = get(&ch, &q).await;
+    d.acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    proxy
+        .wait_counter(
+            "dead_letter_dropped_total",
+            &[("cause", "unpublishable"), ("queue", &q), ("vhost", "/")],
+            1.0,
+        )
+        .await;
+    wait_upstream_empty(&q).await;
+    // The client's connection was not closed under it, and the next message goes through.
+    publish(&ch, &q, &["small"]).await;
+    let d = get(&ch, &q).await;
+    d.acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    assert_eq!(payload(&get(&ch, &dlq).await), "small");
+    assert_eq!(message_count(&ch, &dlq).await, 0);
+    assert!(conn.status().connected());
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_message_whose_headers_outgrow_the_frame_size_is_dropped_and_counted() {
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("q");
+    let dlx = unique("dlx");
+    let dlq = unique("dlq");
+    declare_dlx(&ch, &dlx, &dlq).await;
+    declare(
+        &ch,
+        &q,
+        table(&[
+            ("x-dead-letter-exchange", ls(&dlx)),
+            ("x-dead-letter-routing-key", ls(&dlq)),
+            ("x-message-ttl", AMQPValue::LongInt(50)),
+        ]),
+    )
+    .await;
+    let mut headers = FieldTable::default();
+    headers.insert("pad".into(), ls(&"p".repeat(130_900)));
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        BasicPublishOptions::default(),
+        b"big-headers",
+        AMQPProperties::default().with_headers(headers),
+    )
+    .await
+    .unwrap();
+    proxy
+        .wait_counter(
+            "dead_letter_dropped_total",
+            &[("cause", "unpublishable"), ("queue", &q), ("vhost", "/")],
+            1.0,
+        )
+        .await;
+    // The capture path goes on: the next expiry is dead-lettered.
+    publish(&ch, &q, &["small"]).await;
+    wait_count(&ch, &dlq, 1).await;
+    assert_eq!(payload(&get(&ch, &dlq).await), "small");
+    proxy.stop().await;
+}

@@ -240,6 +240,24 @@ fn big_bodies_are_split_by_frame_max() {
 }
 
 #[test]
+fn properties_that_do_not_fit_one_frame_are_refused_before_anything_is_sent() {
+    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+    let mut m = message("dlx", "a");
+    // Header frame: 7 + 12 + properties + 1 bytes, at most frame_max.
+    m.raw_properties = Bytes::from(vec![0u8; 4096 - 20]);
+    let bytes = p.publish(1, &m, Instant::now()).unwrap();
+    let mut buf = BytesMut::from(&bytes[..]);
+    let mut codec = WireCodec::new(4096);
+    assert_eq!(
+        std::iter::from_fn(|| codec.decode(&mut buf).unwrap()).count(),
+        3
+    );
+    m.raw_properties = Bytes::from(vec![0u8; 4096 - 19]);
+    assert_eq!(p.publish(2, &m, Instant::now()), Err(PROPERTIES_TOO_LARGE));
+    assert_eq!(p.unconfirmed(), 1, "nothing recorded for the refused one");
+}
+
+#[test]
 fn missing_exchange_names_are_read_from_the_reply() {
     assert_eq!(
         missing_exchange("NOT_FOUND - no exchange 'a'b' in vhost '/'").as_deref(),

@@ -39,7 +39,7 @@ use crate::config::ServiceIdentity;
 use crate::proxy::ProxyShared;
 use crate::proxy::publisher::Outcome;
 use crate::proxy::upstream::{UpstreamStream, UpstreamTarget};
-use crate::proxy::wire::{FrameReader, WireFrame, method_frame};
+use crate::proxy::wire::{FrameReader, WireFrame, method_frame, upstream_frame_limit};
 use crate::shutdown::Shutdown;
 
 /// connection.blocked and connection.unblocked (RabbitMQ's extension; the handshake asks
@@ -107,7 +107,7 @@ pub(super) async fn open(
         Ok(Err(why)) => return Err(End::Lost(why)),
         Err(_) => return Err(End::Lost("handshake did not complete in time".into())),
     };
-    reader.set_frame_max(tuned.frame_max);
+    reader.set_frame_max(upstream_frame_limit(tuned.frame_max));
     Ok(Opened {
         reader,
         write,
