@@ -474,19 +474,26 @@ async fn a_consumer_over_max_consumers_per_channel_is_530_through_the_proxy() {
     drop(consumers);
 }
 
+/// A raw client past start-ok (guest), and the tune it was offered.
+async fn logged_in_to_tune(addr: SocketAddr) -> (RawClient, lapin::protocol::connection::Tune) {
+    use lapin::protocol::connection;
+    let mut client = RawClient::connect_no_handshake(addr).await;
+    client
+        .start_ok("PLAIN", b"\0guest\0guest", FieldTable::default())
+        .await;
+    let AMQPClass::Connection(connection::AMQPMethod::Tune(tune)) = client.read_method().await
+    else {
+        panic!("expected connection.tune");
+    };
+    (client, tune)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tune_ok_asking_for_larger_frames_than_offered_ends_the_connection() {
     use lapin::protocol::connection;
     let proxy = TestProxy::start(vec![]).await;
     for (name, addr) in [("direct", direct()), ("proxy", proxy.addr)] {
-        let mut client = RawClient::connect_no_handshake(addr).await;
-        client
-            .start_ok("PLAIN", b"\0guest\0guest", FieldTable::default())
-            .await;
-        let AMQPClass::Connection(connection::AMQPMethod::Tune(tune)) = client.read_method().await
-        else {
-            panic!("expected connection.tune");
-        };
+        let (mut client, tune) = logged_in_to_tune(addr).await;
         assert_eq!(tune.frame_max, 131072);
         let tune_ok = connection::TuneOk {
             channel_max: tune.channel_max,
@@ -510,14 +517,7 @@ async fn a_tune_ok_asking_for_larger_frames_than_offered_ends_the_connection() {
     // limits.frame_max below RabbitMQ's: the client is offered the proxy's limit, asking
     // for RabbitMQ's size is refused, and a client that takes the offer works.
     let proxy = TestProxy::start_with(vec![], |config| config.limits.frame_max = 65536).await;
-    let mut client = RawClient::connect_no_handshake(proxy.addr).await;
-    client
-        .start_ok("PLAIN", b"\0guest\0guest", FieldTable::default())
-        .await;
-    let AMQPClass::Connection(connection::AMQPMethod::Tune(tune)) = client.read_method().await
-    else {
-        panic!("expected connection.tune");
-    };
+    let (mut client, tune) = logged_in_to_tune(proxy.addr).await;
     assert_eq!(tune.frame_max, 65536);
     let tune_ok = connection::TuneOk {
         channel_max: tune.channel_max,

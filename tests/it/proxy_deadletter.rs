@@ -536,25 +536,29 @@ async fn closing_the_channel_right_after_a_reject_loses_and_duplicates_nothing()
     proxy.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_letter_whose_headers_outgrow_the_frame_size_is_dropped_and_counted() {
-    let proxy = TestProxy::start(vec![]).await;
-    let conn = proxy.connect().await;
-    let ch = conn.create_channel().await.unwrap();
-    let (q, _dlx, dlq) = topology(&ch).await;
-    // Properties that fit one frame of 131072 bytes as published, and no longer once the
-    // x-death entry and the x-first-death-* headers are added.
+/// Publishes a message whose properties fit one frame of 131072 bytes as published, and no
+/// longer once the x-death entry and the x-first-death-* headers are added.
+async fn publish_big_headers(ch: &Channel, queue: &str) {
     let mut headers = FieldTable::default();
     headers.insert("pad".into(), ls(&"p".repeat(130_900)));
     ch.basic_publish(
         "".into(),
-        q.as_str().into(),
+        queue.into(),
         BasicPublishOptions::default(),
         b"big-headers",
         AMQPProperties::default().with_headers(headers),
     )
     .await
     .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_whose_headers_outgrow_the_frame_size_is_dropped_and_counted() {
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let (q, _dlx, dlq) = topology(&ch).await;
+    publish_big_headers(&ch, &q).await;
     wait_count(&ch, &q, 1).await;
     let d = get(&ch, &q).await;
     d.acker
@@ -601,17 +605,7 @@ async fn an_expired_message_whose_headers_outgrow_the_frame_size_is_dropped_and_
         ]),
     )
     .await;
-    let mut headers = FieldTable::default();
-    headers.insert("pad".into(), ls(&"p".repeat(130_900)));
-    ch.basic_publish(
-        "".into(),
-        q.as_str().into(),
-        BasicPublishOptions::default(),
-        b"big-headers",
-        AMQPProperties::default().with_headers(headers),
-    )
-    .await
-    .unwrap();
+    publish_big_headers(&ch, &q).await;
     proxy
         .wait_counter(
             "dead_letter_dropped_total",

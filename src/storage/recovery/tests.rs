@@ -278,6 +278,16 @@ fn one_old_unsettled_message_does_not_keep_every_newer_segment() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// A whole framed record removing message `id` of queue 1, as a client could put in a body.
+fn removal_of(id: u64) -> Vec<u8> {
+    let mut framed = Vec::new();
+    Record::Remove {
+        items: vec![(1, id)],
+    }
+    .encode(&mut framed);
+    framed
+}
+
 #[test]
 fn a_record_inside_the_body_of_a_torn_tail_is_not_replayed() {
     let d = dir("forged");
@@ -285,11 +295,7 @@ fn a_record_inside_the_body_of_a_torn_tail_is_not_replayed() {
     s.definitions(queues(&[1]));
     let kept = publish(&s, 1, "kept");
     // A body holding a whole framed record that would remove `kept`, then padding.
-    let mut forged = Vec::new();
-    Record::Remove {
-        items: vec![(1, kept)],
-    }
-    .encode(&mut forged);
+    let forged = removal_of(kept);
     let mut body = forged.clone();
     body.extend_from_slice(&[0u8; 1024]);
     let id = s.next_id();
@@ -319,11 +325,7 @@ fn a_damaged_record_is_stepped_over_by_its_length_not_searched() {
     let (s, _) = Storage::open(options(&d, 1 << 20), None).unwrap();
     s.definitions(queues(&[1]));
     let kept = publish(&s, 1, "kept");
-    let mut forged = Vec::new();
-    Record::Remove {
-        items: vec![(1, kept)],
-    }
-    .encode(&mut forged);
+    let forged = removal_of(kept);
     let mut body = forged.clone();
     body.extend_from_slice(b"-damaged-here-");
     let id = s.next_id();
