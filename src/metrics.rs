@@ -528,7 +528,8 @@ impl Metrics {
                 "redrive_failed_total",
                 "Messages a redrive could not move (they stay in the dead-letter queue), by \
                  dead-letter queue and cause (no_queue, target_full, no_source, same_queue, \
-                 undecodable; proxy mode also timed_out, publish_failed).",
+                 undecodable; embedded mode also unreadable; proxy mode also timed_out, \
+                 publish_failed).",
                 &["vhost", "queue", "cause"],
             )?,
             redrive_jobs: b.gauge("redrive_jobs_running", "Redrive jobs running.")?,

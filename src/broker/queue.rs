@@ -517,15 +517,22 @@ impl QueueState {
 
     /// The ready messages after position `seq` (all of them for `None`), in order, as copies
     /// ([`QueueState::iter`]): the cursor of a redrive pass ([`crate::redrive`]). Ready
-    /// messages are kept in `seq` order.
-    pub fn iter_after(&self, seq: Option<u64>) -> impl Iterator<Item = QueuedMessage> + '_ {
+    /// messages are kept in `seq` order. A paged message whose content cannot be read back
+    /// is `Err(its seq)`, so the cursor can still move past it (it stays in the queue, and
+    /// is counted lost when it leaves it, as on delivery).
+    pub fn iter_after(
+        &self,
+        seq: Option<u64>,
+    ) -> impl Iterator<Item = Result<QueuedMessage, u64>> + '_ {
         let start = seq.map_or(0, |seq| self.ready.partition_point(|e| e.seq() <= seq));
-        self.ready.range(start..).filter_map(|slot| match slot {
-            Slot::Resident(e) => Some(e.clone()),
-            Slot::Paged(p) => {
-                let message = self.paging.as_ref()?.read(p.store_id)?;
-                Some(p.with(message))
-            }
+        self.ready.range(start..).map(|slot| match slot {
+            Slot::Resident(e) => Ok(e.clone()),
+            Slot::Paged(p) => self
+                .paging
+                .as_ref()
+                .and_then(|paging| paging.read(p.store_id))
+                .map(|message| p.with(message))
+                .ok_or(p.seq),
         })
     }
 

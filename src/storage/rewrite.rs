@@ -16,6 +16,12 @@ use super::record::{Frame, Record, Target, decode_frame};
 pub const MAX_LIVE: u64 = 256;
 /// ... and only while it keeps at least this many segments (itself included) on disk.
 pub const MIN_SEGMENTS: usize = 3;
+/// Delivered records written again per message, at most. A message requeued without end
+/// (no delivery limit) counts millions of deliveries; one record each would make its copy
+/// span segments and be due for a rewrite again at once, for ever. Its count comes back at
+/// most this high after a restart (still redelivered; a delivery limit above it counts
+/// from here).
+pub const MAX_DELIVERIES_COPIED: u32 = 1000;
 
 /// Whether the head segment (number and live messages) should be rewritten, `current` being
 /// the segment written to.
@@ -26,7 +32,8 @@ pub fn due(index: &Index, current: u64) -> Option<u64> {
 }
 
 /// The records that write the live messages of segment `head` (its file's `bytes`) again:
-/// per message a Publish without removal, then one Delivered record per unsettled delivery.
+/// per message a Publish without removal, then one Delivered record per unsettled delivery
+/// (at most [`MAX_DELIVERIES_COPIED`]).
 /// Records that cannot be read are skipped: their messages stay live in the head, which is
 /// then not deleted.
 pub fn copies(bytes: &[u8], head: u64, index: &Index) -> Vec<Record> {
@@ -54,7 +61,8 @@ pub fn copies(bytes: &[u8], head: u64, index: &Index) -> Vec<Record> {
             .filter_map(|t| {
                 let live = index.get(t.id)?;
                 (live.segment == head && live.queue == t.queue).then(|| {
-                    deliveries.extend((0..live.deliveries).map(|_| Record::Delivered {
+                    let copied = live.deliveries.min(MAX_DELIVERIES_COPIED);
+                    deliveries.extend((0..copied).map(|_| Record::Delivered {
                         queue: t.queue,
                         id: t.id,
                     }));
@@ -110,6 +118,23 @@ mod tests {
             Record::Delivered { queue: 7, id: 4 },
         ];
         assert_eq!(out, want);
+    }
+
+    #[test]
+    fn a_message_requeued_without_end_is_copied_with_a_bounded_count() {
+        let mut bytes = Vec::new();
+        publish(7, 1, "poison").encode(&mut bytes);
+        let mut index = Index::default();
+        index.add_segment(0);
+        index.add(1, 7, 0, 0, 2_000_000);
+        let out = copies(&bytes, 0, &index);
+        assert_eq!(out.len(), 1 + MAX_DELIVERIES_COPIED as usize);
+        assert_eq!(out[0], publish(7, 1, "poison"));
+        assert!(
+            out[1..]
+                .iter()
+                .all(|r| *r == Record::Delivered { queue: 7, id: 1 })
+        );
     }
 
     #[test]

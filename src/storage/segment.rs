@@ -85,8 +85,19 @@ impl SegmentWriter {
         Ok(())
     }
 
+    /// Appends `bytes` whole, or not at all: a write that fails part way (a full disk) has
+    /// its part cut off again, so the records written after it sit where the index says
+    /// (`len`), not behind the stray bytes. If even the cut fails, the error says so and
+    /// the segment is left to recovery (its torn record ends the segment's valid data).
     pub fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        self.file.write_all(bytes)?;
+        if let Err(err) = self.file.write_all(bytes) {
+            if let Err(cut) = self.file.set_len(self.len) {
+                return Err(std::io::Error::other(format!(
+                    "{err}; cutting the partial record off failed too: {cut}"
+                )));
+            }
+            return Err(err);
+        }
         self.len += bytes.len() as u64;
         Ok(())
     }

@@ -47,6 +47,9 @@ pub struct RedriveBatch {
     pub done: bool,
 }
 
+/// A message a batch looks at: its position, the message, its store id.
+type Candidate = (u64, Arc<Message>, Option<u64>);
+
 /// What a batch looks at: the pass, how many messages at most, how many it may move.
 #[derive(Clone, Copy, Debug)]
 pub struct BatchLimits {
@@ -88,12 +91,12 @@ impl Broker {
             .and_then(|v| v.queues.get(from))
             .ok_or_else(|| format!("queue {from:?} in vhost {vhost:?} is gone"))?;
         let dlq_id = q.id;
-        let candidates: Vec<(u64, Arc<Message>, Option<u64>)> = q
+        let candidates: Vec<Result<Candidate, u64>> = q
             .state
             .iter_after(cursor.after)
-            .take_while(|e| e.seq <= cursor.end)
+            .take_while(|e| e.as_ref().map_or_else(|seq| *seq, |e| e.seq) <= cursor.end)
             .take(limits.examine)
-            .map(|e| (e.seq, e.message, e.store_id))
+            .map(|e| e.map(|e| (e.seq, e.message, e.store_id)))
             .collect();
         let mut batch = RedriveBatch {
             after: cursor.after,
@@ -101,10 +104,20 @@ impl Broker {
         };
         let mut moved_seqs = Vec::new();
         let mut deaths = Vec::new();
-        for (seq, message, store_id) in candidates {
+        for candidate in candidates {
             if batch.moved.len() as u64 >= limits.moves {
                 break;
             }
+            let (seq, message, store_id) = match candidate {
+                Ok(found) => found,
+                Err(seq) => {
+                    // Paged and unreadable (a disk fault): passed over, not waited for.
+                    batch.after = Some(seq);
+                    batch.examined += 1;
+                    batch.failed.push("unreadable");
+                    continue;
+                }
+            };
             batch.after = Some(seq);
             batch.examined += 1;
             let Ok(props) = message.properties() else {

@@ -472,3 +472,64 @@ fn a_reject_publish_queue_keeps_every_confirmed_message_across_a_restart() {
     b.storage().unwrap().close();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_redrive_pass_moves_past_a_message_it_cannot_read_back() {
+    use crate::broker::methods::{BatchLimits, RedriveCursor};
+    let dir = scratch("unreadable");
+    let none = FieldTable::default();
+    {
+        let b = open(&dir);
+        let conn = connect(&b);
+        declare(&b, conn, "dlq", true, &none);
+        declare(&b, conn, "work", true, &none);
+        for body in ["first-1", "second-2", "broken-3"] {
+            let (_, durable) = b
+                .publish_durable("/", "", message("dlq", body, 2), None)
+                .unwrap();
+            assert_eq!(durable.expect("stored").blocking_recv(), Ok(true));
+        }
+        b.storage().unwrap().close();
+    }
+    // Loaded paged out (recovery keeps no content), then the last message's record is
+    // damaged on disk: it can no longer be read back.
+    let b = open_with(&dir, 0);
+    let segment = crate::storage::segment::segment_path(&dir, 0);
+    let mut bytes = std::fs::read(&segment).unwrap();
+    let at = bytes
+        .windows(8)
+        .position(|w| w == b"broken-3")
+        .expect("the body on disk");
+    bytes[at] ^= 0xFF;
+    std::fs::write(&segment, &bytes).unwrap();
+    let (end, len) = b.redrive_start("/", "dlq").unwrap();
+    assert_eq!(len, 3);
+    let plan = crate::redrive::plan::Plan {
+        to: Some("work".into()),
+        reasons: Vec::new(),
+    };
+    let batch = b
+        .redrive_batch(
+            "/",
+            "dlq",
+            &plan,
+            RedriveCursor {
+                after: None,
+                end: end.unwrap(),
+            },
+            BatchLimits {
+                examine: 100,
+                moves: 100,
+                dry_run: false,
+            },
+        )
+        .unwrap();
+    assert_eq!(batch.moved, vec!["work".to_string(), "work".to_string()]);
+    assert_eq!(batch.failed, vec!["unreadable"]);
+    assert!(
+        batch.done,
+        "the pass ends instead of waiting on the unreadable message"
+    );
+    b.storage().unwrap().close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -427,14 +427,20 @@ fn a_redrive_cursor_steps_over_what_stays_and_takes_what_moves() {
     }
     let seqs: Vec<u64> = q.iter().map(|e| e.seq).collect();
     assert_eq!(q.last_seq(), Some(seqs[4]));
-    let after: Vec<u64> = q.iter_after(Some(seqs[1])).map(|e| e.seq).collect();
+    let after: Vec<u64> = q
+        .iter_after(Some(seqs[1]))
+        .map(|e| e.unwrap().seq)
+        .collect();
     assert_eq!(after, seqs[2..]);
     assert_eq!(q.iter_after(None).count(), 5);
     assert_eq!(q.remove_seqs(&[seqs[1], seqs[3], 999]), 2);
     assert_eq!(bodies(&q), ["a", "c", "e"]);
     assert_eq!(q.bytes(), 3);
     // The cursor still finds its place after the removals.
-    let after: Vec<u64> = q.iter_after(Some(seqs[1])).map(|e| e.seq).collect();
+    let after: Vec<u64> = q
+        .iter_after(Some(seqs[1]))
+        .map(|e| e.unwrap().seq)
+        .collect();
     assert_eq!(after, [seqs[2], seqs[4]]);
     assert_eq!(q.seq_after(Some(seqs[1])), Some(seqs[2]));
     assert_eq!(q.seq_after(Some(seqs[4])), None);
