@@ -202,6 +202,9 @@ pub(crate) fn from_capture(
 /// requeue counted against a delivery limit, a kept dead letter, a retry whose delay passed)
 /// after the queue was deleted.
 pub(crate) const DROPPED_QUEUE_DELETED: &str = "queue_deleted";
+/// The drop cause of a retry whose queue refused it back (a `reject-publish` length limit;
+/// with `reject-publish-dlx` RabbitMQ has dead-lettered it too).
+pub(crate) const DROPPED_TARGET_FULL: &str = "target_full";
 
 /// How the original of a finished publish is settled, with the publish counted in the
 /// metrics (dead-lettered, dropped); `None` for a refused publish (nacked, timed out, lost,
@@ -263,6 +266,14 @@ pub(crate) fn settle(
             metrics.dropped(vhost, &op.queue, DROPPED_QUEUE_DELETED);
             Settlement::Ack
         }
+        // Its queue is full and refuses it, as it refuses a publish: `reject-publish` drops
+        // it, and `reject-publish-dlx` has dead-lettered it (`maxlen`) as well as refusing
+        // it, so publishing it again would make another dead letter each time.
+        (Purpose::RetryReturn, Outcome::Failed(cause)) if *cause == super::publisher::NACKED => {
+            metrics.add_retry_held(vhost, &op.queue, -1);
+            metrics.dropped(vhost, &op.queue, DROPPED_TARGET_FULL);
+            Settlement::Ack
+        }
         (_, Outcome::Failed(cause)) if *cause == super::publisher::UNPUBLISHABLE => {
             drop_unpublishable(metrics, vhost, &op.queue, cause);
             Settlement::Ack
@@ -273,11 +284,16 @@ pub(crate) fn settle(
 
 /// Why a finished publish is held and published again (`None`: it ended). As
 /// [`RetryReason::of`], and a message for a delay queue that routed nowhere (the queue was
-/// deleted; the next publish declares it again) is retried too rather than lost.
+/// deleted; the next publish declares it again) is retried too rather than lost, while a
+/// retry its full queue refused back ends, as a publish to it would.
 pub(crate) fn retry_reason(op: &Op, outcome: &Outcome) -> Option<RetryReason> {
     match (op.purpose, outcome) {
         (Purpose::RetryHold { .. }, Outcome::Unroutable | Outcome::ExchangeMissing) => {
             Some(RetryReason::Unroutable)
+        }
+        // Refused by its full queue: it ends ([`settle`]).
+        (Purpose::RetryReturn, Outcome::Failed(cause)) if *cause == super::publisher::NACKED => {
+            None
         }
         _ => RetryReason::of(outcome),
     }

@@ -488,3 +488,56 @@ async fn a_policys_tiers_apply_to_a_queue_declared_without_them() {
     proxy.stop().await;
     delete_delay_queues(&capture, &[300]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_its_full_queue_refuses_back_ends_as_a_publish_to_it_would() {
+    for overflow in ["reject-publish-dlx", "reject-publish"] {
+        let proxy = TestProxy::start(vec![]).await;
+        let conn = proxy.connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        let q = unique("full-retry");
+        let dlq = unique("full-retry-dlq");
+        let extra = [
+            ("x-retry-delays", delays(&[300])),
+            ("x-max-length", AMQPValue::LongInt(1)),
+            ("x-overflow", ls(overflow)),
+        ];
+        let dlx = crate::common::dl::declare_dead_letter_queues(&ch, &q, &dlq, &extra).await;
+        crate::common::dl::publish(&ch, &q, &["returning"]).await;
+        reject(&get(&ch, &q).await).await;
+        // While it waits out its delay, the queue fills up.
+        crate::common::dl::publish(&ch, &q, &["filler"]).await;
+        let dropped = [
+            ("cause", "target_full"),
+            ("queue", q.as_str()),
+            ("vhost", "/"),
+        ];
+        proxy
+            .wait_counter("dead_letter_dropped_total", &dropped, 1.0)
+            .await;
+        let queue = [("queue", q.as_str()), ("vhost", "/")];
+        proxy.wait_gauge("retry_held_messages", &queue, 0.0).await;
+        // reject-publish-dlx dead-letters the refused return once; no copy per retry.
+        let copies = u32::from(overflow == "reject-publish-dlx");
+        wait_count(&ch, &dlq, copies).await;
+        proxy
+            .stays(
+                "dead_letter_dropped_total",
+                &dropped,
+                1.0,
+                Duration::from_secs(3),
+            )
+            .await;
+        assert_eq!(message_count(&ch, &dlq).await, copies, "{overflow}");
+        assert_eq!(message_count(&ch, &q).await, 1, "{overflow}");
+        if copies == 1 {
+            let dead = get(&ch, &dlq).await;
+            assert_eq!(payload(&dead), "returning");
+            assert_eq!(field(&x_death(&dead)[0], "reason"), &ls("maxlen"));
+        }
+        delete_upstream(&ch, &[q.as_str(), dlq.as_str()], &[dlx.as_str()]).await;
+        let capture = proxy.capture.clone();
+        proxy.stop().await;
+        delete_delay_queues(&capture, &[300]).await;
+    }
+}
