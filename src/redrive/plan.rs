@@ -13,8 +13,9 @@
 //!   detection and hop limits still see the message's past.
 
 use amq_protocol::protocol::BasicProperties;
-use amq_protocol::types::{AMQPValue, ShortString};
+use amq_protocol::types::{AMQPValue, FieldTable, ShortString};
 
+use crate::deadletter::retry::X_RETRY_COUNT;
 use crate::deadletter::{DeadLetterReason, x_death_entries};
 use crate::rabbit::args::amqp_integer;
 
@@ -96,15 +97,22 @@ pub fn redriven_count(props: &BasicProperties) -> i64 {
         .unwrap_or(0)
 }
 
-/// `props` with `x-redriven-count` one higher, everything else kept.
+/// `props` with `x-redriven-count` one higher and no `x-retry-count` (a redriven message
+/// starts its queue's retry tiers again, as a new message would: it was moved back to be
+/// processed again), everything else kept.
 pub fn stamp(props: &BasicProperties) -> BasicProperties {
     let count = redriven_count(props).saturating_add(1);
-    let mut headers = props.headers().clone().unwrap_or_default();
+    let mut headers = props
+        .headers()
+        .as_ref()
+        .map(|h| h.inner().clone())
+        .unwrap_or_default();
+    headers.remove(X_RETRY_COUNT);
     headers.insert(
         ShortString::from(X_REDRIVEN_COUNT),
         AMQPValue::LongLongInt(count),
     );
-    props.clone().with_headers(headers)
+    props.clone().with_headers(FieldTable::from(headers))
 }
 
 /// Properties whose `x-death` holds one entry per (queue, reason), newest first: the dead
@@ -223,6 +231,16 @@ mod tests {
             props.headers().as_ref().unwrap().inner().get("x-death")
         );
         assert_eq!(redriven_count(&stamp(&once)), 2);
+        // The retry tiers start again: the tier count goes.
+        let mut tiered = props.headers().clone().unwrap();
+        tiered.insert(X_RETRY_COUNT.into(), AMQPValue::LongInt(3));
+        let redriven = stamp(&props.clone().with_headers(tiered));
+        let headers = redriven.headers().clone().unwrap();
+        assert_eq!(headers.inner().get(X_RETRY_COUNT), None);
+        assert_eq!(
+            headers.inner().get("x-death"),
+            props.headers().as_ref().unwrap().inner().get("x-death")
+        );
         // A client-set value of another integer type is read and replaced by a long-long.
         let mut h = amq_protocol::types::FieldTable::default();
         h.insert(X_REDRIVEN_COUNT.into(), AMQPValue::ShortInt(4));
