@@ -101,6 +101,10 @@ pub(super) fn run(
         buf: Vec::with_capacity(1 << 16),
         records: Vec::new(),
     };
+    // A snapshot that could not be written (a full disk): written again before each later
+    // batch, whose writes fail (their confirms are nacks) until it is. Publishes confirmed
+    // into a queue the snapshot on disk does not list would be discarded at the next start.
+    let mut unwritten: Option<Definitions> = None;
     loop {
         let Ok(first) = rx.recv() else {
             // Every handle is gone: make what was written stable and stop.
@@ -115,6 +119,12 @@ pub(super) fn run(
             }
         }
         let mut ok = true;
+        if let Some(defs) = unwritten.take()
+            && !report(defs.write_to(&options.dir), "write the definitions again")
+        {
+            ok = false;
+            unwritten = Some(defs);
+        }
         let mut waiters = Vec::new();
         let mut closing = false;
         for req in batch {
@@ -125,8 +135,13 @@ pub(super) fn run(
                 Op::Definitions(defs) => {
                     // What came before is indexed before the deleted queues are forgotten.
                     ok &= pending.write(&mut segment, &index);
-                    ok &= report(defs.write_to(&options.dir), "write the definitions");
                     lock_index(&index).retain_queues(&defs.queues.iter().map(|q| q.id).collect());
+                    if report(defs.write_to(&options.dir), "write the definitions") {
+                        unwritten = None;
+                    } else {
+                        ok = false;
+                        unwritten = Some(defs);
+                    }
                 }
                 Op::Close => closing = true,
             }

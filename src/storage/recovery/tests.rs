@@ -346,3 +346,31 @@ fn a_damaged_record_is_stepped_over_by_its_length_not_searched() {
     s.close();
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+#[test]
+fn a_snapshot_that_could_not_be_written_is_written_again_and_nacks_meanwhile() {
+    let d = dir("snapshot-retry");
+    let (s, _) = Storage::open(options(&d, 1 << 20), None).unwrap();
+    // The snapshot cannot be written while its temporary file's name is taken (a stand-in
+    // for a full disk).
+    let blocker = d.join("definitions.tmp");
+    std::fs::create_dir_all(&blocker).unwrap();
+    s.definitions(queues(&[1]));
+    let id = s.next_id();
+    let confirm = s.append_durable(super::super::record::test_publish(1, id, "early"));
+    assert_eq!(
+        confirm.blocking_recv(),
+        Ok(false),
+        "a publish into a queue the snapshot on disk does not list is not confirmed"
+    );
+    std::fs::remove_dir(&blocker).unwrap();
+    let id = s.next_id();
+    let confirm = s.append_durable(super::super::record::test_publish(1, id, "later"));
+    assert_eq!(confirm.blocking_recv(), Ok(true));
+    s.close();
+    let (s, r) = Storage::open(options(&d, 1 << 20), None).unwrap();
+    assert_eq!(r.definitions.queues.len(), 1);
+    assert_eq!(bodies(&s, &r, 1), vec!["early", "later"]);
+    s.close();
+    std::fs::remove_dir_all(&d).unwrap();
+}
