@@ -503,6 +503,15 @@ impl QueueState {
         n
     }
 
+    /// The store ids of the ready messages kept on disk, paged or not, without reading any
+    /// content back (a purge writes their removal).
+    pub fn store_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.ready.iter().filter_map(|slot| match slot {
+            Slot::Resident(e) => e.store_id,
+            Slot::Paged(p) => Some(p.store_id),
+        })
+    }
+
     /// The ready messages in order, as copies (the queue is unchanged): contents paged out
     /// are read back for the copy (one that cannot be read is left out).
     pub fn iter(&self) -> impl Iterator<Item = QueuedMessage> + '_ {

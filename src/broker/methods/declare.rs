@@ -413,11 +413,8 @@ impl Broker {
             .get_mut(name)
             .ok_or_else(|| no_queue(name, vhost))?;
         check_exclusive(q, conn, vhost)?;
-        let gone: Vec<(u64, u64)> = q
-            .state
-            .iter()
-            .filter_map(|e| e.store_id.map(|id| (q.id, id)))
-            .collect();
+        // Their ids only: a purge reads no paged content back (under the broker lock).
+        let gone: Vec<(u64, u64)> = q.state.store_ids().map(|id| (q.id, id)).collect();
         let n = q.state.purge() as u32;
         self.store_removed(gone);
         self.purge_retries(&mut st, vhost, name);

@@ -533,3 +533,35 @@ fn a_redrive_pass_moves_past_a_message_it_cannot_read_back() {
     b.storage().unwrap().close();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_purge_of_paged_messages_reads_none_back_and_removes_them_for_good() {
+    let dir = scratch("purge");
+    let none = FieldTable::default();
+    {
+        let b = open(&dir);
+        let conn = connect(&b);
+        declare(&b, conn, "backlog", true, &none);
+        for i in 0..50 {
+            let (_, durable) = b
+                .publish_durable("/", "", message("backlog", &format!("m{i}"), 2), None)
+                .unwrap();
+            assert_eq!(durable.expect("stored").blocking_recv(), Ok(true));
+        }
+        b.storage().unwrap().close();
+    }
+    {
+        // Back paged out; the purge takes them without reading their contents.
+        let b = open_with(&dir, 0);
+        let conn = connect(&b);
+        let paging = b.paging().unwrap().clone();
+        assert_eq!(paging.stats().paged_messages, 50);
+        assert_eq!(b.queue_purge(conn, "/", "backlog"), Ok(50));
+        assert_eq!(paging.stats().page_ins, 0);
+        b.storage().unwrap().close();
+    }
+    let b = open(&dir);
+    assert_eq!(bodies(&b, "backlog"), Some(vec![]));
+    b.storage().unwrap().close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
