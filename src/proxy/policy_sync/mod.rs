@@ -51,10 +51,15 @@ pub const SYNC_FAILURE: &str = "failure";
 pub const SYNC_CAPTURE_MISSING: &str = "capture_missing";
 pub const SYNC_RESULTS: [&str; 3] = [SYNC_SUCCESS, SYNC_FAILURE, SYNC_CAPTURE_MISSING];
 
-/// The vhosts the proxy serves.
-// joined with capture at merge: `proxy.vhosts` (default ["/"]) replaces this fixed list.
-pub fn served_vhosts(_config: &Config) -> Vec<String> {
-    vec!["/".to_string()]
+/// The vhosts every round reconciles: those a policy may name (`vhosts`) and those the proxy
+/// serves from the start (`proxy.vhosts`). A policy removed from the config is then deleted
+/// upstream even after a restart that forgot which vhosts the earlier rounds touched.
+pub fn served_vhosts(config: &Config) -> Vec<String> {
+    let mut vhosts = config.vhosts.clone();
+    vhosts.extend(config.proxy.vhosts.iter().cloned());
+    vhosts.sort();
+    vhosts.dedup();
+    vhosts
 }
 
 /// How one vhost's reconciliation ended.
