@@ -202,9 +202,30 @@ pub(crate) fn from_capture(
 /// requeue counted against a delivery limit, a kept dead letter, a retry whose delay passed)
 /// after the queue was deleted.
 pub(crate) const DROPPED_QUEUE_DELETED: &str = "queue_deleted";
-/// The drop cause of a retry whose queue refused it back (a `reject-publish` length limit;
-/// with `reject-publish-dlx` RabbitMQ has dead-lettered it too).
+/// The drop cause of a retry whose queue refused it back at a `reject-publish` length limit.
 pub(crate) const DROPPED_TARGET_FULL: &str = "target_full";
+
+/// How a retry nacked on its way back into its queue ends, by the queue's overflow (`None`:
+/// it is held and retried, as any refused publish). A full queue refuses it as it refuses a
+/// publish: `reject-publish` drops it (counted `target_full`), and `reject-publish-dlx` has
+/// dead-lettered it (`maxlen`) as well as refusing it, so publishing it again would make
+/// another dead letter each time. Any other nack (a queue without a length limit that
+/// refuses: a lost leader, a crashed queue) is retried.
+pub(crate) fn refused_return_ends(
+    metrics: &Metrics,
+    vhost: &str,
+    op: &Op,
+    overflow: crate::rabbit::args::Overflow,
+) -> Option<Settlement> {
+    use crate::rabbit::args::Overflow;
+    match overflow {
+        Overflow::DropHead => return None,
+        Overflow::RejectPublish => metrics.dropped(vhost, &op.queue, DROPPED_TARGET_FULL),
+        Overflow::RejectPublishDlx => {}
+    }
+    metrics.add_retry_held(vhost, &op.queue, -1);
+    Some(Settlement::Ack)
+}
 
 /// How the original of a finished publish is settled, with the publish counted in the
 /// metrics (dead-lettered, dropped); `None` for a refused publish (nacked, timed out, lost,
@@ -266,14 +287,6 @@ pub(crate) fn settle(
             metrics.dropped(vhost, &op.queue, DROPPED_QUEUE_DELETED);
             Settlement::Ack
         }
-        // Its queue is full and refuses it, as it refuses a publish: `reject-publish` drops
-        // it, and `reject-publish-dlx` has dead-lettered it (`maxlen`) as well as refusing
-        // it, so publishing it again would make another dead letter each time.
-        (Purpose::RetryReturn, Outcome::Failed(cause)) if *cause == super::publisher::NACKED => {
-            metrics.add_retry_held(vhost, &op.queue, -1);
-            metrics.dropped(vhost, &op.queue, DROPPED_TARGET_FULL);
-            Settlement::Ack
-        }
         (_, Outcome::Failed(cause)) if *cause == super::publisher::UNPUBLISHABLE => {
             drop_unpublishable(metrics, vhost, &op.queue, cause);
             Settlement::Ack
@@ -284,16 +297,11 @@ pub(crate) fn settle(
 
 /// Why a finished publish is held and published again (`None`: it ended). As
 /// [`RetryReason::of`], and a message for a delay queue that routed nowhere (the queue was
-/// deleted; the next publish declares it again) is retried too rather than lost, while a
-/// retry its full queue refused back ends, as a publish to it would.
+/// deleted; the next publish declares it again) is retried too rather than lost.
 pub(crate) fn retry_reason(op: &Op, outcome: &Outcome) -> Option<RetryReason> {
     match (op.purpose, outcome) {
         (Purpose::RetryHold { .. }, Outcome::Unroutable | Outcome::ExchangeMissing) => {
             Some(RetryReason::Unroutable)
-        }
-        // Refused by its full queue: it ends ([`settle`]).
-        (Purpose::RetryReturn, Outcome::Failed(cause)) if *cause == super::publisher::NACKED => {
-            None
         }
         _ => RetryReason::of(outcome),
     }

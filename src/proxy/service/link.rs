@@ -49,7 +49,9 @@ use crate::proxy::ProxyShared;
 use crate::proxy::capture::{CaptureConsumer, CapturedMessage};
 use crate::proxy::death::{self, Plan};
 use crate::proxy::ops::{Op, Origin, Purpose, Settlement};
-use crate::proxy::publisher::{OpId, Outcome, OutgoingMessage, Publisher, Settled, UNPUBLISHABLE};
+use crate::proxy::publisher::{
+    NACKED, OpId, Outcome, OutgoingMessage, Publisher, Settled, UNPUBLISHABLE,
+};
 use crate::proxy::retry::{RetryReason, RetrySchedule};
 use crate::proxy::retry_tiers::{self, RetryPlan};
 use crate::proxy::wire::WireFrame;
@@ -493,6 +495,9 @@ impl CaptureLink {
             }
             Err(why) => {
                 death::drop_unpublishable(&shared.metrics, &self.vhost, &op.queue, why);
+                if op.purpose == Purpose::RetryReturn {
+                    shared.metrics.add_retry_held(&self.vhost, &op.queue, -1);
+                }
                 shared.metrics.captured(&self.vhost, CAPTURED_DROPPED);
                 self.release(shared, &op);
                 self.consumer.ack(tag, epoch);
@@ -516,6 +521,26 @@ impl CaptureLink {
         };
         if let Purpose::RetryHold { delay_ms, .. } = op.purpose {
             self.forget_missing_delay_queue(Some(delay_ms), &settled.outcome);
+        }
+        if op.purpose == Purpose::RetryReturn
+            && matches!(settled.outcome, Outcome::Failed(cause) if cause == NACKED)
+        {
+            let arguments = shared
+                .queues
+                .proxied(&self.vhost, &op.queue)
+                .unwrap_or_default();
+            let overflow = shared
+                .queue_view(&self.vhost, &op.queue, &arguments)
+                .settings
+                .overflow;
+            if let Some(Settlement::Ack) =
+                death::refused_return_ends(&shared.metrics, &self.vhost, &op, overflow)
+            {
+                self.release(shared, &op);
+                shared.metrics.captured(&self.vhost, CAPTURED_DROPPED);
+                self.consumer.ack(tag, epoch);
+                return;
+            }
         }
         if let Some(reason) = death::retry_reason(&op, &settled.outcome) {
             self.refused(shared, op, &settled.outcome, reason, now);
