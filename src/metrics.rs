@@ -529,7 +529,7 @@ impl Metrics {
                 "Messages a redrive could not move (they stay in the dead-letter queue), by \
                  dead-letter queue and cause (no_queue, target_full, no_source, same_queue, \
                  undecodable; embedded mode also unreadable; proxy mode also timed_out, \
-                 publish_failed).",
+                 publish_failed, unpublishable).",
                 &["vhost", "queue", "cause"],
             )?,
             redrive_jobs: b.gauge("redrive_jobs_running", "Redrive jobs running.")?,

@@ -287,12 +287,30 @@ pub(crate) fn settle(
             metrics.dropped(vhost, &op.queue, DROPPED_QUEUE_DELETED);
             Settlement::Ack
         }
+        // A counted requeue that cannot be republished (its properties with the count no
+        // longer fit a frame) goes back natively, uncounted: a requeue never loses the
+        // message.
+        (Purpose::Requeue, Outcome::Failed(cause)) if *cause == super::publisher::UNPUBLISHABLE => {
+            requeue_unpublishable(metrics, &op.queue, cause)
+        }
         (_, Outcome::Failed(cause)) if *cause == super::publisher::UNPUBLISHABLE => {
             drop_unpublishable(metrics, vhost, &op.queue, cause);
             Settlement::Ack
         }
         (_, Outcome::Failed(_) | Outcome::TimedOut | Outcome::AccessRefused) => return None,
     })
+}
+
+/// A counted requeue no publish can carry: the original goes back natively and this return
+/// is not counted against the delivery limit (logged, and counted as a failed publish).
+pub(crate) fn requeue_unpublishable(metrics: &Metrics, queue: &str, why: &str) -> Settlement {
+    tracing::warn!(
+        queue,
+        why,
+        "a requeue counted against the delivery limit cannot be published; requeued uncounted"
+    );
+    metrics.dead_letter_publish_failed("invalid");
+    Settlement::Requeue
 }
 
 /// Why a finished publish is held and published again (`None`: it ended). As

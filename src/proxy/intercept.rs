@@ -16,7 +16,9 @@ use super::ProxyShared;
 use super::arbiter::{DeclareCheck, Next, Verdict};
 use super::channels::PendingDeclare;
 use super::client_session::{ClientSession, Side};
-use super::death::{Death, Plan, drop_unpublishable, now_secs, plan, retry_reason, settle};
+use super::death::{
+    Death, Plan, drop_unpublishable, now_secs, plan, requeue_unpublishable, retry_reason, settle,
+};
 use super::declare::{
     DeadLetterHandling, keep_own_dead_letter_arguments, passes_through, rewrite_declare,
     upstream_declare,
@@ -1026,9 +1028,14 @@ impl ClientSession {
                 self.ops.insert(op_id, op);
             }
             Err(why) => {
-                drop_unpublishable(&self.shared.metrics, &self.vhost, &op.queue, why);
+                let settlement = if op.purpose == Purpose::Requeue {
+                    requeue_unpublishable(&self.shared.metrics, &op.queue, why)
+                } else {
+                    drop_unpublishable(&self.shared.metrics, &self.vhost, &op.queue, why);
+                    Settlement::Ack
+                };
                 self.release_op(&op);
-                self.settle_origin(op.origin, Settlement::Ack);
+                self.settle_origin(op.origin, settlement);
             }
         }
     }

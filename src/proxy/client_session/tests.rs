@@ -592,6 +592,48 @@ async fn requeues_past_a_classic_queues_delivery_limit_are_counted_then_dead_let
     dead_lettered_past_the_limit(&mut h, publisher, 8, 2);
 }
 
+#[tokio::test]
+async fn a_counted_requeue_too_large_to_republish_goes_back_natively_uncounted() {
+    let (mut h, _publisher) = consuming(&[("x-delivery-limit", AMQPValue::LongInt(5))]).await;
+    h.upstream_got();
+    // Properties that fill the 131072-byte frame but for a few bytes: with the count added
+    // to them, the republish would not fit in one frame.
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "pad".into(),
+        AMQPValue::LongString("p".repeat(131_030).into()),
+    );
+    let props =
+        crate::amqp::content::encode_properties(&BasicProperties::default().with_headers(headers));
+    let mut delivery = BytesMut::new();
+    delivery.extend_from_slice(&method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+            consumer_tag: "ctag".into(),
+            delivery_tag: 8,
+            redelivered: false,
+            exchange: "".into(),
+            routing_key: "q".into(),
+        })),
+    ));
+    put_content(&mut delivery, 1, &props, b"m", 131_072);
+    h.upstream_sends(delivery.freeze());
+    h.client_got();
+    h.client_sends(nack_requeue(8));
+    // Nothing published: the original goes back natively, never acked.
+    let sent = h.upstream_got();
+    assert!(
+        matches!(
+            &sent[..],
+            [(1, AMQPClass::Basic(basic::AMQPMethod::Nack(n)))] if n.delivery_tag == 8 && n.requeue
+        ) || matches!(
+            &sent[..],
+            [(1, AMQPClass::Basic(basic::AMQPMethod::Reject(r)))] if r.delivery_tag == 8 && r.requeue
+        ),
+        "{sent:?}"
+    );
+}
+
 /// Delivery `tag` of "m" from "q" on channel 1, with `x-delivery-count = count`.
 fn counted_delivery(tag: u64, redelivered: bool, count: i64) -> Bytes {
     let mut out = BytesMut::new();

@@ -15,7 +15,7 @@ use bytes::{Bytes, BytesMut};
 use super::{CONSUME_CHANNEL, PUBLISH_CHANNEL, Pass, Progress, WINDOW};
 use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method};
 use crate::amqp::content::{BodyCollector, encode_properties_from, parse_content_header};
-use crate::proxy::publisher::{NACKED, Outcome, OutgoingMessage, Publisher};
+use crate::proxy::publisher::{NACKED, Outcome, OutgoingMessage, PROPERTIES_TOO_LARGE, Publisher};
 use crate::proxy::wire::{WireFrame, content_body_size, method_frame};
 use crate::redrive::bucket::TokenBucket;
 use crate::redrive::plan::{Decision, stamp};
@@ -169,12 +169,18 @@ impl PassState {
                         .insert(tag, (p.message.routing_key.clone(), consumer));
                     self.pending.pop_front();
                 }
-                Err(_) => {
-                    // A name longer than a short string: no such queue can exist.
+                Err(why) => {
+                    // A name longer than a short string (no such queue can exist), or
+                    // properties that no longer fit one frame with the redrive count.
+                    let cause = if why == PROPERTIES_TOO_LARGE {
+                        "unpublishable"
+                    } else {
+                        "no_queue"
+                    };
                     self.pending.pop_front();
                     self.left = self.left.saturating_add(1);
                     report(Progress {
-                        failed: vec!["no_queue"],
+                        failed: vec![cause],
                         ..Progress::default()
                     });
                     self.keep(tag, consumer)?;
