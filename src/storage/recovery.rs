@@ -1,8 +1,8 @@
 //! Recovery: replays the definitions snapshot and the segments into a plain [`Recovered`]
 //! state the broker loads at start, and the index the storage thread continues from.
 //!
-//! A torn tail (the last segment ends inside a record: a crash during a write) is cut off at
-//! the last whole record, logged and counted; the torn record's bytes are not searched (a
+//! A torn tail (a segment ends inside a record: a crash during a write) is cut off at the
+//! last whole record, logged and counted; the torn record's bytes are not searched (a
 //! message body can hold a framed record). A damaged record (CRC mismatch or unreadable
 //! contents) with valid records after it is skipped: by its own length when a whole record
 //! follows there, else the scan moves byte by byte to the next offset where a whole record
@@ -128,8 +128,7 @@ pub fn recover(dir: &Path) -> Result<Recovered, RecoveryError> {
             .map_err(io(&path))?;
         let bytes = &buf[..];
         stats.segments += 1;
-        let last = numbers.last() == Some(&number);
-        let end = replay_segment(bytes, number, last, &mut messages, &mut max_id, &mut stats);
+        let end = replay_segment(bytes, number, &mut messages, &mut max_id, &mut stats);
         if end < bytes.len() {
             tracing::warn!(
                 segment = %path.display(),
@@ -222,15 +221,15 @@ fn set_top_pad(_bytes: i32) {}
 /// Applies the records of one segment; returns where the valid data ends (the torn tail, if
 /// any, starts there).
 ///
-/// A record the file ends inside is, in the segment written last, the one being written at
-/// the crash: the tail is cut there, and its bytes are never searched, since a message body
-/// may hold anything, a whole framed record included. A damaged record, or one cut short in
-/// an older segment (the disk's fault), is stepped over by its own length when a whole
-/// record follows it there; otherwise the next whole record is searched for, byte by byte.
+/// A record the file ends inside is the one being written at a crash: the segment is cut
+/// there, and its bytes are never searched, since a message body may hold anything, a whole
+/// framed record included. (Only a length damaged to point past the end looks the same: the
+/// records after it in that segment are then lost with it.) A damaged record is stepped over
+/// by its own length when a whole record, a torn one or the end follows it there; otherwise
+/// the next whole record is searched for, byte by byte.
 fn replay_segment(
     bytes: &[u8],
     number: u64,
-    last: bool,
     messages: &mut BTreeMap<(u64, u64), Entry>,
     max_id: &mut u64,
     stats: &mut RecoveryStats,
@@ -251,8 +250,8 @@ fn replay_segment(
                     pos += used;
                 }
             },
-            Frame::Torn if last => return pos,
-            Frame::Torn | Frame::Damaged => {
+            Frame::Torn => return pos,
+            Frame::Damaged => {
                 match past_damaged(bytes, pos).or_else(|| next_valid(bytes, pos + 1)) {
                     Some(next) => {
                         stats.damaged_records += 1;
@@ -268,7 +267,8 @@ fn replay_segment(
 }
 
 /// Where the damaged record at `at` ends by its own length, when that is the segment's end
-/// or the start of a whole record (the length was right, only its contents are damaged).
+/// or the start of a whole or torn record (the length was right, only its contents are
+/// damaged).
 fn past_damaged(bytes: &[u8], at: usize) -> Option<usize> {
     let header = bytes.get(at..at + FRAME_HEADER)?;
     let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
@@ -281,6 +281,7 @@ fn past_damaged(bytes: &[u8], at: usize) -> Option<usize> {
     }
     match decode_frame(&bytes[end..]) {
         Frame::Whole(payload, _) if Parts::decode(payload).is_ok() => Some(end),
+        Frame::Torn => Some(end),
         _ => None,
     }
 }

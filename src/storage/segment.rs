@@ -87,11 +87,15 @@ impl SegmentWriter {
 
     /// Appends `bytes` whole, or not at all: a write that fails part way (a full disk) has
     /// its part cut off again, so the records written after it sit where the index says
-    /// (`len`), not behind the stray bytes. If even the cut fails, the error says so and
-    /// the segment is left to recovery (its torn record ends the segment's valid data).
+    /// (`len`), not behind the stray bytes. If even the cut fails, `len` is taken from the
+    /// file, so later records are still indexed where they land (the stray bytes are a
+    /// damaged record to recovery).
     pub fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         if let Err(err) = self.file.write_all(bytes) {
             if let Err(cut) = self.file.set_len(self.len) {
+                if let Ok(meta) = self.file.metadata() {
+                    self.len = meta.len();
+                }
                 return Err(std::io::Error::other(format!(
                     "{err}; cutting the partial record off failed too: {cut}"
                 )));

@@ -108,6 +108,9 @@ pub(super) fn run(
     loop {
         let Ok(first) = rx.recv() else {
             // Every handle is gone: make what was written stable and stop.
+            if let Some(defs) = unwritten.take() {
+                report(defs.write_to(&options.dir), "write the definitions again");
+            }
             let _ = segment.sync();
             return;
         };

@@ -374,3 +374,36 @@ fn a_snapshot_that_could_not_be_written_is_written_again_and_nacks_meanwhile() {
     s.close();
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+#[test]
+fn a_torn_record_in_an_older_segment_is_not_searched_either() {
+    let d = dir("forged-older");
+    let (s, _) = Storage::open(options(&d, 4096), None).unwrap();
+    s.definitions(queues(&[1]));
+    let kept = publish(&s, 1, "kept");
+    let forged = removal_of(kept);
+    let mut body = forged.clone();
+    body.extend_from_slice(&[0u8; 2048]);
+    let id = s.next_id();
+    s.append(super::super::record::test_publish_bytes(1, id, &body));
+    // The next record does not fit: it starts segment 1.
+    publish(&s, 1, &"n".repeat(3000));
+    s.close();
+    assert!(segment::segment_path(&d, 1).exists(), "a second segment");
+    let path = segment::segment_path(&d, 0);
+    let bytes = std::fs::read(&path).unwrap();
+    let at = bytes
+        .windows(forged.len())
+        .position(|w| w == forged.as_slice())
+        .expect("the body on disk");
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len((at + forged.len() + 100) as u64).unwrap();
+    drop(f);
+    let (s, r) = Storage::open(options(&d, 4096), None).unwrap();
+    let recovered = bodies(&s, &r, 1);
+    assert_eq!(recovered.first().map(String::as_str), Some("kept"));
+    assert_eq!(recovered.len(), 2, "kept and the one of segment 1");
+    assert_eq!(r.stats.damaged_records, 0);
+    s.close();
+    std::fs::remove_dir_all(&d).unwrap();
+}
