@@ -170,6 +170,17 @@ fn send_close(write_queue: &WriteQueue, err: &AmqpError) {
     });
 }
 
+/// Answers the client's connection.close.
+fn send_close_ok(write_queue: &WriteQueue) {
+    write_queue.push(|out| {
+        put_method(
+            out,
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+        )
+    });
+}
+
 /// Waits briefly for connection.close-ok after we sent connection.close.
 async fn await_close_ok<R: AsyncRead + Unpin>(frames: &mut FramedRead<R, FrameCodec>) {
     let deadline = Duration::from_secs(3);
@@ -399,6 +410,11 @@ async fn frame_loop<R: AsyncRead + Unpin>(
         match channels.handle(frame, conn, ctx) {
             Flow::Continue => {}
             Flow::CloseConnection(err) => break Some(err),
+            Flow::ClientClose => {
+                ctx.broker.close_connection(conn.conn_id);
+                send_close_ok(&conn.write_queue);
+                break None;
+            }
             Flow::Closed => break None,
         }
         // A publish while an alarm is raised: stop reading until every alarm clears (acting
@@ -423,6 +439,10 @@ async fn frame_loop<R: AsyncRead + Unpin>(
         .channels_closed(channels.open_channels() as u64);
     if let Some(err) = close_with {
         tracing::debug!(peer = %conn.peer, conn = conn.conn_id, code = err.code, %err, "closing connection");
+        // As RabbitMQ: the channels are closed first (consumers gone, unacked deliveries
+        // back in their queues), so nothing is delivered behind the close, where the client
+        // discards it (a no-ack delivery would be lost).
+        ctx.broker.close_connection(conn.conn_id);
         send_close(&conn.write_queue, &err);
         await_close_ok(frames).await;
     }

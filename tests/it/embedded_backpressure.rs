@@ -217,3 +217,59 @@ async fn a_consumer_timeout_fires_while_the_connection_waits_for_its_writer() {
     assert!(delivery.redelivered);
     assert_eq!(delivery.data, message);
 }
+
+/// The broker closes a connection (here a protocol error) while its no-ack consumer has a
+/// backlog in the write queue: nothing is delivered behind the connection.close, which the
+/// client must discard, so every message not received before the close is still in the
+/// queue. (The consumers were removed only after the close-ok wait: the writer's drain
+/// dispatched more deliveries behind the close, and those no-ack messages were lost.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_delivered_behind_a_connection_close_the_broker_sends() {
+    const SMALL: usize = 64 * 1024;
+    const MESSAGES: u32 = COUNT;
+    let mut config = common::test_config();
+    config.limits.connection_outbox_bytes = SMALL;
+    let broker = common::start_with(config).await;
+    let (_conn, ch) = broker.channel().await;
+    let q = common::unique("closed-behind");
+    dl::declare(&ch, &q, FieldTable::default()).await;
+    dl::confirm_select(&ch).await;
+    for seq in 0..MESSAGES {
+        dl::publish_to(&ch, "", &q, &body(seq), BasicProperties::default()).await;
+    }
+    let mut consumer = RawClient::connect_with_receive_buffer(broker.addr, &q, 32 * 1024).await;
+    consumer.open_channel(1).await;
+    consumer.consume(1, &q, true).await;
+    let outbox_bytes =
+        || metric_value(&broker.metrics_text(), "dlx_proxy_outbox_bytes").unwrap_or(-1.0);
+    wait_until(
+        "the consumer's write queue to fill",
+        Duration::from_secs(30),
+        async || outbox_bytes() >= SMALL as f64,
+    )
+    .await;
+    // A heartbeat with a payload: the broker closes the connection with 501.
+    consumer
+        .send_raw(&[8, 0, 0, 0, 0, 0, 4, 0xDE, 0xAD, 0xBE, 0xEF, 0xCE])
+        .await;
+    let (mut before, mut after, mut closed) = (0u32, 0u32, false);
+    while let Some(frame) = consumer.read_frame().await {
+        if frame.kind != dlx_proxy::amqp::codec::FRAME_METHOD {
+            continue;
+        }
+        match frame.method_ids() {
+            (60, 60) if closed => after += 1,
+            (60, 60) => before += 1,
+            (10, 50) => {
+                closed = true;
+                consumer.send_close_ok().await;
+            }
+            _ => {}
+        }
+        // Read slowly, so the writer drains a little at a time.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(closed, "no connection.close");
+    assert_eq!(after, 0, "deliveries behind the close");
+    assert_eq!(message_count(&ch, &q).await + before, MESSAGES);
+}

@@ -39,7 +39,12 @@ use crate::broker::delivery::short;
 pub enum Flow {
     Continue,
     CloseConnection(AmqpError),
-    /// The client closed the connection (close-ok sent).
+    /// The client sent connection.close: the caller unregisters the connection (its
+    /// consumers and unacked deliveries) and only then answers close-ok, so that nothing is
+    /// delivered behind a close the client has sent (it discards it: a no-ack delivery
+    /// would be lost).
+    ClientClose,
+    /// The connection is over (a close-ok from the client).
     Closed,
 }
 
@@ -287,18 +292,7 @@ impl ChannelTable {
 
     fn connection_method(&mut self, m: AMQPClass, s: &ConnectionContext, c: u16, mid: u16) -> Flow {
         match m {
-            AMQPClass::Connection(connection::AMQPMethod::Close(_)) => {
-                s.write_queue.push(|o| {
-                    method_frame(
-                        o,
-                        0,
-                        AMQPClass::Connection(connection::AMQPMethod::CloseOk(
-                            connection::CloseOk {},
-                        )),
-                    )
-                });
-                Flow::Closed
-            }
+            AMQPClass::Connection(connection::AMQPMethod::Close(_)) => Flow::ClientClose,
             AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => Flow::Closed,
             AMQPClass::Connection(connection::AMQPMethod::UpdateSecret(_)) => {
                 s.write_queue.push(|o| {

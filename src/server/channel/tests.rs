@@ -78,7 +78,7 @@ fn send(
         match table.handle(frame, conn, ctx) {
             Flow::Continue => {}
             Flow::CloseConnection(err) => error = Some(err),
-            Flow::Closed => panic!("the connection closed"),
+            Flow::ClientClose | Flow::Closed => panic!("the connection closed"),
         }
     }
     error
