@@ -17,7 +17,7 @@ use crate::config::DeadLetterConfig;
 use crate::rabbit::args::{UnknownValue, amqp_integer};
 use amq_protocol::protocol::BasicProperties;
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::str::FromStr;
 
@@ -310,25 +310,35 @@ fn entry_key(table: &FieldTable) -> (Option<&AMQPValue>, Option<&AMQPValue>) {
 /// RabbitMQ's legacy `group_by_queue_and_reason`, without its order reversal: a repeated
 /// {queue, reason} table is dropped (the first one stays) and a table without a count gets
 /// one equal to the number of its duplicates. Other elements are kept as they are.
+///
+/// Linear in the entries (a publisher can send thousands): each {queue, reason} is compared
+/// by its values' debug form (type and value, as equality compares them).
 fn group_by_queue_and_reason(entries: &[AMQPValue]) -> Vec<AMQPValue> {
+    let group_of = |table: &FieldTable| {
+        let (queue, reason) = entry_key(table);
+        (format!("{queue:?}"), format!("{reason:?}"))
+    };
+    let mut duplicates: HashMap<(String, String), usize> = HashMap::new();
+    for entry in entries {
+        if let AMQPValue::FieldTable(table) = entry {
+            *duplicates.entry(group_of(table)).or_default() += 1;
+        }
+    }
     let mut grouped = Vec::with_capacity(entries.len());
-    let mut seen: Vec<(Option<&AMQPValue>, Option<&AMQPValue>)> = Vec::new();
+    let mut seen: HashSet<(String, String)> = HashSet::new();
     for entry in entries {
         let AMQPValue::FieldTable(table) = entry else {
             grouped.push(entry.clone());
             continue;
         };
-        let group = entry_key(table);
+        let group = group_of(table);
         if seen.contains(&group) {
             continue;
         }
-        seen.push(group);
+        let duplicates = duplicates.get(&group).copied().unwrap_or(1);
+        seen.insert(group);
         let mut table = table.clone();
         if !table.contains_key("count") {
-            let duplicates = entries
-                .iter()
-                .filter(|e| matches!(e, AMQPValue::FieldTable(t) if entry_key(t) == group))
-                .count();
             table.insert(
                 key("count"),
                 AMQPValue::LongLongInt(i64::try_from(duplicates).unwrap_or(i64::MAX)),

@@ -392,7 +392,7 @@ fn fixed_settings(config: &Config) -> BTreeMap<&'static str, serde_json::Value> 
     fn json<T: serde::Serialize>(value: &T) -> serde_json::Value {
         serde_json::to_value(value).unwrap_or(serde_json::Value::Null)
     }
-    BTreeMap::from([
+    let mut fixed = BTreeMap::from([
         ("mode", json(&config.mode)),
         ("listen", json(&config.listen)),
         ("upstream", json(&config.upstream)),
@@ -417,7 +417,14 @@ fn fixed_settings(config: &Config) -> BTreeMap<&'static str, serde_json::Value> 
         ("storage.dir", json(&config.storage.dir)),
         ("storage.fsync", json(&config.storage.fsync)),
         ("storage.segment_size", json(&config.storage.segment_size)),
-    ])
+    ]);
+    if config.mode == Mode::Proxy {
+        // The proxy reads its limits once, at start; only max_connections reloads.
+        let mut limits = config.limits.clone();
+        limits.max_connections = 0;
+        fixed.insert("limits (proxy mode, but max_connections)", json(&limits));
+    }
+    fixed
 }
 
 /// Names of the start-only settings that differ between `running` and `config`.
@@ -891,6 +898,23 @@ mod tests {
         assert_eq!(
             changed_fixed_settings(&fixed, &storage),
             vec!["storage.dir", "storage.fsync", "storage.segment_size"]
+        );
+
+        // Proxy mode reads its limits at start: a change is reported, but for
+        // max_connections.
+        let proxy = Config {
+            mode: Mode::Proxy,
+            ..Config::default()
+        };
+        let fixed = fixed_settings(&proxy);
+        let mut connections = proxy.clone();
+        connections.limits.max_connections += 1;
+        assert!(changed_fixed_settings(&fixed, &connections).is_empty());
+        let mut depth = proxy.clone();
+        depth.limits.max_table_depth = 8;
+        assert_eq!(
+            changed_fixed_settings(&fixed, &depth),
+            vec!["limits (proxy mode, but max_connections)"]
         );
     }
 }

@@ -180,8 +180,10 @@ impl QueueRegistry {
 /// Whether a read-back (`learned`) says what `known` says about a queue, as far as the
 /// upstream shows it.
 fn agrees(known: &VerifiedQueue, learned: &VerifiedQueue) -> bool {
+    // The type decides who counts a delivery limit (a quorum queue, or the proxy).
     let target = |a: &QueueArguments, b: &QueueArguments| {
-        a.dead_letter_exchange == b.dead_letter_exchange
+        a.queue_type == b.queue_type
+            && a.dead_letter_exchange == b.dead_letter_exchange
             && a.dead_letter_routing_key == b.dead_letter_routing_key
     };
     match (known, learned) {
@@ -269,6 +271,15 @@ mod tests {
             cache.lookup_fresh("/", "q", Instant::now()),
             Some(with_dlx("b"))
         );
+        // Read back, the same target on a queue of another type (deleted and declared
+        // again as a classic queue): replaced, since the type decides who counts returns.
+        let VerifiedQueue::Proxied(mut quorum) = with_dlx("b") else {
+            unreachable!()
+        };
+        quorum.queue_type = crate::rabbit::args::QueueType::Quorum;
+        cache.record("/", "q", VerifiedQueue::Proxied(quorum));
+        cache.confirm("/", "q", with_dlx("b"));
+        assert_eq!(cache.lookup("/", "q"), Some(with_dlx("b")));
         // A read-back that cannot tell keeps the entry, fresh again.
         cache.touch("/", "q");
         assert_eq!(
