@@ -52,6 +52,7 @@ use crate::proxy::ops::{Op, Origin, Purpose, Settlement};
 use crate::proxy::publisher::{
     NACKED, OpId, Outcome, OutgoingMessage, Publisher, Settled, UNPUBLISHABLE,
 };
+use crate::proxy::registry::VerifiedQueue;
 use crate::proxy::retry::{RetryReason, RetrySchedule};
 use crate::proxy::retry_tiers::{self, RetryPlan};
 use crate::proxy::wire::WireFrame;
@@ -409,9 +410,16 @@ impl CaptureLink {
             None => {}
         }
         // The tag is the queue's own record of its dead-letter arguments (the upstream's
-        // truth); without one (none given, or too long for a tag) the cached ones or the policy.
+        // truth); without one (none given) what this instance verified, while younger than
+        // `proxy.verified_queue_max_age_secs` (the queue may have been declared anew through
+        // another instance since), or the policy.
         let arguments = tagged
-            .or_else(|| shared.queues.proxied(&self.vhost, &death.queue))
+            .or_else(
+                || match shared.queues.lookup_fresh(&self.vhost, &death.queue, now) {
+                    Some(VerifiedQueue::Proxied(arguments)) => Some(arguments),
+                    _ => None,
+                },
+            )
             .unwrap_or_default();
         let view = shared.queue_view(&self.vhost, &death.queue, &arguments);
         let queue: Arc<str> = death.queue.clone();

@@ -15,6 +15,20 @@ fn one(channel: u16, method: AMQPClass) -> WireFrame {
 
 /// A capture delivery of a message that expired in `queue`, tagged with its DLX and DLRK.
 fn captured(tag: u64, queue: &str) -> Vec<WireFrame> {
+    let routing_key = CaptureTag {
+        dead_letter_exchange: Some("dlx".into()),
+        dead_letter_routing_key: Some("dlq".into()),
+        delivery_limit: None,
+        retry_delays: None,
+    }
+    .encode()
+    .unwrap();
+    captured_with_key(tag, queue, &routing_key)
+}
+
+/// A capture delivery of a message that expired in `queue` (published with key `queue`),
+/// routed into the capture exchange with `routing_key`.
+fn captured_with_key(tag: u64, queue: &str, routing_key: &str) -> Vec<WireFrame> {
     let mut entry = FieldTable::default();
     entry.insert("count".into(), AMQPValue::LongLongInt(1));
     entry.insert("queue".into(), AMQPValue::LongString(queue.into()));
@@ -33,14 +47,6 @@ fn captured(tag: u64, queue: &str) -> Vec<WireFrame> {
         AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(entry)])),
     );
     let props = encode_properties(&BasicProperties::default().with_headers(headers));
-    let routing_key = CaptureTag {
-        dead_letter_exchange: Some("dlx".into()),
-        dead_letter_routing_key: Some("dlq".into()),
-        delivery_limit: None,
-        retry_delays: None,
-    }
-    .encode()
-    .unwrap();
     let mut wire = BytesMut::new();
     wire.extend_from_slice(&method_frame(
         CAPTURE_CHANNEL,
@@ -121,6 +127,38 @@ fn declares_a_quorum_queue_and_reports_readiness() {
     );
     assert!(step.consuming);
     assert!(link.is_consuming());
+}
+
+#[test]
+fn an_untagged_capture_follows_what_this_instance_verified_only_while_it_is_fresh() {
+    let shared = shared();
+    shared
+        .queues
+        .record("/", "q", crate::proxy::test_support::with_dlx("old"));
+    let mut link = CaptureLink::new(&shared, "/", 4096);
+    // Fresh: the verified target.
+    let now = Instant::now();
+    let step = feed(&mut link, &shared, &captured_with_key(7, "q", "q"), now);
+    let sent = methods(&step.write);
+    assert!(
+        matches!(
+            sent.as_slice(),
+            [(PUBLISHER_CHANNEL, AMQPClass::Basic(basic::AMQPMethod::Publish(p)))]
+                if p.exchange.as_str() == "old"
+        ),
+        "{sent:?}"
+    );
+    // Past the maximum age (the queue may have been declared anew through another
+    // instance): no longer trusted; without a policy there is no target, as in RabbitMQ.
+    let later = now + Duration::from_secs(61);
+    let step = feed(&mut link, &shared, &captured_with_key(8, "q", "q"), later);
+    let sent = methods(&step.write);
+    assert!(
+        !sent
+            .iter()
+            .any(|(_, m)| matches!(m, AMQPClass::Basic(basic::AMQPMethod::Publish(_)))),
+        "{sent:?}"
+    );
 }
 
 #[test]
