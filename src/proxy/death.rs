@@ -152,7 +152,8 @@ impl std::fmt::Display for Unreadable {
 }
 
 /// A captured message read back: the death as the original queue saw it, and the queue's
-/// dead-letter settings carried in the capture tag (its routing key), if any.
+/// dead-letter settings carried in the capture tag (its routing key), if any, or its own
+/// dead-letter routing key (a routing key the message was not published with).
 pub(crate) fn from_capture(
     message: &CapturedMessage,
 ) -> Result<(Death, Option<QueueArguments>), Unreadable> {
@@ -169,6 +170,17 @@ pub(crate) fn from_capture(
         tag = None;
         (before, death) =
             reconstruct(&props, false).map_err(|e| Unreadable::NoDeathRecord(e.to_string()))?;
+    }
+    // No tag, and a routing key that is not one the message was published with: the queue
+    // has a dead-letter routing key of its own (an upstream-owned queue, whose policy gives
+    // it the capture exchange; its own key beats the policy's tag in RabbitMQ).
+    let own_routing_key = (tag.is_none()
+        && !message.routing_key.is_empty()
+        && !death.routing_keys.contains(&message.routing_key))
+    .then(|| message.routing_key.clone());
+    if own_routing_key.is_some() {
+        (before, death) =
+            reconstruct(&props, true).map_err(|e| Unreadable::NoDeathRecord(e.to_string()))?;
     }
     let reason = death
         .reason
@@ -194,7 +206,12 @@ pub(crate) fn from_capture(
             time,
             body: message.body.clone(),
         },
-        tag.map(|t| t.to_arguments()),
+        tag.map(|t| t.to_arguments()).or_else(|| {
+            own_routing_key.map(|key| QueueArguments {
+                dead_letter_routing_key: Some(key),
+                ..QueueArguments::default()
+            })
+        }),
     ))
 }
 

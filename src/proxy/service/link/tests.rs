@@ -162,6 +162,52 @@ fn an_untagged_capture_follows_what_this_instance_verified_only_while_it_is_fres
 }
 
 #[test]
+fn an_upstream_queues_own_dead_letter_routing_key_is_kept_under_a_policys_exchange() {
+    let shared = shared();
+    let policy = crate::config::PolicyConfig {
+        name: "dlx".into(),
+        pattern: "^legacy$".into(),
+        definition: [(
+            "dead-letter-exchange".to_string(),
+            serde_json::Value::from("policy-dlx"),
+        )]
+        .into_iter()
+        .collect(),
+        ..crate::config::PolicyConfig::default()
+    };
+    shared.policies.write().unwrap().set(&policy).unwrap();
+    let mut link = CaptureLink::new(&shared, "/", 4096);
+    // Captured with the queue's own x-dead-letter-routing-key, not its publish key.
+    let wire = captured_with_key(7, "legacy", "legacy.dead");
+    let step = feed(&mut link, &shared, &wire, Instant::now());
+    let sent = methods(&step.write);
+    assert!(
+        matches!(
+            sent.as_slice(),
+            [(PUBLISHER_CHANNEL, AMQPClass::Basic(basic::AMQPMethod::Publish(p)))]
+                if p.exchange.as_str() == "policy-dlx" && p.routing_key.as_str() == "legacy.dead"
+        ),
+        "{sent:?}"
+    );
+    // Captured with its publish key (no key of its own): that key, as before.
+    let step = feed(
+        &mut link,
+        &shared,
+        &captured_with_key(8, "legacy", "legacy"),
+        Instant::now(),
+    );
+    let sent = methods(&step.write);
+    assert!(
+        matches!(
+            sent.as_slice(),
+            [(PUBLISHER_CHANNEL, AMQPClass::Basic(basic::AMQPMethod::Publish(p)))]
+                if p.exchange.as_str() == "policy-dlx" && p.routing_key.as_str() == "legacy"
+        ),
+        "{sent:?}"
+    );
+}
+
+#[test]
 fn a_captured_message_is_acked_only_after_its_dead_letter_is_confirmed() {
     let shared = shared();
     let mut link = CaptureLink::new(&shared, "/", 4096);
