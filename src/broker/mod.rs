@@ -103,6 +103,9 @@ pub struct ConnectionState {
     pub ack_alarm: Arc<Notify>,
     /// Channels the timer found past a consumer timeout, for the connection task to close.
     pub ack_due: Vec<u16>,
+    /// The client announced `consumer_cancel_notify`: a consumer whose queue is deleted is
+    /// told with basic.cancel (otherwise, as RabbitMQ, it just ends).
+    pub cancel_notify: bool,
 }
 
 /// Broker milliseconds start here rather than at 0, so that an instant before the start (when

@@ -7,7 +7,8 @@
 //!   decided by the same pure plan as in embedded mode ([`crate::redrive::plan`]);
 //! - channel 2 is a [`Publisher`] in confirm mode: a message to move is published to the
 //!   default exchange with its target's name as routing key, `mandatory`, its properties with
-//!   `x-redriven-count` one higher, x-death kept; publishes are pipelined, paced by the token
+//!   `x-redriven-count` one higher and no `x-retry-count`, x-death kept; publishes are
+//!   pipelined, paced by the token
 //!   bucket. The dead-letter delivery is acked only once its publish is confirmed. A publish
 //!   that comes back with basic.return (no such queue) fails as `no_queue`, a nack (a target
 //!   at a `reject-publish` length limit) as `target_full`;

@@ -9,8 +9,9 @@
 //!   redriven (`no_source`, it stays); neither can one whose target is the queue it is in
 //!   (`same_queue`: that would loop).
 //! - Properties: unchanged but for the header `x-redriven-count` (AMQP long-long `l`, the
-//!   type of x-death's `count`), one more than before. The x-death history stays, so cycle
-//!   detection and hop limits still see the message's past.
+//!   type of x-death's `count`), one more than before, and `x-retry-count` removed (a queue
+//!   with retry tiers gives the message its tiers again). The x-death history stays, so
+//!   cycle detection and hop limits still see the message's past.
 
 use amq_protocol::protocol::BasicProperties;
 use amq_protocol::types::{AMQPValue, FieldTable, ShortString};

@@ -32,6 +32,11 @@ const BASIC_PUBLISH: (u16, u16) = (60, 40);
 
 /// Whether the client properties announce the `connection.blocked` capability.
 pub fn wants_blocked_notifications(client_properties: &FieldTable) -> bool {
+    has_capability(client_properties, "connection.blocked")
+}
+
+/// Whether the client properties announce capability `name` (true in `capabilities`).
+pub fn has_capability(client_properties: &FieldTable, name: &str) -> bool {
     let capabilities = client_properties
         .inner()
         .iter()
@@ -39,9 +44,10 @@ pub fn wants_blocked_notifications(client_properties: &FieldTable) -> bool {
     let Some((_, AMQPValue::FieldTable(capabilities))) = capabilities else {
         return false;
     };
-    capabilities.inner().iter().any(|(key, value)| {
-        key.as_str() == "connection.blocked" && matches!(value, AMQPValue::Boolean(true))
-    })
+    capabilities
+        .inner()
+        .iter()
+        .any(|(key, value)| key.as_str() == name && matches!(value, AMQPValue::Boolean(true)))
 }
 
 /// One connection's view of the alarms.

@@ -18,7 +18,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_util::codec::FramedRead;
 
 use super::ServerContext;
-use super::blocking::{Throttle, wants_blocked_notifications};
+use super::blocking::{Throttle, has_capability, wants_blocked_notifications};
 use super::channel::{ChannelTable, Flow};
 use super::connection_context::ConnectionContext;
 use crate::admission::is_loopback;
@@ -242,6 +242,7 @@ async fn handshake<R: AsyncRead + Unpin>(
     };
     let mechanism = start_ok.mechanism.as_str().to_string();
     let blocked_notifications = wants_blocked_notifications(&start_ok.client_properties);
+    let cancel_notify = has_capability(&start_ok.client_properties, "consumer_cancel_notify");
     let Some((user, password)) = credentials else {
         return fail(AmqpError::access_refused(login_refused(&mechanism)));
     };
@@ -307,6 +308,7 @@ async fn handshake<R: AsyncRead + Unpin>(
             Ok(id) => id,
             Err(e) => return fail(e),
         };
+    ctx.broker.set_cancel_notify(conn_id, cancel_notify);
     write_queue.push(|out| {
         put_method(
             out,

@@ -510,3 +510,39 @@ async fn cc_and_bcc_add_routing_keys_and_bcc_is_removed() {
         assert_eq!(m.delivery.routing_key.as_str(), "a");
     }
 }
+
+#[tokio::test]
+async fn a_consumer_of_a_deleted_queue_is_told_only_if_it_asked_for_cancel_notifications() {
+    let b = start().await;
+    let (_conn, ch) = b.channel().await;
+    for (announced, cancelled) in [(false, false), (true, true)] {
+        let q = unique("deleted-under");
+        common::dl::declare(&ch, &q, FieldTable::default()).await;
+        let properties = if announced {
+            capabilities(&["consumer_cancel_notify"])
+        } else {
+            FieldTable::default()
+        };
+        let mut c = RawClient::connect_with_properties(b.addr, properties).await;
+        c.open_channel(1).await;
+        c.consume(1, &q, true).await;
+        ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .unwrap();
+        // A request answered after the delete: a basic.cancel, if sent, comes before it.
+        c.send_method(
+            1,
+            AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
+                prefetch_count: 1,
+                global: false,
+            })),
+        )
+        .await;
+        let first = c.read_method().await;
+        assert_eq!(
+            matches!(first, AMQPClass::Basic(basic::AMQPMethod::Cancel(_))),
+            cancelled,
+            "capability announced: {announced}; got {first:?}"
+        );
+    }
+}

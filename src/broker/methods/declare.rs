@@ -471,7 +471,9 @@ impl Broker {
             {
                 self.metrics.consumers_ended(1);
             }
-            if let Some(conn) = connections.get(&c.conn) {
+            if let Some(conn) = connections.get(&c.conn)
+                && conn.cancel_notify
+            {
                 conn.write_queue.push(|out| {
                     put_method(
                         out,

@@ -11,6 +11,14 @@ use crate::broker::{Broker, ChannelState, ConnectionState, State, Unacked};
 
 impl Broker {
     /// Registers a connection after connection.open; returns its id.
+    /// Whether the connection's client announced `consumer_cancel_notify` (every
+    /// connection is taken to have until told).
+    pub fn set_cancel_notify(&self, conn: u64, cancel_notify: bool) {
+        if let Some(c) = self.lock().connections.get_mut(&conn) {
+            c.cancel_notify = cancel_notify;
+        }
+    }
+
     pub fn open_connection(
         &self,
         write_queue: Arc<WriteQueue>,
@@ -35,6 +43,7 @@ impl Broker {
                 vhost: vhost.to_string(),
                 ack_alarm: Arc::new(tokio::sync::Notify::new()),
                 ack_due: Vec::new(),
+                cancel_notify: true,
             },
         );
         Ok(id)
