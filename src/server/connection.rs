@@ -170,6 +170,14 @@ fn send_close(write_queue: &WriteQueue, err: &AmqpError) {
     });
 }
 
+/// Resolves after `timeout`; never without one (heartbeats off).
+async fn silence(timeout: Option<Duration>) {
+    match timeout {
+        Some(t) => tokio::time::sleep(t).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Answers the client's connection.close.
 fn send_close_ok(write_queue: &WriteQueue) {
     write_queue.push(|out| {
@@ -382,11 +390,18 @@ async fn frame_loop<R: AsyncRead + Unpin>(
         // Answers the client has not read yet hold more than twice the write queue's budget:
         // read no more requests until the writer has made room (or gave up on the socket).
         // Consumer timeouts are acted on while it waits, as while it reads.
+        // Its heartbeats are not read meanwhile, so a client that reads nothing for two
+        // heartbeat intervals (a hung process with its socket open) is taken for gone, as
+        // missed heartbeats would have it: its unacked deliveries go back to their queues.
         if conn.write_queue.is_over_read_limit() && !conn.write_queue.is_closed() {
             tokio::select! {
                 _ = conn.write_queue.wait_for_room() => {}
                 _ = shutdown.recv() => break Some(shutdown_error()),
                 _ = ack_alarm.notified() => close_timed_out(&mut channels, conn, ctx),
+                _ = silence(timeout) => {
+                    tracing::debug!(peer = %conn.peer, conn = conn.conn_id, "client read nothing for two heartbeat intervals; dropped");
+                    break None;
+                }
             }
             continue;
         }

@@ -273,3 +273,40 @@ async fn nothing_is_delivered_behind_a_connection_close_the_broker_sends() {
     assert_eq!(after, 0, "deliveries behind the close");
     assert_eq!(message_count(&ch, &q).await + before, MESSAGES);
 }
+
+/// A consumer that hangs with its socket open while the broker holds more than twice the
+/// write-queue budget for it (one large message): the broker reads nothing from it then, not
+/// even its heartbeats, yet still drops it after two heartbeat intervals without a read, so
+/// its unacked delivery goes back to the queue. (It waited for room for ever.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_consumer_behind_a_full_write_queue_is_dropped_after_its_heartbeats() {
+    const SMALL: usize = 64 * 1024;
+    let mut config = common::test_config();
+    config.limits.connection_outbox_bytes = SMALL;
+    config.limits.heartbeat_secs = 1;
+    let broker = common::start_with(config).await;
+    let (_conn, ch) = broker.channel().await;
+    let q = common::unique("hung");
+    dl::declare(&ch, &q, FieldTable::default()).await;
+    dl::confirm_select(&ch).await;
+    let big = vec![7u8; 8 * 1024 * 1024];
+    dl::publish_to(&ch, "", &q, &big, BasicProperties::default()).await;
+    let mut consumer =
+        RawClient::connect_with_receive_buffer_and_heartbeat(broker.addr, &q, 32 * 1024, 1).await;
+    consumer.open_channel(1).await;
+    consumer.consume(1, &q, false).await;
+    // The consumer now reads and sends nothing; the delivery is unacked meanwhile.
+    wait_until(
+        "the delivery to be out",
+        Duration::from_secs(10),
+        async || message_count(&ch, &q).await == 0,
+    )
+    .await;
+    wait_until(
+        "the hung consumer's delivery back in the queue",
+        Duration::from_secs(10),
+        async || message_count(&ch, &q).await == 1,
+    )
+    .await;
+    drop(consumer);
+}

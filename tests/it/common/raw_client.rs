@@ -135,6 +135,25 @@ impl RawClient {
         client
     }
 
+    /// [`RawClient::connect_with_receive_buffer`] with heartbeats every `heartbeat` seconds
+    /// (the test sends none: a client that hangs).
+    pub async fn connect_with_receive_buffer_and_heartbeat(
+        addr: SocketAddr,
+        connection_name: &str,
+        receive_buffer: u32,
+        heartbeat: u16,
+    ) -> RawClient {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .set_recv_buffer_size(receive_buffer)
+            .expect("receive buffer size");
+        let mut client = Self::over(socket.connect(addr).await.expect("tcp"));
+        client
+            .handshake_with_heartbeat(named(connection_name), None, heartbeat)
+            .await;
+        client
+    }
+
     /// Like [`RawClient::connect`], with these client properties (see [`capabilities`]).
     pub async fn connect_with_properties(
         addr: SocketAddr,
@@ -180,6 +199,17 @@ impl RawClient {
     /// the offered limits (or `channel_max`) and no heartbeats, open "/": each reply must be
     /// the next method.
     async fn handshake(&mut self, client_properties: FieldTable, channel_max: Option<u16>) {
+        self.handshake_with_heartbeat(client_properties, channel_max, 0)
+            .await;
+    }
+
+    /// [`RawClient::handshake`] asking for heartbeats every `heartbeat` seconds.
+    async fn handshake_with_heartbeat(
+        &mut self,
+        client_properties: FieldTable,
+        channel_max: Option<u16>,
+        heartbeat: u16,
+    ) {
         self.start_ok("PLAIN", b"\0guest\0guest", client_properties)
             .await;
         let tune = self.read_method().await;
@@ -191,7 +221,7 @@ impl RawClient {
             AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
                 channel_max: channel_max.unwrap_or(tune.channel_max),
                 frame_max: tune.frame_max,
-                heartbeat: 0,
+                heartbeat,
             })),
         )
         .await;
