@@ -126,13 +126,8 @@ impl RawClient {
         connection_name: &str,
         receive_buffer: u32,
     ) -> RawClient {
-        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-        socket
-            .set_recv_buffer_size(receive_buffer)
-            .expect("receive buffer size");
-        let mut client = Self::over(socket.connect(addr).await.expect("tcp"));
-        client.handshake(named(connection_name), None).await;
-        client
+        Self::connect_with_receive_buffer_and_heartbeat(addr, connection_name, receive_buffer, 0)
+            .await
     }
 
     /// [`RawClient::connect_with_receive_buffer`] with heartbeats every `heartbeat` seconds
