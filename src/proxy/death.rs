@@ -171,12 +171,16 @@ pub(crate) fn from_capture(
         (before, death) =
             reconstruct(&props, false).map_err(|e| Unreadable::NoDeathRecord(e.to_string()))?;
     }
-    // No tag, and a routing key that is not one the message was published with: the queue
-    // has a dead-letter routing key of its own (an upstream-owned queue, whose policy gives
-    // it the capture exchange; its own key beats the policy's tag in RabbitMQ).
+    // No tag, and a routing key other than the one the message was published with (a queue
+    // without a dead-letter routing key delivers the first of its routing keys, the publish
+    // key): the queue has a dead-letter routing key of its own (an upstream-owned queue,
+    // whose policy gives it the capture exchange; its own key beats the policy's tag in
+    // RabbitMQ). Only on the entry's first death: a repeated one keeps the routing keys of
+    // its first, which may not be the message's current ones.
     let own_routing_key = (tag.is_none()
+        && death.count == 1
         && !message.routing_key.is_empty()
-        && !death.routing_keys.contains(&message.routing_key))
+        && death.routing_keys.first() != Some(&message.routing_key))
     .then(|| message.routing_key.clone());
     if own_routing_key.is_some() {
         (before, death) =
@@ -222,8 +226,9 @@ pub(crate) const DROPPED_QUEUE_DELETED: &str = "queue_deleted";
 /// The drop cause of a retry whose queue refused it back at a `reject-publish` length limit.
 pub(crate) const DROPPED_TARGET_FULL: &str = "target_full";
 
-/// How a retry nacked on its way back into its queue ends, by the queue's overflow (`None`:
-/// it is held and retried, as any refused publish). A full queue refuses it as it refuses a
+/// How a retry nacked on its way back into its queue ends, by the queue's overflow (the
+/// caller passes drop-head for a queue without a length limit; `None`: it is held and
+/// retried, as any refused publish). A full queue refuses it as it refuses a
 /// publish: `reject-publish` drops it (counted `target_full`), and `reject-publish-dlx` has
 /// dead-lettered it (`maxlen`) as well as refusing it, so publishing it again would make
 /// another dead letter each time. Any other nack (a queue without a length limit that

@@ -225,8 +225,8 @@ fn set_top_pad(_bytes: i32) {}
 /// there, and its bytes are never searched, since a message body may hold anything, a whole
 /// framed record included. (Only a length damaged to point past the end looks the same: the
 /// records after it in that segment are then lost with it.) A damaged record is stepped over
-/// by its own length when a whole record, a torn one or the end follows it there; otherwise
-/// the next whole record is searched for, byte by byte.
+/// by its own length when a whole record or the end follows it there; otherwise the next
+/// whole record is searched for, byte by byte.
 fn replay_segment(
     bytes: &[u8],
     number: u64,
@@ -267,8 +267,9 @@ fn replay_segment(
 }
 
 /// Where the damaged record at `at` ends by its own length, when that is the segment's end
-/// or the start of a whole or torn record (the length was right, only its contents are
-/// damaged).
+/// or the start of a whole record (the length was right, only its contents are damaged). A
+/// torn record there is not taken: a damaged length can land inside a body, whose bytes
+/// read as a torn record often enough, and a torn record ends the segment.
 fn past_damaged(bytes: &[u8], at: usize) -> Option<usize> {
     let header = bytes.get(at..at + FRAME_HEADER)?;
     let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
@@ -281,7 +282,6 @@ fn past_damaged(bytes: &[u8], at: usize) -> Option<usize> {
     }
     match decode_frame(&bytes[end..]) {
         Frame::Whole(payload, _) if Parts::decode(payload).is_ok() => Some(end),
-        Frame::Torn => Some(end),
         _ => None,
     }
 }

@@ -87,15 +87,13 @@ impl SegmentWriter {
 
     /// Appends `bytes` whole, or not at all: a write that fails part way (a full disk) has
     /// its part cut off again, so the records written after it sit where the index says
-    /// (`len`), not behind the stray bytes. If even the cut fails, `len` is taken from the
-    /// file, so later records are still indexed where they land (the stray bytes are a
-    /// damaged record to recovery).
+    /// (`len`), not behind the stray bytes. If even the cut fails, the segment counts as
+    /// full, so the next record starts a new one and the stray bytes stay this segment's
+    /// torn tail (cut off by recovery, with nothing valid after them).
     pub fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         if let Err(err) = self.file.write_all(bytes) {
             if let Err(cut) = self.file.set_len(self.len) {
-                if let Ok(meta) = self.file.metadata() {
-                    self.len = meta.len();
-                }
+                self.len = self.len.max(self.segment_size);
                 return Err(std::io::Error::other(format!(
                     "{err}; cutting the partial record off failed too: {cut}"
                 )));

@@ -56,6 +56,7 @@ use crate::proxy::registry::VerifiedQueue;
 use crate::proxy::retry::{RetryReason, RetrySchedule};
 use crate::proxy::retry_tiers::{self, RetryPlan};
 use crate::proxy::wire::WireFrame;
+use crate::rabbit::args::{Overflow, QueueArguments};
 
 /// The capture consumer's channel on a service connection.
 pub const CAPTURE_CHANNEL: u16 = 1;
@@ -533,14 +534,20 @@ impl CaptureLink {
         if op.purpose == Purpose::RetryReturn
             && matches!(settled.outcome, Outcome::Failed(cause) if cause == NACKED)
         {
-            let arguments = shared
-                .queues
-                .proxied(&self.vhost, &op.queue)
-                .unwrap_or_default();
-            let overflow = shared
+            let arguments = match shared.queues.lookup(&self.vhost, &op.queue) {
+                Some(VerifiedQueue::Proxied(a) | VerifiedQueue::UpstreamOwned(a)) => a,
+                _ => QueueArguments::default(),
+            };
+            let settings = shared
                 .queue_view(&self.vhost, &op.queue, &arguments)
-                .settings
-                .overflow;
+                .settings;
+            // Only a queue with a length limit refuses for being full.
+            let limited = settings.max_length.is_some() || settings.max_length_bytes.is_some();
+            let overflow = if limited {
+                settings.overflow
+            } else {
+                Overflow::DropHead
+            };
             if let Some(Settlement::Ack) =
                 death::refused_return_ends(&shared.metrics, &self.vhost, &op, overflow)
             {
