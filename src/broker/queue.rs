@@ -275,8 +275,8 @@ impl QueueState {
 
     /// Puts back a message recovered from storage (its delivery count restored): one that
     /// was returned more often than the delivery limit allows dies (`delivery_limit`), as it
-    /// would have on its last requeue; the others go back as a requeue puts them back
-    /// ([`QueueState::restore_slot`]).
+    /// would have on its last requeue; the others go back as a requeue puts them back (only
+    /// `drop-head` sheds the oldest; `reject-publish` does not refuse them).
     pub fn restore(
         &mut self,
         entry: QueuedMessage,
