@@ -583,6 +583,33 @@ async fn an_instance_without_a_policy_leaves_it_to_the_others_for_the_grace() {
     assert!(matches!(status, 200 | 204), "DELETE: {status} {text}");
 }
 
+/// [`management_toml`] as guest, deleting what the proxy lacks after `grace_secs`.
+fn management_toml_with_grace(node: &RabbitNode, grace_secs: u64) -> String {
+    management_toml(node, "guest", "guest").replace(
+        "management_delete_grace_secs = 0\n",
+        &format!("management_delete_grace_secs = {grace_secs}\n"),
+    )
+}
+
+/// Whether upstream policy `name` of `vhost` comes to be listed (`present`) or unlisted
+/// within 20 s.
+async fn policy_listed(node: &RabbitNode, vhost: &str, name: &str, present: bool) -> bool {
+    poll(
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+        async || {
+            let (status, body) = node
+                .management_call("GET", &format!("/api/policies/{vhost}"), None)
+                .await;
+            assert_eq!(status, 200, "GET policies: {body}");
+            let listing: Vec<Value> = serde_json::from_str(&body).expect("policy listing JSON");
+            (named(&listing, name).is_some() == present).then_some(())
+        },
+    )
+    .await
+    .is_some()
+}
+
 /// A vhost of its own on `node`, where guest may do everything.
 async fn scratch_vhost(node: &RabbitNode, prefix: &str) -> String {
     let vhost = unique(prefix);
@@ -614,10 +641,7 @@ async fn a_policy_removed_while_the_proxy_was_down_is_deleted_in_every_served_vh
     let vhost = scratch_vhost(node, "served-vhost").await;
     let mut elsewhere = policy("elsewhere", "^q$", json!({"max-length": 5}));
     elsewhere.vhost = vhost.clone();
-    let keys = management_toml(node, "guest", "guest").replace(
-        "management_delete_grace_secs = 0\n",
-        "management_delete_grace_secs = 2\n",
-    );
+    let keys = management_toml_with_grace(node, 2);
     let capture = unique("capture");
     let upstream_name = format!("{capture}.elsewhere");
     // A vhost policies may name, served by a service connection from the start.
@@ -625,13 +649,6 @@ async fn a_policy_removed_while_the_proxy_was_down_is_deleted_in_every_served_vh
         "vhosts = [\"/\", {vhost:?}]\n{keys}[proxy]\ndelegate_to_upstream = true\n\
          vhosts = [\"/\", {vhost:?}]\n"
     );
-    let listing = async || {
-        let (status, body) = node
-            .management_call("GET", &format!("/api/policies/{vhost}"), None)
-            .await;
-        assert_eq!(status, 200, "GET policies: {body}");
-        serde_json::from_str::<Vec<Value>>(&body).expect("policy listing JSON")
-    };
     let first = ProxyProcess::spawn(&fleet_toml(
         &[node.uri()],
         &[elsewhere],
@@ -639,27 +656,19 @@ async fn a_policy_removed_while_the_proxy_was_down_is_deleted_in_every_served_vh
         &overrides,
     ))
     .await;
-    let put = poll(
-        Duration::from_secs(20),
-        Duration::from_millis(200),
-        async || named(&listing().await, &upstream_name).map(|_| ()),
-    )
-    .await;
-    assert!(put.is_some(), "not put:\n{}", first.logs());
+    assert!(
+        policy_listed(node, &vhost, &upstream_name, true).await,
+        "not put:\n{}",
+        first.logs()
+    );
     drop(first);
     let restarted =
         ProxyProcess::spawn(&fleet_toml(&[node.uri()], &[], &capture, &overrides)).await;
-    let deleted = poll(
-        Duration::from_secs(20),
-        Duration::from_millis(250),
-        async || {
-            named(&listing().await, &upstream_name)
-                .is_none()
-                .then_some(())
-        },
-    )
-    .await;
-    assert!(deleted.is_some(), "not deleted:\n{}", restarted.logs());
+    assert!(
+        policy_listed(node, &vhost, &upstream_name, false).await,
+        "not deleted:\n{}",
+        restarted.logs()
+    );
     drop(restarted);
     let _ = node
         .management_call("DELETE", &format!("/api/vhosts/{vhost}"), None)
@@ -676,10 +685,7 @@ async fn a_removed_policy_of_another_vhost_is_deleted_after_the_grace() {
     let mut elsewhere = policy("elsewhere", "^q$", json!({"max-length": 5}));
     elsewhere.vhost = vhost.clone();
     // Dead-lettering delegated: the policy needs no capture exchange in that vhost.
-    let keys = management_toml(node, "guest", "guest").replace(
-        "management_delete_grace_secs = 0\n",
-        "management_delete_grace_secs = 2\n",
-    );
+    let keys = management_toml_with_grace(node, 2);
     let capture = unique("capture");
     let upstream_name = format!("{capture}.elsewhere");
     let toml = fleet_toml(
@@ -689,33 +695,18 @@ async fn a_removed_policy_of_another_vhost_is_deleted_after_the_grace() {
         &format!("vhosts = [\"/\", {vhost:?}]\n{keys}[proxy]\ndelegate_to_upstream = true\n"),
     );
     let proxy = ProxyProcess::spawn(&toml).await;
-    let listing = async || {
-        let (status, body) = node
-            .management_call("GET", &format!("/api/policies/{vhost}"), None)
-            .await;
-        assert_eq!(status, 200, "GET policies: {body}");
-        serde_json::from_str::<Vec<Value>>(&body).expect("policy listing JSON")
-    };
-    let put = poll(
-        Duration::from_secs(20),
-        Duration::from_millis(200),
-        async || named(&listing().await, &upstream_name).map(|_| ()),
-    )
-    .await;
-    assert!(put.is_some(), "not put:\n{}", proxy.logs());
+    assert!(
+        policy_listed(node, &vhost, &upstream_name, true).await,
+        "not put:\n{}",
+        proxy.logs()
+    );
 
     remove_policies(&proxy);
-    let deleted = poll(
-        Duration::from_secs(20),
-        Duration::from_millis(250),
-        async || {
-            named(&listing().await, &upstream_name)
-                .is_none()
-                .then_some(())
-        },
-    )
-    .await;
-    assert!(deleted.is_some(), "not deleted:\n{}", proxy.logs());
+    assert!(
+        policy_listed(node, &vhost, &upstream_name, false).await,
+        "not deleted:\n{}",
+        proxy.logs()
+    );
     drop(proxy);
     let _ = node
         .management_call("DELETE", &format!("/api/vhosts/{vhost}"), None)

@@ -278,6 +278,18 @@ fn one_old_unsettled_message_does_not_keep_every_newer_segment() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// Cuts the segment file at `path` 100 bytes past the first copy of `marker` (a crash while
+/// the body holding it was written).
+fn tear_after(path: &std::path::Path, marker: &[u8]) {
+    let bytes = std::fs::read(path).unwrap();
+    let at = bytes
+        .windows(marker.len())
+        .position(|w| w == marker)
+        .expect("the body on disk");
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.set_len((at + marker.len() + 100) as u64).unwrap();
+}
+
 /// A whole framed record removing message `id` of queue 1, as a client could put in a body.
 fn removal_of(id: u64) -> Vec<u8> {
     let mut framed = Vec::new();
@@ -302,15 +314,7 @@ fn a_record_inside_the_body_of_a_torn_tail_is_not_replayed() {
     s.append(super::super::record::test_publish_bytes(1, id, &body));
     s.close();
     // The crash comes while the padding is being written.
-    let path = segment::segment_path(&d, 0);
-    let bytes = std::fs::read(&path).unwrap();
-    let at = bytes
-        .windows(forged.len())
-        .position(|w| w == forged.as_slice())
-        .expect("the body on disk");
-    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-    f.set_len((at + forged.len() + 100) as u64).unwrap();
-    drop(f);
+    tear_after(&segment::segment_path(&d, 0), &forged);
     let (s, r) = Storage::open(options(&d, 1 << 20), None).unwrap();
     assert_eq!(bodies(&s, &r, 1), vec!["kept"]);
     assert!(r.stats.torn_bytes > 0);
@@ -390,15 +394,7 @@ fn a_torn_record_in_an_older_segment_is_not_searched_either() {
     publish(&s, 1, &"n".repeat(3000));
     s.close();
     assert!(segment::segment_path(&d, 1).exists(), "a second segment");
-    let path = segment::segment_path(&d, 0);
-    let bytes = std::fs::read(&path).unwrap();
-    let at = bytes
-        .windows(forged.len())
-        .position(|w| w == forged.as_slice())
-        .expect("the body on disk");
-    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-    f.set_len((at + forged.len() + 100) as u64).unwrap();
-    drop(f);
+    tear_after(&segment::segment_path(&d, 0), &forged);
     let (s, r) = Storage::open(options(&d, 4096), None).unwrap();
     let recovered = bodies(&s, &r, 1);
     assert_eq!(recovered.first().map(String::as_str), Some("kept"));
