@@ -36,6 +36,8 @@ pub struct SegmentWriter {
     number: u64,
     file: File,
     len: u64,
+    /// `len` at the last sync (or at open): the bytes after it may not be on disk yet.
+    synced: u64,
 }
 
 impl SegmentWriter {
@@ -53,6 +55,7 @@ impl SegmentWriter {
             number,
             file,
             len,
+            synced: len,
         })
     }
 
@@ -104,8 +107,15 @@ impl SegmentWriter {
         Ok(())
     }
 
-    pub fn sync(&self) -> std::io::Result<()> {
-        self.file.sync_data()
+    pub fn sync(&mut self) -> std::io::Result<()> {
+        self.file.sync_data()?;
+        self.synced = self.len;
+        Ok(())
+    }
+
+    /// Whether bytes were appended to the current segment since its last sync.
+    pub fn has_unsynced(&self) -> bool {
+        self.len > self.synced
     }
 }
 

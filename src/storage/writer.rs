@@ -168,12 +168,16 @@ pub(super) fn run(
         if let Some(head) = due {
             rewrite_head(head, &mut segment, &index, &options, &stats);
         }
-        let deletable = lock_index(&index).take_deletable(segment.number());
-        for number in deletable {
-            let path = segment_path(&options.dir, number);
-            let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
-            if report(std::fs::remove_file(&path), "delete a segment") {
-                stats.add_bytes_removed(size);
+        if lock_index(&index).has_deletable(segment.number())
+            && synced_for_deletion(&mut segment, &options, &stats, metrics.as_deref())
+        {
+            let deletable = lock_index(&index).take_deletable(segment.number());
+            for number in deletable {
+                let path = segment_path(&options.dir, number);
+                let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+                if report(std::fs::remove_file(&path), "delete a segment") {
+                    stats.add_bytes_removed(size);
+                }
             }
         }
         stats.set_segments(lock_index(&index).segment_count() as u64);
@@ -184,6 +188,30 @@ pub(super) fn run(
             return;
         }
     }
+}
+
+/// Makes the current segment stable before head segments are deleted, when it holds
+/// unsynced bytes: the records that emptied those segments are there, and a dead-letter move
+/// (one record: the copy and its original's removal) whose original segment were deleted
+/// before the move reached the disk would lose the message at a power loss. Returns whether
+/// the segments may go; if the sync fails they stay (recovery replays them with what did
+/// reach the disk, at worst bringing a removed message back).
+fn synced_for_deletion(
+    segment: &mut SegmentWriter,
+    options: &StorageOptions,
+    stats: &StorageStats,
+    metrics: Option<&crate::metrics::Metrics>,
+) -> bool {
+    if !options.fsync || !segment.has_unsynced() {
+        return true;
+    }
+    let started = Instant::now();
+    let synced = report(segment.sync(), "fsync a segment before deleting older ones");
+    stats.observe_fsync(started.elapsed());
+    if let Some(m) = metrics {
+        m.observe_storage_fsync(started.elapsed());
+    }
+    synced
 }
 
 /// Writes the live messages of segment `head` again at the end of the log and syncs them, so

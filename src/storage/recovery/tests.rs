@@ -234,6 +234,68 @@ fn segments_rotate_and_head_segments_without_messages_are_deleted() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// A dead-letter move nobody waits for (a TTL expiry, a reject) is not synced with its batch;
+/// the head segments it empties are deleted only once it is: otherwise a power loss would
+/// take the copy (unsynced) and the original (its segment deleted) together.
+#[test]
+fn segments_emptied_by_unsynced_dead_letter_moves_are_deleted_after_a_sync() {
+    let d = dir("move-sync");
+    let (s, _) = Storage::open(options(&d, 200), None).unwrap();
+    s.definitions(queues(&[1, 2]));
+    let ids: Vec<u64> = (0..10)
+        .map(|i| publish(&s, 1, &format!("{i:040}")))
+        .collect();
+    let written = s.append_durable(Record::Delivered {
+        queue: 1,
+        id: ids[9],
+    });
+    assert_eq!(written.blocking_recv(), Ok(true));
+    let before = segment::list(&d).unwrap();
+    assert!(before.len() >= 3, "{before:?}");
+    let (fsyncs, _) = s.stats.fsyncs();
+    // Every message moved from queue 1 to queue 2, each in one record with nobody waiting.
+    for (i, id) in ids.iter().enumerate() {
+        let Record::Publish { message, .. } =
+            super::super::record::test_publish(2, 0, &format!("{i:040}"))
+        else {
+            unreachable!("a publish record")
+        };
+        s.append(Record::Publish {
+            targets: vec![Target {
+                queue: 2,
+                id: s.next_id(),
+                delivered: false,
+            }],
+            remove: Some((1, *id)),
+            message,
+            at: Some(1),
+            held_until: None,
+        });
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while segment::list(&d).unwrap().first() == before.first() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no segment was deleted"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(
+        s.stats.fsyncs().0 > fsyncs,
+        "head segments were deleted before the moves that emptied them were synced"
+    );
+    s.close();
+    // Every moved message is in queue 2.
+    let (s, r) = Storage::open(options(&d, 200), None).unwrap();
+    assert_eq!(bodies(&s, &r, 1), Vec::<String>::new());
+    assert_eq!(
+        bodies(&s, &r, 2),
+        (0..10).map(|i| format!("{i:040}")).collect::<Vec<_>>()
+    );
+    s.close();
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 #[test]
 fn one_old_unsettled_message_does_not_keep_every_newer_segment() {
     let d = dir("rewrite");
