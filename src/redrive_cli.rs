@@ -25,9 +25,11 @@ const LINE_EVERY: Duration = Duration::from_secs(1);
 pub fn parse_rate(text: &str) -> Result<f64, String> {
     let number = text.trim().strip_suffix("/s").unwrap_or(text.trim());
     match number.parse::<f64>() {
-        Ok(rate) if rate > 0.0 && rate.is_finite() => Ok(rate),
+        Ok(rate) if crate::redrive::jobs::rate_in_range(rate) => Ok(rate),
         _ => Err(format!(
-            "rate {text:?}: expected messages per second, e.g. 100 or 100/s"
+            "rate {text:?}: expected messages per second from {} to {}, e.g. 100 or 100/s",
+            crate::redrive::jobs::MIN_RATE,
+            crate::redrive::jobs::MAX_RATE
         )),
     }
 }
@@ -218,7 +220,10 @@ mod tests {
     fn rates_read_with_or_without_per_second() {
         assert_eq!(parse_rate("100"), Ok(100.0));
         assert_eq!(parse_rate("2.5/s"), Ok(2.5));
-        for bad in ["0", "-1", "fast", "10/m", "inf"] {
+        assert_eq!(parse_rate("0.001/s"), Ok(0.001));
+        for bad in [
+            "0", "-1", "fast", "10/m", "inf", "1e-20", "0.0009", "2000000",
+        ] {
             assert!(
                 parse_rate(bad).unwrap_err().contains("messages per second"),
                 "{bad}"

@@ -7,6 +7,10 @@
 
 use std::time::{Duration, Instant};
 
+/// The longest [`TokenBucket::wait`]: a token's time at the lowest accepted rate
+/// ([`MIN_RATE`](super::jobs::MIN_RATE)).
+pub const LONGEST_WAIT: Duration = Duration::from_secs(1000);
+
 /// A token bucket over [`Instant`]s the caller supplies.
 #[derive(Clone, Debug)]
 pub struct TokenBucket {
@@ -52,7 +56,10 @@ impl TokenBucket {
         if self.tokens >= 1.0 {
             return Duration::ZERO;
         }
-        Duration::from_secs_f64((1.0 - self.tokens) / self.rate)
+        // Capped: a rate the job table refuses (below MIN_RATE) must not overflow a timer.
+        Duration::try_from_secs_f64((1.0 - self.tokens) / self.rate)
+            .unwrap_or(LONGEST_WAIT)
+            .min(LONGEST_WAIT)
     }
 }
 
@@ -67,6 +74,12 @@ mod tests {
         assert_eq!(bucket.take(5, start), 1, "one token at the start");
         assert_eq!(bucket.take(5, start), 0);
         assert_eq!(bucket.wait(start), Duration::from_millis(10));
+        // A rate below what the job table accepts waits at most the longest wait, and the
+        // deadline fits an Instant.
+        let mut slow = TokenBucket::new(1e-300, 1, start);
+        assert_eq!(slow.take(1, start), 1);
+        assert_eq!(slow.wait(start), LONGEST_WAIT);
+        assert!(start.checked_add(slow.wait(start)).is_some());
         let later = start + Duration::from_millis(50);
         assert_eq!(bucket.take(100, later), 5);
         assert_eq!(bucket.wait(later), Duration::from_millis(10));

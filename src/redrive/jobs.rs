@@ -21,6 +21,14 @@ pub const MAX_JOBS: usize = 64;
 pub const KEEP_FINISHED: Duration = Duration::from_secs(3600);
 /// The highest rate limit accepted, messages per second.
 pub const MAX_RATE: f64 = 1_000_000.0;
+/// The lowest rate limit accepted, messages per second (one message every 1000 s): a job's
+/// wait for its next token stays a time a timer can take.
+pub const MIN_RATE: f64 = 0.001;
+
+/// Whether `rate` (messages per second) is a rate limit a job can keep.
+pub fn rate_in_range(rate: f64) -> bool {
+    (MIN_RATE..=MAX_RATE).contains(&rate)
+}
 
 /// `POST /api/redrive`'s body and the CLI's flags.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -61,10 +69,10 @@ impl RedriveRequest {
             return Err("to: an empty queue name".into());
         }
         if let Some(rate) = self.rate
-            && !(rate > 0.0 && rate <= MAX_RATE)
+            && !rate_in_range(rate)
         {
             return Err(format!(
-                "rate: {rate} is not in (0, {MAX_RATE}] messages per second"
+                "rate: {rate} is not in [{MIN_RATE}, {MAX_RATE}] messages per second"
             ));
         }
         if self.max == Some(0) {
@@ -374,6 +382,20 @@ mod tests {
                     ..request("d")
                 },
                 "rate: 0",
+            ),
+            (
+                RedriveRequest {
+                    rate: Some(1e-20),
+                    ..request("d")
+                },
+                "rate: 0.00000000000000000001 is not in [0.001, 1000000]",
+            ),
+            (
+                RedriveRequest {
+                    rate: Some(f64::NAN),
+                    ..request("d")
+                },
+                "rate: NaN",
             ),
             (
                 RedriveRequest {

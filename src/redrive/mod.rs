@@ -179,10 +179,11 @@ impl Redriver {
                     end,
                     cancel,
                 };
-                tokio::spawn(job.run());
+                self.watch_job(id, tokio::spawn(job.run()));
             }
             Start::Proxy(conn) => {
-                tokio::spawn(self.clone().proxy_job(id, *conn, plan, request, cancel));
+                let job = tokio::spawn(self.clone().proxy_job(id, *conn, plan, request, cancel));
+                self.watch_job(id, job);
             }
         }
         status.ok_or_else(|| RedriveError::NotFound(format!("no redrive job {id}")))
@@ -263,6 +264,22 @@ impl Redriver {
             Err(error) => (JobState::Failed, Some(error)),
         };
         self.finish(id, state, error);
+    }
+
+    /// Marks job `id` failed if its task ends without finishing it (a panic): otherwise it
+    /// would show `running` for ever and refuse every later redrive of its queue.
+    fn watch_job(&self, id: u64, job: tokio::task::JoinHandle<()>) {
+        let redriver = self.clone();
+        tokio::spawn(async move {
+            if let Err(err) = job.await {
+                tracing::error!(id, error = %err, "redrive job stopped unexpectedly");
+                redriver.finish(
+                    id,
+                    JobState::Failed,
+                    Some(format!("the job stopped: {err}")),
+                );
+            }
+        });
     }
 
     fn finish(&self, id: u64, state: JobState, error: Option<String>) {
@@ -379,5 +396,46 @@ impl EmbeddedJob {
             // Other connections get the broker lock between batches.
             tokio::task::yield_now().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A job whose task dies (a panic) is failed, not left running: its queue can be redriven
+    /// again and the running-jobs gauge comes back down.
+    #[tokio::test]
+    async fn a_job_whose_task_dies_is_failed() {
+        let metrics = Metrics::new(10);
+        let redriver = Redriver::new(Backend::Unavailable, metrics.clone());
+        let request = RedriveRequest {
+            vhost: "/".into(),
+            from: "dlq".into(),
+            ..RedriveRequest::default()
+        };
+        let (id, _cancel) = redriver
+            .table()
+            .start(request.clone(), 2, Instant::now())
+            .map_err(|_| "refused")
+            .unwrap();
+        redriver.watch_job(id, tokio::spawn(async { panic!("a job's bug") }));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while redriver.status(id).map(|s| s.state) == Some(JobState::Running) {
+            assert!(Instant::now() < deadline, "the job stays running");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let status = redriver.status(id).unwrap();
+        assert_eq!(status.state, JobState::Failed);
+        assert!(
+            status
+                .error
+                .as_deref()
+                .unwrap_or("")
+                .contains("the job stopped"),
+            "{status:?}"
+        );
+        assert!(redriver.table().start(request, 2, Instant::now()).is_ok());
     }
 }
