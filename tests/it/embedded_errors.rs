@@ -175,6 +175,76 @@ async fn unknown_delivery_tag_is_406() {
     }
 }
 
+/// The client closes a channel while the broker's close of it (an error) is on its way: as in
+/// RabbitMQ, the client's close gets a close-ok and the channel stays closing until the
+/// client's close-ok to the broker's close; the connection and its other channels go on.
+#[tokio::test]
+async fn a_channel_close_crossing_the_brokers_is_answered_and_the_connection_stays() {
+    let b = start().await;
+    let mut c = RawClient::connect(b.addr).await;
+    c.open_channel(1).await;
+    c.open_channel(2).await;
+    let mut both = encode_method(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag: 42,
+            multiple: false,
+        })),
+    );
+    both.extend(encode_method(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+            reply_code: 200,
+            reply_text: "bye".into(),
+            class_id: 0,
+            method_id: 0,
+        })),
+    ));
+    c.send_raw(&both).await;
+    let (ch, close) = c
+        .method_within(Duration::from_secs(5))
+        .await
+        .expect("the broker's close");
+    assert_eq!(ch, 1);
+    match close {
+        AMQPClass::Channel(channel::AMQPMethod::Close(close)) => assert_eq!(close.reply_code, 406),
+        other => panic!("expected channel.close, got {other:?}"),
+    }
+    let (ch, ok) = c
+        .method_within(Duration::from_secs(5))
+        .await
+        .expect("close-ok");
+    assert_eq!(ch, 1);
+    assert!(
+        matches!(ok, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))),
+        "expected channel.close-ok, got {ok:?}"
+    );
+    // The client's answer to the broker's close ends the channel, and nothing else.
+    c.send_method(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+    )
+    .await;
+    c.send_method(
+        2,
+        AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
+            prefetch_count: 5,
+            global: false,
+        })),
+    )
+    .await;
+    let (ch, qos_ok) = c
+        .method_within(Duration::from_secs(5))
+        .await
+        .expect("qos-ok");
+    assert_eq!(ch, 2);
+    assert!(
+        matches!(qos_ok, AMQPClass::Basic(basic::AMQPMethod::QosOk(_))),
+        "expected basic.qos-ok on the other channel, got {qos_ok:?}"
+    );
+    c.open_channel(1).await;
+}
+
 #[tokio::test]
 async fn bad_frame_end_is_501() {
     let b = start().await;

@@ -206,6 +206,20 @@ impl ChannelTable {
                 self.channels.remove(&ch);
                 return Flow::Continue;
             }
+            // The client's close crossed ours (an error we sent): answered, and the channel
+            // stays closing until the client's close-ok to ours, as RabbitMQ's reader does.
+            (AMQPClass::Channel(chan::AMQPMethod::Close(_)), Some(local))
+                if local.phase == Phase::Closing =>
+            {
+                s.write_queue.push(|o| {
+                    method_frame(
+                        o,
+                        ch,
+                        AMQPClass::Channel(chan::AMQPMethod::CloseOk(chan::CloseOk {})),
+                    )
+                });
+                return Flow::Continue;
+            }
             (AMQPClass::Channel(chan::AMQPMethod::Close(_)), Some(_)) => {
                 if let Some(local) = self.channels.remove(&ch) {
                     confirm_task::close_gate(&local.confirm_gate);
