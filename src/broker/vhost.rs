@@ -223,8 +223,9 @@ impl VHost {
             };
             dests.clear();
             x.bindings.route(keys, headers, &mut dests);
-            let before = queues.len();
-            let mut routed_exchange = false;
+            // As RabbitMQ: the alternate exchange takes a message the exchange's own bindings
+            // did not match, whether or not what they matched was already reached.
+            let matched = !dests.is_empty();
             for d in dests.drain(..) {
                 match d {
                     Destination::Queue(q) => {
@@ -234,14 +235,12 @@ impl VHost {
                     }
                     Destination::Exchange(e) => {
                         if let Some((k, _)) = self.exchanges.get_key_value(&e) {
-                            routed_exchange = true;
                             pending.push(k.as_str());
                         }
                     }
                 }
             }
-            if queues.len() == before
-                && !routed_exchange
+            if !matched
                 && let Some(ae) = x.alternate_exchange()
                 && let Some((k, _)) = self.exchanges.get_key_value(ae)
             {

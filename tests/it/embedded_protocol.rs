@@ -428,6 +428,29 @@ async fn headers_routing_all_and_any() {
     assert_eq!(count(&ch, &q_any).await, 2);
 }
 
+/// A direct exchange named after `tag` whose alternate exchange is a fanout bound to a queue
+/// of its own; returns the exchange and that queue.
+async fn direct_with_alternate(ch: &lapin::Channel, tag: &str) -> (String, String) {
+    let ae = unique("ae");
+    exchange(ch, &ae, ExchangeKind::Fanout).await;
+    let q_ae = declare_bound(ch, &ae, "", FieldTable::default()).await;
+    let name = unique(tag);
+    let mut args = FieldTable::default();
+    args.insert(
+        s("alternate-exchange"),
+        AMQPValue::LongString(ae.as_str().into()),
+    );
+    ch.exchange_declare(
+        name.as_str().into(),
+        ExchangeKind::Direct,
+        ExchangeDeclareOptions::default(),
+        args,
+    )
+    .await
+    .unwrap();
+    (name, q_ae)
+}
+
 #[tokio::test]
 async fn fanout_direct_e2e_and_alternate_exchange() {
     let b = start().await;
@@ -435,23 +458,7 @@ async fn fanout_direct_e2e_and_alternate_exchange() {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    let ae = unique("ae");
-    exchange(&ch, &ae, ExchangeKind::Fanout).await;
-    let q_ae = declare_bound(&ch, &ae, "", FieldTable::default()).await;
-    let direct = unique("direct");
-    let mut args = FieldTable::default();
-    args.insert(
-        s("alternate-exchange"),
-        AMQPValue::LongString(ae.as_str().into()),
-    );
-    ch.exchange_declare(
-        direct.as_str().into(),
-        ExchangeKind::Direct,
-        ExchangeDeclareOptions::default(),
-        args,
-    )
-    .await
-    .unwrap();
+    let (direct, q_ae) = direct_with_alternate(&ch, "direct").await;
     let q1 = declare_bound(&ch, &direct, "k", FieldTable::default()).await;
     let q2 = declare_bound(&ch, &direct, "k", FieldTable::default()).await;
     let fan = unique("fan");
@@ -471,6 +478,140 @@ async fn fanout_direct_e2e_and_alternate_exchange() {
     assert_eq!(count(&ch, &q1).await, 2);
     assert_eq!(count(&ch, &q2).await, 2);
     assert_eq!(count(&ch, &q_ae).await, 1);
+}
+
+/// An exchange whose own bindings match does not use its alternate exchange, even when the
+/// queue they match was already reached another way (RabbitMQ decides per exchange).
+#[tokio::test]
+async fn the_alternate_exchange_is_skipped_when_the_exchange_matched_a_queue_already_reached() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let (inner, q_ae) = direct_with_alternate(&ch, "inner").await;
+    let outer = unique("outer");
+    exchange(&ch, &outer, ExchangeKind::Direct).await;
+    let q = declare_bound(&ch, &outer, "k", FieldTable::default()).await;
+    ch.queue_bind(
+        q.as_str().into(),
+        inner.as_str().into(),
+        "k".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.exchange_bind(
+        inner.as_str().into(),
+        outer.as_str().into(),
+        "k".into(),
+        ExchangeBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    send(&ch, &outer, "k", None).await;
+    assert_eq!(count(&ch, &q).await, 1);
+    assert_eq!(
+        count(&ch, &q_ae).await,
+        0,
+        "the alternate exchange got a copy"
+    );
+}
+
+/// `amq.*` exchanges can be declared again as they are (RabbitMQ checks the reserved prefix
+/// only for an exchange that does not exist); a different declaration is 406.
+#[tokio::test]
+async fn an_equivalent_redeclare_of_a_predeclared_exchange_is_declare_ok() {
+    let b = start().await;
+    let (c, ch) = b.channel().await;
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.exchange_declare(
+        "amq.topic".into(),
+        ExchangeKind::Topic,
+        durable,
+        FieldTable::default(),
+    )
+    .await
+    .expect("amq.topic declared as it is");
+    let err = ch
+        .exchange_declare(
+            "amq.topic".into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(common::dl::amqp_code(&err), Some(406));
+    assert!(
+        common::dl::amqp_text(&err).contains("inequivalent arg 'durable'"),
+        "{}",
+        common::dl::amqp_text(&err)
+    );
+    // A new exchange with the prefix is still refused.
+    let ch = c.create_channel().await.unwrap();
+    let err = ch
+        .exchange_declare(
+            "amq.new".into(),
+            ExchangeKind::Topic,
+            durable,
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(common::dl::amqp_code(&err), Some(403));
+}
+
+/// Unbinding what is not bound changes nothing: an auto-delete exchange with a binding left
+/// stays, and so does one that never had a binding.
+#[tokio::test]
+async fn unbinding_what_is_not_bound_leaves_an_auto_delete_exchange() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    let x = unique("ad");
+    ch.exchange_declare(
+        x.as_str().into(),
+        ExchangeKind::Direct,
+        ExchangeDeclareOptions {
+            auto_delete: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let q = unique("adq");
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_unbind(
+        q.as_str().into(),
+        x.as_str().into(),
+        "never".into(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.exchange_declare(
+        x.as_str().into(),
+        ExchangeKind::Direct,
+        ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("the auto-delete exchange is still there");
 }
 
 #[tokio::test]

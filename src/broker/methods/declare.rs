@@ -105,12 +105,8 @@ impl Broker {
         let kind: ExchangeKind = req.kind.parse().map_err(|_| {
             AmqpError::command_invalid(format!("invalid exchange type '{}'", req.kind))
         })?;
-        if req.name.starts_with("amq.") {
-            return Err(AmqpError::access_refused(format!(
-                "exchange name '{}' contains reserved prefix 'amq.*'",
-                req.name
-            )));
-        }
+        // As RabbitMQ: the reserved prefix is checked only for an exchange that does not
+        // exist, so an equivalent redeclare of `amq.topic` is declare-ok.
         if let Some(x) = v.exchanges.get(req.name) {
             let mismatch = if x.kind != kind {
                 Some((
@@ -138,6 +134,12 @@ impl Broker {
                 )));
             }
             return Ok(());
+        }
+        if req.name.starts_with("amq.") {
+            return Err(AmqpError::access_refused(format!(
+                "exchange name '{}' contains reserved prefix 'amq.*'",
+                req.name
+            )));
         }
         if v.declared_exchanges() >= max_exchanges {
             return Err(AmqpError::precondition(format!(
@@ -259,8 +261,10 @@ impl Broker {
         let Some(x) = v.exchanges.get_mut(source) else {
             return Err(no_exchange(source, vhost));
         };
-        x.bindings.remove(&destination, routing_key, arguments);
-        if x.auto_delete && x.bindings.is_empty() {
+        // Only a binding that was there can leave an auto-delete exchange unused (RabbitMQ:
+        // unbinding what is not bound changes nothing).
+        let removed = x.bindings.remove(&destination, routing_key, arguments);
+        if removed && x.auto_delete && x.bindings.is_empty() {
             let name = source.to_string();
             Self::delete_exchange_in(v, &name);
         }
