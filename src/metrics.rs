@@ -245,12 +245,20 @@ struct QueueSeries {
 struct QueueLabels {
     max: usize,
     admitted: Mutex<HashMap<(String, String), QueueSeries>>,
+    /// Held retries counted under `_other`, per queue: such a queue stays there until they are
+    /// gone, so each decrement meets its increment under the same label even if a slot frees
+    /// up meanwhile (one entry per folded queue holding messages).
+    folded_held: Mutex<HashMap<(String, String), i64>>,
 }
 
 impl QueueLabels {
     fn lock(&self) -> MutexGuard<'_, HashMap<(String, String), QueueSeries>> {
         // A panic while holding the lock leaves the map consistent: keep using it.
         self.admitted.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn folded_held(&self) -> MutexGuard<'_, HashMap<(String, String), i64>> {
+        self.folded_held.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -428,6 +436,7 @@ impl Metrics {
             queue_labels: QueueLabels {
                 max: max_queue_labels,
                 admitted: Mutex::new(HashMap::new()),
+                folded_held: Mutex::new(HashMap::new()),
             },
             dead_lettered: b.counter_vec(
                 "dead_lettered_total",
@@ -1239,7 +1248,25 @@ impl Metrics {
 
     /// `delta` more (or fewer) messages of `queue` wait for their retry delay.
     pub fn add_retry_held(&self, vhost: &str, queue: &str, delta: i64) {
-        let own = self.queue_label(vhost, queue, |s| s.retry_held = true);
+        let key = (vhost.to_string(), queue.to_string());
+        let mut folded = self.queue_labels.folded_held();
+        let own = match folded.get_mut(&key) {
+            Some(held) => {
+                *held += delta;
+                if *held <= 0 {
+                    folded.remove(&key);
+                }
+                false
+            }
+            None => {
+                let own = self.queue_label(vhost, queue, |s| s.retry_held = true);
+                if !own && delta > 0 {
+                    folded.insert(key, delta);
+                }
+                own
+            }
+        };
+        drop(folded);
         let queue = if own { queue } else { OTHER_QUEUE };
         self.retry_held
             .with_label_values(&[vhost, queue])
@@ -1258,6 +1285,13 @@ impl Metrics {
     /// Removes every series of a deleted queue and frees its label slot.
     pub fn remove_queue(&self, vhost: &str, queue: &str) {
         let key = (vhost.to_string(), queue.to_string());
+        // Its held retries counted under `_other` went with it.
+        let folded = self.queue_labels.folded_held().remove(&key);
+        if let Some(held) = folded {
+            self.retry_held
+                .with_label_values(&[vhost, OTHER_QUEUE])
+                .sub(held);
+        }
         let Some(series) = self.queue_labels.lock().remove(&key) else {
             return;
         };

@@ -225,6 +225,35 @@ fn registries_are_independent() {
     ));
 }
 
+/// A queue whose held retries were counted under `_other` keeps them there until they are
+/// gone, though a label slot frees up meanwhile; deleting it takes them off `_other`.
+#[test]
+fn held_retries_of_a_folded_queue_come_off_the_label_they_went_on() {
+    let metrics = Metrics::new(1);
+    metrics.add_retry_held("/", "a", 1);
+    metrics.add_retry_held("/", "b", 2);
+    let other = "dlx_proxy_retry_held_messages{queue=\"_other\",vhost=\"/\"}";
+    assert!(has_line(&metrics.encode(), &format!("{other} 2")));
+    // Queue a is deleted: its slot is free, but b's messages are on `_other`.
+    metrics.remove_queue("/", "a");
+    metrics.add_retry_held("/", "b", -1);
+    metrics.add_retry_held("/", "b", -1);
+    let text = metrics.encode();
+    assert!(has_line(&text, &format!("{other} 0")), "{text}");
+    assert!(!text.contains("queue=\"b\""), "{text}");
+    // Back to a first hold, b takes the free slot.
+    metrics.add_retry_held("/", "b", 1);
+    assert!(has_line(
+        &metrics.encode(),
+        "dlx_proxy_retry_held_messages{queue=\"b\",vhost=\"/\"} 1"
+    ));
+    // A folded queue deleted while holding messages.
+    metrics.add_retry_held("/", "c", 3);
+    assert!(has_line(&metrics.encode(), &format!("{other} 3")));
+    metrics.remove_queue("/", "c");
+    assert!(has_line(&metrics.encode(), &format!("{other} 0")));
+}
+
 #[test]
 fn retry_series_are_labelled_by_tier_and_removed_with_their_queue() {
     let metrics = Metrics::new(10);
