@@ -132,6 +132,7 @@ mod tests {
                 body_preview: "a\nb".into(),
                 body_encoding: "string".into(),
                 body_truncated: true,
+                headers_truncated: false,
             }],
         };
         assert_eq!(

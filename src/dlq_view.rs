@@ -28,6 +28,15 @@ pub const PREVIEW_BYTES: usize = 1024;
 /// Messages a summary reads at most (from the head of the queue); `truncated` says when the
 /// queue held more.
 pub const SUMMARY_CAP: usize = 10_000;
+/// Header values rendered per message at most (each table entry and array element counts
+/// one): a header of many one-byte values would otherwise take hundreds of bytes of JSON
+/// each. Past it, tables and arrays stop and `headers_truncated` is set.
+pub const MAX_HEADER_VALUES: usize = 1000;
+/// Table and array nesting rendered at most; deeper values show as `{"type": "truncated"}`,
+/// so a page stays within JSON readers' recursion limits (serde_json's is 128).
+pub const MAX_HEADER_NESTING: usize = 16;
+/// `x-death` entries shown per message at most (newest first), and routing keys per entry.
+pub const MAX_DEATHS_SHOWN: usize = 100;
 
 /// One entry of a message's `x-death` header, newest first as RabbitMQ keeps them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -64,6 +73,10 @@ pub struct MessageView {
     pub body_encoding: String,
     /// Whether the preview is shorter than the body.
     pub body_truncated: bool,
+    /// Whether `headers` shows less than the message has ([`MAX_HEADER_VALUES`],
+    /// [`MAX_HEADER_NESTING`]).
+    #[serde(default)]
+    pub headers_truncated: bool,
 }
 
 /// A page of `GET .../messages`.
@@ -144,40 +157,89 @@ pub fn preview(body: &[u8]) -> (String, &'static str, bool) {
     }
 }
 
-/// An AMQP value as JSON with its type: `{"type": "long", "value": 5}`; tables and arrays
-/// hold typed values.
-pub fn typed(value: &AMQPValue) -> Value {
-    let (kind, value) = match value {
-        AMQPValue::Boolean(b) => ("bool", json!(b)),
-        AMQPValue::ShortShortInt(n) => ("byte", json!(n)),
-        AMQPValue::ShortShortUInt(n) => ("unsigned-byte", json!(n)),
-        AMQPValue::ShortInt(n) => ("short", json!(n)),
-        AMQPValue::ShortUInt(n) => ("unsigned-short", json!(n)),
-        AMQPValue::LongInt(n) => ("int", json!(n)),
-        AMQPValue::LongUInt(n) => ("unsigned-int", json!(n)),
-        AMQPValue::LongLongInt(n) => ("long", json!(n)),
-        AMQPValue::Float(n) => ("float", json!(n)),
-        AMQPValue::Double(n) => ("double", json!(n)),
-        AMQPValue::DecimalValue(d) => ("decimal", json!({"scale": d.scale, "value": d.value})),
-        AMQPValue::ShortString(s) => ("shortstr", json!(s.as_str())),
-        AMQPValue::LongString(s) => ("longstr", bytes_json(s.as_bytes())),
-        AMQPValue::FieldArray(a) => (
-            "array",
-            Value::Array(a.as_slice().iter().map(typed).collect()),
-        ),
-        AMQPValue::Timestamp(t) => ("timestamp", json!(t)),
-        AMQPValue::FieldTable(t) => ("table", Value::Object(typed_table(t).into_iter().collect())),
-        AMQPValue::ByteArray(b) => ("bytes", bytes_json(b.as_slice())),
-        AMQPValue::Void => ("void", Value::Null),
-    };
-    json!({"type": kind, "value": value})
+/// Renders header values as JSON with their types (`{"type": "long", "value": 5}`; tables
+/// and arrays hold typed values) within [`MAX_HEADER_VALUES`] and [`MAX_HEADER_NESTING`].
+struct TypedRendering {
+    left: usize,
+    truncated: bool,
 }
 
-fn typed_table(table: &FieldTable) -> BTreeMap<String, Value> {
-    table
-        .into_iter()
-        .map(|(k, v)| (k.as_str().to_string(), typed(v)))
-        .collect()
+impl TypedRendering {
+    fn new() -> TypedRendering {
+        TypedRendering {
+            left: MAX_HEADER_VALUES,
+            truncated: false,
+        }
+    }
+
+    /// Whether the budget has room for one more value (noting the truncation if not).
+    fn room(&mut self) -> bool {
+        if self.left == 0 {
+            self.truncated = true;
+            return false;
+        }
+        self.left -= 1;
+        true
+    }
+
+    fn value(&mut self, value: &AMQPValue, depth: usize) -> Value {
+        let nested = matches!(value, AMQPValue::FieldArray(_) | AMQPValue::FieldTable(_));
+        if nested && depth >= MAX_HEADER_NESTING {
+            self.truncated = true;
+            return json!({"type": "truncated"});
+        }
+        let (kind, value) = match value {
+            AMQPValue::Boolean(b) => ("bool", json!(b)),
+            AMQPValue::ShortShortInt(n) => ("byte", json!(n)),
+            AMQPValue::ShortShortUInt(n) => ("unsigned-byte", json!(n)),
+            AMQPValue::ShortInt(n) => ("short", json!(n)),
+            AMQPValue::ShortUInt(n) => ("unsigned-short", json!(n)),
+            AMQPValue::LongInt(n) => ("int", json!(n)),
+            AMQPValue::LongUInt(n) => ("unsigned-int", json!(n)),
+            AMQPValue::LongLongInt(n) => ("long", json!(n)),
+            AMQPValue::Float(n) => ("float", json!(n)),
+            AMQPValue::Double(n) => ("double", json!(n)),
+            AMQPValue::DecimalValue(d) => ("decimal", json!({"scale": d.scale, "value": d.value})),
+            AMQPValue::ShortString(s) => ("shortstr", json!(s.as_str())),
+            AMQPValue::LongString(s) => ("longstr", bytes_json(s.as_bytes())),
+            AMQPValue::FieldArray(a) => {
+                let mut items = Vec::new();
+                for item in a.as_slice() {
+                    if !self.room() {
+                        break;
+                    }
+                    items.push(self.value(item, depth + 1));
+                }
+                ("array", Value::Array(items))
+            }
+            AMQPValue::Timestamp(t) => ("timestamp", json!(t)),
+            AMQPValue::FieldTable(t) => (
+                "table",
+                Value::Object(self.table(t, depth + 1).into_iter().collect()),
+            ),
+            AMQPValue::ByteArray(b) => ("bytes", bytes_json(b.as_slice())),
+            AMQPValue::Void => ("void", Value::Null),
+        };
+        json!({"type": kind, "value": value})
+    }
+
+    fn table(&mut self, table: &FieldTable, depth: usize) -> BTreeMap<String, Value> {
+        let mut out = BTreeMap::new();
+        for (k, v) in table {
+            if !self.room() {
+                break;
+            }
+            out.insert(k.as_str().to_string(), self.value(v, depth));
+        }
+        out
+    }
+}
+
+/// A message's headers rendered with their types, and whether some were left out.
+pub fn typed_headers(headers: &FieldTable) -> (BTreeMap<String, Value>, bool) {
+    let mut rendering = TypedRendering::new();
+    let rendered = rendering.table(headers, 0);
+    (rendered, rendering.truncated)
 }
 
 /// Text if UTF-8, else `{"base64": ...}`.
@@ -214,6 +276,7 @@ pub fn deaths_amqp(headers: Option<&FieldTable>) -> Vec<DeathEntry> {
             AMQPValue::FieldTable(t) => Some(t.inner()),
             _ => None,
         })
+        .take(MAX_DEATHS_SHOWN)
         .map(|t| DeathEntry {
             queue: text(t.get("queue")),
             reason: text(t.get("reason")),
@@ -224,6 +287,7 @@ pub fn deaths_amqp(headers: Option<&FieldTable>) -> Vec<DeathEntry> {
                     .as_slice()
                     .iter()
                     .filter_map(|k| text(Some(k)))
+                    .take(MAX_DEATHS_SHOWN)
                     .collect(),
                 _ => Vec::new(),
             },
@@ -289,17 +353,19 @@ impl MessageView {
         put("user_id", short(properties.user_id()));
         put("app_id", short(properties.app_id()));
         let (body_preview, encoding, body_truncated) = preview(body);
+        let (headers, headers_truncated) = properties
+            .headers()
+            .as_ref()
+            .map(typed_headers)
+            .unwrap_or_default();
         MessageView {
             position,
             exchange: exchange.to_string(),
             routing_key: routing_key.to_string(),
             redelivered,
             properties: props,
-            headers: properties
-                .headers()
-                .as_ref()
-                .map(typed_table)
-                .unwrap_or_default(),
+            headers,
+            headers_truncated,
             x_death: deaths_amqp(properties.headers().as_ref()),
             body_size: body.len() as u64,
             body_preview,
@@ -359,6 +425,7 @@ impl MessageView {
             body_preview: payload,
             body_encoding: encoding.to_string(),
             body_truncated: (shown as u64) < body_size,
+            headers_truncated: false,
         }
     }
 }
@@ -506,5 +573,88 @@ mod tests {
         assert!(view.headers.contains_key("x-death"));
         assert!(view.redelivered && view.body_truncated);
         assert_eq!(view.body_size, 2000);
+    }
+    fn view_of(headers: FieldTable) -> MessageView {
+        let properties = BasicProperties::default().with_headers(headers);
+        MessageView::from_amqp(0, "dlx", "k", false, &properties, b"body")
+    }
+
+    /// A header of 130 000 one-byte values (one frame) renders within the value budget, not
+    /// as 130 000 JSON objects.
+    #[test]
+    fn a_header_of_many_small_values_renders_within_the_budget() {
+        let mut h = FieldTable::default();
+        h.insert(
+            "many".into(),
+            AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::Void; 130_000])),
+        );
+        h.insert("after".into(), AMQPValue::LongInt(1));
+        let view = view_of(h);
+        assert!(view.headers_truncated);
+        let json = serde_json::to_string(&view).unwrap();
+        assert!(json.len() < 64 * 1024, "{} bytes", json.len());
+        // The budget counts every value: the array and what follows it share it.
+        let rendered = view.headers.values().map(count_values).sum::<usize>();
+        assert!(rendered <= MAX_HEADER_VALUES, "{rendered}");
+        // A message within the budget is whole and says so.
+        let whole = view_of(headers());
+        assert!(!whole.headers_truncated);
+        assert_eq!(whole.headers["n"], json!({"type": "short", "value": -3}));
+    }
+
+    fn count_values(v: &Value) -> usize {
+        1 + match v.get("value") {
+            Some(Value::Array(items)) => items.iter().map(count_values).sum(),
+            Some(Value::Object(entries)) if v["type"] == "table" => {
+                entries.values().map(count_values).sum()
+            }
+            _ => 0,
+        }
+    }
+
+    /// A header nested 63 levels deep (within what the broker decodes) renders 16 deep, so
+    /// the page is read back by a JSON reader with a recursion limit (the CLI's).
+    #[test]
+    fn deep_headers_render_within_the_json_readers_limit() {
+        let mut value = AMQPValue::LongInt(7);
+        for _ in 0..63 {
+            value = AMQPValue::FieldArray(FieldArray::from(vec![value]));
+        }
+        let mut h = FieldTable::default();
+        h.insert("deep".into(), value);
+        let view = view_of(h);
+        assert!(view.headers_truncated);
+        let page = MessagePage {
+            vhost: "/".into(),
+            queue: "dlq".into(),
+            queue_length: 1,
+            limit: 1,
+            messages: vec![view],
+        };
+        let text = serde_json::to_string(&page).unwrap();
+        let back: MessagePage = serde_json::from_str(&text).expect("read back");
+        assert_eq!(back, page);
+    }
+
+    /// `x_death` shows the newest 100 entries, each with at most 100 routing keys.
+    #[test]
+    fn long_death_histories_are_shown_in_part() {
+        let mut entry = FieldTable::default();
+        entry.insert("reason".into(), AMQPValue::LongString("rejected".into()));
+        entry.insert(
+            "routing-keys".into(),
+            AMQPValue::FieldArray(FieldArray::from(vec![
+                AMQPValue::LongString("k".into());
+                500
+            ])),
+        );
+        let mut h = FieldTable::default();
+        h.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(entry); 500])),
+        );
+        let deaths = deaths_amqp(Some(&h));
+        assert_eq!(deaths.len(), MAX_DEATHS_SHOWN);
+        assert_eq!(deaths[0].routing_keys.len(), MAX_DEATHS_SHOWN);
     }
 }
