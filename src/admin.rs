@@ -28,6 +28,8 @@
 //! broker or the proxy. [`request`] is a tiny blocking HTTP client for the same API, used by
 //! `dlx-proxy policy` ([`crate::policy_cli`]).
 
+pub mod connections;
+
 pub use crate::admin_auth::{AdminToken, Refusal};
 use crate::config::{DEFAULT_APPLY_TO, PolicyConfig};
 use crate::dlq_inspect::{InspectError, Inspector};
@@ -119,15 +121,16 @@ pub struct AdminState {
     pub redrive: Redriver,
 }
 
-/// Serves the admin API on `listener` until `shutdown` fires.
+/// Serves the admin API on `listener` until `shutdown` fires (connection limits and
+/// timeouts: [`connections`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AdminState,
-    mut shutdown: Shutdown,
+    shutdown: Shutdown,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(async move { shutdown.recv().await })
-        .await
+    let metrics = state.metrics.clone();
+    let limits = connections::ConnectionLimits::default();
+    connections::serve(listener, router(state), metrics, limits, shutdown).await
 }
 
 /// The admin routes (exposed for tests and embedding).

@@ -73,6 +73,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "outbox_bytes",
     "upstream_outbox_bytes",
     "outbox_read_buffers",
+    "admin_connections",
     "memory_alarm",
     "memory_used_bytes",
     "memory_limit_bytes",
@@ -316,6 +317,7 @@ pub struct Metrics {
     verified_queues: IntGauge,
     session_queue_settings: IntGauge,
     outbox_bytes: IntGauge,
+    admin_connections: IntGauge,
     upstream_outbox_bytes: IntGauge,
     outbox_read_buffers: IntGauge,
     memory_alarm: IntGauge,
@@ -655,6 +657,10 @@ impl Metrics {
             outbox_bytes: b.gauge(
                 "outbox_bytes",
                 "Encoded bytes waiting to be written to client sockets.",
+            )?,
+            admin_connections: b.gauge(
+                "admin_connections",
+                "Open connections to the admin HTTP server (at most 256).",
             )?,
             upstream_outbox_bytes: b.gauge(
                 "upstream_outbox_bytes",
@@ -1382,6 +1388,11 @@ impl Metrics {
     /// none is missed).
     pub fn settled(&self) -> tokio::sync::futures::Notified<'_> {
         self.settled.notified()
+    }
+
+    /// Changes the open admin HTTP connections gauge by `delta`.
+    pub fn add_admin_connections(&self, delta: i64) {
+        self.admin_connections.add(delta);
     }
 
     /// Changes the bytes-waiting-for-client-sockets gauge by `delta`.

@@ -1,0 +1,202 @@
+//! The admin server's accept loop: HTTP/1 connections served by hyper with the admin router,
+//! at most [`MAX_ADMIN_CONNECTIONS`] at a time, each with [`HEADER_READ_TIMEOUT`] to send a
+//! request's headers. The admin port is often reachable from the whole cluster network: without
+//! these, clients that open connections and send half a request would hold a file descriptor
+//! each for ever, until the AMQP listener and the storage could open none.
+//!
+//! On shutdown the loop stops accepting and asks every connection to end after its current
+//! request, waiting at most [`SHUTDOWN_GRACE`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::task::TaskTracker;
+
+use crate::metrics::Metrics;
+use crate::shutdown::Shutdown;
+
+/// Admin connections served at once; further clients wait in the listen backlog.
+pub const MAX_ADMIN_CONNECTIONS: usize = 256;
+/// Time a client has to send a request's headers (the first, and each on a kept-alive
+/// connection).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long open connections get to finish their requests once shutdown fires.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// The bounds of the accept loop.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectionLimits {
+    pub max_connections: usize,
+    pub header_read_timeout: Duration,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            max_connections: MAX_ADMIN_CONNECTIONS,
+            header_read_timeout: HEADER_READ_TIMEOUT,
+        }
+    }
+}
+
+/// Serves `app` on `listener` until `shutdown` fires.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    metrics: Arc<Metrics>,
+    limits: ConnectionLimits,
+    mut shutdown: Shutdown,
+) -> std::io::Result<()> {
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let connections = TaskTracker::new();
+    loop {
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+            _ = shutdown.recv() => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(err) => {
+                    // Out of file descriptors, for instance: try again shortly.
+                    tracing::warn!(%err, "admin server: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = shutdown.recv() => break,
+        };
+        let service = TowerToHyperService::new(app.clone());
+        let mut stop = shutdown.clone();
+        let metrics = metrics.clone();
+        connections.spawn(async move {
+            metrics.add_admin_connections(1);
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout)
+                .serve_connection(TokioIo::new(stream), service);
+            let mut connection = std::pin::pin!(connection);
+            let finished = tokio::select! {
+                result = connection.as_mut() => Some(result),
+                _ = stop.recv() => None,
+            };
+            if finished.is_none() {
+                connection.as_mut().graceful_shutdown();
+                let _ = tokio::time::timeout(SHUTDOWN_GRACE, connection).await;
+            }
+            metrics.add_admin_connections(-1);
+            drop(slot);
+        });
+    }
+    connections.close();
+    let _ = tokio::time::timeout(SHUTDOWN_GRACE, connections.wait()).await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shutdown::ShutdownTrigger;
+    use axum::routing::get;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    async fn started(
+        limits: ConnectionLimits,
+    ) -> (std::net::SocketAddr, Arc<Metrics>, ShutdownTrigger) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let metrics = Metrics::new(10);
+        let trigger = ShutdownTrigger::new();
+        let app = Router::new().route("/healthz", get(|| async { "ok" }));
+        tokio::spawn(serve(
+            listener,
+            app,
+            metrics.clone(),
+            limits,
+            trigger.subscribe(),
+        ));
+        (address, metrics, trigger)
+    }
+
+    /// What the server sends on `stream` until it closes it (at most 5 s).
+    async fn until_closed(stream: &mut TcpStream) -> Vec<u8> {
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut got))
+            .await
+            .expect("the server closes the connection")
+            .expect("read");
+        got
+    }
+
+    async fn healthz(address: std::net::SocketAddr) -> Vec<u8> {
+        let mut stream = TcpStream::connect(address).await.unwrap();
+        stream
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        until_closed(&mut stream).await
+    }
+
+    /// A client that sends half a request head is closed after the header timeout.
+    #[tokio::test]
+    async fn half_a_request_head_is_closed_after_the_header_timeout() {
+        let limits = ConnectionLimits {
+            max_connections: 4,
+            header_read_timeout: Duration::from_millis(200),
+        };
+        let (address, _metrics, _trigger) = started(limits).await;
+        let mut slow = TcpStream::connect(address).await.unwrap();
+        slow.write_all(b"GET /healthz HTTP/1.1\r\n").await.unwrap();
+        let answer = until_closed(&mut slow).await;
+        assert!(!answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
+        assert!(healthz(address).await.starts_with(b"HTTP/1.1 200"));
+    }
+
+    /// Past the connection limit a client waits until a slot frees up; the gauge counts the
+    /// open connections.
+    #[tokio::test]
+    async fn connections_past_the_limit_wait_for_a_free_slot() {
+        let limits = ConnectionLimits {
+            max_connections: 2,
+            header_read_timeout: Duration::from_secs(60),
+        };
+        let (address, metrics, _trigger) = started(limits).await;
+        let mut idle = Vec::new();
+        for _ in 0..2 {
+            idle.push(TcpStream::connect(address).await.unwrap());
+        }
+        let gauge = || {
+            metrics
+                .encode()
+                .lines()
+                .any(|l| l == "dlx_proxy_admin_connections 2")
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !gauge() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{}",
+                metrics.encode()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let waiting = tokio::spawn(healthz(address));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "a third connection was served");
+        drop(idle.pop());
+        let answer = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("served once a slot is free")
+            .unwrap();
+        assert!(answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
+    }
+}
