@@ -4,10 +4,14 @@
 //! calls [`Inspector::page`] and [`Inspector::summary`]; the rendering is
 //! [`crate::dlq_view`]'s.
 //!
-//! - Embedded: the ready messages of the queue are read under the broker lock (their `Arc`s
-//!   cloned, at most the page or [`SUMMARY_CAP`]) and rendered after it is released. Nothing
-//!   is delivered: no redelivered flag, no delivery count, no consumer sees a change.
-//!   Unacknowledged deliveries are not in the queue and are not shown.
+//! - Embedded: the ready messages of the queue are walked from the head (at most the page or
+//!   [`SUMMARY_CAP`]), [`WALK_CHUNK`] at a time under the broker lock, which is released
+//!   between chunks so publishers and consumers go on; each message is rendered (or counted)
+//!   as it is reached and dropped, so a message paged out to disk is read back one at a time,
+//!   never all together. The walk runs on a blocking thread. Nothing is delivered: no
+//!   redelivered flag, no delivery count, no consumer sees a change. Unacknowledged
+//!   deliveries are not in the queue and are not shown; a message consumed while the walk
+//!   is between chunks is not shown either (positions count what was shown).
 //! - Proxy: the proxy holds no queue contents. `POST /api/queues/{vhost}/{name}/get` with
 //!   `ackmode=reject_requeue_true` (the management UI's "Get messages") reads them through the
 //!   client of [`crate::proxy::policy_sync::management`]: they are requeued, so they come back
@@ -16,7 +20,7 @@
 //! - Proxy without `upstream.management_url`: [`InspectError::Unavailable`] (501) naming it.
 
 use crate::broker::Broker;
-use crate::broker::message::Message;
+use crate::broker::message::QueuedMessage;
 use crate::dlq_view::{MAX_LIMIT, MessagePage, MessageView, PREVIEW_BYTES, SUMMARY_CAP, Summary};
 use crate::proxy::policy_sync::management::ManagementClient;
 use std::sync::Arc;
@@ -56,8 +60,8 @@ impl std::fmt::Display for InspectError {
 const NO_MANAGEMENT: &str = "inspecting queues in proxy mode needs RabbitMQ's management API: \
                              set upstream.management_url";
 
-/// A queue's ready messages from the head, at most `limit`, and its length.
-type Snapshot = (u64, Vec<(Arc<Message>, bool)>);
+/// Ready messages an embedded inspection reaches per hold of the broker lock.
+pub const WALK_CHUNK: usize = 256;
 
 impl Inspector {
     /// The first `limit` messages of the queue (1 ..= [`MAX_LIMIT`]).
@@ -70,15 +74,14 @@ impl Inspector {
         let limit = limit.clamp(1, MAX_LIMIT);
         let (queue_length, messages) = match self {
             Inspector::Broker(broker) => {
-                let (length, messages) = snapshot(broker, vhost, queue, limit)?;
-                let views = messages
-                    .iter()
-                    .enumerate()
-                    .map(|(position, (message, redelivered))| {
-                        render(position, message, *redelivered)
-                    })
-                    .collect();
-                (length, views)
+                on_blocking_thread(broker, vhost, queue, move |broker, vhost, queue| {
+                    let mut views = Vec::new();
+                    let length = walk(broker, vhost, queue, limit, |entry| {
+                        views.push(render(views.len(), entry));
+                    })?;
+                    Ok((length, views))
+                })
+                .await?
             }
             Inspector::Management(client) => {
                 let got = get(client, vhost, queue, limit, PREVIEW_BYTES).await?;
@@ -111,12 +114,14 @@ impl Inspector {
         };
         match self {
             Inspector::Broker(broker) => {
-                let (length, messages) = snapshot(broker, vhost, queue, SUMMARY_CAP)?;
-                summary.queue_length = length;
-                for (message, _) in &messages {
-                    let properties = message.properties().unwrap_or_default();
-                    summary.add(&crate::dlq_view::deaths_amqp(properties.headers().as_ref()));
-                }
+                summary = on_blocking_thread(broker, vhost, queue, move |broker, vhost, queue| {
+                    summary.queue_length = walk(broker, vhost, queue, SUMMARY_CAP, |entry| {
+                        let properties = entry.message.properties().unwrap_or_default();
+                        summary.add(&crate::dlq_view::deaths_amqp(properties.headers().as_ref()));
+                    })?;
+                    Ok(summary)
+                })
+                .await?;
             }
             Inspector::Management(client) => {
                 let got = get(client, vhost, queue, MAX_LIMIT, 1).await?;
@@ -133,36 +138,82 @@ impl Inspector {
     }
 }
 
-fn snapshot(
+/// Runs `work` on the broker on a blocking thread (it takes the broker lock and may read
+/// paged messages from disk).
+async fn on_blocking_thread<T: Send + 'static>(
+    broker: &Arc<Broker>,
+    vhost: &str,
+    queue: &str,
+    work: impl FnOnce(&Broker, &str, &str) -> Result<T, InspectError> + Send + 'static,
+) -> Result<T, InspectError> {
+    let (broker, vhost, queue) = (broker.clone(), vhost.to_string(), queue.to_string());
+    tokio::task::spawn_blocking(move || work(&broker, &vhost, &queue))
+        .await
+        .map_err(|err| InspectError::Unavailable(format!("the inspection stopped: {err}")))?
+}
+
+/// Visits the first `limit` ready messages of `queue` in order, [`WALK_CHUNK`] at a time
+/// under the broker lock; returns the queue's length when the walk began. A paged message
+/// whose content cannot be read back is left out; a queue deleted during the walk ends it
+/// with what was visited.
+fn walk(
     broker: &Broker,
     vhost: &str,
     queue: &str,
     limit: usize,
-) -> Result<Snapshot, InspectError> {
-    let state = broker.lock();
-    let found = state
-        .vhosts
-        .get(vhost)
-        .ok_or_else(|| InspectError::NotFound(format!("no vhost {vhost:?}")))?
-        .queues
-        .get(queue)
-        .ok_or_else(|| InspectError::NotFound(format!("no queue {queue:?} in vhost {vhost:?}")))?;
-    let messages = found
-        .state
-        .iter()
-        .take(limit)
-        .map(|entry| (entry.message.clone(), entry.redelivered))
-        .collect();
-    Ok((found.state.len() as u64, messages))
+    mut visit: impl FnMut(&QueuedMessage),
+) -> Result<u64, InspectError> {
+    let mut after = None;
+    let mut visited = 0;
+    let mut length = None;
+    while visited < limit {
+        let state = broker.lock();
+        let found = state
+            .vhosts
+            .get(vhost)
+            .ok_or_else(|| InspectError::NotFound(format!("no vhost {vhost:?}")))
+            .and_then(|v| {
+                v.queues.get(queue).ok_or_else(|| {
+                    InspectError::NotFound(format!("no queue {queue:?} in vhost {vhost:?}"))
+                })
+            });
+        let found = match (found, length) {
+            (Ok(found), _) => found,
+            (Err(err), None) => return Err(err),
+            (Err(_), Some(_)) => break,
+        };
+        length.get_or_insert(found.state.len() as u64);
+        let mut stepped = 0;
+        for item in found.state.iter_after(after).take(WALK_CHUNK) {
+            stepped += 1;
+            match item {
+                Ok(entry) => {
+                    after = Some(entry.seq);
+                    visit(&entry);
+                    visited += 1;
+                    if visited == limit {
+                        break;
+                    }
+                }
+                Err(seq) => after = Some(seq),
+            }
+        }
+        drop(state);
+        if stepped == 0 {
+            break;
+        }
+    }
+    Ok(length.unwrap_or(0))
 }
 
-fn render(position: usize, message: &Message, redelivered: bool) -> MessageView {
+fn render(position: usize, entry: &QueuedMessage) -> MessageView {
+    let message = &entry.message;
     let properties = message.properties().unwrap_or_default();
     MessageView::from_amqp(
         position,
         message.exchange(),
         message.routing_key(),
-        redelivered,
+        entry.redelivered,
         &properties,
         message.body(),
     )
@@ -196,4 +247,48 @@ fn remaining(got: &[serde_json::Value]) -> u64 {
         .and_then(|m| m.get("message_count"))
         .and_then(serde_json::Value::as_u64)
         .map_or(0, |after| after + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::methods::test_support::{broker, declare, publish_to};
+    use amq_protocol::types::FieldTable;
+
+    /// A page and a summary over more messages than one hold of the lock reaches: every
+    /// message once, in order, and the queue unchanged.
+    #[tokio::test]
+    async fn a_walk_over_several_chunks_sees_every_message_once_in_order() {
+        let broker = broker();
+        let none = FieldTable::default();
+        broker
+            .queue_declare(0, "/", &declare("dlq", &none))
+            .expect("declare");
+        let count = WALK_CHUNK * 2 + 10;
+        for i in 0..count {
+            publish_to(&broker, "dlq", format!("m{i}").as_bytes());
+        }
+        let inspector = Inspector::Broker(broker.clone());
+        let page = inspector.page("/", "dlq", MAX_LIMIT).await.unwrap();
+        assert_eq!(page.queue_length, count as u64);
+        let shown: Vec<(usize, String)> = page
+            .messages
+            .iter()
+            .map(|m| (m.position, m.body_preview.clone()))
+            .collect();
+        let expected: Vec<(usize, String)> = (0..count).map(|i| (i, format!("m{i}"))).collect();
+        assert_eq!(shown, expected);
+        let page = inspector.page("/", "dlq", WALK_CHUNK + 1).await.unwrap();
+        assert_eq!(page.messages.len(), WALK_CHUNK + 1);
+        let summary = inspector.summary("/", "dlq").await.unwrap();
+        assert_eq!(
+            (summary.inspected, summary.queue_length),
+            (count as u64, count as u64)
+        );
+        assert!(!summary.truncated);
+        assert_eq!(
+            inspector.page("/", "missing", 1).await.unwrap_err(),
+            InspectError::NotFound("no queue \"missing\" in vhost \"/\"".into())
+        );
+    }
 }

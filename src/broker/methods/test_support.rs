@@ -106,7 +106,7 @@ pub(super) fn long(v: i64) -> AMQPValue {
 }
 
 /// A plain queue.declare request.
-pub(super) fn declare<'a>(name: &'a str, arguments: &'a FieldTable) -> QueueDeclare<'a> {
+pub(crate) fn declare<'a>(name: &'a str, arguments: &'a FieldTable) -> QueueDeclare<'a> {
     QueueDeclare {
         name,
         passive: false,
@@ -124,7 +124,7 @@ pub(super) fn message(exchange: &str, key: &str, body: &[u8]) -> Arc<Message> {
 }
 
 /// Publishes `body` through the default exchange to queue `queue`.
-pub(super) fn publish_to(broker: &Broker, queue: &str, body: &[u8]) -> PublishResult {
+pub(crate) fn publish_to(broker: &Broker, queue: &str, body: &[u8]) -> PublishResult {
     broker
         .publish("/", "", message("", queue, body), None)
         .expect("the default exchange exists")
