@@ -37,6 +37,8 @@ pub const ARG_MAX_PRIORITY: &str = "x-max-priority";
 pub const ARG_CONSUMER_TIMEOUT: &str = "x-consumer-timeout";
 /// This service's retry tiers: delays in milliseconds before a rejected message comes back.
 pub const ARG_RETRY_DELAYS: &str = "x-retry-delays";
+/// One consumer at a time gets the queue's messages (a bool).
+pub const ARG_SINGLE_ACTIVE_CONSUMER: &str = "x-single-active-consumer";
 
 /// Most tiers `x-retry-delays` (and the policy's `retry-delays`) may list.
 pub const MAX_RETRY_TIERS: usize = 32;
@@ -169,6 +171,9 @@ pub struct QueueArguments {
     pub consumer_timeout: Option<u64>,
     /// Milliseconds, one delay per retry tier (`x-retry-delays`, this service's extension).
     pub retry_delays: Option<Vec<u64>>,
+    /// `x-single-active-consumer`: only the earliest registered consumer still there gets
+    /// messages.
+    pub single_active_consumer: bool,
 }
 
 /// How RabbitMQ words an argument error; selects the reply text layout.
@@ -499,6 +504,13 @@ pub fn parse_queue_arguments(args: &FieldTable) -> Result<QueueArguments, Argume
     // RabbitMQ 3.12: a non-negative integer (3.10 ignores it; this service enforces it).
     if let Some(value) = table.get(ARG_CONSUMER_TIMEOUT) {
         parsed.consumer_timeout = Some(non_negative_argument(ARG_CONSUMER_TIMEOUT, value)?);
+    }
+    // RabbitMQ's check_bool_arg.
+    if let Some(value) = table.get(ARG_SINGLE_ACTIVE_CONSUMER) {
+        match value {
+            AMQPValue::Boolean(on) => parsed.single_active_consumer = *on,
+            other => return Err(unacceptable_type(ARG_SINGLE_ACTIVE_CONSUMER, other)),
+        }
     }
     // Our extension: retry tiers, an array of 1 to MAX_RETRY_TIERS delays in ms.
     if let Some(value) = table.get(ARG_RETRY_DELAYS) {

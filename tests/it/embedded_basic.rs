@@ -791,3 +791,53 @@ async fn exchange_declare_and_delete() {
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(404));
 }
+
+/// `x-single-active-consumer`: only the first registered consumer gets messages while it is
+/// there; cancelled, the next one takes over. A value that is not a bool is RabbitMQ's 406.
+#[tokio::test]
+async fn a_single_active_consumer_queue_delivers_to_one_consumer_at_a_time() {
+    use common::dl::{ack, declare, next, no_delivery, payload, table, try_declare};
+    let b = start().await;
+    let (c, ch) = b.channel().await;
+    let q = unique("sac");
+    declare(
+        &ch,
+        &q,
+        table(&[("x-single-active-consumer", AMQPValue::Boolean(true))]),
+    )
+    .await;
+    let ch_b = c.create_channel().await.unwrap();
+    let mut first = consumer(&ch, &q, "first").await;
+    let mut second = consumer(&ch_b, &q, "second").await;
+    common::dl::publish(&ch, &q, &["m0", "m1", "m2", "m3"]).await;
+    for i in 0..4 {
+        let d = next(&mut first).await;
+        assert_eq!(payload(&d), format!("m{i}"));
+        ack(&ch, d.delivery_tag, false).await;
+    }
+    no_delivery(&mut second, 200).await;
+    ch.basic_cancel("first".into(), BasicCancelOptions::default())
+        .await
+        .unwrap();
+    common::dl::publish(&ch, &q, &["m4"]).await;
+    let d = next(&mut second).await;
+    assert_eq!(payload(&d), "m4");
+    ack(&ch_b, d.delivery_tag, false).await;
+
+    let err = try_declare(
+        &ch,
+        &unique("sac-bad"),
+        table(&[(
+            "x-single-active-consumer",
+            AMQPValue::LongString("true".into()),
+        )]),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(amqp_code(&err), Some(406));
+    assert!(
+        common::dl::amqp_text(&err).ends_with(": {unacceptable_type,longstr}"),
+        "{}",
+        common::dl::amqp_text(&err)
+    );
+}

@@ -13,15 +13,22 @@ use crate::broker::vhost::{Consumer, Queue};
 use crate::broker::{Broker, ChannelState, ConnectionState, State, Unacked};
 use crate::storage::{Record, Storage};
 
-/// Picks the next consumer of `q` that can take a delivery now (round robin).
+/// Picks the next consumer of `q` that can take a delivery now (round robin; with
+/// `x-single-active-consumer` only the earliest registered consumer still there, as RabbitMQ
+/// 3.10 does).
 pub(super) fn pick_consumer(
     q: &Queue,
     channels: &std::collections::HashMap<(u64, u16), ChannelState>,
     connections: &std::collections::HashMap<u64, ConnectionState>,
 ) -> Option<usize> {
-    let n = q.consumers.len();
+    let single = q.args.single_active_consumer;
+    let n = if single {
+        q.consumers.len().min(1)
+    } else {
+        q.consumers.len()
+    };
     for i in 0..n {
-        let idx = (q.next_consumer + i) % n;
+        let idx = if single { 0 } else { (q.next_consumer + i) % n };
         let c = &q.consumers[idx];
         let Some(ch) = channels.get(&(c.conn, c.channel)) else {
             continue;

@@ -40,6 +40,7 @@ fn full_set_of_arguments_is_parsed() {
         ("x-overflow", s("reject-publish-dlx")),
         ("x-delivery-limit", AMQPValue::ShortShortUInt(3)),
         ("x-consumer-timeout", AMQPValue::LongLongInt(30_000)),
+        ("x-single-active-consumer", AMQPValue::Boolean(true)),
         (
             "x-retry-delays",
             AMQPValue::FieldArray(FieldArray::from(vec![
@@ -65,6 +66,7 @@ fn full_set_of_arguments_is_parsed() {
             delivery_limit: Some(3),
             consumer_timeout: Some(30_000),
             retry_delays: Some(vec![1000, 60_000]),
+            single_active_consumer: true,
         }
     );
 }
