@@ -80,8 +80,19 @@ impl ChunkReader {
         }
     }
 
-    /// Reads a chunk from `offset` (more when the record there is longer).
+    /// Reads a chunk from `offset` (more when the record there is longer). A read that fails
+    /// leaves no chunk: its zero-filled buffer would otherwise seem to hold records for the
+    /// messages after it, which would then be read back as damaged (lost) instead of being
+    /// read from the file again.
     fn fill(&mut self, file: &File, segment: u64, offset: u64) -> std::io::Result<()> {
+        let filled = self.fill_from(file, segment, offset);
+        if filled.is_err() {
+            self.bytes.clear();
+        }
+        filled
+    }
+
+    fn fill_from(&mut self, file: &File, segment: u64, offset: u64) -> std::io::Result<()> {
         self.bytes.clear();
         self.segment = segment;
         self.start = offset;
@@ -179,6 +190,25 @@ mod tests {
             std::io::ErrorKind::InvalidData,
             "not a record start"
         );
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    /// A read that fails (here: a file opened for writing only) leaves nothing behind that
+    /// would answer for the records after it.
+    #[test]
+    fn a_failed_read_leaves_no_chunk() {
+        let records: Vec<Record> = (1..=3)
+            .map(|id| test_publish(7, id, &format!("body-{id}")))
+            .collect();
+        let (path, offsets) = segment_file("failed", &records);
+        let mut reader = ChunkReader::default();
+        let write_only = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        assert!(reader.message(3, offsets[0], 1, Some(write_only)).is_err());
+        assert!(!reader.covers(3, offsets[1]));
+        let m = reader
+            .message(3, offsets[1], 2, Some(File::open(&path).unwrap()))
+            .unwrap();
+        assert_eq!(m.message.body(), b"body-2");
         std::fs::remove_file(&path).unwrap();
     }
 }
