@@ -816,13 +816,22 @@ async fn a_single_active_consumer_queue_delivers_to_one_consumer_at_a_time() {
         ack(&ch, d.delivery_tag, false).await;
     }
     no_delivery(&mut second, 200).await;
+    // Waiting messages go to the next consumer as soon as the active one is cancelled.
+    common::dl::publish(&ch, &q, &["m4"]).await;
+    let held = next(&mut first).await;
+    assert_eq!(payload(&held), "m4");
+    ch.basic_qos(1, BasicQosOptions { global: true })
+        .await
+        .unwrap();
+    common::dl::publish(&ch, &q, &["m5"]).await;
+    no_delivery(&mut second, 200).await;
     ch.basic_cancel("first".into(), BasicCancelOptions::default())
         .await
         .unwrap();
-    common::dl::publish(&ch, &q, &["m4"]).await;
     let d = next(&mut second).await;
-    assert_eq!(payload(&d), "m4");
+    assert_eq!(payload(&d), "m5");
     ack(&ch_b, d.delivery_tag, false).await;
+    ack(&ch, held.delivery_tag, false).await;
 
     let err = try_declare(
         &ch,

@@ -261,10 +261,15 @@ impl Broker {
         q.consumers
             .retain(|c| !(c.conn == conn && c.channel == channel && c.tag == tag));
         q.last_used = now;
+        // With a single active consumer the next one takes over now, with what is waiting.
+        let takes_over = q.args.single_active_consumer && !q.consumers.is_empty();
         if q.consumers.is_empty() && q.auto_delete && q.had_consumer {
             self.delete_queue_locked(st, vhost, queue);
         } else {
             self.reschedule(st, vhost, queue);
+            if takes_over {
+                self.dispatch(st, vhost, queue, now);
+            }
         }
     }
 
