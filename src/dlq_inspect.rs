@@ -5,10 +5,11 @@
 //! [`crate::dlq_view`]'s.
 //!
 //! - Embedded: the ready messages of the queue are walked from the head (at most the page or
-//!   [`SUMMARY_CAP`]), [`WALK_CHUNK`] at a time under the broker lock, which is released
-//!   between chunks so publishers and consumers go on; each message is rendered (or counted)
-//!   as it is reached and dropped, so a message paged out to disk is read back one at a time,
-//!   never all together. The walk runs on a blocking thread. Nothing is delivered: no
+//!   [`SUMMARY_CAP`]), [`WALK_CHUNK`] at a time taken under the broker lock without reading
+//!   any content back; the lock is released before the paged ones among them are read back
+//!   from storage, so publishers and consumers go on. Each message is rendered (or counted)
+//!   as it is reached and dropped, so paged messages are read back one at a time, never all
+//!   together. The walk runs on a blocking thread. Nothing is delivered: no
 //!   redelivered flag, no delivery count, no consumer sees a change. Unacknowledged
 //!   deliveries are not in the queue and are not shown; a message consumed while the walk
 //!   is between chunks is not shown either (positions count what was shown).
@@ -20,7 +21,8 @@
 //! - Proxy without `upstream.management_url`: [`InspectError::Unavailable`] (501) naming it.
 
 use crate::broker::Broker;
-use crate::broker::message::QueuedMessage;
+use crate::broker::message::Message;
+use crate::broker::queue::Peeked;
 use crate::dlq_view::{MAX_LIMIT, MessagePage, MessageView, PREVIEW_BYTES, SUMMARY_CAP, Summary};
 use crate::proxy::policy_sync::management::ManagementClient;
 use std::sync::Arc;
@@ -76,10 +78,10 @@ impl Inspector {
             Inspector::Broker(broker) => {
                 on_blocking_thread(broker, vhost, queue, move |broker, vhost, queue| {
                     let mut views = Vec::new();
-                    let length = walk(broker, vhost, queue, limit, |entry| {
-                        views.push(render(views.len(), entry));
+                    let walked = walk(broker, vhost, queue, limit, |message, redelivered| {
+                        views.push(render(views.len(), message, redelivered));
                     })?;
-                    Ok((length, views))
+                    Ok((walked.length, views))
                 })
                 .await?
             }
@@ -115,13 +117,16 @@ impl Inspector {
         match self {
             Inspector::Broker(broker) => {
                 summary = on_blocking_thread(broker, vhost, queue, move |broker, vhost, queue| {
-                    summary.queue_length = walk(broker, vhost, queue, SUMMARY_CAP, |entry| {
-                        let properties = entry.message.properties().unwrap_or_default();
+                    let walked = walk(broker, vhost, queue, SUMMARY_CAP, |message, _| {
+                        let properties = message.properties().unwrap_or_default();
                         summary.add(&crate::dlq_view::deaths_amqp(properties.headers().as_ref()));
                     })?;
+                    summary.queue_length = walked.length;
+                    summary.truncated = !walked.reached_end;
                     Ok(summary)
                 })
                 .await?;
+                return Ok(summary);
             }
             Inspector::Management(client) => {
                 let got = get(client, vhost, queue, MAX_LIMIT, 1).await?;
@@ -152,68 +157,97 @@ async fn on_blocking_thread<T: Send + 'static>(
         .map_err(|err| InspectError::Unavailable(format!("the inspection stopped: {err}")))?
 }
 
-/// Visits the first `limit` ready messages of `queue` in order, [`WALK_CHUNK`] at a time
-/// under the broker lock; returns the queue's length when the walk began. A paged message
-/// whose content cannot be read back is left out; a queue deleted during the walk ends it
-/// with what was visited.
+/// How a walk ended: its queue's length when it began, and whether it reached the end of
+/// the queue (rather than its limit).
+struct Walked {
+    length: u64,
+    reached_end: bool,
+}
+
+/// Visits the first `limit` ready messages of `queue` in order with their redelivered flag:
+/// [`WALK_CHUNK`] at a time are taken under the broker lock without reading any content
+/// back; the paged ones among them are read back from storage after the lock is released
+/// (one that is gone meanwhile, consumed, or cannot be read is left out). A queue deleted
+/// (or deleted and declared again) during the walk ends it with what was visited.
 fn walk(
     broker: &Broker,
     vhost: &str,
     queue: &str,
     limit: usize,
-    mut visit: impl FnMut(&QueuedMessage),
-) -> Result<u64, InspectError> {
+    mut visit: impl FnMut(&Message, bool),
+) -> Result<Walked, InspectError> {
     let mut after = None;
     let mut visited = 0;
-    let mut length = None;
-    while visited < limit {
-        let state = broker.lock();
-        let found = state
-            .vhosts
-            .get(vhost)
-            .ok_or_else(|| InspectError::NotFound(format!("no vhost {vhost:?}")))
-            .and_then(|v| {
-                v.queues.get(queue).ok_or_else(|| {
-                    InspectError::NotFound(format!("no queue {queue:?} in vhost {vhost:?}"))
-                })
-            });
-        let found = match (found, length) {
-            (Ok(found), _) => found,
-            (Err(err), None) => return Err(err),
-            (Err(_), Some(_)) => break,
+    let mut first: Option<(u64, u64)> = None;
+    loop {
+        // At the limit, one more message is looked for (not read) to tell whether it was
+        // the end.
+        let want = if visited >= limit { 1 } else { WALK_CHUNK };
+        let chunk: Vec<Peeked> = {
+            let state = broker.lock();
+            let found = state
+                .vhosts
+                .get(vhost)
+                .ok_or_else(|| InspectError::NotFound(format!("no vhost {vhost:?}")))
+                .and_then(|v| {
+                    v.queues.get(queue).ok_or_else(|| {
+                        InspectError::NotFound(format!("no queue {queue:?} in vhost {vhost:?}"))
+                    })
+                });
+            match (found, first) {
+                (Ok(found), None) => {
+                    first = Some((found.id, found.state.len() as u64));
+                    found.state.peek_after(after).take(want).collect()
+                }
+                (Ok(found), Some((id, _))) if found.id == id => {
+                    found.state.peek_after(after).take(want).collect()
+                }
+                (Err(err), None) => return Err(err),
+                // Gone, or another queue of that name now.
+                _ => Vec::new(),
+            }
         };
-        length.get_or_insert(found.state.len() as u64);
-        let mut stepped = 0;
-        for item in found.state.iter_after(after).take(WALK_CHUNK) {
-            stepped += 1;
-            match item {
-                Ok(entry) => {
+        let length = first.map_or(0, |(_, length)| length);
+        if chunk.is_empty() || visited >= limit {
+            return Ok(Walked {
+                length,
+                reached_end: chunk.is_empty(),
+            });
+        }
+        for peeked in chunk {
+            if visited >= limit {
+                break;
+            }
+            match peeked {
+                Peeked::Resident(entry) => {
                     after = Some(entry.seq);
-                    visit(&entry);
+                    visit(&entry.message, entry.redelivered);
                     visited += 1;
-                    if visited == limit {
-                        break;
+                }
+                Peeked::Paged {
+                    seq,
+                    store_id,
+                    redelivered,
+                } => {
+                    after = Some(seq);
+                    let back = broker.storage().map(|storage| storage.read(store_id));
+                    if let Some(Ok(paged)) = back {
+                        visit(&paged.message, redelivered);
+                        visited += 1;
                     }
                 }
-                Err(seq) => after = Some(seq),
             }
         }
-        drop(state);
-        if stepped == 0 {
-            break;
-        }
     }
-    Ok(length.unwrap_or(0))
 }
 
-fn render(position: usize, entry: &QueuedMessage) -> MessageView {
-    let message = &entry.message;
+fn render(position: usize, message: &Message, redelivered: bool) -> MessageView {
     let properties = message.properties().unwrap_or_default();
     MessageView::from_amqp(
         position,
         message.exchange(),
         message.routing_key(),
-        entry.redelivered,
+        redelivered,
         &properties,
         message.body(),
     )

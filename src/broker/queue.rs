@@ -83,6 +83,18 @@ struct PagedEntry {
     expiration_ms: Option<u64>,
 }
 
+/// A ready message as [`QueueState::peek_after`] gives it.
+#[derive(Clone, Debug)]
+pub enum Peeked {
+    Resident(QueuedMessage),
+    /// Paged out: its position, its id in storage, its redelivered flag.
+    Paged {
+        seq: u64,
+        store_id: u64,
+        redelivered: bool,
+    },
+}
+
 /// A ready message, with its content in memory or on disk only.
 #[derive(Clone, Debug)]
 enum Slot {
@@ -542,6 +554,22 @@ impl QueueState {
                 .and_then(|paging| paging.read(p.store_id))
                 .map(|message| p.with(message))
                 .ok_or(p.seq),
+        })
+    }
+
+    /// The ready messages after position `seq` (all of them for `None`), in order, without
+    /// reading any content back: a resident message itself, a paged one as where it is kept
+    /// (an inspection reads it back with [`crate::storage::Storage::read`] after releasing the
+    /// broker lock).
+    pub fn peek_after(&self, seq: Option<u64>) -> impl Iterator<Item = Peeked> + '_ {
+        let start = seq.map_or(0, |seq| self.ready.partition_point(|e| e.seq() <= seq));
+        self.ready.range(start..).map(|slot| match slot {
+            Slot::Resident(e) => Peeked::Resident(e.clone()),
+            Slot::Paged(p) => Peeked::Paged {
+                seq: p.seq,
+                store_id: p.store_id,
+                redelivered: p.redelivered,
+            },
         })
     }
 
