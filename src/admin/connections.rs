@@ -25,14 +25,20 @@ pub const MAX_ADMIN_CONNECTIONS: usize = 256;
 /// Time a client has to send a request's headers (the first, and each on a kept-alive
 /// connection).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long open connections get to finish their requests once shutdown fires.
+/// How long open connections get to finish their requests once shutdown fires, or once
+/// they reach [`MAX_CONNECTION_AGE`].
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+/// How long one connection is served: then it is asked to end after its current request
+/// (and dropped after [`SHUTDOWN_GRACE`]), so a client that keeps a connection busy or never
+/// reads its answer holds a slot for a bounded time. Scrapers and probes reconnect.
+pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(60);
 
 /// The bounds of the accept loop.
 #[derive(Clone, Copy, Debug)]
 pub struct ConnectionLimits {
     pub max_connections: usize,
     pub header_read_timeout: Duration,
+    pub max_age: Duration,
 }
 
 impl Default for ConnectionLimits {
@@ -40,6 +46,7 @@ impl Default for ConnectionLimits {
         ConnectionLimits {
             max_connections: MAX_ADMIN_CONNECTIONS,
             header_read_timeout: HEADER_READ_TIMEOUT,
+            max_age: MAX_CONNECTION_AGE,
         }
     }
 }
@@ -66,9 +73,12 @@ pub async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(err) => {
-                    // Out of file descriptors, for instance: try again shortly.
-                    tracing::warn!(%err, "admin server: accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    // A connection that failed before it was accepted: the next one at once.
+                    // Out of file descriptors or memory: try again shortly.
+                    if !is_connection_error(&err) {
+                        tracing::warn!(%err, "admin server: accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
                     continue;
                 }
             },
@@ -87,6 +97,7 @@ pub async fn serve(
             let finished = tokio::select! {
                 result = connection.as_mut() => Some(result),
                 _ = stop.recv() => None,
+                _ = tokio::time::sleep(limits.max_age) => None,
             };
             if finished.is_none() {
                 connection.as_mut().graceful_shutdown();
@@ -99,6 +110,16 @@ pub async fn serve(
     connections.close();
     let _ = tokio::time::timeout(SHUTDOWN_GRACE, connections.wait()).await;
     Ok(())
+}
+
+/// Whether an accept error concerns only the connection being accepted (the peer reset or
+/// aborted it), not the listener's means.
+fn is_connection_error(err: &std::io::Error) -> bool {
+    use std::io::ErrorKind;
+    matches!(
+        err.kind(),
+        ErrorKind::ConnectionRefused | ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset
+    )
 }
 
 #[cfg(test)]
@@ -152,6 +173,7 @@ mod tests {
         let limits = ConnectionLimits {
             max_connections: 4,
             header_read_timeout: Duration::from_millis(200),
+            max_age: Duration::from_secs(60),
         };
         let (address, _metrics, _trigger) = started(limits).await;
         let mut slow = TcpStream::connect(address).await.unwrap();
@@ -168,6 +190,7 @@ mod tests {
         let limits = ConnectionLimits {
             max_connections: 2,
             header_read_timeout: Duration::from_secs(60),
+            max_age: Duration::from_secs(60),
         };
         let (address, metrics, _trigger) = started(limits).await;
         let mut idle = Vec::new();
@@ -198,5 +221,26 @@ mod tests {
             .expect("served once a slot is free")
             .unwrap();
         assert!(answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
+    }
+
+    /// A client that keeps its connection busy (a request every so often, within the header
+    /// timeout) is closed once the connection reaches its age.
+    #[tokio::test]
+    async fn a_kept_alive_connection_ends_at_its_age() {
+        let limits = ConnectionLimits {
+            max_connections: 4,
+            header_read_timeout: Duration::from_secs(60),
+            max_age: Duration::from_millis(300),
+        };
+        let (address, _metrics, _trigger) = started(limits).await;
+        let mut busy = TcpStream::connect(address).await.unwrap();
+        let request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+        busy.write_all(request).await.unwrap();
+        let mut answer = [0u8; 12];
+        busy.read_exact(&mut answer).await.unwrap();
+        assert_eq!(&answer, b"HTTP/1.1 200");
+        // Past its age the server ends the connection after the answer it owes.
+        let rest = until_closed(&mut busy).await;
+        assert!(rest.ends_with(b"ok"), "{rest:?}");
     }
 }
