@@ -7,9 +7,10 @@
 //!
 //! Label cardinality is bounded: at most `max_queue_labels` distinct (vhost, queue) pairs get
 //! their own series. Further queues are counted under the queue label `_other` (and each such
-//! use bumps `dlx_proxy_metric_labels_folded_total`); their depth gauges are not exported, as a
-//! gauge shared by several queues would show whichever was set last. [`Metrics::remove_queue`]
-//! drops a deleted queue's series and frees its slot.
+//! use bumps `dlx_proxy_metric_labels_folded_total`, but for the held-retries gauge of a queue
+//! already on `_other`, which stays there until its held messages are gone); their depth
+//! gauges are not exported, as a gauge shared by several queues would show whichever was set
+//! last. [`Metrics::remove_queue`] drops a deleted queue's series and frees its slot.
 
 use prometheus::{
     Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,

@@ -720,32 +720,40 @@ pub fn check_equivalent(
             current = current.or(Some(&classic));
             received = received.or(Some(&classic));
         }
-        let mut text = String::new();
-        match (current, received) {
-            (None, None) => continue,
-            (Some(c), Some(r)) if equivalent_values(c, r) => continue,
-            (Some(c), Some(r)) => {
-                let _ = write!(
-                    text,
-                    "received {} but current is {}",
-                    describe_value(r),
-                    describe_value(c)
-                );
-            }
-            (c, r) => {
-                let _ = write!(
-                    text,
-                    "received {} but current is {}",
-                    describe_presence(r),
-                    describe_presence(c)
-                );
-            }
+        if let Some(text) = mismatch(current, received) {
+            return Err(format!(
+                "inequivalent arg '{key}' for queue '{queue}' in vhost '{vhost}': {text}"
+            ));
         }
-        return Err(format!(
-            "inequivalent arg '{key}' for queue '{queue}' in vhost '{vhost}': {text}"
-        ));
     }
     Ok(())
+}
+
+/// RabbitMQ's words for one argument that differs on a redeclare (`received ... but current
+/// is ...`), or `None` when both are absent or equivalent.
+pub fn mismatch(current: Option<&AMQPValue>, received: Option<&AMQPValue>) -> Option<String> {
+    let mut text = String::new();
+    match (current, received) {
+        (None, None) => return None,
+        (Some(c), Some(r)) if equivalent_values(c, r) => return None,
+        (Some(c), Some(r)) => {
+            let _ = write!(
+                text,
+                "received {} but current is {}",
+                describe_value(r),
+                describe_value(c)
+            );
+        }
+        (c, r) => {
+            let _ = write!(
+                text,
+                "received {} but current is {}",
+                describe_presence(r),
+                describe_presence(c)
+            );
+        }
+    }
+    Some(text)
 }
 
 /// Retry tiers as a field array of longs (how this service writes `x-retry-delays`).

@@ -88,8 +88,6 @@ impl Index {
         }
     }
 
-    /// Head segments older than `current` with no live message: removed from the index and
-    /// returned, to be deleted.
     /// Whether [`take_deletable`](Self::take_deletable) would return a segment.
     pub fn has_deletable(&self, current: u64) -> bool {
         self.segments
@@ -97,6 +95,8 @@ impl Index {
             .is_some_and(|(&number, &live)| number < current && live == 0)
     }
 
+    /// Head segments older than `current` with no live message: removed from the index and
+    /// returned, to be deleted.
     pub fn take_deletable(&mut self, current: u64) -> Vec<u64> {
         let mut out = Vec::new();
         while let Some((&number, &live)) = self.segments.first_key_value() {

@@ -553,6 +553,20 @@ async fn an_equivalent_redeclare_of_a_predeclared_exchange_is_declare_ok() {
         "{}",
         common::dl::amqp_text(&err)
     );
+    // The alternate exchange is compared too, as RabbitMQ does.
+    let ch = c.create_channel().await.unwrap();
+    let mut with_ae = FieldTable::default();
+    with_ae.insert(s("alternate-exchange"), AMQPValue::LongString("ae".into()));
+    let err = ch
+        .exchange_declare("amq.topic".into(), ExchangeKind::Topic, durable, with_ae)
+        .await
+        .unwrap_err();
+    assert_eq!(common::dl::amqp_code(&err), Some(406));
+    assert_eq!(
+        common::dl::amqp_text(&err),
+        "PRECONDITION_FAILED - inequivalent arg 'alternate-exchange' for exchange 'amq.topic' \
+         in vhost '/': received the value 'ae' of type 'longstr' but current is none"
+    );
     // A new exchange with the prefix is still refused.
     let ch = c.create_channel().await.unwrap();
     let err = ch

@@ -133,6 +133,16 @@ impl Broker {
                     req.name
                 )));
             }
+            // The one argument RabbitMQ compares on an exchange redeclare.
+            let key = "alternate-exchange";
+            if let Some(text) =
+                args::mismatch(x.arguments.inner().get(key), req.arguments.inner().get(key))
+            {
+                return Err(AmqpError::precondition(format!(
+                    "inequivalent arg '{key}' for exchange '{}' in vhost '{vhost}': {text}",
+                    req.name
+                )));
+            }
             return Ok(());
         }
         if req.name.starts_with("amq.") {
