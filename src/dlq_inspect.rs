@@ -167,8 +167,9 @@ struct Walked {
 /// Visits the first `limit` ready messages of `queue` in order with their redelivered flag:
 /// [`WALK_CHUNK`] at a time are taken under the broker lock without reading any content
 /// back; the paged ones among them are read back from storage after the lock is released
-/// (one that is gone meanwhile, consumed, or cannot be read is left out). A queue deleted
-/// (or deleted and declared again) during the walk ends it with what was visited.
+/// (one whose record is gone meanwhile, acknowledged or dropped, or cannot be read is left
+/// out; one delivered and not yet acknowledged is still shown). A queue deleted (or deleted
+/// and declared again) during the walk ends it with what was visited, not at its end.
 fn walk(
     broker: &Broker,
     vhost: &str,
@@ -204,7 +205,12 @@ fn walk(
                 }
                 (Err(err), None) => return Err(err),
                 // Gone, or another queue of that name now.
-                _ => Vec::new(),
+                _ => {
+                    return Ok(Walked {
+                        length: first.map_or(0, |(_, length)| length),
+                        reached_end: false,
+                    });
+                }
             }
         };
         let length = first.map_or(0, |(_, length)| length);

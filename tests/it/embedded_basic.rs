@@ -792,20 +792,58 @@ async fn exchange_declare_and_delete() {
     assert_eq!(amqp_code(&err), Some(404));
 }
 
+/// A queue named after `tag` with `x-single-active-consumer`.
+async fn single_active_consumer_queue(ch: &lapin::Channel, tag: &str) -> String {
+    let q = unique(tag);
+    common::dl::declare(
+        ch,
+        &q,
+        common::dl::table(&[("x-single-active-consumer", AMQPValue::Boolean(true))]),
+    )
+    .await;
+    q
+}
+
+/// The active consumer's channel closes with deliveries unacked and more waiting: its
+/// successor gets the returned ones first, then the rest, in order (as RabbitMQ requeues
+/// before it delivers).
+#[tokio::test]
+async fn a_single_active_consumers_successor_gets_returned_messages_first() {
+    use common::dl::{next, no_delivery, payload};
+    let b = start().await;
+    let (c, ch) = b.channel().await;
+    let q = single_active_consumer_queue(&ch, "sac-order").await;
+    let active = c.create_channel().await.unwrap();
+    active
+        .basic_qos(3, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let mut first = consumer(&active, &q, "first").await;
+    let next_ch = c.create_channel().await.unwrap();
+    let mut second = consumer(&next_ch, &q, "second").await;
+    common::dl::publish(&ch, &q, &["m0", "m1", "m2", "m3", "m4"]).await;
+    for i in 0..3 {
+        assert_eq!(payload(&next(&mut first).await), format!("m{i}"));
+    }
+    no_delivery(&mut second, 200).await;
+    active.close(200, "bye".into()).await.unwrap();
+    let mut got = Vec::new();
+    for _ in 0..5 {
+        let d = next(&mut second).await;
+        got.push((payload(&d), d.redelivered));
+    }
+    let expected: Vec<(String, bool)> = (0..5).map(|i| (format!("m{i}"), i < 3)).collect();
+    assert_eq!(got, expected);
+}
+
 /// `x-single-active-consumer`: only the first registered consumer gets messages while it is
 /// there; cancelled, the next one takes over. A value that is not a bool is RabbitMQ's 406.
 #[tokio::test]
 async fn a_single_active_consumer_queue_delivers_to_one_consumer_at_a_time() {
-    use common::dl::{ack, declare, next, no_delivery, payload, table, try_declare};
+    use common::dl::{ack, next, no_delivery, payload, table, try_declare};
     let b = start().await;
     let (c, ch) = b.channel().await;
-    let q = unique("sac");
-    declare(
-        &ch,
-        &q,
-        table(&[("x-single-active-consumer", AMQPValue::Boolean(true))]),
-    )
-    .await;
+    let q = single_active_consumer_queue(&ch, "sac").await;
     let ch_b = c.create_channel().await.unwrap();
     let mut first = consumer(&ch, &q, "first").await;
     let mut second = consumer(&ch_b, &q, "second").await;

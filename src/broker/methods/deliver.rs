@@ -240,10 +240,17 @@ impl Broker {
         };
         self.metrics.consumers_ended(1);
         let vhost = ch.vhost.clone();
-        self.remove_consumer(&mut st, &vhost, &queue, conn, channel, tag, now);
+        // A cancelled consumer's unacked deliveries stay with its channel (as RabbitMQ): the
+        // next single active consumer takes over what is waiting at once.
+        if self.remove_consumer(&mut st, &vhost, &queue, conn, channel, tag, now) {
+            self.dispatch(&mut st, &vhost, &queue, now);
+        }
         true
     }
 
+    /// Unregisters a consumer; returns whether a single active consumer's successor takes
+    /// over (the caller dispatches the queue once what the leaving channel gives back is
+    /// requeued, so the successor gets the messages in order).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn remove_consumer(
         &self,
@@ -254,22 +261,20 @@ impl Broker {
         channel: u16,
         tag: &str,
         now: u64,
-    ) {
+    ) -> bool {
         let Some(q) = st.queue_mut(vhost, queue) else {
-            return;
+            return false;
         };
         q.consumers
             .retain(|c| !(c.conn == conn && c.channel == channel && c.tag == tag));
         q.last_used = now;
-        // With a single active consumer the next one takes over now, with what is waiting.
         let takes_over = q.args.single_active_consumer && !q.consumers.is_empty();
         if q.consumers.is_empty() && q.auto_delete && q.had_consumer {
             self.delete_queue_locked(st, vhost, queue);
+            false
         } else {
             self.reschedule(st, vhost, queue);
-            if takes_over {
-                self.dispatch(st, vhost, queue, now);
-            }
+            takes_over
         }
     }
 

@@ -134,10 +134,18 @@ impl Broker {
         self.metrics.consumers_ended(ch.consumers.len() as u64);
         let requeue: Vec<Unacked> = ch.unacked.into_values().collect();
         self.release_counters(st, &vhost, &requeue);
+        let mut taken_over = Vec::new();
         for (tag, queue) in &ch.consumers {
-            self.remove_consumer(st, &vhost, queue, conn, channel, tag, now);
+            if self.remove_consumer(st, &vhost, queue, conn, channel, tag, now) {
+                taken_over.push(queue);
+            }
         }
         self.requeue_unacked(st, &vhost, requeue, now);
+        // A single active consumer's successor gets the requeued deliveries first, then what
+        // was waiting (as RabbitMQ requeues, then delivers).
+        for queue in taken_over {
+            self.dispatch(st, &vhost, queue, now);
+        }
     }
 
     /// Closes a connection: all channels, then its exclusive queues.
