@@ -240,23 +240,29 @@ fn segments_rotate_and_head_segments_without_messages_are_deleted() {
 #[test]
 fn segments_emptied_by_unsynced_dead_letter_moves_are_deleted_after_a_sync() {
     let d = dir("move-sync");
-    let (s, _) = Storage::open(options(&d, 200), None).unwrap();
+    // Five messages a segment: six take two segments, and the five short moves fit in the
+    // second, so there are never enough segments for a head rewrite (MIN_SEGMENTS): the
+    // first segment is deleted only because the moves emptied it.
+    let mut one = Vec::new();
+    super::super::record::test_publish(1, 1, &format!("{:040}", 0)).encode(&mut one);
+    let segment_size = one.len() as u64 * 11 / 2;
+    let (s, _) = Storage::open(options(&d, segment_size), None).unwrap();
     s.definitions(queues(&[1, 2]));
-    let ids: Vec<u64> = (0..10)
+    let ids: Vec<u64> = (0..6)
         .map(|i| publish(&s, 1, &format!("{i:040}")))
         .collect();
     let written = s.append_durable(Record::Delivered {
         queue: 1,
-        id: ids[9],
+        id: ids[5],
     });
     assert_eq!(written.blocking_recv(), Ok(true));
     let before = segment::list(&d).unwrap();
-    assert!(before.len() >= 3, "{before:?}");
+    assert_eq!(before.len(), 2, "{before:?}");
     let (fsyncs, _) = s.stats.fsyncs();
-    // Every message moved from queue 1 to queue 2, each in one record with nobody waiting.
-    for (i, id) in ids.iter().enumerate() {
+    // The first five moved from queue 1 to queue 2, each in one record with nobody waiting.
+    for (i, id) in ids[..5].iter().enumerate() {
         let Record::Publish { message, .. } =
-            super::super::record::test_publish(2, 0, &format!("{i:040}"))
+            super::super::record::test_publish(2, 0, &format!("x{i}"))
         else {
             unreachable!("a publish record")
         };
@@ -280,17 +286,18 @@ fn segments_emptied_by_unsynced_dead_letter_moves_are_deleted_after_a_sync() {
         );
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
+    assert_eq!(segment::list(&d).unwrap(), before[1..], "no rotation");
     assert!(
         s.stats.fsyncs().0 > fsyncs,
         "head segments were deleted before the moves that emptied them were synced"
     );
     s.close();
     // Every moved message is in queue 2.
-    let (s, r) = Storage::open(options(&d, 200), None).unwrap();
-    assert_eq!(bodies(&s, &r, 1), Vec::<String>::new());
+    let (s, r) = Storage::open(options(&d, segment_size), None).unwrap();
+    assert_eq!(bodies(&s, &r, 1), vec![format!("{:040}", 5)]);
     assert_eq!(
         bodies(&s, &r, 2),
-        (0..10).map(|i| format!("{i:040}")).collect::<Vec<_>>()
+        (0..5).map(|i| format!("x{i}")).collect::<Vec<_>>()
     );
     s.close();
     std::fs::remove_dir_all(&d).unwrap();
