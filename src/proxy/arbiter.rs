@@ -37,12 +37,12 @@ use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 use super::declare::{CaptureTag, DeclareRewrite, upstream_declare};
 use crate::rabbit::args::{
     ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY, ARG_DELIVERY_LIMIT,
-    EQUIVALENCE_ARGUMENTS, check_equivalent, check_retry_delays_equivalent, describe_presence,
+    MOST_EQUIVALENCE_ARGUMENTS, check_equivalent, check_retry_delays_equivalent, describe_presence,
     describe_value,
 };
 
 /// Most declares one check sends (one per compared argument, and the first).
-pub const MAX_ROUNDS: usize = EQUIVALENCE_ARGUMENTS.len() + 1;
+pub const MAX_ROUNDS: usize = MOST_EQUIVALENCE_ARGUMENTS + 1;
 
 const PRECONDITION_FAILED: u16 = 406;
 

@@ -30,13 +30,13 @@ use super::declare::{CaptureTag, passes_through};
 use super::registry::VerifiedQueue;
 use crate::amqp::reply::NOT_FOUND;
 use crate::rabbit::args::{
-    ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY, EQUIVALENCE_ARGUMENTS,
+    ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_ROUTING_KEY, MOST_EQUIVALENCE_ARGUMENTS,
     parse_queue_arguments,
 };
 
 /// Most declares one read-back sends: the passive one, one per flag and compared argument,
 /// and the last.
-pub const MAX_ROUNDS: usize = 1 + 3 + EQUIVALENCE_ARGUMENTS.len() + 1;
+pub const MAX_ROUNDS: usize = 1 + 3 + MOST_EQUIVALENCE_ARGUMENTS + 1;
 
 /// What a read-back found.
 #[derive(Clone, Debug, PartialEq)]

@@ -43,20 +43,68 @@ pub const ARG_SINGLE_ACTIVE_CONSUMER: &str = "x-single-active-consumer";
 /// Most tiers `x-retry-delays` (and the policy's `retry-delays`) may list.
 pub const MAX_RETRY_TIERS: usize = 32;
 
-/// The x-arguments compared on redeclare, in the order RabbitMQ compares them.
-pub const EQUIVALENCE_ARGUMENTS: [&str; 11] = [
+/// RabbitMQ's 3.10 `x-queue-mode` (classic queues).
+pub const ARG_QUEUE_MODE: &str = "x-queue-mode";
+
+/// The x-arguments compared on redeclare of a classic queue, in the order RabbitMQ 3.10
+/// compares them (the classic queue type's argument list), then this service's
+/// `x-delivery-limit` (RabbitMQ refuses it on classic queues; this service enforces it).
+pub const CLASSIC_EQUIVALENCE_ARGUMENTS: [&str; 13] = [
     ARG_EXPIRES,
     ARG_MESSAGE_TTL,
     ARG_DEAD_LETTER_EXCHANGE,
     ARG_DEAD_LETTER_ROUTING_KEY,
-    ARG_DEAD_LETTER_STRATEGY,
     ARG_MAX_LENGTH,
     ARG_MAX_LENGTH_BYTES,
     ARG_MAX_PRIORITY,
     ARG_OVERFLOW,
+    ARG_QUEUE_MODE,
+    ARG_SINGLE_ACTIVE_CONSUMER,
     ARG_QUEUE_TYPE,
+    "x-queue-master-locator",
     ARG_DELIVERY_LIMIT,
 ];
+
+/// The x-arguments compared on redeclare of a quorum queue, in the order RabbitMQ 3.10
+/// compares them (the quorum queue type's argument list: `x-max-priority` is not in it).
+pub const QUORUM_EQUIVALENCE_ARGUMENTS: [&str; 15] = [
+    ARG_DEAD_LETTER_EXCHANGE,
+    ARG_DEAD_LETTER_ROUTING_KEY,
+    ARG_DEAD_LETTER_STRATEGY,
+    ARG_EXPIRES,
+    ARG_MAX_LENGTH,
+    ARG_MAX_LENGTH_BYTES,
+    "x-max-in-memory-length",
+    "x-max-in-memory-bytes",
+    ARG_OVERFLOW,
+    ARG_SINGLE_ACTIVE_CONSUMER,
+    ARG_QUEUE_TYPE,
+    "x-quorum-initial-group-size",
+    ARG_DELIVERY_LIMIT,
+    ARG_MESSAGE_TTL,
+    "x-queue-leader-locator",
+];
+
+/// The x-arguments RabbitMQ 3.10 takes for stream queues only. With the two lists above they
+/// are the arguments RabbitMQ knows: a queue whose type does not take one is refused at
+/// declare (`invalid arg 'x-max-priority' for queue 'q' in vhost '/' of queue type
+/// rabbit_quorum_queue`); arguments no type knows are accepted and ignored.
+pub const STREAM_ONLY_ARGUMENTS: [&str; 3] = [
+    "x-max-age",
+    "x-stream-max-segment-size-bytes",
+    "x-initial-cluster-size",
+];
+
+/// The most x-arguments one redeclare check compares (the longer of the two lists).
+pub const MOST_EQUIVALENCE_ARGUMENTS: usize = QUORUM_EQUIVALENCE_ARGUMENTS.len();
+
+/// The x-arguments a redeclare compares for an existing queue of `queue_type`, in order.
+pub fn equivalence_arguments(queue_type: QueueType) -> &'static [&'static str] {
+    match queue_type {
+        QueueType::Classic => &CLASSIC_EQUIVALENCE_ARGUMENTS,
+        QueueType::Quorum => &QUORUM_EQUIVALENCE_ARGUMENTS,
+    }
+}
 
 /// The queue types this service implements.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -517,16 +565,44 @@ pub fn parse_queue_arguments(args: &FieldTable) -> Result<QueueArguments, Argume
         parsed.retry_delays = Some(retry_delays_argument(value)?);
     }
 
-    // 4. Arguments the queue type does not take.
+    // 4. Arguments the queue type does not take: the one the proxy owns (the upstream never
+    // sees it on a classic queue); the others in [`check_queue_type_arguments`].
     if parsed.queue_type == QueueType::Classic && table.contains_key(ARG_DEAD_LETTER_STRATEGY) {
-        return Err(ArgumentError {
-            argument: ARG_DEAD_LETTER_STRATEGY.to_string(),
-            detail: QueueType::Classic.rabbit_module().to_string(),
-            kind: ArgumentErrorKind::UnsupportedByQueueType,
-        });
+        return Err(unsupported_by(ARG_DEAD_LETTER_STRATEGY, parsed.queue_type));
     }
 
     Ok(parsed)
+}
+
+fn unsupported_by(argument: &str, queue_type: QueueType) -> ArgumentError {
+    ArgumentError {
+        argument: argument.to_string(),
+        detail: queue_type.rabbit_module().to_string(),
+        kind: ArgumentErrorKind::UnsupportedByQueueType,
+    }
+}
+
+/// The embedded broker's check, after [`parse_queue_arguments`], of the arguments RabbitMQ
+/// 3.10 knows for another queue type only (`x-max-priority` on a quorum queue,
+/// `x-max-in-memory-length` on a classic one, the stream ones on both): 406 `invalid arg
+/// 'x-max-priority' for queue 'q' in vhost '/' of queue type rabbit_quorum_queue`, as
+/// RabbitMQ answers. Arguments no type knows are accepted and ignored. Proxy mode leaves this
+/// to the upstream, whose version decides what its queue types take.
+pub fn check_queue_type_arguments(
+    args: &FieldTable,
+    queue_type: QueueType,
+) -> Result<(), ArgumentError> {
+    let taken = equivalence_arguments(queue_type);
+    let foreign = args.inner().keys().map(|k| k.as_str()).find(|key| {
+        !taken.contains(key)
+            && (CLASSIC_EQUIVALENCE_ARGUMENTS.contains(key)
+                || QUORUM_EQUIVALENCE_ARGUMENTS.contains(key)
+                || STREAM_ONLY_ARGUMENTS.contains(key))
+    });
+    match foreign {
+        Some(key) => Err(unsupported_by(key, queue_type)),
+        None => Ok(()),
+    }
 }
 
 /// A per-message `expiration` property RabbitMQ refuses (channel error 406).
@@ -698,10 +774,11 @@ fn float_value(value: &AMQPValue) -> Option<f64> {
     }
 }
 
-/// RabbitMQ's redeclare check over [`EQUIVALENCE_ARGUMENTS`]: each must be present in both or
-/// in neither, with equal values (an int32 5 equals an int64 5). Other x-arguments are not
-/// compared. An absent `x-queue-type` counts as `"classic"` (as in RabbitMQ 3.11+; 3.10
-/// refused that redeclare).
+/// RabbitMQ's redeclare check over the existing queue's type's list
+/// ([`equivalence_arguments`]; its `x-queue-type` gives the type, absent is classic): each
+/// must be present in both or in neither, with equal values (an int32 5 equals an int64 5).
+/// Other x-arguments are not compared. An absent `x-queue-type` counts as `"classic"` (as in
+/// RabbitMQ 3.11+; 3.10 refused that redeclare).
 ///
 /// `Err` holds the reply text after `PRECONDITION_FAILED - `, e.g. `inequivalent arg
 /// 'x-dead-letter-exchange' for queue 'q' in vhost '/': received none but current is the
@@ -713,7 +790,13 @@ pub fn check_equivalent(
     vhost: &str,
 ) -> Result<(), String> {
     let classic = AMQPValue::LongString(QueueType::Classic.as_str().into());
-    for key in EQUIVALENCE_ARGUMENTS {
+    let quorum = AMQPValue::LongString(QueueType::Quorum.as_str().into());
+    let existing_type = if existing.inner().get(ARG_QUEUE_TYPE) == Some(&quorum) {
+        QueueType::Quorum
+    } else {
+        QueueType::Classic
+    };
+    for &key in equivalence_arguments(existing_type) {
         let mut current = existing.inner().get(key);
         let mut received = requested.inner().get(key);
         if key == ARG_QUEUE_TYPE {

@@ -207,6 +207,64 @@ async fn redeclare_inequivalent_dead_letter_arguments_is_406() {
     .await;
 }
 
+/// The other arguments RabbitMQ 3.10 compares on redeclare, in the existing queue's type's
+/// order (texts as RabbitMQ 3.10.8 answered them): `x-single-active-consumer` and
+/// `x-queue-mode` on a classic queue; on a quorum queue `x-delivery-limit` before
+/// `x-message-ttl`, and `x-max-priority` not at all (a new quorum queue refuses it).
+#[tokio::test]
+async fn redeclare_compares_the_queue_types_arguments_in_rabbitmqs_order() {
+    let b = start().await;
+    let (_c, ch) = b.channel().await;
+    let redeclare = |q: &'static str, args: FieldTable| declare_err(&b, q, args);
+    let sac = |on: bool| ("x-single-active-consumer", AMQPValue::Boolean(on));
+    declare_durable(&ch, "s1", table(&[sac(true)])).await;
+    assert_eq!(
+        redeclare("s1", table(&[sac(false)])).await,
+        precondition(
+            "inequivalent arg 'x-single-active-consumer' for queue 's1' in vhost '/': received 'false' but current is 'true'"
+        )
+    );
+    assert_eq!(
+        redeclare("s1", table(&[])).await,
+        precondition(
+            "inequivalent arg 'x-single-active-consumer' for queue 's1' in vhost '/': received none but current is the value 'true' of type 'bool'"
+        )
+    );
+    declare_durable(&ch, "s5", table(&[("x-queue-mode", ls("lazy"))])).await;
+    assert_eq!(
+        redeclare("s5", table(&[])).await,
+        precondition(
+            "inequivalent arg 'x-queue-mode' for queue 's5' in vhost '/': received none but current is the value 'lazy' of type 'longstr'"
+        )
+    );
+
+    let quorum = || ("x-queue-type", ls("quorum"));
+    let limited = || {
+        vec![
+            quorum(),
+            ("x-message-ttl", int(5)),
+            ("x-delivery-limit", int(3)),
+        ]
+    };
+    declare_durable(&ch, "qq", table(&limited())).await;
+    assert_eq!(
+        redeclare("qq", table(&[quorum()])).await,
+        precondition(
+            "inequivalent arg 'x-delivery-limit' for queue 'qq' in vhost '/': received none but current is the value '3' of type 'signedint'"
+        )
+    );
+    let mut with_priority = limited();
+    with_priority.push(("x-max-priority", int(4)));
+    declare_durable(&ch, "qq", table(&with_priority)).await;
+    // A new quorum queue does not take it at all.
+    assert_eq!(
+        declare_err(&b, "qp", table(&[quorum(), ("x-max-priority", int(3))])).await,
+        precondition(
+            "invalid arg 'x-max-priority' for queue 'qp' in vhost '/' of queue type rabbit_quorum_queue"
+        )
+    );
+}
+
 fn limited_user() -> UserConfig {
     UserConfig {
         name: "limited".into(),

@@ -338,12 +338,17 @@ impl Broker {
                 "queue name '{name}' contains reserved prefix 'amq.*'"
             )));
         }
-        let parsed = args::parse_queue_arguments(req.arguments).map_err(|e| {
-            AmqpError::precondition(
-                e.reply_text(&name, vhost)
-                    .trim_start_matches("PRECONDITION_FAILED - "),
-            )
-        })?;
+        let parsed = args::parse_queue_arguments(req.arguments)
+            .and_then(|parsed| {
+                args::check_queue_type_arguments(req.arguments, parsed.queue_type)?;
+                Ok(parsed)
+            })
+            .map_err(|e| {
+                AmqpError::precondition(
+                    e.reply_text(&name, vhost)
+                        .trim_start_matches("PRECONDITION_FAILED - "),
+                )
+            })?;
         if parsed.queue_type == QueueType::Quorum {
             let bad = if !req.durable {
                 Some("non-durable")

@@ -15,10 +15,38 @@ fn s(text: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(text))
 }
 
+/// The embedded broker's declare check: the parse, then the queue type's arguments.
 fn err_text(entries: &[(&str, AMQPValue)]) -> String {
-    parse_queue_arguments(&table(entries))
+    let args = table(entries);
+    parse_queue_arguments(&args)
+        .and_then(|parsed| check_queue_type_arguments(&args, parsed.queue_type))
         .unwrap_err()
         .reply_text("q", "/")
+}
+
+/// Arguments no queue type knows, and ones the queue's own type takes, are accepted (RabbitMQ
+/// 3.10.8 accepted these); so is this service's `x-delivery-limit` on a classic queue.
+#[test]
+fn arguments_of_the_queues_own_type_or_of_none_are_accepted() {
+    for entries in [
+        vec![("x-ha-policy", s("all")), ("x-queue-mode", s("lazy"))],
+        vec![("x-queue-master-locator", s("client-local"))],
+        vec![("x-delivery-limit", AMQPValue::LongInt(3))],
+        vec![
+            ("x-queue-type", s("quorum")),
+            ("x-max-in-memory-length", AMQPValue::LongInt(5)),
+            ("x-quorum-initial-group-size", AMQPValue::LongInt(3)),
+            ("x-queue-leader-locator", s("client-local")),
+        ],
+    ] {
+        let args = table(&entries);
+        let parsed = parse_queue_arguments(&args).expect("parsed");
+        assert_eq!(
+            check_queue_type_arguments(&args, parsed.queue_type),
+            Ok(()),
+            "{entries:?}"
+        );
+    }
 }
 
 #[test]
@@ -193,6 +221,30 @@ fn reference_texts_for_invalid_arguments() {
                 ("x-dead-letter-strategy", AMQPValue::Boolean(true)),
             ],
             "invalid arg 'x-dead-letter-strategy' for queue 'q' in vhost '/': {unacceptable_type,bool}",
+        ),
+        // RabbitMQ 3.10.8's answers for an argument of another queue type.
+        (
+            vec![
+                ("x-queue-type", s("quorum")),
+                ("x-max-priority", AMQPValue::LongInt(3)),
+            ],
+            "invalid arg 'x-max-priority' for queue 'q' in vhost '/' of queue type rabbit_quorum_queue",
+        ),
+        (
+            vec![("x-queue-type", s("quorum")), ("x-queue-mode", s("lazy"))],
+            "invalid arg 'x-queue-mode' for queue 'q' in vhost '/' of queue type rabbit_quorum_queue",
+        ),
+        (
+            vec![("x-queue-type", s("quorum")), ("x-max-age", s("1D"))],
+            "invalid arg 'x-max-age' for queue 'q' in vhost '/' of queue type rabbit_quorum_queue",
+        ),
+        (
+            vec![("x-max-in-memory-length", AMQPValue::LongInt(5))],
+            "invalid arg 'x-max-in-memory-length' for queue 'q' in vhost '/' of queue type rabbit_classic_queue",
+        ),
+        (
+            vec![("x-queue-leader-locator", s("client-local"))],
+            "invalid arg 'x-queue-leader-locator' for queue 'q' in vhost '/' of queue type rabbit_classic_queue",
         ),
         (
             vec![("x-queue-type", AMQPValue::LongInt(1))],
@@ -465,17 +517,83 @@ fn equivalence_different_type_classes_differ() {
 
 #[test]
 fn equivalence_covers_every_listed_argument() {
-    for key in EQUIVALENCE_ARGUMENTS {
-        if key == ARG_QUEUE_TYPE {
-            continue;
+    for (queue_type, keys) in [
+        ("classic", &CLASSIC_EQUIVALENCE_ARGUMENTS[..]),
+        ("quorum", &QUORUM_EQUIVALENCE_ARGUMENTS[..]),
+    ] {
+        for &key in keys {
+            if key == ARG_QUEUE_TYPE {
+                continue;
+            }
+            let current = table(&[
+                (key, AMQPValue::LongInt(1)),
+                ("x-queue-type", s(queue_type)),
+            ]);
+            let requested = table(&[("x-queue-type", s(queue_type))]);
+            let err = check_equivalent(&current, &requested, "q", "/").unwrap_err();
+            assert!(
+                err.starts_with(&format!("inequivalent arg '{key}'")),
+                "{err}"
+            );
         }
-        let current = table(&[(key, AMQPValue::LongInt(1))]);
-        let err = check_equivalent(&current, &FieldTable::default(), "q", "/").unwrap_err();
-        assert!(
-            err.starts_with(&format!("inequivalent arg '{key}'")),
-            "{err}"
-        );
     }
+}
+
+/// The texts RabbitMQ 3.10.8 answered for these redeclares.
+#[test]
+fn equivalence_compares_single_active_consumer_and_the_queue_mode() {
+    let on = table(&[("x-single-active-consumer", AMQPValue::Boolean(true))]);
+    let off = table(&[("x-single-active-consumer", AMQPValue::Boolean(false))]);
+    let none = FieldTable::default();
+    assert_eq!(
+        check_equivalent(&on, &off, "s1", "/").unwrap_err(),
+        "inequivalent arg 'x-single-active-consumer' for queue 's1' in vhost '/': received 'false' but current is 'true'"
+    );
+    assert_eq!(
+        check_equivalent(&on, &none, "s2", "/").unwrap_err(),
+        "inequivalent arg 'x-single-active-consumer' for queue 's2' in vhost '/': received none but current is the value 'true' of type 'bool'"
+    );
+    assert_eq!(
+        check_equivalent(&none, &off, "s3", "/").unwrap_err(),
+        "inequivalent arg 'x-single-active-consumer' for queue 's3' in vhost '/': received the value 'false' of type 'bool' but current is none"
+    );
+    let lazy = table(&[("x-queue-mode", s("lazy"))]);
+    assert_eq!(
+        check_equivalent(&lazy, &none, "s5", "/").unwrap_err(),
+        "inequivalent arg 'x-queue-mode' for queue 's5' in vhost '/': received none but current is the value 'lazy' of type 'longstr'"
+    );
+    // An argument no queue type compares is not compared.
+    let ha = table(&[("x-ha-policy", s("all"))]);
+    assert_eq!(check_equivalent(&ha, &none, "q", "/"), Ok(()));
+}
+
+/// A quorum queue is compared over the quorum list, in its order, as RabbitMQ 3.10.8 does.
+#[test]
+fn equivalence_of_a_quorum_queue_follows_the_quorum_list() {
+    let quorum = || ("x-queue-type", s("quorum"));
+    let current = table(&[
+        quorum(),
+        ("x-message-ttl", AMQPValue::LongInt(5)),
+        ("x-delivery-limit", AMQPValue::LongInt(3)),
+    ]);
+    let requested = table(&[quorum()]);
+    assert_eq!(
+        check_equivalent(&current, &requested, "q", "/").unwrap_err(),
+        "inequivalent arg 'x-delivery-limit' for queue 'q' in vhost '/': received none but current is the value '3' of type 'signedint'"
+    );
+    // Not in the quorum list: a quorum queue is redeclared with it (RabbitMQ: declare-ok).
+    let with_priority = table(&[quorum(), ("x-max-priority", AMQPValue::LongInt(3))]);
+    assert_eq!(
+        check_equivalent(&requested, &with_priority, "q", "/"),
+        Ok(())
+    );
+    // The dead-letter exchange comes before the queue type in the quorum list.
+    let with_dlx = table(&[quorum(), ("x-dead-letter-exchange", s("d"))]);
+    let classic = table(&[("x-queue-type", s("classic"))]);
+    assert_eq!(
+        check_equivalent(&with_dlx, &classic, "b1", "/").unwrap_err(),
+        "inequivalent arg 'x-dead-letter-exchange' for queue 'b1' in vhost '/': received none but current is the value 'd' of type 'longstr'"
+    );
 }
 
 #[test]
