@@ -111,6 +111,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "storage_page_ins_total",
     "storage_page_in_reads_total",
     "storage_page_in_failures_total",
+    "storage_page_in_retries_total",
     "disk_alarm",
     "disk_free_bytes",
     "disk_free_limit_bytes",
@@ -361,6 +362,7 @@ pub struct Metrics {
     page_ins: IntCounter,
     page_in_reads: IntCounter,
     page_in_failures: IntCounter,
+    page_in_retries: IntCounter,
     disk_alarm: IntGauge,
     disk_free: IntGauge,
     disk_free_limit: IntGauge,
@@ -850,6 +852,11 @@ impl Metrics {
             page_in_failures: b.counter(
                 "storage_page_in_failures_total",
                 "Paged-out messages whose content could not be read back (lost: disk fault).",
+            )?,
+            page_in_retries: b.counter(
+                "storage_page_in_retries_total",
+                "Reads of paged-out messages that failed with an error that may pass (too many \
+                 open files, I/O); the message stays queued and is read again.",
             )?,
             disk_alarm: b.gauge(
                 "disk_alarm",
@@ -1445,6 +1452,7 @@ impl Metrics {
             (&self.page_ins, s.page_ins),
             (&self.page_in_reads, s.page_in_reads),
             (&self.page_in_failures, s.page_in_failures),
+            (&self.page_in_retries, s.page_in_retries),
         ] {
             counter.inc_by(total.saturating_sub(counter.get()));
         }

@@ -55,6 +55,35 @@ pub struct Paging {
     reads: AtomicU64,
     /// Messages whose content could not be read back (lost: disk fault).
     failures: AtomicU64,
+    /// Reads that failed with an error that may pass; the message stays queued.
+    retries: AtomicU64,
+}
+
+/// Failed reads of one message before it counts as lost (the waits between them
+/// double from [`READ_RETRY_FIRST_MS`]: about 25 s in all).
+pub const READ_ATTEMPTS: u32 = 9;
+
+/// The wait after the first failed read of a paged message.
+pub const READ_RETRY_FIRST_MS: u64 = 100;
+
+/// Why a paged message's content was not read back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadFailure {
+    /// The record is gone or damaged: it will never be read.
+    Permanent,
+    /// An error that may pass (too many open files, an I/O error): try again later.
+    Transient,
+}
+
+/// Whether a read error can pass: a missing or damaged record cannot.
+pub fn read_failure(error: &std::io::Error) -> ReadFailure {
+    use std::io::ErrorKind;
+    match error.kind() {
+        ErrorKind::NotFound | ErrorKind::InvalidData | ErrorKind::UnexpectedEof => {
+            ReadFailure::Permanent
+        }
+        _ => ReadFailure::Transient,
+    }
 }
 
 impl std::fmt::Debug for Paging {
@@ -77,6 +106,7 @@ pub struct PagingStats {
     pub page_ins: u64,
     pub page_in_reads: u64,
     pub page_in_failures: u64,
+    pub page_in_retries: u64,
 }
 
 impl Paging {
@@ -91,6 +121,7 @@ impl Paging {
             page_ins: AtomicU64::new(0),
             reads: AtomicU64::new(0),
             failures: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
         })
     }
 
@@ -145,20 +176,26 @@ impl Paging {
         self.store.written(ids)
     }
 
-    /// Reads the content of message `id` back (`None`, logged and counted, when it cannot
-    /// be read: the message is lost).
-    pub(super) fn read(&self, id: u64) -> Option<Arc<Message>> {
+    /// Reads the content of message `id` back. A failure is logged; `last_try` says the
+    /// caller gives up after this one (the message is lost and counted as such).
+    pub(super) fn read(&self, id: u64, last_try: bool) -> Result<Arc<Message>, ReadFailure> {
         match self.store.read(id) {
             Ok(back) => {
                 self.page_ins.fetch_add(1, Ordering::Relaxed);
                 self.reads
                     .fetch_add(u64::from(back.read), Ordering::Relaxed);
-                Some(back.message)
+                Ok(back.message)
             }
             Err(e) => {
-                self.failures.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(message_id = id, error = %e, "a paged-out message could not be read back from the log; it is lost");
-                None
+                let failure = read_failure(&e);
+                if failure == ReadFailure::Permanent || last_try {
+                    self.failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(message_id = id, error = %e, "a paged-out message could not be read back from the log; it is lost");
+                    return Err(ReadFailure::Permanent);
+                }
+                self.retries.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(message_id = id, error = %e, "a paged-out message could not be read back from the log; it stays queued and is read again later");
+                Err(failure)
             }
         }
     }
@@ -174,6 +211,7 @@ impl Paging {
             page_ins: load(&self.page_ins),
             page_in_reads: load(&self.reads),
             page_in_failures: load(&self.failures),
+            page_in_retries: load(&self.retries),
         }
     }
 }
@@ -197,6 +235,8 @@ pub(crate) mod test_store {
         pub messages: Mutex<HashMap<u64, Arc<Message>>>,
         /// Ids whose record is not written yet.
         pub unwritten: Mutex<std::collections::HashSet<u64>>,
+        /// Ids whose reads fail with an error that may pass (as too many open files).
+        pub failing: Mutex<std::collections::HashSet<u64>>,
         pub reads: AtomicU64,
     }
 
@@ -216,9 +256,12 @@ pub(crate) mod test_store {
         }
         fn read(&self, id: u64) -> std::io::Result<PagedIn> {
             self.reads.fetch_add(1, Ordering::Relaxed);
+            if self.failing.lock().unwrap().contains(&id) {
+                return Err(std::io::Error::from_raw_os_error(24));
+            }
             // A copy, as a read from disk makes (not the allocation that was paged out).
             let m = self.messages.lock().unwrap().get(&id).cloned();
-            let m = m.ok_or_else(|| std::io::Error::other("gone"))?;
+            let m = m.ok_or_else(|| std::io::Error::from(std::io::ErrorKind::NotFound))?;
             let keys: Vec<&str> = m.routing_keys().collect();
             Ok(PagedIn {
                 message: Arc::new(Message::new(

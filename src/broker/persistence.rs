@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use super::message::Message;
 use super::methods::{ExchangeDeclare, QueueDeclare};
-use super::paging::Paging;
+use super::paging::{Paging, ReadFailure};
 use super::retry_hold::HeldMessage;
 use super::routing::Destination;
 use super::vhost::Queue;
@@ -312,19 +312,26 @@ impl Broker {
                 for m in messages {
                     // Held for a retry tier: held again until its due time (at once if past).
                     // Held messages are kept whole (never paged): read back now; one that
-                    // cannot be read is lost (logged and counted by the paging account).
+                    // cannot be read for good is lost (logged and counted by the paging
+                    // account), one that cannot be read now joins the queue paged (back
+                    // before its due time rather than lost).
                     if let Some(until) = m.held_until {
-                        let Some(message) = paging.read(m.id) else {
-                            unreadable.push((queue_id, m.id));
-                            continue;
-                        };
-                        let message = HeldMessage {
-                            message,
-                            store_id: Some(m.id),
-                        };
-                        q.retry_hold.hold(self.broker_ms(until), message);
-                        held += 1;
-                        continue;
+                        match paging.read(m.id, false) {
+                            Ok(message) => {
+                                let message = HeldMessage {
+                                    message,
+                                    store_id: Some(m.id),
+                                };
+                                q.retry_hold.hold(self.broker_ms(until), message);
+                                held += 1;
+                                continue;
+                            }
+                            Err(ReadFailure::Permanent) => {
+                                unreadable.push((queue_id, m.id));
+                                continue;
+                            }
+                            Err(ReadFailure::Transient) => {}
+                        }
                     }
                     // Its TTL counts from when it entered the queue, before the restart.
                     let entered = m.at.map_or(now, |at| self.broker_ms(at).min(now));

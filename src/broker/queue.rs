@@ -15,8 +15,12 @@
 //! Paging ([`super::paging`]): in a queue that can page, a message with a record in the log
 //! may be held without its content (a paged slot). Everything that takes a message out of the
 //! queue (delivery, death, inspection) reads its content back first, so callers only ever see
-//! whole [`QueuedMessage`]s; a message whose content cannot be read back is lost (counted in
-//! [`QueueState::take_lost`] for its removal record). Which messages page out: the newest
+//! whole [`QueuedMessage`]s. A read that fails with an error that may pass leaves the slot
+//! where it was: delivery stops at it, an expiry or drop-head waits for it, and
+//! [`QueueState::retry_read`] (the queue's timer, at [`QueueState::next_read_retry`]) reads it
+//! again with doubling waits. A message whose content cannot be read back for good (or
+//! after [`READ_ATTEMPTS`] reads) is lost (counted in [`QueueState::take_lost`] for its
+//! removal record). Which messages page out: the newest
 //! resident ones with a written record, while the resident content of all queues is over the
 //! budget (`candidates` lists them without walking the queue).
 
@@ -24,7 +28,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::message::{Message, PagedMeta, QueuedMessage};
-use super::paging::Paging;
+use super::paging::{Paging, READ_ATTEMPTS, READ_RETRY_FIRST_MS, ReadFailure};
 use crate::deadletter::DeadLetterReason;
 use crate::rabbit::args::Overflow;
 
@@ -121,6 +125,12 @@ impl Slot {
             Slot::Paged(p) => p.expires_at,
         }
     }
+    fn delivery_count(&self) -> u32 {
+        match self {
+            Slot::Resident(e) => e.delivery_count,
+            Slot::Paged(p) => p.delivery_count,
+        }
+    }
     fn ttl_exempt(&self) -> bool {
         match self {
             Slot::Resident(e) => e.ttl_exempt,
@@ -160,6 +170,28 @@ pub struct QueueState {
     grown: u64,
     /// Message ids whose content could not be read back (lost), for their removal record.
     lost: Vec<u64>,
+    /// A paged message whose read failed with an error that may pass: it stays queued and
+    /// is read again at `at` (module comment).
+    read_retry: Option<ReadRetry>,
+}
+
+/// The next read of a paged message whose last read failed transiently.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ReadRetry {
+    store_id: u64,
+    /// Failed reads so far.
+    failures: u32,
+    /// Broker milliseconds of the next read.
+    at: u64,
+}
+
+/// What reading a slot's content back gave.
+enum PageIn {
+    Whole(QueuedMessage),
+    /// Unreadable for good: counted lost.
+    Lost,
+    /// Not readable now: the slot, to be put back where it was.
+    Later(Slot),
 }
 
 impl Drop for QueueState {
@@ -271,7 +303,10 @@ impl QueueState {
                 if self.refuses_len(slot.body_len()) =>
             {
                 if self.limits.overflow == Overflow::RejectPublishDlx {
-                    self.kill(slot, DeadLetterReason::MaxLen, deaths);
+                    // A published slot is resident: its content is at hand.
+                    if let Some(kept) = self.kill(slot, DeadLetterReason::MaxLen, now, deaths) {
+                        self.push_back(kept);
+                    }
                     return PublishOutcome::RejectedDeadLettered;
                 }
                 PublishOutcome::Rejected
@@ -279,7 +314,7 @@ impl QueueState {
             _ => {
                 self.push_back(slot);
                 self.expire(now, deaths);
-                self.drop_head_over_limit(deaths);
+                self.drop_head_over_limit(now, deaths);
                 PublishOutcome::Accepted
             }
         }
@@ -295,15 +330,14 @@ impl QueueState {
         now: u64,
         deaths: &mut Vec<Death>,
     ) -> PublishOutcome {
-        if self.over_delivery_limit(entry.delivery_count) {
-            self.kill(
-                Slot::Resident(entry),
-                DeadLetterReason::DeliveryLimit,
-                deaths,
-            );
-            return PublishOutcome::Accepted;
+        let mut slot = Slot::Resident(entry);
+        if self.over_delivery_limit(slot.delivery_count()) {
+            match self.kill(slot, DeadLetterReason::DeliveryLimit, now, deaths) {
+                None => return PublishOutcome::Accepted,
+                Some(kept) => slot = kept,
+            }
         }
-        self.restore_slot(Slot::Resident(entry), now, deaths);
+        self.restore_slot(slot, now, deaths);
         self.page_out_over_budget();
         PublishOutcome::Accepted
     }
@@ -315,7 +349,7 @@ impl QueueState {
     fn restore_slot(&mut self, slot: Slot, now: u64, deaths: &mut Vec<Death>) {
         self.push_back(slot);
         self.expire(now, deaths);
-        self.drop_head_over_limit(deaths);
+        self.drop_head_over_limit(now, deaths);
     }
 
     /// Puts back a message recovered from storage without its content (paged: read back
@@ -343,10 +377,15 @@ impl QueueState {
             body_len: meta.body_len,
             expiration_ms: meta.expiration_ms,
         });
-        if self.over_delivery_limit(deliveries) {
-            self.kill(slot, DeadLetterReason::DeliveryLimit, deaths);
-            return;
-        }
+        let slot = if self.over_delivery_limit(deliveries) {
+            // Kept when its content cannot be read now (delivered once more, not lost).
+            match self.kill(slot, DeadLetterReason::DeliveryLimit, entered, deaths) {
+                None => return,
+                Some(kept) => kept,
+            }
+        } else {
+            slot
+        };
         self.restore_slot(slot, entered, deaths);
     }
 
@@ -378,14 +417,17 @@ impl QueueState {
                 .is_some_and(|max| self.ready_bytes > max)
     }
 
-    fn drop_head_over_limit(&mut self, deaths: &mut Vec<Death>) {
+    /// Under drop-head, dead-letters the head while the queue is over its limit. A head whose
+    /// content cannot be read now stays, the queue over its limit until it can be.
+    fn drop_head_over_limit(&mut self, now: u64, deaths: &mut Vec<Death>) {
         if self.limits.overflow != Overflow::DropHead {
             return;
         }
         while self.over_limit() {
-            match self.pop_front() {
-                Some(slot) => self.kill(slot, DeadLetterReason::MaxLen, deaths),
-                None => break,
+            let Some(slot) = self.pop_front() else { break };
+            if let Some(kept) = self.kill(slot, DeadLetterReason::MaxLen, now, deaths) {
+                self.put_back(0, kept);
+                break;
             }
         }
     }
@@ -406,7 +448,11 @@ impl QueueState {
             if let Some(slot) = self.ready.remove(at) {
                 self.ready_bytes -= slot.body_len();
                 self.note_out(&slot);
-                self.kill(slot, DeadLetterReason::Expired, deaths);
+                if let Some(kept) = self.kill(slot, DeadLetterReason::Expired, now, deaths) {
+                    // Its content cannot be read now: it dies when it can be.
+                    self.put_back(at, kept);
+                    break;
+                }
             }
         }
         self.forget_stale_candidates();
@@ -425,10 +471,63 @@ impl QueueState {
         self.exempt_prefix
     }
 
-    /// When the first message that can expire does (the only deadline a timer needs).
+    /// When the first message that can expire does (the only deadline a timer needs); not
+    /// before the next read of its content when that failed.
     pub fn next_expiry(&mut self) -> Option<u64> {
         let at = self.first_expirable();
-        self.ready.get(at).and_then(Slot::expires_at)
+        let slot = self.ready.get(at)?;
+        let expires = slot.expires_at()?;
+        Some(match (self.read_retry, slot) {
+            (Some(retry), Slot::Paged(p)) if p.store_id == retry.store_id => expires.max(retry.at),
+            _ => expires,
+        })
+    }
+
+    /// When a paged message whose read failed is read again ([`QueueState::retry_read`]).
+    pub fn next_read_retry(&self) -> Option<u64> {
+        self.read_retry.map(|retry| retry.at)
+    }
+
+    /// The timer's step for a paged message whose read failed: reads it again when due and
+    /// keeps its content in memory (so the next delivery or death has it), then applies what
+    /// waited for it (expiry, drop-head). Forgets the retry when the message left the queue.
+    /// Returns whether the message was read (or given up): consumers may take it now.
+    pub fn retry_read(&mut self, now: u64, deaths: &mut Vec<Death>) -> bool {
+        let Some(retry) = self.read_retry.filter(|retry| retry.at <= now) else {
+            return false;
+        };
+        let Some(at) = self
+            .ready
+            .iter()
+            .position(|slot| matches!(slot, Slot::Paged(p) if p.store_id == retry.store_id))
+        else {
+            self.read_retry = None;
+            return false;
+        };
+        let Some(slot) = self.ready.remove(at) else {
+            return false;
+        };
+        self.ready_bytes -= slot.body_len();
+        self.note_out(&slot);
+        let read = match self.page_in(slot, now) {
+            PageIn::Whole(entry) => {
+                self.put_back(at, Slot::Resident(entry));
+                true
+            }
+            PageIn::Later(slot) => {
+                self.put_back(at, slot);
+                false
+            }
+            PageIn::Lost => {
+                if at < self.exempt_prefix {
+                    self.exempt_prefix -= 1;
+                }
+                true
+            }
+        };
+        self.expire(now, deaths);
+        self.drop_head_over_limit(now, deaths);
+        read
     }
 
     /// Takes the head for delivery, expiring dead heads first (its content read back when it
@@ -437,8 +536,14 @@ impl QueueState {
         self.expire(now, deaths);
         loop {
             let slot = self.pop_front()?;
-            if let Some(entry) = self.page_in(slot) {
-                return Some(entry);
+            match self.page_in(slot, now) {
+                PageIn::Whole(entry) => return Some(entry),
+                PageIn::Lost => {}
+                PageIn::Later(slot) => {
+                    // Delivered once it can be read ([`QueueState::retry_read`]).
+                    self.put_back(0, slot);
+                    return None;
+                }
             }
         }
     }
@@ -456,29 +561,18 @@ impl QueueState {
         for mut entry in entries {
             entry.delivery_count = entry.delivery_count.saturating_add(1);
             entry.redelivered = true;
-            if self.over_delivery_limit(entry.delivery_count) {
-                self.kill(
-                    Slot::Resident(entry),
-                    DeadLetterReason::DeliveryLimit,
-                    deaths,
-                );
-                continue;
-            }
-            let pos = self.ready.partition_point(|e| e.seq() < entry.seq);
-            if pos <= self.exempt_prefix {
-                if entry.ttl_exempt {
-                    self.exempt_prefix += 1;
-                } else {
-                    self.exempt_prefix = pos;
+            let mut slot = Slot::Resident(entry);
+            if self.over_delivery_limit(slot.delivery_count()) {
+                match self.kill(slot, DeadLetterReason::DeliveryLimit, now, deaths) {
+                    None => continue,
+                    Some(kept) => slot = kept,
                 }
             }
-            self.ready_bytes += entry.body_len();
-            let slot = Slot::Resident(entry);
-            self.note_in(&slot);
-            self.ready.insert(pos, slot);
+            let pos = self.ready.partition_point(|e| e.seq() < slot.seq());
+            self.put_back(pos, slot);
         }
         self.expire(now, deaths);
-        self.drop_head_over_limit(deaths);
+        self.drop_head_over_limit(now, deaths);
     }
 
     /// Applies new limits (a policy change) to the messages already queued.
@@ -501,7 +595,7 @@ impl QueueState {
             self.ready = ready;
         }
         self.expire(now, deaths);
-        self.drop_head_over_limit(deaths);
+        self.drop_head_over_limit(now, deaths);
     }
 
     /// Removes every ready message without dead-lettering (queue.purge, queue.delete).
@@ -512,6 +606,7 @@ impl QueueState {
         self.candidates.clear();
         self.ready_bytes = 0;
         self.exempt_prefix = 0;
+        self.read_retry = None;
         n
     }
 
@@ -530,7 +625,7 @@ impl QueueState {
         self.ready.iter().filter_map(|slot| match slot {
             Slot::Resident(e) => Some(e.clone()),
             Slot::Paged(p) => {
-                let message = self.paging.as_ref()?.read(p.store_id)?;
+                let message = self.paging.as_ref()?.read(p.store_id, false).ok()?;
                 Some(p.with(message))
             }
         })
@@ -551,7 +646,7 @@ impl QueueState {
             Slot::Paged(p) => self
                 .paging
                 .as_ref()
-                .and_then(|paging| paging.read(p.store_id))
+                .and_then(|paging| paging.read(p.store_id, false).ok())
                 .map(|message| p.with(message))
                 .ok_or(p.seq),
         })
@@ -672,31 +767,76 @@ impl QueueState {
     }
 
     /// The single place a message dies in a queue (its content read back first; one that
-    /// cannot be read is lost, not dead-lettered).
-    fn kill(&mut self, slot: Slot, reason: DeadLetterReason, deaths: &mut Vec<Death>) {
-        if let Some(entry) = self.page_in(slot) {
-            deaths.push(Death { entry, reason });
+    /// cannot be read for good is lost, not dead-lettered). `Some`: its content cannot be
+    /// read now, and the caller puts the slot back (it dies when it can be read).
+    fn kill(
+        &mut self,
+        slot: Slot,
+        reason: DeadLetterReason,
+        now: u64,
+        deaths: &mut Vec<Death>,
+    ) -> Option<Slot> {
+        match self.page_in(slot, now) {
+            PageIn::Whole(entry) => {
+                deaths.push(Death { entry, reason });
+                None
+            }
+            PageIn::Lost => None,
+            PageIn::Later(slot) => Some(slot),
         }
     }
 
-    /// The whole message of a slot that left the queue.
-    fn page_in(&mut self, slot: Slot) -> Option<QueuedMessage> {
-        match slot {
-            Slot::Resident(e) => Some(e),
-            Slot::Paged(p) => {
-                match self
-                    .paging
-                    .as_ref()
-                    .and_then(|paging| paging.read(p.store_id))
-                {
-                    Some(message) => Some(p.with(message)),
-                    None => {
-                        self.lost.push(p.store_id);
-                        None
-                    }
-                }
+    /// The whole message of a slot that left the queue. A read that fails with an error that
+    /// may pass gives the slot back and sets when it is read again (doubling waits, then lost
+    /// after [`READ_ATTEMPTS`] failures); before then it is not read at all.
+    fn page_in(&mut self, slot: Slot, now: u64) -> PageIn {
+        let p = match slot {
+            Slot::Resident(e) => return PageIn::Whole(e),
+            Slot::Paged(p) => p,
+        };
+        let pending = self.read_retry.filter(|retry| retry.store_id == p.store_id);
+        if pending.is_some_and(|retry| now < retry.at) {
+            return PageIn::Later(Slot::Paged(p));
+        }
+        let failures = pending.map_or(0, |retry| retry.failures);
+        let Some(paging) = self.paging.clone() else {
+            self.lost.push(p.store_id);
+            return PageIn::Lost;
+        };
+        let read = paging.read(p.store_id, failures + 1 >= READ_ATTEMPTS);
+        if pending.is_some() {
+            self.read_retry = None;
+        }
+        match read {
+            Ok(message) => PageIn::Whole(p.with(message)),
+            Err(ReadFailure::Transient) => {
+                let wait = READ_RETRY_FIRST_MS.saturating_mul(1 << failures.min(16));
+                self.read_retry = Some(ReadRetry {
+                    store_id: p.store_id,
+                    failures: failures + 1,
+                    at: now.saturating_add(wait),
+                });
+                PageIn::Later(Slot::Paged(p))
+            }
+            Err(ReadFailure::Permanent) => {
+                self.lost.push(p.store_id);
+                PageIn::Lost
             }
         }
+    }
+
+    /// Puts a slot (back) into `ready` at `at`, with its share of the accounts.
+    fn put_back(&mut self, at: usize, slot: Slot) {
+        if at <= self.exempt_prefix {
+            if slot.ttl_exempt() {
+                self.exempt_prefix += 1;
+            } else {
+                self.exempt_prefix = at;
+            }
+        }
+        self.ready_bytes += slot.body_len();
+        self.note_in(&slot);
+        self.ready.insert(at, slot);
     }
 
     /// A slot entered `ready`: its share of the paging account.

@@ -106,10 +106,12 @@ pub struct Queue {
 
 impl Queue {
     /// The earliest time something must happen to this queue on its own (head expiry, the
-    /// return of a held retry, or the queue's own expiry).
+    /// return of a held retry, the next read of a paged message whose read failed, or the
+    /// queue's own expiry).
     pub fn next_deadline(&mut self) -> Option<u64> {
         [
             self.state.next_expiry(),
+            self.state.next_read_retry(),
             self.retry_hold.next_due(),
             self.expiry_deadline(),
         ]

@@ -534,6 +534,59 @@ fn a_redrive_pass_moves_past_a_message_it_cannot_read_back() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A paged message whose read fails with an error that may pass (here the segment file is
+/// briefly a directory: EISDIR) stays queued, not lost: the consumer gets nothing meanwhile,
+/// and the queue's timer reads it again and delivers it once the file is back.
+#[test]
+fn a_paged_message_unreadable_for_a_moment_is_delivered_once_it_can_be_read() {
+    let dir = scratch("reread");
+    store_backlog(&dir, "q", 2);
+    let b = open_with(&dir, 0);
+    let paging = b.paging().unwrap().clone();
+    assert_eq!(paging.stats().paged_messages, 2);
+    let segment = crate::storage::segment::segment_path(&dir, 0);
+    let aside = dir.join("aside");
+    std::fs::rename(&segment, &aside).unwrap();
+    std::fs::create_dir(&segment).unwrap();
+
+    let out = Arc::new(WriteQueue::new(1 << 20));
+    let conn = b
+        .open_connection(out.clone(), 131_072, "guest", "/")
+        .expect("vhost / exists");
+    b.open_channel(conn, 1);
+    b.consume(conn, 1, "/", "q", "c", true, false, 0, false)
+        .unwrap();
+    let deliveries = |out: &WriteQueue| {
+        crate::broker::methods::test_support::sent_methods(out)
+            .into_iter()
+            .filter(|(_, m)| {
+                matches!(
+                    m,
+                    amq_protocol::protocol::AMQPClass::Basic(
+                        amq_protocol::protocol::basic::AMQPMethod::Deliver(_)
+                    )
+                )
+            })
+            .count()
+    };
+    assert_eq!(deliveries(&out), 0, "nothing readable to deliver");
+    assert_eq!(b.lock().vhosts["/"].queues["q"].state.len(), 2);
+    assert_eq!(paging.stats().page_in_retries, 1);
+    assert_eq!(paging.stats().page_in_failures, 0);
+
+    std::fs::remove_dir(&segment).unwrap();
+    std::fs::rename(&aside, &segment).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(
+        crate::broker::paging::READ_RETRY_FIRST_MS + 50,
+    ));
+    b.run_timers();
+    assert_eq!(deliveries(&out), 2, "both delivered after the read");
+    assert_eq!(b.lock().vhosts["/"].queues["q"].state.len(), 0);
+    assert_eq!(paging.stats().page_in_failures, 0);
+    b.storage().unwrap().close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_purge_of_paged_messages_reads_none_back_and_removes_them_for_good() {
     let dir = scratch("purge");

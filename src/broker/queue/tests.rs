@@ -464,6 +464,7 @@ mod paging {
 
     use super::*;
     use crate::broker::paging::test_store::MemoryStore;
+    use std::sync::atomic::Ordering;
 
     const BODY: usize = 8 << 10;
 
@@ -695,6 +696,127 @@ mod paging {
             (0, 0),
             "a deleted queue leaves the account"
         );
+    }
+
+    /// A queue with `limits` holding paged messages `ids` (bodies their ids), restored at 0.
+    fn restored(ids: &[u64], limits: QueueLimits) -> (QueueState, Arc<MemoryStore>, Arc<Paging>) {
+        let (mut q, store, paging) = paged_queue(64 << 20, limits);
+        let mut d = Vec::new();
+        for &id in ids {
+            let m = msg(&format!("{id}"), None);
+            store.put(id, &m);
+            q.restore_paged(id, m.paged_meta(), 0, 0, &mut d);
+        }
+        assert!(d.is_empty());
+        (q, store, paging)
+    }
+
+    fn fail_reads(store: &MemoryStore, ids: &[u64]) {
+        let mut failing = store.failing.lock().unwrap();
+        failing.clear();
+        failing.extend(ids);
+    }
+
+    #[test]
+    fn a_paged_head_unreadable_for_now_stays_queued_and_is_delivered_once_read() {
+        let (mut q, store, paging) = restored(&[4, 9], QueueLimits::default());
+        let mut d = Vec::new();
+        fail_reads(&store, &[4]);
+        assert!(q.pop(0, &mut d).is_none(), "not delivered while unreadable");
+        assert_eq!((q.len(), q.paged()), (2, 2), "still queued, still paged");
+        assert_eq!(q.next_read_retry(), Some(READ_RETRY_FIRST_MS));
+        let reads = store.reads.load(Ordering::Relaxed);
+        assert!(q.pop(50, &mut d).is_none());
+        assert_eq!(
+            store.reads.load(Ordering::Relaxed),
+            reads,
+            "not read again before its time"
+        );
+        q.retry_read(100, &mut d);
+        assert_eq!(
+            q.next_read_retry(),
+            Some(100 + 2 * READ_RETRY_FIRST_MS),
+            "the wait doubles"
+        );
+        fail_reads(&store, &[]);
+        q.retry_read(300, &mut d);
+        assert_eq!(q.next_read_retry(), None);
+        assert_eq!(q.paged(), 1, "its content is in memory now");
+        let first = q.pop(300, &mut d).expect("delivered");
+        assert_eq!(first.message.body(), b"4");
+        assert_eq!(q.pop(300, &mut d).expect("next").message.body(), b"9");
+        assert!(q.take_lost().is_empty() && d.is_empty());
+        let stats = paging.stats();
+        assert_eq!((stats.page_in_retries, stats.page_in_failures), (2, 0));
+    }
+
+    #[test]
+    fn an_expired_head_unreadable_for_now_is_dead_lettered_once_read() {
+        let limits = QueueLimits {
+            message_ttl: Some(10),
+            ..Default::default()
+        };
+        let (mut q, store, _paging) = restored(&[4, 9], limits);
+        fail_reads(&store, &[4]);
+        let mut d = Vec::new();
+        q.expire(10, &mut d);
+        assert!(d.is_empty());
+        assert_eq!(q.len(), 2);
+        assert_eq!(
+            q.next_expiry(),
+            Some(10 + READ_RETRY_FIRST_MS),
+            "the timer waits for the next read, not the past expiry"
+        );
+        fail_reads(&store, &[]);
+        q.retry_read(10 + READ_RETRY_FIRST_MS, &mut d);
+        assert_eq!(ids(d.iter().map(|death| death.entry.clone())), vec![4, 9]);
+        assert!(
+            d.iter()
+                .all(|death| death.reason == DeadLetterReason::Expired)
+        );
+        assert!(q.is_empty() && q.take_lost().is_empty());
+    }
+
+    #[test]
+    fn a_dropped_head_unreadable_for_now_is_dead_lettered_once_read() {
+        let limits = QueueLimits {
+            max_length: Some(2),
+            overflow: Overflow::DropHead,
+            ..Default::default()
+        };
+        let (mut q, store, _paging) = restored(&[4, 9], limits);
+        fail_reads(&store, &[4]);
+        let mut d = Vec::new();
+        publish_stored(&mut q, &store, 11, 0, &mut d);
+        assert!(d.is_empty());
+        assert_eq!(q.len(), 3, "over its limit until the head can be read");
+        fail_reads(&store, &[]);
+        q.retry_read(READ_RETRY_FIRST_MS, &mut d);
+        assert_eq!(ids(d.iter().map(|death| death.entry.clone())), vec![4]);
+        assert_eq!(d[0].reason, DeadLetterReason::MaxLen);
+        assert_eq!(q.len(), 2);
+    }
+
+    #[test]
+    fn a_paged_message_unreadable_through_every_attempt_is_lost() {
+        let (mut q, store, paging) = restored(&[4], QueueLimits::default());
+        fail_reads(&store, &[4]);
+        let mut d = Vec::new();
+        assert!(q.pop(0, &mut d).is_none());
+        let mut now = 0;
+        while let Some(at) = q.next_read_retry() {
+            now = at;
+            q.retry_read(now, &mut d);
+        }
+        assert_eq!(q.take_lost(), vec![4]);
+        assert!(q.is_empty() && d.is_empty());
+        assert!(now < 60_000, "given up after {now} ms");
+        let stats = paging.stats();
+        assert_eq!(
+            (stats.page_in_retries, stats.page_in_failures),
+            (u64::from(READ_ATTEMPTS) - 1, 1)
+        );
+        assert_eq!((stats.paged_messages, stats.paged_bytes), (0, 0));
     }
 }
 
