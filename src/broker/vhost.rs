@@ -92,6 +92,9 @@ pub struct Queue {
     pub consumers: Vec<Consumer>,
     /// Round-robin position among consumers.
     pub next_consumer: usize,
+    /// The highest `x-priority` among `consumers` (0 with none): a consumer of that priority
+    /// with capacity ends the dispatcher's search at once.
+    pub top_priority: i32,
     /// Deliveries out and not yet settled.
     pub unacked: usize,
     /// Set once a consumer attached (auto-delete applies only after that).
@@ -124,6 +127,11 @@ impl Queue {
     pub fn counts_deliveries(&self) -> bool {
         self.settings.delivery_limit.is_some()
             || self.args.queue_type == crate::rabbit::args::QueueType::Quorum
+    }
+
+    /// Recomputes [`Queue::top_priority`] after consumers changed.
+    pub fn consumers_changed(&mut self) {
+        self.top_priority = self.consumers.iter().map(|c| c.priority).max().unwrap_or(0);
     }
 
     pub fn consumer_count(&self) -> usize {

@@ -37,6 +37,8 @@ pub const ARG_MAX_PRIORITY: &str = "x-max-priority";
 pub const ARG_CONSUMER_TIMEOUT: &str = "x-consumer-timeout";
 /// This service's retry tiers: delays in milliseconds before a rejected message comes back.
 pub const ARG_RETRY_DELAYS: &str = "x-retry-delays";
+/// The consumer argument: consumers of a higher priority get messages first.
+pub const ARG_CONSUMER_PRIORITY: &str = "x-priority";
 /// One consumer at a time gets the queue's messages (a bool).
 pub const ARG_SINGLE_ACTIVE_CONSUMER: &str = "x-single-active-consumer";
 
@@ -372,6 +374,18 @@ fn integer_argument(argument: &str, value: &AMQPValue) -> Result<i64, ArgumentEr
             )),
         )
     })
+}
+
+/// The consumer argument `x-priority`: any AMQP integer (0 when absent), as RabbitMQ's
+/// `check_int_arg`; clamped to the `i32` range (only the order of priorities matters).
+pub fn consumer_priority(args: &FieldTable) -> Result<i32, ArgumentError> {
+    match args.inner().get(ARG_CONSUMER_PRIORITY) {
+        None => Ok(0),
+        Some(value) => {
+            let n = integer_argument(ARG_CONSUMER_PRIORITY, value)?;
+            Ok(n.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32)
+        }
+    }
 }
 
 /// RabbitMQ's `check_non_neg_int_arg`.

@@ -792,6 +792,73 @@ async fn exchange_declare_and_delete() {
     assert_eq!(amqp_code(&err), Some(404));
 }
 
+/// Starts consumer `tag` on `queue` with `x-priority` `priority`.
+async fn consumer_with_priority(
+    ch: &lapin::Channel,
+    queue: &str,
+    tag: &str,
+    priority: AMQPValue,
+) -> lapin::Result<lapin::Consumer> {
+    ch.basic_consume(
+        queue.into(),
+        tag.into(),
+        BasicConsumeOptions::default(),
+        common::dl::table(&[("x-priority", priority)]),
+    )
+    .await
+}
+
+/// Consumer priorities (`x-priority`): the higher priority consumer gets every message while
+/// it has capacity; a lower one only while it is blocked by its prefetch, and not once it has
+/// room again. A value that is not an integer is RabbitMQ's 406.
+#[tokio::test]
+async fn a_higher_priority_consumer_gets_messages_first() {
+    use common::dl::{ack, next, no_delivery, payload};
+    let b = start().await;
+    let (c, ch) = b.channel().await;
+    let q = unique("prio");
+    common::dl::declare(&ch, &q, FieldTable::default()).await;
+    let low_ch = c.create_channel().await.unwrap();
+    let mut low = consumer_with_priority(&low_ch, &q, "low", AMQPValue::LongInt(0))
+        .await
+        .unwrap();
+    let high_ch = c.create_channel().await.unwrap();
+    high_ch
+        .basic_qos(2, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let mut high = consumer_with_priority(&high_ch, &q, "high", AMQPValue::ShortShortInt(5))
+        .await
+        .unwrap();
+    common::dl::publish(&ch, &q, &["m0", "m1"]).await;
+    let h0 = next(&mut high).await;
+    let h1 = next(&mut high).await;
+    assert_eq!((payload(&h0), payload(&h1)), ("m0".into(), "m1".into()));
+    no_delivery(&mut low, 200).await;
+    // The high one is at its prefetch: the low one gets the next.
+    common::dl::publish(&ch, &q, &["m2"]).await;
+    assert_eq!(payload(&next(&mut low).await), "m2");
+    // With room again, the high one gets them all.
+    ack(&high_ch, h0.delivery_tag, false).await;
+    ack(&high_ch, h1.delivery_tag, false).await;
+    common::dl::publish(&ch, &q, &["m3", "m4"]).await;
+    assert_eq!(payload(&next(&mut high).await), "m3");
+    assert_eq!(payload(&next(&mut high).await), "m4");
+    no_delivery(&mut low, 200).await;
+
+    let bad_ch = c.create_channel().await.unwrap();
+    let err = consumer_with_priority(&bad_ch, &q, "bad", AMQPValue::LongString("5".into()))
+        .await
+        .unwrap_err();
+    assert_eq!(amqp_code(&err), Some(406));
+    assert_eq!(
+        common::dl::amqp_text(&err),
+        format!(
+            "PRECONDITION_FAILED - invalid arg 'x-priority' for queue '{q}' in vhost '/': \"expected integer, got longstr\""
+        )
+    );
+}
+
 /// A queue named after `tag` with `x-single-active-consumer`.
 async fn single_active_consumer_queue(ch: &lapin::Channel, tag: &str) -> String {
     let q = unique(tag);

@@ -393,6 +393,7 @@ impl Broker {
             retry_hold: Default::default(),
             consumers: Vec::new(),
             next_consumer: 0,
+            top_priority: 0,
             unacked: 0,
             had_consumer: false,
             last_used: now,

@@ -13,9 +13,11 @@ use crate::broker::vhost::{Consumer, Queue};
 use crate::broker::{Broker, ChannelState, ConnectionState, State, Unacked};
 use crate::storage::{Record, Storage};
 
-/// Picks the next consumer of `q` that can take a delivery now (round robin; with
-/// `x-single-active-consumer` only the earliest registered consumer still there, as RabbitMQ
-/// 3.10 does).
+/// Picks the next consumer of `q` that can take a delivery now: of those with the highest
+/// `x-priority`, the next in round-robin order (a lower priority gets messages only while
+/// every higher one is blocked, as RabbitMQ's consumer priorities); with
+/// `x-single-active-consumer` only the earliest registered consumer still there, whatever its
+/// priority (as RabbitMQ 3.10 does).
 pub(super) fn pick_consumer(
     q: &Queue,
     channels: &std::collections::HashMap<(u64, u16), ChannelState>,
@@ -27,9 +29,13 @@ pub(super) fn pick_consumer(
     } else {
         q.consumers.len()
     };
+    let mut best: Option<(usize, i32)> = None;
     for i in 0..n {
         let idx = if single { 0 } else { (q.next_consumer + i) % n };
         let c = &q.consumers[idx];
+        if best.is_some_and(|(_, priority)| priority >= c.priority) {
+            continue;
+        }
         let Some(ch) = channels.get(&(c.conn, c.channel)) else {
             continue;
         };
@@ -50,9 +56,12 @@ pub(super) fn pick_consumer(
                 continue;
             }
         }
-        return Some(idx);
+        if c.priority >= q.top_priority {
+            return Some(idx);
+        }
+        best = Some((idx, c.priority));
     }
-    None
+    best.map(|(idx, _)| idx)
 }
 
 /// Where a delivery goes and what it is timed against: `timeout` is its consumer timeout
@@ -203,6 +212,7 @@ impl Broker {
             unacked: 0,
             priority,
         });
+        q.consumers_changed();
         q.had_consumer = true;
         q.last_used = now;
         if let Some(ch) = st.channels.get_mut(&(conn, channel))
@@ -267,6 +277,7 @@ impl Broker {
         };
         q.consumers
             .retain(|c| !(c.conn == conn && c.channel == channel && c.tag == tag));
+        q.consumers_changed();
         q.last_used = now;
         let takes_over = q.args.single_active_consumer && !q.consumers.is_empty();
         if q.consumers.is_empty() && q.auto_delete && q.had_consumer {

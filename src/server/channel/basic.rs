@@ -6,6 +6,7 @@ use amq_protocol::protocol::{AMQPClass, basic};
 use super::{ChannelTable, exchange_resource, not_from_client};
 use crate::amqp::reply::AmqpError;
 use crate::broker::auth::Access;
+use crate::rabbit::args;
 use crate::server::ServerContext;
 use crate::server::connection_context::ConnectionContext;
 use crate::server::publish::PendingPublish;
@@ -32,7 +33,17 @@ impl ChannelTable {
             }
             basic::AMQPMethod::Consume(c) => {
                 self.check(ctx, s, Access::Read, "queue", c.queue.as_str())?;
-                let priority = consumer_priority(&c.arguments);
+                let priority = match args::consumer_priority(&c.arguments) {
+                    Ok(priority) => priority,
+                    // RabbitMQ checks the queue first: a missing one is 404.
+                    Err(e) if broker.queue_settings(vhost, c.queue.as_str()).is_some() => {
+                        return Err(AmqpError::precondition(
+                            e.reply_text(c.queue.as_str(), vhost)
+                                .trim_start_matches("PRECONDITION_FAILED - "),
+                        ));
+                    }
+                    Err(_) => 0,
+                };
                 broker.consume(
                     s.conn_id,
                     ch,
@@ -107,15 +118,5 @@ impl ChannelTable {
             _ => return Err(not_from_client()),
         }
         Ok(())
-    }
-}
-
-fn consumer_priority(args: &amq_protocol::types::FieldTable) -> i32 {
-    use amq_protocol::types::AMQPValue;
-    match args.inner().get("x-priority") {
-        Some(AMQPValue::LongInt(v)) => *v,
-        Some(AMQPValue::ShortInt(v)) => *v as i32,
-        Some(AMQPValue::LongLongInt(v)) => (*v).clamp(i32::MIN as i64, i32::MAX as i64) as i32,
-        _ => 0,
     }
 }
