@@ -12,8 +12,8 @@ use amq_protocol::types::FieldTable;
 use arbitrary::Arbitrary;
 use dlx_proxy::broker::delivery::short;
 use dlx_proxy::rabbit::args::{
-    EQUIVALENCE_ARGUMENTS, MAX_EXPIRY_MS, QueueType, check_equivalent, parse_expiration,
-    parse_queue_arguments,
+    CLASSIC_EQUIVALENCE_ARGUMENTS, MAX_EXPIRY_MS, QUORUM_EQUIVALENCE_ARGUMENTS, QueueType,
+    check_equivalent, parse_expiration, parse_queue_arguments,
 };
 use dlx_proxy_fuzz::{Key, Text, Value, has_nan, table};
 use libfuzzer_sys::fuzz_target;
@@ -80,8 +80,9 @@ fuzz_target!(|input: Input| {
     check_arguments(&existing, &queue);
     check_arguments(&requested, &queue);
 
-    let nan = EQUIVALENCE_ARGUMENTS
+    let nan = CLASSIC_EQUIVALENCE_ARGUMENTS
         .iter()
+        .chain(QUORUM_EQUIVALENCE_ARGUMENTS.iter())
         .any(|k| existing.inner().get(*k).is_some_and(has_nan));
     if !nan {
         assert_eq!(check_equivalent(&existing, &existing, &queue, "/"), Ok(()));

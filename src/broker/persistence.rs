@@ -246,6 +246,7 @@ impl Broker {
                 exclusive: false,
                 auto_delete: q.auto_delete,
                 arguments: &q.arguments,
+                restored: true,
             };
             match self.queue_declare(0, &q.vhost, &req) {
                 Ok(_) => {
@@ -338,7 +339,7 @@ impl Broker {
                     // Paged: the content stays on disk until it is needed. Time `entered`:
                     // nothing expires while the queue is loaded.
                     q.state
-                        .restore_paged(m.id, m.meta, entered, m.deliveries, &mut died);
+                        .restore_paged(m.id, m.meta, entered, m.deliveries, now, &mut died);
                 }
             }
             self.store_removed(unreadable);

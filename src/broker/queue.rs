@@ -170,9 +170,12 @@ pub struct QueueState {
     grown: u64,
     /// Message ids whose content could not be read back (lost), for their removal record.
     lost: Vec<u64>,
-    /// A paged message whose read failed with an error that may pass: it stays queued and
-    /// is read again at `at` (module comment).
-    read_retry: Option<ReadRetry>,
+    /// Paged messages whose read failed with an error that may pass: they stay queued and
+    /// are read again at their `at` (module comment). Each path that reads stops at its
+    /// first such message (delivery and drop-head at the head, expiry at the first message
+    /// that can expire), so this holds one or two, plus any whose message left the queue
+    /// meanwhile until their time comes.
+    read_retries: Vec<ReadRetry>,
 }
 
 /// The next read of a paged message whose last read failed transiently.
@@ -337,7 +340,7 @@ impl QueueState {
                 Some(kept) => slot = kept,
             }
         }
-        self.restore_slot(slot, now, deaths);
+        self.restore_slot(slot, now, now, deaths);
         self.page_out_over_budget();
         PublishOutcome::Accepted
     }
@@ -346,21 +349,25 @@ impl QueueState {
     /// been delivered and not settled (back now as a requeue puts it back), so the publish
     /// rule of `reject-publish` does not refuse it: only `drop-head` sheds the oldest when
     /// the queue is over its limit, as on a requeue.
-    fn restore_slot(&mut self, slot: Slot, now: u64, deaths: &mut Vec<Death>) {
+    /// `now` is the time expiry is judged at, `clock` the broker's time (what a failed read
+    /// is retried by).
+    fn restore_slot(&mut self, slot: Slot, now: u64, clock: u64, deaths: &mut Vec<Death>) {
         self.push_back(slot);
-        self.expire(now, deaths);
-        self.drop_head_over_limit(now, deaths);
+        self.expire_judged_at(now, clock, deaths);
+        self.drop_head_over_limit(clock, deaths);
     }
 
     /// Puts back a message recovered from storage without its content (paged: read back
     /// when it leaves the queue), `deliveries` being its unsettled deliveries before the stop.
-    /// As [`QueueState::restore`] otherwise.
+    /// As [`QueueState::restore`] otherwise. Expiry is judged at `entered` (nothing expires
+    /// while the queue loads); `clock` is the broker's time now, for the reads this makes.
     pub fn restore_paged(
         &mut self,
         store_id: u64,
         meta: PagedMeta,
         entered: u64,
         deliveries: u32,
+        clock: u64,
         deaths: &mut Vec<Death>,
     ) {
         let seq = self.next_seq;
@@ -378,15 +385,19 @@ impl QueueState {
             expiration_ms: meta.expiration_ms,
         });
         let slot = if self.over_delivery_limit(deliveries) {
-            // Kept when its content cannot be read now (delivered once more, not lost).
-            match self.kill(slot, DeadLetterReason::DeliveryLimit, entered, deaths) {
+            // Kept when its content cannot be read now (delivered once more, not lost; read
+            // when it leaves the queue, so no retry of its own).
+            match self.kill(slot, DeadLetterReason::DeliveryLimit, clock, deaths) {
                 None => return,
-                Some(kept) => kept,
+                Some(kept) => {
+                    self.read_retries.retain(|retry| retry.store_id != store_id);
+                    kept
+                }
             }
         } else {
             slot
         };
-        self.restore_slot(slot, entered, deaths);
+        self.restore_slot(slot, entered, clock, deaths);
     }
 
     fn over_delivery_limit(&self, delivery_count: u32) -> bool {
@@ -435,6 +446,11 @@ impl QueueState {
     /// Dead-letters expired messages at the head (per-message TTL is only enforced there, as
     /// RabbitMQ does); exempt dead letters at the front are stepped over (module comment).
     pub fn expire(&mut self, now: u64, deaths: &mut Vec<Death>) {
+        self.expire_judged_at(now, now, deaths);
+    }
+
+    /// [`QueueState::expire`] judged at `now`, with `clock` the broker's time (for reads).
+    fn expire_judged_at(&mut self, now: u64, clock: u64, deaths: &mut Vec<Death>) {
         loop {
             let at = self.first_expirable();
             let due = self
@@ -448,7 +464,7 @@ impl QueueState {
             if let Some(slot) = self.ready.remove(at) {
                 self.ready_bytes -= slot.body_len();
                 self.note_out(&slot);
-                if let Some(kept) = self.kill(slot, DeadLetterReason::Expired, now, deaths) {
+                if let Some(kept) = self.kill(slot, DeadLetterReason::Expired, clock, deaths) {
                     // Its content cannot be read now: it dies when it can be.
                     self.put_back(at, kept);
                     break;
@@ -477,57 +493,61 @@ impl QueueState {
         let at = self.first_expirable();
         let slot = self.ready.get(at)?;
         let expires = slot.expires_at()?;
-        Some(match (self.read_retry, slot) {
-            (Some(retry), Slot::Paged(p)) if p.store_id == retry.store_id => expires.max(retry.at),
-            _ => expires,
+        Some(match slot {
+            Slot::Paged(p) => self
+                .read_retry_of(p.store_id)
+                .map_or(expires, |retry| expires.max(retry.at)),
+            Slot::Resident(_) => expires,
         })
     }
 
-    /// When a paged message whose read failed is read again ([`QueueState::retry_read`]).
+    /// When a paged message whose read failed is read again next ([`QueueState::retry_read`]).
     pub fn next_read_retry(&self) -> Option<u64> {
-        self.read_retry.map(|retry| retry.at)
+        self.read_retries.iter().map(|retry| retry.at).min()
     }
 
-    /// The timer's step for a paged message whose read failed: reads it again when due and
-    /// keeps its content in memory (so the next delivery or death has it), then applies what
-    /// waited for it (expiry, drop-head). Forgets the retry when the message left the queue.
-    /// Returns whether the message was read (or given up): consumers may take it now.
-    pub fn retry_read(&mut self, now: u64, deaths: &mut Vec<Death>) -> bool {
-        let Some(retry) = self.read_retry.filter(|retry| retry.at <= now) else {
-            return false;
-        };
-        let Some(at) = self
-            .ready
+    fn read_retry_of(&self, store_id: u64) -> Option<ReadRetry> {
+        self.read_retries
             .iter()
-            .position(|slot| matches!(slot, Slot::Paged(p) if p.store_id == retry.store_id))
-        else {
-            self.read_retry = None;
-            return false;
-        };
-        let Some(slot) = self.ready.remove(at) else {
-            return false;
-        };
-        self.ready_bytes -= slot.body_len();
-        self.note_out(&slot);
-        let read = match self.page_in(slot, now) {
-            PageIn::Whole(entry) => {
-                self.put_back(at, Slot::Resident(entry));
-                true
+            .find(|retry| retry.store_id == store_id)
+            .copied()
+    }
+
+    /// The timer's step for paged messages whose read failed: reads each due one again and
+    /// keeps its content in memory (so the next delivery or death has it), then applies what
+    /// waited for it (expiry, drop-head). Forgets a retry whose message left the queue.
+    pub fn retry_read(&mut self, now: u64, deaths: &mut Vec<Death>) {
+        let due: Vec<u64> = self
+            .read_retries
+            .iter()
+            .filter(|retry| retry.at <= now)
+            .map(|retry| retry.store_id)
+            .collect();
+        for store_id in due {
+            let Some(at) = self
+                .ready
+                .iter()
+                .position(|slot| matches!(slot, Slot::Paged(p) if p.store_id == store_id))
+            else {
+                self.read_retries.retain(|retry| retry.store_id != store_id);
+                continue;
+            };
+            let Some(slot) = self.ready.remove(at) else {
+                continue;
+            };
+            self.ready_bytes -= slot.body_len();
+            if at < self.exempt_prefix {
+                self.exempt_prefix -= 1;
             }
-            PageIn::Later(slot) => {
-                self.put_back(at, slot);
-                false
+            self.note_out(&slot);
+            match self.page_in(slot, now) {
+                PageIn::Whole(entry) => self.put_back(at, Slot::Resident(entry)),
+                PageIn::Later(slot) => self.put_back(at, slot),
+                PageIn::Lost => {}
             }
-            PageIn::Lost => {
-                if at < self.exempt_prefix {
-                    self.exempt_prefix -= 1;
-                }
-                true
-            }
-        };
+        }
         self.expire(now, deaths);
         self.drop_head_over_limit(now, deaths);
-        read
     }
 
     /// Takes the head for delivery, expiring dead heads first (its content read back when it
@@ -606,7 +626,7 @@ impl QueueState {
         self.candidates.clear();
         self.ready_bytes = 0;
         self.exempt_prefix = 0;
-        self.read_retry = None;
+        self.read_retries.clear();
         n
     }
 
@@ -794,7 +814,7 @@ impl QueueState {
             Slot::Resident(e) => return PageIn::Whole(e),
             Slot::Paged(p) => p,
         };
-        let pending = self.read_retry.filter(|retry| retry.store_id == p.store_id);
+        let pending = self.read_retry_of(p.store_id);
         if pending.is_some_and(|retry| now < retry.at) {
             return PageIn::Later(Slot::Paged(p));
         }
@@ -805,13 +825,14 @@ impl QueueState {
         };
         let read = paging.read(p.store_id, failures + 1 >= READ_ATTEMPTS);
         if pending.is_some() {
-            self.read_retry = None;
+            self.read_retries
+                .retain(|retry| retry.store_id != p.store_id);
         }
         match read {
             Ok(message) => PageIn::Whole(p.with(message)),
             Err(ReadFailure::Transient) => {
                 let wait = READ_RETRY_FIRST_MS.saturating_mul(1 << failures.min(16));
-                self.read_retry = Some(ReadRetry {
+                self.read_retries.push(ReadRetry {
                     store_id: p.store_id,
                     failures: failures + 1,
                     at: now.saturating_add(wait),

@@ -34,6 +34,9 @@ pub struct QueueDeclare<'a> {
     pub exclusive: bool,
     pub auto_delete: bool,
     pub arguments: &'a FieldTable,
+    /// A definition restored from storage: arguments an earlier version accepted are not
+    /// refused now ([`args::check_queue_type_arguments`] applies to clients only).
+    pub restored: bool,
 }
 
 /// An exchange.declare request.
@@ -340,7 +343,9 @@ impl Broker {
         }
         let parsed = args::parse_queue_arguments(req.arguments)
             .and_then(|parsed| {
-                args::check_queue_type_arguments(req.arguments, parsed.queue_type)?;
+                if !req.restored {
+                    args::check_queue_type_arguments(req.arguments, parsed.queue_type)?;
+                }
                 Ok(parsed)
             })
             .map_err(|e| {

@@ -114,6 +114,7 @@ pub(crate) fn declare<'a>(name: &'a str, arguments: &'a FieldTable) -> QueueDecl
         exclusive: false,
         auto_delete: false,
         arguments,
+        restored: false,
     }
 }
 

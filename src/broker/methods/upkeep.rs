@@ -130,7 +130,7 @@ pub(crate) fn on_ack_timers(st: &mut State, now: u64) {
 /// Called by [`Broker::run_timers`] for a due queue deadline.
 pub(crate) fn on_timer(b: &Broker, st: &mut State, vhost: &str, queue: &str, id: u64, now: u64) {
     let mut deaths = Vec::new();
-    let mut read_back = false;
+    let mut read_due = false;
     let expire_queue = {
         let Some(q) = st.queue_mut(vhost, queue) else {
             return;
@@ -142,8 +142,11 @@ pub(crate) fn on_timer(b: &Broker, st: &mut State, vhost: &str, queue: &str, id:
         if q.expiry_deadline().is_some_and(|at| at <= now) {
             true
         } else {
+            // A message whose read failed and is due again holds back the ones behind it:
+            // whoever reads it now (expiry or the retry), consumers may take them after.
+            read_due = q.state.next_read_retry().is_some_and(|at| at <= now);
             q.state.expire(now, &mut deaths);
-            read_back = q.state.retry_read(now, &mut deaths);
+            q.state.retry_read(now, &mut deaths);
             false
         }
     };
@@ -154,8 +157,7 @@ pub(crate) fn on_timer(b: &Broker, st: &mut State, vhost: &str, queue: &str, id:
     // Held retries first: their return reschedules the queue with the hold's next due time.
     b.return_due_retries(st, vhost, queue, now);
     b.after_queue_change(st, vhost, queue, deaths, now);
-    if read_back {
-        // The head that could not be read is there for the consumers waiting on it.
+    if read_due {
         b.dispatch(st, vhost, queue, now);
     }
 }

@@ -71,6 +71,7 @@ fn declare(b: &Broker, conn: u64, name: &str, durable: bool, args: &FieldTable) 
             exclusive: false,
             auto_delete: false,
             arguments: args,
+            restored: false,
         },
     )
     .expect("declare");
@@ -556,19 +557,6 @@ fn a_paged_message_unreadable_for_a_moment_is_delivered_once_it_can_be_read() {
     b.open_channel(conn, 1);
     b.consume(conn, 1, "/", "q", "c", true, false, 0, false)
         .unwrap();
-    let deliveries = |out: &WriteQueue| {
-        crate::broker::methods::test_support::sent_methods(out)
-            .into_iter()
-            .filter(|(_, m)| {
-                matches!(
-                    m,
-                    amq_protocol::protocol::AMQPClass::Basic(
-                        amq_protocol::protocol::basic::AMQPMethod::Deliver(_)
-                    )
-                )
-            })
-            .count()
-    };
     assert_eq!(deliveries(&out), 0, "nothing readable to deliver");
     assert_eq!(b.lock().vhosts["/"].queues["q"].state.len(), 2);
     assert_eq!(paging.stats().page_in_retries, 1);
@@ -585,6 +573,114 @@ fn a_paged_message_unreadable_for_a_moment_is_delivered_once_it_can_be_read() {
     assert_eq!(paging.stats().page_in_failures, 0);
     b.storage().unwrap().close();
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The head a consumer waits behind could not be read, and its TTL runs out before the next
+/// read: the timer's expiry reads it (it dies) and the consumer gets the next message then.
+#[test]
+fn a_consumer_behind_an_unreadable_head_that_expires_gets_the_next_message() {
+    let dir = scratch("reread-expire");
+    {
+        let b = open(&dir);
+        let conn = connect(&b);
+        declare(&b, conn, "q", true, &FieldTable::default());
+        let props = encode_properties(
+            &BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_expiration("1500".into()),
+        );
+        let short_lived = Arc::new(Message::new("", &["q"], &props, b"m0", Some(1500), false));
+        for m in [short_lived, message("q", "m1", 2)] {
+            let (_, durable) = b.publish_durable("/", "", m, None).unwrap();
+            assert_eq!(durable.expect("stored").blocking_recv(), Ok(true));
+        }
+        b.storage().unwrap().close();
+    }
+    let b = open_with(&dir, 0);
+    let segment = crate::storage::segment::segment_path(&dir, 0);
+    let aside = dir.join("aside");
+    std::fs::rename(&segment, &aside).unwrap();
+    std::fs::create_dir(&segment).unwrap();
+    let out = Arc::new(WriteQueue::new(1 << 20));
+    let conn = b
+        .open_connection(out.clone(), 131_072, "guest", "/")
+        .expect("vhost / exists");
+    b.open_channel(conn, 1);
+    b.consume(conn, 1, "/", "q", "c", true, false, 0, false)
+        .unwrap();
+    assert_eq!(deliveries(&out), 0);
+    std::fs::remove_dir(&segment).unwrap();
+    std::fs::rename(&aside, &segment).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1600));
+    b.run_timers();
+    assert_eq!(deliveries(&out), 1, "m1, once m0 expired");
+    assert_eq!(b.lock().vhosts["/"].queues["q"].state.len(), 0);
+    b.storage().unwrap().close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A stored queue with an argument its type does not take (one an earlier version accepted)
+/// is restored, not refused: only clients' declares are checked for it.
+#[test]
+fn a_stored_queue_with_an_argument_of_another_type_is_restored() {
+    let dir = scratch("foreign-arg");
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    args.insert("x-max-priority".into(), AMQPValue::LongInt(5));
+    {
+        let b = open(&dir);
+        let conn = connect(&b);
+        let client = QueueDeclare {
+            name: "old",
+            passive: false,
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            arguments: &args,
+            restored: false,
+        };
+        assert!(
+            b.queue_declare(conn, "/", &client).is_err(),
+            "refused to clients"
+        );
+        // As an earlier version stored it.
+        b.queue_declare(
+            conn,
+            "/",
+            &QueueDeclare {
+                restored: true,
+                ..client
+            },
+        )
+        .expect("declare");
+        let (_, durable) = b
+            .publish_durable("/", "", message("old", "kept", 2), None)
+            .unwrap();
+        assert_eq!(durable.expect("stored").blocking_recv(), Ok(true));
+        b.storage().unwrap().close();
+    }
+    let b = open(&dir);
+    assert_eq!(bodies(&b, "old"), Some(vec![("kept".to_string(), false)]));
+    b.storage().unwrap().close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The basic.deliver methods written to `out` since the last call.
+fn deliveries(out: &WriteQueue) -> usize {
+    crate::broker::methods::test_support::sent_methods(out)
+        .into_iter()
+        .filter(|(_, m)| {
+            matches!(
+                m,
+                amq_protocol::protocol::AMQPClass::Basic(
+                    amq_protocol::protocol::basic::AMQPMethod::Deliver(_)
+                )
+            )
+        })
+        .count()
 }
 
 #[test]

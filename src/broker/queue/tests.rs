@@ -674,7 +674,7 @@ mod paging {
             let m = msg(&format!("{id}"), None);
             store.put(id, &m);
             let meta = m.paged_meta();
-            q.restore_paged(id, meta, 0, 1, &mut d);
+            q.restore_paged(id, meta, 0, 1, 0, &mut d);
         }
         assert_eq!(q.paged(), 2);
         assert_eq!(q.bytes(), 2);
@@ -705,7 +705,7 @@ mod paging {
         for &id in ids {
             let m = msg(&format!("{id}"), None);
             store.put(id, &m);
-            q.restore_paged(id, m.paged_meta(), 0, 0, &mut d);
+            q.restore_paged(id, m.paged_meta(), 0, 0, 0, &mut d);
         }
         assert!(d.is_empty());
         (q, store, paging)
@@ -795,6 +795,110 @@ mod paging {
         assert_eq!(ids(d.iter().map(|death| death.entry.clone())), vec![4]);
         assert_eq!(d[0].reason, DeadLetterReason::MaxLen);
         assert_eq!(q.len(), 2);
+    }
+
+    /// Restores paged message `id` (body its id) with `meta`'s expiry and history, at 0.
+    fn restore_with(q: &mut QueueState, store: &MemoryStore, id: u64, meta: PagedMeta) {
+        let m = msg(&format!("{id}"), None);
+        store.put(id, &m);
+        let mut d = Vec::new();
+        q.restore_paged(id, meta, 0, 0, 0, &mut d);
+        assert!(d.is_empty());
+    }
+
+    /// A kept dead letter (exempt from expiry) at the head whose read failed, and an expiring
+    /// message behind it whose read failed too: each keeps its own retry, reading the first
+    /// back does not make the second exempt, and the second still expires.
+    #[test]
+    fn an_exempt_head_and_an_expiring_message_retry_their_reads_each() {
+        let limits = QueueLimits {
+            message_ttl: Some(10),
+            keep_dead_letters: true,
+            ..Default::default()
+        };
+        let (mut q, store, _paging) = paged_queue(64 << 20, limits);
+        let meta = |death_history| PagedMeta {
+            body_len: 1,
+            expiration_ms: None,
+            death_history,
+        };
+        restore_with(&mut q, &store, 4, meta(true));
+        restore_with(&mut q, &store, 9, meta(false));
+        fail_reads(&store, &[4, 9]);
+        let mut d = Vec::new();
+        assert!(q.pop(0, &mut d).is_none(), "the exempt head cannot be read");
+        q.expire(10, &mut d);
+        assert!(d.is_empty(), "the expired one cannot be read either");
+        assert_eq!(q.next_read_retry(), Some(READ_RETRY_FIRST_MS));
+        fail_reads(&store, &[9]);
+        q.retry_read(10 + READ_RETRY_FIRST_MS, &mut d);
+        assert!(d.is_empty());
+        assert_eq!(q.paged(), 1, "the head is read back");
+        assert!(q.next_read_retry().is_some(), "the other keeps its retry");
+        fail_reads(&store, &[]);
+        while let Some(at) = q.next_read_retry() {
+            q.retry_read(at, &mut d);
+        }
+        assert_eq!(ids(d.iter().map(|death| death.entry.clone())), vec![9]);
+        assert_eq!(d[0].reason, DeadLetterReason::Expired);
+        assert_eq!(ids(q.pop(1_000, &mut Vec::new()).into_iter()), vec![4]);
+    }
+
+    /// Reading back an exempt head whose read failed leaves the resident message behind it
+    /// expirable (the count of exempt messages at the front is not raised twice).
+    #[test]
+    fn a_head_read_back_by_the_timer_does_not_shield_the_next_from_expiry() {
+        let limits = QueueLimits {
+            message_ttl: Some(10),
+            keep_dead_letters: true,
+            ..Default::default()
+        };
+        let (mut q, store, _paging) = paged_queue(64 << 20, limits);
+        let exempt = PagedMeta {
+            body_len: 1,
+            expiration_ms: None,
+            death_history: true,
+        };
+        restore_with(&mut q, &store, 4, exempt);
+        let mut d = Vec::new();
+        publish_stored(&mut q, &store, 9, 0, &mut d);
+        fail_reads(&store, &[4]);
+        assert!(q.pop(0, &mut d).is_none());
+        fail_reads(&store, &[]);
+        q.retry_read(READ_RETRY_FIRST_MS, &mut d);
+        assert_eq!(ids(d.iter().map(|death| death.entry.clone())), vec![9]);
+        assert_eq!(q.len(), 1);
+    }
+
+    /// Restoring reads a head that drop-head sheds with the broker's clock, not the times the
+    /// restored messages entered: a read that fails during a load is not tried again for
+    /// every message restored after it (which would give it up in an instant).
+    #[test]
+    fn a_read_failing_while_a_queue_loads_is_retried_by_the_clock() {
+        let limits = QueueLimits {
+            max_length: Some(1),
+            overflow: Overflow::DropHead,
+            ..Default::default()
+        };
+        let (mut q, store, paging) = paged_queue(64 << 20, limits);
+        for id in 1..=20u64 {
+            let m = msg(&format!("{id}"), None);
+            store.put(id, &m);
+        }
+        fail_reads(&store, &[1]);
+        let mut d = Vec::new();
+        for id in 1..=20u64 {
+            let m = msg(&format!("{id}"), None);
+            // Entered 10 s apart; the broker's clock is 0 throughout the load.
+            q.restore_paged(id, m.paged_meta(), id * 10_000, 0, 0, &mut d);
+        }
+        assert!(q.take_lost().is_empty());
+        assert_eq!(paging.stats().page_in_retries, 1);
+        assert_eq!(q.next_read_retry(), Some(READ_RETRY_FIRST_MS));
+        fail_reads(&store, &[]);
+        q.retry_read(READ_RETRY_FIRST_MS, &mut d);
+        assert_eq!(ids(d.iter().map(|death| death.entry.clone()))[0], 1);
+        assert_eq!(q.len(), 1);
     }
 
     #[test]

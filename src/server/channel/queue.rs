@@ -48,6 +48,7 @@ impl ChannelTable {
                         exclusive: d.exclusive,
                         auto_delete: d.auto_delete,
                         arguments: &d.arguments,
+                        restored: false,
                     },
                 )?;
                 if !d.nowait {
