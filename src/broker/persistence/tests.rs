@@ -545,25 +545,14 @@ fn a_paged_message_unreadable_for_a_moment_is_delivered_once_it_can_be_read() {
     let b = open_with(&dir, 0);
     let paging = b.paging().unwrap().clone();
     assert_eq!(paging.stats().paged_messages, 2);
-    let segment = crate::storage::segment::segment_path(&dir, 0);
-    let aside = dir.join("aside");
-    std::fs::rename(&segment, &aside).unwrap();
-    std::fs::create_dir(&segment).unwrap();
-
-    let out = Arc::new(WriteQueue::new(1 << 20));
-    let conn = b
-        .open_connection(out.clone(), 131_072, "guest", "/")
-        .expect("vhost / exists");
-    b.open_channel(conn, 1);
-    b.consume(conn, 1, "/", "q", "c", true, false, 0, false)
-        .unwrap();
+    let unblock = block_segment(&dir);
+    let out = consume_no_ack(&b, "q");
     assert_eq!(deliveries(&out), 0, "nothing readable to deliver");
     assert_eq!(b.lock().vhosts["/"].queues["q"].state.len(), 2);
     assert_eq!(paging.stats().page_in_retries, 1);
     assert_eq!(paging.stats().page_in_failures, 0);
 
-    std::fs::remove_dir(&segment).unwrap();
-    std::fs::rename(&aside, &segment).unwrap();
+    unblock();
     std::thread::sleep(std::time::Duration::from_millis(
         crate::broker::paging::READ_RETRY_FIRST_MS + 50,
     ));
@@ -597,20 +586,10 @@ fn a_consumer_behind_an_unreadable_head_that_expires_gets_the_next_message() {
         b.storage().unwrap().close();
     }
     let b = open_with(&dir, 0);
-    let segment = crate::storage::segment::segment_path(&dir, 0);
-    let aside = dir.join("aside");
-    std::fs::rename(&segment, &aside).unwrap();
-    std::fs::create_dir(&segment).unwrap();
-    let out = Arc::new(WriteQueue::new(1 << 20));
-    let conn = b
-        .open_connection(out.clone(), 131_072, "guest", "/")
-        .expect("vhost / exists");
-    b.open_channel(conn, 1);
-    b.consume(conn, 1, "/", "q", "c", true, false, 0, false)
-        .unwrap();
+    let unblock = block_segment(&dir);
+    let out = consume_no_ack(&b, "q");
     assert_eq!(deliveries(&out), 0);
-    std::fs::remove_dir(&segment).unwrap();
-    std::fs::rename(&aside, &segment).unwrap();
+    unblock();
     std::thread::sleep(std::time::Duration::from_millis(1600));
     b.run_timers();
     assert_eq!(deliveries(&out), 1, "m1, once m0 expired");
@@ -666,6 +645,32 @@ fn a_stored_queue_with_an_argument_of_another_type_is_restored() {
     assert_eq!(bodies(&b, "old"), Some(vec![("kept".to_string(), false)]));
     b.storage().unwrap().close();
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Makes the first segment of `dir` unreadable for now (a directory in its place: reads fail
+/// with EISDIR, an error that may pass); the returned function puts it back.
+fn block_segment(dir: &std::path::Path) -> impl FnOnce() {
+    let segment = crate::storage::segment::segment_path(dir, 0);
+    let aside = dir.join("aside");
+    std::fs::rename(&segment, &aside).unwrap();
+    std::fs::create_dir(&segment).unwrap();
+    move || {
+        std::fs::remove_dir(&segment).unwrap();
+        std::fs::rename(&aside, &segment).unwrap();
+    }
+}
+
+/// A new connection consuming `queue` without acks; its deliveries are written to the
+/// returned queue.
+fn consume_no_ack(b: &Broker, queue: &str) -> Arc<WriteQueue> {
+    let out = Arc::new(WriteQueue::new(1 << 20));
+    let conn = b
+        .open_connection(out.clone(), 131_072, "guest", "/")
+        .expect("vhost / exists");
+    b.open_channel(conn, 1);
+    b.consume(conn, 1, "/", queue, "c", true, false, 0, false)
+        .unwrap();
+    out
 }
 
 /// The basic.deliver methods written to `out` since the last call.
