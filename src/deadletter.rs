@@ -565,30 +565,50 @@ pub fn dead_letter(
 /// entry walked, that one included, is a table whose reason is not `rejected`. Anything that
 /// is not a table on the way means a client wrote the history: not a cycle.
 pub fn is_cycle(reason: DeadLetterReason, rewritten: &BasicProperties, target_queue: &str) -> bool {
-    if reason == DeadLetterReason::Rejected {
-        return false;
-    }
-    let Some(AMQPValue::FieldArray(entries)) = rewritten
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get(X_DEATH))
-    else {
-        return false;
-    };
-    let target = long_string(target_queue);
-    let rejected = long_string(DeadLetterReason::Rejected.as_str());
-    for entry in entries.as_slice() {
-        let AMQPValue::FieldTable(table) = entry else {
-            return false;
+    CycleQueues::of(reason, rewritten).contains(target_queue)
+}
+
+/// The queues [`is_cycle`] is true for, found in one walk of the history (a dead letter with
+/// many target queues or keys is judged in time linear in keys plus history).
+#[derive(Debug, Default)]
+pub struct CycleQueues<'a> {
+    queues: std::collections::HashSet<&'a [u8]>,
+}
+
+impl<'a> CycleQueues<'a> {
+    /// The queue of every entry walked before the first `rejected` entry or the first entry
+    /// that is not a table (none for a `rejected` death).
+    pub fn of(reason: DeadLetterReason, rewritten: &'a BasicProperties) -> Self {
+        let mut found = CycleQueues::default();
+        if reason == DeadLetterReason::Rejected {
+            return found;
+        }
+        let Some(AMQPValue::FieldArray(entries)) = rewritten
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get(X_DEATH))
+        else {
+            return found;
         };
-        if table.inner().get("reason") == Some(&rejected) {
-            return false;
+        let rejected = long_string(DeadLetterReason::Rejected.as_str());
+        for entry in entries.as_slice() {
+            let AMQPValue::FieldTable(table) = entry else {
+                break;
+            };
+            if table.inner().get("reason") == Some(&rejected) {
+                break;
+            }
+            if let Some(AMQPValue::LongString(queue)) = table.inner().get("queue") {
+                found.queues.insert(queue.as_bytes());
+            }
         }
-        if table.inner().get("queue") == Some(&target) {
-            return true;
-        }
+        found
     }
-    false
+
+    /// Whether a dead letter to `queue` is a cycle.
+    pub fn contains(&self, queue: &str) -> bool {
+        self.queues.contains(queue.as_bytes())
+    }
 }
 
 pub mod retry;

@@ -14,7 +14,7 @@ use super::message::Message;
 use super::queue::{Death, PublishOutcome};
 use super::{Broker, State};
 use crate::amqp::content::encode_properties_from;
-use crate::deadletter::{DeadLetterDrop, DeadLetterTarget, DeathEvent, dead_letter, is_cycle};
+use crate::deadletter::{CycleQueues, DeadLetterDrop, DeadLetterTarget, DeathEvent, dead_letter};
 
 impl Broker {
     /// Dead-letters `deaths` that left `queue` (and whatever that causes downstream).
@@ -147,8 +147,9 @@ impl Broker {
             true,
         ));
         let mut delivered = false;
+        let cycles = CycleQueues::of(reason, &rewritten.properties);
         for t in &targets {
-            if is_cycle(reason, &rewritten.properties, t) {
+            if cycles.contains(t) {
                 self.drop_message(st, vhost, source, "cycle", now, t);
                 continue;
             }

@@ -16,6 +16,13 @@
 //! - dead-lettering: [`kept_bcc_keys`] are routing keys after the publish key and the CC keys
 //!   (never in x-death's `routing-keys`, as in RabbitMQ); a dead letter routed with BCC keys
 //!   carries them in the private header again, so a second hop routes with them too.
+//!
+//! The proxy's other private header, [`PRIVATE_HOP_HEADER`] (`x-dlx-proxy-hop`), marks a
+//! message the proxy dead-lettered: it stays on the message in the queues its dead-letter
+//! exchange routed it to, and goes when a client republishes it (clients never see it, and may
+//! not set it). The cycle rule for dead-letter exchanges other than the default one reads it
+//! ([`super::outgoing::keys_after_cycle_rule`]). Both directions treat every header named
+//! `x-dlx-proxy-...` as private, with one byte scan for the prefix.
 
 use amq_protocol::protocol::BasicProperties;
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
@@ -27,6 +34,13 @@ use crate::deadletter::HEADER_BCC;
 /// The header in which the proxy keeps a message's BCC keys.
 pub const PRIVATE_BCC_HEADER: &str = "x-dlx-proxy-bcc";
 
+/// The header that marks a message the proxy dead-lettered (true), until a client republishes
+/// it.
+pub const PRIVATE_HOP_HEADER: &str = "x-dlx-proxy-hop";
+
+/// What the name of every private header starts with.
+const PRIVATE_PREFIX: &str = "x-dlx-proxy-";
+
 /// Bytes of a content header payload before the property flags: class, weight, body size.
 const CONTENT_HEADER_PREFIX: usize = 12;
 
@@ -35,7 +49,7 @@ const HEADERS_FLAG: u16 = 0x2000;
 
 /// How the keys look inside an encoded table (a shortstr: length octet, then the name).
 const BCC_KEY_BYTES: &[u8] = b"\x03BCC";
-const PRIVATE_KEY_BYTES: &[u8] = b"\x0fx-dlx-proxy-bcc";
+const PRIVATE_PREFIX_BYTES: &[u8] = PRIVATE_PREFIX.as_bytes();
 
 /// Whether a content header payload may hold a header table containing `key_bytes` (a cheap
 /// test: false positives are settled by decoding).
@@ -60,6 +74,21 @@ pub fn keys_value(keys: &[String]) -> AMQPValue {
             .map(|k| AMQPValue::LongString(LongString::from(k.as_str())))
             .collect::<Vec<_>>(),
     ))
+}
+
+/// Removes every private header; whether there was one.
+fn remove_private(headers: &mut std::collections::BTreeMap<ShortString, AMQPValue>) -> bool {
+    let before = headers.len();
+    headers.retain(|key, _| !key.as_str().starts_with(PRIVATE_PREFIX));
+    headers.len() != before
+}
+
+/// Whether the proxy dead-lettered this message, and no client republished it since.
+pub fn dead_lettered_by_proxy(props: &BasicProperties) -> bool {
+    props
+        .headers()
+        .as_ref()
+        .is_some_and(|h| h.inner().contains_key(PRIVATE_HOP_HEADER))
 }
 
 /// The BCC keys the proxy kept for a message (empty when none).
@@ -87,7 +116,7 @@ fn with_headers(payload: &[u8], props: BasicProperties, headers: FieldTable) -> 
 /// `None` to forward it unchanged. The rewritten payload is at most `max_payload` bytes: when
 /// the kept keys would not fit, only a client's own private header is removed.
 pub fn publish_header(payload: &[u8], max_payload: usize) -> Option<Bytes> {
-    if !may_hold(payload, BCC_KEY_BYTES) && !may_hold(payload, PRIVATE_KEY_BYTES) {
+    if !may_hold(payload, BCC_KEY_BYTES) && !may_hold(payload, PRIVATE_PREFIX_BYTES) {
         return None;
     }
     let props = decode_properties(&payload[CONTENT_HEADER_PREFIX..]).ok()?;
@@ -96,7 +125,7 @@ pub fn publish_header(payload: &[u8], max_payload: usize) -> Option<Bytes> {
         .get(HEADER_BCC)
         .map(long_string_keys)
         .unwrap_or_default();
-    let had_private = headers.remove(PRIVATE_BCC_HEADER).is_some();
+    let had_private = remove_private(&mut headers);
     if !bcc.is_empty() {
         let mut kept = headers.clone();
         kept.insert(ShortString::from(PRIVATE_BCC_HEADER), keys_value(&bcc));
@@ -113,14 +142,16 @@ pub fn publish_header(payload: &[u8], max_payload: usize) -> Option<Bytes> {
 }
 
 /// The content header payload to deliver to a client instead of `payload`, without the
-/// private header, or `None` when it has none.
+/// private headers, or `None` when it has none.
 pub fn delivered_header(payload: &[u8]) -> Option<Bytes> {
-    if !may_hold(payload, PRIVATE_KEY_BYTES) {
+    if !may_hold(payload, PRIVATE_PREFIX_BYTES) {
         return None;
     }
     let props = decode_properties(&payload[CONTENT_HEADER_PREFIX..]).ok()?;
     let mut headers = props.headers().as_ref()?.inner().clone();
-    headers.remove(PRIVATE_BCC_HEADER)?;
+    if !remove_private(&mut headers) {
+        return None;
+    }
     Some(with_headers(payload, props, FieldTable::from(headers)))
 }
 
@@ -226,6 +257,28 @@ mod tests {
             headers_of(&rewritten).get(PRIVATE_BCC_HEADER),
             Some(&keys_value(&keys(&["c"])))
         );
+    }
+
+    /// The proxy's mark of its own dead letters: a client may not set it (so its republish
+    /// is not taken for the proxy's) and never sees it.
+    #[test]
+    fn the_dead_letter_mark_is_the_proxys_alone() {
+        let marked = props(&[
+            (PRIVATE_HOP_HEADER, AMQPValue::Boolean(true)),
+            ("keep", AMQPValue::LongString("yes".into())),
+        ]);
+        assert!(dead_lettered_by_proxy(&marked));
+        for rewritten in [
+            publish_header(&payload_of(&marked), 4096).unwrap(),
+            delivered_header(&payload_of(&marked)).unwrap(),
+        ] {
+            let headers = headers_of(&rewritten);
+            assert!(!headers.contains_key(PRIVATE_HOP_HEADER));
+            assert!(headers.contains_key("keep"));
+        }
+        let plain = props(&[("keep", AMQPValue::LongString("yes".into()))]);
+        assert!(!dead_lettered_by_proxy(&plain));
+        assert_eq!(delivered_header(&payload_of(&plain)), None);
     }
 
     #[test]

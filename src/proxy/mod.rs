@@ -146,7 +146,9 @@
 //! - deliveries the upstream requeues itself (a channel it closes, basic.recover) are not
 //!   counted against a classic queue's delivery limit;
 //! - the cycle rule on a DLX other than the default exchange catches a loop one lap later
-//!   than RabbitMQ (see [`outgoing`]);
+//!   than RabbitMQ, and only for messages that reached the queue by the proxy's own
+//!   dead-lettering (`x-dlx-proxy-hop`, see [`outgoing`]): a client's republish with its
+//!   history is not judged by its source queue (RabbitMQ judges the target);
 //! - when a missing DLX closes the proxy's channel, other dead letters still unconfirmed on
 //!   it are held and published again (a duplicate if the upstream had routed one before the
 //!   close);

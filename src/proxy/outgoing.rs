@@ -14,9 +14,13 @@
 //! **Cycles.** The proxy cannot see which queues a DLX routes to. With the default exchange the
 //! target queue is the routing key, so [`is_cycle`] is applied per key exactly as RabbitMQ
 //! does. For any other exchange the proxy applies the rule to the source queue on the history
-//! *before* this death: a message that died automatically in this queue before, with no
-//! rejection since, came back through an automatic loop and is dropped. Such a loop therefore
-//! runs once more than in RabbitMQ (which drops it before the first republish).
+//! *before* this death, for a message that reached this queue by the proxy's own
+//! dead-lettering (it carries [`PRIVATE_HOP_HEADER`], which every dead letter the proxy
+//! publishes gets): one that died automatically in this queue before, with no rejection
+//! since, came back through an automatic loop and is dropped. Such a loop therefore runs once
+//! more than in RabbitMQ (which drops it before the first republish). A message a client
+//! published (or republished with its history, the usual retry pattern) is not judged by its
+//! source queue: RabbitMQ judges the target, which a client's republish does not make a loop.
 //!
 //! **Delivery limits.** A requeue on a queue with a delivery limit is a republish to the
 //! queue's tail through the default exchange with `x-delivery-count` incremented (int64, as
@@ -27,11 +31,12 @@ use amq_protocol::protocol::BasicProperties;
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use bytes::Bytes;
 
-use super::bcc::{PRIVATE_BCC_HEADER, kept_bcc_keys};
+use super::bcc::{PRIVATE_BCC_HEADER, PRIVATE_HOP_HEADER, dead_lettered_by_proxy, kept_bcc_keys};
 use super::publisher::OutgoingMessage;
 use crate::amqp::content::encode_properties;
 use crate::deadletter::{
-    DeadLetterReason, DeadLetteredMessage, HEADER_BCC, HEADER_CC, X_DELIVERY_COUNT, is_cycle,
+    CycleQueues, DeadLetterReason, DeadLetteredMessage, HEADER_BCC, HEADER_CC, X_DELIVERY_COUNT,
+    is_cycle,
 };
 use crate::rabbit::args::amqp_integer;
 
@@ -66,21 +71,25 @@ pub fn keys_after_cycle_rule(
         return dedup(&message.routing_keys);
     }
     if message.exchange.is_empty() {
+        let cycles = CycleQueues::of(reason, &message.properties);
         dedup(&message.routing_keys)
             .into_iter()
-            .filter(|queue| !is_cycle(reason, &message.properties, queue))
+            .filter(|queue| !cycles.contains(queue))
             .collect()
-    } else if is_cycle(reason, before, source_queue) {
+    } else if dead_lettered_by_proxy(before) && is_cycle(reason, before, source_queue) {
         Vec::new()
     } else {
         dedup(&message.routing_keys)
     }
 }
 
+/// `keys` without repeats, in first-seen order (in time linear in the keys: a `CC` header may
+/// hold thousands).
 fn dedup(keys: &[String]) -> Vec<String> {
+    let mut seen = std::collections::HashSet::with_capacity(keys.len());
     let mut out: Vec<String> = Vec::with_capacity(keys.len());
     for key in keys {
-        if !out.contains(key) {
+        if seen.insert(key.as_str()) {
             out.push(key.clone());
         }
     }
@@ -105,21 +114,29 @@ pub fn dead_letter_publish(
     let current = message.properties.headers().as_ref().map(|h| h.inner());
     let has = |name: &str| current.is_some_and(|h| h.contains_key(name));
     let cc = cc_keys(&message.properties);
+    let routed: std::collections::HashSet<&str> = keys.iter().map(String::as_str).collect();
+    let in_cc: std::collections::HashSet<&str> = cc.iter().map(String::as_str).collect();
     // CC keys the publish does not route with are dropped from the header.
     let kept_cc: Option<Vec<String>> = has(HEADER_CC)
-        .then(|| cc.iter().filter(|k| keys.contains(k)).cloned().collect())
+        .then(|| {
+            cc.iter()
+                .filter(|k| routed.contains(k.as_str()))
+                .cloned()
+                .collect()
+        })
         .filter(|kept: &Vec<String>| kept.len() != cc.len());
     let extra: Vec<String> = keys
         .iter()
         .skip(1)
-        .filter(|k| **k != routing_key && !cc.contains(k))
+        .filter(|k| **k != routing_key && !in_cc.contains(k.as_str()))
         .cloned()
         .collect();
-    let raw_properties = if kept_cc.is_none() && extra.is_empty() && !has(PRIVATE_BCC_HEADER) {
-        // The common case: the headers go out as the rewrite left them, with no copy.
-        encode_properties(&message.properties)
-    } else {
+    let raw_properties = {
         let mut headers = current.cloned().unwrap_or_default();
+        headers.insert(
+            ShortString::from(PRIVATE_HOP_HEADER),
+            AMQPValue::Boolean(true),
+        );
         match kept_cc {
             Some(kept) if kept.is_empty() => {
                 headers.remove(HEADER_CC);

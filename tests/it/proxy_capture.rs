@@ -401,6 +401,54 @@ async fn automatic_loops_through_other_exchanges_are_dropped_when_they_come_back
     proxy.stop().await;
 }
 
+/// The usual retry pattern through a dead-letter exchange other than the default one: a
+/// wait queue with a TTL dead-letters into the work queue; the consumer takes the message,
+/// acks it and republishes it, history and all, into the wait queue. RabbitMQ delivers it to
+/// the work queue every time (the work queue, its target, is not in the history); the proxy,
+/// which judges the wait queue instead, must not take the republish for a loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_republished_into_a_wait_queue_is_no_cycle() {
+    let proxy = TestProxy::start(vec![]).await;
+    let conn = proxy.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let retry = unique("retry-x");
+    let wait = unique("wait");
+    let work = unique("work");
+    declare_dlx(&ch, &retry, &work).await;
+    declare(
+        &ch,
+        &wait,
+        table(&[
+            ("x-message-ttl", AMQPValue::LongInt(20)),
+            ("x-dead-letter-exchange", ls(&retry)),
+            ("x-dead-letter-routing-key", ls(&work)),
+        ]),
+    )
+    .await;
+    publish(&ch, &wait, "m", AMQPProperties::default()).await;
+    for round in 1..=3i64 {
+        let d = get(&ch, &work).await;
+        assert_eq!(payload(&d), "m", "round {round}");
+        assert_eq!(
+            field(&x_death(&d)[0], "count"),
+            &AMQPValue::LongLongInt(round)
+        );
+        no_capture_trace(&d, "capture");
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+        publish(&ch, &wait, "m", d.properties.clone()).await;
+    }
+    let d = get(&ch, &work).await;
+    assert_eq!(payload(&d), "m");
+    assert_eq!(
+        proxy.counter(
+            "dead_letter_dropped_total",
+            &[("cause", "cycle"), ("queue", &wait), ("vhost", "/")]
+        ),
+        0.0
+    );
+    proxy.stop().await;
+}
+
 /// A publisher cannot choose where its message is dead-lettered: a queue without a
 /// dead-letter routing key of its own (here its target comes from a policy) reaches the
 /// capture queue with the key the message was published with, and a capture tag there,

@@ -148,14 +148,9 @@ fn default_exchange_cycles_are_dropped_per_key() {
 #[test]
 fn other_exchanges_drop_a_message_that_came_back_automatically() {
     let keys = vec!["q".to_string()];
-    let first = die(
-        &BasicProperties::default(),
-        "q",
-        DeadLetterReason::Expired,
-        &keys,
-        "fan",
-        None,
-    );
+    let expire_in_q =
+        |props: &BasicProperties| die(props, "q", DeadLetterReason::Expired, &keys, "fan", None);
+    let first = expire_in_q(&BasicProperties::default());
     // First death: kept (the proxy cannot see that "fan" routes back to q).
     assert_eq!(
         keys_after_cycle_rule(
@@ -166,18 +161,25 @@ fn other_exchanges_drop_a_message_that_came_back_automatically() {
         ),
         keys
     );
-    // It expired in q again: the history before this death already shows q, no rejection.
-    let second = die(
-        &first.properties,
-        "q",
-        DeadLetterReason::Expired,
-        &keys,
-        "fan",
-        None,
-    );
+    // It expired in q again after "fan" routed the proxy's dead letter back: the history
+    // before this death already shows q, no rejection.
+    let published = dead_letter_publish(&first, &keys, Bytes::new());
+    let routed_back = decode_properties(&published.raw_properties).unwrap();
+    let second = expire_in_q(&routed_back);
     assert!(
-        keys_after_cycle_rule(DeadLetterReason::Expired, &second, &first.properties, "q")
-            .is_empty()
+        keys_after_cycle_rule(DeadLetterReason::Expired, &second, &routed_back, "q").is_empty()
+    );
+    // The same history on a message a client republished into q (the proxy's mark is gone):
+    // RabbitMQ judges the target, which the republish did not make a loop. Kept.
+    let republished = expire_in_q(&first.properties);
+    assert_eq!(
+        keys_after_cycle_rule(
+            DeadLetterReason::Expired,
+            &republished,
+            &first.properties,
+            "q"
+        ),
+        keys
     );
 }
 
