@@ -7,7 +7,12 @@
 //! - `basic.ack` → [`Outcome::Confirmed`], or [`Outcome::Unroutable`] when a `basic.return`
 //!   (every publish is `mandatory`) came first. Returns carry no sequence number; RabbitMQ
 //!   sends them in publish order before the ack, so a return belongs to the oldest
-//!   unconfirmed, not yet returned publish with the same exchange, routing key and body size;
+//!   unconfirmed, not yet returned publish with the same exchange, routing key and content
+//!   (properties, `BCC` aside since the broker strips it, and body). Only when no publish has
+//!   that content (the broker re-encoded the properties) does one with the same exchange,
+//!   routing key and body size take it. The exchange and key alone would not do: an older
+//!   publish with the same ones may be routable where this one is not (its `CC` header, the
+//!   headers a headers exchange matches, a binding made between the two);
 //! - `basic.nack` → [`Outcome::Failed`] ([`NACKED`]);
 //! - `channel.close` (a publish to a missing exchange closes the channel with 404, to a
 //!   forbidden one with 403) → the publishes to the exchange named in the reply text are
@@ -33,7 +38,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use amq_protocol::protocol::{AMQPClass, basic, channel, confirm};
-use amq_protocol::types::ShortString;
+use amq_protocol::types::{FieldTable, ShortString};
 use bytes::{Bytes, BytesMut};
 
 use super::wire::{WireFrame, content_body_size, method_frame};
@@ -41,8 +46,9 @@ use crate::amqp::codec::{
     FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, SHORT_STRING_MAX, decode_method,
     put_basic_publish,
 };
-use crate::amqp::content::put_content;
+use crate::amqp::content::{decode_properties, put_content};
 use crate::amqp::reply::{ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED};
+use crate::deadletter::HEADER_BCC;
 
 /// The cause of [`Outcome::Failed`] for a basic.nack.
 pub const NACKED: &str = "nack";
@@ -105,7 +111,9 @@ struct Record {
     op: OpId,
     exchange: String,
     routing_key: String,
-    body_len: u64,
+    /// The content as published (shared with the caller's copy, not copied).
+    raw_properties: Bytes,
+    body: Bytes,
     returned: bool,
     deadline: Instant,
 }
@@ -117,6 +125,41 @@ struct ReturnedContent {
     /// Body size from the content header, once it arrived.
     size: Option<u64>,
     remaining: u64,
+    /// The returned property section.
+    properties: Bytes,
+    /// The returned body so far, hashed (a return is matched by content without keeping it).
+    body_hash: std::collections::hash_map::DefaultHasher,
+}
+
+/// A body's hash as [`ReturnedContent::body_hash`] computes it, frame by frame.
+fn body_hash(body: &[u8]) -> u64 {
+    use std::hash::Hasher;
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    hasher.write(body);
+    hasher.finish()
+}
+
+/// Whether a returned property section is the one published, `BCC` aside (the broker strips
+/// it at publish).
+fn same_properties(published: &[u8], returned: &[u8]) -> bool {
+    if published == returned {
+        return true;
+    }
+    let without_bcc = |raw: &[u8]| {
+        decode_properties(raw).ok().map(|props| {
+            let mut headers = props
+                .headers()
+                .as_ref()
+                .map(|h| h.inner().clone())
+                .unwrap_or_default();
+            headers.remove(HEADER_BCC);
+            props.with_headers(FieldTable::from(headers))
+        })
+    };
+    match (without_bcc(published), without_bcc(returned)) {
+        (Some(a), Some(b)) => a == b,
+        _ => false,
+    }
 }
 
 /// What a frame on the publisher channel asks of the session.
@@ -281,7 +324,8 @@ impl Publisher {
                 op,
                 exchange: message.exchange.clone(),
                 routing_key: message.routing_key.clone(),
-                body_len: message.body.len() as u64,
+                raw_properties: message.raw_properties.clone(),
+                body: message.body.clone(),
                 returned: false,
                 deadline,
             },
@@ -373,6 +417,8 @@ impl Publisher {
                         routing_key: ret.routing_key.as_str().to_string(),
                         size: None,
                         remaining: 0,
+                        properties: Bytes::new(),
+                        body_hash: std::collections::hash_map::DefaultHasher::new(),
                     });
                 }
                 Some(AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
@@ -405,6 +451,8 @@ impl Publisher {
                 if let Some(returned) = self.returned.as_mut() {
                     returned.size = Some(size);
                     returned.remaining = size;
+                    returned.properties =
+                        Bytes::copy_from_slice(frame.payload().get(12..).unwrap_or_default());
                     if size == 0 {
                         self.finish_return();
                     }
@@ -414,6 +462,7 @@ impl Publisher {
                 if let Some(returned) = self.returned.as_mut()
                     && returned.size.is_some()
                 {
+                    std::hash::Hasher::write(&mut returned.body_hash, frame.payload());
                     returned.remaining = returned
                         .remaining
                         .saturating_sub(frame.payload().len() as u64);
@@ -443,12 +492,20 @@ impl Publisher {
         let Some(returned) = self.returned.take() else {
             return;
         };
-        if let Some(record) = self.unconfirmed.values_mut().find(|r| {
+        let returned_hash = std::hash::Hasher::finish(&returned.body_hash);
+        let candidate = |r: &Record| {
             !r.returned
                 && r.exchange == returned.exchange
                 && r.routing_key == returned.routing_key
-                && returned.size == Some(r.body_len)
-        }) {
+                && returned.size == Some(r.body.len() as u64)
+        };
+        let same_content = self.unconfirmed.values().position(|r| {
+            candidate(r)
+                && body_hash(&r.body) == returned_hash
+                && same_properties(&r.raw_properties, &returned.properties)
+        });
+        let at = same_content.or_else(|| self.unconfirmed.values().position(candidate));
+        if let Some(record) = at.and_then(|at| self.unconfirmed.values_mut().nth(at)) {
             record.returned = true;
         }
     }

@@ -89,35 +89,81 @@ fn returns_mark_the_matching_publish_unroutable() {
     let now = Instant::now();
     p.publish(1, &message("dlx", "a"), now).unwrap();
     p.publish(2, &message("dlx", "b"), now).unwrap();
+    return_of(&mut p, "b", &[0, 0], b"body");
+    assert_second_of_two_returned(&mut p);
+}
+
+/// Acks publishes 1 and 2 at once: 1 confirmed, 2 returned before.
+fn assert_second_of_two_returned(p: &mut Publisher) {
+    let step = p.on_frame(&ack(5, 2, true));
+    let outcomes: Vec<(OpId, Outcome)> = step
+        .settled
+        .into_iter()
+        .map(|s| (s.op, s.outcome))
+        .collect();
+    assert_eq!(
+        outcomes,
+        vec![(1, Outcome::Confirmed), (2, Outcome::Unroutable)]
+    );
+}
+
+/// Returns `properties` and `body` as the upstream's basic.return of ("dlx", `key`).
+fn return_of(p: &mut Publisher, key: &str, properties: &[u8], body: &[u8]) {
     p.on_frame(&frame(method_frame(
         5,
         AMQPClass::Basic(basic::AMQPMethod::Return(basic::Return {
             reply_code: 312,
             reply_text: ShortString::from("NO_ROUTE"),
             exchange: ShortString::from("dlx"),
-            routing_key: ShortString::from("b"),
+            routing_key: ShortString::from(key),
         })),
     )));
     let mut content = BytesMut::new();
-    put_content(&mut content, 5, &[0, 0], b"body", 4096);
+    // Small frames: the body comes back in several.
+    put_content(&mut content, 5, properties, body, 16);
     let mut codec = WireCodec::new(4096);
     while let Some(f) = codec.decode(&mut content).unwrap() {
         p.on_frame(&f);
     }
-    let step = p.on_frame(&ack(5, 2, true));
-    assert_eq!(
-        step.settled,
-        vec![
-            Settled {
-                op: 1,
-                outcome: Outcome::Confirmed
-            },
-            Settled {
-                op: 2,
-                outcome: Outcome::Unroutable
-            }
-        ]
+}
+
+/// Two publishes with the same exchange, key and body size: the older one routable (still
+/// waiting for its confirm), the newer one returned. The return goes to the publish with its
+/// content, `BCC` aside (the broker strips it), not to the older one.
+#[test]
+fn a_return_marks_the_publish_with_its_content() {
+    use crate::amqp::content::encode_properties;
+    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+    let now = Instant::now();
+    let with_headers = |entries: &[(&str, &str)]| {
+        let mut headers = FieldTable::default();
+        for (k, v) in entries {
+            headers.insert(
+                ShortString::from(*k),
+                amq_protocol::types::AMQPValue::LongString((*v).into()),
+            );
+        }
+        encode_properties(&amq_protocol::protocol::BasicProperties::default().with_headers(headers))
+    };
+    let older = OutgoingMessage {
+        raw_properties: with_headers(&[("x-first-death-queue", "q1")]),
+        body: Bytes::from_static(b"the same size, one"),
+        ..message("dlx", "k")
+    };
+    let newer = OutgoingMessage {
+        raw_properties: with_headers(&[("x-first-death-queue", "q2"), ("BCC", "x")]),
+        body: Bytes::from_static(b"the same size, two"),
+        ..message("dlx", "k")
+    };
+    p.publish(1, &older, now).unwrap();
+    p.publish(2, &newer, now).unwrap();
+    return_of(
+        &mut p,
+        "k",
+        &with_headers(&[("x-first-death-queue", "q2")]),
+        b"the same size, two",
     );
+    assert_second_of_two_returned(&mut p);
 }
 
 #[test]
