@@ -10,13 +10,16 @@
 //!   entry {queue, reason `rejected`} counted once more (first-death headers on the first),
 //!   so its history reads as if it had been dead-lettered each time;
 //! - like every dead letter it loses `expiration` (kept as the entry's
-//!   `original-expiration`), `BCC` and `x-delivery-count`.
+//!   `original-expiration`), `BCC` and `x-delivery-count`; it loses `CC` too, whatever the
+//!   `compat` setting (it goes back to its one queue: in proxy mode by a publish through the
+//!   default exchange, which would copy it into every queue `CC` names).
 
 use amq_protocol::protocol::BasicProperties;
 use amq_protocol::types::{AMQPValue, FieldTable, ShortString};
 
 use super::{
-    DeadLetterDrop, DeadLetterOptions, DeadLetterReason, DeadLetterTarget, DeathEvent, dead_letter,
+    DeadLetterDrop, DeadLetterOptions, DeadLetterReason, DeadLetterTarget, DeathEvent, HEADER_CC,
+    dead_letter,
 };
 use crate::rabbit::args::amqp_integer;
 
@@ -89,6 +92,7 @@ pub fn retry_after_rejection(
         ShortString::from(X_RETRY_COUNT),
         AMQPValue::LongLongInt(i64::try_from(tier).unwrap_or(i64::MAX)),
     );
+    headers.remove(HEADER_CC);
     Some(RetryMessage {
         tier,
         delay_ms,
@@ -114,6 +118,28 @@ mod tests {
 
     fn header<'a>(props: &'a BasicProperties, name: &str) -> Option<&'a AMQPValue> {
         props.headers().as_ref().and_then(|h| h.inner().get(name))
+    }
+
+    /// `CC` goes whatever the compat setting (`compat = "4"` keeps it on a dead letter with
+    /// a routing key, which a retry's return to its queue is).
+    #[test]
+    fn a_retry_carries_no_cc() {
+        let keys = vec!["new".to_string()];
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ShortString::from(HEADER_CC),
+            AMQPValue::FieldArray(vec![AMQPValue::LongString("elsewhere".into())].into()),
+        );
+        let props = BasicProperties::default().with_headers(headers);
+        for compat in [crate::deadletter::Compat::V3, crate::deadletter::Compat::V4] {
+            let opts = DeadLetterOptions {
+                compat,
+                ..DeadLetterOptions::default()
+            };
+            let retry = retry_after_rejection(&props, &[100], &event("work", &keys), &opts)
+                .expect("a tier");
+            assert_eq!(header(&retry.properties, HEADER_CC), None, "{compat:?}");
+        }
     }
 
     #[test]

@@ -24,7 +24,7 @@ use super::publisher::OutgoingMessage;
 use super::wire::method_frame;
 use crate::amqp::content::{encode_properties, keep_opaque_headers};
 use crate::deadletter::retry::{next_delay, retry_after_rejection, retry_count};
-use crate::deadletter::{DeadLetterOptions, DeadLetterReason};
+use crate::deadletter::{DeadLetterOptions, DeadLetterReason, HEADER_BCC, HEADER_CC};
 use crate::rabbit::args::{
     ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_STRATEGY, ARG_MESSAGE_TTL, ARG_OVERFLOW,
     ARG_QUEUE_TYPE,
@@ -117,7 +117,7 @@ pub(crate) fn plan_rejection(
         return RetryPlan::NotRetried;
     };
     let properties = with_header(
-        &retry.properties,
+        &without_routing_headers(&retry.properties),
         RETRY_QUEUE_HEADER,
         Some(AMQPValue::LongString(LongString::from(&*death.queue))),
     );
@@ -161,7 +161,11 @@ pub(crate) fn returning(
     let Some(target) = target else {
         return Some(Err(NoRetryTarget));
     };
-    let properties = with_header(&death.before, RETRY_QUEUE_HEADER, None);
+    let properties = with_header(
+        &without_routing_headers(&death.before),
+        RETRY_QUEUE_HEADER,
+        None,
+    );
     let message = OutgoingMessage {
         exchange: String::new(),
         routing_key: target.clone(),
@@ -169,6 +173,13 @@ pub(crate) fn returning(
         body: death.body.clone(),
     };
     Some(Ok((target, message)))
+}
+
+/// `props` without `CC` and `BCC`: the hold and the return publish through the default
+/// exchange to one queue, and the broker would route a copy to every queue those name.
+fn without_routing_headers(props: &BasicProperties) -> BasicProperties {
+    let cc_removed = with_header(props, HEADER_CC, None);
+    with_header(&cc_removed, HEADER_BCC, None)
 }
 
 /// `props` with header `name` set to `value` (or removed).

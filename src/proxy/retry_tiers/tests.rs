@@ -160,6 +160,41 @@ fn a_rejection_waits_in_the_queue_of_its_tier_and_comes_back_without_the_private
     ));
 }
 
+/// A rejected message with `CC` (kept by the rewrite when the queue has no dead-letter routing
+/// key, and under `compat = "4"` with one) waits and comes back without it: the hold and the
+/// return go through the default exchange, which would copy it into every queue `CC` names.
+#[test]
+fn a_held_retry_routes_to_its_delay_queue_and_back_only() {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        ShortString::from(HEADER_CC),
+        AMQPValue::FieldArray(vec![AMQPValue::LongString("elsewhere".into())].into()),
+    );
+    let props = BasicProperties::default().with_headers(headers);
+    let (_, _, message) = hold(plan_rejection(
+        &rejected(props),
+        Some(&[300]),
+        &DeadLetterOptions::default(),
+        CAPTURE,
+    ));
+    let waiting = decode_properties(&message.raw_properties).unwrap();
+    assert_eq!(header(&waiting, HEADER_CC), None);
+    let mut back = rejected(waiting.clone());
+    back.queue = Arc::from("dlx-proxy.capture.retry.300");
+    back.reason = DeadLetterReason::Expired;
+    // As if the delay queue's publisher had added CC again.
+    back.before = with_header(
+        &waiting,
+        HEADER_CC,
+        Some(AMQPValue::FieldArray(
+            vec![AMQPValue::LongString("elsewhere".into())].into(),
+        )),
+    );
+    let (_, returned) = returning(&back, CAPTURE).unwrap().unwrap();
+    let props = decode_properties(&returned.raw_properties).unwrap();
+    assert_eq!(header(&props, HEADER_CC), None);
+}
+
 #[test]
 fn no_tiers_other_reasons_and_user_ids_die_as_usual() {
     let opts = DeadLetterOptions::default();
