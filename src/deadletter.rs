@@ -382,7 +382,8 @@ fn record_in_history(
     history
 }
 
-/// Sum of the integer counts of the table entries.
+/// Sum of the integer counts of the table entries, each taken as at least 0 (a negative count
+/// a client wrote must not lift the hop limit for its message).
 fn total_deaths(history: &[AMQPValue]) -> i64 {
     history
         .iter()
@@ -390,6 +391,7 @@ fn total_deaths(history: &[AMQPValue]) -> i64 {
             AMQPValue::FieldTable(t) => t.inner().get("count").and_then(amqp_integer),
             _ => None,
         })
+        .map(|count| count.max(0))
         .fold(0i64, i64::saturating_add)
 }
 

@@ -1121,6 +1121,31 @@ fn hop_limit_drops_past_max_hops() {
         )
         .is_err()
     );
+    // A negative count of a client's entry does not cancel the others.
+    let negative = with_headers(vec![(
+        X_DEATH,
+        AMQPValue::FieldArray(FieldArray::from(vec![
+            AMQPValue::FieldTable(table(vec![
+                ("reason", long_string("expired")),
+                ("queue", long_string("x")),
+                ("count", AMQPValue::LongLongInt(-1_000_000)),
+            ])),
+            AMQPValue::FieldTable(table(vec![
+                ("reason", long_string("expired")),
+                ("queue", long_string("y")),
+                ("count", AMQPValue::LongInt(2)),
+            ])),
+        ])),
+    )]);
+    assert_eq!(
+        die_with(
+            &negative,
+            &death("q", Rejected, "", "q", "", None),
+            &opts,
+            true
+        ),
+        Err(DeadLetterDrop::HopLimit)
+    );
     let no_limit = DeadLetterOptions::default();
     assert!(
         die_with(
