@@ -369,7 +369,10 @@ fn record_in_history(
                 .inner()
                 .get("count")
                 .and_then(amqp_integer)
-                .unwrap_or(1);
+                .unwrap_or(1)
+                // A negative count (a client's) starts again from 0: counting up from it
+                // would keep the hop limit away for as many deaths.
+                .max(0);
             table.insert(
                 key("count"),
                 AMQPValue::LongLongInt(count.saturating_add(1)),

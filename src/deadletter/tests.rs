@@ -1146,6 +1146,26 @@ fn hop_limit_drops_past_max_hops() {
         ),
         Err(DeadLetterDrop::HopLimit)
     );
+    // Nor does one for the queue the message dies in again and again.
+    let mut looping = with_headers(vec![(
+        X_DEATH,
+        AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(table(vec![
+            ("reason", long_string("rejected")),
+            ("queue", long_string("q")),
+            ("count", AMQPValue::LongLongInt(-1_000_000)),
+        ]))])),
+    )]);
+    let mut laps = 0;
+    while let Ok(next) = die_with(
+        &looping,
+        &death("q", Rejected, "", "q", "", None),
+        &opts,
+        true,
+    ) {
+        looping = next.properties;
+        laps += 1;
+        assert!(laps <= 2, "the hop limit holds");
+    }
     let no_limit = DeadLetterOptions::default();
     assert!(
         die_with(

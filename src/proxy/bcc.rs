@@ -83,6 +83,20 @@ fn remove_private(headers: &mut std::collections::BTreeMap<ShortString, AMQPValu
     headers.len() != before
 }
 
+/// `props` without the proxy's private headers: what a republish of the message carries (a
+/// redrive is one: its message is no longer the proxy's dead letter, and its BCC keys went
+/// with the publish that had them).
+pub fn without_private_headers(props: &BasicProperties) -> BasicProperties {
+    let Some(headers) = props.headers().as_ref() else {
+        return props.clone();
+    };
+    let mut headers = headers.inner().clone();
+    if !remove_private(&mut headers) {
+        return props.clone();
+    }
+    props.clone().with_headers(FieldTable::from(headers))
+}
+
 /// Whether the proxy dead-lettered this message, and no client republished it since.
 pub fn dead_lettered_by_proxy(props: &BasicProperties) -> bool {
     props

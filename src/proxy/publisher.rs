@@ -9,8 +9,8 @@
 //!   sends them in publish order before the ack, so a return belongs to the oldest
 //!   unconfirmed, not yet returned publish with the same exchange, routing key and content
 //!   (properties, `BCC` aside since the broker strips it, and body). Only when no publish has
-//!   that content (the broker re-encoded the properties) does one with the same exchange,
-//!   routing key and body size take it. The exchange and key alone would not do: an older
+//!   those properties (the broker re-encoded them) does one with the same exchange, routing
+//!   key and body take it; a return of none of them (its publish timed out) marks nothing. The exchange and key alone would not do: an older
 //!   publish with the same ones may be routable where this one is not (its `CC` header, the
 //!   headers a headers exchange matches, a binding made between the two);
 //! - `basic.nack` → [`Outcome::Failed`] ([`NACKED`]);
@@ -493,17 +493,19 @@ impl Publisher {
             return;
         };
         let returned_hash = std::hash::Hasher::finish(&returned.body_hash);
+        // The broker returns the body as published; only the properties may come back
+        // encoded otherwise.
         let candidate = |r: &Record| {
             !r.returned
                 && r.exchange == returned.exchange
                 && r.routing_key == returned.routing_key
                 && returned.size == Some(r.body.len() as u64)
-        };
-        let same_content = self.unconfirmed.values().position(|r| {
-            candidate(r)
                 && body_hash(&r.body) == returned_hash
-                && same_properties(&r.raw_properties, &returned.properties)
-        });
+        };
+        let same_content = self
+            .unconfirmed
+            .values()
+            .position(|r| candidate(r) && same_properties(&r.raw_properties, &returned.properties));
         let at = same_content.or_else(|| self.unconfirmed.values().position(candidate));
         if let Some(record) = at.and_then(|at| self.unconfirmed.values_mut().nth(at)) {
             record.returned = true;

@@ -19,6 +19,7 @@ use amq_protocol::protocol::{AMQPClass, BasicProperties, queue};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 use bytes::Bytes;
 
+use super::bcc::PRIVATE_BCC_HEADER;
 use super::death::Death;
 use super::publisher::OutgoingMessage;
 use super::wire::method_frame;
@@ -175,11 +176,14 @@ pub(crate) fn returning(
     Some(Ok((target, message)))
 }
 
-/// `props` without `CC` and `BCC`: the hold and the return publish through the default
-/// exchange to one queue, and the broker would route a copy to every queue those name.
+/// `props` without `CC`, `BCC` and the kept BCC keys: the hold and the return publish
+/// through the default exchange to one queue, and the broker would route a copy to every
+/// queue the first two name; the message comes back routed by its queue's name only (as in
+/// embedded mode), so the kept keys would route a later dead letter to more.
 fn without_routing_headers(props: &BasicProperties) -> BasicProperties {
     let cc_removed = with_header(props, HEADER_CC, None);
-    with_header(&cc_removed, HEADER_BCC, None)
+    let bcc_removed = with_header(&cc_removed, HEADER_BCC, None);
+    with_header(&bcc_removed, PRIVATE_BCC_HEADER, None)
 }
 
 /// `props` with header `name` set to `value` (or removed).

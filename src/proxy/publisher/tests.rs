@@ -166,6 +166,23 @@ fn a_return_marks_the_publish_with_its_content() {
     assert_second_of_two_returned(&mut p);
 }
 
+/// A return of a body no unconfirmed publish has (its own publish timed out and is gone)
+/// marks none of them, even one with the same exchange, key and body size.
+#[test]
+fn a_return_of_no_unconfirmed_publish_marks_none() {
+    let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
+    p.publish(1, &message("dlx", "k"), Instant::now()).unwrap();
+    return_of(&mut p, "k", &[0, 0], b"xxxx");
+    let step = p.on_frame(&ack(5, 1, false));
+    assert_eq!(
+        step.settled,
+        vec![Settled {
+            op: 1,
+            outcome: Outcome::Confirmed
+        }]
+    );
+}
+
 #[test]
 fn a_missing_exchange_fails_its_publishes_and_reopens() {
     let mut p = Publisher::new(5, 4096, Duration::from_secs(5));

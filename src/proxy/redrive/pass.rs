@@ -15,6 +15,7 @@ use bytes::{Bytes, BytesMut};
 use super::{CONSUME_CHANNEL, PUBLISH_CHANNEL, Pass, Progress, WINDOW};
 use crate::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, decode_method};
 use crate::amqp::content::{BodyCollector, encode_properties_from, parse_content_header};
+use crate::proxy::bcc::without_private_headers;
 use crate::proxy::publisher::{NACKED, Outcome, OutgoingMessage, PROPERTIES_TOO_LARGE, Publisher};
 use crate::proxy::wire::{WireFrame, content_body_size, method_frame};
 use crate::redrive::bucket::TokenBucket;
@@ -413,8 +414,12 @@ impl PassState {
                 }
                 Decision::Move(target) => {
                     self.left = self.left.saturating_sub(1);
-                    let properties =
-                        encode_properties_from(&stamp(&header.properties), &header.raw_properties);
+                    // A republish: not the proxy's dead letter any more (a later automatic
+                    // death is judged as a client's message's would be).
+                    let properties = encode_properties_from(
+                        &stamp(&without_private_headers(&header.properties)),
+                        &header.raw_properties,
+                    );
                     self.pending.push_back(Pending {
                         tag,
                         consumer,

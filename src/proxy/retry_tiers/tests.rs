@@ -163,12 +163,17 @@ fn a_rejection_waits_in_the_queue_of_its_tier_and_comes_back_without_the_private
 /// A rejected message with `CC` (kept by the rewrite when the queue has no dead-letter routing
 /// key, and under `compat = "4"` with one) waits and comes back without it: the hold and the
 /// return go through the default exchange, which would copy it into every queue `CC` names.
+/// Its kept BCC keys go too (it comes back routed by its queue's name, as in embedded mode).
 #[test]
 fn a_held_retry_routes_to_its_delay_queue_and_back_only() {
     let mut headers = FieldTable::default();
     headers.insert(
         ShortString::from(HEADER_CC),
         AMQPValue::FieldArray(vec![AMQPValue::LongString("elsewhere".into())].into()),
+    );
+    headers.insert(
+        ShortString::from(PRIVATE_BCC_HEADER),
+        AMQPValue::FieldArray(vec![AMQPValue::LongString("audit".into())].into()),
     );
     let props = BasicProperties::default().with_headers(headers);
     let (_, _, message) = hold(plan_rejection(
@@ -179,6 +184,11 @@ fn a_held_retry_routes_to_its_delay_queue_and_back_only() {
     ));
     let waiting = decode_properties(&message.raw_properties).unwrap();
     assert_eq!(header(&waiting, HEADER_CC), None);
+    assert_eq!(
+        header(&waiting, PRIVATE_BCC_HEADER),
+        None,
+        "back, it is routed by its queue's name only"
+    );
     let mut back = rejected(waiting.clone());
     back.queue = Arc::from("dlx-proxy.capture.retry.300");
     back.reason = DeadLetterReason::Expired;

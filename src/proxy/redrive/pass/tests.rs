@@ -48,11 +48,16 @@ fn with_content(channel: u16, method: AMQPClass, raw: &[u8], body: &[u8]) -> Vec
     frames(&out)
 }
 
-/// A delivery of a message that died in `queue` for `reason`.
+/// A delivery of a message that died in `queue` for `reason` (dead-lettered by the proxy: it
+/// carries its mark).
 fn delivery(tag: u64, consumer: u64, queue: &str, reason: &str) -> Vec<WireFrame> {
-    let raw = encode_properties(&crate::redrive::plan::dead_letter_properties(&[(
-        queue, reason,
-    )]));
+    let props = crate::redrive::plan::dead_letter_properties(&[(queue, reason)]);
+    let mut headers = props.headers().clone().unwrap_or_default();
+    headers.insert(
+        ShortString::from(crate::proxy::bcc::PRIVATE_HOP_HEADER),
+        AMQPValue::Boolean(true),
+    );
+    let raw = encode_properties(&props.with_headers(headers));
     with_content(
         CONSUME_CHANNEL,
         AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
@@ -129,6 +134,12 @@ fn a_move_is_acked_after_its_confirm_and_a_returned_one_stays() {
         Some(&AMQPValue::LongLongInt(1))
     );
     assert!(headers.inner().contains_key("x-death"), "history kept");
+    assert!(
+        !headers
+            .inner()
+            .contains_key(crate::proxy::bcc::PRIVATE_HOP_HEADER),
+        "a republish: no longer the proxy's dead letter"
+    );
     // "gone" comes back (no such queue), then both are confirmed with one multiple ack.
     let returned = with_content(
         PUBLISH_CHANNEL,
