@@ -356,6 +356,7 @@ fn record_in_history(
     entries: &[AMQPValue],
     event: &DeathEvent,
     new_entry: FieldTable,
+    hop_limit: bool,
 ) -> Vec<AMQPValue> {
     let mut history = group_by_queue_and_reason(entries);
     let queue = long_string(event.queue);
@@ -369,10 +370,11 @@ fn record_in_history(
                 .inner()
                 .get("count")
                 .and_then(amqp_integer)
-                .unwrap_or(1)
-                // A negative count (a client's) starts again from 0: counting up from it
-                // would keep the hop limit away for as many deaths.
-                .max(0);
+                .unwrap_or(1);
+            // Under a hop limit a negative count (a client's) starts again from 0: counting up
+            // from it would keep the limit away for as many deaths. Otherwise it is counted up
+            // as RabbitMQ does.
+            let count = if hop_limit { count.max(0) } else { count };
             table.insert(
                 key("count"),
                 AMQPValue::LongLongInt(count.saturating_add(1)),
@@ -513,9 +515,12 @@ pub fn dead_letter(
             headers.insert(key(X_FIRST_DEATH_EXCHANGE), long_string(event.exchange));
             vec![AMQPValue::FieldTable(new_entry)]
         }
-        Some(AMQPValue::FieldArray(entries)) => {
-            record_in_history(entries.as_slice(), event, new_entry)
-        }
+        Some(AMQPValue::FieldArray(entries)) => record_in_history(
+            entries.as_slice(),
+            event,
+            new_entry,
+            opts.max_hops.is_some(),
+        ),
         Some(_) => vec![AMQPValue::FieldTable(new_entry)],
     };
     let deaths = total_deaths(&history);

@@ -19,6 +19,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 
+use crate::proxy::bcc::PRIVATE_HEADER_PREFIX;
+
 /// Messages in a page when `limit` is not given.
 pub const DEFAULT_LIMIT: usize = 20;
 /// The largest page (`limit` above it is refused with 400).
@@ -390,10 +392,17 @@ impl MessageView {
             .map(|p| p.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
             .unwrap_or_default();
         let headers_value = properties.remove("headers");
+        // The proxy's private headers (`x-dlx-proxy-...`) are not shown, as its clients never
+        // see them.
         let headers = headers_value
             .as_ref()
             .and_then(Value::as_object)
-            .map(|h| h.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .map(|h| {
+                h.iter()
+                    .filter(|(k, _)| !k.starts_with(PRIVATE_HEADER_PREFIX))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect()
+            })
             .unwrap_or_default();
         let body_size = message
             .get("payload_bytes")
@@ -564,13 +573,19 @@ mod tests {
             "routing_key": "work", "payload": "abc", "payload_encoding": "string",
             "properties": {"delivery_mode": 2, "headers": {"x-death": [
                 {"count": 1, "reason": "expired", "queue": "work", "time": 1700000000,
-                 "exchange": "", "routing-keys": ["work"]}]}}
+                 "exchange": "", "routing-keys": ["work"]}],
+                "x-dlx-proxy-hop": true, "x-dlx-proxy-bcc": ["audit"]}}
         });
         let view = MessageView::from_management(0, &message);
         assert_eq!(view.x_death[0].reason.as_deref(), Some("expired"));
         assert_eq!(view.x_death[0].count, Some(1));
         assert_eq!(view.properties["delivery_mode"], json!(2));
         assert!(view.headers.contains_key("x-death"));
+        assert_eq!(
+            view.headers.len(),
+            1,
+            "the proxy's private headers are not shown"
+        );
         assert!(view.redelivered && view.body_truncated);
         assert_eq!(view.body_size, 2000);
     }

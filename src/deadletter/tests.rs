@@ -1155,6 +1155,7 @@ fn hop_limit_drops_past_max_hops() {
             ("count", AMQPValue::LongLongInt(-1_000_000)),
         ]))])),
     )]);
+    let forged = looping.clone();
     let mut laps = 0;
     while let Ok(next) = die_with(
         &looping,
@@ -1167,6 +1168,16 @@ fn hop_limit_drops_past_max_hops() {
         assert!(laps <= 2, "the hop limit holds");
     }
     let no_limit = DeadLetterOptions::default();
+    // Without a hop limit the count is counted up as RabbitMQ does.
+    let counted = die_with(
+        &forged,
+        &death("q", Rejected, "", "q", "", None),
+        &no_limit,
+        true,
+    )
+    .unwrap();
+    let entries = x_death_entries(&counted.properties);
+    assert_eq!(entries[0].count, -999_999);
     assert!(
         die_with(
             &second.properties,

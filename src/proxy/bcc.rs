@@ -39,7 +39,7 @@ pub const PRIVATE_BCC_HEADER: &str = "x-dlx-proxy-bcc";
 pub const PRIVATE_HOP_HEADER: &str = "x-dlx-proxy-hop";
 
 /// What the name of every private header starts with.
-const PRIVATE_PREFIX: &str = "x-dlx-proxy-";
+pub(crate) const PRIVATE_HEADER_PREFIX: &str = "x-dlx-proxy-";
 
 /// Bytes of a content header payload before the property flags: class, weight, body size.
 const CONTENT_HEADER_PREFIX: usize = 12;
@@ -49,7 +49,7 @@ const HEADERS_FLAG: u16 = 0x2000;
 
 /// How the keys look inside an encoded table (a shortstr: length octet, then the name).
 const BCC_KEY_BYTES: &[u8] = b"\x03BCC";
-const PRIVATE_PREFIX_BYTES: &[u8] = PRIVATE_PREFIX.as_bytes();
+const PRIVATE_PREFIX_BYTES: &[u8] = PRIVATE_HEADER_PREFIX.as_bytes();
 
 /// Whether a content header payload may hold a header table containing `key_bytes` (a cheap
 /// test: false positives are settled by decoding).
@@ -79,7 +79,7 @@ pub fn keys_value(keys: &[String]) -> AMQPValue {
 /// Removes every private header; whether there was one.
 fn remove_private(headers: &mut std::collections::BTreeMap<ShortString, AMQPValue>) -> bool {
     let before = headers.len();
-    headers.retain(|key, _| !key.as_str().starts_with(PRIVATE_PREFIX));
+    headers.retain(|key, _| !key.as_str().starts_with(PRIVATE_HEADER_PREFIX));
     headers.len() != before
 }
 
@@ -95,6 +95,22 @@ pub fn without_private_headers(props: &BasicProperties) -> BasicProperties {
         return props.clone();
     }
     props.clone().with_headers(FieldTable::from(headers))
+}
+
+/// A property section without [`PRIVATE_HOP_HEADER`], or `None` when it has none (or cannot
+/// be read): what a dead letter too large for one frame with the mark goes out as.
+pub fn without_hop_header(raw_properties: &[u8]) -> Option<Bytes> {
+    let key = PRIVATE_HOP_HEADER.as_bytes();
+    if !raw_properties.windows(key.len()).any(|w| w == key) {
+        return None;
+    }
+    let props = decode_properties(raw_properties).ok()?;
+    let mut headers = props.headers().as_ref()?.inner().clone();
+    headers.remove(PRIVATE_HOP_HEADER)?;
+    Some(encode_properties_from(
+        &props.with_headers(FieldTable::from(headers)),
+        raw_properties,
+    ))
 }
 
 /// Whether the proxy dead-lettered this message, and no client republished it since.

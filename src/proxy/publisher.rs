@@ -41,6 +41,7 @@ use amq_protocol::protocol::{AMQPClass, basic, channel, confirm};
 use amq_protocol::types::{FieldTable, ShortString};
 use bytes::{Bytes, BytesMut};
 
+use super::bcc::without_hop_header;
 use super::wire::{WireFrame, content_body_size, method_frame};
 use crate::amqp::codec::{
     FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, SHORT_STRING_MAX, decode_method,
@@ -279,11 +280,25 @@ impl Publisher {
             return Err("routing key too long");
         }
         // The content header frame: class, weight and body size (12 bytes) and the properties.
-        if self.frame_max != 0
-            && 12 + message.raw_properties.len() + FRAME_OVERHEAD > self.frame_max
-        {
-            return Err(PROPERTIES_TOO_LARGE);
-        }
+        let fits = |properties: &[u8]| {
+            self.frame_max == 0 || 12 + properties.len() + FRAME_OVERHEAD <= self.frame_max
+        };
+        let smaller;
+        let message = if fits(&message.raw_properties) {
+            message
+        } else {
+            // The proxy's mark of its dead letters gives way first: without it the message
+            // only misses the cycle rule's check one lap later (the hop limit still applies).
+            let Some(properties) = without_hop_header(&message.raw_properties).filter(|p| fits(p))
+            else {
+                return Err(PROPERTIES_TOO_LARGE);
+            };
+            smaller = OutgoingMessage {
+                raw_properties: properties,
+                ..message.clone()
+            };
+            &smaller
+        };
         let deadline = now + self.confirm_timeout;
         if self.state != ChannelState::Open {
             self.waiting.push_back(Waiting {

@@ -183,6 +183,45 @@ fn a_return_of_no_unconfirmed_publish_marks_none() {
     );
 }
 
+/// A dead letter whose properties fit one frame only without the proxy's mark goes out
+/// without it; one too large even then is refused.
+#[test]
+fn the_dead_letter_mark_gives_way_to_the_frame_size() {
+    use crate::amqp::content::encode_properties;
+    use crate::proxy::bcc::PRIVATE_HOP_HEADER;
+    let mut headers = FieldTable::default();
+    headers.insert(
+        ShortString::from(PRIVATE_HOP_HEADER),
+        amq_protocol::types::AMQPValue::Boolean(true),
+    );
+    let marked = OutgoingMessage {
+        raw_properties: encode_properties(
+            &amq_protocol::protocol::BasicProperties::default().with_headers(headers),
+        ),
+        ..message("dlx", "k")
+    };
+    let frame_max = 12 + marked.raw_properties.len() + 8 - 1;
+    let mut p = Publisher::new(5, frame_max, Duration::from_secs(5));
+    let bytes = p.publish(1, &marked, Instant::now()).expect("published");
+    let mut buf = BytesMut::from(&bytes[..]);
+    let mut codec = WireCodec::new(1 << 20);
+    let header = std::iter::from_fn(|| codec.decode(&mut buf).unwrap())
+        .find(|f| f.kind == crate::amqp::codec::FRAME_HEADER)
+        .expect("a content header");
+    let props = crate::amqp::content::decode_properties(&header.payload()[12..]).unwrap();
+    assert!(
+        !props
+            .headers()
+            .as_ref()
+            .is_some_and(|h| h.inner().contains_key(PRIVATE_HOP_HEADER))
+    );
+    let mut tiny = Publisher::new(5, 20, Duration::from_secs(5));
+    assert_eq!(
+        tiny.publish(2, &marked, Instant::now()),
+        Err(PROPERTIES_TOO_LARGE)
+    );
+}
+
 #[test]
 fn a_missing_exchange_fails_its_publishes_and_reopens() {
     let mut p = Publisher::new(5, 4096, Duration::from_secs(5));
