@@ -13,6 +13,7 @@
 //! dead-letter routing key replaces the keys, `x-last-death-*` headers are written, and the
 //! history on a message a client published is not trusted.
 
+use crate::amqp::content::header_map;
 use crate::config::DeadLetterConfig;
 use crate::rabbit::args::{UnknownValue, amqp_integer};
 use amq_protocol::protocol::BasicProperties;
@@ -462,11 +463,7 @@ pub fn dead_letter(
     target: &DeadLetterTarget,
     opts: &DeadLetterOptions,
 ) -> Result<DeadLetteredMessage, DeadLetterDrop> {
-    let mut headers: BTreeMap<ShortString, AMQPValue> = props
-        .headers()
-        .as_ref()
-        .map(|h| h.inner().clone())
-        .unwrap_or_default();
+    let mut headers: BTreeMap<ShortString, AMQPValue> = header_map(props);
 
     if opts.compat == Compat::V4 && !event.trust_existing_history {
         for name in [

@@ -11,9 +11,20 @@
 use amq_protocol::frame::WriteContext;
 use amq_protocol::protocol::BasicProperties;
 use amq_protocol::protocol::basic::{gen_properties, parse_properties};
+use amq_protocol::types::{AMQPValue, ShortString};
 use bytes::{BufMut, Bytes, BytesMut};
+use std::collections::BTreeMap;
 
 use super::codec::{FRAME_BODY, FRAME_HEADER, FRAME_OVERHEAD, put_raw_frame};
+
+/// The headers of `props` as a map to edit (empty when it has none).
+pub fn header_map(props: &BasicProperties) -> BTreeMap<ShortString, AMQPValue> {
+    props
+        .headers()
+        .as_ref()
+        .map(|h| h.inner().clone())
+        .unwrap_or_default()
+}
 
 /// The basic class id, the only class that carries content.
 pub const BASIC_CLASS_ID: u16 = 60;

@@ -21,6 +21,7 @@ use super::{
     DeadLetterDrop, DeadLetterOptions, DeadLetterReason, DeadLetterTarget, DeathEvent, HEADER_CC,
     dead_letter,
 };
+use crate::amqp::content::header_map;
 use crate::rabbit::args::amqp_integer;
 
 /// How many times a message has been sent round its retry tiers (1-based, AMQP `long`).
@@ -82,12 +83,7 @@ pub fn retry_after_rejection(
         Err(DeadLetterDrop::HopLimit) => return None,
     };
     let tier = retries.saturating_add(1);
-    let mut headers = rewritten
-        .properties
-        .headers()
-        .as_ref()
-        .map(|h| h.inner().clone())
-        .unwrap_or_default();
+    let mut headers = header_map(&rewritten.properties);
     headers.insert(
         ShortString::from(X_RETRY_COUNT),
         AMQPValue::LongLongInt(i64::try_from(tier).unwrap_or(i64::MAX)),

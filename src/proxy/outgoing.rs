@@ -27,13 +27,15 @@
 //! RabbitMQ's quorum queues write it); `CC`/`BCC` (and the kept BCC keys) are removed so the
 //! copy reaches only that queue.
 
+use std::collections::BTreeMap;
+
 use amq_protocol::protocol::BasicProperties;
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use bytes::Bytes;
 
 use super::bcc::{PRIVATE_BCC_HEADER, PRIVATE_HOP_HEADER, dead_lettered_by_proxy, kept_bcc_keys};
 use super::publisher::OutgoingMessage;
-use crate::amqp::content::encode_properties;
+use crate::amqp::content::{encode_properties, header_map};
 use crate::deadletter::{
     CycleQueues, DeadLetterReason, DeadLetteredMessage, HEADER_BCC, HEADER_CC, X_DELIVERY_COUNT,
     is_cycle,
@@ -188,24 +190,28 @@ pub fn requeue_publish(
     back_to_queue(props, queue, Some(count), body)
 }
 
-/// A message published straight back into `queue` through the default exchange, with `CC`
-/// and `BCC` removed (they would route copies elsewhere) and, when given, `x-delivery-count`
-/// set: a delivery-limit requeue, or an expired dead letter kept in its queue
-/// (`dead_letter.ttl_on_dead_letters = false`, no count).
+/// The headers of a message published straight into one queue through the default exchange:
+/// without `CC` and `BCC` (the broker would route copies to the queues they name) and the kept
+/// BCC keys (it is routed by that queue's name only, so a later dead letter is too).
+pub fn headers_for_one_queue(props: &BasicProperties) -> BTreeMap<ShortString, AMQPValue> {
+    let mut headers = header_map(props);
+    headers.remove(HEADER_CC);
+    headers.remove(HEADER_BCC);
+    headers.remove(PRIVATE_BCC_HEADER);
+    headers
+}
+
+/// A message published straight back into `queue` through the default exchange
+/// ([`headers_for_one_queue`]) and, when given, with `x-delivery-count` set: a delivery-limit
+/// requeue, or an expired dead letter kept in its queue (`dead_letter.ttl_on_dead_letters =
+/// false`, no count).
 pub fn back_to_queue(
     props: &BasicProperties,
     queue: &str,
     count: Option<i64>,
     body: Bytes,
 ) -> OutgoingMessage {
-    let mut headers = props
-        .headers()
-        .as_ref()
-        .map(|h| h.inner().clone())
-        .unwrap_or_default();
-    headers.remove(HEADER_CC);
-    headers.remove(HEADER_BCC);
-    headers.remove(PRIVATE_BCC_HEADER);
+    let mut headers = headers_for_one_queue(props);
     if let Some(count) = count {
         headers.insert(
             ShortString::from(X_DELIVERY_COUNT),

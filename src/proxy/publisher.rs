@@ -47,7 +47,7 @@ use crate::amqp::codec::{
     FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD, SHORT_STRING_MAX, decode_method,
     put_basic_publish,
 };
-use crate::amqp::content::{decode_properties, put_content};
+use crate::amqp::content::{decode_properties, header_map, put_content};
 use crate::amqp::reply::{ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED};
 use crate::deadletter::HEADER_BCC;
 
@@ -148,11 +148,7 @@ fn same_properties(published: &[u8], returned: &[u8]) -> bool {
     }
     let without_bcc = |raw: &[u8]| {
         decode_properties(raw).ok().map(|props| {
-            let mut headers = props
-                .headers()
-                .as_ref()
-                .map(|h| h.inner().clone())
-                .unwrap_or_default();
+            let mut headers = header_map(&props);
             headers.remove(HEADER_BCC);
             props.with_headers(FieldTable::from(headers))
         })

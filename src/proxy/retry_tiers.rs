@@ -19,13 +19,13 @@ use amq_protocol::protocol::{AMQPClass, BasicProperties, queue};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 use bytes::Bytes;
 
-use super::bcc::PRIVATE_BCC_HEADER;
 use super::death::Death;
+use super::outgoing::headers_for_one_queue;
 use super::publisher::OutgoingMessage;
 use super::wire::method_frame;
-use crate::amqp::content::{encode_properties, keep_opaque_headers};
+use crate::amqp::content::{encode_properties, header_map, keep_opaque_headers};
 use crate::deadletter::retry::{next_delay, retry_after_rejection, retry_count};
-use crate::deadletter::{DeadLetterOptions, DeadLetterReason, HEADER_BCC, HEADER_CC};
+use crate::deadletter::{DeadLetterOptions, DeadLetterReason};
 use crate::rabbit::args::{
     ARG_DEAD_LETTER_EXCHANGE, ARG_DEAD_LETTER_STRATEGY, ARG_MESSAGE_TTL, ARG_OVERFLOW,
     ARG_QUEUE_TYPE,
@@ -176,23 +176,18 @@ pub(crate) fn returning(
     Some(Ok((target, message)))
 }
 
-/// `props` without `CC`, `BCC` and the kept BCC keys: the hold and the return publish
-/// through the default exchange to one queue, and the broker would route a copy to every
-/// queue the first two name; the message comes back routed by its queue's name only (as in
-/// embedded mode), so the kept keys would route a later dead letter to more.
+/// `props` as the hold and the return publish them: to one queue through the default
+/// exchange ([`headers_for_one_queue`]; it comes back routed by its queue's name only, as in
+/// embedded mode).
 fn without_routing_headers(props: &BasicProperties) -> BasicProperties {
-    let cc_removed = with_header(props, HEADER_CC, None);
-    let bcc_removed = with_header(&cc_removed, HEADER_BCC, None);
-    with_header(&bcc_removed, PRIVATE_BCC_HEADER, None)
+    props
+        .clone()
+        .with_headers(FieldTable::from(headers_for_one_queue(props)))
 }
 
 /// `props` with header `name` set to `value` (or removed).
 fn with_header(props: &BasicProperties, name: &str, value: Option<AMQPValue>) -> BasicProperties {
-    let mut headers = props
-        .headers()
-        .as_ref()
-        .map(|h| h.inner().clone())
-        .unwrap_or_default();
+    let mut headers = header_map(props);
     match value {
         Some(value) => {
             headers.insert(ShortString::from(name), value);

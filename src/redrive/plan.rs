@@ -16,6 +16,7 @@
 use amq_protocol::protocol::BasicProperties;
 use amq_protocol::types::{AMQPValue, FieldTable, ShortString};
 
+use crate::amqp::content::header_map;
 use crate::deadletter::retry::X_RETRY_COUNT;
 use crate::deadletter::{DeadLetterReason, x_death_entries};
 use crate::rabbit::args::amqp_integer;
@@ -103,11 +104,7 @@ pub fn redriven_count(props: &BasicProperties) -> i64 {
 /// processed again), everything else kept.
 pub fn stamp(props: &BasicProperties) -> BasicProperties {
     let count = redriven_count(props).saturating_add(1);
-    let mut headers = props
-        .headers()
-        .as_ref()
-        .map(|h| h.inner().clone())
-        .unwrap_or_default();
+    let mut headers = header_map(props);
     headers.remove(X_RETRY_COUNT);
     headers.insert(
         ShortString::from(X_REDRIVEN_COUNT),

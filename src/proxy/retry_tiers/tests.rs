@@ -10,7 +10,8 @@ use super::*;
 use crate::amqp::codec::decode_method;
 use crate::amqp::content::decode_properties;
 use crate::deadletter::retry::X_RETRY_COUNT;
-use crate::deadletter::x_death_entries;
+use crate::deadletter::{HEADER_CC, x_death_entries};
+use crate::proxy::bcc::PRIVATE_BCC_HEADER;
 use crate::proxy::wire::WireCodec;
 use tokio_util::codec::Decoder;
 
