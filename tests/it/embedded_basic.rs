@@ -52,13 +52,7 @@ async fn bodies_and_redelivered(ch: &lapin::Channel, q: &str, n: usize) -> Vec<(
 }
 
 async fn declare(ch: &lapin::Channel, q: &str) {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .expect("declare");
+    common::dl::declare(ch, q, FieldTable::default()).await;
 }
 
 async fn next(consumer: &mut lapin::Consumer) -> Delivery {
@@ -87,15 +81,7 @@ async fn publish_consume_ack_round_trip() {
         assert!(!d.redelivered);
         d.ack(BasicAckOptions::default()).await.unwrap();
     }
-    let info = ch
-        .queue_declare(
-            q.as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
+    let info = crate::common::dl::passive_declare(&ch, q.as_str())
         .await
         .unwrap();
     assert_eq!(info.message_count(), 0);
@@ -503,15 +489,7 @@ async fn cancel_stops_deliveries_and_auto_delete_removes_queue() {
     ch.basic_cancel("t1".into(), BasicCancelOptions::default())
         .await
         .unwrap();
-    let err = ch
-        .queue_declare(
-            q.as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
+    let err = crate::common::dl::passive_declare(&ch, q.as_str())
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(404));
@@ -571,17 +549,7 @@ async fn exclusive_queue_is_deleted_with_its_connection() {
     let (_c, ch) = b.channel().await;
     let mut gone = false;
     for _ in 0..50 {
-        match ch
-            .queue_declare(
-                name.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-        {
+        match crate::common::dl::passive_declare(&ch, name.as_str()).await {
             Err(e) => {
                 assert_eq!(amqp_code(&e), Some(404));
                 gone = true;
@@ -605,15 +573,7 @@ async fn queue_with_x_expires_is_deleted_when_unused() {
         .unwrap();
     tokio::time::sleep(Duration::from_millis(400)).await;
     let ch = c.create_channel().await.unwrap();
-    let err = ch
-        .queue_declare(
-            q.as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
+    let err = crate::common::dl::passive_declare(&ch, q.as_str())
         .await
         .unwrap_err();
     assert_eq!(amqp_code(&err), Some(404));

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use amq_protocol::protocol::{AMQPClass, basic, channel, exchange, queue, tx};
 use amq_protocol::types::FieldTable;
-use common::dl::{amqp_code, amqp_text, publish_refused, try_consumer};
+use common::dl::{amqp_code, amqp_text, declare, declare_with, publish_refused, try_consumer};
 use common::*;
 use dlx_proxy::amqp::codec::{FRAME_BODY, FRAME_HEADER, PROTOCOL_HEADER, put_raw_frame};
 use lapin::options::*;
@@ -93,16 +93,11 @@ async fn exclusive_queue_of_another_connection_is_405() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
     let q = unique("excl");
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            exclusive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    let exclusive = QueueDeclareOptions {
+        exclusive: true,
+        ..Default::default()
+    };
+    declare_with(&ch, &q, exclusive, FieldTable::default()).await;
     let (_c2, ch2) = b.channel().await;
     let err = ch2
         .queue_declare(
@@ -123,16 +118,7 @@ async fn inequivalent_redeclare_is_406() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
     let q = unique("ineq");
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    common::dl::declare_durable(&ch, &q, FieldTable::default()).await;
     let err = ch
         .queue_declare(
             q.as_str().into(),
@@ -421,13 +407,7 @@ async fn permissions_are_enforced_per_operation() {
     .await
     .unwrap();
     let ch = conn.create_channel().await.unwrap();
-    ch.queue_declare(
-        "mine.q".into(),
-        QueueDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    declare(&ch, "mine.q", FieldTable::default()).await;
     let err = ch
         .queue_declare(
             "theirs.q".into(),
@@ -458,13 +438,7 @@ async fn invalid_expiration_closes_the_channel_with_406() {
         .await
         .unwrap();
     let q = unique("badexp");
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    declare(&ch, &q, FieldTable::default()).await;
     let expiring = BasicProperties::default().with_expiration("soon".into());
     let err = publish_refused(&ch, "", &q, expiring).await;
     assert_eq!(amqp_code(&err), Some(406));
@@ -483,13 +457,7 @@ async fn garbage_after_the_handshake_never_panics_the_server() {
     }
     // Still serving.
     let (_c, ch) = b.channel().await;
-    ch.queue_declare(
-        "still-alive".into(),
-        QueueDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    declare(&ch, "still-alive", FieldTable::default()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

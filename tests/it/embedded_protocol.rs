@@ -10,7 +10,9 @@ use amq_protocol::protocol::{AMQPClass, basic, connection, queue};
 use amq_protocol::types::{
     AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString, ShortString,
 };
-use common::dl::exchange;
+use common::dl::{
+    bind, bind_with, declare, exchange, exchange_bind, exchange_with, message_count, unbind,
+};
 use common::*;
 use dlx_proxy::amqp::codec::{FRAME_BODY, FRAME_HEADER, PROTOCOL_HEADER, put_raw_frame};
 use lapin::options::*;
@@ -243,13 +245,7 @@ async fn every_property_and_field_type_survives_through_lapin() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
     let q = unique("props");
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    declare(&ch, &q, FieldTable::default()).await;
     let mut nested = FieldTable::default();
     nested.insert(s("inner"), AMQPValue::LongString(LongString::from("v")));
     let mut headers = FieldTable::default();
@@ -322,37 +318,9 @@ async fn every_property_and_field_type_survives_through_lapin() {
 
 async fn declare_bound(ch: &lapin::Channel, x: &str, key: &str, args: FieldTable) -> String {
     let q = unique("rq");
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.queue_bind(
-        q.as_str().into(),
-        x.into(),
-        key.into(),
-        QueueBindOptions::default(),
-        args,
-    )
-    .await
-    .unwrap();
+    declare(ch, &q, FieldTable::default()).await;
+    bind_with(ch, &q, x, key, args).await;
     q
-}
-
-async fn count(ch: &lapin::Channel, q: &str) -> u32 {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
 }
 
 async fn send(ch: &lapin::Channel, x: &str, key: &str, headers: Option<FieldTable>) {
@@ -394,7 +362,7 @@ async fn topic_routing_table() {
     // Expected matches per pattern over the five keys.
     let expected = [5, 1, 3, 2, 1, 5, 2];
     for (q, (p, want)) in queues.iter().zip(patterns.iter().zip(expected)) {
-        assert_eq!(count(&ch, q).await, want, "pattern {p}");
+        assert_eq!(message_count(&ch, q).await, want, "pattern {p}");
     }
 }
 
@@ -424,8 +392,8 @@ async fn headers_routing_all_and_any() {
     let mut h2 = FieldTable::default();
     h2.insert(s("c"), AMQPValue::LongInt(3));
     send(&ch, &x, "", Some(h2)).await;
-    assert_eq!(count(&ch, &q_all).await, 1);
-    assert_eq!(count(&ch, &q_any).await, 2);
+    assert_eq!(message_count(&ch, &q_all).await, 1);
+    assert_eq!(message_count(&ch, &q_any).await, 2);
 }
 
 /// A direct exchange named after `tag` whose alternate exchange is a fanout bound to a queue
@@ -440,14 +408,8 @@ async fn direct_with_alternate(ch: &lapin::Channel, tag: &str) -> (String, Strin
         s("alternate-exchange"),
         AMQPValue::LongString(ae.as_str().into()),
     );
-    ch.exchange_declare(
-        name.as_str().into(),
-        ExchangeKind::Direct,
-        ExchangeDeclareOptions::default(),
-        args,
-    )
-    .await
-    .unwrap();
+    let options = ExchangeDeclareOptions::default();
+    exchange_with(ch, &name, ExchangeKind::Direct, options, args).await;
     (name, q_ae)
 }
 
@@ -463,21 +425,13 @@ async fn fanout_direct_e2e_and_alternate_exchange() {
     let q2 = declare_bound(&ch, &direct, "k", FieldTable::default()).await;
     let fan = unique("fan");
     exchange(&ch, &fan, ExchangeKind::Fanout).await;
-    ch.exchange_bind(
-        direct.as_str().into(),
-        fan.as_str().into(),
-        "".into(),
-        ExchangeBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    exchange_bind(&ch, &direct, &fan, "").await;
     send(&ch, &direct, "k", None).await; // q1, q2
     send(&ch, &direct, "other", None).await; // alternate exchange
     send(&ch, &fan, "k", None).await; // through the e2e binding: q1, q2
-    assert_eq!(count(&ch, &q1).await, 2);
-    assert_eq!(count(&ch, &q2).await, 2);
-    assert_eq!(count(&ch, &q_ae).await, 1);
+    assert_eq!(message_count(&ch, &q1).await, 2);
+    assert_eq!(message_count(&ch, &q2).await, 2);
+    assert_eq!(message_count(&ch, &q_ae).await, 1);
 }
 
 /// An exchange whose own bindings match does not use its alternate exchange, even when the
@@ -493,28 +447,12 @@ async fn the_alternate_exchange_is_skipped_when_the_exchange_matched_a_queue_alr
     let outer = unique("outer");
     exchange(&ch, &outer, ExchangeKind::Direct).await;
     let q = declare_bound(&ch, &outer, "k", FieldTable::default()).await;
-    ch.queue_bind(
-        q.as_str().into(),
-        inner.as_str().into(),
-        "k".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.exchange_bind(
-        inner.as_str().into(),
-        outer.as_str().into(),
-        "k".into(),
-        ExchangeBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    bind(&ch, &q, &inner, "k").await;
+    exchange_bind(&ch, &inner, &outer, "k").await;
     send(&ch, &outer, "k", None).await;
-    assert_eq!(count(&ch, &q).await, 1);
+    assert_eq!(message_count(&ch, &q).await, 1);
     assert_eq!(
-        count(&ch, &q_ae).await,
+        message_count(&ch, &q_ae).await,
         0,
         "the alternate exchange got a copy"
     );
@@ -588,44 +526,34 @@ async fn unbinding_what_is_not_bound_leaves_an_auto_delete_exchange() {
     let b = start().await;
     let (_c, ch) = b.channel().await;
     let x = unique("ad");
-    ch.exchange_declare(
-        x.as_str().into(),
+    let auto_delete = ExchangeDeclareOptions {
+        auto_delete: true,
+        ..Default::default()
+    };
+    exchange_with(
+        &ch,
+        &x,
         ExchangeKind::Direct,
-        ExchangeDeclareOptions {
-            auto_delete: true,
-            ..Default::default()
-        },
+        auto_delete,
         FieldTable::default(),
     )
-    .await
-    .unwrap();
+    .await;
     let q = unique("adq");
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.queue_unbind(
-        q.as_str().into(),
-        x.as_str().into(),
-        "never".into(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.exchange_declare(
-        x.as_str().into(),
+    declare(&ch, &q, FieldTable::default()).await;
+    unbind(&ch, &q, &x, "never").await;
+    // The auto-delete exchange is still there.
+    let passive = ExchangeDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    exchange_with(
+        &ch,
+        &x,
         ExchangeKind::Direct,
-        ExchangeDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
+        passive,
         FieldTable::default(),
     )
-    .await
-    .expect("the auto-delete exchange is still there");
+    .await;
 }
 
 #[tokio::test]

@@ -20,7 +20,7 @@ use common::{
 };
 use dlx_proxy::amqp::codec::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, put_raw_frame};
 use dlx_proxy::config::{Config, Mode};
-use lapin::options::{BasicCancelOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::options::{BasicCancelOptions, QueueDeleteOptions};
 use lapin::protocol::{AMQPClass, basic, channel};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
@@ -448,15 +448,7 @@ async fn a_consumer_over_max_consumers_per_channel_is_530_through_the_proxy() {
         Duration::from_secs(10),
         Duration::from_millis(50),
         async || {
-            let declared = check
-                .queue_declare(
-                    queue.as_str().into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..QueueDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
+            let declared = crate::common::dl::passive_declare(&check, queue.as_str())
                 .await
                 .ok()?;
             (declared.consumer_count() == 0).then_some(())

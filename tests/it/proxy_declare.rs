@@ -217,16 +217,9 @@ async fn inequivalent_redeclares_get_the_brokers_406() {
     // The queue is untouched: a passive declare works, and it still dead-letters to dlxA
     // (the capture tag on the upstream queue is the original one).
     let ch = conn.create_channel().await.unwrap();
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    crate::common::dl::passive_declare(&ch, q.as_str())
+        .await
+        .unwrap();
     declare(&ch, &q, original).await;
     ch.queue_delete(q.as_str().into(), Default::default())
         .await

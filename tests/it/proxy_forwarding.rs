@@ -236,16 +236,7 @@ async fn invalid_queue_arguments_get_the_brokers_406_and_the_channel_stays_usabl
         ch.close(200, "bye".into()).await.unwrap();
     }
     let uch = upstream_connection().await.create_channel().await.unwrap();
-    let missing = uch
-        .queue_declare(
-            q.as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await;
+    let missing = crate::common::dl::passive_declare(&uch, q.as_str()).await;
     assert!(missing.is_err());
     proxy.stop().await;
 }

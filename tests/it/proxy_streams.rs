@@ -253,15 +253,7 @@ async fn rejection(side: Side<'_>, stream: &str, with_nack: bool) -> String {
     // A round trip on the same channel: the answer to the settlement, if any.
     let after = match sent {
         Ok(()) => shown(
-            ch.queue_declare(
-                stream.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await,
+            crate::common::dl::passive_declare(&ch, stream).await,
             stream,
         ),
         Err(err) => shown::<()>(Err(err), stream),

@@ -13,8 +13,7 @@ use std::time::Duration;
 use common::dl::{
     AMQPValue, BasicAckOptions, BasicGetOptions, BasicProperties, BasicPublishOptions,
     BasicRejectOptions, Channel, Confirmation, ExchangeDeclareOptions, ExchangeKind, FieldTable,
-    QueueBindOptions, QueueDeclareOptions, ShortString, amqp_code, confirm_select, declare_durable,
-    int, ls, table,
+    QueueBindOptions, ShortString, amqp_code, confirm_select, declare_durable, int, ls, table,
 };
 use common::{ServiceProcess, TempDir, free_addresses, process_config, write_atomically};
 use lapin::{Connection, ConnectionProperties};
@@ -176,19 +175,7 @@ pub(crate) fn distinct_bodies(
 }
 
 /// Messages in `queue` (passive declare).
-pub(crate) async fn count(ch: &Channel, queue: &str) -> u32 {
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("passive declare {queue}: {e}"))
-    .message_count()
-}
+pub(crate) use crate::common::dl::message_count as count;
 
 /// Takes every message of `queue` with basic.get and acks it: (body, redelivered, headers).
 pub(crate) async fn drain(ch: &Channel, queue: &str) -> Vec<(String, bool, Option<FieldTable>)> {
@@ -257,15 +244,7 @@ async fn confirmed_persistent_messages_survive_sigkill_and_clean_restart() {
     // Reading 1000 messages and loading them took some time, and not seconds.
     let took = common::metric_value(&text, "dlx_proxy_storage_recovery_seconds");
     assert!(took.is_some_and(|s| s > 0.0 && s < 5.0), "{took:?}");
-    let err = ch
-        .queue_declare(
-            "temp".into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
+    let err = crate::common::dl::passive_declare(&ch, "temp")
         .await
         .expect_err("the non-durable queue is gone");
     assert_eq!(amqp_code(&err), Some(404));

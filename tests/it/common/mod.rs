@@ -736,23 +736,47 @@ pub mod dl {
     }
 
     pub async fn declare(ch: &Channel, queue: &str, args: FieldTable) {
-        ch.queue_declare(queue.into(), QueueDeclareOptions::default(), args)
-            .await
-            .unwrap_or_else(|e| panic!("declare {queue}: {e}"));
+        declare_with(ch, queue, QueueDeclareOptions::default(), args).await;
     }
 
     /// A durable queue (quorum queues must be durable).
     pub async fn declare_durable(ch: &Channel, queue: &str, args: FieldTable) {
-        ch.queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            args,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("declare {queue}: {e}"));
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        declare_with(ch, queue, durable, args).await;
+    }
+
+    /// queue.declare with these options; panics naming the queue when it fails.
+    pub async fn declare_with(
+        ch: &Channel,
+        queue: &str,
+        options: QueueDeclareOptions,
+        args: FieldTable,
+    ) {
+        ch.queue_declare(queue.into(), options, args)
+            .await
+            .unwrap_or_else(|e| panic!("declare {queue}: {e}"));
+    }
+
+    /// A passive queue.declare: the queue's counts, or the broker's refusal (404 when it
+    /// does not exist).
+    pub async fn passive_declare(ch: &Channel, queue: &str) -> Result<lapin::Queue, lapin::Error> {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        ch.queue_declare(queue.into(), passive, FieldTable::default())
+            .await
+    }
+
+    /// The messages ready in a queue (a passive declare).
+    pub async fn message_count(ch: &Channel, queue: &str) -> u32 {
+        passive_declare(ch, queue)
+            .await
+            .unwrap_or_else(|e| panic!("passive declare {queue}: {e}"))
+            .message_count()
     }
 
     pub async fn try_declare(
@@ -765,14 +789,47 @@ pub mod dl {
     }
 
     pub async fn exchange(ch: &Channel, name: &str, kind: ExchangeKind) {
-        ch.exchange_declare(
-            name.into(),
-            kind,
-            ExchangeDeclareOptions::default(),
+        let options = ExchangeDeclareOptions::default();
+        exchange_with(ch, name, kind, options, FieldTable::default()).await;
+    }
+
+    /// exchange.declare with these options and arguments; panics naming the exchange when it
+    /// fails.
+    pub async fn exchange_with(
+        ch: &Channel,
+        name: &str,
+        kind: ExchangeKind,
+        options: ExchangeDeclareOptions,
+        args: FieldTable,
+    ) {
+        ch.exchange_declare(name.into(), kind, options, args)
+            .await
+            .unwrap_or_else(|e| panic!("exchange.declare {name}: {e}"));
+    }
+
+    /// exchange.bind: `source` routes to `destination` by `key`.
+    pub async fn exchange_bind(ch: &Channel, destination: &str, source: &str, key: &str) {
+        ch.exchange_bind(
+            destination.into(),
+            source.into(),
+            key.into(),
+            ExchangeBindOptions::default(),
             FieldTable::default(),
         )
         .await
-        .unwrap_or_else(|e| panic!("exchange.declare {name}: {e}"));
+        .unwrap_or_else(|e| panic!("exchange.bind {destination} {source} {key}: {e}"));
+    }
+
+    /// queue.unbind of the binding `exchange` → `queue` by `key`.
+    pub async fn unbind(ch: &Channel, queue: &str, exchange: &str, key: &str) {
+        ch.queue_unbind(
+            queue.into(),
+            exchange.into(),
+            key.into(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("queue.unbind {queue} {exchange} {key}: {e}"));
     }
 
     pub async fn bind(ch: &Channel, queue: &str, exchange: &str, key: &str) {
@@ -794,17 +851,18 @@ pub mod dl {
     /// A round trip on the channel: the server has handled every method sent before it (a
     /// passive declare of amq.direct, which always exists and needs no permission).
     pub async fn sync(ch: &Channel) {
-        ch.exchange_declare(
-            "amq.direct".into(),
+        let passive = ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        exchange_with(
+            ch,
+            "amq.direct",
             ExchangeKind::Direct,
-            ExchangeDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
+            passive,
             FieldTable::default(),
         )
-        .await
-        .expect("sync round trip");
+        .await;
     }
 
     /// Puts the channel in confirm mode.

@@ -21,8 +21,7 @@ use dlx_proxy::proxy::{ProxyShared, serve};
 use dlx_proxy::shutdown::ShutdownTrigger;
 use lapin::message::{Delivery, DeliveryResult};
 use lapin::options::{
-    BasicConsumeOptions, BasicGetOptions, ConfirmSelectOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    BasicConsumeOptions, BasicGetOptions, ConfirmSelectOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties};
@@ -34,7 +33,7 @@ use crate::common::{metric_value, poll, series};
 #[allow(unused_imports)]
 pub use crate::common::dl::{
     bind, consume_empty, declare, declare_dead_lettering, declare_dlx, exchange, header, ls,
-    payload, table,
+    message_count, payload, table,
 };
 #[allow(unused_imports)]
 pub use crate::common::{RawClient, RawDelivery, unique};
@@ -350,21 +349,6 @@ pub async fn get(ch: &Channel, queue: &str) -> Delivery {
     })
     .await;
     got.unwrap_or_else(|| panic!("no message in {queue}"))
-}
-
-/// The message count of a queue (passive declare).
-pub async fn message_count(ch: &Channel, queue: &str) -> u32 {
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
 }
 
 /// Waits until a queue holds `count` messages (panics after 15 s).
