@@ -26,9 +26,15 @@ impl Broker {
         deaths: Vec<Death>,
         now: u64,
     ) {
+        // First in, first out: a target that sheds or expires what it got dead-letters it
+        // in the order it died, as each of RabbitMQ's queues does (a stack would reverse the
+        // deaths of one batch, say the drop-heads a multiple nack causes downstream).
         let mut work: Vec<(String, Vec<Death>)> = vec![(queue.to_string(), deaths)];
         let mut touched: Vec<String> = Vec::new();
-        while let Some((source, list)) = work.pop() {
+        let mut next = 0;
+        while let Some(item) = work.get_mut(next) {
+            let (source, list) = std::mem::take(item);
+            next += 1;
             for death in list {
                 self.dead_letter_one(st, vhost, &source, death, now, &mut work, &mut touched);
             }

@@ -316,8 +316,7 @@ impl QueueState {
             }
             _ => {
                 self.push_back(slot);
-                self.expire(now, deaths);
-                self.drop_head_over_limit(now, deaths);
+                self.shed_and_expire(now, deaths);
                 PublishOutcome::Accepted
             }
         }
@@ -551,13 +550,18 @@ impl QueueState {
     }
 
     /// Takes the head for delivery, expiring dead heads first (its content read back when it
-    /// was paged out; one that cannot be read is lost and the next is taken).
+    /// was paged out; one that cannot be read is lost and the next is taken). The new head
+    /// expires too when it is due, as RabbitMQ's fetch does, so the count left (basic.get-ok's
+    /// message-count) does not include it.
     pub fn pop(&mut self, now: u64, deaths: &mut Vec<Death>) -> Option<QueuedMessage> {
         self.expire(now, deaths);
         loop {
             let slot = self.pop_front()?;
             match self.page_in(slot, now) {
-                PageIn::Whole(entry) => return Some(entry),
+                PageIn::Whole(entry) => {
+                    self.expire(now, deaths);
+                    return Some(entry);
+                }
                 PageIn::Lost => {}
                 PageIn::Later(slot) => {
                     // Delivered once it can be read ([`QueueState::retry_read`]).
@@ -591,11 +595,12 @@ impl QueueState {
             let pos = self.ready.partition_point(|e| e.seq() < slot.seq());
             self.put_back(pos, slot);
         }
-        self.expire(now, deaths);
-        self.drop_head_over_limit(now, deaths);
+        self.shed_and_expire(now, deaths);
     }
 
-    /// Applies new limits (a policy change) to the messages already queued.
+    /// Applies new limits (a policy change) to the messages already queued: a new message
+    /// TTL counts from each one's enqueue time (a deliberate difference: RabbitMQ keeps the
+    /// expiry each got at enqueue, docs/semantics.md), a lower length limit sheds the head.
     pub fn set_limits(&mut self, limits: QueueLimits, now: u64, deaths: &mut Vec<Death>) {
         let ttl_changed = limits.message_ttl != self.limits.message_ttl;
         self.limits = limits;
@@ -614,8 +619,16 @@ impl QueueState {
             }
             self.ready = ready;
         }
-        self.expire(now, deaths);
+        self.shed_and_expire(now, deaths);
+    }
+
+    /// What follows every change of the queue's contents or limits, in RabbitMQ's order:
+    /// drop-head sheds what is over the length limits first (`maxlen`), then heads that
+    /// are due expire (`expired`). The order decides the reason a due head that is also
+    /// over the limit dies with.
+    fn shed_and_expire(&mut self, now: u64, deaths: &mut Vec<Death>) {
         self.drop_head_over_limit(now, deaths);
+        self.expire(now, deaths);
     }
 
     /// Removes every ready message without dead-lettering (queue.purge, queue.delete).

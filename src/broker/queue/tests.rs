@@ -249,6 +249,56 @@ fn requeue_into_full_queue_drops_the_requeued_head() {
     assert_eq!(dead(&d), vec![("1".into(), DeadLetterReason::MaxLen)]);
 }
 
+/// RabbitMQ's requeue sheds before it expires: a requeued head that is both due and over the
+/// length limit dies as `maxlen` (probed on 3.10.8: publish A with expiration 100 to a queue
+/// with x-max-length 1, get it, publish B, nack A with requeue after 300 ms).
+#[test]
+fn a_requeued_head_due_and_over_the_limit_dies_as_maxlen() {
+    let mut q = QueueState::new(QueueLimits {
+        max_length: Some(1),
+        ..Default::default()
+    });
+    let mut d = Vec::new();
+    let a = q.admit(msg("a", Some(100)), 0);
+    q.publish(a, 0, &mut d);
+    let a = q.pop(0, &mut d).unwrap();
+    publish(&mut q, "b", 0, &mut d);
+    q.requeue([a], 300, &mut d);
+    assert_eq!(bodies(&q), vec!["b"]);
+    assert_eq!(dead(&d), vec![("a".into(), DeadLetterReason::MaxLen)]);
+}
+
+/// The same order on publish: a due head the timer has not reached yet is shed by the
+/// publish that puts the queue over its limit, as `maxlen`.
+#[test]
+fn a_publish_over_the_limit_sheds_a_due_head_as_maxlen() {
+    let mut q = QueueState::new(QueueLimits {
+        max_length: Some(1),
+        ..Default::default()
+    });
+    let mut d = Vec::new();
+    let a = q.admit(msg("a", Some(10)), 0);
+    q.publish(a, 0, &mut d);
+    publish(&mut q, "b", 50, &mut d);
+    assert_eq!(bodies(&q), vec!["b"]);
+    assert_eq!(dead(&d), vec![("a".into(), DeadLetterReason::MaxLen)]);
+}
+
+/// Taking the head expires the new head when it is due (RabbitMQ's fetch), so what is left
+/// counts only live messages (basic.get-ok's message-count).
+#[test]
+fn taking_the_head_expires_a_due_new_head() {
+    let mut q = QueueState::new(QueueLimits::default());
+    let mut d = Vec::new();
+    publish(&mut q, "a", 0, &mut d);
+    let b = q.admit(msg("b", Some(1)), 0);
+    q.publish(b, 0, &mut d);
+    let a = q.pop(10, &mut d).unwrap();
+    assert_eq!(a.message.body(), b"a");
+    assert_eq!(q.len(), 0);
+    assert_eq!(dead(&d), vec![("b".into(), DeadLetterReason::Expired)]);
+}
+
 #[test]
 fn requeue_never_rejected_under_reject_publish() {
     let mut q = QueueState::new(QueueLimits {
