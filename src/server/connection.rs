@@ -117,7 +117,7 @@ where
         Ok(Some(s)) => s,
         Ok(None) | Err(_) => {
             write_queue.close();
-            let _ = writer_task.await;
+            finish_writer(writer_task).await;
             return;
         }
     };
@@ -132,7 +132,25 @@ where
     ctx.broker.close_connection(conn.conn_id);
     tracing::debug!(%peer, conn = conn.conn_id, "connection closed");
     write_queue.close();
-    let _ = tokio::time::timeout(Duration::from_secs(5), writer_task).await;
+    finish_writer(writer_task).await;
+}
+
+/// How long a closed connection's writer may take to flush what is left.
+const WRITER_GRACE: Duration = Duration::from_secs(5);
+
+/// Lets the writer flush what is left for up to [`WRITER_GRACE`], then stops it. A peer that
+/// reads nothing (its receive window closed) would otherwise keep the writer in its write for
+/// as long as the peer's kernel keeps the connection: the socket, the batch it was writing
+/// (up to a whole message) and the connection's write queue with its counted bytes.
+async fn finish_writer(writer_task: tokio::task::JoinHandle<()>) {
+    let abort = writer_task.abort_handle();
+    if tokio::time::timeout(WRITER_GRACE, writer_task)
+        .await
+        .is_err()
+    {
+        abort.abort();
+        tracing::debug!("writer stopped: the peer read nothing for the grace period");
+    }
 }
 
 /// Reads the next frame, failing on a silent peer.

@@ -277,7 +277,10 @@ async fn nothing_is_delivered_behind_a_connection_close_the_broker_sends() {
 /// A consumer that hangs with its socket open while the broker holds more than twice the
 /// write-queue budget for it (one large message): the broker reads nothing from it then, not
 /// even its heartbeats, yet still drops it after two heartbeat intervals without a read, so
-/// its unacked delivery goes back to the queue. (It waited for room for ever.)
+/// its unacked delivery goes back to the queue. (It waited for room for ever.) Its writer,
+/// blocked on the socket, is stopped after the grace period, so what it held is released:
+/// the write queue's bytes leave the `outbox_bytes` gauge. (It stayed in its write for as long
+/// as the peer's kernel kept the connection, with the message's copy.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_consumer_behind_a_full_write_queue_is_dropped_after_its_heartbeats() {
     const SMALL: usize = 64 * 1024;
@@ -306,6 +309,15 @@ async fn a_hung_consumer_behind_a_full_write_queue_is_dropped_after_its_heartbea
         "the hung consumer's delivery back in the queue",
         Duration::from_secs(10),
         async || message_count(&ch, &q).await == 1,
+    )
+    .await;
+    wait_until(
+        "the hung consumer's writer to let go of its write queue",
+        Duration::from_secs(15),
+        async || {
+            let text = broker.metrics_text();
+            common::metric_value(&text, "dlx_proxy_outbox_bytes") == Some(0.0)
+        },
     )
     .await;
     drop(consumer);
