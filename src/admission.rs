@@ -2,7 +2,9 @@
 //! client gets over the limit, and what counts as a loopback peer.
 //!
 //! A connection is admitted by taking a [`ConnectionSlot`] (a `tokio::sync::Semaphore` permit
-//! wrapped with the open-connection count and the `connections` gauge) *before* its task is spawned; the slot moves into
+//! wrapped with the open-connection count and the `connections` gauge) when it is accepted,
+//! *before* its task is spawned (on the amqps listener before its TLS handshake, see
+//! [`ConnectionSlots::reserve`]); the slot moves into
 //! the task, so however the task ends (close, error, panic) the slot is released when the task
 //! is dropped. Over the limit, the client is told so with [`refuse_client`]: the server's side
 //! of the handshake up to `connection.start-ok`, then `connection.close 530 NOT_ALLOWED`
@@ -165,26 +167,74 @@ impl ConnectionSlots {
         F: FnOnce(S) -> Fut,
         Fut: Future<Output = ()> + Send + 'static,
     {
+        self.reserve(peer).spawn(stream, within, shutdown, serve);
+    }
+
+    /// Decides what becomes of a connection that just arrived, before anything is read from
+    /// it: a slot, or a refusal (counted and logged here), or, with too many refusals in
+    /// progress, nothing (the caller closes the socket). The amqps listener reserves before
+    /// its TLS handshake, so handshakes in progress are bounded by the same slots.
+    pub fn reserve(self: &Arc<Self>, peer: SocketAddr) -> Admission {
         if let Some(slot) = self.admit() {
-            let connection = serve(stream);
-            shutdown.spawn(async move {
-                let _slot = slot;
-                connection.await;
-            });
-            return;
+            return Admission::Admitted(slot);
         }
         let max = self.max();
         self.metrics.connection_refused(REFUSED_MAX_CONNECTIONS);
         tracing::warn!(%peer, max, "connection refused: limits.max_connections reached");
-        let Ok(permit) = self.refusals.clone().try_acquire_owned() else {
-            // Too many refusals at once: the socket is dropped (closed) here.
-            return;
-        };
-        shutdown.spawn(async move {
-            let _permit = permit;
-            let refusal = AmqpError::not_allowed(format!("connection limit ({max}) is reached"));
-            refuse_client(stream, &refusal, within).await;
-        });
+        match self.refusals.clone().try_acquire_owned() {
+            Ok(permit) => Admission::Refused { max, permit },
+            // Too many refusals at once: the socket is dropped (closed).
+            Err(_) => Admission::Dropped,
+        }
+    }
+}
+
+/// What [`ConnectionSlots::reserve`] decided for a new connection.
+#[derive(Debug)]
+pub enum Admission {
+    /// It has a slot.
+    Admitted(ConnectionSlot),
+    /// Over the limit: it is told so (one of the bounded refusals in progress).
+    Refused {
+        max: usize,
+        permit: OwnedSemaphorePermit,
+    },
+    /// Over the limit with too many refusals in progress: closed without a word.
+    Dropped,
+}
+
+impl Admission {
+    /// Whether the connection is closed without a word ([`Admission::Dropped`]).
+    pub fn is_dropped(&self) -> bool {
+        matches!(self, Admission::Dropped)
+    }
+
+    /// Runs `serve` on the connection in its own task, which owns the slot, or refuses it;
+    /// `within` bounds a refusal. The task joins the tracker of `shutdown`.
+    pub fn spawn<S, F, Fut>(self, stream: S, within: Duration, shutdown: &Shutdown, serve: F)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        F: FnOnce(S) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        match self {
+            Admission::Admitted(slot) => {
+                let connection = serve(stream);
+                shutdown.spawn(async move {
+                    let _slot = slot;
+                    connection.await;
+                });
+            }
+            Admission::Refused { max, permit } => {
+                shutdown.spawn(async move {
+                    let _permit = permit;
+                    let refusal =
+                        AmqpError::not_allowed(format!("connection limit ({max}) is reached"));
+                    refuse_client(stream, &refusal, within).await;
+                });
+            }
+            Admission::Dropped => {}
+        }
     }
 }
 

@@ -608,9 +608,16 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 listeners.push(tasks.spawn(crate::tls::serve(
                     listener,
                     server,
+                    ctx.connections.clone(),
                     accepting.clone(),
-                    move |stream, peer| {
-                        server::spawn_connection(stream, peer, tls_ctx.clone(), conn_stop.clone())
+                    move |stream, peer, admission| {
+                        server::spawn_admitted(
+                            admission,
+                            stream,
+                            peer,
+                            tls_ctx.clone(),
+                            conn_stop.clone(),
+                        )
                     },
                 )));
             }
@@ -658,9 +665,11 @@ pub async fn start(config: Config) -> anyhow::Result<RunningService> {
                 listeners.push(tasks.spawn(crate::tls::serve(
                     listener,
                     server,
+                    proxy.connection_slots().clone(),
                     accepting.clone(),
-                    move |stream, peer| {
-                        crate::proxy::spawn_connection(
+                    move |stream, peer, admission| {
+                        crate::proxy::spawn_admitted(
+                            admission,
                             stream,
                             peer,
                             tls_proxy.clone(),

@@ -250,7 +250,7 @@ use amq_protocol::protocol::BasicProperties;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 
-use crate::admission::ConnectionSlots;
+use crate::admission::{Admission, ConnectionSlots};
 use crate::config::Config;
 use crate::deadletter::DeadLetterOptions;
 use crate::deadletter::X_DELIVERY_COUNT;
@@ -623,10 +623,24 @@ pub fn spawn_connection<S>(
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let slots = shared.connections.clone();
+    let admission = shared.connections.reserve(peer);
+    spawn_admitted(admission, client, peer, shared, shutdown);
+}
+
+/// [`spawn_connection`] for a connection whose slot was reserved when it arrived (the amqps
+/// listener reserves before its TLS handshake).
+pub fn spawn_admitted<S>(
+    admission: Admission,
+    client: S,
+    peer: SocketAddr,
+    shared: Arc<ProxyShared>,
+    shutdown: Shutdown,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let within = shared.handshake_timeout;
     let tasks = shutdown.clone();
-    slots.spawn(client, peer, within, &tasks, move |client| {
+    admission.spawn(client, within, &tasks, move |client| {
         session_task::run(client, peer, shared, shutdown)
     });
 }

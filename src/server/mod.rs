@@ -21,7 +21,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::admission::ConnectionSlots;
+use crate::admission::{Admission, ConnectionSlots};
 use crate::broker::Broker;
 use crate::broker::auth::UserDb;
 use crate::config::LimitsConfig;
@@ -94,10 +94,24 @@ pub fn spawn_connection<S>(stream: S, peer: SocketAddr, ctx: Arc<ServerContext>,
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let admission = ctx.connections.reserve(peer);
+    spawn_admitted(admission, stream, peer, ctx, shutdown);
+}
+
+/// [`spawn_connection`] for a connection whose slot was reserved when it arrived (the amqps
+/// listener reserves before its TLS handshake).
+pub fn spawn_admitted<S>(
+    admission: Admission,
+    stream: S,
+    peer: SocketAddr,
+    ctx: Arc<ServerContext>,
+    shutdown: Shutdown,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let within = Duration::from_secs(ctx.limits().handshake_timeout_secs.max(1));
-    let slots = ctx.connections.clone();
     let tasks = shutdown.clone();
-    slots.spawn(stream, peer, within, &tasks, move |stream| {
+    admission.spawn(stream, within, &tasks, move |stream| {
         connection::run(stream, peer, ctx, shutdown)
     });
 }

@@ -27,6 +27,7 @@ use tokio_rustls::rustls::crypto::CryptoProvider;
 use tokio_rustls::rustls::pki_types::ServerName;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
+use crate::admission::{Admission, ConnectionSlots};
 use crate::config::TlsConfig;
 use crate::shutdown::Shutdown;
 
@@ -60,15 +61,23 @@ pub async fn connect(
     Ok(connector.connect(name, stream).await?)
 }
 
-/// Accepts TLS connections until `stop`; each completed handshake is handed to `on_conn`.
-/// Each handshake uses the configuration `server` holds when the connection arrives.
+/// Accepts TLS connections until `stop`; each completed handshake is handed to `on_conn`
+/// with the admission `slots` gave the connection when it arrived. The slot (or the bounded
+/// refusal) is taken before the handshake, so handshakes in progress count against
+/// `limits.max_connections` as plain connections do: peers that open sockets and never finish
+/// a handshake cannot grow the tasks and sockets without a limit. Each handshake uses the
+/// configuration `server` holds when the connection arrives.
 pub async fn serve<F>(
     listener: TcpListener,
     server: Arc<Reloadable<ServerConfig>>,
+    slots: Arc<ConnectionSlots>,
     mut stop: Shutdown,
     on_conn: F,
 ) where
-    F: Fn(tokio_rustls::server::TlsStream<TcpStream>, SocketAddr) + Send + Sync + 'static,
+    F: Fn(tokio_rustls::server::TlsStream<TcpStream>, SocketAddr, Admission)
+        + Send
+        + Sync
+        + 'static,
 {
     let on_conn = Arc::new(on_conn);
     loop {
@@ -78,6 +87,10 @@ pub async fn serve<F>(
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 };
+                let admission = slots.reserve(peer);
+                if admission.is_dropped() {
+                    continue;
+                }
                 let _ = stream.set_nodelay(true);
                 let acceptor = TlsAcceptor::from(server.current());
                 let on_conn = on_conn.clone();
@@ -88,7 +101,7 @@ pub async fn serve<F>(
                     )
                     .await;
                     match handshake {
-                        Ok(Ok(tls)) => on_conn(tls, peer),
+                        Ok(Ok(tls)) => on_conn(tls, peer, admission),
                         Ok(Err(err)) => tracing::info!(%peer, %err, "TLS handshake failed"),
                         Err(_) => tracing::info!(%peer, "TLS handshake timed out"),
                     }

@@ -20,6 +20,7 @@ use common::pki::{Pem, TestCa};
 use common::{
     RawClient, ServiceProcess, TempDir, TestBroker, free_addresses, free_port, metric_value, poll,
     process_config, scrape, start_with, test_config, unique, wait_metric, wait_metric_at_least,
+    wait_until,
 };
 use dlx_proxy::amqp::codec::PROTOCOL_HEADER;
 use dlx_proxy::config::Config;
@@ -240,14 +241,19 @@ async fn required_client_certificates_are_enforced() {
     round_trip(&conn).await;
     conn.close(200, "bye".into()).await.unwrap();
 
-    // The broker is still healthy after the refused handshakes: exactly one connection was
-    // ever accepted as AMQP.
+    // The broker is still healthy after the refused handshakes: each of the three held a
+    // connection slot while it lasted (as a plain connection does from its accept), and none
+    // is left open.
     let text = broker.metrics_text();
     assert_eq!(
         common::metric_value(&text, "dlx_proxy_connections_opened_total"),
-        Some(1.0),
+        Some(3.0),
         "{text}"
     );
+    wait_until("no connection left", Duration::from_secs(5), async || {
+        metric_value(&broker.metrics_text(), "dlx_proxy_connections") == Some(0.0)
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -651,4 +657,41 @@ async fn sighup_reloads_certificates_the_watcher_cannot_see() {
     wait_presented(amqps, &ca_file, &second.cert).await;
     wait_metric(admin, RELOADED, 1.0).await;
     assert_eq!(metric(admin, REJECTED).await, 0.0);
+}
+
+/// A TLS handshake in progress holds a connection slot: sockets that are opened on the amqps
+/// port and never finish a handshake count against `limits.max_connections` (they grew the
+/// tasks and sockets without a limit until the process ran out of descriptors), and a client
+/// that arrives while they hold every slot is refused with 530 over TLS. Closing them frees
+/// the slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_handshakes_in_progress_hold_connection_slots() {
+    let pki = Pki::new();
+    let mut config = pki.config(false, false);
+    config.limits.max_connections = 2;
+    let broker = start_with(config).await;
+    let amqps = broker.service.amqps_addr.expect("amqps listener");
+    let silent_a = TcpStream::connect(amqps).await.unwrap();
+    let silent_b = TcpStream::connect(amqps).await.unwrap();
+    wait_until("two slots taken", Duration::from_secs(5), async || {
+        metric_value(&broker.metrics_text(), "dlx_proxy_connections") == Some(2.0)
+    })
+    .await;
+    let err = connect_tls("localhost", amqps.port(), pki.client_tls(None))
+        .await
+        .expect_err("every slot is held by a handshake");
+    assert!(
+        err.contains("530") || err.contains("connection limit"),
+        "{err}"
+    );
+    drop((silent_a, silent_b));
+    wait_until("the slots freed", Duration::from_secs(5), async || {
+        metric_value(&broker.metrics_text(), "dlx_proxy_connections") == Some(0.0)
+    })
+    .await;
+    let conn = connect_tls("localhost", amqps.port(), pki.client_tls(None))
+        .await
+        .expect("a slot is free again");
+    round_trip(&conn).await;
+    conn.close(200, "bye".into()).await.unwrap();
 }
