@@ -157,6 +157,9 @@ pub const REFUSED_MAX_CONNECTIONS: &str = "max_connections";
 pub const REFUSED_LOOPBACK_ONLY: &str = "loopback_only";
 /// ... for a client whose upstream cannot be reached (proxy mode).
 pub const REFUSED_UPSTREAM_UNREACHABLE: &str = "upstream_unreachable";
+/// ... for an admin HTTP connection from a peer address that holds its share of the admin
+/// server's connections already.
+pub const REFUSED_ADMIN_PER_PEER: &str = "admin_per_peer";
 /// `dead_letter_retries_total{reason}` labels (proxy mode): why a held dead letter is
 /// published again.
 pub const RETRY_REASONS: &[&str] = &[
@@ -171,6 +174,7 @@ const REFUSAL_REASONS: &[&str] = &[
     REFUSED_MAX_CONNECTIONS,
     REFUSED_LOOPBACK_ONLY,
     REFUSED_UPSTREAM_UNREACHABLE,
+    REFUSED_ADMIN_PER_PEER,
 ];
 
 /// Buckets of `dead_letter_latency_seconds`: 100 µs to 60 s.
@@ -574,7 +578,7 @@ impl Metrics {
             connections_refused: b.counter_vec(
                 "connections_refused_total",
                 "Client connections refused, by reason (max_connections, loopback_only, \
-                 upstream_unreachable).",
+                 upstream_unreachable; admin_per_peer for the admin HTTP server).",
                 &["reason"],
             )?,
             frames: b.counter_vec("frames_total", "AMQP frames, by direction.", &["direction"])?,

@@ -4,10 +4,18 @@
 //! these, clients that open connections and send half a request would hold a file descriptor
 //! each for ever, until the AMQP listener and the storage could open none.
 //!
+//! One peer address holds at most [`MAX_ADMIN_CONNECTIONS_PER_PEER`] of them: past that its
+//! new connections are closed at once (counted in
+//! `connections_refused_total{reason="admin_per_peer"}`), so one client, however many
+//! connections it opens or keeps busy, cannot take every slot and starve the kubelet's
+//! `/healthz` and `/readyz` probes or the Prometheus scrape, which come from other addresses.
+//!
 //! On shutdown the loop stops accepting and asks every connection to end after its current
 //! request, waiting at most [`SHUTDOWN_GRACE`].
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
@@ -17,11 +25,13 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, REFUSED_ADMIN_PER_PEER};
 use crate::shutdown::Shutdown;
 
 /// Admin connections served at once; further clients wait in the listen backlog.
 pub const MAX_ADMIN_CONNECTIONS: usize = 256;
+/// Admin connections one peer address may hold at once (a quarter of the slots).
+pub const MAX_ADMIN_CONNECTIONS_PER_PEER: usize = MAX_ADMIN_CONNECTIONS / 4;
 /// Time a client has to send a request's headers (the first, and each on a kept-alive
 /// connection).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -37,6 +47,7 @@ pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(60);
 #[derive(Clone, Copy, Debug)]
 pub struct ConnectionLimits {
     pub max_connections: usize,
+    pub max_per_peer: usize,
     pub header_read_timeout: Duration,
     pub max_age: Duration,
 }
@@ -45,6 +56,7 @@ impl Default for ConnectionLimits {
     fn default() -> Self {
         ConnectionLimits {
             max_connections: MAX_ADMIN_CONNECTIONS,
+            max_per_peer: MAX_ADMIN_CONNECTIONS_PER_PEER,
             header_read_timeout: HEADER_READ_TIMEOUT,
             max_age: MAX_CONNECTION_AGE,
         }
@@ -60,6 +72,7 @@ pub async fn serve(
     mut shutdown: Shutdown,
 ) -> std::io::Result<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let peers = Arc::new(PeerCounts::default());
     let connections = TaskTracker::new();
     loop {
         let slot = tokio::select! {
@@ -69,9 +82,9 @@ pub async fn serve(
             },
             _ = shutdown.recv() => break,
         };
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok((stream, peer)) => (stream, peer.ip()),
                 Err(err) => {
                     // A connection that failed before it was accepted: the next one at once.
                     // Out of file descriptors or memory: try again shortly.
@@ -84,10 +97,16 @@ pub async fn serve(
             },
             _ = shutdown.recv() => break,
         };
+        let Some(peer_slot) = peers.take(peer, limits.max_per_peer) else {
+            metrics.connection_refused(REFUSED_ADMIN_PER_PEER);
+            tracing::debug!(%peer, "admin server: connection refused, the peer holds its share");
+            continue;
+        };
         let service = TowerToHyperService::new(app.clone());
         let mut stop = shutdown.clone();
         let metrics = metrics.clone();
         connections.spawn(async move {
+            let _peer_slot = peer_slot;
             metrics.add_admin_connections(1);
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -110,6 +129,51 @@ pub async fn serve(
     connections.close();
     let _ = tokio::time::timeout(SHUTDOWN_GRACE, connections.wait()).await;
     Ok(())
+}
+
+/// The admin connections each peer address holds now (an entry per address with at least
+/// one, so at most as many entries as slots).
+#[derive(Default)]
+struct PeerCounts {
+    held: Mutex<HashMap<IpAddr, usize>>,
+}
+
+impl PeerCounts {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, usize>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// One more connection for `peer`, unless it holds `max` already.
+    fn take(self: &Arc<Self>, peer: IpAddr, max: usize) -> Option<PeerSlot> {
+        let mut held = self.lock();
+        let count = held.entry(peer).or_insert(0);
+        if *count >= max.max(1) {
+            return None;
+        }
+        *count += 1;
+        Some(PeerSlot {
+            peers: self.clone(),
+            peer,
+        })
+    }
+}
+
+/// One connection's share of its peer's count; dropping it gives the share back.
+struct PeerSlot {
+    peers: Arc<PeerCounts>,
+    peer: IpAddr,
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut held = self.peers.lock();
+        if let Some(count) = held.get_mut(&self.peer) {
+            *count -= 1;
+            if *count == 0 {
+                held.remove(&self.peer);
+            }
+        }
+    }
 }
 
 /// Whether an accept error concerns only the connection being accepted (the peer reset or
@@ -172,6 +236,7 @@ mod tests {
     async fn half_a_request_head_is_closed_after_the_header_timeout() {
         let limits = ConnectionLimits {
             max_connections: 4,
+            max_per_peer: 4,
             header_read_timeout: Duration::from_millis(200),
             max_age: Duration::from_secs(60),
         };
@@ -189,6 +254,7 @@ mod tests {
     async fn connections_past_the_limit_wait_for_a_free_slot() {
         let limits = ConnectionLimits {
             max_connections: 2,
+            max_per_peer: 2,
             header_read_timeout: Duration::from_secs(60),
             max_age: Duration::from_secs(60),
         };
@@ -229,6 +295,7 @@ mod tests {
     async fn a_kept_alive_connection_ends_at_its_age() {
         let limits = ConnectionLimits {
             max_connections: 4,
+            max_per_peer: 4,
             header_read_timeout: Duration::from_secs(60),
             max_age: Duration::from_millis(300),
         };
@@ -242,5 +309,58 @@ mod tests {
         // Past its age the server ends the connection after the answer it owes.
         let rest = until_closed(&mut busy).await;
         assert!(rest.ends_with(b"ok"), "{rest:?}");
+    }
+
+    /// One peer address holds at most its share of the slots: its next connection is closed
+    /// at once and counted, while another address is still served.
+    #[tokio::test]
+    async fn one_peer_holds_at_most_its_share_of_the_slots() {
+        let limits = ConnectionLimits {
+            max_connections: 4,
+            max_per_peer: 2,
+            header_read_timeout: Duration::from_secs(60),
+            max_age: Duration::from_secs(60),
+        };
+        let (address, metrics, _trigger) = started(limits).await;
+        let mut idle = Vec::new();
+        for _ in 0..2 {
+            idle.push(TcpStream::connect(address).await.unwrap());
+        }
+        let mut third = TcpStream::connect(address).await.unwrap();
+        let refused = until_closed(&mut third).await;
+        assert!(refused.is_empty(), "{refused:?}");
+        let counted = "dlx_proxy_connections_refused_total{reason=\"admin_per_peer\"} 1";
+        assert!(
+            metrics.encode().lines().any(|l| l == counted),
+            "{}",
+            metrics.encode()
+        );
+        // Another address (127.0.0.2 is loopback too) gets a slot of its own.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        let mut other = socket.connect(address).await.unwrap();
+        other
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = until_closed(&mut other).await;
+        assert!(answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
+        // A connection that ends gives its share back.
+        drop(idle.pop());
+        let served = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                let mut again = TcpStream::connect(address).await.unwrap();
+                again
+                    .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    .await
+                    .unwrap();
+                if until_closed(&mut again).await.starts_with(b"HTTP/1.1 200") {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        assert!(served.is_ok(), "no slot after a connection ended");
     }
 }
