@@ -223,7 +223,11 @@ mod tests {
     }
 
     async fn healthz(address: std::net::SocketAddr) -> Vec<u8> {
-        let mut stream = TcpStream::connect(address).await.unwrap();
+        healthz_on(TcpStream::connect(address).await.unwrap()).await
+    }
+
+    /// A /healthz request on `stream`; what the server sends until it closes.
+    async fn healthz_on(mut stream: TcpStream) -> Vec<u8> {
         stream
             .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             .await
@@ -338,23 +342,13 @@ mod tests {
         // Another address (127.0.0.2 is loopback too) gets a slot of its own.
         let socket = tokio::net::TcpSocket::new_v4().unwrap();
         socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
-        let mut other = socket.connect(address).await.unwrap();
-        other
-            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
-        let answer = until_closed(&mut other).await;
+        let answer = healthz_on(socket.connect(address).await.unwrap()).await;
         assert!(answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
         // A connection that ends gives its share back.
         drop(idle.pop());
         let served = tokio::time::timeout(Duration::from_secs(5), async {
             loop {
-                let mut again = TcpStream::connect(address).await.unwrap();
-                again
-                    .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                    .await
-                    .unwrap();
-                if until_closed(&mut again).await.starts_with(b"HTTP/1.1 200") {
+                if healthz(address).await.starts_with(b"HTTP/1.1 200") {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
