@@ -20,6 +20,11 @@ pub const FRAME_END: u8 = 0xCE;
 pub const FRAME_OVERHEAD: usize = 8;
 /// The smallest frame_max a peer may negotiate (AMQP 0-9-1 frame-min-size).
 pub const FRAME_MIN_SIZE: u32 = 4096;
+/// The largest frame a client may send before its connection is tuned (connection.start-ok,
+/// SASL secure-ok, tune-ok, open): RabbitMQ 4.1's initial frame_max, room for a SASL response
+/// carrying a JWT. A connection that has not authenticated yet cannot make the server hold a
+/// frame of the full `limits.frame_max`.
+pub const INITIAL_FRAME_MAX: u32 = 8192;
 /// The protocol header of AMQP 0-9-1.
 pub const PROTOCOL_HEADER: [u8; 8] = *b"AMQP\x00\x00\x09\x01";
 

@@ -32,7 +32,7 @@ use super::service::Status;
 use super::upstream::{UpstreamStream, UpstreamTarget};
 use super::wire::{FrameReader, WireFrame, upstream_frame_limit};
 use crate::admission::refuse_client_after_header;
-use crate::amqp::codec::{FrameError, PROTOCOL_HEADER};
+use crate::amqp::codec::{FrameError, INITIAL_FRAME_MAX, PROTOCOL_HEADER};
 use crate::amqp::reply::{self, AmqpError};
 use crate::metrics::REFUSED_UPSTREAM_UNREACHABLE;
 use crate::shutdown::Shutdown;
@@ -145,7 +145,9 @@ pub(super) async fn run<S>(
     let (client_read, client_write) = tokio::io::split(client);
     let mut client_writer: SocketWriter = Box::pin(client_write);
     let mut upstream_writer: SocketWriter = Box::pin(upstream_write);
-    let mut client_reader = FrameReader::new(client_read, shared.handshake_frame_max);
+    // Until the client is tuned its frames are small (RabbitMQ's initial frame_max).
+    let initial_frame_max = shared.handshake_frame_max.min(INITIAL_FRAME_MAX);
+    let mut client_reader = FrameReader::new(client_read, initial_frame_max);
     let now = Instant::now();
     let mut session = ClientSession::new(shared, peer, now, handshake_deadline);
     // The upstream's connection.start, read while choosing the node.

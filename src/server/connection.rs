@@ -23,8 +23,8 @@ use super::channel::{ChannelTable, Flow};
 use super::connection_context::ConnectionContext;
 use crate::admission::is_loopback;
 use crate::amqp::codec::{
-    FRAME_HEARTBEAT, FRAME_METHOD, FrameCodec, FrameError, PROTOCOL_HEADER, RawFrame,
-    decode_method, decode_method_within, method_ids, put_heartbeat, put_method,
+    FRAME_HEARTBEAT, FRAME_METHOD, FrameCodec, FrameError, INITIAL_FRAME_MAX, PROTOCOL_HEADER,
+    RawFrame, decode_method, decode_method_within, method_ids, put_heartbeat, put_method,
 };
 use crate::amqp::reply::{self, AmqpError};
 use crate::broker::ack_timeout::timeout_error;
@@ -111,7 +111,8 @@ where
         heartbeat_secs.clone(),
     ));
 
-    let mut frames = FramedRead::new(reader, FrameCodec::new(limits.frame_max));
+    let initial_frame_max = limits.frame_max.min(INITIAL_FRAME_MAX);
+    let mut frames = FramedRead::new(reader, FrameCodec::new(initial_frame_max));
     let handshake = handshake(&mut frames, &write_queue, &ctx, peer, &limits);
     let conn = match tokio::time::timeout_at(deadline, handshake).await {
         Ok(Some(s)) => s,

@@ -735,3 +735,28 @@ async fn heartbeats_do_not_extend_the_handshake_deadline() {
         "closed before the deadline: {closed_after:?}"
     );
 }
+
+/// Before its connection is tuned a client's frames may be at most 8192 bytes (RabbitMQ 4.1's
+/// initial frame_max, room for a JWT in the SASL response): a larger start-ok is 501, where
+/// the server used to take a frame of the full `limits.frame_max` from a client that had not
+/// authenticated. A response that fits is read (and here refused as a wrong password).
+#[tokio::test]
+async fn a_frame_over_the_initial_frame_max_before_tuning_is_501() {
+    let b = start().await;
+    let mut fits = RawClient::connect_no_handshake(b.addr).await;
+    let mut response = b"\0guest\0".to_vec();
+    response.resize(7_000, b'x');
+    fits.start_ok("PLAIN", &response, FieldTable::default())
+        .await;
+    let (code, text) = fits.expect_connection_close().await;
+    assert_eq!(code, 403, "{text}");
+
+    let mut large = RawClient::connect_no_handshake(b.addr).await;
+    response.resize(9_000, b'x');
+    large
+        .start_ok("PLAIN", &response, FieldTable::default())
+        .await;
+    let (code, text) = large.expect_connection_close().await;
+    assert_eq!(code, 501, "{text}");
+    assert!(text.contains("FRAME_ERROR"), "{text}");
+}

@@ -267,6 +267,24 @@ async fn malformed_frames_close_the_connection_with_frame_error() {
     proxy.stop().await;
 }
 
+/// Before tune-ok a client's frames may be at most 8192 bytes (RabbitMQ 4.1's initial
+/// frame_max): a larger start-ok is refused by the proxy itself with 501, where it read up to
+/// the full `limits.frame_max` from a client that had not authenticated yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_ok_over_the_initial_frame_max_is_501() {
+    let proxy = TestProxy::start(vec![]).await;
+    let mut client = RawClient::connect_no_handshake(proxy.addr).await;
+    let mut response = b"\0guest\0".to_vec();
+    response.resize(9_000, b'x');
+    client
+        .start_ok("PLAIN", &response, FieldTable::default())
+        .await;
+    let (code, text) = client.expect_connection_close().await;
+    assert_eq!(code, 501, "{text}");
+    assert!(text.contains("frame_max 8192"), "{text}");
+    proxy.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_upstream_is_reported_as_320() {
     // No RabbitMQ needed: the upstream port is closed.
