@@ -44,13 +44,17 @@ impl ClientSession {
         }
         self.channels
             .values()
-            .filter(|ch| ch.phase == ChannelPhase::Open)
+            .filter(|ch| ch.phase == ChannelPhase::Open && ch.upstream_idle())
             .filter_map(|ch| ch.deliveries.next_deadline())
             .min()
             .map(|at| self.ack_epoch + Duration::from_millis(at))
     }
 
-    /// Closes every open channel with a delivery unsettled past its consumer timeout.
+    /// Closes every open channel with a delivery unsettled past its consumer timeout. A
+    /// channel on which the client is sending a message's content waits until the content
+    /// has ended: the channel's close cannot be sent upstream in the middle of it, and the
+    /// client's remaining body frames would otherwise be dropped, leaving the close unsent
+    /// and the client's next method taken for a protocol error (505).
     pub(super) fn consumer_timeouts_due(&mut self, now: Instant) {
         if !self.timed_deliveries {
             return;
@@ -59,7 +63,7 @@ impl ClientSession {
         let due: Vec<(u16, u64, u64)> = self
             .channels
             .iter()
-            .filter(|(_, ch)| ch.phase == ChannelPhase::Open)
+            .filter(|(_, ch)| ch.phase == ChannelPhase::Open && ch.upstream_idle())
             .filter_map(|(n, ch)| {
                 let (tag, timeout) = ch.deliveries.overdue(at)?;
                 Some((n, tag, timeout))

@@ -787,6 +787,71 @@ async fn a_delivery_held_past_its_consumer_timeout_closes_the_channel_on_both_si
     );
 }
 
+/// A consumer timeout that falls due while the client is sending a message's content on the
+/// same channel waits for the content's end: the client's last body frame still reaches the
+/// upstream, then both sides get the close, and the client's close-ok ends the channel. (The
+/// close went to the client mid-content, its remaining body frames were dropped, the upstream
+/// close stayed unsent behind them, and the client's close-ok was taken for a 505.)
+#[tokio::test]
+async fn a_consumer_timeout_waits_for_the_end_of_a_publish_on_its_channel() {
+    let (mut h, _) = consuming(&[("x-consumer-timeout", AMQPValue::LongInt(1000))]).await;
+    let due = h.session.next_deadline().expect("the delivery's deadline");
+    let mut publish = BytesMut::from(
+        &method_frame(
+            1,
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: "".into(),
+                routing_key: "elsewhere".into(),
+                mandatory: false,
+                immediate: false,
+            })),
+        )[..],
+    );
+    let props = crate::amqp::content::encode_properties(&BasicProperties::default());
+    // Bodies of 10 bytes a frame: three body frames.
+    put_content(&mut publish, 1, &props, &[7u8; 30], 18);
+    let mut sent = frames(&publish);
+    let last = sent.pop().expect("the last body frame");
+    for frame in sent {
+        h.session.client_read(Some(Ok(frame)), h.now);
+    }
+    assert_eq!(
+        h.upstream_got_frames().len(),
+        4,
+        "publish, header, two bodies"
+    );
+    h.at(due);
+    assert!(
+        h.client_got().is_empty(),
+        "no close in the middle of the content"
+    );
+    assert!(h.upstream_got().is_empty());
+    h.session.client_read(Some(Ok(last)), h.now);
+    let forwarded = h.upstream_got_frames();
+    assert_eq!(forwarded.len(), 1, "{forwarded:?}");
+    assert_eq!(forwarded[0].kind, crate::amqp::codec::FRAME_BODY);
+    h.at(h.now);
+    assert!(matches!(
+        &h.client_got()[..],
+        [(1, AMQPClass::Channel(channel::AMQPMethod::Close(_)))]
+    ));
+    assert!(matches!(
+        &h.upstream_got()[..],
+        [(1, AMQPClass::Channel(channel::AMQPMethod::Close(_)))]
+    ));
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+    ));
+    h.upstream_sends(method_frame(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+    ));
+    assert!(h.client_got().is_empty(), "no connection.close");
+    assert!(h.upstream_got().is_empty());
+    assert_eq!(h.session.channels.len(), 0);
+}
+
 #[tokio::test]
 async fn closes_crossing_a_consumer_timeout_close_are_answered_once() {
     let (mut h, _) = consuming(&[("x-consumer-timeout", AMQPValue::LongInt(1000))]).await;
