@@ -13,7 +13,8 @@ use std::time::Duration;
 use common::dl::{
     AMQPValue, BasicAckOptions, BasicGetOptions, BasicProperties, BasicPublishOptions,
     BasicRejectOptions, Channel, Confirmation, ExchangeDeclareOptions, ExchangeKind, FieldTable,
-    QueueBindOptions, ShortString, amqp_code, confirm_select, declare_durable, int, ls, table,
+    QueueBindOptions, QueueDeclareOptions, ShortString, amqp_code, confirm_select, declare_durable,
+    int, ls, table,
 };
 use common::{ServiceProcess, TempDir, free_addresses, process_config, write_atomically};
 use lapin::{Connection, ConnectionProperties};
@@ -693,4 +694,34 @@ async fn a_message_returned_past_its_delivery_limit_by_crashes_is_dead_lettered_
         common::dl::x_death(&d)[0].qrc(),
         ("limited", "delivery_limit", 1)
     );
+}
+
+/// A durable queue the server named (`amq.gen-…`) is restored with its messages: the
+/// reserved `amq.` prefix is refused to clients, not to the broker's own definitions. (The
+/// restore was refused with 403, so its confirmed messages stayed on disk, out of reach.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_server_named_queue_is_restored_with_its_messages() {
+    let mut node = Node::start("storage-server-named").await;
+    let (conn, ch) = node.channel().await;
+    confirm_select(&ch).await;
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let queue = ch
+        .queue_declare("".into(), durable, FieldTable::default())
+        .await
+        .expect("a server-named durable queue");
+    let name = queue.name().to_string();
+    assert!(name.starts_with("amq.gen-"), "{name}");
+    publish_numbered(&ch, &name, "m-", 3).await;
+    drop(conn);
+    node.kill().await;
+    node.up().await;
+    let (_conn, ch) = node.channel().await;
+    assert_eq!(count(&ch, &name).await, 3, "{}", node.logs());
+    let got = drain(&ch, &name).await;
+    let bodies: Vec<String> = got.into_iter().map(|(body, _, _)| body).collect();
+    assert_eq!(bodies, ["m-0", "m-1", "m-2"]);
+    node.stop().await;
 }

@@ -336,7 +336,7 @@ impl Broker {
         } else {
             req.name.to_string()
         };
-        if name.starts_with("amq.") && !req.name.is_empty() {
+        if name.starts_with("amq.") && !req.name.is_empty() && !req.restored {
             return Err(AmqpError::access_refused(format!(
                 "queue name '{name}' contains reserved prefix 'amq.*'"
             )));
