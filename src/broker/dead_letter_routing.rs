@@ -159,7 +159,7 @@ impl Broker {
                 self.drop_message(st, vhost, source, "cycle", now, t);
                 continue;
             }
-            match self.enqueue(st, vhost, t, new_message.clone(), now, work) {
+            match self.enqueue(st, vhost, t, new_message.clone(), now, true, work) {
                 Some(PublishOutcome::Accepted) => {
                     delivered = true;
                     touched.push(t.clone());

@@ -68,7 +68,7 @@ impl Broker {
         st.persist_targets.clear();
         for q in &targets {
             if self
-                .enqueue(&mut st, vhost, q, message.clone(), now, &mut deaths)
+                .enqueue(&mut st, vhost, q, message.clone(), now, false, &mut deaths)
                 .is_some_and(PublishOutcome::is_rejected)
             {
                 result.rejected = true;
@@ -88,7 +88,10 @@ impl Broker {
 
     /// Puts a message into one queue: straight to a waiting consumer when the queue is empty,
     /// else at the tail under the queue's limits. A message kept on disk gets its id here and
-    /// the queue is added to `st.persist_targets` (the caller writes the record).
+    /// the queue is added to `st.persist_targets` (the caller writes the record). `moved`: the
+    /// message is moved from a stored source (a dead letter, a retry coming back, a redrive),
+    /// so a copy a reject-publish-dlx queue refuses is stored there too (see below).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn enqueue(
         &self,
         st: &mut State,
@@ -96,6 +99,7 @@ impl Broker {
         queue: &str,
         message: Arc<Message>,
         now: u64,
+        moved: bool,
         deaths: &mut Vec<(String, Vec<Death>)>,
     ) -> Option<PublishOutcome> {
         let State {
@@ -154,7 +158,13 @@ impl Broker {
         let mut died = Vec::new();
         let kept = target(false);
         let outcome = q.state.publish(entry, now, &mut died);
-        if store_id.is_some() && outcome == PublishOutcome::Accepted {
+        // A message moved from a stored source (`moved`) that a reject-publish-dlx target
+        // refuses is stored in that target too: the record that takes it out of its source
+        // then puts it somewhere, and the refused copy's own death (queued in `deaths`) moves
+        // it on in a record of its own. Without it a crash between the two records lost it.
+        // A client's publish is nacked instead, so its refused copy is not stored.
+        let refused_move = moved && outcome == PublishOutcome::RejectedDeadLettered;
+        if store_id.is_some() && (outcome == PublishOutcome::Accepted || refused_move) {
             persist_targets.push(kept);
         }
         if !died.is_empty() {

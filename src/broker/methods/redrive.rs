@@ -155,7 +155,15 @@ impl Broker {
                     message.dead_lettered,
                 ));
                 st.persist_targets.clear();
-                self.enqueue(&mut st, vhost, &target, redriven.clone(), now, &mut deaths);
+                self.enqueue(
+                    &mut st,
+                    vhost,
+                    &target,
+                    redriven.clone(),
+                    now,
+                    true,
+                    &mut deaths,
+                );
                 let remove = store_id.map(|id| (dlq_id, id));
                 self.store_published(&mut st, redriven, remove, now, false);
                 moved_seqs.push(seq);

@@ -107,7 +107,8 @@ impl Broker {
         let mut deaths = Vec::new();
         for held in due {
             st.persist_targets.clear();
-            let outcome = self.enqueue(st, vhost, queue, held.message.clone(), now, &mut deaths);
+            let message = held.message.clone();
+            let outcome = self.enqueue(st, vhost, queue, message, now, true, &mut deaths);
             if outcome == Some(PublishOutcome::Rejected) {
                 self.drop_message(st, vhost, queue, "target_full", now, queue);
             }

@@ -474,6 +474,77 @@ fn a_reject_publish_queue_keeps_every_confirmed_message_across_a_restart() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A dead letter that a full `reject-publish-dlx` target refuses and dead-letters onward is
+/// moved in two records (out of its queue into the target, then out of the target into the
+/// next one); the first must put it somewhere. Here the second record is torn, as a crash
+/// between the two leaves it: the message is found in the full target, not lost. (The first
+/// record only removed it from its queue.)
+#[test]
+fn a_dead_letter_refused_by_a_reject_publish_dlx_target_survives_a_crash_between_its_moves() {
+    let dir = scratch("refusedmove");
+    let text = |v: &str| AMQPValue::LongString(v.into());
+    {
+        let b = open(&dir);
+        let conn = connect(&b);
+        declare(&b, conn, "q3", true, &FieldTable::default());
+        let mut full = FieldTable::default();
+        full.insert("x-max-length".into(), AMQPValue::LongLongInt(1));
+        full.insert("x-overflow".into(), text("reject-publish-dlx"));
+        full.insert("x-dead-letter-exchange".into(), text(""));
+        full.insert("x-dead-letter-routing-key".into(), text("q3"));
+        declare(&b, conn, "q2", true, &full);
+        let mut source = FieldTable::default();
+        source.insert("x-dead-letter-exchange".into(), text(""));
+        source.insert("x-dead-letter-routing-key".into(), text("q2"));
+        declare(&b, conn, "q1", true, &source);
+        for (queue, body) in [("q2", "old"), ("q1", "a")] {
+            let (r, durable) = b
+                .publish_durable("/", "", message(queue, body, 2), None)
+                .unwrap();
+            assert!(r.routed);
+            assert_eq!(durable.expect("stored").blocking_recv(), Ok(true));
+        }
+        b.get(conn, 1, "/", "q1", false).unwrap();
+        b.reject(conn, 1, 1, false, false).unwrap();
+        assert_eq!(bodies(&b, "q3").map(|v| v.len()), Some(1), "moved on to q3");
+        b.storage().unwrap().close();
+    }
+    // The onward move (the log's last record) torn off.
+    let last = crate::storage::segment::list(&dir)
+        .unwrap()
+        .pop()
+        .expect("a segment");
+    let path = crate::storage::segment::segment_path(&dir, last);
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len - 1)
+        .unwrap();
+    let b = open(&dir);
+    let names = |queue: &str| -> Vec<String> {
+        bodies(&b, queue)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(body, _)| body)
+            .collect()
+    };
+    assert_eq!(names("q1"), Vec::<String>::new());
+    assert_eq!(
+        names("q3"),
+        Vec::<String>::new(),
+        "the onward record is torn"
+    );
+    assert_eq!(
+        names("q2"),
+        ["old", "a"],
+        "the refused copy in the full target"
+    );
+    b.storage().unwrap().close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_redrive_pass_moves_past_a_message_it_cannot_read_back() {
     use crate::broker::methods::{BatchLimits, RedriveCursor};
