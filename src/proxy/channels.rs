@@ -272,6 +272,8 @@ pub struct ClientChannel {
     pub crossing_close_answered: bool,
     /// tx.select was used: injected acks would join the client's transaction.
     pub transactional: bool,
+    /// Consumers the proxy named (nowait consumes without a tag), for the next name.
+    named_consumers: u64,
 }
 
 impl ClientChannel {
@@ -296,7 +298,18 @@ impl ClientChannel {
             closed_for_client: None,
             crossing_close_answered: false,
             transactional: false,
+            named_consumers: 0,
         }
+    }
+
+    /// A consumer tag for a `nowait` basic.consume that has none. The upstream would make one
+    /// up and, with no consume-ok, tell nobody: the deliveries would carry a tag the proxy
+    /// does not know (kept untracked: no dead-lettering by the proxy, no consumer timeout,
+    /// requeues not counted). The proxy names the consumer instead, as RabbitMQ names its own
+    /// (`amq.ctag-...`); the client, which learns no tag either way, sees it on deliveries.
+    pub fn name_consumer(&mut self) -> String {
+        self.named_consumers += 1;
+        format!("amq.ctag-dlx-proxy-{}-{}", self.id, self.named_consumers)
     }
 
     /// The queue a consume or get names ("" = the last declared one).

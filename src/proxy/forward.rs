@@ -496,10 +496,18 @@ impl ClientSession {
                 let Some(method) = self.decode_client_method(&frame) else {
                     return;
                 };
+                let mut renamed = None;
                 match method {
-                    AMQPClass::Basic(basic::AMQPMethod::Consume(consume)) => {
+                    AMQPClass::Basic(basic::AMQPMethod::Consume(mut consume)) => {
                         let max = self.shared.max_consumers_per_channel;
                         if let Some(ch) = self.channels.get_mut(&channel) {
+                            if consume.nowait && consume.consumer_tag.as_str().is_empty() {
+                                consume.consumer_tag = ch.name_consumer().into();
+                                renamed = Some(method_frame(
+                                    channel,
+                                    AMQPClass::Basic(basic::AMQPMethod::Consume(consume.clone())),
+                                ));
+                            }
                             let tag = consume.consumer_tag.as_str();
                             // As RabbitMQ: a tag in use is the upstream's to refuse; a new
                             // consumer past the limit closes the connection.
@@ -534,7 +542,7 @@ impl ClientSession {
                         return;
                     }
                 }
-                self.send_upstream(frame.raw);
+                self.send_upstream(renamed.unwrap_or(frame.raw));
             }
             BASIC_GET => {
                 match decode_method(frame.payload()) {

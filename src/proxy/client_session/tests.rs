@@ -852,6 +852,83 @@ async fn a_consumer_timeout_waits_for_the_end_of_a_publish_on_its_channel() {
     assert_eq!(h.session.channels.len(), 0);
 }
 
+/// A `nowait` basic.consume without a consumer tag gets one from the proxy: the upstream
+/// would make one up that no consume-ok reports, and the deliveries under it were not
+/// tracked (here: no consumer timeout). The proxy's tag goes upstream, the deliveries carry
+/// it to the client, and they are kept like any other.
+#[tokio::test]
+async fn a_nowait_consume_without_a_tag_is_named_and_its_deliveries_tracked() {
+    let mut h = Harness::new();
+    h.open(0);
+    let mut args = FieldTable::default();
+    args.insert("x-consumer-timeout".into(), AMQPValue::LongInt(1000));
+    h.session.shared.queues.record(
+        "/",
+        "q",
+        VerifiedQueue::Proxied(parse_queue_arguments(&args).unwrap()),
+    );
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    ));
+    h.upstream_sends(method_frame(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+    ));
+    h.client_sends(method_frame(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+            queue: "q".into(),
+            consumer_tag: "".into(),
+            no_local: false,
+            no_ack: false,
+            exclusive: false,
+            nowait: true,
+            arguments: FieldTable::default(),
+        })),
+    ));
+    let tag = match &h.upstream_got()[..] {
+        [
+            (1, AMQPClass::Channel(channel::AMQPMethod::Open(_))),
+            (1, AMQPClass::Basic(basic::AMQPMethod::Consume(c))),
+        ] => c.consumer_tag.to_string(),
+        other => panic!("{other:?}"),
+    };
+    assert!(tag.starts_with("amq.ctag-"), "{tag}");
+    let mut deliver = BytesMut::from(
+        &method_frame(
+            1,
+            AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+                consumer_tag: tag.as_str().into(),
+                delivery_tag: 7,
+                redelivered: false,
+                exchange: "".into(),
+                routing_key: "q".into(),
+            })),
+        )[..],
+    );
+    let props = crate::amqp::content::encode_properties(&BasicProperties::default());
+    put_content(&mut deliver, 1, &props, b"m", 131_072);
+    h.upstream_sends(deliver.freeze());
+    assert!(matches!(
+        &h.client_got()[..],
+        [
+            (1, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))),
+            (1, AMQPClass::Basic(basic::AMQPMethod::Deliver(d)))
+        ] if d.consumer_tag.as_str() == tag
+    ));
+    let due = h
+        .session
+        .next_deadline()
+        .expect("the delivery's consumer timeout");
+    h.at(due);
+    assert!(matches!(
+        &h.client_got()[..],
+        [(1, AMQPClass::Channel(channel::AMQPMethod::Close(c)))]
+            if c.reply_code == reply::PRECONDITION_FAILED
+    ));
+}
+
 #[tokio::test]
 async fn closes_crossing_a_consumer_timeout_close_are_answered_once() {
     let (mut h, _) = consuming(&[("x-consumer-timeout", AMQPValue::LongInt(1000))]).await;
