@@ -30,7 +30,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::codec::FramedRead;
 
-use crate::amqp::codec::{FRAME_METHOD, FRAME_MIN_SIZE, FrameCodec, decode_method, put_method};
+use crate::amqp::codec::{FRAME_METHOD, FrameCodec, INITIAL_FRAME_MAX, decode_method, put_method};
 use crate::amqp::reply::{self, AmqpError};
 use crate::metrics::{Metrics, REFUSED_MAX_CONNECTIONS};
 use crate::shutdown::Shutdown;
@@ -297,7 +297,8 @@ where
                 return Ok(());
             }
         }
-        let mut frames = FramedRead::new(reader, FrameCodec::new(FRAME_MIN_SIZE * 32));
+        // A client being refused is never tuned: its frames are the small ones of a handshake.
+        let mut frames = FramedRead::new(reader, FrameCodec::new(INITIAL_FRAME_MAX));
         let mut out = BytesMut::new();
         put_method(&mut out, 0, refusing_start());
         writer.write_all(&out).await?;

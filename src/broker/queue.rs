@@ -545,8 +545,7 @@ impl QueueState {
                 PageIn::Lost => {}
             }
         }
-        self.expire(now, deaths);
-        self.drop_head_over_limit(now, deaths);
+        self.shed_and_expire(now, deaths);
     }
 
     /// Takes the head for delivery, expiring dead heads first (its content read back when it
@@ -626,9 +625,18 @@ impl QueueState {
     /// drop-head sheds what is over the length limits first (`maxlen`), then heads that
     /// are due expire (`expired`). The order decides the reason a due head that is also
     /// over the limit dies with.
+    /// With kept dead letters at the front (`dead_letter.ttl_on_dead_letters = false`, which
+    /// RabbitMQ does not have), expiry goes first: it steps over them to what may expire
+    /// behind them, where drop-head would shed a kept dead letter for a message about to
+    /// expire anyway.
     fn shed_and_expire(&mut self, now: u64, deaths: &mut Vec<Death>) {
-        self.drop_head_over_limit(now, deaths);
-        self.expire(now, deaths);
+        if self.exempt_prefix > 0 {
+            self.expire(now, deaths);
+            self.drop_head_over_limit(now, deaths);
+        } else {
+            self.drop_head_over_limit(now, deaths);
+            self.expire(now, deaths);
+        }
     }
 
     /// Removes every ready message without dead-lettering (queue.purge, queue.delete).

@@ -308,8 +308,14 @@ impl ClientChannel {
     /// requeues not counted). The proxy names the consumer instead, as RabbitMQ names its own
     /// (`amq.ctag-...`); the client, which learns no tag either way, sees it on deliveries.
     pub fn name_consumer(&mut self) -> String {
-        self.named_consumers += 1;
-        format!("amq.ctag-dlx-proxy-{}-{}", self.id, self.named_consumers)
+        loop {
+            self.named_consumers += 1;
+            let name = format!("amq.ctag-dlx-proxy-{}-{}", self.id, self.named_consumers);
+            // A client may have chosen that name itself.
+            if !self.consumers.contains_key(&name) {
+                return name;
+            }
+        }
     }
 
     /// The queue a consume or get names ("" = the last declared one).
@@ -558,6 +564,17 @@ impl ClientChannel {
 mod tests {
     use super::*;
     use crate::proxy::inflight::KEPT_OVERHEAD;
+
+    #[test]
+    fn a_name_the_proxy_gives_a_consumer_is_not_one_the_client_uses() {
+        let mut ch = ClientChannel::new(3);
+        ch.add_consumer(
+            "amq.ctag-dlx-proxy-3-1".into(),
+            Source::new("q".into(), false),
+        );
+        assert_eq!(ch.name_consumer(), "amq.ctag-dlx-proxy-3-2");
+        assert_eq!(ch.name_consumer(), "amq.ctag-dlx-proxy-3-3");
+    }
 
     #[test]
     fn consumers_are_found_by_tag_with_one_or_several() {

@@ -23,7 +23,13 @@ use super::client_session::ClientSession;
 use super::forward::channel_close_ok;
 use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::FRAME_METHOD;
+use crate::amqp::reply;
 use crate::broker::ack_timeout::timeout_error;
+
+/// How long a consumer timeout that fell due while the client was sending a message's
+/// content on the channel waits for that content to end; then the whole connection closes
+/// (a channel.close cannot be sent upstream in the middle of a content).
+pub(super) const MID_CONTENT_GRACE: Duration = Duration::from_secs(30);
 
 const CHANNEL_OPEN: (u16, u16) = (20, 10);
 const CHANNEL_CLOSE: (u16, u16) = (20, 40);
@@ -42,10 +48,18 @@ impl ClientSession {
         if !self.timed_deliveries {
             return None;
         }
+        let grace = MID_CONTENT_GRACE.as_millis() as u64;
         self.channels
             .values()
-            .filter(|ch| ch.phase == ChannelPhase::Open && ch.upstream_idle())
-            .filter_map(|ch| ch.deliveries.next_deadline())
+            .filter(|ch| ch.phase == ChannelPhase::Open)
+            .filter_map(|ch| {
+                let due = ch.deliveries.next_deadline()?;
+                Some(if ch.upstream_idle() {
+                    due
+                } else {
+                    due.saturating_add(grace)
+                })
+            })
             .min()
             .map(|at| self.ack_epoch + Duration::from_millis(at))
     }
@@ -54,21 +68,46 @@ impl ClientSession {
     /// channel on which the client is sending a message's content waits until the content
     /// has ended: the channel's close cannot be sent upstream in the middle of it, and the
     /// client's remaining body frames would otherwise be dropped, leaving the close unsent
-    /// and the client's next method taken for a protocol error (505).
+    /// and the client's next method taken for a protocol error (505). A content that has
+    /// not ended [`MID_CONTENT_GRACE`] after the timeout closes the whole connection, so a
+    /// client cannot hold its deliveries past their timeout by never finishing a publish.
     pub(super) fn consumer_timeouts_due(&mut self, now: Instant) {
         if !self.timed_deliveries {
             return;
         }
         let at = now.saturating_duration_since(self.ack_epoch).as_millis() as u64;
+        let grace = MID_CONTENT_GRACE.as_millis() as u64;
+        let mut stalled = None;
         let due: Vec<(u16, u64, u64)> = self
             .channels
             .iter()
-            .filter(|(_, ch)| ch.phase == ChannelPhase::Open && ch.upstream_idle())
+            .filter(|(_, ch)| ch.phase == ChannelPhase::Open)
             .filter_map(|(n, ch)| {
-                let (tag, timeout) = ch.deliveries.overdue(at)?;
-                Some((n, tag, timeout))
+                if ch.upstream_idle() {
+                    let (tag, timeout) = ch.deliveries.overdue(at)?;
+                    return Some((n, tag, timeout));
+                }
+                if let Some((_, timeout)) = ch.deliveries.overdue(at.saturating_sub(grace)) {
+                    stalled = Some((n, timeout));
+                }
+                None
             })
             .collect();
+        if let Some((channel, timeout)) = stalled {
+            let err = timeout_error(channel, timeout);
+            tracing::info!(peer = %self.peer, channel, timeout, "consumer timeout during an unfinished publish: closing the connection");
+            self.close_client(
+                reply::CONNECTION_FORCED,
+                &format!(
+                    "CONNECTION_FORCED - {} (a publish on the channel was still unfinished)",
+                    err.short_text()
+                        .trim_start_matches("PRECONDITION_FAILED - ")
+                ),
+                0,
+                0,
+            );
+            return;
+        }
         for (channel, tag, timeout) in due {
             self.consumer_timed_out(channel, tag, timeout);
         }

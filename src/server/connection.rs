@@ -103,12 +103,14 @@ where
     ));
     let conn_id = Arc::new(AtomicU64::new(0));
     let heartbeat_secs = Arc::new(AtomicU64::new(0));
+    let written = Arc::new(AtomicU64::new(0));
     let writer_task = tokio::spawn(write_loop(
         writer,
         write_queue.clone(),
         ctx.clone(),
         conn_id.clone(),
         heartbeat_secs.clone(),
+        written.clone(),
     ));
 
     let initial_frame_max = limits.frame_max.min(INITIAL_FRAME_MAX);
@@ -118,7 +120,7 @@ where
         Ok(Some(s)) => s,
         Ok(None) | Err(_) => {
             write_queue.close();
-            finish_writer(writer_task).await;
+            finish_writer(writer_task, &written).await;
             return;
         }
     };
@@ -133,25 +135,56 @@ where
     ctx.broker.close_connection(conn.conn_id);
     tracing::debug!(%peer, conn = conn.conn_id, "connection closed");
     write_queue.close();
-    finish_writer(writer_task).await;
+    finish_writer(writer_task, &written).await;
 }
 
-/// How long a closed connection's writer may take to flush what is left.
+/// How long a closed connection's writer may go without writing a byte while it flushes
+/// what is left.
 const WRITER_GRACE: Duration = Duration::from_secs(5);
+/// How long a closed connection's writer may flush in all, however slowly the peer reads.
+const WRITER_MAX_FLUSH: Duration = Duration::from_secs(120);
 
-/// Lets the writer flush what is left for up to [`WRITER_GRACE`], then stops it. A peer that
-/// reads nothing (its receive window closed) would otherwise keep the writer in its write for
-/// as long as the peer's kernel keeps the connection: the socket, the batch it was writing
-/// (up to a whole message) and the connection's write queue with its counted bytes.
-async fn finish_writer(writer_task: tokio::task::JoinHandle<()>) {
+/// Lets the writer flush what is left while the peer reads (`written`, the bytes it wrote,
+/// moves at least every [`WRITER_GRACE`], for at most [`WRITER_MAX_FLUSH`]), then stops it. A
+/// peer that reads nothing (its receive window closed) would otherwise keep the writer in its
+/// write for as long as the peer's kernel keeps the connection: the socket, the batch it was
+/// writing (up to a whole message) and the connection's write queue with its counted bytes.
+async fn finish_writer(writer_task: tokio::task::JoinHandle<()>, written: &AtomicU64) {
     let abort = writer_task.abort_handle();
-    if tokio::time::timeout(WRITER_GRACE, writer_task)
-        .await
-        .is_err()
-    {
-        abort.abort();
-        tracing::debug!("writer stopped: the peer read nothing for the grace period");
+    let until = tokio::time::Instant::now() + WRITER_MAX_FLUSH;
+    let mut task = writer_task;
+    let mut seen = written.load(Ordering::Relaxed);
+    loop {
+        if tokio::time::timeout(WRITER_GRACE, &mut task).await.is_ok() {
+            return;
+        }
+        let now_written = written.load(Ordering::Relaxed);
+        if now_written == seen || tokio::time::Instant::now() >= until {
+            abort.abort();
+            tracing::debug!("writer stopped: the peer stopped reading");
+            return;
+        }
+        seen = now_written;
     }
+}
+
+/// `write_all` that counts every byte the socket takes in `written` as it goes (what
+/// [`finish_writer`] watches for progress).
+async fn write_counted<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    bytes: &[u8],
+    written: &AtomicU64,
+) -> std::io::Result<()> {
+    let mut at = 0;
+    while at < bytes.len() {
+        let n = writer.write(&bytes[at..]).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        at += n;
+        written.fetch_add(n as u64, Ordering::Relaxed);
+    }
+    Ok(())
 }
 
 /// Reads the next frame, failing on a silent peer.
@@ -568,6 +601,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     ctx: Arc<ServerContext>,
     conn_id: Arc<AtomicU64>,
     heartbeat_secs: Arc<AtomicU64>,
+    written: Arc<AtomicU64>,
 ) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut idle_secs = 0u64;
@@ -591,14 +625,14 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         if batch.is_empty() {
             // Closed: flush whatever is left and stop.
             let rest = write_queue.try_batch();
-            let _ = writer.write_all(&rest).await;
+            let _ = write_counted(&mut writer, &rest, &written).await;
             let _ = writer.flush().await;
             let _ = writer.shutdown().await;
             return;
         }
         idle_secs = 0;
         let n = batch.len();
-        if writer.write_all(&batch).await.is_err() {
+        if write_counted(&mut writer, &batch, &written).await.is_err() {
             write_queue.close();
             return;
         }

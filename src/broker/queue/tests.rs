@@ -432,6 +432,26 @@ fn kept_dead_letters_still_obey_length_limits() {
     assert_eq!(bodies(&q), vec!["dl2"]);
 }
 
+/// With kept dead letters at the front, a publish over the limit first expires what is due
+/// behind them, then sheds: the kept dead letter stays (drop-head first would shed it and
+/// then expire the due message as well, one message below the limit).
+#[test]
+fn a_kept_dead_letter_at_the_front_is_not_shed_for_a_message_due_behind_it() {
+    let mut q = QueueState::new(QueueLimits {
+        message_ttl: Some(100),
+        max_length: Some(2),
+        keep_dead_letters: true,
+        ..Default::default()
+    });
+    let mut d = Vec::new();
+    publish_message(&mut q, dead_letter("dl"), 0, &mut d);
+    publish_message(&mut q, msg("due", None), 0, &mut d);
+    // The timer has not run yet when the next publish comes, after "due" expired.
+    publish_message(&mut q, msg("new", None), 150, &mut d);
+    assert_eq!(bodies(&q), vec!["dl", "new"]);
+    assert_eq!(dead(&d), vec![("due".into(), DeadLetterReason::Expired)]);
+}
+
 #[test]
 fn dead_letters_expire_like_the_rest_by_default() {
     let mut q = QueueState::new(QueueLimits {

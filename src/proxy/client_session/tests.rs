@@ -852,6 +852,50 @@ async fn a_consumer_timeout_waits_for_the_end_of_a_publish_on_its_channel() {
     assert_eq!(h.session.channels.len(), 0);
 }
 
+/// A client that never finishes the publish it began cannot hold its deliveries past their
+/// consumer timeout: [`MID_CONTENT_GRACE`](crate::proxy::consumer_timeout::MID_CONTENT_GRACE)
+/// after the timeout the whole connection closes (320), which the upstream answers by
+/// requeueing them.
+#[tokio::test]
+async fn a_publish_left_unfinished_past_a_consumer_timeout_closes_the_connection() {
+    let (mut h, _) = consuming(&[("x-consumer-timeout", AMQPValue::LongInt(1000))]).await;
+    let due = h.session.next_deadline().expect("the delivery's deadline");
+    let mut publish = BytesMut::from(
+        &method_frame(
+            1,
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: "".into(),
+                routing_key: "elsewhere".into(),
+                mandatory: false,
+                immediate: false,
+            })),
+        )[..],
+    );
+    let props = crate::amqp::content::encode_properties(&BasicProperties::default());
+    put_content(&mut publish, 1, &props, &[7u8; 30], 18);
+    let mut sent = frames(&publish);
+    sent.pop();
+    for frame in sent {
+        h.session.client_read(Some(Ok(frame)), h.now);
+    }
+    h.upstream_got();
+    h.at(due);
+    assert!(h.client_got().is_empty());
+    let grace = crate::proxy::consumer_timeout::MID_CONTENT_GRACE;
+    let last_chance = h.session.next_deadline().expect("the grace's end");
+    assert_eq!(last_chance, due + grace);
+    h.at(due + grace - Duration::from_millis(1));
+    assert!(h.client_got().is_empty());
+    h.at(due + grace);
+    let sent = h.client_got();
+    let (code, text) = connection_close(&sent);
+    assert_eq!(code, reply::CONNECTION_FORCED);
+    assert!(
+        text.contains("delivery acknowledgement on channel 1 timed out"),
+        "{text}"
+    );
+}
+
 /// A `nowait` basic.consume without a consumer tag gets one from the proxy: the upstream
 /// would make one up that no consume-ok reports, and the deliveries under it were not
 /// tracked (here: no consumer timeout). The proxy's tag goes upstream, the deliveries carry
