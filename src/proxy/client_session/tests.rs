@@ -787,15 +787,9 @@ async fn a_delivery_held_past_its_consumer_timeout_closes_the_channel_on_both_si
     );
 }
 
-/// A consumer timeout that falls due while the client is sending a message's content on the
-/// same channel waits for the content's end: the client's last body frame still reaches the
-/// upstream, then both sides get the close, and the client's close-ok ends the channel. (The
-/// close went to the client mid-content, its remaining body frames were dropped, the upstream
-/// close stayed unsent behind them, and the client's close-ok was taken for a 505.)
-#[tokio::test]
-async fn a_consumer_timeout_waits_for_the_end_of_a_publish_on_its_channel() {
-    let (mut h, _) = consuming(&[("x-consumer-timeout", AMQPValue::LongInt(1000))]).await;
-    let due = h.session.next_deadline().expect("the delivery's deadline");
+/// A client's publish on channel 1 of a 30-byte body in body frames of 10 bytes: the method,
+/// the header and three bodies.
+fn publish_in_small_frames() -> Vec<WireFrame> {
     let mut publish = BytesMut::from(
         &method_frame(
             1,
@@ -808,9 +802,20 @@ async fn a_consumer_timeout_waits_for_the_end_of_a_publish_on_its_channel() {
         )[..],
     );
     let props = crate::amqp::content::encode_properties(&BasicProperties::default());
-    // Bodies of 10 bytes a frame: three body frames.
     put_content(&mut publish, 1, &props, &[7u8; 30], 18);
-    let mut sent = frames(&publish);
+    frames(&publish)
+}
+
+/// A consumer timeout that falls due while the client is sending a message's content on the
+/// same channel waits for the content's end: the client's last body frame still reaches the
+/// upstream, then both sides get the close, and the client's close-ok ends the channel. (The
+/// close went to the client mid-content, its remaining body frames were dropped, the upstream
+/// close stayed unsent behind them, and the client's close-ok was taken for a 505.)
+#[tokio::test]
+async fn a_consumer_timeout_waits_for_the_end_of_a_publish_on_its_channel() {
+    let (mut h, _) = consuming(&[("x-consumer-timeout", AMQPValue::LongInt(1000))]).await;
+    let due = h.session.next_deadline().expect("the delivery's deadline");
+    let mut sent = publish_in_small_frames();
     let last = sent.pop().expect("the last body frame");
     for frame in sent {
         h.session.client_read(Some(Ok(frame)), h.now);
@@ -860,20 +865,7 @@ async fn a_consumer_timeout_waits_for_the_end_of_a_publish_on_its_channel() {
 async fn a_publish_left_unfinished_past_a_consumer_timeout_closes_the_connection() {
     let (mut h, _) = consuming(&[("x-consumer-timeout", AMQPValue::LongInt(1000))]).await;
     let due = h.session.next_deadline().expect("the delivery's deadline");
-    let mut publish = BytesMut::from(
-        &method_frame(
-            1,
-            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
-                exchange: "".into(),
-                routing_key: "elsewhere".into(),
-                mandatory: false,
-                immediate: false,
-            })),
-        )[..],
-    );
-    let props = crate::amqp::content::encode_properties(&BasicProperties::default());
-    put_content(&mut publish, 1, &props, &[7u8; 30], 18);
-    let mut sent = frames(&publish);
+    let mut sent = publish_in_small_frames();
     sent.pop();
     for frame in sent {
         h.session.client_read(Some(Ok(frame)), h.now);
