@@ -630,7 +630,7 @@ impl QueueState {
     /// behind them, where drop-head would shed a kept dead letter for a message about to
     /// expire anyway.
     fn shed_and_expire(&mut self, now: u64, deaths: &mut Vec<Death>) {
-        if self.exempt_prefix > 0 {
+        if self.first_expirable() > 0 {
             self.expire(now, deaths);
             self.drop_head_over_limit(now, deaths);
         } else {

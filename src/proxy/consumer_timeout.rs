@@ -19,7 +19,7 @@ use amq_protocol::protocol::{AMQPClass, channel};
 use amq_protocol::types::ShortString;
 
 use super::channels::ChannelPhase;
-use super::client_session::ClientSession;
+use super::client_session::{ClientSession, Side};
 use super::forward::channel_close_ok;
 use super::wire::{WireFrame, method_frame};
 use crate::amqp::codec::FRAME_METHOD;
@@ -49,16 +49,18 @@ impl ClientSession {
             return None;
         }
         let grace = MID_CONTENT_GRACE.as_millis() as u64;
+        // Once the connection is closing, an unfinished publish no longer counts down.
+        let open = self.client_side == Side::Open;
         self.channels
             .values()
             .filter(|ch| ch.phase == ChannelPhase::Open)
             .filter_map(|ch| {
                 let due = ch.deliveries.next_deadline()?;
-                Some(if ch.upstream_idle() {
-                    due
+                if ch.upstream_idle() {
+                    Some(due)
                 } else {
-                    due.saturating_add(grace)
-                })
+                    open.then(|| due.saturating_add(grace))
+                }
             })
             .min()
             .map(|at| self.ack_epoch + Duration::from_millis(at))
@@ -77,6 +79,7 @@ impl ClientSession {
         }
         let at = now.saturating_duration_since(self.ack_epoch).as_millis() as u64;
         let grace = MID_CONTENT_GRACE.as_millis() as u64;
+        let open = self.client_side == Side::Open;
         let mut stalled = None;
         let due: Vec<(u16, u64, u64)> = self
             .channels
@@ -87,13 +90,22 @@ impl ClientSession {
                     let (tag, timeout) = ch.deliveries.overdue(at)?;
                     return Some((n, tag, timeout));
                 }
-                if let Some((_, timeout)) = ch.deliveries.overdue(at.saturating_sub(grace)) {
-                    stalled = Some((n, timeout));
+                if open
+                    && let Some((tag, timeout)) = ch.deliveries.overdue(at.saturating_sub(grace))
+                {
+                    stalled = Some((n, tag, timeout));
                 }
                 None
             })
             .collect();
-        if let Some((channel, timeout)) = stalled {
+        if let Some((channel, tag, timeout)) = stalled {
+            let queue = self
+                .channels
+                .get(&channel)
+                .and_then(|ch| ch.deliveries.get(tag));
+            if let Some(queue) = queue.and_then(|d| d.queue.clone()) {
+                self.shared.metrics.consumer_timed_out(&self.vhost, &queue);
+            }
             let err = timeout_error(channel, timeout);
             tracing::info!(peer = %self.peer, channel, timeout, "consumer timeout during an unfinished publish: closing the connection");
             self.close_client(
@@ -109,6 +121,24 @@ impl ClientSession {
             return;
         }
         for (channel, tag, timeout) in due {
+            self.consumer_timed_out(channel, tag, timeout);
+        }
+    }
+
+    /// The client's content on `channel` just ended: a consumer timeout that fell due
+    /// meanwhile fires now, before the client's next frame (a client publishing back to back
+    /// may never leave the channel idle at the end of a turn).
+    pub(super) fn consumer_timeout_after_content(&mut self, channel: u16) {
+        if !self.timed_deliveries {
+            return;
+        }
+        let at = self.ack_clock()();
+        let due = self
+            .channels
+            .get(&channel)
+            .filter(|ch| ch.phase == ChannelPhase::Open && ch.upstream_idle())
+            .and_then(|ch| ch.deliveries.overdue(at));
+        if let Some((tag, timeout)) = due {
             self.consumer_timed_out(channel, tag, timeout);
         }
     }

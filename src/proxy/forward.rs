@@ -380,6 +380,7 @@ impl ClientSession {
         }
         if finished {
             self.flush_deferred_upstream(channel);
+            self.consumer_timeout_after_content(channel);
         }
     }
 

@@ -831,17 +831,18 @@ async fn a_consumer_timeout_waits_for_the_end_of_a_publish_on_its_channel() {
         "no close in the middle of the content"
     );
     assert!(h.upstream_got().is_empty());
+    // The content's end fires the timeout at once (no turn of the loop in between): the last
+    // body frame goes upstream, then the close, on both sides.
     h.session.client_read(Some(Ok(last)), h.now);
     let forwarded = h.upstream_got_frames();
-    assert_eq!(forwarded.len(), 1, "{forwarded:?}");
+    assert_eq!(forwarded.len(), 2, "{forwarded:?}");
     assert_eq!(forwarded[0].kind, crate::amqp::codec::FRAME_BODY);
-    h.at(h.now);
     assert!(matches!(
-        &h.client_got()[..],
+        methods(&forwarded[1].raw)[..],
         [(1, AMQPClass::Channel(channel::AMQPMethod::Close(_)))]
     ));
     assert!(matches!(
-        &h.upstream_got()[..],
+        &h.client_got()[..],
         [(1, AMQPClass::Channel(channel::AMQPMethod::Close(_)))]
     ));
     h.client_sends(method_frame(
@@ -864,6 +865,9 @@ async fn a_consumer_timeout_waits_for_the_end_of_a_publish_on_its_channel() {
 #[tokio::test]
 async fn a_publish_left_unfinished_past_a_consumer_timeout_closes_the_connection() {
     let (mut h, _) = consuming(&[("x-consumer-timeout", AMQPValue::LongInt(1000))]).await;
+    // No publisher channel (an upstream channel_max with no room for it): the close then
+    // leaves the kept deliveries, and their deadlines, to the upstream's requeue.
+    h.session.publisher = None;
     let due = h.session.next_deadline().expect("the delivery's deadline");
     let mut sent = publish_in_small_frames();
     sent.pop();
@@ -885,6 +889,12 @@ async fn a_publish_left_unfinished_past_a_consumer_timeout_closes_the_connection
     assert!(
         text.contains("delivery acknowledgement on channel 1 timed out"),
         "{text}"
+    );
+    // Closing, the unfinished publish no longer arms the timer (it would fire at once on
+    // every turn while the client's close-ok is awaited).
+    assert!(
+        h.session.next_deadline().is_none_or(|next| next > h.now),
+        "a deadline in the past"
     );
 }
 
