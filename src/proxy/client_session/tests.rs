@@ -790,6 +790,12 @@ async fn a_delivery_held_past_its_consumer_timeout_closes_the_channel_on_both_si
 /// A client's publish on channel 1 of a 30-byte body in body frames of 10 bytes: the method,
 /// the header and three bodies.
 fn publish_in_small_frames() -> Vec<WireFrame> {
+    frames(&client_publish(&[7u8; 30], 18))
+}
+
+/// A client's basic.publish on channel 1 (to "elsewhere") of `body`, in frames of at most
+/// `frame_max` bytes.
+fn client_publish(body: &[u8], frame_max: usize) -> BytesMut {
     let mut publish = BytesMut::from(
         &method_frame(
             1,
@@ -802,8 +808,8 @@ fn publish_in_small_frames() -> Vec<WireFrame> {
         )[..],
     );
     let props = crate::amqp::content::encode_properties(&BasicProperties::default());
-    put_content(&mut publish, 1, &props, &[7u8; 30], 18);
-    frames(&publish)
+    put_content(&mut publish, 1, &props, body, frame_max);
+    publish
 }
 
 /// A consumer timeout that falls due while the client is sending a message's content on the
@@ -1739,20 +1745,7 @@ async fn consuming_with_service() -> (Harness, u16, ServiceEnd) {
 async fn rejected_with_service(published: bool) -> (Harness, u16, ServiceEnd) {
     let (mut h, publisher, service) = consuming_with_service().await;
     if published {
-        let mut publish = BytesMut::from(
-            &method_frame(
-                1,
-                AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
-                    exchange: "".into(),
-                    routing_key: "elsewhere".into(),
-                    mandatory: false,
-                    immediate: false,
-                })),
-            )[..],
-        );
-        let props = crate::amqp::content::encode_properties(&BasicProperties::default());
-        put_content(&mut publish, 1, &props, b"p", 131_072);
-        h.client_sends(publish.freeze());
+        h.client_sends(client_publish(b"p", 131_072).freeze());
         assert_eq!(h.upstream_got().len(), 1, "the publish is forwarded");
         h.session.report_counts();
     }
